@@ -1,0 +1,36 @@
+# The README's two commands are `make run` and `make test`; both set everything up from a fresh clone.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# CPU machines get the CPU wheel of torch (an unpinned torch pulls a multi-GB CUDA build).
+# GPU nodes: `make install TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'`.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install run test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q $(TORCH_SPEC)
+	$(BIN)/pip install -q -e '.[dev,scip]'
+	touch $(STAMP)
+
+# The main job. For now: the planner answering "which layout for my RL job on this cluster?".
+run: install
+	$(BIN)/nereus plan --model llama-3.1-8b --algo ppo --cluster h200-ib --gpus 64 --seq-len 4096 --explain
+
+test: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check nereus launch tests benchmarks
+	$(BIN)/ruff format --check nereus launch tests benchmarks
+	$(BIN)/mypy nereus launch
+
+bench: install
+	$(BIN)/python benchmarks/planner.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,1 @@
+"""Login-node launcher (`nereus-launch`); must not import torch."""

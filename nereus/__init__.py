@@ -1,0 +1,3 @@
+"""Nereus: adaptive parallelism for LLM RL post-training."""
+
+__version__ = "0.1.0"

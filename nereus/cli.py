@@ -1,0 +1,314 @@
+"""``nereus``: the command line (plan, describe, list). Bad input exits 2, no feasible plan exits 3."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from nereus import __version__
+from nereus.errors import ConfigError, NereusError
+from nereus.plan.calibration import CalibrationStore
+from nereus.plan.exhaustive import all_plans, exhaustive
+from nereus.plan.layout import is_power_of_two
+from nereus.plan.problem import DEFAULT_HEADROOM, PlanningProblem, SearchSpace, SeqStats
+from nereus.plan.report import gpu_ranges, plan_json, stage_reports
+from nereus.plan.search import SearchResult
+from nereus.plan.solvers import Solver, solve
+from nereus.spec import (
+    Algorithm,
+    ExecutionMode,
+    Role,
+    load_cluster,
+    load_model,
+    load_workload,
+    names,
+)
+from nereus.spec.cluster import GIB
+
+MAX_LISTED_PLANS = 100_000
+
+
+# ------------------------------------------------------------------ argument types
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _power_of_two(text: str) -> int:
+    value = _positive_int(text)
+    if not is_power_of_two(value):
+        raise argparse.ArgumentTypeError(f"must be a power of two, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nereus", description=__doc__)
+    p.add_argument("--version", action="version", version=f"nereus {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="best DP/TP/PP layout and GPUs for every model-stage")
+    plan.add_argument("--model", required=True, help="shipped name, our YAML, or HF config.json/dir")
+    plan.add_argument("--algo", required=True, help="ppo, grpo, remax, or a workload YAML")
+    plan.add_argument("--cluster", required=True, help="shipped name or a cluster YAML")
+    plan.add_argument("--gpus", required=True, type=_positive_int, help="GPUs in the pool")
+    plan.add_argument("--seq-len", required=True, type=_positive_int, help="mean response tokens")
+    plan.add_argument("--seq-len-p95", type=_positive_int, help="p95 response tokens (memory)")
+    plan.add_argument("--prompt-len", type=_positive_int, help="mean prompt tokens (workload's)")
+    plan.add_argument("--mode", choices=[m.value for m in ExecutionMode], help="sync or async")
+    plan.add_argument("--max-tp", type=_power_of_two, help="largest TP degree (default: node size)")
+    plan.add_argument("--headroom", type=_fraction, default=DEFAULT_HEADROOM, help="memory kept free")
+    plan.add_argument("--urgent", action="store_true", help="also try recomputation, smaller batches")
+    plan.add_argument("--calibration", type=Path, help="calibration JSON (efficiencies per op class)")
+    plan.add_argument("--solver", choices=[s.value for s in Solver], default=Solver.DP.value)
+    plan.add_argument("--exhaustive", action="store_true", help="also count every valid plan")
+    plan.add_argument("--all", action="store_true", help="with --exhaustive: list every valid plan")
+    plan.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    plan.add_argument("--explain", action="store_true", help="latency and memory breakdown")
+
+    desc = sub.add_parser("describe", help="derived facts of a model or a cluster")
+    desc.add_argument("kind", choices=["model", "cluster"])
+    desc.add_argument("name")
+    desc.add_argument("--seq-len", type=_positive_int, help="count attention FLOPs at this length")
+    desc.add_argument("--json", action="store_true")
+
+    lst = sub.add_parser("list", help="shipped models, clusters or algorithms")
+    lst.add_argument("kind", choices=["models", "clusters", "algos"])
+    return p
+
+
+# ------------------------------------------------------------------ plan
+def _problem(args: argparse.Namespace) -> PlanningProblem:
+    model = load_model(args.model)
+    cluster = load_cluster(args.cluster)
+    workload = load_workload(args.algo)
+    if args.mode:
+        workload = dataclasses.replace(workload, mode=ExecutionMode(args.mode))
+    if args.gpus > cluster.total_gpus:
+        raise ConfigError(f"--gpus {args.gpus} exceeds cluster {cluster.name} ({cluster.total_gpus} GPUs)")
+    p95 = args.seq_len_p95 or args.seq_len
+    if p95 < args.seq_len:
+        raise ConfigError(f"--seq-len-p95 {p95} must be at least --seq-len {args.seq_len}")
+    models = {
+        role: load_model(workload.models[role.value]) if role.value in workload.models else model
+        for role in Role
+    }
+    calibration = CalibrationStore.load(args.calibration, cluster.name) if args.calibration else None
+    space = SearchSpace.urgent() if args.urgent else SearchSpace()
+    if args.max_tp:
+        space = dataclasses.replace(space, max_tp=args.max_tp)
+    prompt = args.prompt_len or workload.prompt_len
+    kwargs: dict[str, Any] = {}
+    if calibration is not None:
+        kwargs["efficiencies"] = calibration.efficiencies()
+    try:
+        return PlanningProblem(
+            workload,
+            models,
+            cluster,
+            tuple(range(args.gpus)),
+            SeqStats(prompt, args.seq_len, p95),
+            space=space,
+            headroom=args.headroom,
+            **kwargs,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _plan(args: argparse.Namespace, out: Console) -> int:
+    if args.all and not args.exhaustive:
+        raise ConfigError("--all lists the plans of --exhaustive; add --exhaustive")
+    problem = _problem(args)
+    result = solve(problem, Solver(args.solver))
+    doc = plan_json(problem, result)
+    ex = exhaustive(problem) if args.exhaustive else None
+    if ex is not None:
+        doc["exhaustive"] = {
+            "count": ex.count,
+            "best_step_latency_s": ex.best_step_latency_s,
+            "seconds": ex.seconds,
+        }
+        if args.all:
+            if ex.count > MAX_LISTED_PLANS:
+                raise ConfigError(
+                    f"--all would list {ex.count} plans (limit {MAX_LISTED_PLANS}); lower --gpus"
+                )
+            doc["plans"] = [
+                {
+                    "step_latency_s": latency,
+                    "stages": {name: str(shape) for name, shape in shapes.items()},
+                }
+                for shapes, latency in all_plans(problem)
+            ]
+    if args.json:
+        out.print_json(data=doc) if out.is_terminal else print(json.dumps(doc))
+        return 0
+    _print_plan(problem, result, out)
+    if args.explain:
+        _print_explain(problem, result, out)
+    if ex is not None and ex.best_step_latency_s is not None:
+        gap = result.step_latency_s / ex.best_step_latency_s - 1.0
+        out.print(
+            f"exhaustive: {ex.count:,} valid plans, best {ex.best_step_latency_s:.3f} s "
+            f"(gap {gap:.2%}) in {ex.seconds:.2f} s"
+        )
+    if args.all:
+        for shapes, latency in sorted(all_plans(problem), key=lambda t: t[1]):
+            out.print(f"{latency:10.3f} s  " + "  ".join(f"{n}={s}" for n, s in shapes.items()))
+    return 0
+
+
+def _print_plan(problem: PlanningProblem, result: SearchResult, out: Console) -> None:
+    c = problem.cluster
+    head = (
+        f"[bold]{problem.workload.algorithm.value}[/] on {problem.gpus} × {c.gpu_model} ({c.name}), "
+        f"prompt {problem.seq.prompt_len:.0f} + response {problem.seq.response_len:.0f} tokens, "
+        f"{problem.workload.mode.value}"
+    )
+    table = Table(title=head, title_justify="left")
+    for col in ("model-stage", "stage", "tp", "pp", "dp", "GPUs", "micro", "latency s", "peak GiB"):
+        table.add_column(col, justify="right" if col not in ("model-stage", "stage", "GPUs") else "left")
+    for r in stage_reports(problem, result):
+        cand = r.candidate
+        micro = str(cand.micro_batch) + (
+            "" if cand.recompute.value == "none" else f" rc={cand.recompute.value}"
+        )
+        table.add_row(
+            r.name,
+            r.stage.value,
+            str(cand.layout.tp),
+            str(cand.layout.pp),
+            str(cand.dp),
+            gpu_ranges(cand.gpus),
+            micro,
+            f"{r.estimate.latency_s:.3f}",
+            f"{r.peak_bytes / GIB:.1f}",
+        )
+    out.print(table)
+    doc = plan_json(problem, result)
+    out.print(
+        f"step latency [bold]{result.step_latency_s:.3f} s[/] "
+        f"(critical path {' → '.join(doc['critical_path'])}) · "
+        f"capacity {problem.capacity_bytes / GIB:.1f} GiB per GPU after {problem.headroom:.0%} headroom · "
+        f"search {result.search_ms:.1f} ms ({result.solver})"
+    )
+
+
+def _print_explain(problem: PlanningProblem, result: SearchResult, out: Console) -> None:
+    reports = stage_reports(problem, result)
+    width = max(len(r.name) for r in reports)
+    out.print("[bold]latency per step[/] (s): model-stage total = its terms, largest first")
+    for r in reports:
+        terms = sorted(r.estimate.latency.terms.items(), key=lambda kv: -float(kv[1]))
+        parts = " + ".join(f"{k} {float(v):.3f}" for k, v in terms if float(v) > 0)
+        out.print(f"  {r.name:<{width}}  {r.estimate.latency_s:8.3f} = {parts}")
+    out.print(
+        f"[bold]memory per GPU[/] (GiB): own terms × calibration, + idle state of other stages on "
+        f"the GPU + runtime reserve = peak on this placement; bound = what the planner kept under "
+        f"{problem.capacity_bytes / GIB:.1f}"
+    )
+    for r in reports:
+        m = r.estimate.memory
+        own = " + ".join(
+            f"{name} {float(getattr(m, name)) / GIB:.2f}"
+            for name in ("params", "optimizer", "grads", "activations", "kv_cache")
+            if float(getattr(m, name)) > 0
+        )
+        co = r.peak_bytes - problem.reserved_bytes - r.estimate.active_bytes
+        out.print(
+            f"  {r.name:<{width}}  ({own}) × {m.correction:.2f} + co-resident {co / GIB:.2f} "
+            f"+ reserve {problem.reserved_bytes / GIB:.2f} = {r.peak_bytes / GIB:.2f} "
+            f"(bound {r.bound_bytes / GIB:.2f})"
+        )
+
+
+# ------------------------------------------------------------------ describe / list
+def _describe(args: argparse.Namespace, out: Console) -> int:
+    if args.kind == "model":
+        m = load_model(args.name)
+        ctx = (args.seq_len + 1) / 2 if args.seq_len else 0.0
+        doc: dict[str, Any] = {
+            "name": m.name,
+            "family": m.family.value,
+            "params": m.param_count(),
+            "params_non_embedding": m.non_embedding_params(),
+            "flops_per_token": m.forward_flops_per_token(ctx),
+            "flops_per_token_train": 3 * m.forward_flops_per_token(ctx),
+            "attention_flops_per_context_token": m.attention_flops_per_context_token(),
+            "kv_bytes_per_token": m.kv_bytes_per_token(),
+            "seq_len": args.seq_len,
+            **{
+                k: getattr(m, k)
+                for k in (
+                    "hidden_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "head_dim",
+                    "intermediate_size",
+                    "vocab_size",
+                    "tie_word_embeddings",
+                    "qk_norm",
+                )
+            },
+        }
+    else:
+        c = load_cluster(args.name)
+        doc = {k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(c).items()}
+        doc["total_gpus"] = c.total_gpus
+    if args.json:
+        print(json.dumps(doc))
+        return 0
+    table = Table(title=f"{args.kind} {doc['name']}", title_justify="left", show_header=False)
+    for k, v in doc.items():
+        table.add_row(k, f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v))
+    out.print(table)
+    return 0
+
+
+def _list(args: argparse.Namespace, out: Console) -> int:
+    items = [a.value for a in Algorithm] if args.kind == "algos" else names(args.kind)
+    for item in items:
+        out.print(item)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    out = Console(highlight=False)
+    try:
+        if args.command == "plan":
+            return _plan(args, out)
+        if args.command == "describe":
+            return _describe(args, out)
+        return _list(args, out)
+    except NereusError as exc:
+        print(f"nereus {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

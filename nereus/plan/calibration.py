@@ -1,0 +1,192 @@
+"""Calibration: per-op-class efficiencies and memory corrections, fitted from measurements.
+
+The cost model reads an immutable ``Efficiencies`` snapshot; the ``CalibrationStore`` owns the
+samples, refits after every ``update`` (paper §2.5: refined after every step), and persists to a
+JSON file keyed by cluster name so another job (or another model) on that cluster starts warm.
+
+Estimator (our choice; the paper leaves it open, paper-notes §5.3): per class, a window of the
+latest samples (ideal seconds at η = 1, measured seconds); samples whose ratio lies more than
+3 scaled MADs from the median are dropped; η = Σ ideal / Σ measured over the rest, clipped to
+[0.01, 1]. Memory: per stage, the ratio measured/predicted peak; the correction is the median
+plus two scaled MADs (an upper estimate, so feasibility stays conservative), clipped to [0.5, 4].
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+from nereus.errors import ConfigError
+from nereus.plan.opclass import PRIOR_EFFICIENCY, OpClass
+from nereus.spec.workload import Stage
+
+FORMAT_VERSION = 1
+MAD_SCALE = 1.4826  # MAD → standard deviation for normal data
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """One timed operation: what it would take at η = 1, and what it took."""
+
+    op_class: OpClass
+    ideal_s: float
+    measured_s: float
+
+    def __post_init__(self) -> None:
+        if not (self.ideal_s > 0 and self.measured_s > 0):
+            raise ValueError(f"{self.op_class}: ideal_s and measured_s must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class Efficiencies:
+    """Snapshot read by the cost model: η per op class and a memory factor per stage."""
+
+    eta: Mapping[OpClass, float] = field(default_factory=lambda: MappingProxyType(PRIOR_EFFICIENCY))
+    memory_correction: Mapping[Stage, float] = field(
+        default_factory=lambda: MappingProxyType({s: 1.0 for s in Stage})
+    )
+
+    def __post_init__(self) -> None:
+        missing = set(OpClass) - set(self.eta)
+        if missing:
+            raise ValueError(f"efficiency missing for {sorted(missing)}")
+        for op, value in self.eta.items():
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"efficiency of {op} must be in (0, 1], got {value}")
+        for stage, value in self.memory_correction.items():
+            if value <= 0:
+                raise ValueError(f"memory correction of {stage} must be positive, got {value}")
+
+    def __getitem__(self, op: OpClass) -> float:
+        return self.eta[op]
+
+    def memory(self, stage: Stage) -> float:
+        return self.memory_correction.get(stage, 1.0)
+
+
+def _inliers(ratios: list[float]) -> list[int]:
+    """Indices of ratios within 3 scaled MADs of the median (all of them if MAD is 0)."""
+    med = statistics.median(ratios)
+    mad = statistics.median(abs(r - med) for r in ratios) * MAD_SCALE
+    if mad == 0:
+        return list(range(len(ratios)))
+    return [i for i, r in enumerate(ratios) if abs(r - med) <= 3 * mad]
+
+
+class CalibrationStore:
+    """Measured samples for one cluster and the efficiencies fitted from them."""
+
+    def __init__(self, cluster: str, window: int = 64) -> None:
+        if window <= 0:
+            raise ValueError("window must be positive")
+        self.cluster = cluster
+        self.window = window
+        self._samples: dict[OpClass, deque[tuple[float, float]]] = {}
+        self._memory: dict[Stage, deque[float]] = {}
+
+    # ---------------------------------------------------------------- updates
+    def update(self, measurements: Iterable[Measurement]) -> None:
+        for m in measurements:
+            bucket = self._samples.setdefault(m.op_class, deque(maxlen=self.window))
+            bucket.append((m.ideal_s, m.measured_s))
+
+    def update_memory(self, stage: Stage, predicted_bytes: float, measured_bytes: float) -> None:
+        if predicted_bytes <= 0 or measured_bytes <= 0:
+            raise ValueError("predicted and measured memory must be positive")
+        bucket = self._memory.setdefault(stage, deque(maxlen=self.window))
+        bucket.append(measured_bytes / predicted_bytes)
+
+    # ---------------------------------------------------------------- fit
+    def efficiency(self, op: OpClass) -> float:
+        samples = self._samples.get(op)
+        if not samples:
+            return PRIOR_EFFICIENCY[op]
+        pairs = list(samples)
+        keep = _inliers([i / m for i, m in pairs])
+        ideal = sum(pairs[i][0] for i in keep)
+        measured = sum(pairs[i][1] for i in keep)
+        return min(1.0, max(0.01, ideal / measured))
+
+    def memory_factor(self, stage: Stage) -> float:
+        ratios = list(self._memory.get(stage, ()))
+        if not ratios:
+            return 1.0
+        kept = [ratios[i] for i in _inliers(ratios)]
+        med = statistics.median(kept)
+        mad = statistics.median(abs(r - med) for r in kept) * MAD_SCALE
+        return min(4.0, max(0.5, med + 2 * mad))
+
+    def efficiencies(self) -> Efficiencies:
+        return Efficiencies(
+            eta=MappingProxyType({op: self.efficiency(op) for op in OpClass}),
+            memory_correction=MappingProxyType({s: self.memory_factor(s) for s in Stage}),
+        )
+
+    def sample_count(self, op: OpClass) -> int:
+        return len(self._samples.get(op, ()))
+
+    # ---------------------------------------------------------------- persistence
+    def _to_json(self) -> dict[str, object]:
+        return {
+            "window": self.window,
+            "samples": {op.value: [list(p) for p in s] for op, s in self._samples.items()},
+            "memory": {st.value: list(r) for st, r in self._memory.items()},
+        }
+
+    def save(self, path: Path) -> None:
+        """Write (or merge into) the JSON file, atomically: temp file, then rename."""
+        doc: dict[str, object] = {"format": FORMAT_VERSION, "clusters": {}}
+        if path.exists():
+            doc = _read(path)
+        clusters = doc["clusters"]
+        assert isinstance(clusters, dict)
+        clusters[self.cluster] = self._to_json()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(fd, "w") as fh:
+                json.dump(doc, fh, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: Path, cluster: str) -> CalibrationStore:
+        """The store for ``cluster`` from ``path``; priors if the file or the cluster is absent."""
+        if not path.exists():
+            return cls(cluster)
+        entry = _read(path)["clusters"]
+        assert isinstance(entry, dict)
+        data = entry.get(cluster)
+        if data is None:
+            return cls(cluster)
+        try:
+            store = cls(cluster, window=int(data["window"]))
+            for op, pairs in data["samples"].items():
+                store.update(Measurement(OpClass(op), float(i), float(m)) for i, m in pairs)
+            for stage, ratios in data["memory"].items():
+                bucket = store._memory.setdefault(Stage(stage), deque(maxlen=store.window))
+                bucket.extend(float(r) for r in ratios)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"{path}: cluster '{cluster}': malformed calibration ({exc})") from None
+        return store
+
+
+def _read(path: Path) -> dict[str, object]:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read calibration JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_VERSION:
+        raise ConfigError(f"{path}: key 'format': expected {FORMAT_VERSION}")
+    if not isinstance(doc.get("clusters"), dict):
+        raise ConfigError(f"{path}: key 'clusters': expected a mapping")
+    return doc

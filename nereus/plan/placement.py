@@ -1,0 +1,102 @@
+"""Concrete GPU ids for chosen shapes: node-aware best fit (paper-notes §5.7 leaves it open).
+
+Each stage's replicas are placed from the pool independently (stages are serialised and may share
+GPUs; async generation takes its GPUs first and the rest share what remains). Replicas go largest
+first, each on the node with the fewest free GPUs that still fits it (whole nodes for replicas
+larger than a node), so every TP group and every replica that fits in a node stays in one node —
+the assumption the cost model's link choice makes. Within a stage, model-stages are visited in
+workflow order, so the actor's model-stages land on the same GPUs across stages and its weight
+sync stays local.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from nereus.errors import InfeasibleError
+from nereus.plan.candidates import Shape
+from nereus.plan.layout import Candidate, Plan
+from nereus.spec.workload import ExecutionMode, ModelStage, Stage, Workflow
+
+
+class _FreeGpus:
+    def __init__(self, gpus: Sequence[int], gpus_per_node: int) -> None:
+        self.gpn = gpus_per_node
+        self.nodes: dict[int, list[int]] = {}
+        for g in sorted(gpus):
+            self.nodes.setdefault(g // gpus_per_node, []).append(g)
+
+    def total(self) -> int:
+        return sum(len(v) for v in self.nodes.values())
+
+    def take(self, count: int) -> tuple[int, ...]:
+        if count > self.total():
+            raise InfeasibleError(f"placement needs {count} more GPUs, {self.total()} free")
+        fitting = [n for n, free in self.nodes.items() if len(free) >= count]
+        if count <= self.gpn and fitting:
+            node = min(fitting, key=lambda n: (len(self.nodes[n]), n))
+            return self._pop(node, count)
+        taken: list[int] = []
+        whole = sorted(n for n, free in self.nodes.items() if len(free) == self.gpn)
+        for node in whole:
+            if count - len(taken) < self.gpn:
+                break
+            taken.extend(self._pop(node, self.gpn))
+        while len(taken) < count:  # ragged pool: fill from the fullest nodes
+            node = max(self.nodes, key=lambda n: (len(self.nodes[n]), -n))
+            taken.extend(self._pop(node, min(count - len(taken), len(self.nodes[node]))))
+        return tuple(sorted(taken))
+
+    def _pop(self, node: int, count: int) -> tuple[int, ...]:
+        free = self.nodes[node]
+        taken, self.nodes[node] = free[:count], free[count:]
+        if not self.nodes[node]:
+            del self.nodes[node]
+        return tuple(taken)
+
+
+def _place_group(
+    model_stages: Sequence[ModelStage], shapes: Mapping[str, Shape], free: _FreeGpus
+) -> list[Candidate]:
+    replicas = [(ms.name, r) for ms in model_stages for r in range(shapes[ms.name].dp)]
+    replicas.sort(key=lambda item: -shapes[item[0]].layout.size)  # stable: workflow order kept
+    owned: dict[str, list[tuple[int, ...]]] = {ms.name: [] for ms in model_stages}
+    for name, _ in replicas:
+        owned[name].append(free.take(shapes[name].layout.size))
+    return [
+        Candidate(
+            ms.name,
+            shapes[ms.name].layout,
+            shapes[ms.name].dp,
+            tuple(g for rep in owned[ms.name] for g in rep),
+            shapes[ms.name].micro_batch,
+            shapes[ms.name].recompute,
+        )
+        for ms in model_stages
+    ]
+
+
+def place(
+    workflow: Workflow,
+    mode: ExecutionMode,
+    shapes: Mapping[str, Shape],
+    pool: Sequence[int],
+    gpus_per_node: int,
+) -> Plan:
+    """A Plan giving every model-stage of ``workflow`` its shape on GPUs from ``pool``."""
+    candidates: dict[str, Candidate] = {}
+    if mode is ExecutionMode.ASYNC:
+        free = _FreeGpus(pool, gpus_per_node)
+        gen = _place_group(workflow.by_stage(Stage.GEN), shapes, free)
+        rest = [g for n in free.nodes.values() for g in n]
+        candidates.update({c.model_stage: c for c in gen})
+        groups = [workflow.by_stage(Stage.INF), workflow.by_stage(Stage.TRAIN)]
+        for group in groups:
+            placed = _place_group(group, shapes, _FreeGpus(rest, gpus_per_node))
+            candidates.update({c.model_stage: c for c in placed})
+    else:
+        for stage in workflow.stages:
+            placed = _place_group(workflow.by_stage(stage), shapes, _FreeGpus(pool, gpus_per_node))
+            candidates.update({c.model_stage: c for c in placed})
+    ordered = tuple(candidates[m.name] for m in workflow.model_stages)
+    return Plan(workflow, ordered, tuple(pool), mode)

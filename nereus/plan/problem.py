@@ -1,0 +1,116 @@
+"""PlanningProblem: everything one search needs, fixed for its duration (paper Eq. 1 inputs)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from nereus.plan.calibration import Efficiencies
+from nereus.spec.cluster import GIB, ClusterSpec
+from nereus.spec.model import ModelSpec
+from nereus.spec.workload import ModelStage, Recompute, Role, Workflow, WorkloadSpec
+
+DEFAULT_HEADROOM = 0.10  # paper §2.4: feasibility keeps 10% of GPU memory free
+
+
+@dataclass(frozen=True, slots=True)
+class SeqStats:
+    """Sequence lengths the plan is sized for: means drive time, the p95 response drives memory."""
+
+    prompt_len: float
+    response_len: float
+    response_p95: float
+
+    def __post_init__(self) -> None:
+        if self.prompt_len <= 0 or self.response_len <= 0:
+            raise ValueError("prompt_len and response_len must be positive")
+        if self.response_p95 < self.response_len:
+            raise ValueError("response_p95 must be at least response_len")
+
+    @classmethod
+    def fixed(cls, prompt_len: float, response_len: float) -> SeqStats:
+        return cls(prompt_len, response_len, response_len)
+
+    @property
+    def mean_len(self) -> float:
+        return self.prompt_len + self.response_len
+
+    @property
+    def max_len(self) -> float:
+        return self.prompt_len + self.response_p95
+
+
+@dataclass(frozen=True, slots=True)
+class SearchSpace:
+    """Choices beyond layout and dp. The urgent path widens them (paper §2.9)."""
+
+    recompute: tuple[Recompute, ...] = (Recompute.NONE,)
+    shrink_micro_batch: bool = False  # also try per-replica micro-batches below the workload's
+    max_tp: int = 0  # 0: GPUs per node (TP stays inside a node)
+
+    def __post_init__(self) -> None:
+        if not self.recompute:
+            raise ValueError("recompute options must not be empty")
+        if self.max_tp < 0:
+            raise ValueError("max_tp must be non-negative")
+
+    @classmethod
+    def urgent(cls) -> SearchSpace:
+        return cls(recompute=tuple(Recompute), shrink_micro_batch=True)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanningProblem:
+    """A job (workload and its models) on a pool of GPUs of one cluster, at given lengths."""
+
+    workload: WorkloadSpec
+    models: Mapping[Role, ModelSpec]
+    cluster: ClusterSpec
+    pool: tuple[int, ...]
+    seq: SeqStats
+    efficiencies: Efficiencies = field(default_factory=Efficiencies)
+    space: SearchSpace = field(default_factory=SearchSpace)
+    headroom: float = DEFAULT_HEADROOM
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "models", MappingProxyType(dict(self.models)))
+        if not self.pool:
+            raise ValueError("the GPU pool is empty")
+        if len(set(self.pool)) != len(self.pool):
+            raise ValueError("pool GPU ids repeat")
+        if any(not 0 <= g < self.cluster.total_gpus for g in self.pool):
+            raise ValueError(
+                f"pool GPU ids must lie in [0, {self.cluster.total_gpus}) for cluster {self.cluster.name}"
+            )
+        if not 0.0 <= self.headroom < 1.0:
+            raise ValueError(f"headroom must be in [0, 1), got {self.headroom}")
+        missing = [r.value for r in self.workload.workflow().roles if r not in self.models]
+        if missing:
+            raise ValueError(f"no model given for roles {missing}")
+
+    @property
+    def workflow(self) -> Workflow:
+        return self.workload.workflow()
+
+    @property
+    def gpus(self) -> int:
+        return len(self.pool)
+
+    @property
+    def capacity_bytes(self) -> float:
+        """Per-GPU memory a plan may predict: capacity × (1 − headroom)."""
+        return self.cluster.gpu_memory_bytes * (1.0 - self.headroom)
+
+    @property
+    def reserved_bytes(self) -> float:
+        """Per-GPU runtime reserve (context, collective buffers), counted once per GPU."""
+        return self.cluster.runtime_reserved_gib * GIB
+
+    def model_of(self, model_stage: ModelStage) -> ModelSpec:
+        """The model a model-stage runs, with the head its role needs (value head for critic/reward)."""
+        return self.models[model_stage.role].with_head(model_stage.head)
+
+    @property
+    def max_tp(self) -> int:
+        return self.space.max_tp or self.cluster.gpus_per_node

@@ -1,0 +1,103 @@
+"""What a plan means per model-stage: GPUs, latency terms, memory terms and per-GPU peaks (pure)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nereus.plan.candidates import Estimate
+from nereus.plan.layout import Candidate
+from nereus.plan.overlap import critical_path
+from nereus.plan.problem import PlanningProblem
+from nereus.plan.search import SearchResult
+from nereus.spec.cluster import GIB
+from nereus.spec.workload import ExecutionMode, Stage
+
+
+@dataclass(frozen=True, slots=True)
+class StageReport:
+    """One model-stage of a plan, with the numbers a user checks."""
+
+    candidate: Candidate
+    stage: Stage
+    estimate: Estimate
+    peak_bytes: float  # worst GPU while this model-stage runs, on this placement (+ reserve)
+    bound_bytes: float  # the planner's placement-independent bound (what feasibility checked)
+
+    @property
+    def name(self) -> str:
+        return self.candidate.model_stage
+
+
+def stage_reports(problem: PlanningProblem, result: SearchResult) -> list[StageReport]:
+    plan = result.plan
+    est = {e.model_stage: e for e in result.estimates}
+    stage_of = {c.model_stage: plan.stage_of(c) for c in plan.candidates}
+    shared = [
+        s for s in plan.workflow.stages if problem.workload.mode is ExecutionMode.SYNC or s is not Stage.GEN
+    ]
+    resident_max = {
+        s: max(est[c.model_stage].persistent_bytes for c in plan.candidates if stage_of[c.model_stage] is s)
+        for s in shared
+    }
+    reports = []
+    for c in plan.candidates:
+        s = stage_of[c.model_stage]
+        e = est[c.model_stage]
+        peak = 0.0
+        for g in c.gpus:
+            others = sum(est[o].persistent_bytes for o in plan.resident_on(g) if stage_of[o] is not s)
+            peak = max(peak, e.active_bytes + others)
+        bound = e.active_bytes + (
+            sum(v for k, v in resident_max.items() if k is not s) if s in shared else 0.0
+        )
+        reports.append(StageReport(c, s, e, peak + problem.reserved_bytes, bound + problem.reserved_bytes))
+    return reports
+
+
+def plan_json(problem: PlanningProblem, result: SearchResult) -> dict[str, Any]:
+    """The ``nereus plan --json`` object."""
+    reports = stage_reports(problem, result)
+    _, path = critical_path(
+        problem.workflow, problem.workload.mode, {r.name: r.estimate.latency_s for r in reports}
+    )
+    return {
+        "step_latency_s": result.step_latency_s,
+        "search_ms": result.search_ms,
+        "solver": result.solver,
+        "mode": problem.workload.mode.value,
+        "gpus": problem.gpus,
+        "capacity_gib": problem.capacity_bytes / GIB,
+        "critical_path": list(path),
+        "stages": [
+            {
+                "name": r.name,
+                "stage": r.stage.value,
+                "tp": r.candidate.layout.tp,
+                "pp": r.candidate.layout.pp,
+                "dp": r.candidate.dp,
+                "gpus": list(r.candidate.gpus),
+                "micro_batch": r.candidate.micro_batch,
+                "recompute": r.candidate.recompute.value,
+                "latency_s": r.estimate.latency_s,
+                "peak_mem_gib": r.peak_bytes / GIB,
+                "bound_mem_gib": r.bound_bytes / GIB,
+            }
+            for r in reports
+        ],
+    }
+
+
+def gpu_ranges(gpus: tuple[int, ...]) -> str:
+    """``(0,1,2,3,8,9)`` → ``0-3,8-9``."""
+    if not gpus:
+        return ""
+    ordered = sorted(gpus)
+    parts, start, prev = [], ordered[0], ordered[0]
+    for g in ordered[1:]:
+        if g != prev + 1:
+            parts.append(f"{start}-{prev}" if start != prev else str(start))
+            start = g
+        prev = g
+    parts.append(f"{start}-{prev}" if start != prev else str(start))
+    return ",".join(parts)

@@ -1,0 +1,276 @@
+"""Plan search: per-model-stage frontiers, then an exact program over model-stages (paper §2.6).
+
+The problem (paper Eq. 1, sync mode): pick one candidate per model-stage to minimise
+L_step = Σ_s max_{M∈s} L_M subject to, for every stage s,
+
+* GPUs:    Σ_{M∈s} gpus(M) ≤ |pool|                        (concurrent model-stages are disjoint)
+* memory:  active(M) + Σ_{s'≠s} X_{s'} ≤ capacity − reserve  for every M ∈ s,
+           where X_s = max_{M∈s} resident(M)                  (idle state co-resident on a GPU)
+
+The memory rule bounds what any placement can stack on a GPU, so a plan that passes it is safe
+wherever its replicas land (and stays safe when a transition moves them).
+
+Algorithm (our formulation; the paper gives none, paper-notes §5.7):
+1. ``frontier``: per model-stage, feasible non-dominated candidates.
+2. ``StageSolver``: for caps (x: resident, y: active) and a GPU budget, the smallest achievable
+   max-latency of one stage is found by a threshold search: for a latency T each model-stage needs
+   at least need_M(T) = min{gpus : L ≤ T, resident ≤ x, active ≤ y} GPUs (a prefix minimum over the
+   latency-sorted frontier); the answer is the smallest T with Σ_M need_M(T) ≤ budget.
+3. Stages couple only through the caps X_s. Each stage's candidate caps are its distinct resident
+   values; cap vectors are visited best-first by a lower bound (each stage solved with the other
+   stages at their smallest caps), and the search stops when the bound reaches the best plan found.
+   Every cap vector that could hold the optimum is either solved or bounded away: the result is
+   exact (tests compare it with ``exhaustive.py``).
+Async mode: generation gets its own GPUs (every split of the pool is tried), inference and training
+share the rest and couple only with each other; L_step = max(L_gen, L_inf + L_train).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from nereus.errors import InfeasibleError
+from nereus.plan.candidates import CandidateTable, Estimate, Shape, candidate_table, estimate
+from nereus.plan.cost import CostModel
+from nereus.plan.frontier import frontier
+from nereus.plan.layout import Plan
+from nereus.plan.overlap import step_latency
+from nereus.plan.placement import place
+from nereus.plan.problem import PlanningProblem
+from nereus.spec.cluster import GIB
+from nereus.spec.workload import ExecutionMode, Stage
+
+INF = math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class StageChoice:
+    """The best assignment of one stage under given caps: its latency and one pick per table."""
+
+    latency: float
+    picks: tuple[int, ...]
+
+
+class StageSolver:
+    """Min-max assignment of concurrent model-stages under a GPU budget and memory caps."""
+
+    def __init__(self, tables: Sequence[CandidateTable]) -> None:
+        self.tables = list(tables)  # each sorted by latency (``frontier`` output)
+        self._memo: dict[tuple[float, float, int], StageChoice | None] = {}
+
+    def resident_levels(self) -> list[float]:
+        return sorted({float(v) for t in self.tables for v in t.persistent})
+
+    def solve(self, x: float, y: float, budget: int) -> StageChoice | None:
+        key = (x, y, budget)
+        if key not in self._memo:
+            self._memo[key] = self._solve(x, y, budget)
+        return self._memo[key]
+
+    def _solve(self, x: float, y: float, budget: int) -> StageChoice | None:
+        lists = []
+        for t in self.tables:
+            idx = np.flatnonzero((t.persistent <= x) & (t.active <= y) & (t.gpus <= budget))
+            if idx.size == 0:
+                return None
+            lists.append((t.latency[idx], np.minimum.accumulate(t.gpus[idx]), idx))
+        if len(lists) == 1:  # one model-stage: its fastest admissible candidate
+            return StageChoice(float(lists[0][0][0]), (int(lists[0][2][0]),))
+        thresholds = np.unique(np.concatenate([lat for lat, _, _ in lists]))
+        total = np.zeros(len(thresholds), dtype=np.int64)
+        for lat, need, _ in lists:  # need_M(T) at every threshold T, summed over model-stages
+            pos = np.searchsorted(lat, thresholds, side="right") - 1
+            total += np.where(pos >= 0, need[np.maximum(pos, 0)], budget + 1)
+        fits = np.flatnonzero(total <= budget)
+        if fits.size == 0:
+            return None
+        best = thresholds[fits[0]]
+        picks: list[int] = []
+        for lat, _, idx in lists:
+            p = int(np.searchsorted(lat, best, side="right"))
+            gpus = self.tables[len(picks)].gpus[idx[:p]]
+            picks.append(int(idx[int(np.argmin(gpus))]))
+        latency = max(float(t.latency[i]) for t, i in zip(self.tables, picks, strict=True))
+        return StageChoice(latency, tuple(picks))
+
+
+@dataclass(frozen=True, slots=True)
+class CoupledChoice:
+    latency: float  # Σ of stage latencies
+    stages: tuple[StageChoice, ...]
+    caps: tuple[float, ...]
+
+
+def solve_coupled(solvers: Sequence[StageSolver], budget: int, limit: float) -> CoupledChoice | None:
+    """Best assignment of stages sharing GPUs: min Σ_s L_s under co-resident memory (exact).
+
+    Caps are visited best-first by a lower bound: stage s at cap x, with every other stage at its
+    smallest cap, cannot do better than solve(x, limit − Σ others' smallest caps). The bound does
+    not increase with x, so each stage's caps in descending order are already sorted by bound and
+    bounds are computed only for the caps the search reaches.
+    """
+    levels = [s.resident_levels()[::-1] for s in solvers]  # descending: bound ascending
+    if any(not lv for lv in levels):
+        return None
+    floor = [lv[-1] for lv in levels]
+    slack = [limit - (sum(floor) - floor[k]) for k in range(len(levels))]
+
+    def bound(k: int, i: int) -> float:
+        choice = solvers[k].solve(levels[k][i], slack[k], budget)
+        return INF if choice is None else choice.latency
+
+    start = (0,) * len(levels)
+    first = sum(bound(k, 0) for k in range(len(levels)))
+    if first == INF:
+        return None
+    heap = [(first, start)]
+    seen = {start}
+    best: CoupledChoice | None = None
+    while heap:
+        lower, combo = heapq.heappop(heap)
+        if lower == INF or (best is not None and lower >= best.latency):
+            break
+        caps = tuple(levels[k][i] for k, i in enumerate(combo))
+        resident = sum(caps)
+        choices = []
+        for k, solver in enumerate(solvers):
+            choice = solver.solve(caps[k], limit - (resident - caps[k]), budget)
+            if choice is None:
+                break
+            choices.append(choice)
+        else:
+            total = sum(c.latency for c in choices)
+            if best is None or total < best.latency:
+                best = CoupledChoice(total, tuple(choices), caps)
+        for k in range(len(levels)):
+            if combo[k] + 1 < len(levels[k]):
+                nxt = (*combo[:k], combo[k] + 1, *combo[k + 1 :])
+                if nxt not in seen:
+                    seen.add(nxt)
+                    step = bound(k, combo[k] + 1) - bound(k, combo[k])
+                    heapq.heappush(heap, (lower + step, nxt))
+    return best
+
+
+@dataclass(frozen=True, slots=True)
+class SearchResult:
+    """The chosen plan, the estimate behind every candidate, and what the search cost."""
+
+    plan: Plan
+    estimates: tuple[Estimate, ...]
+    step_latency_s: float
+    search_ms: float
+    solver: str
+
+    def estimate_of(self, model_stage: str) -> Estimate:
+        for e in self.estimates:
+            if e.model_stage == model_stage:
+                return e
+        raise KeyError(model_stage)
+
+
+def binding_constraint(problem: PlanningProblem, tables: dict[str, CandidateTable]) -> str:
+    """One line on why nothing fits: the model-stage whose smallest footprint is furthest over."""
+    limit = problem.capacity_bytes - problem.reserved_bytes
+    worst_name, worst = "", -INF
+    for name, t in tables.items():
+        if len(t) == 0:
+            return f"{name} has no layout on {problem.gpus} GPUs"
+        smallest = float(t.active.min())
+        if smallest - limit > worst:
+            worst_name, worst = name, smallest - limit
+    t = tables[worst_name]
+    i = int(np.argmin(t.active))
+    cap = problem.cluster.gpu_memory_gib * (1 - problem.headroom)
+    if worst > 0:
+        return (
+            f"{worst_name} needs ≥ {t.active[i] / GIB + problem.reserved_bytes / GIB:.1f} GiB per GPU "
+            f"at tp·pp ≤ {max(s.layout.size for s in t.shapes)} ({t.shapes[i]}); capacity "
+            f"{cap:.1f} GiB after {problem.headroom:.0%} headroom on {problem.cluster.name}"
+        )
+    return (
+        f"model-stages fit alone but not together: co-resident state of idle model-stages exceeds "
+        f"{cap:.1f} GiB per GPU after headroom on {problem.gpus} GPUs of {problem.cluster.name}"
+    )
+
+
+def build_tables(cost: CostModel) -> dict[str, CandidateTable]:
+    return {ms.name: candidate_table(cost, ms) for ms in cost.problem.workflow.model_stages}
+
+
+def finish(
+    problem: PlanningProblem,
+    shapes: dict[str, Shape],
+    started: float,
+    solver: str,
+    cost: CostModel | None = None,
+) -> SearchResult:
+    """Place the chosen shapes on GPUs and price each model-stage in full (any solver's last step)."""
+    cost = cost or CostModel(problem)
+    wf = problem.workflow
+    plan = place(wf, problem.workload.mode, shapes, problem.pool, problem.cluster.gpus_per_node)
+    estimates = tuple(estimate(cost, ms, shapes[ms.name]) for ms in wf.model_stages)
+    step = step_latency(wf, problem.workload.mode, {e.model_stage: e.latency_s for e in estimates})
+    return SearchResult(plan, estimates, step, (time.perf_counter() - started) * 1e3, solver)
+
+
+def search(problem: PlanningProblem) -> SearchResult:
+    """The fastest feasible plan (frontier + exact program). Raises ``InfeasibleError``."""
+    started = time.perf_counter()
+    cost = CostModel(problem)
+    tables = build_tables(cost)
+    limit = problem.capacity_bytes - problem.reserved_bytes
+    fronts = {name: frontier(t, limit) for name, t in tables.items()}
+    wf = problem.workflow
+    P = problem.gpus
+    shapes: dict[str, Shape] = {}
+
+    def solver_for(stage: Stage) -> StageSolver:
+        return StageSolver([fronts[m.name] for m in wf.by_stage(stage)])
+
+    def record(stage: Stage, choice: StageChoice) -> None:
+        for m, i in zip(wf.by_stage(stage), choice.picks, strict=True):
+            shapes[m.name] = fronts[m.name].shapes[i]
+
+    if any(len(f) == 0 for f in fronts.values()):
+        raise InfeasibleError(binding_constraint(problem, tables))
+    if problem.workload.mode is ExecutionMode.SYNC:
+        stages = wf.stages
+        coupled = solve_coupled([solver_for(s) for s in stages], P, limit)
+        if coupled is None:
+            raise InfeasibleError(binding_constraint(problem, tables))
+        for stage, choice in zip(stages, coupled.stages, strict=True):
+            record(stage, choice)
+        return finish(problem, shapes, started, "dp", cost)
+    # async: generation on its own GPUs, inference and training share the rest
+    gen = fronts[wf.by_stage(Stage.GEN)[0].name] if len(wf.by_stage(Stage.GEN)) == 1 else None
+    if gen is None:
+        raise InfeasibleError("async mode needs exactly one generation model-stage")
+    rest_solvers = [solver_for(s) for s in (Stage.INF, Stage.TRAIN) if wf.by_stage(s)]
+    best: tuple[float, int, CoupledChoice] | None = None
+    by_gpus = np.argsort(gen.gpus, kind="stable")
+    running = INF
+    for i in by_gpus.tolist():  # gen candidates by GPU count; skip those no faster than fewer GPUs
+        g = int(gen.gpus[i])
+        if g >= P or gen.latency[i] >= running:
+            continue
+        running = float(gen.latency[i])
+        rest = solve_coupled(rest_solvers, P - g, limit)
+        if rest is None:
+            continue
+        total = max(running, rest.latency)
+        if best is None or total < best[0]:
+            best = (total, i, rest)
+    if best is None:
+        raise InfeasibleError(binding_constraint(problem, tables))
+    shapes[gen.model_stage.name] = gen.shapes[best[1]]
+    stages_rest = [s for s in (Stage.INF, Stage.TRAIN) if wf.by_stage(s)]
+    for stage, choice in zip(stages_rest, best[2].stages, strict=True):
+        record(stage, choice)
+    return finish(problem, shapes, started, "dp", cost)

@@ -1,0 +1,98 @@
+"""ClusterSpec: the hardware a job runs on, as the cost model sees it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from nereus.spec.schema import build, load_yaml
+
+GIB = 1024**3
+
+
+class Vendor(StrEnum):
+    NVIDIA = "nvidia"
+    AMD = "amd"
+    CPU = "cpu"  # virtual GPUs: worker processes on one machine
+
+
+class CollectiveLibrary(StrEnum):
+    NCCL = "nccl"
+    RCCL = "rccl"
+    GLOO = "gloo"
+
+
+_LIBRARY_OF = {
+    Vendor.NVIDIA: CollectiveLibrary.NCCL,
+    Vendor.AMD: CollectiveLibrary.RCCL,
+    Vendor.CPU: CollectiveLibrary.GLOO,
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterSpec:
+    """Nodes of identical GPUs. Bandwidths are per GPU and per direction, in GB/s (10⁹ B/s)."""
+
+    name: str
+    description: str = ""
+    vendor: Vendor
+    collective_library: CollectiveLibrary
+    nodes: int
+    gpus_per_node: int
+    gpu_model: str
+    gpu_memory_gib: float  # HBM per GPU (one MI250X GCD counts as one GPU)
+    peak_bf16_tflops: float  # dense, no sparsity
+    hbm_bandwidth_gbs: float
+    intra_node_bandwidth_gbs: float  # NVLink / Infinity Fabric / shared memory
+    inter_node_bandwidth_gbs: float  # node NIC bandwidth / GPUs per node
+    intra_node_latency_us: float = 5.0  # per collective hop
+    inter_node_latency_us: float = 15.0
+    runtime_reserved_gib: float = 1.0  # driver context, collective buffers, allocator slack
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "gpus_per_node"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in (
+            "gpu_memory_gib",
+            "peak_bf16_tflops",
+            "hbm_bandwidth_gbs",
+            "intra_node_bandwidth_gbs",
+            "inter_node_bandwidth_gbs",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("intra_node_latency_us", "inter_node_latency_us", "runtime_reserved_gib"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
+        if self.runtime_reserved_gib >= self.gpu_memory_gib:
+            raise ValueError("runtime_reserved_gib must be below gpu_memory_gib")
+        expected = _LIBRARY_OF[self.vendor]
+        if self.collective_library is not expected:
+            raise ValueError(
+                f"collective_library {self.collective_library.value} does not match vendor "
+                f"{self.vendor.value} (expected {expected.value})"
+            )
+
+    @classmethod
+    def from_yaml(cls, path: Path) -> ClusterSpec:
+        data = load_yaml(path)
+        data.setdefault("name", path.stem)
+        return build(cls, data, str(path))
+
+    @property
+    def total_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def gpu_memory_bytes(self) -> float:
+        return self.gpu_memory_gib * GIB
+
+    @property
+    def peak_flops(self) -> float:
+        return self.peak_bf16_tflops * 1e12
+
+    def node_of(self, gpu: int) -> int:
+        """GPU ids are global: node ``k`` holds ``[k·gpus_per_node, (k+1)·gpus_per_node)``."""
+        return gpu // self.gpus_per_node

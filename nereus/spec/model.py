@@ -1,0 +1,212 @@
+"""ModelSpec: the architecture of a Llama-family decoder (Llama 3, Qwen2/2.5, Qwen3, Mistral).
+
+Exact parameter counts, FLOPs per token and KV-cache bytes per token are derived from the shapes,
+so a model is fully described by its Hugging Face ``config.json`` (or our YAML with the same keys).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from nereus.errors import ConfigError
+from nereus.spec.schema import build, load_yaml
+
+
+class ModelFamily(StrEnum):
+    LLAMA = "llama"
+    MISTRAL = "mistral"
+    QWEN2 = "qwen2"
+    QWEN3 = "qwen3"
+
+
+class Head(StrEnum):
+    """Output head: the LM head (actor, reference) or a scalar value head (critic, reward model)."""
+
+    LM = "lm"
+    VALUE = "value"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSpec:
+    """A decoder-only transformer with RMSNorm, RoPE, GQA attention and a SwiGLU MLP."""
+
+    name: str
+    family: ModelFamily
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    head_dim: int = 0  # 0: hidden_size // num_attention_heads
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    attention_bias: bool = False  # Qwen2: bias on q, k, v projections
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    head: Head = Head.LM
+    hf_repo: str = ""  # where the official weights live, for reference
+
+    def __post_init__(self) -> None:
+        for name in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "vocab_size",
+            "max_position_embeddings",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.head_dim < 0:
+            raise ValueError(f"head_dim must be positive (or 0 for hidden/heads), got {self.head_dim}")
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                    f"{self.num_attention_heads}; set head_dim"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+
+    # ---------------------------------------------------------------- loading
+    @classmethod
+    def from_yaml(cls, path: Path) -> ModelSpec:
+        data = load_yaml(path)
+        data.setdefault("name", path.stem)
+        return build(cls, data, str(path))
+
+    @classmethod
+    def from_hf_config(cls, path: Path, name: str | None = None) -> ModelSpec:
+        """Read a Hugging Face ``config.json`` (keys we do not model, e.g. rope_scaling, are ignored)."""
+        try:
+            data: dict[str, Any] = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{path}: cannot read a JSON object ({exc})") from None
+        model_type = data.get("model_type")
+        families = ", ".join(f.value for f in ModelFamily)
+        try:
+            family = ModelFamily(str(model_type))
+        except ValueError:
+            raise ConfigError(
+                f"{path}: key 'model_type': expected one of {families}, got {model_type!r}"
+            ) from None
+        keep = {
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "vocab_size",
+            "head_dim",
+            "tie_word_embeddings",
+            "attention_bias",
+            "rms_norm_eps",
+            "rope_theta",
+            "max_position_embeddings",
+        }
+        fields = {k: v for k, v in data.items() if k in keep and v is not None}
+        fields.setdefault("num_key_value_heads", data.get("num_attention_heads"))
+        fields["family"] = family.value
+        fields["qk_norm"] = family is ModelFamily.QWEN3
+        if family is ModelFamily.QWEN2:
+            fields.setdefault("attention_bias", True)  # Qwen2 always has q/k/v bias
+        fields["name"] = name or path.parent.name or path.stem
+        return build(cls, fields, str(path))
+
+    def with_head(self, head: Head) -> ModelSpec:
+        """The same backbone with another output head (a critic or reward model from an actor)."""
+        return self if head is self.head else dataclasses.replace(self, head=head)
+
+    # ---------------------------------------------------------------- shapes
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def attention_params(self) -> int:
+        """q, k, v, o projections (+ q/k/v bias for Qwen2, + per-head q/k RMSNorm for Qwen3)."""
+        h = self.hidden_size
+        params = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        if self.attention_bias:
+            params += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            params += 2 * self.head_dim
+        return params
+
+    def mlp_params(self) -> int:
+        """SwiGLU: gate and up (h→I), down (I→h), no bias."""
+        return 3 * self.hidden_size * self.intermediate_size
+
+    def layer_params(self) -> int:
+        """One decoder layer: attention + MLP + two RMSNorm weight vectors."""
+        return self.attention_params() + self.mlp_params() + 2 * self.hidden_size
+
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def head_params(self) -> int:
+        """Output head weights stored separately from the embedding (0 when tied)."""
+        if self.head is Head.VALUE:
+            return self.hidden_size  # score = Linear(h, 1, bias=False), as in *ForSequenceClassification
+        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+
+    def param_count(self) -> int:
+        """Exact number of parameters (what the safetensors index sums to)."""
+        return (
+            self.embedding_params()
+            + self.num_hidden_layers * self.layer_params()
+            + self.hidden_size  # final norm
+            + self.head_params()
+        )
+
+    def non_embedding_params(self) -> int:
+        """Parameters outside the embedding and an untied LM head (the model cards' convention)."""
+        untied_lm_head = self.head_params() if self.head is Head.LM else 0
+        return self.param_count() - self.embedding_params() - untied_lm_head
+
+    # ---------------------------------------------------------------- compute
+    def head_matmul_params(self) -> int:
+        """Weights the head multiplies per token (a tied LM head still does the V×h matmul)."""
+        if self.head is Head.VALUE:
+            return self.hidden_size
+        return self.vocab_size * self.hidden_size
+
+    def matmul_params(self) -> int:
+        """Parameters used in a matmul per token: all linear layers and the head, not the embedding."""
+        layer = self.hidden_size * (2 * self.q_size + 2 * self.kv_size) + self.mlp_params()
+        return self.num_hidden_layers * layer + self.head_matmul_params()
+
+    def attention_flops_per_context_token(self) -> int:
+        """Forward FLOPs a token spends per attended token: QKᵀ and AV, 2·nh·hd each, per layer."""
+        return 4 * self.num_hidden_layers * self.q_size
+
+    def forward_flops_per_token(self, context: float) -> float:
+        """Forward FLOPs of one token attending ``context`` tokens.
+
+        Source: Kaplan et al. 2020, Tab. 1 (2N + 2·n_layer·n_ctx·d_attn), with the attention term
+        counted for both QKᵀ and AV and with GQA (K/V projections sized by the KV heads).
+        """
+        return 2.0 * self.matmul_params() + self.attention_flops_per_context_token() * context
+
+    def sequence_forward_flops(self, length: float) -> float:
+        """Forward FLOPs of a causal pass over ``length`` tokens (mean context (length+1)/2)."""
+        return length * self.forward_flops_per_token((length + 1.0) / 2.0)
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """KV cache per token for the whole model: K and V, every layer, every KV head."""
+        return 2 * self.num_hidden_layers * self.kv_size * dtype_bytes

@@ -1,0 +1,135 @@
+"""Strict mapping → frozen dataclass conversion for YAML and JSON configs.
+
+Unknown keys are refused, types are checked (bool is not an int, an int is accepted as a float),
+and every error names the file, the dotted key and the expected type, in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from nereus.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    """Read a YAML file whose top level must be a mapping."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}:{where} is not valid YAML") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "one of " + "|".join(str(m.value) for m in tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        args = typing.get_args(tp)
+        return f"list of {_type_name(args[0])}"
+    if origin is dict:
+        _, val = typing.get_args(tp)
+        return f"mapping of {_type_name(val)}"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _fail(source: str, key: str, tp: Any, value: Any) -> ConfigError:
+    return ConfigError(f"{source}: key '{key}': expected {_type_name(tp)}, got {value!r}")
+
+
+def _convert(value: Any, tp: Any, source: str, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _convert(value, arg, source, key)
+            except ConfigError:
+                continue
+        raise _fail(source, key, tp, value)
+    if tp is type(None):
+        if value is None:
+            return None
+        raise _fail(source, key, tp, value)
+    if origin is tuple:
+        (item_tp, *_) = typing.get_args(tp)
+        if not isinstance(value, list | tuple):
+            raise _fail(source, key, tp, value)
+        return tuple(_convert(v, item_tp, source, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        key_tp, val_tp = typing.get_args(tp)
+        if not isinstance(value, Mapping):
+            raise _fail(source, key, tp, value)
+        return {
+            _convert(k, key_tp, source, key): _convert(v, val_tp, source, f"{key}.{k}")
+            for k, v in value.items()
+        }
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        if not isinstance(value, Mapping):
+            raise _fail(source, key, tp, value)
+        return build(tp, value, source, prefix=f"{key}.")
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            raise _fail(source, key, tp, value) from None
+    if tp is bool and isinstance(value, bool):
+        return value
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if tp is str and isinstance(value, str):
+        return value
+    if tp is Any:
+        return value
+    raise _fail(source, key, tp, value)
+
+
+def build(cls: type[T], data: Mapping[str, Any], source: str, prefix: str = "") -> T:
+    """Build dataclass ``cls`` from ``data``.
+
+    ``source`` names where the data came from (a file path, a CLI flag); ``prefix`` is the dotted
+    path of ``data`` inside it. Errors read ``<source>: key '<dotted.key>': <problem>``.
+    """
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    unknown = sorted(str(k) for k in set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown key '{prefix}{unknown[0]}' (allowed: {', '.join(sorted(fields))})"
+        )
+    kwargs: dict[str, Any] = {}
+    for name, field in fields.items():
+        if name in data:
+            kwargs[name] = _convert(data[name], hints[name], source, prefix + name)
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{source}: missing key '{prefix}{name}' (expected {_type_name(hints[name])})")
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:
+        where = f" '{prefix.rstrip('.')}'" if prefix else ""
+        raise ConfigError(f"{source}:{where} {exc}") from None

@@ -1,0 +1,247 @@
+"""WorkloadSpec and Workflow: which model-stages an RL algorithm runs, on how much data.
+
+A workflow is data: model-stages (a model role at a stage) and the dependency edges between them.
+Defaults follow architecture.md §3:
+
+* PPO:   actor.gen → {actor.inf, ref.inf, reward.inf, critic.inf} → {actor.train, critic.train}
+* GRPO:  no critic; G samples per prompt, advantages normalised within each group
+* ReMax: no critic; one extra greedy rollout per prompt whose reward is the baseline
+
+and after training, weight syncs actor.train ⇒ actor.gen, actor.inf (and critic.train ⇒ critic.inf).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+from nereus.spec.model import Head
+from nereus.spec.schema import build, load_yaml
+
+
+class Algorithm(StrEnum):
+    PPO = "ppo"
+    GRPO = "grpo"
+    REMAX = "remax"
+
+
+class Stage(StrEnum):
+    GEN = "gen"
+    INF = "inf"
+    TRAIN = "train"
+
+
+STAGE_ORDER: tuple[Stage, ...] = (Stage.GEN, Stage.INF, Stage.TRAIN)
+
+
+class Role(StrEnum):
+    ACTOR = "actor"
+    CRITIC = "critic"
+    REF = "ref"
+    REWARD = "reward"
+
+
+class Recompute(StrEnum):
+    NONE = "none"
+    SELECTIVE = "selective"  # recompute core attention (Korthikanti et al. 2022 §4)
+    FULL = "full"  # keep only each layer's input
+
+
+class Precision(StrEnum):
+    BF16_MIXED = "bf16-mixed"  # bf16 params/activations, fp32 master weights, grads, Adam state
+    FP32 = "fp32"
+
+
+class ExecutionMode(StrEnum):
+    SYNC = "sync"  # gen, inf, train one after another on a shared pool
+    ASYNC = "async"  # gen on its own GPUs, overlapping inf+train; a step = one weight sync
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStage:
+    """One model at one stage, e.g. ``actor.gen``; processes ``rollouts_per_prompt`` per prompt."""
+
+    name: str
+    role: Role
+    stage: Stage
+    rollouts_per_prompt: int
+
+    def __post_init__(self) -> None:
+        if self.name != f"{self.role.value}.{self.stage.value}":
+            raise ValueError(f"model-stage name must be '<role>.<stage>', got {self.name!r}")
+        if self.rollouts_per_prompt <= 0:
+            raise ValueError(f"{self.name}: rollouts_per_prompt must be positive")
+        if self.stage is Stage.GEN and self.role is not Role.ACTOR:
+            raise ValueError(f"{self.name}: only the actor generates")
+        if self.stage is Stage.TRAIN and self.role not in (Role.ACTOR, Role.CRITIC):
+            raise ValueError(f"{self.name}: only the actor and the critic train")
+
+    @property
+    def head(self) -> Head:
+        return Head.VALUE if self.role in (Role.CRITIC, Role.REWARD) else Head.LM
+
+
+@dataclass(frozen=True, slots=True)
+class Workflow:
+    """Model-stages, data-dependency edges, and end-of-step weight syncs (trainer ⇒ receiver)."""
+
+    algorithm: Algorithm
+    model_stages: tuple[ModelStage, ...]
+    edges: tuple[tuple[str, str], ...]
+    weight_syncs: tuple[tuple[str, str], ...]
+
+    def __post_init__(self) -> None:
+        names = [m.name for m in self.model_stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate model-stage names in {names}")
+        known = {m.name: m for m in self.model_stages}
+        order = {s: i for i, s in enumerate(STAGE_ORDER)}
+        for src, dst in self.edges:
+            for end in (src, dst):
+                if end not in known:
+                    raise ValueError(f"edge {src}→{dst}: unknown model-stage {end!r}")
+            if order[known[src].stage] >= order[known[dst].stage]:
+                raise ValueError(
+                    f"edge {src}→{dst} must go to a later stage (model-stages of one stage run concurrently)"
+                )
+        for src, dst in self.weight_syncs:
+            if src not in known or dst not in known:
+                raise ValueError(f"weight sync {src}⇒{dst}: unknown model-stage")
+            if known[src].stage is not Stage.TRAIN or known[dst].stage is Stage.TRAIN:
+                raise ValueError(f"weight sync {src}⇒{dst} must go from a trainer to a non-trainer")
+            if known[src].role is not known[dst].role:
+                raise ValueError(f"weight sync {src}⇒{dst} must stay within one model")
+
+    def get(self, name: str) -> ModelStage:
+        for m in self.model_stages:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def by_stage(self, stage: Stage) -> tuple[ModelStage, ...]:
+        return tuple(m for m in self.model_stages if m.stage is stage)
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        return tuple(s for s in STAGE_ORDER if self.by_stage(s))
+
+    @property
+    def roles(self) -> tuple[Role, ...]:
+        return tuple(dict.fromkeys(m.role for m in self.model_stages))
+
+    def sync_source(self, receiver: str) -> str | None:
+        """The trainer whose weights ``receiver`` loads at the step boundary, if any."""
+        for src, dst in self.weight_syncs:
+            if dst == receiver:
+                return src
+        return None
+
+
+def default_workflow(algorithm: Algorithm, samples_per_prompt: int, reward_model: bool) -> Workflow:
+    """The model-stages and edges of ``algorithm`` (architecture.md §3)."""
+    g = samples_per_prompt
+    greedy = 1 if algorithm is Algorithm.REMAX else 0  # ReMax: one greedy rollout per prompt
+    gen = [ModelStage("actor.gen", Role.ACTOR, Stage.GEN, g + greedy)]
+    inf = [
+        ModelStage("actor.inf", Role.ACTOR, Stage.INF, g),  # old log-probs
+        ModelStage("ref.inf", Role.REF, Stage.INF, g),
+    ]
+    if reward_model:
+        inf.append(ModelStage("reward.inf", Role.REWARD, Stage.INF, g + greedy))
+    train = [ModelStage("actor.train", Role.ACTOR, Stage.TRAIN, g)]
+    syncs = [("actor.train", "actor.gen"), ("actor.train", "actor.inf")]
+    if algorithm is Algorithm.PPO:
+        inf.append(ModelStage("critic.inf", Role.CRITIC, Stage.INF, g))
+        train.append(ModelStage("critic.train", Role.CRITIC, Stage.TRAIN, g))
+        syncs.append(("critic.train", "critic.inf"))
+    edges = [(gen[0].name, m.name) for m in inf] + [(i.name, t.name) for i in inf for t in train]
+    return Workflow(algorithm, tuple(gen + inf + train), tuple(edges), tuple(syncs))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkloadSpec:
+    """How much an RL step processes and how the trainers are configured."""
+
+    name: str
+    algorithm: Algorithm
+    mode: ExecutionMode = ExecutionMode.SYNC
+    prompts_per_step: int = 512
+    samples_per_prompt: int = 1
+    prompt_len: int = 512  # mean prompt tokens
+    max_prompt_len: int = 1024
+    max_response_len: int = 8192
+    global_batch: int = 128  # sequences per optimizer update, = dp × micro_batch × grad-accum
+    micro_batch: int = 4  # largest per-replica micro-batch of a trainer
+    inference_micro_batch: int = 16  # per-replica micro-batch of inf model-stages
+    max_num_seqs: int = 256  # most concurrent sequences per generation replica (vLLM)
+    epochs: int = 1  # passes over a step's samples (PPO epochs)
+    precision: Precision = Precision.BF16_MIXED
+    recompute: Recompute = Recompute.NONE
+    sequence_parallel: bool = True
+    flash_attention: bool = True
+    reward_model: bool = True  # False: rule-based verifier, no reward.inf model-stage
+    models: dict[str, str] = field(default_factory=dict)  # role → model; absent roles: the job's
+
+    def __post_init__(self) -> None:
+        for name, kind in (
+            ("algorithm", Algorithm),
+            ("mode", ExecutionMode),
+            ("precision", Precision),
+            ("recompute", Recompute),
+        ):
+            try:  # accept the enum's value too (dataclasses.replace, Python callers)
+                object.__setattr__(self, name, kind(getattr(self, name)))
+            except ValueError:
+                allowed = ", ".join(k.value for k in kind)
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}") from None
+        for name in (
+            "prompts_per_step",
+            "samples_per_prompt",
+            "prompt_len",
+            "max_prompt_len",
+            "max_response_len",
+            "global_batch",
+            "micro_batch",
+            "inference_micro_batch",
+            "max_num_seqs",
+            "epochs",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.prompt_len > self.max_prompt_len:
+            raise ValueError(f"prompt_len {self.prompt_len} exceeds max_prompt_len {self.max_prompt_len}")
+        if self.algorithm is Algorithm.GRPO and self.samples_per_prompt < 2:
+            raise ValueError("samples_per_prompt must be at least 2 for grpo (group baseline)")
+        if self.sequences_per_step % self.global_batch:
+            raise ValueError(
+                f"global_batch {self.global_batch} must divide the sequences per step "
+                f"{self.sequences_per_step} (prompts_per_step × samples_per_prompt)"
+            )
+        roles = {r.value for r in Role}
+        for role in self.models:
+            if role not in roles:
+                raise ValueError(f"models: unknown role {role!r} (allowed: {', '.join(sorted(roles))})")
+
+    @classmethod
+    def from_yaml(cls, path: Path) -> WorkloadSpec:
+        data = load_yaml(path)
+        data.setdefault("name", path.stem)
+        return build(cls, data, str(path))
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates per RL step: mini-batches of ``global_batch`` × epochs."""
+        return math.ceil(self.sequences_per_step / self.global_batch) * self.epochs
+
+    def workflow(self) -> Workflow:
+        return default_workflow(self.algorithm, self.samples_per_prompt, self.reward_model)
+
+    def sequences(self, model_stage: ModelStage) -> int:
+        """Sequences ``model_stage`` processes per step."""
+        return self.prompts_per_step * model_stage.rollouts_per_prompt
