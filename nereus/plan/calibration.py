@@ -6,9 +6,10 @@ JSON file keyed by cluster name so another job (or another model) on that cluste
 
 Estimator (our choice; the paper leaves it open, paper-notes §5.3): per class, a window of the
 latest samples (ideal seconds at η = 1, measured seconds); samples whose ratio lies more than
-3 scaled MADs from the median are dropped; η = Σ ideal / Σ measured over the rest, clipped to
-[0.01, 1]. Memory: per stage, the ratio measured/predicted peak; the correction is the median
-plus two scaled MADs (an upper estimate, so feasibility stays conservative), clipped to [0.5, 4].
+3 scaled MADs (at least 5% of the median) from the median are dropped; η = Σ ideal / Σ measured
+over the rest, clipped to [0.01, 1]. Memory: per stage, the ratio measured/predicted peak; the
+correction is the median plus two scaled MADs (an upper estimate, so feasibility stays
+conservative), clipped to [0.5, 4].
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from nereus.spec.workload import Stage
 
 FORMAT_VERSION = 1
 MAD_SCALE = 1.4826  # MAD → standard deviation for normal data
+RELATIVE_FLOOR = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,12 +74,15 @@ class Efficiencies:
 
 
 def _inliers(ratios: list[float]) -> list[int]:
-    """Indices of ratios within 3 scaled MADs of the median (all of them if MAD is 0)."""
+    """Indices of ratios within 3 robust deviations of the median.
+
+    The deviation is the scaled MAD, floored at 5% of the median so that a run of identical
+    samples still rejects a straggler.
+    """
     med = statistics.median(ratios)
     mad = statistics.median(abs(r - med) for r in ratios) * MAD_SCALE
-    if mad == 0:
-        return list(range(len(ratios)))
-    return [i for i, r in enumerate(ratios) if abs(r - med) <= 3 * mad]
+    scale = max(mad, RELATIVE_FLOOR * abs(med))
+    return [i for i, r in enumerate(ratios) if abs(r - med) <= 3 * scale]
 
 
 class CalibrationStore:

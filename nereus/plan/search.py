@@ -194,9 +194,18 @@ def binding_constraint(problem: PlanningProblem, tables: dict[str, CandidateTabl
             f"at tp·pp ≤ {max(s.layout.size for s in t.shapes)} ({t.shapes[i]}); capacity "
             f"{cap:.1f} GiB after {problem.headroom:.0%} headroom on {problem.cluster.name}"
         )
+    wf = problem.workflow
+    min_gpus = {s: sum(int(tables[m.name].gpus.min()) for m in wf.by_stage(s)) for s in wf.stages}
+    gen_apart = problem.workload.mode is ExecutionMode.ASYNC
+    for s, alone in min_gpus.items():
+        need = alone + (min_gpus.get(Stage.GEN, 0) if gen_apart and s is not Stage.GEN else 0)
+        if need > problem.gpus:
+            what = f"stage {s.value}" + (" beside generation (async)" if gen_apart else "")
+            return f"{what} needs ≥ {need} GPUs for its concurrent model-stages; the pool has {problem.gpus}"
     return (
-        f"model-stages fit alone but not together: co-resident state of idle model-stages exceeds "
-        f"{cap:.1f} GiB per GPU after headroom on {problem.gpus} GPUs of {problem.cluster.name}"
+        f"model-stages fit alone but not together: with the idle state of other stages co-resident, "
+        f"no combination stays under {cap:.1f} GiB per GPU after {problem.headroom:.0%} headroom "
+        f"on {problem.gpus} GPUs of {problem.cluster.name}"
     )
 
 

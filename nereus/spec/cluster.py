@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from nereus.spec.schema import build, load_yaml
+from nereus.spec.schema import build, coerce_enums, load_yaml
 
 GIB = 1024**3
 
@@ -51,6 +51,7 @@ class ClusterSpec:
     runtime_reserved_gib: float = 1.0  # driver context, collective buffers, allocator slack
 
     def __post_init__(self) -> None:
+        coerce_enums(self, vendor=Vendor, collective_library=CollectiveLibrary)
         for name in ("nodes", "gpus_per_node"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

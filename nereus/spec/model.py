@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from nereus.errors import ConfigError
-from nereus.spec.schema import build, load_yaml
+from nereus.spec.schema import build, coerce_enums, load_yaml
 
 
 class ModelFamily(StrEnum):
@@ -54,6 +54,7 @@ class ModelSpec:
     hf_repo: str = ""  # where the official weights live, for reference
 
     def __post_init__(self) -> None:
+        coerce_enums(self, family=ModelFamily, head=Head)
         for name in (
             "hidden_size",
             "num_hidden_layers",

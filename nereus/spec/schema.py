@@ -38,6 +38,17 @@ def load_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
+def coerce_enums(obj: object, **fields: type[enum.Enum]) -> None:
+    """In ``__post_init__``: turn enum values given as plain strings into members (or fail clearly)."""
+    for name, kind in fields.items():
+        value = getattr(obj, name)
+        try:
+            object.__setattr__(obj, name, kind(value))
+        except ValueError:
+            allowed = ", ".join(str(k.value) for k in kind)
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}") from None
+
+
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):

@@ -18,7 +18,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from nereus.spec.model import Head
-from nereus.spec.schema import build, load_yaml
+from nereus.spec.schema import build, coerce_enums, load_yaml
 
 
 class Algorithm(StrEnum):
@@ -185,17 +185,7 @@ class WorkloadSpec:
     models: dict[str, str] = field(default_factory=dict)  # role → model; absent roles: the job's
 
     def __post_init__(self) -> None:
-        for name, kind in (
-            ("algorithm", Algorithm),
-            ("mode", ExecutionMode),
-            ("precision", Precision),
-            ("recompute", Recompute),
-        ):
-            try:  # accept the enum's value too (dataclasses.replace, Python callers)
-                object.__setattr__(self, name, kind(getattr(self, name)))
-            except ValueError:
-                allowed = ", ".join(k.value for k in kind)
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}") from None
+        coerce_enums(self, algorithm=Algorithm, mode=ExecutionMode, precision=Precision, recompute=Recompute)
         for name in (
             "prompts_per_step",
             "samples_per_prompt",

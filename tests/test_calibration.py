@@ -1,0 +1,92 @@
+"""Calibration: robust per-class efficiencies, memory factors, JSON persistence keyed by cluster."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nereus.errors import ConfigError
+from nereus.plan.calibration import CalibrationStore, Efficiencies, Measurement
+from nereus.plan.opclass import PRIOR_EFFICIENCY, OpClass
+from nereus.spec import Stage
+
+
+def test_priors_until_measured() -> None:
+    store = CalibrationStore("h200-ib")
+    assert store.efficiencies().eta == PRIOR_EFFICIENCY
+    assert store.efficiency(OpClass.GEMM) == PRIOR_EFFICIENCY[OpClass.GEMM]
+
+
+def test_fit_recovers_efficiency_and_ignores_outliers() -> None:
+    store = CalibrationStore("h200-ib")
+    ideal = [0.1, 0.2, 0.4, 0.8, 1.6, 0.3]
+    store.update(Measurement(OpClass.GEMM, t, t / 0.72) for t in ideal)
+    assert store.efficiency(OpClass.GEMM) == pytest.approx(0.72)
+    store.update([Measurement(OpClass.GEMM, 0.5, 50.0)])  # one straggler step
+    assert store.efficiency(OpClass.GEMM) == pytest.approx(0.72)
+    # other classes untouched
+    assert store.efficiency(OpClass.ALLREDUCE_INTER) == PRIOR_EFFICIENCY[OpClass.ALLREDUCE_INTER]
+
+
+def test_window_forgets_old_samples() -> None:
+    store = CalibrationStore("x", window=4)
+    store.update(Measurement(OpClass.MEMORY, 1.0, 2.0) for _ in range(4))
+    store.update(Measurement(OpClass.MEMORY, 1.0, 1.25) for _ in range(4))
+    assert store.efficiency(OpClass.MEMORY) == pytest.approx(0.8)
+    assert store.sample_count(OpClass.MEMORY) == 4
+
+
+def test_efficiency_clipped_to_unit_interval() -> None:
+    store = CalibrationStore("x")
+    store.update([Measurement(OpClass.GEMM, 2.0, 1.0)])  # faster than peak: mis-specified peak
+    assert store.efficiency(OpClass.GEMM) == 1.0
+
+
+def test_memory_correction_is_conservative() -> None:
+    store = CalibrationStore("x")
+    for ratio in (1.10, 1.12, 1.08, 1.11, 1.09):
+        store.update_memory(Stage.TRAIN, 100.0, 100.0 * ratio)
+    factor = store.memory_factor(Stage.TRAIN)
+    assert 1.10 <= factor <= 1.16  # median plus a robust spread, not the mean
+    assert store.memory_factor(Stage.GEN) == 1.0
+    assert store.efficiencies().memory(Stage.TRAIN) == factor
+
+
+def test_save_load_roundtrip_and_clusters_kept_apart(tmp_path: Path) -> None:
+    path = tmp_path / "cal" / "calibration.json"
+    a = CalibrationStore("h200-ib")
+    a.update([Measurement(OpClass.GEMM, 1.0, 1.5)])
+    a.update_memory(Stage.INF, 10.0, 12.0)
+    a.save(path)
+    b = CalibrationStore("mi250x-slingshot")
+    b.update([Measurement(OpClass.GEMM, 1.0, 4.0)])
+    b.save(path)
+    assert sorted(json.loads(path.read_text())["clusters"]) == ["h200-ib", "mi250x-slingshot"]
+    again = CalibrationStore.load(path, "h200-ib")
+    assert again.efficiency(OpClass.GEMM) == pytest.approx(1 / 1.5)
+    assert again.memory_factor(Stage.INF) == pytest.approx(1.2)
+    assert CalibrationStore.load(path, "mi250x-slingshot").efficiency(OpClass.GEMM) == 0.25
+    assert CalibrationStore.load(path, "unknown").efficiencies().eta == PRIOR_EFFICIENCY
+    assert [p.name for p in path.parent.iterdir()] == ["calibration.json"]  # no temp files left
+
+
+def test_malformed_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="cannot read calibration JSON"):
+        CalibrationStore.load(path, "x")
+    path.write_text(json.dumps({"format": 99, "clusters": {}}))
+    with pytest.raises(ConfigError, match="key 'format'"):
+        CalibrationStore.load(path, "x")
+    path.write_text(json.dumps({"format": 1, "clusters": {"x": {"window": 8, "samples": {"gemm": [[1]]}}}}))
+    with pytest.raises(ConfigError, match="malformed calibration"):
+        CalibrationStore.load(path, "x")
+
+
+def test_values_are_validated() -> None:
+    with pytest.raises(ValueError):
+        Measurement(OpClass.GEMM, 0.0, 1.0)
+    with pytest.raises(ValueError, match="efficiency of gemm"):
+        Efficiencies(eta={**PRIOR_EFFICIENCY, OpClass.GEMM: 1.5})

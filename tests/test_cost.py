@@ -1,0 +1,96 @@
+"""Cost model: collective and compute formulas by hand, and the directions a planner relies on."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import MappingProxyType
+
+import numpy as np
+import pytest
+
+from nereus.plan.calibration import Efficiencies
+from nereus.plan.cost import CostModel, Links
+from nereus.plan.layout import Layout
+from nereus.plan.opclass import PRIOR_EFFICIENCY, Collective, Link, OpClass
+from nereus.spec import load_cluster
+from tests.helpers import make_problem
+
+
+def test_ring_collectives_by_hand() -> None:
+    c = load_cluster("h200-ib")
+    links = Links(c, Efficiencies())
+    eta = PRIOR_EFFICIENCY[OpClass.ALLREDUCE_INTRA]
+    got = links.collective(Collective.ALLREDUCE, Link.INTRA, 4, 1e9)
+    assert float(got) == pytest.approx(2 * 3 / 4 * 1e9 / (eta * 450e9) + 6 * 2e-6)
+    eta = PRIOR_EFFICIENCY[OpClass.ALLGATHER_INTER]
+    got = links.collective(Collective.ALLGATHER, Link.INTER, 8, 8e8)
+    assert float(got) == pytest.approx(7 / 8 * 8e8 / (eta * 3.125e9) + 7 * 10e-6)
+    assert float(links.collective(Collective.BROADCAST, Link.INTRA, 1, 1e9)) == 0.0
+    assert links.link_for(8) is Link.INTRA and links.link_for(9) is Link.INTER
+
+
+def test_compute_uses_class_efficiency() -> None:
+    c = load_cluster("h200-ib")
+    links = Links(c, Efficiencies())
+    t = links.compute(1e15, 0.0)
+    assert float(t) == pytest.approx(1e15 / (PRIOR_EFFICIENCY[OpClass.GEMM] * 989e12))
+
+
+def _latency(problem, name: str, layout: Layout, dp: int, micro: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    cost = CostModel(problem)
+    terms, _ = cost.evaluate(problem.workflow.get(name), layout, np.array([dp]), np.array([micro]))
+    return {k: float(np.ravel(v)[0]) for k, v in terms.terms.items()}
+
+
+def test_more_replicas_finish_sooner() -> None:
+    p = make_problem()
+    one = sum(_latency(p, "ref.inf", Layout(1, 1), 1, 16).values())
+    four = sum(_latency(p, "ref.inf", Layout(1, 1), 4, 16).values())
+    assert four == pytest.approx(one / 4, rel=0.02)
+    gen1 = sum(_latency(p, "actor.gen", Layout(2, 1), 1, 256).values())
+    gen4 = sum(_latency(p, "actor.gen", Layout(2, 1), 4, 256).values())
+    assert gen4 < gen1
+
+
+def test_terms_present_where_they_belong() -> None:
+    p = make_problem()
+    train = _latency(p, "actor.train", Layout(2, 2), 2, 4)
+    assert set(train) == {"compute", "tp_comm", "pp_comm", "bubble", "dp_sync", "optimizer"}
+    assert all(v > 0 for v in train.values())
+    single = _latency(p, "actor.train", Layout(1, 1), 1, 4)
+    assert single["tp_comm"] == single["pp_comm"] == single["bubble"] == single["dp_sync"] == 0
+    assert "weight_sync" in _latency(p, "actor.gen", Layout(1, 1), 1, 8)
+    assert "weight_sync" in _latency(p, "critic.inf", Layout(1, 1), 1, 8)
+    assert "weight_sync" not in _latency(p, "ref.inf", Layout(1, 1), 1, 8)
+
+
+def test_pipeline_bubble_follows_1f1b() -> None:
+    p = make_problem()
+    t = _latency(p, "actor.train", Layout(1, 4), 1, 4)
+    slots_per_update = 128 // 4  # micro-batches per replica per update
+    # bubble = (pp − 1) slots, the rest are m slots: ratio (p − 1) / m (Narayanan et al. 2021)
+    per_slot = (t["compute"] + t["tp_comm"] + t["pp_comm"]) / slots_per_update
+    assert t["bubble"] == pytest.approx(3 * per_slot)
+
+
+def test_doubling_efficiency_halves_bandwidth_terms() -> None:
+    p = make_problem()
+    fast = dataclasses.replace(
+        p,
+        efficiencies=Efficiencies(
+            eta=MappingProxyType({k: min(1.0, 2 * v) for k, v in PRIOR_EFFICIENCY.items()})
+        ),
+    )
+    base = _latency(p, "ref.inf", Layout(1, 1), 2, 16)
+    quick = _latency(fast, "ref.inf", Layout(1, 1), 2, 16)
+    assert quick["compute"] == pytest.approx(base["compute"] / 2)
+
+
+def test_longer_responses_cost_more_time_and_memory() -> None:
+    short, long = make_problem(response=1024), make_problem(response=4096)
+    for name, lay, micro in (("actor.gen", Layout(2, 1), 64), ("actor.train", Layout(2, 2), 4)):
+        ms = short.workflow.get(name)
+        a_t, a_m = CostModel(short).evaluate(ms, lay, np.array([2]), np.array([micro]))
+        b_t, b_m = CostModel(long).evaluate(ms, lay, np.array([2]), np.array([micro]))
+        assert float(b_t.total[0]) > 2 * float(a_t.total[0])
+        assert float(b_m.active[0]) > float(a_m.active[0])

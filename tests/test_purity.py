@@ -1,0 +1,41 @@
+"""Pure packages import no side-effect modules; the planner does not even import torch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import nereus
+
+PURE = ("spec", "plan")
+FORBIDDEN = ("torch.distributed", "subprocess", "submitit")
+ROOT = Path(nereus.__file__).parent
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def test_pure_packages_import_no_side_effect_modules() -> None:
+    files = [f for pkg in PURE for f in (ROOT / pkg).rglob("*.py")]
+    assert files
+    for f in files:
+        bad = sorted(n for n in _imports(f) if any(n == b or n.startswith(b + ".") for b in FORBIDDEN))
+        assert not bad, f"{f.relative_to(ROOT.parent)} imports {bad}"
+
+
+def test_planner_cli_does_not_load_torch() -> None:
+    code = "import sys, nereus.cli, nereus.plan, nereus.spec; print('torch' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.stdout.strip() == "False", out.stderr
