@@ -20,12 +20,12 @@ def test_ring_collectives_by_hand() -> None:
     c = load_cluster("h200-ib")
     links = Links(c, Efficiencies())
     eta = PRIOR_EFFICIENCY[OpClass.ALLREDUCE_INTRA]
-    got = links.collective(Collective.ALLREDUCE, Link.INTRA, 4, 1e9)
+    got = links.collective(Collective.ALLREDUCE, 4, 4, 1e9)  # 4 GPUs inside a node
     assert float(got) == pytest.approx(2 * 3 / 4 * 1e9 / (eta * 450e9) + 6 * 2e-6)
     eta = PRIOR_EFFICIENCY[OpClass.ALLGATHER_INTER]
-    got = links.collective(Collective.ALLGATHER, Link.INTER, 8, 8e8)
+    got = links.collective(Collective.ALLGATHER, 64, 8, 8e8)  # 8 ranks spread over nodes
     assert float(got) == pytest.approx(7 / 8 * 8e8 / (eta * 3.125e9) + 7 * 10e-6)
-    assert float(links.collective(Collective.BROADCAST, Link.INTRA, 1, 1e9)) == 0.0
+    assert float(links.collective(Collective.BROADCAST, 1, 1, 1e9)) == 0.0
     assert links.link_for(8) is Link.INTRA and links.link_for(9) is Link.INTER
 
 

@@ -10,14 +10,18 @@ from nereus.plan.memory import (
     generation_memory,
     inference_memory,
     layer_activation_bytes,
-    layer_params_per_rank,
-    stage_params,
     trainer_memory,
 )
+from nereus.plan.replica import ReplicaFacts, layer_params_per_rank, stage_params
 from nereus.spec import Head, ModelFamily, ModelSpec, Precision, Recompute, load_model
+
 
 # A GPT-shaped model in SwiGLU clothing: MHA (kv heads = heads), I = 8h/3 so 3I = 8h like a 4h GeLU
 # MLP's two saved tensors. Korthikanti's per-layer bytes without dropout masks then apply exactly.
+def one(values: np.ndarray) -> float:
+    return float(np.ravel(values)[0])
+
+
 GPT_LIKE = ModelSpec(
     name="gpt-like",
     family=ModelFamily.LLAMA,
@@ -35,17 +39,19 @@ GPT_LIKE = ModelSpec(
 def test_activations_match_korthikanti_without_dropout(tp: int, sp: bool) -> None:
     s, b, h, a = 128, 3, 96, 4
     tokens = np.asarray(float(s * b))
-    got = layer_activation_bytes(GPT_LIKE, tp, tokens, s, Recompute.NONE, sp, flash=False)
+    got = layer_activation_bytes(GPT_LIKE, np.asarray(float(tp)), tokens, s, Recompute.NONE, sp, flash=False)
     # Korthikanti Tab. 2: sbh(34/t + 5as/(ht)) with SP, sbh(10 + 24/t + 5as/(ht)) without;
     # dropping the dropout masks (2sbh replicated, as·sb in the score term) leaves 32/t, 8 + 24/t, 4as.
     linear = 32 / tp if sp else 8 + 24 / tp
     expected = s * b * h * (linear + 4 * a * s / (h * tp))
     assert float(got) == pytest.approx(expected)
     # fused (flash) attention and selective recompute drop the score matrices
-    flash = layer_activation_bytes(GPT_LIKE, tp, tokens, s, Recompute.NONE, sp, flash=True)
-    selective = layer_activation_bytes(GPT_LIKE, tp, tokens, s, Recompute.SELECTIVE, sp, flash=False)
+    flash = layer_activation_bytes(GPT_LIKE, np.asarray(float(tp)), tokens, s, Recompute.NONE, sp, flash=True)
+    selective = layer_activation_bytes(
+        GPT_LIKE, np.asarray(float(tp)), tokens, s, Recompute.SELECTIVE, sp, flash=False
+    )
     assert float(flash) == float(selective) == pytest.approx(s * b * h * linear)
-    full = layer_activation_bytes(GPT_LIKE, tp, tokens, s, Recompute.FULL, sp, flash=False)
+    full = layer_activation_bytes(GPT_LIKE, np.asarray(float(tp)), tokens, s, Recompute.FULL, sp, flash=False)
     assert float(full) == pytest.approx(2 * s * b * h / (tp if sp else 1))
 
 
@@ -73,57 +79,97 @@ def test_trainer_bytes_per_parameter_and_1f1b_in_flight() -> None:
     lay = Layout(1, 4)
     params = stage_params(m, lay)[0]  # stage 0 peaks: embedding + 4 micro-batches in flight
     mem = trainer_memory(
-        m, lay, np.asarray(2.0), np.asarray(8.0), 1024, Precision.BF16_MIXED, Recompute.NONE, True, True
+        m,
+        ReplicaFacts.of(m, [lay]),
+        np.asarray(2.0),
+        np.asarray(8.0),
+        1024,
+        Precision.BF16_MIXED,
+        Recompute.NONE,
+        True,
+        True,
     )
-    assert float(mem.params) == pytest.approx(2 * params)  # bf16 weights
-    assert float(mem.optimizer) == pytest.approx(12 * params)  # fp32 master + Adam m, v
-    assert float(mem.grads) == pytest.approx(4 * params)  # fp32 main grads
-    per_layer = float(layer_activation_bytes(m, 1, np.asarray(2048.0), 1024, Recompute.NONE, True, True))
+    assert one(mem.params) == pytest.approx(2 * params)  # bf16 weights
+    assert one(mem.optimizer) == pytest.approx(12 * params)  # fp32 master + Adam m, v
+    assert one(mem.grads) == pytest.approx(4 * params)  # fp32 main grads
+    per_layer = float(
+        layer_activation_bytes(m, np.asarray(1.0), np.asarray(2048.0), 1024, Recompute.NONE, True, True)
+    )
     # stage 0 of pp 4 holds 4 micro-batches of its 8 layers under 1F1B (the peak stage here)
-    assert float(mem.activations) == pytest.approx(4 * 8 * per_layer)
+    assert one(mem.activations) == pytest.approx(4 * 8 * per_layer)
     few = trainer_memory(
-        m, lay, np.asarray(2.0), np.asarray(2.0), 1024, Precision.BF16_MIXED, Recompute.NONE, True, True
+        m,
+        ReplicaFacts.of(m, [lay]),
+        np.asarray(2.0),
+        np.asarray(2.0),
+        1024,
+        Precision.BF16_MIXED,
+        Recompute.NONE,
+        True,
+        True,
     )
-    assert float(few.activations) < float(mem.activations)  # only 2 micro-batches exist
+    assert one(few.activations) < one(mem.activations)  # only 2 micro-batches exist
     fp32 = trainer_memory(
-        m, lay, np.asarray(2.0), np.asarray(8.0), 1024, Precision.FP32, Recompute.NONE, True, True
+        m,
+        ReplicaFacts.of(m, [lay]),
+        np.asarray(2.0),
+        np.asarray(8.0),
+        1024,
+        Precision.FP32,
+        Recompute.NONE,
+        True,
+        True,
     )
-    assert float(fp32.persistent) == pytest.approx(12 * params)  # fp32 weights + Adam m, v
+    assert one(fp32.persistent) == pytest.approx(12 * params)  # fp32 weights + Adam m, v
 
 
 def test_full_recompute_saves_memory() -> None:
     m = load_model("llama-3.1-8b")
     args = (np.asarray(4.0), np.asarray(16.0), 4096, Precision.BF16_MIXED)
-    none = trainer_memory(m, Layout(2, 2), *args, Recompute.NONE, True, True)
-    full = trainer_memory(m, Layout(2, 2), *args, Recompute.FULL, True, True)
-    assert float(full.activations) < float(none.activations) / 5
+    none = trainer_memory(m, ReplicaFacts.of(m, [Layout(2, 2)]), *args, Recompute.NONE, True, True)
+    full = trainer_memory(m, ReplicaFacts.of(m, [Layout(2, 2)]), *args, Recompute.FULL, True, True)
+    assert one(full.activations) < one(none.activations) / 5
 
 
 def test_kv_cache_and_generation() -> None:
     m = load_model("llama-3.1-8b")
     conc = np.array([1.0, 64.0])
-    mem = generation_memory(m, Layout(2, 1), conc, 256, 4352, Precision.BF16_MIXED)
+    mem = generation_memory(m, ReplicaFacts.of(m, [Layout(2, 1)] * 2), conc, 256, 4352, Precision.BF16_MIXED)
     kv_per_token = 2 * 32 * 4 * 128 * 2  # K and V, 32 layers, 4 of 8 kv heads per rank, bf16
     assert np.allclose(mem.kv_cache, conc * 4352 * kv_per_token)
     assert np.all(mem.grads == 0) and np.all(mem.optimizer == 0)
-    assert float(mem.persistent[0]) == pytest.approx(2 * max(stage_params(m, Layout(2, 1))))
+    assert one(mem.persistent) == pytest.approx(2 * max(stage_params(m, Layout(2, 1))))
 
 
 def test_inference_logits_shard_with_tp() -> None:
     m = load_model("llama-3.1-8b")
-    one = inference_memory(m, Layout(1, 1), np.asarray(16.0), 4096, Precision.BF16_MIXED, True, True)
-    two = inference_memory(m, Layout(2, 1), np.asarray(16.0), 4096, Precision.BF16_MIXED, True, True)
-    logits_1 = 16 * 4096 * 128256 * 4
-    assert float(one.activations) > logits_1 and float(two.activations) < 0.6 * float(one.activations)
-    critic = inference_memory(
-        m.with_head(Head.VALUE), Layout(1, 1), np.asarray(16.0), 4096, Precision.BF16_MIXED, True, True
+    tp1 = inference_memory(
+        m, ReplicaFacts.of(m, [Layout(1, 1)]), np.asarray(16.0), 4096, Precision.BF16_MIXED, True, True
     )
-    assert float(critic.activations) < float(one.activations) - logits_1 * 0.99
+    two = inference_memory(
+        m, ReplicaFacts.of(m, [Layout(2, 1)]), np.asarray(16.0), 4096, Precision.BF16_MIXED, True, True
+    )
+    logits_1 = 16 * 4096 * 128256 * 4
+    assert one(tp1.activations) > logits_1 and one(two.activations) < 0.6 * one(tp1.activations)
+    critic = inference_memory(
+        m.with_head(Head.VALUE),
+        ReplicaFacts.of(m.with_head(Head.VALUE), [Layout(1, 1)]),
+        np.asarray(16.0),
+        4096,
+        Precision.BF16_MIXED,
+        True,
+        True,
+    )
+    assert one(critic.activations) < one(tp1.activations) - logits_1 * 0.99
 
 
 def test_memory_correction_scales_active_only() -> None:
     m = load_model("tiny-llama")
-    base = inference_memory(m, Layout(1, 1), np.asarray(4.0), 128, Precision.BF16_MIXED, True, True)
-    corr = inference_memory(m, Layout(1, 1), np.asarray(4.0), 128, Precision.BF16_MIXED, True, True, 1.5)
-    assert float(corr.active) == pytest.approx(1.5 * float(base.active))
-    assert float(corr.persistent) == float(base.persistent)
+    base = inference_memory(
+        m, ReplicaFacts.of(m, [Layout(1, 1)]), np.asarray(4.0), 128, Precision.BF16_MIXED, True, True
+    )
+    corr = inference_memory(
+        m, ReplicaFacts.of(m, [Layout(1, 1)]), np.asarray(4.0), 128, Precision.BF16_MIXED, True, True, 1.5
+    )
+    assert one(corr.active) == pytest.approx(1.5 * one(base.active))
+    assert one(corr.persistent) == one(base.persistent)

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nereus.plan.cost import CostModel, IntArray, LatencyTerms
+from nereus.plan.cost import CostModel, LatencyTerms
 from nereus.plan.layout import Layout
-from nereus.plan.memory import FloatArray, MemoryTerms
+from nereus.plan.memory import MemoryTerms
 from nereus.plan.problem import PlanningProblem
+from nereus.plan.replica import FloatArray, IntArray
 from nereus.spec.workload import ModelStage, Recompute, Stage
 
 
@@ -63,22 +64,48 @@ class Estimate:
 
 @dataclass(frozen=True, slots=True)
 class CandidateTable:
-    """The shapes of one model-stage and their GPUs, latency and per-GPU memory, as arrays."""
+    """The shapes of one model-stage and their GPUs, latency and per-GPU memory, as arrays.
+
+    Row i is layout ``layouts[layout_index[i]]``, ``dp[i]`` replicas, micro-batch ``micro_batch[i]``
+    and ``recomputes[recompute_index[i]]``.
+    """
 
     model_stage: ModelStage
-    shapes: tuple[Shape, ...]
+    layouts: tuple[Layout, ...]
+    recomputes: tuple[Recompute, ...]
+    layout_index: IntArray
+    dp: IntArray
+    micro_batch: IntArray
+    recompute_index: IntArray
     gpus: IntArray
     latency: FloatArray
     persistent: FloatArray
     active: FloatArray
 
     def __len__(self) -> int:
-        return len(self.shapes)
+        return len(self.gpus)
+
+    def shape(self, i: int) -> Shape:
+        return Shape(
+            self.layouts[int(self.layout_index[i])],
+            int(self.dp[i]),
+            int(self.micro_batch[i]),
+            self.recomputes[int(self.recompute_index[i])],
+        )
+
+    @property
+    def shapes(self) -> tuple[Shape, ...]:
+        return tuple(self.shape(i) for i in range(len(self)))
 
     def take(self, index: IntArray) -> CandidateTable:
         return CandidateTable(
             self.model_stage,
-            tuple(self.shapes[i] for i in index.tolist()),
+            self.layouts,
+            self.recomputes,
+            self.layout_index[index],
+            self.dp[index],
+            self.micro_batch[index],
+            self.recompute_index[index],
             self.gpus[index],
             self.latency[index],
             self.persistent[index],
@@ -111,68 +138,66 @@ def _powers_of_two_upto(n: int) -> list[int]:
 
 def _shape_options(
     problem: PlanningProblem, model_stage: ModelStage, layout: Layout
-) -> list[tuple[int, int]]:
-    """(dp, micro_batch) pairs for one layout, each distinct in what a replica does."""
+) -> tuple[IntArray, IntArray]:
+    """(dp, micro_batch) rows for one layout, each distinct in what a replica does."""
     w = problem.workload
-    n = w.sequences(model_stage)
     max_dp = problem.gpus // layout.size
-    pairs: list[tuple[int, int]] = []
     if model_stage.stage is Stage.TRAIN:
-        for dp in range(1, max_dp + 1):
-            if w.global_batch % dp:
+        pairs: list[tuple[int, int]] = []
+        for d in range(1, max_dp + 1):
+            if w.global_batch % d:
                 continue
-            per_replica = w.global_batch // dp
-            divisors = [b for b in range(1, min(w.micro_batch, per_replica) + 1) if per_replica % b == 0]
+            batch = w.global_batch // d
+            divisors = [b for b in range(1, min(w.micro_batch, batch) + 1) if batch % b == 0]
             chosen = divisors if problem.space.shrink_micro_batch else divisors[-1:]
-            pairs.extend((dp, b) for b in chosen)
-        return pairs
+            pairs.extend((d, b) for b in chosen)
+        arr = np.array(pairs, dtype=np.int64).reshape(-1, 2)
+        return arr[:, 0], arr[:, 1]
     if model_stage.stage is Stage.INF:
         cap = w.inference_micro_batch
         options = _powers_of_two_upto(cap) if problem.space.shrink_micro_batch else [cap]
     else:
         cap = w.max_num_seqs
         options = sorted(set(_powers_of_two_upto(cap)) | {cap})
-    for dp in range(1, min(max_dp, n) + 1):
-        per_replica = -(-n // dp)
-        if dp > 1 and -(-n // (dp - 1)) == per_replica:
-            continue  # same load per replica as dp − 1, with more GPUs
-        effective = sorted({min(b, per_replica) for b in options})
-        pairs.extend((dp, b) for b in effective)
-    return pairs
+    n = w.sequences(model_stage)
+    dp = np.arange(1, min(max_dp, n) + 1, dtype=np.int64)
+    per_replica = -(-n // dp)
+    # a DP degree whose busiest replica gets as many sequences as with one replica fewer is not a
+    # distinct candidate (same time and memory, more GPUs)
+    distinct = np.concatenate([[True], per_replica[1:] < per_replica[:-1]])
+    dp, per_replica = dp[distinct], per_replica[distinct]
+    eff = np.minimum(np.array(options, dtype=np.int64)[None, :], per_replica[:, None])
+    fresh = np.concatenate([np.ones((len(dp), 1), bool), eff[:, 1:] != eff[:, :-1]], axis=1)
+    rows, cols = np.nonzero(fresh)
+    return dp[rows], eff[rows, cols]
 
 
 def candidate_table(cost: CostModel, model_stage: ModelStage) -> CandidateTable:
     """Every shape of ``model_stage`` with its latency and memory (no feasibility or dominance)."""
     problem = cost.problem
     recomputes = problem.space.recompute if model_stage.stage is Stage.TRAIN else (Recompute.NONE,)
-    shapes: list[Shape] = []
-    gpus: list[IntArray] = []
-    lat: list[FloatArray] = []
-    persist: list[FloatArray] = []
-    active: list[FloatArray] = []
-    for layout in layouts(problem, model_stage):
-        pairs = _shape_options(problem, model_stage, layout)
-        if not pairs:
-            continue
-        dp = np.array([p[0] for p in pairs], dtype=np.int64)
-        micro = np.array([p[1] for p in pairs], dtype=np.int64)
-        for recompute in recomputes:
-            terms, mem = cost.evaluate(model_stage, layout, dp, micro, recompute)
-            shapes.extend(Shape(layout, d, b, recompute) for d, b in pairs)
-            gpus.append(dp * layout.size)
-            lat.append(np.broadcast_to(terms.total, dp.shape).astype(np.float64))
-            persist.append(np.broadcast_to(mem.persistent, dp.shape).astype(np.float64))
-            active.append(np.broadcast_to(mem.active, dp.shape).astype(np.float64))
-    if not shapes:
-        return CandidateTable(model_stage, (), np.zeros(0, np.int64), np.zeros(0), np.zeros(0), np.zeros(0))
-    return CandidateTable(
-        model_stage,
-        tuple(shapes),
-        np.concatenate(gpus),
-        np.concatenate(lat),
-        np.concatenate(persist),
-        np.concatenate(active),
+    lays = tuple(layouts(problem, model_stage))
+    parts = [_shape_options(problem, model_stage, lay) for lay in lays]
+    layout_index = np.concatenate(
+        [np.full(len(d), i, dtype=np.int64) for i, (d, _) in enumerate(parts)] or [np.zeros(0, np.int64)]
     )
+    dp = np.concatenate([d for d, _ in parts] or [np.zeros(0, np.int64)])
+    micro = np.concatenate([m for _, m in parts] or [np.zeros(0, np.int64)])
+    columns: list[tuple[IntArray, ...]] = []
+    values: list[tuple[FloatArray, ...]] = []
+    for r, recompute in enumerate(recomputes):
+        terms, mem = cost.evaluate_rows(model_stage, lays, layout_index, dp, micro, recompute)
+        size = np.array([lay.size for lay in lays], dtype=np.int64)[layout_index] if lays else dp
+        columns.append((layout_index, dp, micro, np.full(len(dp), r, dtype=np.int64), dp * size))
+        values.append(
+            tuple(
+                np.broadcast_to(v, dp.shape).astype(np.float64)
+                for v in (terms.total, mem.persistent, mem.active)
+            )
+        )
+    cols = [np.concatenate([c[k] for c in columns]) for k in range(5)]
+    vals = [np.concatenate([v[k] for v in values]) for k in range(3)]
+    return CandidateTable(model_stage, lays, tuple(recomputes), *cols, *vals)
 
 
 def estimate(cost: CostModel, model_stage: ModelStage, shape: Shape) -> Estimate:

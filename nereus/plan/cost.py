@@ -22,31 +22,28 @@ Sources, one line each where used:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
 import numpy as np
-import numpy.typing as npt
 
 from nereus.plan.calibration import Efficiencies
-from nereus.plan.layout import Layout, split_layers
+from nereus.plan.layout import Layout
 from nereus.plan.memory import (
-    FloatArray,
     MemoryTerms,
     generation_memory,
     inference_memory,
     kv_bytes_per_token_rank,
-    stage_params,
     trainer_memory,
 )
 from nereus.plan.opclass import Collective, Link, OpClass
 from nereus.plan.problem import PlanningProblem
+from nereus.plan.replica import FloatArray, IntArray, ReplicaFacts
 from nereus.spec.cluster import ClusterSpec
 from nereus.spec.model import ModelSpec
 from nereus.spec.workload import ModelStage, Recompute, Stage
 
-IntArray = npt.NDArray[np.int64]
 ACT_BYTES = 2.0
 ADAM_BYTES_PER_PARAM = 30.0
 PREFILL_CHUNK_TOKENS = 8192.0
@@ -63,40 +60,58 @@ class LatencyTerms:
         return sum(self.terms.values(), np.zeros(()))
 
 
-@dataclass(frozen=True, slots=True)
-class Links:
-    """Bandwidth, hop latency and calibrated efficiencies of one cluster's links."""
+def _ring(kind: Collective, r: FloatArray) -> tuple[FloatArray, FloatArray]:
+    """(bus-bandwidth factor, ring steps) of a ring collective over ``r`` ranks."""
+    one = np.ones_like(r)
+    if kind is Collective.ALLREDUCE:
+        return 2.0 * (r - 1) / r, 2.0 * (r - 1)
+    if kind is Collective.ALLGATHER:
+        return (r - 1) / r, r - 1.0
+    if kind is Collective.BROADCAST:
+        return one, r - 1.0
+    return one, one
 
-    cluster: ClusterSpec
-    eff: Efficiencies
+
+class Links:
+    """Bandwidth, hop latency and calibrated efficiency of a cluster's links, per collective."""
+
+    def __init__(self, cluster: ClusterSpec, eff: Efficiencies) -> None:
+        self.cluster = cluster
+        self.eff = eff
+        self.gpn = cluster.gpus_per_node
+        self._bw = {
+            (kind, link): eff[OpClass.of(kind, link)] * bw * 1e9
+            for kind in Collective
+            for link, bw in (
+                (Link.INTRA, cluster.intra_node_bandwidth_gbs),
+                (Link.INTER, cluster.inter_node_bandwidth_gbs),
+            )
+        }
+        self._hop = {
+            Link.INTRA: cluster.intra_node_latency_us * 1e-6,
+            Link.INTER: cluster.inter_node_latency_us * 1e-6,
+        }
 
     def link_for(self, span: int) -> Link:
         """The slowest link a group of ``span`` consecutive, node-aligned GPUs crosses."""
-        return Link.INTRA if span <= self.cluster.gpus_per_node else Link.INTER
+        return Link.INTRA if span <= self.gpn else Link.INTER
 
-    def collective(self, kind: Collective, link: Link, ranks: int, nbytes: FloatArray | float) -> FloatArray:
-        """Seconds for one ring collective of ``nbytes`` per rank over ``ranks`` ranks."""
-        nb = np.asarray(nbytes, dtype=np.float64)
-        if ranks <= 1:
-            return np.zeros_like(nb)
-        if link is Link.INTRA:
-            bw, hop = (
-                self.cluster.intra_node_bandwidth_gbs * 1e9,
-                self.cluster.intra_node_latency_us,
-            )
-        else:
-            bw, hop = (
-                self.cluster.inter_node_bandwidth_gbs * 1e9,
-                self.cluster.inter_node_latency_us,
-            )
-        factor, steps = {
-            Collective.ALLREDUCE: (2.0 * (ranks - 1) / ranks, 2 * (ranks - 1)),
-            Collective.ALLGATHER: ((ranks - 1) / ranks, ranks - 1),
-            Collective.BROADCAST: (1.0, ranks - 1),
-            Collective.SENDRECV: (1.0, 1),
-        }[kind]
-        eta = self.eff[OpClass.of(kind, link)]
-        result: FloatArray = factor * nb / (eta * bw) + steps * hop * 1e-6
+    def collective(
+        self,
+        kind: Collective,
+        span: FloatArray | float,
+        ranks: FloatArray | float,
+        nbytes: FloatArray | float,
+    ) -> FloatArray:
+        """Seconds for one ring collective of ``nbytes`` per rank among ``ranks`` ranks whose GPUs
+        span ``span`` consecutive GPUs (inside a node when span ≤ GPUs per node)."""
+        r = np.asarray(ranks, dtype=np.float64)
+        intra = np.asarray(span) <= self.gpn
+        bw = np.where(intra, self._bw[kind, Link.INTRA], self._bw[kind, Link.INTER])
+        hop = np.where(intra, self._hop[Link.INTRA], self._hop[Link.INTER])
+        factor, steps = _ring(kind, np.maximum(r, 1.0))
+        t = factor * np.asarray(nbytes, dtype=np.float64) / bw + steps * hop
+        result: FloatArray = np.where(r > 1, t, 0.0)
         return result
 
     def compute(self, gemm_flops: FloatArray | float, attn_flops: FloatArray | float) -> FloatArray:
@@ -112,23 +127,19 @@ class Links:
         return result
 
 
-def _layer_matmul_params(model: ModelSpec) -> float:
-    return float(model.hidden_size * (2 * model.q_size + 2 * model.kv_size) + model.mlp_params())
-
-
-def _stage_gemm_flops_per_token(model: ModelSpec, layout: Layout) -> float:
-    """Forward matmul FLOPs per token on the slowest pipeline stage's GPU."""
-    stages = split_layers(model.num_hidden_layers, layout.pp)
-    layer = 2.0 * _layer_matmul_params(model)
+def _gemm_flops_per_token(model: ModelSpec, rep: ReplicaFacts) -> FloatArray:
+    """Forward matmul FLOPs per token on one GPU of the slowest pipeline stage."""
+    layer = 2.0 * float(model.hidden_size * (2 * model.q_size + 2 * model.kv_size) + model.mlp_params())
     head = 2.0 * model.head_matmul_params()
-    worst = max(n * layer + (head if p == len(stages) - 1 else 0.0) for p, n in enumerate(stages))
-    return worst / layout.tp
+    first = rep.layers_first * layer + np.where(rep.single_stage, head, 0.0)
+    last = rep.layers_last * layer + head
+    result: FloatArray = np.maximum(first, last) / rep.tp
+    return result
 
 
-def _stage_attn_flops(model: ModelSpec, layout: Layout, tokens_times_ctx: FloatArray) -> FloatArray:
-    """Forward attention FLOPs (QKᵀ and AV) on the busiest stage's GPU."""
-    layers = max(split_layers(model.num_hidden_layers, layout.pp))
-    result: FloatArray = 4.0 * model.q_size * layers * tokens_times_ctx / layout.tp
+def _attn_flops(model: ModelSpec, rep: ReplicaFacts, tokens_times_ctx: FloatArray) -> FloatArray:
+    """Forward attention FLOPs (QKᵀ and AV) on one GPU of the busiest stage."""
+    result: FloatArray = 4.0 * model.q_size * rep.layers_first * tokens_times_ctx / rep.tp
     return result
 
 
@@ -138,9 +149,33 @@ class CostModel:
     def __init__(self, problem: PlanningProblem) -> None:
         self.problem = problem
         self.links = Links(problem.cluster, problem.efficiencies)
-        self.gpn = problem.cluster.gpus_per_node
 
     # ------------------------------------------------------------ dispatch
+    def evaluate_rows(
+        self,
+        model_stage: ModelStage,
+        layouts: Sequence[Layout],
+        layout_index: IntArray,
+        dp: IntArray,
+        micro_batch: IntArray,
+        recompute: Recompute = Recompute.NONE,
+    ) -> tuple[LatencyTerms, MemoryTerms]:
+        """Latency terms and per-GPU memory of rows (layouts[layout_index[i]], dp[i], micro_batch[i])."""
+        model = self.problem.model_of(model_stage)
+        rep = ReplicaFacts.of(model, layouts).take(layout_index)
+        dpf = dp.astype(np.float64)
+        micro = micro_batch.astype(np.float64)
+        n = self.problem.workload.sequences(model_stage)
+        if model_stage.stage is Stage.GEN:
+            terms, mem = self._generation(model, rep, dpf, micro, n)
+        elif model_stage.stage is Stage.INF:
+            terms, mem = self._inference(model, rep, dpf, micro, n)
+        else:
+            terms, mem = self._training(model, rep, dpf, micro, recompute)
+        if self.problem.workflow.sync_source(model_stage.name) is not None:
+            terms["weight_sync"] = self._weight_sync(rep)
+        return LatencyTerms(MappingProxyType(terms)), mem
+
     def evaluate(
         self,
         model_stage: ModelStage,
@@ -149,97 +184,59 @@ class CostModel:
         micro_batch: IntArray,
         recompute: Recompute = Recompute.NONE,
     ) -> tuple[LatencyTerms, MemoryTerms]:
-        """Latency terms and per-GPU memory for ``layout`` at each (dp, micro_batch) pair."""
-        model = self.problem.model_of(model_stage)
-        n = self.problem.workload.sequences(model_stage)
-        if model_stage.stage is Stage.GEN:
-            lat, mem = self._generation(model, layout, dp, micro_batch, n)
-        elif model_stage.stage is Stage.INF:
-            lat, mem = self._inference(model, layout, dp, micro_batch, n)
-        else:
-            lat, mem = self._training(model, layout, dp, micro_batch, recompute)
-        if self.problem.workflow.sync_source(model_stage.name) is not None:
-            lat = LatencyTerms(
-                MappingProxyType({**lat.terms, "weight_sync": self._weight_sync(model, layout, dp)})
-            )
-        return lat, mem
+        """``evaluate_rows`` for one layout at each (dp, micro_batch) pair."""
+        index = np.zeros(len(dp), dtype=np.int64)
+        return self.evaluate_rows(model_stage, [layout], index, dp, micro_batch, recompute)
 
     # ------------------------------------------------------------ pieces
-    def _weight_sync(self, model: ModelSpec, layout: Layout, dp: IntArray) -> FloatArray:
+    def _weight_sync(self, rep: ReplicaFacts) -> FloatArray:
         """Receiving updated bf16 weights from the colocated trainer at the step boundary."""
-        nbytes = max(stage_params(model, layout)) * 2.0
-        link = self.links.link_for(layout.size)
-        return self.links.collective(Collective.BROADCAST, link, 2, nbytes) + 0.0 * dp
+        nbytes = np.maximum(rep.params_first, rep.params_last) * 2.0
+        return self.links.collective(Collective.BROADCAST, rep.size, 2.0, nbytes)
 
-    def _pp_link(self, layout: Layout) -> Link:
-        return self.links.link_for(layout.size)
+    def _tp(self, rep: ReplicaFacts, nbytes: FloatArray) -> FloatArray:
+        """One TP all-reduce of ``nbytes`` inside the TP group."""
+        return self.links.collective(Collective.ALLREDUCE, rep.tp, rep.tp, nbytes)
 
-    def _tp_link(self, layout: Layout) -> Link:
-        return self.links.link_for(layout.tp)
+    def _p2p(self, rep: ReplicaFacts, nbytes: FloatArray) -> FloatArray:
+        """One pipeline send/recv between neighbouring stages (0 without PP)."""
+        t = self.links.collective(Collective.SENDRECV, rep.size, 2.0, nbytes)
+        result: FloatArray = np.where(rep.pp > 1, t, 0.0)
+        return result
 
     # ------------------------------------------------------------ training
     def _training(
-        self,
-        model: ModelSpec,
-        layout: Layout,
-        dp: IntArray,
-        micro_batch: IntArray,
-        recompute: Recompute,
-    ) -> tuple[LatencyTerms, MemoryTerms]:
+        self, model: ModelSpec, rep: ReplicaFacts, dp: FloatArray, b: FloatArray, recompute: Recompute
+    ) -> tuple[dict[str, FloatArray], MemoryTerms]:
         w = self.problem.workload
         seq = self.problem.seq
-        b = micro_batch.astype(np.float64)
         accum = w.global_batch / (dp * b)  # micro-batches per replica per update
         s = seq.mean_len
         tokens = b * s
-        fwd_gemm = _stage_gemm_flops_per_token(model, layout) * tokens
-        fwd_attn = _stage_attn_flops(model, layout, b * s * (s + 1.0) / 2.0)
+        fwd_gemm = _gemm_flops_per_token(model, rep) * tokens
+        fwd_attn = _attn_flops(model, rep, b * s * (s + 1.0) / 2.0)
         gemm_mult = 4.0 if recompute is Recompute.FULL else 3.0
         attn_mult = 3.0 if recompute is Recompute.NONE else 4.0
         t_compute = self.links.compute(gemm_mult * fwd_gemm, attn_mult * fwd_attn)
-        layers = max(split_layers(model.num_hidden_layers, layout.pp))
-        n_ar = (6 if recompute is Recompute.FULL else 4) * layers
-        t_tp = n_ar * self.links.collective(
-            Collective.ALLREDUCE,
-            self._tp_link(layout),
-            layout.tp,
-            tokens * model.hidden_size * ACT_BYTES,
-        )
-        p2p = tokens * model.hidden_size * ACT_BYTES
-        if w.sequence_parallel:
-            p2p = p2p / layout.tp
-        t_pp = (
-            2.0 * self.links.collective(Collective.SENDRECV, self._pp_link(layout), 2, p2p)
-            if layout.pp > 1
-            else np.zeros_like(tokens)
-        )
+        n_ar = (6.0 if recompute is Recompute.FULL else 4.0) * rep.layers_first
+        t_tp = n_ar * self._tp(rep, tokens * model.hidden_size * ACT_BYTES)
+        p2p = tokens * model.hidden_size * ACT_BYTES / (rep.tp if w.sequence_parallel else 1.0)
+        t_pp = 2.0 * self._p2p(rep, p2p)
         slot = t_compute + t_tp + t_pp
-        params_gpu = max(stage_params(model, layout))
-        dp_sync = np.array(
-            [
-                self.links.collective(
-                    Collective.ALLREDUCE,
-                    self.links.link_for(layout.size * int(d)),
-                    int(d),
-                    params_gpu * 4.0,
-                )
-                for d in dp.ravel()
-            ]
-        ).reshape(dp.shape)
+        params_gpu = np.maximum(rep.params_first, rep.params_last)
+        dp_sync = self.links.collective(Collective.ALLREDUCE, rep.size * dp, dp, params_gpu * 4.0)
         updates = w.updates_per_step
         terms = {
             "compute": updates * accum * t_compute,
             "tp_comm": updates * accum * t_tp,
             "pp_comm": updates * accum * t_pp,
-            "bubble": updates * (layout.pp - 1) * slot,
+            "bubble": updates * (rep.pp - 1.0) * slot,
             "dp_sync": updates * dp_sync,
-            "optimizer": updates
-            * self.links.memory_bound(params_gpu * ADAM_BYTES_PER_PARAM)
-            * np.ones_like(b),
+            "optimizer": updates * self.links.memory_bound(params_gpu * ADAM_BYTES_PER_PARAM),
         }
         mem = trainer_memory(
             model,
-            layout,
+            rep,
             b,
             accum,
             seq.max_len,
@@ -249,50 +246,35 @@ class CostModel:
             w.flash_attention,
             self.problem.efficiencies.memory(Stage.TRAIN),
         )
-        return LatencyTerms(MappingProxyType(terms)), mem
+        return terms, mem
 
     # ------------------------------------------------------------ inference
     def _inference(
-        self, model: ModelSpec, layout: Layout, dp: IntArray, micro_batch: IntArray, n: int
-    ) -> tuple[LatencyTerms, MemoryTerms]:
+        self, model: ModelSpec, rep: ReplicaFacts, dp: FloatArray, micro: FloatArray, n: int
+    ) -> tuple[dict[str, FloatArray], MemoryTerms]:
         w = self.problem.workload
         seq = self.problem.seq
         per_replica = np.ceil(n / dp)
-        b = np.minimum(micro_batch, per_replica).astype(np.float64)
+        b = np.minimum(micro, per_replica)
         chunks = np.ceil(per_replica / b)  # micro-batches per replica
         s = seq.mean_len
-        tokens = per_replica * s / chunks  # tokens per micro-batch
         seqs_mb = per_replica / chunks
-        fwd_gemm = _stage_gemm_flops_per_token(model, layout) * tokens
-        fwd_attn = _stage_attn_flops(model, layout, seqs_mb * s * (s + 1.0) / 2.0)
-        t_compute = self.links.compute(fwd_gemm, fwd_attn)
-        layers = max(split_layers(model.num_hidden_layers, layout.pp))
-        t_tp = (2 * layers) * self.links.collective(
-            Collective.ALLREDUCE,
-            self._tp_link(layout),
-            layout.tp,
-            tokens * model.hidden_size * ACT_BYTES,
+        tokens = seqs_mb * s  # tokens per micro-batch
+        t_compute = self.links.compute(
+            _gemm_flops_per_token(model, rep) * tokens, _attn_flops(model, rep, seqs_mb * s * (s + 1.0) / 2.0)
         )
-        t_pp = (
-            self.links.collective(
-                Collective.SENDRECV,
-                self._pp_link(layout),
-                2,
-                tokens * model.hidden_size * ACT_BYTES,
-            )
-            if layout.pp > 1
-            else np.zeros_like(tokens)
-        )
+        t_tp = 2.0 * rep.layers_first * self._tp(rep, tokens * model.hidden_size * ACT_BYTES)
+        t_pp = self._p2p(rep, tokens * model.hidden_size * ACT_BYTES)
         slot = t_compute + t_tp + t_pp
         terms = {
             "compute": chunks * t_compute,
             "tp_comm": chunks * t_tp,
             "pp_comm": chunks * t_pp,
-            "bubble": (layout.pp - 1) * slot,
+            "bubble": (rep.pp - 1.0) * slot,
         }
         mem = inference_memory(
             model,
-            layout,
+            rep,
             b,
             seq.max_len,
             w.precision,
@@ -300,73 +282,45 @@ class CostModel:
             w.flash_attention,
             self.problem.efficiencies.memory(Stage.INF),
         )
-        return LatencyTerms(MappingProxyType(terms)), mem
+        return terms, mem
 
     # ------------------------------------------------------------ generation
     def _generation(
-        self, model: ModelSpec, layout: Layout, dp: IntArray, concurrency: IntArray, n: int
-    ) -> tuple[LatencyTerms, MemoryTerms]:
+        self, model: ModelSpec, rep: ReplicaFacts, dp: FloatArray, concurrency: FloatArray, n: int
+    ) -> tuple[dict[str, FloatArray], MemoryTerms]:
         w = self.problem.workload
         seq = self.problem.seq
         per_replica = np.ceil(n / dp)
-        conc = np.minimum(concurrency, per_replica).astype(np.float64)
+        conc = np.minimum(concurrency, per_replica)
         h = model.hidden_size
-        layers = max(split_layers(model.num_hidden_layers, layout.pp))
-        tp_link, pp_link = self._tp_link(layout), self._pp_link(layout)
+        layers = rep.layers_first
+        gemm_per_token = _gemm_flops_per_token(model, rep)
         # prefill: compute-bound, chunked; the slowest stage sets the pipeline's throughput
         prompt = seq.prompt_len
         prefill_tokens = per_replica * prompt
         chunks = np.ceil(prefill_tokens / PREFILL_CHUNK_TOKENS)
         prefill = self.links.compute(
-            _stage_gemm_flops_per_token(model, layout) * prefill_tokens,
-            _stage_attn_flops(model, layout, per_replica * prompt * (prompt + 1.0) / 2.0),
+            gemm_per_token * prefill_tokens,
+            _attn_flops(model, rep, per_replica * prompt * (prompt + 1.0) / 2.0),
         )
-        prefill_tp = (
-            (2 * layers)
-            * chunks
-            * self.links.collective(
-                Collective.ALLREDUCE, tp_link, layout.tp, prefill_tokens / chunks * h * ACT_BYTES
-            )
-        )
-        # decode: continuous batching keeps `conc` sequences in flight; the longest (p95) ends it
+        prefill_tp = 2.0 * layers * chunks * self._tp(rep, prefill_tokens / chunks * h * ACT_BYTES)
+        # decode: continuous batching keeps `conc` sequences in flight; the longest (p95) ends it.
+        # With pp stages, min(conc, pp) micro-groups circulate; a step = pp slots of one group.
         steps = per_replica * seq.response_len / conc + (seq.response_p95 - seq.response_len)
         ctx = prompt + seq.response_len / 2.0
-        groups = np.minimum(conc, layout.pp)  # micro-groups in the pipeline
-        per_group = conc / groups
-        weights = max(stage_params(model, layout)) * 2.0
-        kv_tok = kv_bytes_per_token_rank(model, layout.tp, layers)
+        per_group = conc / np.minimum(conc, rep.pp)
+        weights = np.maximum(rep.params_first, rep.params_last) * 2.0
+        kv_tok = kv_bytes_per_token_rank(model, rep.kv_heads, layers)
         t_mem = self.links.memory_bound(weights + per_group * ctx * kv_tok)
-        t_cmp = self.links.compute(
-            per_group * _stage_gemm_flops_per_token(model, layout),
-            _stage_attn_flops(model, layout, per_group * ctx),
-        )
-        decode = steps * layout.pp * np.maximum(t_mem, t_cmp)
-        decode_tp = (
-            steps
-            * layout.pp
-            * (2 * layers)
-            * self.links.collective(Collective.ALLREDUCE, tp_link, layout.tp, per_group * h * ACT_BYTES)
-        )
-        decode_pp = (
-            steps
-            * layout.pp
-            * self.links.collective(Collective.SENDRECV, pp_link, 2, per_group * h * ACT_BYTES)
-            if layout.pp > 1
-            else np.zeros_like(steps)
-        )
+        t_cmp = self.links.compute(per_group * gemm_per_token, _attn_flops(model, rep, per_group * ctx))
+        slots = steps * rep.pp
         terms = {
             "prefill": prefill,
-            "decode": decode,
-            "tp_comm": prefill_tp + decode_tp,
-            "pp_comm": decode_pp,
+            "decode": slots * np.maximum(t_mem, t_cmp),
+            "tp_comm": prefill_tp + slots * 2.0 * layers * self._tp(rep, per_group * h * ACT_BYTES),
+            "pp_comm": slots * self._p2p(rep, per_group * h * ACT_BYTES),
         }
         mem = generation_memory(
-            model,
-            layout,
-            conc,
-            prompt,
-            seq.max_len,
-            w.precision,
-            self.problem.efficiencies.memory(Stage.GEN),
+            model, rep, conc, prompt, seq.max_len, w.precision, self.problem.efficiencies.memory(Stage.GEN)
         )
-        return LatencyTerms(MappingProxyType(terms)), mem
+        return terms, mem

@@ -114,7 +114,7 @@ def _shapes_of(
     workflow: Workflow, tables: dict[str, CandidateTable], stage: Stage, picks: np.ndarray
 ) -> dict[str, Shape]:
     return {
-        m.name: tables[m.name].shapes[int(i)] for m, i in zip(workflow.by_stage(stage), picks, strict=True)
+        m.name: tables[m.name].shape(int(i)) for m, i in zip(workflow.by_stage(stage), picks, strict=True)
     }
 
 
@@ -173,7 +173,7 @@ def exhaustive(problem: PlanningProblem) -> ExhaustiveResult:
                 total = max(float(gen.latency[gi]), sum(f[1] for f in found))
                 if total < best:
                     best = total
-                    best_shapes = {gen_name: gen.shapes[gi]}
+                    best_shapes = {gen_name: gen.shape(gi)}
                     for stage, t, f in zip(rest, tuples, found, strict=True):
                         best_shapes.update(_shapes_of(wf, tables, stage, t.picks[f[2]]))
     return _result(problem, count, best_shapes, started)
@@ -234,7 +234,7 @@ def iter_plans(problem: PlanningProblem) -> Iterator[tuple[dict[str, Shape], flo
     wf = problem.workflow
     names = [m.name for m in wf.model_stages]
     for combo in itertools.product(*(range(len(tables[n])) for n in names)):
-        shapes = {n: tables[n].shapes[i] for n, i in zip(names, combo, strict=True)}
+        shapes = {n: tables[n].shape(i) for n, i in zip(names, combo, strict=True)}
         if plan_is_feasible(problem, shapes):
             yield shapes, plan_step_latency(problem, shapes)
 
@@ -270,6 +270,6 @@ def all_plans(problem: PlanningProblem) -> Iterator[tuple[dict[str, Shape], floa
                 for s, row in zip(shared, combo, strict=True):
                     members = wf.by_stage(s)
                     picks.update({m.name: int(i) for m, i in zip(members, tuples[s].picks[row], strict=True)})
-                shapes = {n: tables[n].shapes[i] for n, i in picks.items()}
+                shapes = {n: tables[n].shape(i) for n, i in picks.items()}
                 latency = {n: float(tables[n].latency[i]) for n, i in picks.items()}
                 yield shapes, step_latency(wf, mode, latency)

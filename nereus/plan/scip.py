@@ -103,5 +103,5 @@ def solve_scip(problem: PlanningProblem, time_limit_s: float | None = None) -> S
     shapes = {}
     for ms in wf.model_stages:
         chosen = max(z[ms.name], key=lambda i: sol[z[ms.name][i]])
-        shapes[ms.name] = tables[ms.name].shapes[chosen]
+        shapes[ms.name] = tables[ms.name].shape(chosen)
     return ScipResult(shapes, float(m.getObjVal()), status, time.perf_counter() - started)

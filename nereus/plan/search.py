@@ -30,8 +30,9 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import numpy as np
 
@@ -44,7 +45,7 @@ from nereus.plan.overlap import step_latency
 from nereus.plan.placement import place
 from nereus.plan.problem import PlanningProblem
 from nereus.spec.cluster import GIB
-from nereus.spec.workload import ExecutionMode, Stage
+from nereus.spec.workload import ExecutionMode, Stage, Workflow
 
 INF = math.inf
 
@@ -165,8 +166,9 @@ class SearchResult:
     plan: Plan
     estimates: tuple[Estimate, ...]
     step_latency_s: float
-    search_ms: float
+    search_ms: float  # wall time of the whole search
     solver: str
+    timings: Mapping[str, float] = field(default_factory=dict)  # per phase, milliseconds
 
     def estimate_of(self, model_stage: str) -> Estimate:
         for e in self.estimates:
@@ -191,7 +193,7 @@ def binding_constraint(problem: PlanningProblem, tables: dict[str, CandidateTabl
     if worst > 0:
         return (
             f"{worst_name} needs ≥ {t.active[i] / GIB + problem.reserved_bytes / GIB:.1f} GiB per GPU "
-            f"at tp·pp ≤ {max(s.layout.size for s in t.shapes)} ({t.shapes[i]}); capacity "
+            f"at tp·pp ≤ {max(lay.size for lay in t.layouts)} ({t.shape(i)}); capacity "
             f"{cap:.1f} GiB after {problem.headroom:.0%} headroom on {problem.cluster.name}"
         )
     wf = problem.workflow
@@ -219,14 +221,18 @@ def finish(
     started: float,
     solver: str,
     cost: CostModel | None = None,
+    phases: dict[str, float] | None = None,
 ) -> SearchResult:
     """Place the chosen shapes on GPUs and price each model-stage in full (any solver's last step)."""
+    placing = time.perf_counter()
     cost = cost or CostModel(problem)
     wf = problem.workflow
     plan = place(wf, problem.workload.mode, shapes, problem.pool, problem.cluster.gpus_per_node)
     estimates = tuple(estimate(cost, ms, shapes[ms.name]) for ms in wf.model_stages)
     step = step_latency(wf, problem.workload.mode, {e.model_stage: e.latency_s for e in estimates})
-    return SearchResult(plan, estimates, step, (time.perf_counter() - started) * 1e3, solver)
+    done = time.perf_counter()
+    timings = {**(phases or {}), "placement_ms": (done - placing) * 1e3}
+    return SearchResult(plan, estimates, step, (done - started) * 1e3, solver, MappingProxyType(timings))
 
 
 def search(problem: PlanningProblem) -> SearchResult:
@@ -234,52 +240,75 @@ def search(problem: PlanningProblem) -> SearchResult:
     started = time.perf_counter()
     cost = CostModel(problem)
     tables = build_tables(cost)
+    priced = time.perf_counter()
     limit = problem.capacity_bytes - problem.reserved_bytes
     fronts = {name: frontier(t, limit) for name, t in tables.items()}
-    wf = problem.workflow
-    P = problem.gpus
-    shapes: dict[str, Shape] = {}
-
-    def solver_for(stage: Stage) -> StageSolver:
-        return StageSolver([fronts[m.name] for m in wf.by_stage(stage)])
-
-    def record(stage: Stage, choice: StageChoice) -> None:
-        for m, i in zip(wf.by_stage(stage), choice.picks, strict=True):
-            shapes[m.name] = fronts[m.name].shapes[i]
-
+    pruned = time.perf_counter()
     if any(len(f) == 0 for f in fronts.values()):
         raise InfeasibleError(binding_constraint(problem, tables))
     if problem.workload.mode is ExecutionMode.SYNC:
-        stages = wf.stages
-        coupled = solve_coupled([solver_for(s) for s in stages], P, limit)
-        if coupled is None:
-            raise InfeasibleError(binding_constraint(problem, tables))
-        for stage, choice in zip(stages, coupled.stages, strict=True):
-            record(stage, choice)
-        return finish(problem, shapes, started, "dp", cost)
-    # async: generation on its own GPUs, inference and training share the rest
-    gen = fronts[wf.by_stage(Stage.GEN)[0].name] if len(wf.by_stage(Stage.GEN)) == 1 else None
-    if gen is None:
-        raise InfeasibleError("async mode needs exactly one generation model-stage")
-    rest_solvers = [solver_for(s) for s in (Stage.INF, Stage.TRAIN) if wf.by_stage(s)]
-    best: tuple[float, int, CoupledChoice] | None = None
-    by_gpus = np.argsort(gen.gpus, kind="stable")
-    running = INF
-    for i in by_gpus.tolist():  # gen candidates by GPU count; skip those no faster than fewer GPUs
-        g = int(gen.gpus[i])
-        if g >= P or gen.latency[i] >= running:
-            continue
-        running = float(gen.latency[i])
-        rest = solve_coupled(rest_solvers, P - g, limit)
-        if rest is None:
-            continue
-        total = max(running, rest.latency)
-        if best is None or total < best[0]:
-            best = (total, i, rest)
-    if best is None:
+        shapes = _program_sync(problem, fronts, limit)
+    else:
+        shapes = _program_async(problem, fronts, limit)
+    if shapes is None:
         raise InfeasibleError(binding_constraint(problem, tables))
-    shapes[gen.model_stage.name] = gen.shapes[best[1]]
-    stages_rest = [s for s in (Stage.INF, Stage.TRAIN) if wf.by_stage(s)]
-    for stage, choice in zip(stages_rest, best[2].stages, strict=True):
-        record(stage, choice)
-    return finish(problem, shapes, started, "dp", cost)
+    phases = {
+        "pricing_ms": (pruned - started) * 1e3 - (pruned - priced) * 1e3,
+        "frontier_ms": (pruned - priced) * 1e3,
+        "program_ms": (time.perf_counter() - pruned) * 1e3,
+    }
+    return finish(problem, shapes, started, "dp", cost, phases)
+
+
+def _solver_for(fronts: dict[str, CandidateTable], wf: Workflow, stage: Stage) -> StageSolver:
+    return StageSolver([fronts[m.name] for m in wf.by_stage(stage)])
+
+
+def _record(
+    fronts: dict[str, CandidateTable], wf: Workflow, stage: Stage, choice: StageChoice
+) -> dict[str, Shape]:
+    return {m.name: fronts[m.name].shape(i) for m, i in zip(wf.by_stage(stage), choice.picks, strict=True)}
+
+
+def _program_sync(
+    problem: PlanningProblem, fronts: dict[str, CandidateTable], limit: float
+) -> dict[str, Shape] | None:
+    """Sync mode: every stage shares the pool; min Σ_s L_s."""
+    wf = problem.workflow
+    coupled = solve_coupled([_solver_for(fronts, wf, s) for s in wf.stages], problem.gpus, limit)
+    if coupled is None:
+        return None
+    shapes: dict[str, Shape] = {}
+    for stage, choice in zip(wf.stages, coupled.stages, strict=True):
+        shapes.update(_record(fronts, wf, stage, choice))
+    return shapes
+
+
+def _program_async(
+    problem: PlanningProblem, fronts: dict[str, CandidateTable], limit: float
+) -> dict[str, Shape] | None:
+    """Async mode: generation on its own GPUs, inference and training share the rest;
+    min max(L_gen, L_inf + L_train) over every split of the pool."""
+    wf = problem.workflow
+    gens = wf.by_stage(Stage.GEN)
+    if len(gens) != 1:
+        raise InfeasibleError("async mode needs exactly one generation model-stage")
+    gen = fronts[gens[0].name]
+    rest_stages = [s for s in (Stage.INF, Stage.TRAIN) if wf.by_stage(s)]
+    rest_solvers = [_solver_for(fronts, wf, s) for s in rest_stages]
+    best: tuple[float, int, CoupledChoice] | None = None
+    running = INF
+    for i in np.argsort(gen.gpus, kind="stable").tolist():
+        g = int(gen.gpus[i])
+        if g >= problem.gpus or gen.latency[i] >= running:
+            continue  # more GPUs for generation but no faster: only leaves less for the rest
+        running = float(gen.latency[i])
+        rest = solve_coupled(rest_solvers, problem.gpus - g, limit)
+        if rest is not None and (best is None or max(running, rest.latency) < best[0]):
+            best = (max(running, rest.latency), i, rest)
+    if best is None:
+        return None
+    shapes = {gen.model_stage.name: gen.shape(best[1])}
+    for stage, choice in zip(rest_stages, best[2].stages, strict=True):
+        shapes.update(_record(fronts, wf, stage, choice))
+    return shapes
