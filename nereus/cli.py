@@ -16,7 +16,7 @@ from rich.table import Table
 from nereus import __version__
 from nereus.errors import ConfigError, NereusError
 from nereus.plan.calibration import CalibrationStore
-from nereus.plan.exhaustive import all_plans, exhaustive
+from nereus.plan.exhaustive import ExhaustiveTooLargeError, all_plans, exhaustive
 from nereus.plan.layout import is_power_of_two
 from nereus.plan.problem import DEFAULT_HEADROOM, PlanningProblem, SearchSpace, SeqStats
 from nereus.plan.report import gpu_ranges, plan_json, stage_reports
@@ -144,7 +144,14 @@ def _plan(args: argparse.Namespace, out: Console) -> int:
     problem = _problem(args)
     result = solve(problem, Solver(args.solver))
     doc = plan_json(problem, result)
-    ex = exhaustive(problem) if args.exhaustive else None
+    ex = None
+    if args.exhaustive:
+        try:
+            ex = exhaustive(problem)
+        except ExhaustiveTooLargeError as exc:
+            if args.all:
+                raise
+            doc["exhaustive"] = {"error": f"not tractable: {exc}"}
     if ex is not None:
         doc["exhaustive"] = {
             "count": ex.count,
@@ -169,6 +176,8 @@ def _plan(args: argparse.Namespace, out: Console) -> int:
     _print_plan(problem, result, out)
     if args.explain:
         _print_explain(problem, result, out)
+    if "error" in doc.get("exhaustive", {}):
+        out.print(f"exhaustive: {doc['exhaustive']['error']}")
     if ex is not None and ex.best_step_latency_s is not None:
         gap = result.step_latency_s / ex.best_step_latency_s - 1.0
         out.print(

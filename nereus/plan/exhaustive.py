@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nereus.errors import NereusError
 from nereus.plan.candidates import CandidateTable, Shape
 from nereus.plan.cost import CostModel
 from nereus.plan.overlap import step_latency
@@ -32,6 +33,11 @@ from nereus.plan.search import build_tables
 from nereus.spec.workload import ExecutionMode, Stage, Workflow
 
 CHUNK = 1 << 20  # cross-product rows built at once
+MAX_ROWS = 30_000_000  # stage tuples held at once (~2.4 GB); beyond this the oracle refuses
+
+
+class ExhaustiveTooLargeError(NereusError):
+    """The plan space is too large to enumerate in memory (the oracle's tractability limit)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +59,7 @@ class _StageTuples:
     picks: np.ndarray  # (rows, model-stages) candidate indices
 
 
-def _stage_tuples(tables: Sequence[CandidateTable], budget: int) -> _StageTuples:
+def _stage_tuples(tables: Sequence[CandidateTable], budget: int, max_rows: int = MAX_ROWS) -> _StageTuples:
     gpus = np.zeros(1, dtype=np.int64)
     lat = np.zeros(1)
     res = np.zeros(1)
@@ -77,6 +83,10 @@ def _stage_tuples(tables: Sequence[CandidateTable], budget: int) -> _StageTuples
                     np.column_stack([picks[rows], cols]),
                 )
             )
+            if sum(len(p[0]) for p in parts) > max_rows:
+                raise ExhaustiveTooLargeError(
+                    f"more than {max_rows:,} tuples of concurrent candidates in one stage on {budget} GPUs"
+                )
         gpus, lat, res, act, picks = (np.concatenate([p[i] for p in parts]) for i in range(5))
     return _StageTuples(gpus, lat, res, act, picks)
 
@@ -118,10 +128,14 @@ def _shapes_of(
     }
 
 
-def exhaustive(problem: PlanningProblem) -> ExhaustiveResult:
-    """Count every valid plan and find the fastest, without any pruning of the plan space."""
+def exhaustive(problem: PlanningProblem, tables: dict[str, CandidateTable] | None = None) -> ExhaustiveResult:
+    """Count every valid plan and find the fastest, without any pruning of the plan space.
+
+    ``tables`` (every model-stage's priced candidates) are built when not given. Raises
+    ``ExhaustiveTooLargeError`` past the oracle's memory limit.
+    """
     started = time.perf_counter()
-    tables = build_tables(CostModel(problem))
+    tables = tables or build_tables(CostModel(problem))
     wf = problem.workflow
     limit = problem.capacity_bytes - problem.reserved_bytes
     P = problem.gpus

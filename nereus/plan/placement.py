@@ -11,6 +11,7 @@ sync stays local.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 
 from nereus.errors import InfeasibleError
@@ -20,37 +21,43 @@ from nereus.spec.workload import ExecutionMode, ModelStage, Stage, Workflow
 
 
 class _FreeGpus:
+    """Free GPU ids per node, with nodes bucketed by how many GPUs they have free."""
+
     def __init__(self, gpus: Sequence[int], gpus_per_node: int) -> None:
         self.gpn = gpus_per_node
         self.nodes: dict[int, list[int]] = {}
         for g in sorted(gpus):
             self.nodes.setdefault(g // gpus_per_node, []).append(g)
-
-    def total(self) -> int:
-        return sum(len(v) for v in self.nodes.values())
+        self.free = len(gpus)
+        self.buckets: list[list[int]] = [[] for _ in range(gpus_per_node + 1)]
+        for node in sorted(self.nodes):
+            self.buckets[len(self.nodes[node])].append(node)
 
     def take(self, count: int) -> tuple[int, ...]:
-        if count > self.total():
-            raise InfeasibleError(f"placement needs {count} more GPUs, {self.total()} free")
-        fitting = [n for n, free in self.nodes.items() if len(free) >= count]
-        if count <= self.gpn and fitting:
-            node = min(fitting, key=lambda n: (len(self.nodes[n]), n))
-            return self._pop(node, count)
+        if count > self.free:
+            raise InfeasibleError(f"placement needs {count} more GPUs, {self.free} free")
+        if count <= self.gpn:
+            for free in range(count, self.gpn + 1):  # best fit: the fullest node that still fits
+                if self.buckets[free]:
+                    return self._pop(self.buckets[free][0], count)
         taken: list[int] = []
-        whole = sorted(n for n, free in self.nodes.items() if len(free) == self.gpn)
-        for node in whole:
-            if count - len(taken) < self.gpn:
-                break
-            taken.extend(self._pop(node, self.gpn))
-        while len(taken) < count:  # ragged pool: fill from the fullest nodes
-            node = max(self.nodes, key=lambda n: (len(self.nodes[n]), -n))
-            taken.extend(self._pop(node, min(count - len(taken), len(self.nodes[node]))))
+        while count - len(taken) >= self.gpn and self.buckets[self.gpn]:
+            taken.extend(self._pop(self.buckets[self.gpn][0], self.gpn))  # whole free nodes
+        while len(taken) < count:  # ragged pool: fill from the nodes with most free GPUs
+            free = max(f for f in range(1, self.gpn + 1) if self.buckets[f])
+            node = self.buckets[free][0]
+            taken.extend(self._pop(node, min(count - len(taken), free)))
         return tuple(sorted(taken))
 
     def _pop(self, node: int, count: int) -> tuple[int, ...]:
         free = self.nodes[node]
-        taken, self.nodes[node] = free[:count], free[count:]
-        if not self.nodes[node]:
+        self.buckets[len(free)].remove(node)
+        taken, rest = free[:count], free[count:]
+        self.free -= len(taken)
+        if rest:
+            self.nodes[node] = rest
+            bisect.insort(self.buckets[len(rest)], node)
+        else:
             del self.nodes[node]
         return tuple(taken)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nereus.errors import ConfigError
-from nereus.plan.candidates import Shape
+from nereus.plan.candidates import CandidateTable, Shape
 from nereus.plan.cost import CostModel
 from nereus.plan.problem import PlanningProblem
 from nereus.plan.search import build_tables
@@ -41,14 +41,21 @@ class ScipResult:
     seconds: float
 
 
-def solve_scip(problem: PlanningProblem, time_limit_s: float | None = None) -> ScipResult:
-    """Solve the plan MIP with SCIP; raises ``ConfigError`` if pyscipopt is not installed."""
+def solve_scip(
+    problem: PlanningProblem,
+    time_limit_s: float | None = None,
+    tables: dict[str, CandidateTable] | None = None,
+) -> ScipResult:
+    """Solve the plan MIP with SCIP; raises ``ConfigError`` if pyscipopt is not installed.
+
+    ``tables`` (every model-stage's priced candidates) are built when not given.
+    """
     try:
         from pyscipopt import Model, quicksum
     except ImportError:
         raise ConfigError("solver 'scip' needs pyscipopt: pip install 'nereus[scip]'") from None
     started = time.perf_counter()
-    tables = build_tables(CostModel(problem))
+    tables = tables or build_tables(CostModel(problem))
     limit = (problem.capacity_bytes - problem.reserved_bytes) / GIB
     wf = problem.workflow
     mode = problem.workload.mode

@@ -111,14 +111,30 @@ class CoupledChoice:
 def solve_coupled(solvers: Sequence[StageSolver], budget: int, limit: float) -> CoupledChoice | None:
     """Best assignment of stages sharing GPUs: min Σ_s L_s under co-resident memory (exact).
 
-    Caps are visited best-first by a lower bound: stage s at cap x, with every other stage at its
-    smallest cap, cannot do better than solve(x, limit − Σ others' smallest caps). The bound does
-    not increase with x, so each stage's caps in descending order are already sorted by bound and
-    bounds are computed only for the caps the search reaches.
+    First each stage's smallest useful cap (its floor) is raised to the smallest at which it has
+    any solution while the others sit at their floors, until no floor moves: no feasible plan has
+    a stage below its floor. Then caps are visited best-first by a lower bound: stage s at cap x
+    cannot do better than solve(x, limit − Σ others' floors). The bound does not increase with x,
+    so each stage's caps in descending order are already sorted by bound, and bounds are computed
+    only for the caps the search reaches.
     """
     levels = [s.resident_levels()[::-1] for s in solvers]  # descending: bound ascending
     if any(not lv for lv in levels):
         return None
+    lowest = [len(lv) - 1 for lv in levels]  # index of each stage's floor in ``levels``
+    moved = True
+    while moved:
+        moved = False
+        for k, solver in enumerate(solvers):
+            others = sum(levels[j][lowest[j]] for j in range(len(levels)) if j != k)
+            i = lowest[k]
+            while i >= 0 and solver.solve(levels[k][i], limit - others, budget) is None:
+                i -= 1
+            if i < 0:
+                return None
+            moved |= i != lowest[k]
+            lowest[k] = i
+    levels = [lv[: i + 1] for lv, i in zip(levels, lowest, strict=True)]
     floor = [lv[-1] for lv in levels]
     slack = [limit - (sum(floor) - floor[k]) for k in range(len(levels))]
 
