@@ -55,8 +55,15 @@ def machine() -> dict[str, Any]:
     }
 
 
-def write(name: str, targets: dict[str, Any], results: Any, extra: dict[str, Any] | None = None) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def write(
+    name: str,
+    targets: dict[str, Any],
+    results: Any,
+    extra: dict[str, Any] | None = None,
+    out: Path = RESULTS,
+) -> Path:
+    """Write ``<out>/<name>.json`` (atomically) with provenance, machine, targets and results."""
+    out.mkdir(parents=True, exist_ok=True)
     doc = {
         "benchmark": name,
         "git_sha": git_sha(),
@@ -67,7 +74,7 @@ def write(name: str, targets: dict[str, Any], results: Any, extra: dict[str, Any
         "results": results,
         **(extra or {}),
     }
-    path = RESULTS / f"{name}.json"
+    path = out / f"{name}.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     tmp.replace(path)

@@ -21,6 +21,7 @@ import argparse
 import statistics
 import time
 import tracemalloc
+from pathlib import Path
 from typing import Any
 
 from common import RESULTS, write
@@ -62,7 +63,7 @@ def measure(gpus: int, repeats: int, run_exhaustive: bool, scip_limit_s: float |
     search(p)  # warm caches (imports, numpy)
     runs, scip_runs = [], []
     scip_result = None
-    for i in range(repeats):  # A B A B: dp, then scip on the same priced candidates
+    for _ in range(repeats):  # A B A B: dp, then scip on the same priced candidates
         runs.append(search(p))
         if scip_limit_s is not None and (not scip_runs or scip_runs[-1] < 5.0):
             tables = build_tables(CostModel(p))
@@ -105,7 +106,7 @@ def measure(gpus: int, repeats: int, run_exhaustive: bool, scip_limit_s: float |
     return row
 
 
-def plot(rows: list[dict[str, Any]]) -> None:
+def plot(rows: list[dict[str, Any]], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -130,12 +131,13 @@ def plot(rows: list[dict[str, Any]]) -> None:
     ax.set_title("PPO Llama-3.1-8B plan search (median of repeats)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(RESULTS / "planner.png", dpi=120)
+    fig.savefig(out / "planner.png", dpi=120)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="8–128 GPUs, few repeats (under a minute)")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="directory for planner.json/.png")
     args = ap.parse_args()
     sizes = [8, 16, 32, 64, 128] if args.quick else [8, 16, 32, 64, 128, 256, 512, 1024]
     repeats = 5 if args.quick else 11
@@ -152,16 +154,22 @@ def main() -> None:
             + (f"  scip {row['scip']['seconds']:7.2f} s" if "scip" in row else ""),
             flush=True,
         )
-    plot(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot(rows, args.out)
     summary = {
         "dp_search_ms_at_32": next((r["dp_search_ms"] for r in rows if r["gpus"] == 32), None),
         "dp_search_ms_at_1024": next((r["dp_search_ms"] for r in rows if r["gpus"] == 1024), None),
-        "max_gap_to_exhaustive": max((r["exhaustive"]["gap"] for r in rows if "gap" in r.get("exhaustive", {})), default=None),
-        "exhaustive_tractable_upto_gpus": max((r["gpus"] for r in rows if "seconds" in r.get("exhaustive", {})), default=None),
+        "max_gap_to_exhaustive": max(
+            (r["exhaustive"]["gap"] for r in rows if "gap" in r.get("exhaustive", {})), default=None
+        ),
+        "exhaustive_tractable_upto_gpus": max(
+            (r["gpus"] for r in rows if "seconds" in r.get("exhaustive", {})), default=None
+        ),
         "max_dp_peak_mb": max(r["dp_peak_mb"] for r in rows),
     }
-    path = write("planner", TARGETS, rows, {"summary": summary, "mode": "quick" if args.quick else "full"})
-    print(f"wrote {path} and {RESULTS / 'planner.png'}")
+    extra = {"summary": summary, "mode": "quick" if args.quick else "full"}
+    path = write("planner", TARGETS, rows, extra, out=args.out)
+    print(f"wrote {path} and {args.out / 'planner.png'}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,31 @@
+"""Every benchmark runs in --quick mode and writes its JSON (architecture §5 smoke test)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.mark.timeout(240)
+def test_planner_benchmark_quick(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "planner.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=230,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads((tmp_path / "planner.json").read_text())
+    assert {"benchmark", "git_sha", "date", "command", "machine", "targets", "results"} <= set(doc)
+    rows = {r["gpus"]: r for r in doc["results"]}
+    assert sorted(rows) == [8, 16, 32, 64, 128]
+    for gpus in (8, 16, 32):
+        assert rows[gpus]["exhaustive"]["gap"] == pytest.approx(0.0, abs=1e-9)
+    assert (tmp_path / "planner.png").stat().st_size > 0
