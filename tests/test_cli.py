@@ -12,6 +12,7 @@ import pytest
 
 from nereus.cli import main
 
+TINY = ["plan", "--model", "tiny-llama", "--cluster", "local-cpu", "--gpus", "4", "--seq-len", "32"]
 PLAN = [
     "plan",
     "--model",
@@ -164,38 +165,14 @@ def test_unknown_yaml_key_exits_2_naming_file_and_key(
     workload = tmp_path / "mine.yaml"
     workload.write_text("algorithm: ppo\nprompts_per_step: 64\nmicrobatch: 4\n")
     code, _, err = run(
-        [
-            "plan",
-            "--model",
-            "tiny-llama",
-            "--algo",
-            str(workload),
-            "--cluster",
-            "local-cpu",
-            "--gpus",
-            "4",
-            "--seq-len",
-            "32",
-        ],
+        [*TINY, "--algo", str(workload)],
         capsys,
     )
     assert code == 2
     assert str(workload) in err and "unknown key 'microbatch'" in err and "micro_batch" in err
     workload.write_text("algorithm: ppo\nprompts_per_step: many\n")
     code, _, err = run(
-        [
-            "plan",
-            "--model",
-            "tiny-llama",
-            "--algo",
-            str(workload),
-            "--cluster",
-            "local-cpu",
-            "--gpus",
-            "4",
-            "--seq-len",
-            "32",
-        ],
+        [*TINY, "--algo", str(workload)],
         capsys,
     )
     assert code == 2 and "key 'prompts_per_step': expected int, got 'many'" in err

@@ -31,6 +31,8 @@ import numpy as np
 from nereus.plan.calibration import Efficiencies
 from nereus.plan.layout import Layout
 from nereus.plan.memory import (
+    ACT_BYTES,
+    PREFILL_CHUNK_TOKENS,
     MemoryTerms,
     generation_memory,
     inference_memory,
@@ -44,9 +46,7 @@ from nereus.spec.cluster import ClusterSpec
 from nereus.spec.model import ModelSpec
 from nereus.spec.workload import ModelStage, Recompute, Stage
 
-ACT_BYTES = 2.0
 ADAM_BYTES_PER_PARAM = 30.0
-PREFILL_CHUNK_TOKENS = 8192.0
 
 
 @dataclass(frozen=True, slots=True)

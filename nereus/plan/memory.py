@@ -15,13 +15,14 @@ Sources, one line each where used:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from nereus.plan.replica import FloatArray, ReplicaFacts
 from nereus.spec.model import Head, ModelSpec
-from nereus.spec.workload import Precision, Recompute
+from nereus.spec.workload import Precision, Recompute, Stage
 
 ACT_BYTES = 2  # bf16 activations
 KV_BYTES = 2  # bf16 KV cache
@@ -208,3 +209,20 @@ def generation_memory(
     first = stage(rep.params_first, rep.layers_first, working + np.where(rep.single_stage, logits, 0.0))
     last = stage(rep.params_last, rep.layers_last, working + logits)
     return _worst(first, last, correction)
+
+
+def coresident_bounds(
+    stage_of: Mapping[str, Stage],
+    resident: Mapping[str, float],
+    active: Mapping[str, float],
+    generation_apart: bool,
+) -> dict[str, float]:
+    """Per model-stage: its active bytes plus, for every other stage sharing its GPUs, the largest
+    resident state that stage can leave on a GPU — the placement-independent rule the search keeps
+    under capacity (``search.py``). With ``generation_apart`` (async) generation shares nothing."""
+    shared = {s for s in stage_of.values() if not (generation_apart and s is Stage.GEN)}
+    top = {s: max(resident[n] for n, st in stage_of.items() if st is s) for s in shared}
+    return {
+        name: active[name] + (sum(v for s, v in top.items() if s is not st) if st in shared else 0.0)
+        for name, st in stage_of.items()
+    }

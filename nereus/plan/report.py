@@ -7,6 +7,7 @@ from typing import Any
 
 from nereus.plan.candidates import Estimate
 from nereus.plan.layout import Candidate
+from nereus.plan.memory import coresident_bounds
 from nereus.plan.overlap import critical_path
 from nereus.plan.problem import PlanningProblem
 from nereus.plan.search import SearchResult
@@ -33,25 +34,26 @@ def stage_reports(problem: PlanningProblem, result: SearchResult) -> list[StageR
     plan = result.plan
     est = {e.model_stage: e for e in result.estimates}
     stage_of = {c.model_stage: plan.stage_of(c) for c in plan.candidates}
-    shared = [
-        s for s in plan.workflow.stages if problem.workload.mode is ExecutionMode.SYNC or s is not Stage.GEN
-    ]
-    resident_max = {
-        s: max(est[c.model_stage].persistent_bytes for c in plan.candidates if stage_of[c.model_stage] is s)
-        for s in shared
-    }
+    bounds = coresident_bounds(
+        stage_of,
+        {n: e.persistent_bytes for n, e in est.items()},
+        {n: e.active_bytes for n, e in est.items()},
+        problem.workload.mode is ExecutionMode.ASYNC,
+    )
+    reserve = problem.reserved_bytes
+    residents: dict[int, list[str]] = {}
+    for c in plan.candidates:
+        for g in c.gpus:
+            residents.setdefault(g, []).append(c.model_stage)
     reports = []
     for c in plan.candidates:
         s = stage_of[c.model_stage]
         e = est[c.model_stage]
         peak = 0.0
-        for g in c.gpus:
-            others = sum(est[o].persistent_bytes for o in plan.resident_on(g) if stage_of[o] is not s)
+        for g in c.gpus:  # exact, on this placement
+            others = sum(est[o].persistent_bytes for o in residents[g] if stage_of[o] is not s)
             peak = max(peak, e.active_bytes + others)
-        bound = e.active_bytes + (
-            sum(v for k, v in resident_max.items() if k is not s) if s in shared else 0.0
-        )
-        reports.append(StageReport(c, s, e, peak + problem.reserved_bytes, bound + problem.reserved_bytes))
+        reports.append(StageReport(c, s, e, peak + reserve, bounds[c.model_stage] + reserve))
     return reports
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from nereus.spec.schema import build, coerce_enums, load_yaml
+from nereus.spec.schema import coerce_enums, load_spec, require_positive
 
 GIB = 1024**3
 
@@ -52,18 +52,16 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         coerce_enums(self, vendor=Vendor, collective_library=CollectiveLibrary)
-        for name in ("nodes", "gpus_per_node"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in (
+        require_positive(
+            self,
+            "nodes",
+            "gpus_per_node",
             "gpu_memory_gib",
             "peak_bf16_tflops",
             "hbm_bandwidth_gbs",
             "intra_node_bandwidth_gbs",
             "inter_node_bandwidth_gbs",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        )
         for name in ("intra_node_latency_us", "inter_node_latency_us", "runtime_reserved_gib"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
@@ -78,9 +76,7 @@ class ClusterSpec:
 
     @classmethod
     def from_yaml(cls, path: Path) -> ClusterSpec:
-        data = load_yaml(path)
-        data.setdefault("name", path.stem)
-        return build(cls, data, str(path))
+        return load_spec(cls, path)
 
     @property
     def total_gpus(self) -> int:

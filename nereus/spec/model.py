@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from nereus.errors import ConfigError
-from nereus.spec.schema import build, coerce_enums, load_yaml
+from nereus.spec.schema import build, coerce_enums, load_spec, require_positive
 
 
 class ModelFamily(StrEnum):
@@ -55,7 +55,8 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         coerce_enums(self, family=ModelFamily, head=Head)
-        for name in (
+        require_positive(
+            self,
             "hidden_size",
             "num_hidden_layers",
             "num_attention_heads",
@@ -63,9 +64,7 @@ class ModelSpec:
             "intermediate_size",
             "vocab_size",
             "max_position_embeddings",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        )
         if self.head_dim < 0:
             raise ValueError(f"head_dim must be positive (or 0 for hidden/heads), got {self.head_dim}")
         if self.head_dim == 0:
@@ -84,9 +83,7 @@ class ModelSpec:
     # ---------------------------------------------------------------- loading
     @classmethod
     def from_yaml(cls, path: Path) -> ModelSpec:
-        data = load_yaml(path)
-        data.setdefault("name", path.stem)
-        return build(cls, data, str(path))
+        return load_spec(cls, path)
 
     @classmethod
     def from_hf_config(cls, path: Path, name: str | None = None) -> ModelSpec:

@@ -49,6 +49,21 @@ def coerce_enums(obj: object, **fields: type[enum.Enum]) -> None:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}") from None
 
 
+def require_positive(obj: object, *names: str) -> None:
+    """In ``__post_init__``: every named numeric field must be > 0."""
+    for name in names:
+        value = getattr(obj, name)
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+
+
+def load_spec(cls: type[T], path: Path) -> T:
+    """A spec from a YAML file; its ``name`` defaults to the file's stem."""
+    data = load_yaml(path)
+    data.setdefault("name", path.stem)
+    return build(cls, data, str(path))
+
+
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):

@@ -18,7 +18,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from nereus.spec.model import Head
-from nereus.spec.schema import build, coerce_enums, load_yaml
+from nereus.spec.schema import coerce_enums, load_spec, require_positive
 
 
 class Algorithm(StrEnum):
@@ -186,7 +186,8 @@ class WorkloadSpec:
 
     def __post_init__(self) -> None:
         coerce_enums(self, algorithm=Algorithm, mode=ExecutionMode, precision=Precision, recompute=Recompute)
-        for name in (
+        require_positive(
+            self,
             "prompts_per_step",
             "samples_per_prompt",
             "prompt_len",
@@ -197,9 +198,7 @@ class WorkloadSpec:
             "inference_micro_batch",
             "max_num_seqs",
             "epochs",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        )
         if self.prompt_len > self.max_prompt_len:
             raise ValueError(f"prompt_len {self.prompt_len} exceeds max_prompt_len {self.max_prompt_len}")
         if self.algorithm is Algorithm.GRPO and self.samples_per_prompt < 2:
@@ -216,9 +215,7 @@ class WorkloadSpec:
 
     @classmethod
     def from_yaml(cls, path: Path) -> WorkloadSpec:
-        data = load_yaml(path)
-        data.setdefault("name", path.stem)
-        return build(cls, data, str(path))
+        return load_spec(cls, path)
 
     @property
     def sequences_per_step(self) -> int:
