@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nereus.plan.cost import CostModel, LatencyTerms
+from nereus.plan.cost import Cost, CostModel, LatencyTerms
 from nereus.plan.layout import Layout
 from nereus.plan.memory import MemoryTerms
 from nereus.plan.problem import PlanningProblem
@@ -205,7 +205,12 @@ def estimate(cost: CostModel, model_stage: ModelStage, shape: Shape) -> Estimate
     dp = np.array([shape.dp], dtype=np.int64)
     micro = np.array([shape.micro_batch], dtype=np.int64)
     terms, mem = cost.evaluate(model_stage, shape.layout, dp, micro, shape.recompute)
-    scalar_terms = LatencyTerms({k: np.asarray(float(np.ravel(v)[0])) for k, v in terms.terms.items()})
+    scalar_terms = LatencyTerms(
+        {
+            name: Cost({op: np.asarray(float(np.ravel(t)[0])) for op, t in part.by_class.items()})
+            for name, part in terms.parts.items()
+        }
+    )
 
     def first(values: FloatArray) -> FloatArray:
         return np.asarray(float(np.ravel(values)[0]))

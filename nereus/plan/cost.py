@@ -50,14 +50,56 @@ ADAM_BYTES_PER_PARAM = 30.0
 
 
 @dataclass(frozen=True, slots=True)
-class LatencyTerms:
-    """Named seconds per RL step (compute, tp_comm, pp_comm, bubble, dp_sync, ...)."""
+class Cost:
+    """Seconds attributed to op classes (arrays over candidate rows), so calibration can compare
+    each class's prediction with what was measured."""
 
-    terms: Mapping[str, FloatArray]
+    by_class: Mapping[OpClass, FloatArray]
+
+    __array_ufunc__ = None  # ``ndarray * Cost`` defers to ``Cost.__rmul__``
+
+    def __add__(self, other: Cost) -> Cost:
+        merged = dict(self.by_class)
+        for op, t in other.by_class.items():
+            merged[op] = merged[op] + t if op in merged else t
+        return Cost(merged)
+
+    def __mul__(self, factor: FloatArray | float) -> Cost:
+        return Cost({op: t * factor for op, t in self.by_class.items()})
+
+    __rmul__ = __mul__
 
     @property
     def total(self) -> FloatArray:
-        return sum(self.terms.values(), np.zeros(()))
+        return sum(self.by_class.values(), np.zeros(()))
+
+    @staticmethod
+    def slower(a: Cost, b: Cost) -> Cost:
+        """Per row, whichever of two alternatives takes longer (a roofline)."""
+        pick_b = b.total > a.total
+        ops = set(a.by_class) | set(b.by_class)
+        zero = np.zeros(())
+        return Cost({op: np.where(pick_b, b.by_class.get(op, zero), a.by_class.get(op, zero)) for op in ops})
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyTerms:
+    """Seconds per RL step by named term (compute, tp_comm, pp_comm, bubble, dp_sync, ...), each
+    attributed to op classes."""
+
+    parts: Mapping[str, Cost]
+
+    @property
+    def terms(self) -> dict[str, FloatArray]:
+        return {name: c.total for name, c in self.parts.items()}
+
+    @property
+    def by_class(self) -> dict[OpClass, FloatArray]:
+        return dict(sum(self.parts.values(), Cost({})).by_class)
+
+    @property
+    def total(self) -> FloatArray:
+        return sum((c.total for c in self.parts.values()), np.zeros(()))
 
 
 def _ring(kind: Collective, r: FloatArray) -> tuple[FloatArray, FloatArray]:
@@ -102,29 +144,35 @@ class Links:
         span: FloatArray | float,
         ranks: FloatArray | float,
         nbytes: FloatArray | float,
-    ) -> FloatArray:
-        """Seconds for one ring collective of ``nbytes`` per rank among ``ranks`` ranks whose GPUs
-        span ``span`` consecutive GPUs (inside a node when span ≤ GPUs per node)."""
+    ) -> Cost:
+        """One ring collective of ``nbytes`` per rank among ``ranks`` ranks whose GPUs span ``span``
+        consecutive GPUs (inside a node when span ≤ GPUs per node)."""
         r = np.asarray(ranks, dtype=np.float64)
         intra = np.asarray(span) <= self.gpn
         bw = np.where(intra, self._bw[kind, Link.INTRA], self._bw[kind, Link.INTER])
         hop = np.where(intra, self._hop[Link.INTRA], self._hop[Link.INTER])
         factor, steps = _ring(kind, np.maximum(r, 1.0))
-        t = factor * np.asarray(nbytes, dtype=np.float64) / bw + steps * hop
-        result: FloatArray = np.where(r > 1, t, 0.0)
-        return result
+        t = np.where(r > 1, factor * np.asarray(nbytes, dtype=np.float64) / bw + steps * hop, 0.0)
+        return Cost(
+            {
+                OpClass.of(kind, Link.INTRA): np.where(intra, t, 0.0),
+                OpClass.of(kind, Link.INTER): np.where(intra, 0.0, t),
+            }
+        )
 
-    def compute(self, gemm_flops: FloatArray | float, attn_flops: FloatArray | float) -> FloatArray:
+    def compute(self, gemm_flops: FloatArray | float, attn_flops: FloatArray | float) -> Cost:
         peak = self.cluster.peak_flops
-        g = np.asarray(gemm_flops, dtype=np.float64) / (self.eff[OpClass.GEMM] * peak)
-        a = np.asarray(attn_flops, dtype=np.float64) / (self.eff[OpClass.ATTENTION] * peak)
-        result: FloatArray = g + a
-        return result
+        return Cost(
+            {
+                OpClass.GEMM: np.asarray(gemm_flops, dtype=np.float64) / (self.eff[OpClass.GEMM] * peak),
+                OpClass.ATTENTION: np.asarray(attn_flops, dtype=np.float64)
+                / (self.eff[OpClass.ATTENTION] * peak),
+            }
+        )
 
-    def memory_bound(self, nbytes: FloatArray | float) -> FloatArray:
+    def memory_bound(self, nbytes: FloatArray | float) -> Cost:
         bw = self.cluster.hbm_bandwidth_gbs * 1e9 * self.eff[OpClass.MEMORY]
-        result: FloatArray = np.asarray(nbytes, dtype=np.float64) / bw
-        return result
+        return Cost({OpClass.MEMORY: np.asarray(nbytes, dtype=np.float64) / bw})
 
 
 def _gemm_flops_per_token(model: ModelSpec, rep: ReplicaFacts) -> FloatArray:
@@ -189,25 +237,25 @@ class CostModel:
         return self.evaluate_rows(model_stage, [layout], index, dp, micro_batch, recompute)
 
     # ------------------------------------------------------------ pieces
-    def _weight_sync(self, rep: ReplicaFacts) -> FloatArray:
+    def _weight_sync(self, rep: ReplicaFacts) -> Cost:
         """Receiving updated bf16 weights from the colocated trainer at the step boundary."""
         nbytes = np.maximum(rep.params_first, rep.params_last) * 2.0
         return self.links.collective(Collective.BROADCAST, rep.size, 2.0, nbytes)
 
-    def _tp(self, rep: ReplicaFacts, nbytes: FloatArray) -> FloatArray:
+    def _tp(self, rep: ReplicaFacts, nbytes: FloatArray) -> Cost:
         """One TP all-reduce of ``nbytes`` inside the TP group."""
         return self.links.collective(Collective.ALLREDUCE, rep.tp, rep.tp, nbytes)
 
-    def _p2p(self, rep: ReplicaFacts, nbytes: FloatArray) -> FloatArray:
+    def _p2p(self, rep: ReplicaFacts, nbytes: FloatArray) -> Cost:
         """One pipeline send/recv between neighbouring stages (0 without PP)."""
-        t = self.links.collective(Collective.SENDRECV, rep.size, 2.0, nbytes)
-        result: FloatArray = np.where(rep.pp > 1, t, 0.0)
-        return result
+        return self.links.collective(Collective.SENDRECV, rep.size, 2.0, nbytes) * np.where(
+            rep.pp > 1, 1.0, 0.0
+        )
 
     # ------------------------------------------------------------ training
     def _training(
         self, model: ModelSpec, rep: ReplicaFacts, dp: FloatArray, b: FloatArray, recompute: Recompute
-    ) -> tuple[dict[str, FloatArray], MemoryTerms]:
+    ) -> tuple[dict[str, Cost], MemoryTerms]:
         w = self.problem.workload
         seq = self.problem.seq
         accum = w.global_batch / (dp * b)  # micro-batches per replica per update
@@ -219,20 +267,21 @@ class CostModel:
         attn_mult = 3.0 if recompute is Recompute.NONE else 4.0
         t_compute = self.links.compute(gemm_mult * fwd_gemm, attn_mult * fwd_attn)
         n_ar = (6.0 if recompute is Recompute.FULL else 4.0) * rep.layers_first
-        t_tp = n_ar * self._tp(rep, tokens * model.hidden_size * ACT_BYTES)
+        t_tp = self._tp(rep, tokens * model.hidden_size * ACT_BYTES) * n_ar
         p2p = tokens * model.hidden_size * ACT_BYTES / (rep.tp if w.sequence_parallel else 1.0)
-        t_pp = 2.0 * self._p2p(rep, p2p)
+        t_pp = self._p2p(rep, p2p) * 2.0
         slot = t_compute + t_tp + t_pp
         params_gpu = np.maximum(rep.params_first, rep.params_last)
         dp_sync = self.links.collective(Collective.ALLREDUCE, rep.size * dp, dp, params_gpu * 4.0)
         updates = w.updates_per_step
+        per_step = updates * accum  # micro-batch slots per step (before the bubble)
         terms = {
-            "compute": updates * accum * t_compute,
-            "tp_comm": updates * accum * t_tp,
-            "pp_comm": updates * accum * t_pp,
-            "bubble": updates * (rep.pp - 1.0) * slot,
-            "dp_sync": updates * dp_sync,
-            "optimizer": updates * self.links.memory_bound(params_gpu * ADAM_BYTES_PER_PARAM),
+            "compute": t_compute * per_step,
+            "tp_comm": t_tp * per_step,
+            "pp_comm": t_pp * per_step,
+            "bubble": slot * (updates * (rep.pp - 1.0)),
+            "dp_sync": dp_sync * updates,
+            "optimizer": self.links.memory_bound(params_gpu * ADAM_BYTES_PER_PARAM) * updates,
         }
         mem = trainer_memory(
             model,
@@ -251,7 +300,7 @@ class CostModel:
     # ------------------------------------------------------------ inference
     def _inference(
         self, model: ModelSpec, rep: ReplicaFacts, dp: FloatArray, micro: FloatArray, n: int
-    ) -> tuple[dict[str, FloatArray], MemoryTerms]:
+    ) -> tuple[dict[str, Cost], MemoryTerms]:
         w = self.problem.workload
         seq = self.problem.seq
         per_replica = np.ceil(n / dp)
@@ -263,14 +312,14 @@ class CostModel:
         t_compute = self.links.compute(
             _gemm_flops_per_token(model, rep) * tokens, _attn_flops(model, rep, seqs_mb * s * (s + 1.0) / 2.0)
         )
-        t_tp = 2.0 * rep.layers_first * self._tp(rep, tokens * model.hidden_size * ACT_BYTES)
+        t_tp = self._tp(rep, tokens * model.hidden_size * ACT_BYTES) * (2.0 * rep.layers_first)
         t_pp = self._p2p(rep, tokens * model.hidden_size * ACT_BYTES)
         slot = t_compute + t_tp + t_pp
         terms = {
-            "compute": chunks * t_compute,
-            "tp_comm": chunks * t_tp,
-            "pp_comm": chunks * t_pp,
-            "bubble": (rep.pp - 1.0) * slot,
+            "compute": t_compute * chunks,
+            "tp_comm": t_tp * chunks,
+            "pp_comm": t_pp * chunks,
+            "bubble": slot * (rep.pp - 1.0),
         }
         mem = inference_memory(
             model,
@@ -287,7 +336,7 @@ class CostModel:
     # ------------------------------------------------------------ generation
     def _generation(
         self, model: ModelSpec, rep: ReplicaFacts, dp: FloatArray, concurrency: FloatArray, n: int
-    ) -> tuple[dict[str, FloatArray], MemoryTerms]:
+    ) -> tuple[dict[str, Cost], MemoryTerms]:
         w = self.problem.workload
         seq = self.problem.seq
         per_replica = np.ceil(n / dp)
@@ -303,7 +352,7 @@ class CostModel:
             gemm_per_token * prefill_tokens,
             _attn_flops(model, rep, per_replica * prompt * (prompt + 1.0) / 2.0),
         )
-        prefill_tp = 2.0 * layers * chunks * self._tp(rep, prefill_tokens / chunks * h * ACT_BYTES)
+        prefill_tp = self._tp(rep, prefill_tokens / chunks * h * ACT_BYTES) * (2.0 * layers * chunks)
         # decode: continuous batching keeps `conc` sequences in flight; the longest (p95) ends it.
         # With pp stages, min(conc, pp) micro-groups circulate; a step = pp slots of one group.
         steps = per_replica * seq.response_len / conc + (seq.response_p95 - seq.response_len)
@@ -316,9 +365,9 @@ class CostModel:
         slots = steps * rep.pp
         terms = {
             "prefill": prefill,
-            "decode": slots * np.maximum(t_mem, t_cmp),
-            "tp_comm": prefill_tp + slots * 2.0 * layers * self._tp(rep, per_group * h * ACT_BYTES),
-            "pp_comm": slots * self._p2p(rep, per_group * h * ACT_BYTES),
+            "decode": Cost.slower(t_mem, t_cmp) * slots,
+            "tp_comm": prefill_tp + self._tp(rep, per_group * h * ACT_BYTES) * (2.0 * layers * slots),
+            "pp_comm": self._p2p(rep, per_group * h * ACT_BYTES) * slots,
         }
         mem = generation_memory(
             model, rep, conc, prompt, seq.max_len, w.precision, self.problem.efficiencies.memory(Stage.GEN)
