@@ -114,7 +114,10 @@ class CandidateTable:
 
 
 def layouts(problem: PlanningProblem, model_stage: ModelStage) -> list[Layout]:
-    """Power-of-two (tp, pp) a replica of ``model_stage`` may use on this pool."""
+    """Power-of-two (tp, pp) a replica of ``model_stage`` may use on this pool (or its fixed one)."""
+    fixed = problem.space.fixed_layout(model_stage.name)
+    if fixed is not None:
+        return [fixed] if fixed.size <= problem.gpus else []
     model = problem.model_of(model_stage)
     result = []
     tp = 1

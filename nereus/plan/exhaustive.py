@@ -27,7 +27,7 @@ import numpy as np
 from nereus.errors import NereusError
 from nereus.plan.candidates import CandidateTable, Shape
 from nereus.plan.cost import CostModel
-from nereus.plan.memory import coresident_bounds
+from nereus.plan.evaluate import fits_pool, price
 from nereus.plan.overlap import step_latency
 from nereus.plan.problem import PlanningProblem
 from nereus.plan.search import build_tables
@@ -203,39 +203,14 @@ def _result(
     return ExhaustiveResult(count, latency, shapes, time.perf_counter() - started)
 
 
-def _price(problem: PlanningProblem, shapes: dict[str, Shape]) -> dict[str, tuple[float, float, float]]:
-    """(latency, resident, active) of every model-stage of one plan, priced one by one."""
-    cost = CostModel(problem)
-    out = {}
-    for m in problem.workflow.model_stages:
-        s = shapes[m.name]
-        terms, mem = cost.evaluate(m, s.layout, np.array([s.dp]), np.array([s.micro_batch]), s.recompute)
-        out[m.name] = (float(terms.total[0]), float(mem.persistent[0]), float(mem.active[0]))
-    return out
-
-
 def plan_step_latency(problem: PlanningProblem, shapes: dict[str, Shape]) -> float:
     """Step latency of a plan, priced model-stage by model-stage on the overlap graph."""
-    priced = _price(problem, shapes)
-    return step_latency(problem.workflow, problem.workload.mode, {n: v[0] for n, v in priced.items()})
+    return price(problem, shapes).step_latency_s
 
 
 def plan_is_feasible(problem: PlanningProblem, shapes: dict[str, Shape]) -> bool:
     """The search's rules, checked directly on one plan: GPU budgets and co-resident memory."""
-    wf = problem.workflow
-    priced = _price(problem, shapes)
-    stage_of = {m.name: m.stage for m in wf.model_stages}
-    gpus: dict[Stage, int] = {}
-    for m in wf.model_stages:
-        gpus[m.stage] = gpus.get(m.stage, 0) + shapes[m.name].num_gpus
-    apart = problem.workload.mode is ExecutionMode.ASYNC
-    beside = gpus.get(Stage.GEN, 0) if apart else 0
-    if any(n + (beside if s is not Stage.GEN else 0) > problem.gpus for s, n in gpus.items()):
-        return False
-    bounds = coresident_bounds(
-        stage_of, {n: v[1] for n, v in priced.items()}, {n: v[2] for n, v in priced.items()}, apart
-    )
-    return all(b <= problem.capacity_bytes - problem.reserved_bytes for b in bounds.values())
+    return fits_pool(problem, shapes) and not price(problem, shapes).over_capacity(problem)
 
 
 def iter_plans(problem: PlanningProblem) -> Iterator[tuple[dict[str, Shape], float]]:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from nereus.plan.calibration import Efficiencies
+from nereus.plan.layout import Layout
 from nereus.spec.cluster import GIB, ClusterSpec
 from nereus.spec.model import ModelSpec
 from nereus.spec.workload import ModelStage, Recompute, Role, Workflow, WorkloadSpec
@@ -48,16 +49,28 @@ class SearchSpace:
     recompute: tuple[Recompute, ...] = (Recompute.NONE,)
     shrink_micro_batch: bool = False  # also try per-replica micro-batches below the workload's
     max_tp: int = 0  # 0: GPUs per node (TP stays inside a node)
+    # model-stages whose (tp, pp) is held fixed; only their DP degree and GPUs may change
+    fixed_layouts: tuple[tuple[str, Layout], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.recompute:
             raise ValueError("recompute options must not be empty")
         if self.max_tp < 0:
             raise ValueError("max_tp must be non-negative")
+        names = [n for n, _ in self.fixed_layouts]
+        if len(set(names)) != len(names):
+            raise ValueError("fixed_layouts names a model-stage twice")
 
     @classmethod
     def urgent(cls) -> SearchSpace:
         return cls(recompute=tuple(Recompute), shrink_micro_batch=True)
+
+    def fixed_layout(self, model_stage: str) -> Layout | None:
+        return dict(self.fixed_layouts).get(model_stage)
+
+    def holding(self, layouts: Mapping[str, Layout]) -> SearchSpace:
+        """The same space with these model-stages' layouts held fixed (DP and GPUs still free)."""
+        return replace(self, fixed_layouts=tuple(sorted(layouts.items())))
 
 
 @dataclass(frozen=True, slots=True)

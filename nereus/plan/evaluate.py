@@ -1,0 +1,72 @@
+"""Price one given plan under a problem: what the controller asks of the plan it is running.
+
+The search prices every candidate at once; here one shape per model-stage is priced on its own —
+under new sequence lengths, new calibration or a new pool — with the same cost model, the same
+co-residency rule and the same step-latency graph, so "the current plan" and "the target plan"
+are compared on equal terms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from nereus.plan.candidates import Shape
+from nereus.plan.cost import CostModel
+from nereus.plan.layout import Plan
+from nereus.plan.memory import coresident_bounds
+from nereus.plan.opclass import OpClass
+from nereus.plan.overlap import step_latency
+from nereus.plan.problem import PlanningProblem
+from nereus.spec.workload import ExecutionMode, Stage
+
+
+@dataclass(frozen=True, slots=True)
+class PlanCost:
+    """Per model-stage latency and memory of one plan, and what they add up to."""
+
+    step_latency_s: float
+    latency: Mapping[str, float]
+    resident: Mapping[str, float]  # bytes per GPU kept while idle
+    active: Mapping[str, float]  # bytes per GPU while running
+    bound: Mapping[str, float]  # active + co-resident idle state of other stages (no reserve)
+    by_class: Mapping[str, Mapping[OpClass, float]]  # seconds per op class, per model-stage
+
+    def over_capacity(self, problem: PlanningProblem) -> list[str]:
+        """Model-stages whose bound exceeds capacity after headroom and the runtime reserve."""
+        limit = problem.capacity_bytes - problem.reserved_bytes
+        return [name for name, b in self.bound.items() if b > limit]
+
+
+def shapes_of(plan: Plan) -> dict[str, Shape]:
+    return {c.model_stage: Shape(c.layout, c.dp, c.micro_batch, c.recompute) for c in plan.candidates}
+
+
+def price(problem: PlanningProblem, shapes: Mapping[str, Shape]) -> PlanCost:
+    """Latency and memory of the plan ``shapes`` (one per model-stage) under ``problem``."""
+    cost = CostModel(problem)
+    wf = problem.workflow
+    latency, resident, active, by_class = {}, {}, {}, {}
+    for m in wf.model_stages:
+        s = shapes[m.name]
+        terms, mem = cost.evaluate(m, s.layout, np.array([s.dp]), np.array([s.micro_batch]), s.recompute)
+        latency[m.name] = float(terms.total[0])
+        resident[m.name] = float(mem.persistent[0])
+        active[m.name] = float(mem.active[0])
+        by_class[m.name] = {op: float(t[0]) for op, t in terms.by_class.items() if float(t[0]) > 0}
+    mode = problem.workload.mode
+    bound = coresident_bounds(
+        {m.name: m.stage for m in wf.model_stages}, resident, active, mode is ExecutionMode.ASYNC
+    )
+    return PlanCost(step_latency(wf, mode, latency), latency, resident, active, bound, by_class)
+
+
+def fits_pool(problem: PlanningProblem, shapes: Mapping[str, Shape]) -> bool:
+    """Per-stage GPU budgets: concurrent model-stages share the pool (async: generation apart)."""
+    gpus: dict[Stage, int] = {}
+    for m in problem.workflow.model_stages:
+        gpus[m.stage] = gpus.get(m.stage, 0) + shapes[m.name].num_gpus
+    beside = gpus.get(Stage.GEN, 0) if problem.workload.mode is ExecutionMode.ASYNC else 0
+    return all(n + (beside if s is not Stage.GEN else 0) <= problem.gpus for s, n in gpus.items())
