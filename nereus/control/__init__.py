@@ -1,0 +1,27 @@
+"""When to adapt: telemetry, triggers, payback admission and the controller (pure)."""
+
+from nereus.control.admission import Decision, Option, Profit, Rule, Verdict, admit
+from nereus.control.controller import Controller, ControllerConfig, State, policy_config
+from nereus.control.telemetry import Telemetry
+from nereus.control.transition_cost import BandwidthEstimator, TransitionEstimate, TransitionEstimator
+from nereus.control.triggers import Trigger, TriggerKind, TriggerMonitor
+
+__all__ = [
+    "BandwidthEstimator",
+    "Controller",
+    "ControllerConfig",
+    "Decision",
+    "Option",
+    "Profit",
+    "Rule",
+    "State",
+    "Telemetry",
+    "TransitionEstimate",
+    "TransitionEstimator",
+    "Trigger",
+    "TriggerKind",
+    "TriggerMonitor",
+    "Verdict",
+    "admit",
+    "policy_config",
+]

@@ -1,0 +1,142 @@
+"""Admission (paper §2.8–2.9, Eq. 2): is a transition feasible, and does it pay back in time?
+
+Options are tried in order — the planner's target S* first, then slightly slower plans with
+cheaper transitions — and the first that passes is admitted:
+
+* feasible: the target plan fits (the planner guarantees it) and so does its transition (memory
+  while state moves, an intact copy of every model-stage: ``TransitionEstimator``);
+* profitable (opportunistic triggers only): ΔL = L(S) − L(S*) > 0 and L_tran / ΔL ≤ γ · H, with
+  H the smallest horizon of the signals that fired. Urgent triggers waive profitability.
+
+``Rule`` also expresses the baselines the simulator compares: ``any-gain`` admits any ΔL > 0
+(DynaRL-style) and ``switch`` admits whatever differs (a periodic policy). If nothing passes, an
+opportunistic replan keeps the current plan; an urgent one asks for checkpoint and restart.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from nereus.control.transition_cost import TransitionEstimate
+from nereus.control.triggers import Trigger
+from nereus.plan.layout import Plan
+
+
+class Verdict(StrEnum):
+    ADMIT = "admit"
+    KEEP = "keep"
+    RESTART = "restart"  # checkpoint and restart: nothing transitions in place
+
+
+class Profit(StrEnum):
+    PAYBACK = "payback"  # Nereus: ΔL > 0 and L_tran/ΔL ≤ γ·H
+    ANY_GAIN = "any-gain"  # DynaRL-style: ΔL > 0
+    SWITCH = "switch"  # periodic: adopt the target whenever it differs
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    profit: Profit = Profit.PAYBACK
+    gamma: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"gamma must be in [0, 1], got {self.gamma}")
+
+    def pays_back(self, delta_s: float, l_tran_s: float, horizon: float) -> tuple[bool, str]:
+        if self.profit is Profit.SWITCH:
+            return True, "periodic switch"
+        if delta_s <= 0:
+            return False, f"no gain (ΔL {delta_s:+.3g} s)"
+        if self.profit is Profit.ANY_GAIN:
+            return True, f"ΔL {delta_s:.3g} s > 0"
+        payback = l_tran_s / delta_s
+        bar = self.gamma * horizon
+        if payback <= bar:
+            return True, f"payback {payback:.3g} ≤ γ·H = {bar:.3g} steps"
+        return False, f"payback {payback:.3g} > γ·H = {bar:.3g} steps"
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """A candidate target plan with its predicted step latency and where it came from."""
+
+    label: str  # "target", "hold-layouts", "hold:<stage>", "urgent"
+    plan: Plan
+    step_latency_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One replan, as the runtime logs it."""
+
+    step: int
+    time_s: float
+    triggers: tuple[Trigger, ...]
+    urgent: bool
+    verdict: Verdict
+    reason: str
+    current_latency_s: float | None  # None: the current plan is no longer valid
+    target: Plan | None = None
+    target_label: str = ""
+    target_latency_s: float | None = None
+    delta_s: float | None = None
+    l_tran_s: float | None = None
+    payback_steps: float | None = None
+    horizon_steps: float | None = None
+    transition: TransitionEstimate | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        def layouts(plan: Plan | None) -> dict[str, str] | None:
+            if plan is None:
+                return None
+            return {c.model_stage: f"{c.layout}·dp{c.dp}" for c in plan.candidates}
+
+        return {
+            "step": self.step,
+            "time_s": self.time_s,
+            "triggers": [t.describe() for t in self.triggers],
+            "urgent": self.urgent,
+            "verdict": self.verdict.value,
+            "reason": self.reason,
+            "current_latency_s": self.current_latency_s,
+            "target": layouts(self.target),
+            "target_label": self.target_label,
+            "target_latency_s": self.target_latency_s,
+            "delta_s": self.delta_s,
+            "l_tran_s": self.l_tran_s,
+            "payback_steps": self.payback_steps,
+            "horizon_steps": self.horizon_steps,
+        }
+
+
+def admit(
+    rule: Rule,
+    current_latency_s: float | None,
+    options: Sequence[Option],
+    estimates: Sequence[TransitionEstimate],
+    horizon: float,
+    urgent: bool,
+) -> tuple[int | None, str]:
+    """Index of the first admissible option (or None) and the reasons, one per option tried."""
+    reasons = []
+    for i, (opt, est) in enumerate(zip(options, estimates, strict=True)):
+        if not est.feasible:
+            reasons.append(f"{opt.label}: transition infeasible ({est.reason})")
+            continue
+        if urgent or current_latency_s is None:
+            return i, f"{opt.label}: urgent, profitability waived"
+        delta = current_latency_s - opt.step_latency_s
+        ok, why = rule.pays_back(delta, est.seconds, horizon)
+        if ok:
+            return i, f"{opt.label}: {why}"
+        reasons.append(f"{opt.label}: {why}")
+    return None, "; ".join(reasons) or "no option"
+
+
+def payback_steps(delta_s: float, l_tran_s: float) -> float:
+    return l_tran_s / delta_s if delta_s > 0 else math.inf

@@ -1,0 +1,291 @@
+"""The controller: when to adapt and to what (paper §1–2), as a small explicit state machine.
+
+    STEADY ──trigger──▶ REPLANNING ──admit──▶ TRANSITIONING ──transition_done──▶ STEADY
+       │                     └──keep──▶ STEADY
+       └──urgent trigger──▶ URGENT ──admit──▶ TRANSITIONING
+                               └──nothing fits in place──▶ RESTART_REQUIRED ──restarted──▶ STEADY
+
+``observe`` is called once per step boundary with that step's telemetry (the clock is the
+telemetry's ``time_s``); it folds the measurements into calibration, fires triggers, and when any
+fires, replans and admits or rejects a transition. Every replan yields a ``Decision`` record.
+The runtime (or the simulator) executes an admitted transition at the safe boundary and reports
+``transition_done``, or restarts from a checkpoint and reports ``restarted``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+from nereus.control.admission import Decision, Option, Profit, Rule, Verdict, admit, payback_steps
+from nereus.control.telemetry import Telemetry
+from nereus.control.transition_cost import BandwidthEstimator, TransitionEstimate, TransitionEstimator
+from nereus.control.triggers import Trigger, TriggerKind, TriggerMonitor, horizon
+from nereus.errors import ConfigError, InfeasibleError
+from nereus.plan.calibration import CalibrationStore
+from nereus.plan.evaluate import price, shapes_of
+from nereus.plan.layout import Layout, Plan
+from nereus.plan.problem import DEFAULT_HEADROOM, PlanningProblem, SearchSpace, SeqStats
+from nereus.plan.search import SearchResult, search
+from nereus.spec.cluster import ClusterSpec
+from nereus.spec.model import ModelSpec
+from nereus.spec.workload import Role, WorkloadSpec
+
+Planner = Callable[[PlanningProblem], SearchResult]
+
+
+class State(StrEnum):
+    STEADY = "steady"
+    REPLANNING = "replanning"
+    TRANSITIONING = "transitioning"
+    URGENT = "urgent"
+    RESTART_REQUIRED = "restart-required"
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerConfig:
+    rule: Rule = field(default_factory=Rule)
+    delta_len: float = 0.30  # δ_len
+    delta_eff: float = 0.25  # δ for achieved efficiency per op class
+    ema_weight: float = 0.5  # weight of the newest interval in H_x
+    fallback_tolerance: float = 0.10  # fallbacks at most this much slower than S*
+    period: int = 0  # > 0: replan every `period` steps (periodic policy)
+    # which triggers start a replan (urgent ones always do)
+    replan_on: frozenset[TriggerKind] = frozenset(TriggerKind)
+    hold_layouts: bool = False  # static policy: TP/PP fixed to the first plan's, DP follows the pool
+
+    def __post_init__(self) -> None:
+        if self.period < 0 or self.fallback_tolerance < 0:
+            raise ValueError("period and fallback_tolerance must be non-negative")
+
+
+POLICIES = ("nereus", "static", "always", "periodic:K")
+
+
+def policy_config(name: str, gamma: float = 0.5) -> ControllerConfig:
+    """The controller configuration of a named policy (``nereus``, ``static``, ``always``,
+    ``periodic:K``); all share the urgent path and the planner, they differ in admission."""
+    if name == "nereus":
+        return ControllerConfig(rule=Rule(Profit.PAYBACK, gamma))
+    if name == "always":
+        return ControllerConfig(rule=Rule(Profit.ANY_GAIN, gamma))
+    if name == "static":
+        return ControllerConfig(
+            rule=Rule(Profit.SWITCH, gamma), replan_on=frozenset({TriggerKind.POOL}), hold_layouts=True
+        )
+    if name.startswith("periodic:"):
+        try:
+            k = int(name.split(":", 1)[1])
+        except ValueError:
+            k = 0
+        if k <= 0:
+            raise ConfigError(f"policy {name!r}: periodic:K needs a positive integer K")
+        return ControllerConfig(
+            rule=Rule(Profit.SWITCH, gamma), period=k, replan_on=frozenset({TriggerKind.PERIODIC})
+        )
+    raise ConfigError(f"unknown policy {name!r} (choices: {', '.join(POLICIES)})")
+
+
+class Controller:
+    """Decides, step by step, whether the job should change its plan."""
+
+    def __init__(
+        self,
+        workload: WorkloadSpec,
+        models: Mapping[Role, ModelSpec],
+        cluster: ClusterSpec,
+        plan: Plan,
+        config: ControllerConfig | None = None,
+        calibration: CalibrationStore | None = None,
+        planner: Planner = search,
+        estimator: TransitionEstimator | None = None,
+        headroom: float = DEFAULT_HEADROOM,
+    ) -> None:
+        self.workload = workload
+        self.models = dict(models)
+        self.cluster = cluster
+        self.plan = plan
+        self.config = config or ControllerConfig()
+        self.calibration = calibration or CalibrationStore(cluster.name)
+        self.planner = planner
+        self.estimator = estimator or BandwidthEstimator()
+        self.headroom = headroom
+        self.state = State.STEADY
+        self.decisions: list[Decision] = []
+        self.pending: Decision | None = None
+        self.monitor = TriggerMonitor(self.config.delta_len, self.config.delta_eff, self.config.ema_weight)
+        self.first_layouts = {c.model_stage: c.layout for c in plan.candidates}
+        self._growth = 1.0  # EMA of the per-step growth of the mean response length
+        self._last_len: float | None = None
+
+    # ------------------------------------------------------------------ inputs
+    def problem(
+        self, pool: Sequence[int], seq: SeqStats, space: SearchSpace | None = None
+    ) -> PlanningProblem:
+        base = space or SearchSpace()
+        if self.config.hold_layouts:
+            base = base.holding(self.first_layouts)
+        return PlanningProblem(
+            self.workload,
+            self.models,
+            self.cluster,
+            tuple(sorted(pool)),
+            seq,
+            self.calibration.efficiencies(),
+            base,
+            self.headroom,
+        )
+
+    def _seq(self, t: Telemetry, ahead: float = 1.0) -> SeqStats:
+        g = self._growth**ahead
+        cap = self.workload.max_response_len
+        mean = min(t.seq_len_mean * g, cap)
+        return SeqStats(self.workload.prompt_len, mean, max(mean, min(t.seq_len_p95 * g, cap)))
+
+    def _calibrate(self, t: Telemetry) -> None:
+        """Fold measured op-class times and memory peaks into calibration (paper §2.5)."""
+        self.calibration.update(t.measurements)
+        if not t.peak_memory:
+            return
+        problem = self.problem(self.plan.pool, self._seq(t, ahead=0.0))
+        predicted = price(problem, shapes_of(self.plan))
+        eff = problem.efficiencies
+        for name, measured in t.peak_memory.items():
+            stage = self.plan.workflow.get(name).stage
+            raw = predicted.active[name] / eff.memory(stage)  # without the current correction
+            if raw > 0 and measured > 0:
+                self.calibration.update_memory(stage, raw, measured)
+
+    # ------------------------------------------------------------------ the state machine
+    def observe(self, t: Telemetry) -> Decision | None:
+        """Telemetry of the step that just ended; a Decision if a replan happened."""
+        if self.state in (State.TRANSITIONING, State.RESTART_REQUIRED):
+            raise RuntimeError(f"observe() while {self.state.value}: report the transition or restart first")
+        if self._last_len is not None and self._last_len > 0:
+            self._growth = 0.5 * self._growth + 0.5 * (t.seq_len_mean / self._last_len)
+        self._last_len = t.seq_len_mean
+        self._calibrate(t)
+        plan_gpus = frozenset(g for c in self.plan.candidates for g in c.gpus)
+        violation = False
+        if plan_gpus <= frozenset(t.pool):
+            upcoming = price(self.problem(self.plan.pool, self._seq(t)), shapes_of(self.plan))
+            violation = bool(upcoming.over_capacity(self.problem(self.plan.pool, self._seq(t))))
+        fired = self.monitor.observe(t, plan_gpus, violation)
+        if self.config.period and (t.step + 1) % self.config.period == 0:
+            fired.append(Trigger(TriggerKind.PERIODIC, "timer", t.step, t.step, float(self.config.period)))
+        fired = [f for f in fired if f.urgent or f.kind in self.config.replan_on]
+        if not fired:
+            return None
+        decision = self._replan(t, fired)
+        self.monitor.reset(t)
+        self.decisions.append(decision)
+        if decision.verdict is Verdict.ADMIT:
+            self.state, self.pending = State.TRANSITIONING, decision
+        elif decision.verdict is Verdict.RESTART:
+            self.state, self.pending = State.RESTART_REQUIRED, decision
+        else:
+            self.state, self.pending = State.STEADY, None
+        return decision
+
+    def transition_done(self, measured_s: float) -> None:
+        """The admitted transition finished in ``measured_s``; its target is now the plan."""
+        if self.state is not State.TRANSITIONING or self.pending is None or self.pending.target is None:
+            raise RuntimeError("transition_done() without an admitted transition")
+        if self.pending.l_tran_s and isinstance(self.estimator, BandwidthEstimator):
+            self.estimator.observe(self.pending.l_tran_s, measured_s)
+        self.plan = self.pending.target
+        self.state, self.pending = State.STEADY, None
+
+    def restarted(self, plan: Plan) -> None:
+        """The job restarted from a checkpoint on ``plan``."""
+        self.plan = plan
+        self.state, self.pending = State.STEADY, None
+
+    # ------------------------------------------------------------------ replanning
+    def _replan(self, t: Telemetry, fired: list[Trigger]) -> Decision:
+        urgent = any(f.urgent for f in fired)
+        self.state = State.URGENT if urgent else State.REPLANNING
+        seq = self._seq(t)
+        problem = self.problem(t.pool, seq)
+        lost = frozenset(g for c in self.plan.candidates for g in c.gpus) - frozenset(t.pool)
+        current = None
+        if not lost:
+            cost = price(problem, shapes_of(self.plan))
+            if not cost.over_capacity(problem):
+                current = cost.step_latency_s
+        urgent = urgent or current is None
+        h = horizon([f for f in fired if not f.urgent]) if not urgent else 1.0
+        base = Decision(t.step, t.time_s, tuple(fired), urgent, Verdict.KEEP, "", current, horizon_steps=h)
+        options = self._options(problem)
+        if options and options[0].plan.candidates == self.plan.candidates:
+            return replace(base, reason="the current plan is the planner's target")
+        options = [o for o in options if o.plan.candidates != self.plan.candidates]
+        estimates = [self.estimator.estimate(problem, self.plan, o.plan, lost) for o in options]
+        index, reason = admit(self.config.rule, current, options, estimates, h, urgent)
+        if index is None and urgent:  # also try smaller micro-batches and recomputation
+            widened = self._options(self.problem(t.pool, seq, SearchSpace.urgent()), "urgent")
+            more = [self.estimator.estimate(problem, self.plan, o.plan, lost) for o in widened]
+            index, why = admit(self.config.rule, current, widened, more, h, True)
+            if index is None:
+                best = next(iter(options or widened), None)
+                return replace(
+                    base,
+                    verdict=Verdict.RESTART,
+                    reason=f"nothing transitions in place: {reason}; {why}",
+                    target=best.plan if best else None,
+                    target_label=best.label if best else "",
+                    target_latency_s=best.step_latency_s if best else None,
+                )
+            options, estimates, reason = widened, more, why
+        if index is None:
+            return replace(base, reason=reason)
+        chosen, est = options[index], estimates[index]
+        delta = None if current is None else current - chosen.step_latency_s
+        return replace(
+            base,
+            verdict=Verdict.ADMIT,
+            reason=reason,
+            target=chosen.plan,
+            target_label=chosen.label,
+            target_latency_s=chosen.step_latency_s,
+            delta_s=delta,
+            l_tran_s=est.seconds,
+            payback_steps=payback_steps(delta, est.seconds) if delta is not None else None,
+            transition=est,
+        )
+
+    def _options(self, problem: PlanningProblem, label: str = "target") -> list[Option]:
+        """S*, then slightly slower plans whose transitions are cheaper: the current layouts kept
+        (DP and GPUs only), and each stage alone re-laid-out with the others' layouts kept."""
+        best = self._plan(problem, label)
+        if best is None:
+            return []
+        options = [best]
+        current = {c.model_stage: c.layout for c in self.plan.candidates}
+        holds: list[tuple[str, dict[str, Layout]]] = [("hold-layouts", dict(current))]
+        for stage in self.plan.workflow.stages:
+            keep = {n: lay for n, lay in current.items() if self.plan.workflow.get(n).stage is not stage}
+            holds.append((f"relayout:{stage.value}", keep))
+        limit = best.step_latency_s * (1.0 + self.config.fallback_tolerance)
+        for name, layouts in holds:
+            fixed = {**layouts, **dict(problem.space.fixed_layouts)}  # a policy's own holds win
+            held = replace(problem, space=problem.space.holding(fixed))
+            option = self._plan(held, name)
+            fresh = option is not None and all(option.plan.candidates != o.plan.candidates for o in options)
+            if fresh and option is not None and option.step_latency_s <= limit:
+                options.append(option)
+        return [options[0], *sorted(options[1:], key=lambda o: o.step_latency_s)]
+
+    def _plan(self, problem: PlanningProblem, label: str) -> Option | None:
+        try:
+            result = self.planner(problem)
+        except InfeasibleError:
+            return None
+        return Option(label, result.plan, result.step_latency_s)
+
+
+def transition_summary(est: TransitionEstimate | None) -> dict[str, object]:
+    if est is None:
+        return {}
+    return {"changed": list(est.changed), "resharded": list(est.resharded), "l_tran_s": est.seconds}

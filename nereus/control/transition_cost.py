@@ -1,0 +1,150 @@
+"""L_tran and transition feasibility before anything moves (paper §2.8–2.9, §2.13).
+
+``TransitionEstimator`` is the interface admission uses. ``BandwidthEstimator`` is the estimate
+we use until the transition engine's DAG critical path replaces it: for every GPU, the bytes of
+state it must receive (its shard of each model-stage whose shard on it changes) over the link it
+receives on, summed across model-stages (transfers into one GPU share its link), maximum over
+GPUs, plus communicator setup. Memory: model-stages on a GPU are moved one at a time, so at most
+one holds both its old and its new shard; everything else holds the larger of the two.
+A model-stage whose every replica touches a lost GPU has no intact copy: the transition is
+infeasible in place (checkpoint and restart).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from nereus.plan.evaluate import price, shapes_of
+from nereus.plan.layout import Candidate, Plan
+from nereus.plan.opclass import Collective, Link, OpClass
+from nereus.plan.problem import PlanningProblem
+
+COMMUNICATOR_SETUP_S = 0.25  # creating the transition's communicators (per transition)
+
+
+@dataclass(frozen=True, slots=True)
+class TransitionEstimate:
+    seconds: float
+    peak_bytes: float  # largest per-GPU memory during the transition (with the runtime reserve)
+    feasible: bool
+    reason: str = ""
+    changed: tuple[str, ...] = ()  # model-stages whose candidate changes
+    resharded: tuple[str, ...] = ()  # model-stages whose (tp, pp) changes
+    moved_bytes: float = 0.0
+    per_gpu_seconds: Mapping[int, float] = field(default_factory=dict)
+
+
+class TransitionEstimator(Protocol):
+    def estimate(
+        self, problem: PlanningProblem, current: Plan, target: Plan, lost: frozenset[int] = frozenset()
+    ) -> TransitionEstimate: ...
+
+
+def _shard_of(c: Candidate, gpu: int) -> tuple[int, int] | None:
+    """(position inside its replica, replica) of ``gpu`` in ``c``, or None."""
+    try:
+        i = c.gpus.index(gpu)
+    except ValueError:
+        return None
+    return i % c.layout.size, i // c.layout.size
+
+
+def intact_replicas(c: Candidate, lost: frozenset[int]) -> int:
+    return sum(1 for r in range(c.dp) if not set(c.replica_gpus(r)) & lost)
+
+
+class BandwidthEstimator:
+    """Bytes over link bandwidth, per receiving GPU; a stand-in for the DAG critical path."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale = scale  # measured / estimated, learned from executed transitions
+
+    def observe(self, estimated_s: float, measured_s: float) -> None:
+        """Fold a measured transition time into the estimate (EMA of the ratio)."""
+        if estimated_s > 0 and measured_s > 0:
+            self.scale = 0.5 * self.scale + 0.5 * (measured_s / estimated_s)
+
+    def estimate(
+        self, problem: PlanningProblem, current: Plan, target: Plan, lost: frozenset[int] = frozenset()
+    ) -> TransitionEstimate:
+        cluster = problem.cluster
+        gpn = cluster.gpus_per_node
+        old_cost = price(problem, shapes_of(current))
+        new_cost = price(problem, shapes_of(target))
+        changed, resharded = [], []
+        recv: dict[int, float] = {}
+        receives: set[tuple[str, int]] = set()  # (model-stage, GPU) pairs that get a new shard
+        for new in target.candidates:
+            name = new.model_stage
+            old = current.candidate(name)
+            if old == new:
+                continue
+            changed.append(name)
+            if old.layout != new.layout:
+                resharded.append(name)
+            if intact_replicas(old, lost) == 0:
+                return TransitionEstimate(
+                    0.0, 0.0, False, f"{name} has no intact replica (checkpoint and restart)"
+                )
+            source_nodes = {g // gpn for g in old.gpus if g not in lost}
+            for g in new.gpus:
+                keeps = (
+                    old.layout == new.layout
+                    and g not in lost
+                    and _shard_of(old, g) is not None
+                    and _shard_of(old, g) == _shard_of(new, g)
+                )
+                if keeps:
+                    continue
+                receives.add((name, g))
+                link = Link.INTRA if g // gpn in source_nodes and new.layout.size <= gpn else Link.INTER
+                bw = (
+                    cluster.intra_node_bandwidth_gbs
+                    if link is Link.INTRA
+                    else cluster.inter_node_bandwidth_gbs
+                )
+                eta = problem.efficiencies[OpClass.of(Collective.BROADCAST, link)]
+                recv[g] = recv.get(g, 0.0) + new_cost.resident[name] / (eta * bw * 1e9)
+        moved = sum(new_cost.resident[n] * target.candidate(n).num_gpus for n in changed)
+        seconds = (max(recv.values(), default=0.0) + (COMMUNICATOR_SETUP_S if changed else 0.0)) * self.scale
+        peak, where = self._peak(problem, current, target, old_cost.resident, new_cost.resident, receives)
+        limit = problem.capacity_bytes
+        feasible = peak <= limit
+        reason = (
+            ""
+            if feasible
+            else (
+                f"GPU {where} would hold {peak / 2**30:.1f} GiB while state moves "
+                f"(capacity {limit / 2**30:.1f} GiB after headroom)"
+            )
+        )
+        return TransitionEstimate(
+            seconds, peak, feasible, reason, tuple(changed), tuple(resharded), moved, recv
+        )
+
+    @staticmethod
+    def _peak(
+        problem: PlanningProblem,
+        current: Plan,
+        target: Plan,
+        old_res: Mapping[str, float],
+        new_res: Mapping[str, float],
+        receives: set[tuple[str, int]],
+    ) -> tuple[float, int]:
+        gpus = {g for p in (current, target) for c in p.candidates for g in c.gpus}
+        worst, where = 0.0, -1
+        for g in gpus:
+            held, extra = 0.0, 0.0
+            for c in target.candidates:
+                name = c.model_stage
+                old = old_res[name] if g in current.candidate(name).gpus else 0.0
+                new = new_res[name] if g in c.gpus else 0.0
+                held += max(old, new)
+                if (name, g) in receives:  # old and new shard both held while copying
+                    extra = max(extra, min(old, new))
+            total = held + extra + problem.reserved_bytes
+            if total > worst:
+                worst, where = total, g
+        return worst, where

@@ -1,0 +1,156 @@
+"""Replan triggers (paper §2.7): events and thresholds, with the horizon H_x of each signal.
+
+* Events: the GPU pool changed (urgent when the running plan lost GPUs), a memory violation is
+  predicted for the next step, or a step ran out of memory (both urgent).
+* Thresholds: a drifting signal x fires when |x − x_ref| / x_ref > δ_x. Signals: the mean response
+  length (δ_len = 30%) and the achieved efficiency of every timed op class (δ_eff = 25%).
+  References are reset after every replan, also when the target is rejected, so a persistent
+  deviation does not re-fire every step while steady growth still crosses again and again.
+* H_x, the expected number of steps until x next crosses (or the pool next changes), is an EMA of
+  the observed intervals between crossings, updated only at a crossing; 1 step before the first
+  interval is seen (paper §2.8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from nereus.control.telemetry import Telemetry
+from nereus.plan.opclass import OpClass
+
+SEQ_LEN = "seq_len"
+POOL = "pool"
+
+
+class TriggerKind(StrEnum):
+    POOL = "pool"  # the pool changed; the running plan keeps its GPUs
+    GPU_LOSS = "gpu-loss"  # the running plan lost GPUs: it is invalid
+    MEMORY = "memory"  # the running plan is predicted to run out of memory next step
+    OOM = "oom"  # a step ran out of memory
+    DRIFT = "drift"  # a signal moved more than δ from its reference
+    PERIODIC = "periodic"  # a periodic policy's timer
+
+    @property
+    def urgent(self) -> bool:
+        return self in (TriggerKind.GPU_LOSS, TriggerKind.MEMORY, TriggerKind.OOM)
+
+
+@dataclass(frozen=True, slots=True)
+class Trigger:
+    kind: TriggerKind
+    signal: str
+    value: float
+    reference: float
+    horizon_steps: float  # H_x
+
+    @property
+    def urgent(self) -> bool:
+        return self.kind.urgent
+
+    def describe(self) -> str:
+        if self.kind is TriggerKind.DRIFT:
+            return f"{self.signal} {self.reference:.4g}→{self.value:.4g}"
+        return f"{self.kind.value} ({self.signal} {self.reference:g}→{self.value:g})"
+
+
+class Horizon:
+    """EMA of the steps between a signal's crossings; 1 step until the first interval is seen."""
+
+    def __init__(self, weight: float) -> None:
+        if not 0.0 < weight <= 1.0:
+            raise ValueError("EMA weight must be in (0, 1]")
+        self.weight = weight
+        self.steps = 1.0
+        self._last: int | None = None
+        self._intervals = 0
+
+    def crossed(self, step: int) -> None:
+        if self._last is not None and step > self._last:
+            interval = float(step - self._last)
+            self.steps = (
+                interval
+                if self._intervals == 0
+                else (self.weight * interval + (1.0 - self.weight) * self.steps)
+            )
+            self._intervals += 1
+        self._last = step
+
+
+class Threshold:
+    """One drifting signal: fires when it moves more than ``delta`` (relative) from its reference."""
+
+    def __init__(self, signal: str, delta: float, weight: float) -> None:
+        if delta <= 0:
+            raise ValueError(f"δ for {signal} must be positive")
+        self.signal = signal
+        self.delta = delta
+        self.reference: float | None = None
+        self.horizon = Horizon(weight)
+
+    def observe(self, step: int, value: float) -> Trigger | None:
+        if self.reference is None or self.reference <= 0:
+            self.reference = value
+            return None
+        if abs(value - self.reference) / self.reference <= self.delta:
+            return None
+        self.horizon.crossed(step)
+        return Trigger(TriggerKind.DRIFT, self.signal, value, self.reference, self.horizon.steps)
+
+    def reset(self, value: float) -> None:
+        self.reference = value
+
+
+class TriggerMonitor:
+    """All triggers of one job; ``observe`` once per step, ``reset`` after every replan."""
+
+    def __init__(self, delta_len: float = 0.30, delta_eff: float = 0.25, weight: float = 0.5) -> None:
+        self.weight = weight
+        self.delta_eff = delta_eff
+        self.seq_len = Threshold(SEQ_LEN, delta_len, weight)
+        self.efficiency: dict[OpClass, Threshold] = {}
+        self.pool_horizon = Horizon(weight)
+        self._pool: frozenset[int] | None = None
+
+    def observe(self, t: Telemetry, plan_gpus: frozenset[int], memory_violation: bool) -> list[Trigger]:
+        """Triggers that fire at the end of step ``t.step`` for a plan running on ``plan_gpus``."""
+        fired: list[Trigger] = []
+        pool = frozenset(t.pool)
+        if self._pool is not None and pool != self._pool:
+            self.pool_horizon.crossed(t.step)
+            kind = TriggerKind.POOL if plan_gpus <= pool else TriggerKind.GPU_LOSS
+            fired.append(Trigger(kind, POOL, len(pool), len(self._pool), self.pool_horizon.steps))
+        elif not plan_gpus <= pool:  # the plan already runs on GPUs that are gone
+            fired.append(Trigger(TriggerKind.GPU_LOSS, POOL, len(pool), len(pool), self.pool_horizon.steps))
+        self._pool = pool
+        if t.oom:
+            fired.append(Trigger(TriggerKind.OOM, "memory", 1.0, 0.0, 1.0))
+        elif memory_violation:
+            fired.append(Trigger(TriggerKind.MEMORY, "memory", 1.0, 0.0, 1.0))
+        drift = self.seq_len.observe(t.step, t.seq_len_mean)
+        if drift is not None:
+            fired.append(drift)
+        for op in sorted({m.op_class for m in t.measurements}):
+            eff = t.efficiency(op)
+            if eff is None:
+                continue
+            tracker = self.efficiency.setdefault(
+                op, Threshold(f"efficiency.{op.value}", self.delta_eff, self.weight)
+            )
+            drift = tracker.observe(t.step, eff)
+            if drift is not None:
+                fired.append(drift)
+        return fired
+
+    def reset(self, t: Telemetry) -> None:
+        """New references after a replan, whatever its verdict (paper §2.7)."""
+        self.seq_len.reset(t.seq_len_mean)
+        for op, tracker in self.efficiency.items():
+            eff = t.efficiency(op)
+            if eff is not None:
+                tracker.reset(eff)
+
+
+def horizon(triggers: list[Trigger]) -> float:
+    """H for an admission decision: the smallest H_x among the signals that fired (paper §2.8)."""
+    return min((t.horizon_steps for t in triggers), default=1.0)
