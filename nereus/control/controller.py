@@ -135,6 +135,7 @@ class Controller:
             self.calibration.efficiencies(),
             base,
             self.headroom,
+            anchor=self.plan,
         )
 
     def _seq(self, t: Telemetry, ahead: float = 1.0) -> SeqStats:

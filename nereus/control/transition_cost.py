@@ -4,8 +4,11 @@
 we use until the transition engine's DAG critical path replaces it: for every GPU, the bytes of
 state it must receive (its shard of each model-stage whose shard on it changes) over the link it
 receives on, summed across model-stages (transfers into one GPU share its link), maximum over
-GPUs, plus communicator setup. Memory: model-stages on a GPU are moved one at a time, so at most
-one holds both its old and its new shard; everything else holds the larger of the two.
+GPUs, plus communicator setup. Memory: a shard is rebuilt in place a layer at a time (Split grows
+it from peers, Merge slices what is resident, Extend fills an empty GPU), so a GPU holds the
+larger of each model-stage's old and new shard plus a one-layer staging buffer for the model-stage
+being moved. Release before acquire: a replica leaving a GPU is freed first when another replica
+of its model-stage keeps the state (a sole replica stays until its copy lands elsewhere).
 A model-stage whose every replica touches a lost GPU has no intact copy: the transition is
 infeasible in place (checkpoint and restart).
 """
@@ -76,6 +79,7 @@ class BandwidthEstimator:
         changed, resharded = [], []
         recv: dict[int, float] = {}
         receives: set[tuple[str, int]] = set()  # (model-stage, GPU) pairs that get a new shard
+        layers: dict[str, int] = {}  # layers per GPU in the target layout
         for new in target.candidates:
             name = new.model_stage
             old = current.candidate(name)
@@ -99,6 +103,9 @@ class BandwidthEstimator:
                 if keeps:
                     continue
                 receives.add((name, g))
+                layers[name] = -(
+                    -problem.model_of(target.workflow.get(name)).num_hidden_layers // new.layout.pp
+                )
                 link = Link.INTRA if g // gpn in source_nodes and new.layout.size <= gpn else Link.INTER
                 bw = (
                     cluster.intra_node_bandwidth_gbs
@@ -109,7 +116,9 @@ class BandwidthEstimator:
                 recv[g] = recv.get(g, 0.0) + new_cost.resident[name] / (eta * bw * 1e9)
         moved = sum(new_cost.resident[n] * target.candidate(n).num_gpus for n in changed)
         seconds = (max(recv.values(), default=0.0) + (COMMUNICATOR_SETUP_S if changed else 0.0)) * self.scale
-        peak, where = self._peak(problem, current, target, old_cost.resident, new_cost.resident, receives)
+        peak, where = self._peak(
+            problem, current, target, old_cost.resident, new_cost.resident, receives, layers
+        )
         limit = problem.capacity_bytes
         feasible = peak <= limit
         reason = (
@@ -132,6 +141,7 @@ class BandwidthEstimator:
         old_res: Mapping[str, float],
         new_res: Mapping[str, float],
         receives: set[tuple[str, int]],
+        layers: Mapping[str, int],
     ) -> tuple[float, int]:
         gpus = {g for p in (current, target) for c in p.candidates for g in c.gpus}
         worst, where = 0.0, -1
@@ -139,11 +149,14 @@ class BandwidthEstimator:
             held, extra = 0.0, 0.0
             for c in target.candidates:
                 name = c.model_stage
-                old = old_res[name] if g in current.candidate(name).gpus else 0.0
+                before = current.candidate(name)
+                old = old_res[name] if g in before.gpus else 0.0
                 new = new_res[name] if g in c.gpus else 0.0
+                if new == 0.0 and before.dp > 1:
+                    old = 0.0  # release before acquire: another replica keeps this state
                 held += max(old, new)
-                if (name, g) in receives:  # old and new shard both held while copying
-                    extra = max(extra, min(old, new))
+                if (name, g) in receives:  # staging buffer: one layer of the larger shard
+                    extra = max(extra, max(old, new) / max(1, layers[name]))
             total = held + extra + problem.reserved_bytes
             if total > worst:
                 worst, where = total, g

@@ -51,7 +51,13 @@ class Trigger:
     def describe(self) -> str:
         if self.kind is TriggerKind.DRIFT:
             return f"{self.signal} {self.reference:.4g}→{self.value:.4g}"
-        return f"{self.kind.value} ({self.signal} {self.reference:g}→{self.value:g})"
+        if self.kind in (TriggerKind.POOL, TriggerKind.GPU_LOSS):
+            return f"{self.kind.value} {self.reference:g}→{self.value:g} GPUs"
+        if self.kind is TriggerKind.MEMORY:
+            return "memory: next step predicted over capacity"
+        if self.kind is TriggerKind.OOM:
+            return "oom: the last step ran out of memory"
+        return f"{self.kind.value} every {self.horizon_steps:g} steps"
 
 
 class Horizon:

@@ -69,6 +69,11 @@ class Efficiencies:
     def __getitem__(self, op: OpClass) -> float:
         return self.eta[op]
 
+    @classmethod
+    def unit(cls) -> Efficiencies:
+        """η = 1 everywhere and no memory correction: costs become ideal (peak-rate) seconds."""
+        return cls(eta=MappingProxyType({op: 1.0 for op in OpClass}))
+
     def memory(self, stage: Stage) -> float:
         return self.memory_correction.get(stage, 1.0)
 

@@ -49,6 +49,22 @@ class _FreeGpus:
             taken.extend(self._pop(node, min(count - len(taken), free)))
         return tuple(sorted(taken))
 
+    def take_exactly(self, gpus: Sequence[int]) -> bool:
+        """Take these GPUs if every one is free; otherwise take nothing."""
+        if not all(g // self.gpn in self.nodes and g in self.nodes[g // self.gpn] for g in gpus):
+            return False
+        for g in gpus:
+            node = g // self.gpn
+            free = self.nodes[node]
+            self.buckets[len(free)].remove(node)
+            free.remove(g)
+            self.free -= 1
+            if free:
+                bisect.insort(self.buckets[len(free)], node)
+            else:
+                del self.nodes[node]
+        return True
+
     def _pop(self, node: int, count: int) -> tuple[int, ...]:
         free = self.nodes[node]
         self.buckets[len(free)].remove(node)
@@ -63,12 +79,19 @@ class _FreeGpus:
 
 
 def _place_group(
-    model_stages: Sequence[ModelStage], shapes: Mapping[str, Shape], free: _FreeGpus
+    model_stages: Sequence[ModelStage],
+    shapes: Mapping[str, Shape],
+    free: _FreeGpus,
+    anchor: Plan | None,
 ) -> list[Candidate]:
-    replicas = [(ms.name, r) for ms in model_stages for r in range(shapes[ms.name].dp)]
-    replicas.sort(key=lambda item: -shapes[item[0]].layout.size)  # stable: workflow order kept
     owned: dict[str, list[tuple[int, ...]]] = {ms.name: [] for ms in model_stages}
-    for name, _ in replicas:
+    todo: list[str] = []
+    for ms in model_stages:
+        kept = _anchored(ms.name, shapes[ms.name], free, anchor)
+        owned[ms.name].extend(kept)
+        todo.extend([ms.name] * (shapes[ms.name].dp - len(kept)))
+    todo.sort(key=lambda name: -shapes[name].layout.size)  # stable: workflow order kept
+    for name in todo:
         owned[name].append(free.take(shapes[name].layout.size))
     return [
         Candidate(
@@ -83,27 +106,53 @@ def _place_group(
     ]
 
 
+def _anchored(name: str, shape: Shape, free: _FreeGpus, anchor: Plan | None) -> list[tuple[int, ...]]:
+    """Replicas of ``name`` that can stay exactly where the running plan has them (same layout,
+    GPUs still free): they keep their shards and nothing moves for them."""
+    if anchor is None:
+        return []
+    try:
+        before = anchor.candidate(name)
+    except KeyError:
+        return []
+    if before.layout != shape.layout:
+        return []
+    kept: list[tuple[int, ...]] = []
+    for r in range(before.dp):
+        if len(kept) == shape.dp:
+            break
+        gpus = before.replica_gpus(r)
+        if free.take_exactly(gpus):
+            kept.append(gpus)
+    return kept
+
+
 def place(
     workflow: Workflow,
     mode: ExecutionMode,
     shapes: Mapping[str, Shape],
     pool: Sequence[int],
     gpus_per_node: int,
+    anchor: Plan | None = None,
 ) -> Plan:
-    """A Plan giving every model-stage of ``workflow`` its shape on GPUs from ``pool``."""
+    """A Plan giving every model-stage of ``workflow`` its shape on GPUs from ``pool``.
+
+    With an ``anchor`` (the running plan), replicas whose layout is unchanged stay on their GPUs
+    when those are still available, so a transition moves only what must move.
+    """
     candidates: dict[str, Candidate] = {}
     if mode is ExecutionMode.ASYNC:
         free = _FreeGpus(pool, gpus_per_node)
-        gen = _place_group(workflow.by_stage(Stage.GEN), shapes, free)
+        gen = _place_group(workflow.by_stage(Stage.GEN), shapes, free, anchor)
         rest = [g for n in free.nodes.values() for g in n]
         candidates.update({c.model_stage: c for c in gen})
         groups = [workflow.by_stage(Stage.INF), workflow.by_stage(Stage.TRAIN)]
         for group in groups:
-            placed = _place_group(group, shapes, _FreeGpus(rest, gpus_per_node))
+            placed = _place_group(group, shapes, _FreeGpus(rest, gpus_per_node), anchor)
             candidates.update({c.model_stage: c for c in placed})
     else:
         for stage in workflow.stages:
-            placed = _place_group(workflow.by_stage(stage), shapes, _FreeGpus(pool, gpus_per_node))
+            placed = _place_group(workflow.by_stage(stage), shapes, _FreeGpus(pool, gpus_per_node), anchor)
             candidates.update({c.model_stage: c for c in placed})
     ordered = tuple(candidates[m.name] for m in workflow.model_stages)
     return Plan(workflow, ordered, tuple(pool), mode)

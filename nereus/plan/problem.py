@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from nereus.plan.calibration import Efficiencies
-from nereus.plan.layout import Layout
+from nereus.plan.layout import Layout, Plan
 from nereus.spec.cluster import GIB, ClusterSpec
 from nereus.spec.model import ModelSpec
 from nereus.spec.workload import ModelStage, Recompute, Role, Workflow, WorkloadSpec
@@ -85,6 +85,7 @@ class PlanningProblem:
     efficiencies: Efficiencies = field(default_factory=Efficiencies)
     space: SearchSpace = field(default_factory=SearchSpace)
     headroom: float = DEFAULT_HEADROOM
+    anchor: Plan | None = None  # the running plan: placement keeps its unchanged replicas in place
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", MappingProxyType(dict(self.models)))

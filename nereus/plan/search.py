@@ -243,7 +243,9 @@ def finish(
     placing = time.perf_counter()
     cost = cost or CostModel(problem)
     wf = problem.workflow
-    plan = place(wf, problem.workload.mode, shapes, problem.pool, problem.cluster.gpus_per_node)
+    plan = place(
+        wf, problem.workload.mode, shapes, problem.pool, problem.cluster.gpus_per_node, problem.anchor
+    )
     estimates = tuple(estimate(cost, ms, shapes[ms.name]) for ms in wf.model_stages)
     step = step_latency(wf, problem.workload.mode, {e.model_stage: e.latency_s for e in estimates})
     done = time.perf_counter()

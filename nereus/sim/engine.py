@@ -1,0 +1,323 @@
+"""Replay a run step by step: supply from a trace, lengths from a curve, truth from ``Hardware``.
+
+At every step boundary the controller sees the previous step's telemetry with the pool of *now*,
+may admit a transition (its true duration is charged) or ask for a restart (a checkpoint reload
+is charged); then the step runs on the controller's plan. Its time is the critical path of the
+true per-model-stage times; it runs out of memory when any GPU's true peak (its model-stage's true
+footprint plus the idle state of other stages on that GPU) exceeds the GPU's memory, in which
+case the step is lost and the job restarts from its checkpoint. Wall time includes transitions,
+restarts and time spent waiting for GPUs, as in the paper's step latency.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from nereus.control.admission import Verdict
+from nereus.control.controller import Controller, policy_config
+from nereus.control.telemetry import Telemetry
+from nereus.errors import InfeasibleError, NereusError
+from nereus.plan.calibration import CalibrationStore, Efficiencies
+from nereus.plan.evaluate import price, shapes_of
+from nereus.plan.layout import Plan
+from nereus.plan.overlap import step_latency
+from nereus.plan.problem import PlanningProblem, SeqStats
+from nereus.plan.search import search
+from nereus.sim.seqcurve import SeqCurve
+from nereus.sim.trace import GpuSupply
+from nereus.sim.truth import Episode, Hardware
+from nereus.spec.cluster import ClusterSpec
+from nereus.spec.model import ModelSpec
+from nereus.spec.workload import Role, WorkloadSpec
+
+
+class SimulationError(NereusError):
+    """The scenario cannot run (e.g. no pool in the trace fits any plan)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    workload: WorkloadSpec
+    models: Mapping[Role, ModelSpec]
+    cluster: ClusterSpec
+    supply: GpuSupply
+    curve: SeqCurve
+    steps: int
+    seed: int = 0
+    noise: float = 0.03
+    episodes: tuple[Episode, ...] = ()
+    restart_s: float = 120.0  # relaunch, rendezvous, warm-up after a crash or restart
+    storage_gbs: float = 2.0  # checkpoint read bandwidth per node, GB/s
+
+    def __post_init__(self) -> None:
+        if self.steps <= 0:
+            raise ValueError("steps must be positive")
+        if self.supply.max_gpus > self.cluster.total_gpus:
+            raise ValueError(
+                f"max_gpus {self.supply.max_gpus} exceeds cluster {self.cluster.name} "
+                f"({self.cluster.total_gpus} GPUs)"
+            )
+
+    def lengths(self, step: int) -> SeqStats:
+        mean, p95 = self.curve.at(step)
+        cap = float(self.workload.max_response_len)
+        mean = min(mean, cap)
+        return SeqStats(self.workload.prompt_len, mean, max(mean, min(p95, cap)))
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    step: int
+    start_s: float
+    gpus: int
+    seq_len_mean: float
+    seq_len_p95: float
+    plan: dict[str, str]
+    step_s: float
+    transition_s: float = 0.0
+    restart_s: float = 0.0
+    stalled_s: float = 0.0
+    oom: bool = False
+    tp_pp_change: bool = False
+    decision: dict[str, Any] | None = None
+    preempted: bool = False  # GPUs of the plan were revoked during the step
+
+    @property
+    def lost(self) -> bool:
+        """The step's work is lost (out of memory or preempted) and the step runs again."""
+        return self.oom or self.preempted
+
+    @property
+    def wall_s(self) -> float:
+        return self.step_s + self.transition_s + self.restart_s + self.stalled_s
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "start_s": self.start_s,
+            "gpus": self.gpus,
+            "seq_len_mean": self.seq_len_mean,
+            "seq_len_p95": self.seq_len_p95,
+            "plan": self.plan,
+            "step_s": self.step_s,
+            "transition_s": self.transition_s,
+            "restart_s": self.restart_s,
+            "stalled_s": self.stalled_s,
+            "wall_s": self.wall_s,
+            "oom": self.oom,
+            "tp_pp_change": self.tp_pp_change,
+            "preempted": self.preempted,
+            "decision": self.decision,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    policy: str
+    mean_step_s: float
+    total_s: float
+    transitions: int
+    tp_pp_transitions: int
+    oom_steps: int
+    preempted_steps: int
+    restarts: int
+    stalled_s: float
+    replans: int
+    records: tuple[StepRecord, ...] = field(default=(), repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mean_step_s": self.mean_step_s,
+            "total_s": self.total_s,
+            "transitions": self.transitions,
+            "tp_pp_transitions": self.tp_pp_transitions,
+            "oom_steps": self.oom_steps,
+            "preempted_steps": self.preempted_steps,
+            "restarts": self.restarts,
+            "stalled_s": self.stalled_s,
+            "replans": self.replans,
+        }
+
+
+def _describe(plan: Plan) -> dict[str, str]:
+    return {c.model_stage: f"{c.layout}·dp{c.dp}" for c in plan.candidates}
+
+
+class _Run:
+    """One policy's replay."""
+
+    def __init__(self, scenario: Scenario, policy: str, gamma: float) -> None:
+        self.s = scenario
+        self.hw = Hardware(scenario.seed, scenario.noise, scenario.episodes)
+        self.config = policy_config(policy, gamma)
+        self.t = 0.0
+        self.controller: Controller | None = None
+
+    def pool(self) -> tuple[int, ...]:
+        return tuple(range(self.s.supply.gpus_at(self.t)))
+
+    def _problem(self, pool: tuple[int, ...], seq: SeqStats) -> PlanningProblem:
+        """The controller's view of the job (the first plan, before it exists: priors)."""
+        if self.controller is not None:
+            return self.controller.problem(pool, seq)
+        return PlanningProblem(self.s.workload, self.s.models, self.s.cluster, pool, seq)
+
+    def restart_cost(self, plan: Plan, seq: SeqStats) -> float:
+        """Relaunch plus reading every model-stage's state from the checkpoint."""
+        cost = price(self._problem(plan.pool, seq), shapes_of(plan))
+        state = sum(cost.resident[c.model_stage] * c.num_gpus for c in plan.candidates)
+        nodes = max(1, len({g // self.s.cluster.gpus_per_node for c in plan.candidates for g in c.gpus}))
+        return self.s.restart_s + state / (self.s.storage_gbs * 1e9 * nodes)
+
+    def wait_for_plan(self, seq: SeqStats, limit_s: float) -> tuple[Plan, float]:
+        """The best plan once the pool allows one; the time spent waiting."""
+        waited = 0.0
+        while True:
+            pool = self.pool()
+            if pool:
+                try:
+                    return search(self._problem(pool, seq)).plan, waited
+                except InfeasibleError:
+                    pass
+            nxt = self.s.supply.next_change_after(self.t)
+            waited += nxt - self.t
+            self.t = nxt
+            if waited > limit_s:
+                raise SimulationError(f"no plan fits any pool of the trace within {limit_s:.0f} s of waiting")
+
+    def step(self, k: int, prev: Telemetry | None) -> tuple[StepRecord, Telemetry]:
+        seq = self.s.lengths(k)
+        start = self.t
+        transition_s = restart_s = stalled_s = 0.0
+        tp_pp = False
+        decision_json = None
+        if self.controller is None:
+            plan, stalled_s = self.wait_for_plan(seq, 30 * 86400)
+            self.controller = Controller(
+                self.s.workload,
+                self.s.models,
+                self.s.cluster,
+                plan,
+                self.config,
+                CalibrationStore(self.s.cluster.name),
+            )
+        ctl = self.controller
+        pool = self.pool()  # what the boundary sees; changes after it surface at the next one
+        if prev is not None:
+            decision = ctl.observe(replace(prev, pool=pool, time_s=self.t))
+            if decision is not None:
+                decision_json = decision.to_json()
+                if decision.verdict is Verdict.ADMIT and decision.l_tran_s is not None:
+                    est = decision.transition
+                    rebuilt = [ctl.plan.workflow.get(n).stage for n in est.resharded] if est else []
+                    regrouped = len(est.changed) - len(est.resharded) if est else 0
+                    transition_s = self.hw.transition(decision.l_tran_s, rebuilt, regrouped)
+                    self.t += transition_s
+                    tp_pp = bool(decision.transition and decision.transition.resharded)
+                    ctl.transition_done(transition_s)
+                elif decision.verdict is Verdict.RESTART:
+                    target = decision.target
+                    running = frozenset(g for c in ctl.plan.candidates for g in c.gpus)
+                    if target is None and running <= set(pool):
+                        ctl.restarted(ctl.plan)  # nothing better fits: carry on with the plan as it is
+                    else:
+                        if target is None:
+                            target, waited = self.wait_for_plan(seq, 30 * 86400)
+                            stalled_s += waited
+                            pool = target.pool
+                        restart_s = self.restart_cost(target, seq)
+                        self.t += restart_s
+                        ctl.restarted(target)
+        plan = ctl.plan
+        problem = replace(ctl.problem(pool, seq), efficiencies=Efficiencies.unit())
+        ideal = price(problem, shapes_of(plan))  # seconds per op class at peak, raw memory
+        times, measurements, peaks = {}, [], {}
+        for c in plan.candidates:
+            stage = plan.stage_of(c)
+            times[c.model_stage], ms = self.hw.run(ideal.by_class[c.model_stage], c.layout, k)
+            measurements.extend(ms)
+            peaks[c.model_stage] = self.hw.peak(ideal.active[c.model_stage], stage)
+        step_s = step_latency(plan.workflow, self.s.workload.mode, times)
+        oom = self._oom(plan, peaks, ideal.resident)
+        if oom:  # the step is lost: the job crashes and restarts from its checkpoint
+            restart_s += self.restart_cost(plan, seq)
+            self.t += restart_s
+        self.t += step_s
+        plan_gpus = {g for c in plan.candidates for g in c.gpus}
+        preempted = not plan_gpus <= set(self.pool())  # GPUs revoked while the step ran: it is lost
+        record = StepRecord(
+            k,
+            start,
+            len(pool),
+            seq.response_len,
+            seq.response_p95,
+            _describe(plan),
+            step_s,
+            transition_s,
+            restart_s,
+            stalled_s,
+            oom,
+            tp_pp,
+            decision_json,
+            preempted,
+        )
+        telemetry = Telemetry(
+            k,
+            self.t,
+            seq.response_len,
+            seq.response_p95,
+            pool,
+            times,
+            peaks,
+            tuple(measurements),
+            oom,
+        )
+        return record, telemetry
+
+    def _oom(self, plan: Plan, peaks: Mapping[str, float], resident: Mapping[str, float]) -> bool:
+        capacity = self.s.cluster.gpu_memory_bytes
+        reserve = self.s.cluster.runtime_reserved_gib * 2**30
+        stage_of = {c.model_stage: plan.stage_of(c) for c in plan.candidates}
+        on_gpu: dict[int, list[str]] = {}
+        for c in plan.candidates:
+            for g in c.gpus:
+                on_gpu.setdefault(g, []).append(c.model_stage)
+        for c in plan.candidates:
+            for g in c.gpus:
+                idle = sum(resident[o] for o in on_gpu[g] if stage_of[o] is not stage_of[c.model_stage])
+                if peaks[c.model_stage] + idle + reserve > capacity:
+                    return True
+        return False
+
+
+def simulate(scenario: Scenario, policy: str, gamma: float = 0.5) -> Summary:
+    """Replay ``scenario`` under ``policy``; the per-step records are in ``Summary.records``."""
+    run = _Run(scenario, policy, gamma)
+    records: list[StepRecord] = []
+    prev: Telemetry | None = None
+    k = 0
+    while k < scenario.steps:
+        record, prev = run.step(k, prev)
+        records.append(record)
+        if not record.lost:
+            k += 1
+        elif len(records) > 4 * scenario.steps + 100:
+            raise SimulationError(f"step {k} keeps failing under policy {policy!r}")
+    total = sum(r.wall_s for r in records)
+    assert run.controller is not None
+    decisions = run.controller.decisions
+    return Summary(
+        policy,
+        total / scenario.steps,
+        total,
+        sum(1 for r in records if r.transition_s > 0),
+        sum(1 for r in records if r.tp_pp_change),
+        sum(1 for r in records if r.oom),
+        sum(1 for r in records if r.preempted),
+        sum(1 for d in decisions if d.verdict is Verdict.RESTART),
+        sum(r.stalled_s for r in records),
+        len(decisions),
+        tuple(records),
+    )

@@ -1,0 +1,97 @@
+"""Sequence-length curves: mean and p95 response length per step.
+
+Either a CSV with the header ``step,mean_len,p95_len`` (strictly increasing steps, linear in
+between, the last row holds beyond the end), or the built-in growth of paper-notes §4.1: the mean
+response grows from 500 to 8,000 tokens over 1,000 steps (geometrically), p95 a fixed ratio above.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from nereus.errors import ConfigError
+
+COLUMNS = ("step", "mean_len", "p95_len")
+
+
+@dataclass(frozen=True, slots=True)
+class SeqCurve:
+    steps: tuple[int, ...]
+    mean: tuple[float, ...]
+    p95: tuple[float, ...]
+    name: str = "curve"
+
+    def __post_init__(self) -> None:
+        if not self.steps or not len(self.steps) == len(self.mean) == len(self.p95):
+            raise ValueError("a curve needs equally many steps, means and p95s")
+        if any(b <= a for a, b in zip(self.steps, self.steps[1:], strict=False)):
+            raise ValueError("steps must increase strictly")
+        if any(m <= 0 or p < m for m, p in zip(self.mean, self.p95, strict=True)):
+            raise ValueError("lengths must be positive with p95 ≥ mean")
+
+    @classmethod
+    def growth(
+        cls, start: float = 500.0, end: float = 8000.0, over_steps: int = 1000, p95_ratio: float = 1.15
+    ) -> SeqCurve:
+        """Geometric growth from ``start`` to ``end`` mean tokens over ``over_steps`` steps."""
+        steps = np.arange(0, over_steps + 1, max(1, over_steps // 100))
+        mean = start * (end / start) ** (steps / over_steps)
+        return cls(tuple(int(s) for s in steps), tuple(mean), tuple(mean * p95_ratio), "growth")
+
+    @classmethod
+    def load_csv(cls, path: Path) -> SeqCurve:
+        """Read ``step,mean_len,p95_len``; errors name the file, the line and the field."""
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+        reader = csv.DictReader(text.splitlines())
+        missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ConfigError(f"{path}: line 1: missing column '{missing[0]}' (need {', '.join(COLUMNS)})")
+        steps: list[int] = []
+        mean: list[float] = []
+        p95: list[float] = []
+        for row in reader:
+            line = reader.line_num
+            try:
+                step = int(row["step"])
+            except (TypeError, ValueError):
+                raise ConfigError(
+                    f"{path}: line {line}: field 'step': expected an integer, got {row['step']!r}"
+                ) from None
+            values = []
+            for col in ("mean_len", "p95_len"):
+                try:
+                    v = float(row[col])
+                except (TypeError, ValueError):
+                    raise ConfigError(
+                        f"{path}: line {line}: field '{col}': expected a number, got {row[col]!r}"
+                    ) from None
+                if v <= 0:
+                    raise ConfigError(
+                        f"{path}: line {line}: field '{col}': expected a positive number, got {v}"
+                    )
+                values.append(v)
+            if steps and step <= steps[-1]:
+                raise ConfigError(
+                    f"{path}: line {line}: field 'step': steps must increase, {step} after {steps[-1]}"
+                )
+            if values[1] < values[0]:
+                raise ConfigError(f"{path}: line {line}: field 'p95_len': below mean_len")
+            steps.append(step)
+            mean.append(values[0])
+            p95.append(values[1])
+        if not steps:
+            raise ConfigError(f"{path}: no rows")
+        return cls(tuple(steps), tuple(mean), tuple(p95), path.stem)
+
+    def at(self, step: int) -> tuple[float, float]:
+        """(mean, p95) response length at ``step``."""
+        m = float(np.interp(step, self.steps, self.mean))
+        p = float(np.interp(step, self.steps, self.p95))
+        return m, max(m, p)

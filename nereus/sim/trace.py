@@ -1,0 +1,92 @@
+"""GPU availability traces (AWS spot format) and their mapping to a GPU pool over simulated time.
+
+Format (``shared/data/traces/spot/*.json``): ``{"metadata": {"gap_seconds": 300}, "data": [n, ...]}``
+— available instances per tick. The pool at simulated time t is the tick ``⌊t / gap⌋ + offset``
+(the last tick holds beyond the end), times GPUs per instance, clamped to [min_gpus, max_gpus].
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from nereus.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class SpotTrace:
+    name: str
+    gap_seconds: float
+    counts: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.gap_seconds <= 0:
+            raise ValueError(f"gap_seconds must be positive, got {self.gap_seconds}")
+        if not self.counts:
+            raise ValueError("the trace has no ticks")
+        if any(c < 0 for c in self.counts):
+            raise ValueError("instance counts must be non-negative")
+
+    @classmethod
+    def load(cls, path: Path) -> SpotTrace:
+        """Read and validate a trace; errors name the file and the field."""
+        try:
+            doc = json.loads(path.read_text())
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}: line {exc.lineno}: not valid JSON") from None
+        if not isinstance(doc, dict):
+            raise ConfigError(f"{path}: expected a JSON object with 'metadata' and 'data'")
+        meta = doc.get("metadata")
+        gap = meta.get("gap_seconds") if isinstance(meta, dict) else None
+        if isinstance(gap, bool) or not isinstance(gap, int | float) or gap <= 0:
+            raise ConfigError(
+                f"{path}: field 'metadata.gap_seconds': expected a positive number, got {gap!r}"
+            )
+        data = doc.get("data")
+        if not isinstance(data, list) or not data:
+            raise ConfigError(f"{path}: field 'data': expected a non-empty list of instance counts")
+        for i, v in enumerate(data):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{path}: field 'data[{i}]': expected a non-negative integer, got {v!r}")
+        return cls(path.stem, float(gap), tuple(data))
+
+    def count_at(self, time_s: float, offset_ticks: int = 0) -> int:
+        tick = min(int(time_s // self.gap_seconds) + offset_ticks, len(self.counts) - 1)
+        return self.counts[max(tick, 0)]
+
+    def changes(self) -> int:
+        return sum(1 for a, b in zip(self.counts, self.counts[1:], strict=False) if a != b)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSupply:
+    """GPUs available over simulated time: a trace scaled to a pool."""
+
+    trace: SpotTrace
+    gpus_per_instance: int
+    max_gpus: int
+    min_gpus: int = 0
+    offset_ticks: int = 0  # where in the trace the run starts
+    speedup: float = 1.0  # trace seconds per simulated second (> 1: a more volatile cluster)
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_instance <= 0 or self.max_gpus <= 0:
+            raise ValueError("gpus_per_instance and max_gpus must be positive")
+        if not 0 <= self.min_gpus <= self.max_gpus:
+            raise ValueError("min_gpus must be in [0, max_gpus]")
+        if not 0 <= self.offset_ticks < len(self.trace.counts):
+            raise ValueError(f"offset_ticks must be in [0, {len(self.trace.counts)})")
+        if self.speedup <= 0:
+            raise ValueError("speedup must be positive")
+
+    def gpus_at(self, time_s: float) -> int:
+        n = self.trace.count_at(time_s * self.speedup, self.offset_ticks) * self.gpus_per_instance
+        return max(self.min_gpus, min(self.max_gpus, n))
+
+    def next_change_after(self, time_s: float) -> float:
+        """Simulated time of the next tick (for waiting until GPUs come back)."""
+        gap = self.trace.gap_seconds / self.speedup
+        return (time_s // gap + 1) * gap
