@@ -1,4 +1,7 @@
-"""``nereus``: the command line (plan, describe, list). Bad input exits 2, no feasible plan exits 3."""
+"""``nereus``: the command line (plan, simulate, describe, list).
+
+Bad input exits 2, no feasible plan exits 3.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from nereus.plan.problem import DEFAULT_HEADROOM, PlanningProblem, SearchSpace, 
 from nereus.plan.report import gpu_ranges, plan_json, stage_reports
 from nereus.plan.search import SearchResult
 from nereus.plan.solvers import Solver, solve
+from nereus.sim import command as simulate_command
 from nereus.spec import (
     Algorithm,
     ExecutionMode,
@@ -93,6 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     desc.add_argument("name")
     desc.add_argument("--seq-len", type=_positive_int, help="count attention FLOPs at this length")
     desc.add_argument("--json", action="store_true")
+
+    simulate_command.add_parser(sub)
 
     lst = sub.add_parser("list", help="shipped models, clusters or algorithms")
     lst.add_argument("kind", choices=["models", "clusters", "algos"])
@@ -313,6 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _plan(args, out)
         if args.command == "describe":
             return _describe(args, out)
+        if args.command == "simulate":
+            return simulate_command.run(args, out)
         return _list(args, out)
     except NereusError as exc:
         print(f"nereus {args.command}: error: {exc}", file=sys.stderr)

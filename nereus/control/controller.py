@@ -199,8 +199,9 @@ class Controller:
         self.state, self.pending = State.STEADY, None
 
     def restarted(self, plan: Plan) -> None:
-        """The job restarted from a checkpoint on ``plan``."""
+        """The job restarted from a checkpoint on ``plan`` (a static policy adopts its layouts)."""
         self.plan = plan
+        self.first_layouts = {c.model_stage: c.layout for c in plan.candidates}
         self.state, self.pending = State.STEADY, None
 
     # ------------------------------------------------------------------ replanning

@@ -23,6 +23,7 @@ from nereus.plan.evaluate import price, shapes_of
 from nereus.plan.layout import Candidate, Plan
 from nereus.plan.opclass import Collective, Link, OpClass
 from nereus.plan.problem import PlanningProblem
+from nereus.spec.workload import Stage
 
 COMMUNICATOR_SETUP_S = 0.25  # creating the transition's communicators (per transition)
 
@@ -58,6 +59,29 @@ def intact_replicas(c: Candidate, lost: frozenset[int]) -> int:
     return sum(1 for r in range(c.dp) if not set(c.replica_gpus(r)) & lost)
 
 
+STORAGE = "storage"  # the source of a frozen model's weights when no replica survives
+
+
+def state_source(current: Plan, name: str, lost: frozenset[int]) -> Candidate | str | None:
+    """Where ``name``'s state comes from when its GPUs change.
+
+    Its own intact replicas; else, for a copy of a trainer's weights (generation, old log-probs,
+    critic values), the trainer if it is intact (the weight-sync source); else, for a frozen model
+    (reference, reward), its weights on shared storage. A trainer with no intact replica has lost
+    its optimizer state: None (checkpoint and restart).
+    """
+    old = current.candidate(name)
+    if intact_replicas(old, lost):
+        return old
+    trainer = current.workflow.sync_source(name)
+    if trainer is not None:
+        src = current.candidate(trainer)
+        return src if intact_replicas(src, lost) else None
+    if current.workflow.get(name).stage is Stage.TRAIN:
+        return None
+    return STORAGE
+
+
 class BandwidthEstimator:
     """Bytes over link bandwidth, per receiving GPU; a stand-in for the DAG critical path."""
 
@@ -88,50 +112,47 @@ class BandwidthEstimator:
             changed.append(name)
             if old.layout != new.layout:
                 resharded.append(name)
-            if intact_replicas(old, lost) == 0:
+            source = state_source(current, name, lost)
+            if source is None:
                 return TransitionEstimate(
                     0.0, 0.0, False, f"{name} has no intact replica (checkpoint and restart)"
                 )
-            source_nodes = {g // gpn for g in old.gpus if g not in lost}
+            nodes = set() if source == STORAGE else {g // gpn for g in source.gpus if g not in lost}  # type: ignore[union-attr]
+            layers[name] = -(-problem.model_of(target.workflow.get(name)).num_hidden_layers // new.layout.pp)
             for g in new.gpus:
-                keeps = (
-                    old.layout == new.layout
-                    and g not in lost
-                    and _shard_of(old, g) is not None
-                    and _shard_of(old, g) == _shard_of(new, g)
-                )
-                if keeps:
-                    continue
+                same = old.layout == new.layout and g not in lost
+                if same and _shard_of(old, g) is not None and _shard_of(old, g) == _shard_of(new, g):
+                    continue  # this GPU keeps its shard
                 receives.add((name, g))
-                layers[name] = -(
-                    -problem.model_of(target.workflow.get(name)).num_hidden_layers // new.layout.pp
-                )
-                link = Link.INTRA if g // gpn in source_nodes and new.layout.size <= gpn else Link.INTER
-                bw = (
-                    cluster.intra_node_bandwidth_gbs
-                    if link is Link.INTRA
-                    else cluster.inter_node_bandwidth_gbs
-                )
-                eta = problem.efficiencies[OpClass.of(Collective.BROADCAST, link)]
-                recv[g] = recv.get(g, 0.0) + new_cost.resident[name] / (eta * bw * 1e9)
+                recv[g] = recv.get(g, 0.0) + new_cost.resident[name] / self._rate(problem, g, nodes, new)
         moved = sum(new_cost.resident[n] * target.candidate(n).num_gpus for n in changed)
-        seconds = (max(recv.values(), default=0.0) + (COMMUNICATOR_SETUP_S if changed else 0.0)) * self.scale
+        setup = COMMUNICATOR_SETUP_S if changed else 0.0
+        seconds = (max(recv.values(), default=0.0) + setup) * self.scale
         peak, where = self._peak(
             problem, current, target, old_cost.resident, new_cost.resident, receives, layers
         )
         limit = problem.capacity_bytes
-        feasible = peak <= limit
-        reason = (
-            ""
-            if feasible
-            else (
+        reason = ""
+        if peak > limit:
+            reason = (
                 f"GPU {where} would hold {peak / 2**30:.1f} GiB while state moves "
                 f"(capacity {limit / 2**30:.1f} GiB after headroom)"
             )
-        )
         return TransitionEstimate(
-            seconds, peak, feasible, reason, tuple(changed), tuple(resharded), moved, recv
+            seconds, peak, peak <= limit, reason, tuple(changed), tuple(resharded), moved, recv
         )
+
+    @staticmethod
+    def _rate(problem: PlanningProblem, gpu: int, source_nodes: set[int], new: Candidate) -> float:
+        """Bytes/s into ``gpu``: shared storage, or the link from the nearest source."""
+        cluster = problem.cluster
+        gpn = cluster.gpus_per_node
+        if not source_nodes:
+            return cluster.storage_read_gbs * 1e9 / gpn  # the node's storage link, shared by its GPUs
+        intra = gpu // gpn in source_nodes and new.layout.size <= gpn
+        link = Link.INTRA if intra else Link.INTER
+        bw = cluster.intra_node_bandwidth_gbs if intra else cluster.inter_node_bandwidth_gbs
+        return problem.efficiencies[OpClass.of(Collective.BROADCAST, link)] * bw * 1e9
 
     @staticmethod
     def _peak(

@@ -23,7 +23,7 @@ from nereus.plan.calibration import CalibrationStore, Efficiencies
 from nereus.plan.evaluate import price, shapes_of
 from nereus.plan.layout import Plan
 from nereus.plan.overlap import step_latency
-from nereus.plan.problem import PlanningProblem, SeqStats
+from nereus.plan.problem import PlanningProblem, SearchSpace, SeqStats
 from nereus.plan.search import search
 from nereus.sim.seqcurve import SeqCurve
 from nereus.sim.trace import GpuSupply
@@ -156,7 +156,7 @@ class _Run:
         self.controller: Controller | None = None
 
     def pool(self) -> tuple[int, ...]:
-        return tuple(range(self.s.supply.gpus_at(self.t)))
+        return self.s.supply.pool_at(self.t)
 
     def _problem(self, pool: tuple[int, ...], seq: SeqStats) -> PlanningProblem:
         """The controller's view of the job (the first plan, before it exists: priors)."""
@@ -171,21 +171,27 @@ class _Run:
         nodes = max(1, len({g // self.s.cluster.gpus_per_node for c in plan.candidates for g in c.gpus}))
         return self.s.restart_s + state / (self.s.storage_gbs * 1e9 * nodes)
 
-    def wait_for_plan(self, seq: SeqStats, limit_s: float) -> tuple[Plan, float]:
-        """The best plan once the pool allows one; the time spent waiting."""
+    def wait_for_plan(self, seq: SeqStats) -> tuple[Plan, float]:
+        """The best plan once the pool allows one; the time spent waiting for it."""
         waited = 0.0
         while True:
             pool = self.pool()
             if pool:
-                try:
-                    return search(self._problem(pool, seq)).plan, waited
-                except InfeasibleError:
-                    pass
+                problem = self._problem(pool, seq)
+                # a restart may pick new layouts, and recompute or shrink micro-batches if it must
+                for space in (problem.space, SearchSpace(), SearchSpace.urgent()):
+                    try:
+                        return search(replace(problem, space=space)).plan, waited
+                    except InfeasibleError:
+                        pass
             nxt = self.s.supply.next_change_after(self.t)
+            if nxt is None:
+                raise SimulationError(
+                    f"no plan fits the {len(pool)} GPUs the trace settles at "
+                    f"(responses of {seq.response_len:.0f} tokens)"
+                )
             waited += nxt - self.t
             self.t = nxt
-            if waited > limit_s:
-                raise SimulationError(f"no plan fits any pool of the trace within {limit_s:.0f} s of waiting")
 
     def step(self, k: int, prev: Telemetry | None) -> tuple[StepRecord, Telemetry]:
         seq = self.s.lengths(k)
@@ -194,7 +200,7 @@ class _Run:
         tp_pp = False
         decision_json = None
         if self.controller is None:
-            plan, stalled_s = self.wait_for_plan(seq, 30 * 86400)
+            plan, stalled_s = self.wait_for_plan(seq)
             self.controller = Controller(
                 self.s.workload,
                 self.s.models,
@@ -224,7 +230,7 @@ class _Run:
                         ctl.restarted(ctl.plan)  # nothing better fits: carry on with the plan as it is
                     else:
                         if target is None:
-                            target, waited = self.wait_for_plan(seq, 30 * 86400)
+                            target, waited = self.wait_for_plan(seq)
                             stalled_s += waited
                             pool = target.pool
                         restart_s = self.restart_cost(target, seq)

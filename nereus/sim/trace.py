@@ -8,7 +8,8 @@ Format (``shared/data/traces/spot/*.json``): ``{"metadata": {"gap_seconds": 300}
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from nereus.errors import ConfigError
@@ -63,7 +64,14 @@ class SpotTrace:
 
 @dataclass(frozen=True, slots=True)
 class GpuSupply:
-    """GPUs available over simulated time: a trace scaled to a pool."""
+    """GPUs available over simulated time: a trace scaled to a pool of instances.
+
+    Instance i owns GPU ids [i·g, (i+1)·g) with g GPUs per instance. The first ⌈min_gpus / g⌉
+    instances are a reserved allocation that never goes away; the others come and go with the
+    trace: when the count drops, *random* instances are revoked (seeded per tick, so every policy
+    replayed on the same scenario sees the same revocations); when it grows, random free ones
+    return. The pool at time t is tick ⌊t·speedup / gap⌋ + offset (the last tick holds).
+    """
 
     trace: SpotTrace
     gpus_per_instance: int
@@ -71,6 +79,8 @@ class GpuSupply:
     min_gpus: int = 0
     offset_ticks: int = 0  # where in the trace the run starts
     speedup: float = 1.0  # trace seconds per simulated second (> 1: a more volatile cluster)
+    seed: int = 0
+    _ticks: list[tuple[int, ...]] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.gpus_per_instance <= 0 or self.max_gpus <= 0:
@@ -82,11 +92,45 @@ class GpuSupply:
         if self.speedup <= 0:
             raise ValueError("speedup must be positive")
 
-    def gpus_at(self, time_s: float) -> int:
-        n = self.trace.count_at(time_s * self.speedup, self.offset_ticks) * self.gpus_per_instance
-        return max(self.min_gpus, min(self.max_gpus, n))
+    def tick(self, time_s: float) -> int:
+        t = int(time_s * self.speedup // self.trace.gap_seconds) + self.offset_ticks
+        return min(t, len(self.trace.counts) - 1)
 
-    def next_change_after(self, time_s: float) -> float:
-        """Simulated time of the next tick (for waiting until GPUs come back)."""
+    def _instances(self, tick: int) -> tuple[int, ...]:
+        g = self.gpus_per_instance
+        total = self.max_gpus // g
+        reserved = min(total, -(-self.min_gpus // g))
+        held: set[int] = set(range(reserved))
+        while len(self._ticks) <= tick - self.offset_ticks:
+            k = self.offset_ticks + len(self._ticks)
+            if self._ticks:
+                held = set(self._ticks[-1])
+            want = max(reserved, min(total, self.trace.counts[k]))
+            rng = random.Random(self.seed * 1_000_003 + k)
+            spot = sorted(held - set(range(reserved)))
+            if len(held) > want:
+                for inst in rng.sample(spot, len(held) - want):
+                    held.discard(inst)
+            elif len(held) < want:
+                free = sorted(set(range(reserved, total)) - held)
+                held.update(rng.sample(free, want - len(held)))
+            self._ticks.append(tuple(sorted(held)))
+        return self._ticks[tick - self.offset_ticks]
+
+    def pool_at(self, time_s: float) -> tuple[int, ...]:
+        g = self.gpus_per_instance
+        return tuple(i * g + j for i in self._instances(self.tick(time_s)) for j in range(g))
+
+    def gpus_at(self, time_s: float) -> int:
+        return len(self.pool_at(time_s))
+
+    def next_change_after(self, time_s: float) -> float | None:
+        """Simulated time at which the pool next differs, or None if it never does again."""
+        now = self._instances(self.tick(time_s))
         gap = self.trace.gap_seconds / self.speedup
-        return (time_s // gap + 1) * gap
+        k = self.tick(time_s)
+        while k + 1 < len(self.trace.counts):
+            k += 1
+            if self._instances(k) != now:
+                return (k - self.offset_ticks) * gap
+        return None

@@ -49,6 +49,7 @@ class ClusterSpec:
     intra_node_latency_us: float = 5.0  # per collective hop
     inter_node_latency_us: float = 15.0
     runtime_reserved_gib: float = 1.0  # driver context, collective buffers, allocator slack
+    storage_read_gbs: float = 2.0  # checkpoint / weight reads from shared storage, per node, GB/s
 
     def __post_init__(self) -> None:
         coerce_enums(self, vendor=Vendor, collective_library=CollectiveLibrary)
@@ -61,6 +62,7 @@ class ClusterSpec:
             "hbm_bandwidth_gbs",
             "intra_node_bandwidth_gbs",
             "inter_node_bandwidth_gbs",
+            "storage_read_gbs",
         )
         for name in ("intra_node_latency_us", "inter_node_latency_us", "runtime_reserved_gib"):
             if getattr(self, name) < 0:

@@ -1,0 +1,185 @@
+"""``nereus simulate``: replay a trace under several policies and compare them (edge: files, PNG)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from nereus.control.controller import policy_config
+from nereus.errors import ConfigError
+from nereus.sim.engine import Scenario, Summary, simulate
+from nereus.sim.seqcurve import SeqCurve
+from nereus.sim.trace import GpuSupply, SpotTrace
+from nereus.sim.truth import Episode
+from nereus.spec import Role, load_cluster, load_model, load_workload
+
+DEFAULT_POLICIES = "nereus,static,always,periodic:3"
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("simulate", help="replay a GPU-availability trace under several policies")
+    p.add_argument("--trace", required=True, type=Path, help="spot trace JSON (metadata.gap_seconds, data)")
+    p.add_argument(
+        "--seq-curve",
+        default="growth",
+        help="CSV step,mean_len,p95_len; 'growth' (500→8000 tokens over 1000 steps) or growth:A:B:N",
+    )
+    p.add_argument("--model", required=True)
+    p.add_argument("--algo", required=True)
+    p.add_argument("--cluster", required=True)
+    p.add_argument(
+        "--policies", default=DEFAULT_POLICIES, help="comma list: nereus, static, always, periodic:K"
+    )
+    p.add_argument("--gamma", default="0.5", help="γ for nereus; a comma list sweeps it")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gpus-per-instance", type=int, default=1)
+    p.add_argument("--max-gpus", type=int, help="cap on the pool (default: the cluster's GPUs)")
+    p.add_argument("--min-gpus", type=int, default=0, help="floor of the pool (a reserved allocation)")
+    p.add_argument("--offset", type=int, default=0, help="trace tick the run starts at")
+    p.add_argument("--speedup", type=float, default=1.0, help="trace seconds per simulated second")
+    p.add_argument("--episode", action="append", default=[], help="START-END:SCOPE:FACTOR, repeatable")
+    p.add_argument("--noise", type=float, default=0.03, help="per-step timing noise (lognormal σ)")
+    p.add_argument("--out", type=Path, help="output folder (default runs/sim/<trace>-<model>-<algo>)")
+    p.add_argument("--json", action="store_true", help="print the summary JSON")
+
+
+def _curve(text: str) -> SeqCurve:
+    if text == "growth":
+        return SeqCurve.growth()
+    if text.startswith("growth:"):
+        try:
+            a, b, n = text.split(":")[1:]
+            return SeqCurve.growth(float(a), float(b), int(n))
+        except ValueError:
+            raise ConfigError(f"--seq-curve {text!r}: expected growth:START:END:STEPS") from None
+    return SeqCurve.load_csv(Path(text))
+
+
+def _gammas(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"--gamma {text!r}: expected numbers in [0, 1], comma-separated") from None
+    if not values or any(not 0.0 <= v <= 1.0 for v in values):
+        raise ConfigError(f"--gamma {text!r}: expected numbers in [0, 1], comma-separated")
+    return values
+
+
+def scenario_from(args: argparse.Namespace) -> Scenario:
+    cluster = load_cluster(args.cluster)
+    model = load_model(args.model)
+    workload = load_workload(args.algo)
+    trace = SpotTrace.load(args.trace)
+    for flag, value in (("--steps", args.steps), ("--gpus-per-instance", args.gpus_per_instance)):
+        if value <= 0:
+            raise ConfigError(f"{flag} must be a positive integer, got {value}")
+    max_gpus = args.max_gpus or cluster.total_gpus
+    if not 0 < max_gpus <= cluster.total_gpus:
+        raise ConfigError(
+            f"--max-gpus must be in [1, {cluster.total_gpus}] for {cluster.name}, got {max_gpus}"
+        )
+    if not 0 <= args.min_gpus <= max_gpus:
+        raise ConfigError(f"--min-gpus must be in [0, --max-gpus], got {args.min_gpus}")
+    if not 0 <= args.offset < len(trace.counts):
+        raise ConfigError(f"--offset must be in [0, {len(trace.counts)}) ticks, got {args.offset}")
+    if args.speedup <= 0 or args.noise < 0:
+        raise ConfigError("--speedup must be positive and --noise non-negative")
+    try:
+        supply = GpuSupply(
+            trace, args.gpus_per_instance, max_gpus, args.min_gpus, args.offset, args.speedup, args.seed
+        )
+        episodes = tuple(Episode.parse(e) for e in args.episode)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return Scenario(
+        workload,
+        {r: model for r in Role},
+        cluster,
+        supply,
+        _curve(args.seq_curve),
+        args.steps,
+        args.seed,
+        args.noise,
+        episodes,
+    )
+
+
+def runs(policies: str, gammas: list[float]) -> list[tuple[str, str, float]]:
+    """(label, policy, γ) for every run; nereus once per γ."""
+    out: list[tuple[str, str, float]] = []
+    for name in [p.strip() for p in policies.split(",") if p.strip()]:
+        policy_config(name)  # refuses unknown names before anything runs
+        if name == "nereus" and len(gammas) > 1:
+            out.extend((f"nereus(γ={g:g})", name, g) for g in gammas)
+        else:
+            out.append((name, name, gammas[0]))
+    if not out:
+        raise ConfigError("--policies is empty")
+    return out
+
+
+def _write(folder: Path, summaries: list[Summary], doc: dict[str, Any], title: str) -> None:
+    """Write every output into a temporary folder, then move it into place."""
+    from nereus.sim.plot import timeline
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+    for s in summaries:
+        safe = s.policy.replace(":", "-").replace("(", "-").replace(")", "").replace("γ=", "g")
+        with (tmp / f"steps-{safe}.jsonl").open("w") as fh:
+            for r in s.records:
+                fh.write(json.dumps(r.to_json()) + "\n")
+    (tmp / "summary.json").write_text(json.dumps(doc, indent=1) + "\n")
+    timeline(summaries, tmp / "timeline.png", title)
+    if folder.exists():
+        for f in folder.iterdir():
+            f.unlink()
+        folder.rmdir()
+    os.replace(tmp, folder)
+
+
+def run(args: argparse.Namespace, out: Console) -> int:
+    scenario = scenario_from(args)
+    plan = runs(args.policies, _gammas(args.gamma))
+    summaries = []
+    for label, policy, gamma in plan:
+        summaries.append(replace(simulate(scenario, policy, gamma), policy=label))
+    doc = {s.policy: s.to_json() for s in summaries}
+    folder = (
+        args.out or Path("runs") / "sim" / f"{args.trace.stem}-{scenario.models[Role.ACTOR].name}-{args.algo}"
+    )
+    actor = scenario.models[Role.ACTOR].name
+    title = (
+        f"{scenario.workload.algorithm.value} {actor} on {scenario.cluster.name}, trace {args.trace.stem} "
+        f"(×{args.gpus_per_instance} GPUs, {args.min_gpus}–{scenario.supply.max_gpus})"
+    )
+    _write(folder, summaries, doc, title)
+    if args.json:
+        print(json.dumps(doc))
+        return 0
+    table = Table(title=title, title_justify="left")
+    for col in ("policy", "mean step s", "total s", "transitions", "TP/PP", "restarts", "OOM", "preempted"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for s in summaries:
+        table.add_row(
+            s.policy,
+            f"{s.mean_step_s:.1f}",
+            f"{s.total_s:.0f}",
+            str(s.transitions),
+            str(s.tp_pp_transitions),
+            str(s.restarts),
+            str(s.oom_steps),
+            str(s.preempted_steps),
+        )
+    out.print(table)
+    out.print(f"wrote {folder}/summary.json, steps-*.jsonl, timeline.png")
+    return 0
