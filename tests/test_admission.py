@@ -1,0 +1,173 @@
+"""Admission: every branch of Eq. 2, fallbacks, urgency — and the controller around it."""
+
+from __future__ import annotations
+
+import pytest
+
+from nereus.control.admission import Option, Profit, Rule, Verdict, admit
+from nereus.control.controller import Controller, ControllerConfig, State, policy_config
+from nereus.control.telemetry import Telemetry
+from nereus.control.transition_cost import BandwidthEstimator, TransitionEstimate, state_source
+from nereus.control.triggers import TriggerKind
+from nereus.errors import ConfigError
+from nereus.plan.layout import Plan
+from nereus.plan.problem import PlanningProblem
+from nereus.plan.search import SearchResult, search
+from tests.helpers import make_problem
+
+
+def est(seconds: float, feasible: bool = True) -> TransitionEstimate:
+    return TransitionEstimate(seconds, 0.0, feasible, "" if feasible else "too big")
+
+
+@pytest.fixture(scope="module")
+def plan() -> Plan:
+    return search(make_problem(gpus=16)).plan
+
+
+def opt(plan: Plan, latency: float, label: str = "target") -> Option:
+    return Option(label, plan, latency)
+
+
+def test_payback_boundary_is_inclusive(plan: Plan) -> None:
+    rule = Rule(Profit.PAYBACK, gamma=0.5)
+    # ΔL = 10 s; γ·H = 0.5 · 4 = 2 steps; L_tran = 20 s pays back in exactly 2 steps → admitted
+    i, why = admit(rule, 100.0, [opt(plan, 90.0)], [est(20.0)], horizon=4.0, urgent=False)
+    assert i == 0 and "payback 2 ≤ γ·H = 2" in why
+    i, why = admit(rule, 100.0, [opt(plan, 90.0)], [est(20.0001)], horizon=4.0, urgent=False)
+    assert i is None and "payback" in why and "> γ·H = 2" in why
+
+
+def test_unprofitable_infeasible_and_fallback(plan: Plan) -> None:
+    rule = Rule(Profit.PAYBACK, gamma=0.5)
+    i, why = admit(rule, 100.0, [opt(plan, 101.0)], [est(1.0)], 10.0, False)
+    assert i is None and "no gain" in why
+    # S* is faster but its transition does not fit; a slightly slower fallback with a cheap one does
+    options = [opt(plan, 80.0), opt(plan, 85.0, "hold-layouts")]
+    i, why = admit(rule, 100.0, options, [est(1.0, feasible=False), est(5.0)], 10.0, False)
+    assert i == 1 and why.startswith("hold-layouts")
+    # S* pays back too slowly; the cheaper fallback pays back
+    i, _ = admit(rule, 100.0, options, [est(500.0), est(5.0)], 2.0, False)
+    assert i == 1
+
+
+def test_urgent_waives_profitability_not_feasibility(plan: Plan) -> None:
+    rule = Rule(Profit.PAYBACK, gamma=0.5)
+    i, why = admit(rule, 100.0, [opt(plan, 120.0)], [est(1e6)], 1.0, urgent=True)
+    assert i == 0 and "urgent" in why
+    i, why = admit(rule, None, [opt(plan, 120.0)], [est(1.0, feasible=False)], 1.0, urgent=True)
+    assert i is None and "infeasible" in why
+
+
+def test_gamma_zero_admits_only_urgent(plan: Plan) -> None:
+    rule = Rule(Profit.PAYBACK, gamma=0.0)
+    assert admit(rule, 100.0, [opt(plan, 10.0)], [est(0.001)], 100.0, False)[0] is None
+    assert admit(rule, 100.0, [opt(plan, 10.0)], [est(0.001)], 100.0, True)[0] == 0
+
+
+def test_baseline_rules(plan: Plan) -> None:
+    assert admit(Rule(Profit.ANY_GAIN), 100.0, [opt(plan, 99.9)], [est(1e5)], 0.1, False)[0] == 0
+    assert admit(Rule(Profit.SWITCH), 100.0, [opt(plan, 150.0)], [est(1.0)], 0.1, False)[0] == 0
+    with pytest.raises(ValueError):
+        Rule(gamma=1.5)
+    with pytest.raises(ConfigError, match="unknown policy 'greedy'"):
+        policy_config("greedy")
+    with pytest.raises(ConfigError, match="periodic:K needs a positive integer"):
+        policy_config("periodic:x")
+
+
+# ---------------------------------------------------------------- controller
+def _controller(plan: Plan, config: ControllerConfig | None = None, planner=search) -> Controller:  # type: ignore[no-untyped-def]
+    p = make_problem(gpus=16)
+    return Controller(p.workload, p.models, p.cluster, plan, config, planner=planner)
+
+
+def t(step: int, length: float, pool: tuple[int, ...], **kw: object) -> Telemetry:
+    return Telemetry(step, 100.0 * step, length, length, pool, **kw)  # type: ignore[arg-type]
+
+
+def test_controller_steady_until_a_trigger(plan: Plan) -> None:
+    ctl = _controller(plan)
+    pool = tuple(range(16))
+    assert ctl.observe(t(0, 2048, pool)) is None
+    assert ctl.observe(t(1, 2100, pool)) is None and ctl.state is State.STEADY
+    assert ctl.decisions == []
+
+
+def test_controller_replans_on_growth_and_resets_references(plan: Plan) -> None:
+    calls: list[PlanningProblem] = []
+
+    def planner(problem: PlanningProblem) -> SearchResult:
+        calls.append(problem)
+        return search(problem)
+
+    ctl = _controller(plan, planner=planner)
+    pool = tuple(range(16))
+    ctl.observe(t(0, 2048, pool))
+    d = ctl.observe(t(1, 4096, pool))  # +100%: drift, and the 2K plan no longer fits at 4K
+    assert d is not None and calls
+    assert any(tr.kind in (TriggerKind.DRIFT, TriggerKind.MEMORY) for tr in d.triggers)
+    assert d.verdict in (Verdict.ADMIT, Verdict.RESTART)
+    if d.verdict is Verdict.ADMIT:
+        assert ctl.state is State.TRANSITIONING and d.target is not None
+        with pytest.raises(RuntimeError):
+            ctl.observe(t(2, 4096, pool))
+        ctl.transition_done(d.l_tran_s or 1.0)
+        assert ctl.plan is d.target and ctl.state is State.STEADY
+    n = len(ctl.decisions)
+    assert ctl.observe(t(3, 4100, pool)) is None  # the reference moved to 4096
+    assert len(ctl.decisions) == n
+
+
+def test_gpu_loss_is_urgent_and_sole_trainer_loss_restarts(plan: Plan) -> None:
+    ctl = _controller(plan)
+    pool = tuple(range(16))
+    ctl.observe(t(0, 2048, pool))
+    trainer = plan.candidate("actor.train")
+    lost = set(trainer.gpus) if trainer.dp == 1 else set(trainer.replica_gpus(0))
+    d = ctl.observe(t(1, 2048, tuple(g for g in pool if g not in lost)))
+    assert d is not None and d.urgent and d.current_latency_s is None
+    if trainer.dp == 1:
+        assert d.verdict is Verdict.RESTART and "no intact replica" in d.reason
+        assert ctl.state is State.RESTART_REQUIRED and d.target is not None
+        ctl.restarted(d.target)
+        assert ctl.state is State.STEADY
+    else:
+        assert d.verdict is Verdict.ADMIT
+
+
+def test_state_sources_follow_rl_semantics(plan: Plan) -> None:
+    everything = frozenset(g for c in plan.candidates for g in c.gpus)
+    assert state_source(plan, "actor.train", everything) is None  # optimizer state is gone
+    assert state_source(plan, "ref.inf", everything) == "storage"  # frozen: reload from disk
+    gen_lost = frozenset(plan.candidate("actor.gen").gpus) - frozenset(plan.candidate("actor.train").gpus)
+    if gen_lost and not set(plan.candidate("actor.train").gpus) & gen_lost:
+        assert state_source(plan, "actor.gen", gen_lost) is not None
+
+
+def test_periodic_and_static_policies(plan: Plan) -> None:
+    ctl = _controller(plan, policy_config("periodic:3"))
+    pool = tuple(range(16))
+    kinds = []
+    for i in range(6):
+        d = ctl.observe(t(i, 2048, pool))
+        if d is not None:
+            kinds.append((i, [tr.kind for tr in d.triggers]))
+            if d.verdict is Verdict.ADMIT:
+                ctl.transition_done(1.0)
+    assert [i for i, _ in kinds] == [2, 5] and all(TriggerKind.PERIODIC in k for _, k in kinds)
+    static = _controller(plan, policy_config("static"))
+    static.observe(t(0, 2048, pool))
+    d = static.observe(t(1, 2048, tuple(range(32))))  # pool doubles: DP follows, TP/PP do not
+    assert d is not None and d.verdict is Verdict.ADMIT and d.target is not None
+    assert {c.model_stage: c.layout for c in d.target.candidates} == {
+        c.model_stage: c.layout for c in plan.candidates
+    }
+
+
+def test_estimator_learns_from_measured_transitions() -> None:
+    e = BandwidthEstimator()
+    e.observe(2.0, 6.0)
+    assert e.scale == pytest.approx(2.0)
+    e.observe(0.0, 5.0)  # ignored
+    assert e.scale == pytest.approx(2.0)

@@ -1,0 +1,153 @@
+"""The trace-driven simulator: inputs, determinism, and the properties the controller promises."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nereus.cli import main
+from nereus.errors import ConfigError
+from nereus.sim import Episode, GpuSupply, Scenario, SeqCurve, SpotTrace, simulate
+from nereus.spec import Role, load_cluster, load_model, load_workload
+
+SPOT = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "spot"
+SHIPPED = sorted(SPOT.glob("*.json"))
+
+
+def write_trace(tmp_path: Path, data: object, gap: object = 300) -> Path:
+    p = tmp_path / "trace.json"
+    p.write_text(json.dumps({"metadata": {"gap_seconds": gap}, "data": data}))
+    return p
+
+
+@pytest.mark.parametrize(
+    ("doc", "pattern"),
+    [
+        ("{not json", "line 1: not valid JSON"),
+        (json.dumps({"metadata": {"gap_seconds": 300}}), "field 'data'"),
+        (json.dumps({"metadata": {"gap_seconds": 0}, "data": [1]}), "field 'metadata.gap_seconds'"),
+        (json.dumps({"metadata": {"gap_seconds": 300}, "data": [1, -2]}), r"field 'data\[1\]'"),
+        (json.dumps([1, 2]), "expected a JSON object"),
+    ],
+)
+def test_bad_traces_name_the_field(tmp_path: Path, doc: str, pattern: str) -> None:
+    p = tmp_path / "bad.json"
+    p.write_text(doc)
+    with pytest.raises(ConfigError, match=pattern):
+        SpotTrace.load(p)
+
+
+@pytest.mark.parametrize(
+    ("text", "pattern"),
+    [
+        ("step,mean_len\n0,100\n", "missing column 'p95_len'"),
+        ("step,mean_len,p95_len\n0,100,120\n0,110,130\n", "line 3: field 'step': steps must increase"),
+        ("step,mean_len,p95_len\n0,100,90\n", "line 2: field 'p95_len'"),
+        ("step,mean_len,p95_len\n0,abc,90\n", "line 2: field 'mean_len'"),
+    ],
+)
+def test_bad_curves_name_line_and_field(tmp_path: Path, text: str, pattern: str) -> None:
+    p = tmp_path / "curve.csv"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=pattern):
+        SeqCurve.load_csv(p)
+
+
+def test_curve_interpolates_and_growth_matches_the_paper() -> None:
+    c = SeqCurve((0, 10), (100.0, 200.0), (120.0, 240.0))
+    assert c.at(5) == (150.0, 180.0) and c.at(99) == (200.0, 240.0)
+    g = SeqCurve.growth()
+    assert g.at(0)[0] == pytest.approx(500) and g.at(1000)[0] == pytest.approx(8000)
+
+
+def test_supply_reserved_floor_and_seeded_revocations(tmp_path: Path) -> None:
+    trace = SpotTrace.load(write_trace(tmp_path, [16, 16, 10, 10, 0, 16]))
+    a = GpuSupply(trace, 2, 32, 8, seed=1)
+    b = GpuSupply(trace, 2, 32, 8, seed=1)
+    pools = [a.pool_at(t * 300.0) for t in range(6)]
+    assert [len(p) for p in pools] == [32, 32, 20, 20, 8, 32]
+    assert pools == [b.pool_at(t * 300.0) for t in range(6)]  # same seed, same revocations
+    assert set(range(8)) <= set(pools[4])  # the reserved allocation never goes
+    assert set(pools[2]) < set(pools[1])  # revocations remove instances, nothing new appears
+    assert a.next_change_after(0.0) == 600.0 and a.next_change_after(1500.0) is None
+    other = GpuSupply(trace, 2, 32, 8, seed=2)
+    assert [len(other.pool_at(t * 300.0)) for t in range(6)] == [32, 32, 20, 20, 8, 32]
+
+
+def _scenario(trace: Path, steps: int = 24, seed: int = 0, **kw: object) -> Scenario:
+    model = load_model("llama-3.1-8b")
+    return Scenario(
+        load_workload("ppo"),
+        {r: model for r in Role},
+        load_cluster("a100-64gb-hdr100"),
+        GpuSupply(SpotTrace.load(trace), 2, 32, 8, speedup=5.0, seed=seed),
+        SeqCurve.growth(1147, 3722, 20),
+        steps,
+        seed,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize("trace", SHIPPED, ids=lambda p: p.stem)
+def test_nereus_never_runs_out_of_memory_on_the_shipped_traces(trace: Path) -> None:
+    s = simulate(_scenario(trace), "nereus")
+    assert s.oom_steps == 0
+    assert len([r for r in s.records if not r.lost]) == 24
+
+
+def test_gamma_zero_admits_only_urgent_transitions() -> None:
+    s = simulate(_scenario(SHIPPED[0]), "nereus", gamma=0.0)
+    admitted = [r.decision for r in s.records if r.decision and r.decision["verdict"] == "admit"]
+    assert all(d["urgent"] for d in admitted)
+    kept = [r.decision for r in s.records if r.decision and r.decision["verdict"] == "keep"]
+    assert kept and all(not d["urgent"] for d in kept)
+
+
+def test_same_seed_same_output_and_episodes_slow_the_network() -> None:
+    a = simulate(_scenario(SHIPPED[1], steps=12, seed=3), "always")
+    b = simulate(_scenario(SHIPPED[1], steps=12, seed=3), "always")
+    assert [r.to_json() for r in a.records] == [r.to_json() for r in b.records]
+    slow = simulate(_scenario(SHIPPED[1], steps=12, seed=3, episodes=(Episode(0, 12, "all", 0.5),)), "always")
+    assert slow.total_s > a.total_s
+    with pytest.raises(ConfigError, match="START-END:SCOPE:FACTOR"):
+        Episode.parse("3-9:wifi:0.5")
+
+
+def test_simulate_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    args = [
+        "simulate", "--trace", str(SHIPPED[0]), "--model", "llama-3.1-8b", "--algo", "ppo",
+        "--cluster", "a100-64gb-hdr100", "--gpus-per-instance", "2", "--max-gpus", "32",
+        "--min-gpus", "8", "--steps", "10", "--seq-curve", "growth:1147:3722:20", "--speedup", "5",
+        "--policies", "nereus,static,always,periodic:3", "--gamma", "0,0.5", "--out", str(out), "--json",
+    ]  # fmt: skip
+    assert main(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert set(doc) == {"nereus(γ=0)", "nereus(γ=0.5)", "static", "always", "periodic:3"}
+    for summary in doc.values():
+        assert {"mean_step_s", "total_s", "transitions", "tp_pp_transitions", "oom_steps"} <= set(summary)
+    assert (out / "timeline.png").stat().st_size > 0 and (out / "summary.json").exists()
+    rows = [json.loads(line) for line in (out / "steps-static.jsonl").read_text().splitlines()]
+    assert len(rows) >= 10 and {"step", "plan", "step_s", "transition_s", "decision"} <= set(rows[0])
+
+
+@pytest.mark.parametrize(
+    ("extra", "pattern"),
+    [
+        (["--policies", "nereus,greedy"], "unknown policy 'greedy'"),
+        (["--gamma", "1.5"], r"--gamma '1.5': expected numbers in \[0, 1\]"),
+        (["--max-gpus", "999"], r"--max-gpus must be in \[1, 256\]"),
+        (["--seq-curve", "growth:a:b"], "expected growth:START:END:STEPS"),
+    ],
+)
+def test_simulate_bad_flags_exit_2(
+    extra: list[str], pattern: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["simulate", "--trace", str(SHIPPED[0]), "--model", "tiny-llama", "--algo", "ppo", "--cluster",
+            "a100-64gb-hdr100", "--steps", "2"]  # fmt: skip
+    assert main([*base, *extra]) == 2
+    import re
+
+    assert re.search(pattern, capsys.readouterr().err)

@@ -1,0 +1,91 @@
+"""Triggers: thresholds with reference reset, horizons updated only at crossings, pool events."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from nereus.control.telemetry import Telemetry
+from nereus.control.triggers import Horizon, Threshold, TriggerKind, TriggerMonitor, horizon
+from nereus.plan.calibration import Measurement
+from nereus.plan.opclass import OpClass
+
+
+def tel(step: int, length: float = 1000.0, pool: tuple[int, ...] = (0, 1, 2, 3), **kw: object) -> Telemetry:
+    return Telemetry(step, float(step), length, length * 1.1, pool, **kw)  # type: ignore[arg-type]
+
+
+def test_threshold_fires_beyond_delta_and_reference_resets() -> None:
+    th = Threshold("seq_len", 0.30, 0.5)
+    assert th.observe(0, 1000) is None  # first value becomes the reference
+    assert th.observe(1, 1299) is None  # +29.9%
+    fired = th.observe(2, 1301)
+    assert fired is not None and fired.reference == 1000 and fired.value == 1301
+    th.reset(1301)  # after the replan, even if rejected
+    assert th.observe(3, 1350) is None  # a persistent deviation does not re-fire
+
+
+def test_steady_growth_crosses_repeatedly_and_horizon_is_an_ema_of_intervals() -> None:
+    th = Threshold("seq_len", 0.30, 0.5)
+    length, crossings = 1000.0, []
+    th.observe(0, length)
+    for step in range(1, 40):
+        length *= 1.1  # +10% per step: crosses every 3 steps once the reference resets
+        t = th.observe(step, length)
+        if t is not None:
+            crossings.append((step, t.horizon_steps))
+            th.reset(length)
+    steps = [s for s, _ in crossings]
+    assert len(steps) > 5 and all(b - a == 3 for a, b in itertools.pairwise(steps))
+    assert crossings[0][1] == 1.0  # before the first interval: 1 step
+    assert crossings[1][1] == 3.0 and crossings[-1][1] == pytest.approx(3.0)
+
+
+def test_horizon_updates_only_at_crossings() -> None:
+    h = Horizon(0.5)
+    assert h.steps == 1.0
+    h.crossed(10)
+    assert h.steps == 1.0  # one crossing: no interval yet
+    h.crossed(14)
+    assert h.steps == 4.0
+    h.crossed(16)
+    assert h.steps == pytest.approx(0.5 * 2 + 0.5 * 4)
+
+
+def test_pool_events_and_urgency() -> None:
+    mon = TriggerMonitor()
+    plan_gpus = frozenset({0, 1})
+    assert mon.observe(tel(0), plan_gpus, False) == []
+    grow = mon.observe(tel(1, pool=(0, 1, 2, 3, 4, 5)), plan_gpus, False)
+    assert [t.kind for t in grow] == [TriggerKind.POOL] and not grow[0].urgent
+    loss = mon.observe(tel(3, pool=(1, 2, 3)), plan_gpus, False)
+    assert loss[0].kind is TriggerKind.GPU_LOSS and loss[0].urgent
+    assert loss[0].horizon_steps == 2.0  # pool changed at steps 1 and 3
+    memory = mon.observe(tel(4, pool=(1, 2, 3)), frozenset({1, 2}), True)
+    assert [t.kind for t in memory] == [TriggerKind.MEMORY] and memory[0].urgent
+    oom = mon.observe(tel(5, pool=(1, 2, 3), oom=True), frozenset({1, 2}), True)
+    assert [t.kind for t in oom] == [TriggerKind.OOM]
+
+
+def test_efficiency_drift_per_op_class() -> None:
+    mon = TriggerMonitor(delta_eff=0.25)
+
+    def step(i: int, eff: float) -> list[TriggerKind]:
+        ms = (Measurement(OpClass.ALLREDUCE_INTER, 1.0, 1.0 / eff),)
+        return [t.kind for t in mon.observe(tel(i, measurements=ms), frozenset({0}), False)]
+
+    assert step(0, 0.6) == []
+    assert step(1, 0.5) == []  # −17%
+    assert step(2, 0.4) == [TriggerKind.DRIFT]  # −33%: congestion
+
+
+def test_smallest_horizon_wins() -> None:
+    mon = TriggerMonitor()
+    assert horizon([]) == 1.0
+    th = Threshold("seq_len", 0.3, 0.5)
+    th.observe(0, 1.0)
+    a = th.observe(1, 2.0)
+    assert a is not None
+    grow = mon.observe(tel(0), frozenset(), False) + mon.observe(tel(7, pool=(0,)), frozenset(), False)
+    assert horizon([a, *grow]) == min(a.horizon_steps, grow[0].horizon_steps)
