@@ -165,9 +165,14 @@ def test_periodic_and_static_policies(plan: Plan) -> None:
     }
 
 
-def test_estimator_learns_from_measured_transitions() -> None:
+def test_estimator_learns_fixed_costs_from_measured_transitions() -> None:
     e = BandwidthEstimator()
-    e.observe(2.0, 6.0)
-    assert e.scale == pytest.approx(2.0)
-    e.observe(0.0, 5.0)  # ignored
-    assert e.scale == pytest.approx(2.0)
+    moved_only = TransitionEstimate(2.0, 0.0, True, features=(2.0, 0.0, 0.0, 0.0))
+    with_rebuild = TransitionEstimate(2.0, 0.0, True, features=(2.0, 1.0, 0.0, 1.0))
+    assert float(e.weights @ with_rebuild.features) == pytest.approx(2.0)  # prior: bandwidth only
+    for _ in range(6):  # engines rebuilt for a new layout take ~30 s beyond moving bytes
+        e.observe(with_rebuild, 2.0 + 30.0 + 2.0)
+        e.observe(moved_only, 2.0)
+    assert float(e.weights @ with_rebuild.features) == pytest.approx(34.0, rel=0.1)
+    assert float(e.weights @ moved_only.features) == pytest.approx(2.0, rel=0.1)
+    assert (e.weights >= 0).all()

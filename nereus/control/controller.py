@@ -14,6 +14,7 @@ The runtime (or the simulator) executes an admitted transition at the safe bound
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -118,6 +119,8 @@ class Controller:
         self.first_layouts = {c.model_stage: c.layout for c in plan.candidates}
         self._growth = 1.0  # EMA of the per-step growth of the mean response length
         self._last_len: float | None = None
+        # a rejected, profitable-someday target: (signals that fired, payback in steps)
+        self._deferred: tuple[tuple[str, ...], float] | None = None
 
     # ------------------------------------------------------------------ inputs
     def problem(
@@ -176,10 +179,13 @@ class Controller:
         if self.config.period and (t.step + 1) % self.config.period == 0:
             fired.append(Trigger(TriggerKind.PERIODIC, "timer", t.step, t.step, float(self.config.period)))
         fired = [f for f in fired if f.urgent or f.kind in self.config.replan_on]
+        if not fired and self._deferred is not None:
+            fired = self._deferred_trigger(t.step)
         if not fired:
             return None
         decision = self._replan(t, fired)
         self.monitor.reset(t)
+        self._deferred = self._deferral(decision)
         self.decisions.append(decision)
         if decision.verdict is Verdict.ADMIT:
             self.state, self.pending = State.TRANSITIONING, decision
@@ -189,12 +195,22 @@ class Controller:
             self.state, self.pending = State.STEADY, None
         return decision
 
+    def _deferred_trigger(self, step: int) -> list[Trigger]:
+        """Re-admit a rejected target once its signals have been stable long enough to repay it:
+        H grows with the steps a signal has held still (``Horizon.effective``)."""
+        assert self._deferred is not None
+        signals, payback = self._deferred
+        h = min(self.monitor.horizon_now(s, step) for s in signals)
+        if payback > self.config.rule.gamma * h:
+            return []
+        return [Trigger(TriggerKind.DEFERRED, ",".join(signals), h, payback, h)]
+
     def transition_done(self, measured_s: float) -> None:
         """The admitted transition finished in ``measured_s``; its target is now the plan."""
         if self.state is not State.TRANSITIONING or self.pending is None or self.pending.target is None:
             raise RuntimeError("transition_done() without an admitted transition")
-        if self.pending.l_tran_s and isinstance(self.estimator, BandwidthEstimator):
-            self.estimator.observe(self.pending.l_tran_s, measured_s)
+        if self.pending.transition is not None:
+            self.estimator.observe(self.pending.transition, measured_s)
         self.plan = self.pending.target
         self.state, self.pending = State.STEADY, None
 
@@ -241,7 +257,12 @@ class Controller:
                 )
             options, estimates, reason = widened, more, why
         if index is None:
-            return replace(base, reason=reason)
+            gains = [
+                payback_steps(current - o.step_latency_s, e.seconds)
+                for o, e in zip(options, estimates, strict=True)
+                if e.feasible and current is not None and current > o.step_latency_s
+            ]
+            return replace(base, reason=reason, payback_steps=min(gains) if gains else None)
         chosen, est = options[index], estimates[index]
         delta = None if current is None else current - chosen.step_latency_s
         return replace(
@@ -256,6 +277,22 @@ class Controller:
             payback_steps=payback_steps(delta, est.seconds) if delta is not None else None,
             transition=est,
         )
+
+    def _deferral(self, d: Decision) -> tuple[tuple[str, ...], float] | None:
+        """After a payback rejection, what to wait for: the fired signals and the payback."""
+        if (
+            d.verdict is not Verdict.KEEP
+            or d.payback_steps is None
+            or self.config.rule.profit is not Profit.PAYBACK
+        ):
+            return None
+        if self.config.rule.gamma <= 0 or not math.isfinite(d.payback_steps):
+            return None
+        signals = tuple(
+            sorted({t.signal for t in d.triggers if not t.urgent and t.kind is not TriggerKind.DEFERRED})
+        )
+        previous = self._deferred[0] if self._deferred else ()
+        return (signals or previous, d.payback_steps) if (signals or previous) else None
 
     def _options(self, problem: PlanningProblem, label: str = "target") -> list[Option]:
         """S*, then slightly slower plans whose transitions are cheaper: the current layouts kept

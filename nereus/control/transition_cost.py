@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from nereus.plan.evaluate import price, shapes_of
 from nereus.plan.layout import Candidate, Plan
 from nereus.plan.opclass import Collective, Link, OpClass
@@ -38,12 +40,16 @@ class TransitionEstimate:
     resharded: tuple[str, ...] = ()  # model-stages whose (tp, pp) changes
     moved_bytes: float = 0.0
     per_gpu_seconds: Mapping[int, float] = field(default_factory=dict)
+    # what the fitted cost model multiplies: (transfer s, generation rebuilds, other rebuilds, regroups)
+    features: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
 
 class TransitionEstimator(Protocol):
     def estimate(
         self, problem: PlanningProblem, current: Plan, target: Plan, lost: frozenset[int] = frozenset()
     ) -> TransitionEstimate: ...
+
+    def observe(self, estimate: TransitionEstimate, measured_s: float) -> None: ...
 
 
 def _shard_of(c: Candidate, gpu: int) -> tuple[int, int] | None:
@@ -83,15 +89,28 @@ def state_source(current: Plan, name: str, lost: frozenset[int]) -> Candidate | 
 
 
 class BandwidthEstimator:
-    """Bytes over link bandwidth, per receiving GPU; a stand-in for the DAG critical path."""
+    """Bytes over link bandwidth, per receiving GPU; a stand-in for the DAG critical path.
 
-    def __init__(self, scale: float = 1.0) -> None:
-        self.scale = scale  # measured / estimated, learned from executed transitions
+    The estimate is w · (transfer seconds, generation engines rebuilt, other engines rebuilt,
+    model-stages regrouped): moving bytes is only part of a transition, and the rest (rebuilding
+    an inference engine for a new layout, re-forming process groups) is learned from measured
+    transitions by recursive least squares, starting from the pure bandwidth model w = (1, 0, 0, 0).
+    """
 
-    def observe(self, estimated_s: float, measured_s: float) -> None:
-        """Fold a measured transition time into the estimate (EMA of the ratio)."""
-        if estimated_s > 0 and measured_s > 0:
-            self.scale = 0.5 * self.scale + 0.5 * (measured_s / estimated_s)
+    def __init__(self, forgetting: float = 0.95) -> None:
+        self.weights = np.array([1.0, 0.0, 0.0, 0.0])
+        self._cov = np.diag([0.1, 1e4, 1e4, 1e4])  # trust the bandwidth prior, not the fixed costs
+        self.forgetting = forgetting
+
+    def observe(self, estimate: TransitionEstimate, measured_s: float) -> None:
+        """Fold one measured transition into the weights (RLS with forgetting, weights ≥ 0)."""
+        f = np.asarray(estimate.features, dtype=np.float64)
+        if measured_s <= 0 or not f.any():
+            return
+        pf = self._cov @ f
+        gain = pf / (self.forgetting + f @ pf)
+        self.weights = np.maximum(self.weights + gain * (measured_s - f @ self.weights), 0.0)
+        self._cov = (self._cov - np.outer(gain, pf)) / self.forgetting
 
     def estimate(
         self, problem: PlanningProblem, current: Plan, target: Plan, lost: frozenset[int] = frozenset()
@@ -127,7 +146,14 @@ class BandwidthEstimator:
                 recv[g] = recv.get(g, 0.0) + new_cost.resident[name] / self._rate(problem, g, nodes, new)
         moved = sum(new_cost.resident[n] * target.candidate(n).num_gpus for n in changed)
         setup = COMMUNICATOR_SETUP_S if changed else 0.0
-        seconds = (max(recv.values(), default=0.0) + setup) * self.scale
+        gen = sum(1 for n in resharded if target.workflow.get(n).stage is Stage.GEN)
+        features = (
+            max(recv.values(), default=0.0) + setup,
+            gen,
+            len(resharded) - gen,
+            len(changed) - len(resharded),
+        )
+        seconds = float(np.dot(self.weights, features))
         peak, where = self._peak(
             problem, current, target, old_cost.resident, new_cost.resident, receives, layers
         )
@@ -139,7 +165,7 @@ class BandwidthEstimator:
                 f"(capacity {limit / 2**30:.1f} GiB after headroom)"
             )
         return TransitionEstimate(
-            seconds, peak, peak <= limit, reason, tuple(changed), tuple(resharded), moved, recv
+            seconds, peak, peak <= limit, reason, tuple(changed), tuple(resharded), moved, recv, features
         )
 
     @staticmethod

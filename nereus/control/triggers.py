@@ -30,6 +30,7 @@ class TriggerKind(StrEnum):
     OOM = "oom"  # a step ran out of memory
     DRIFT = "drift"  # a signal moved more than δ from its reference
     PERIODIC = "periodic"  # a periodic policy's timer
+    DEFERRED = "deferred"  # a rejected target would now pay back: the signal stayed stable
 
     @property
     def urgent(self) -> bool:
@@ -57,6 +58,8 @@ class Trigger:
             return "memory: next step predicted over capacity"
         if self.kind is TriggerKind.OOM:
             return "oom: the last step ran out of memory"
+        if self.kind is TriggerKind.DEFERRED:
+            return f"deferred: {self.signal} stable for H = {self.horizon_steps:.3g} steps"
         return f"{self.kind.value} every {self.horizon_steps:g} steps"
 
 
@@ -70,6 +73,12 @@ class Horizon:
         self.steps = 1.0
         self._last: int | None = None
         self._intervals = 0
+
+    def effective(self, step: int) -> float:
+        """H at ``step``: the EMA, but no less than the steps the signal has now been stable
+        (a pool that has not changed for 8 steps is not expected to change in 1)."""
+        since = 0.0 if self._last is None else float(step - self._last)
+        return max(self.steps, since)
 
     def crossed(self, step: int) -> None:
         if self._last is not None and step > self._last:
@@ -147,6 +156,17 @@ class TriggerMonitor:
             if drift is not None:
                 fired.append(drift)
         return fired
+
+    def horizon_now(self, signal: str, step: int) -> float:
+        """The effective horizon of ``signal`` (``pool``, ``seq_len`` or ``efficiency.<op>``)."""
+        if signal == POOL:
+            return self.pool_horizon.effective(step)
+        if signal == SEQ_LEN:
+            return self.seq_len.horizon.effective(step)
+        for tracker in self.efficiency.values():
+            if tracker.signal == signal:
+                return tracker.horizon.effective(step)
+        return 1.0
 
     def reset(self, t: Telemetry) -> None:
         """New references after a replan, whatever its verdict (paper §2.7)."""

@@ -219,7 +219,10 @@ class _Run:
                     est = decision.transition
                     rebuilt = [ctl.plan.workflow.get(n).stage for n in est.resharded] if est else []
                     regrouped = len(est.changed) - len(est.resharded) if est else 0
-                    transition_s = self.hw.transition(decision.l_tran_s, rebuilt, regrouped)
+                    moving = (
+                        est.features[0] if est else decision.l_tran_s
+                    )  # bytes over links, not the learned costs
+                    transition_s = self.hw.transition(moving, rebuilt, regrouped)
                     self.t += transition_s
                     tp_pp = bool(decision.transition and decision.transition.resharded)
                     ctl.transition_done(transition_s)

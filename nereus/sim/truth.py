@@ -123,8 +123,8 @@ class Hardware:
         return raw_active_bytes * TRUE_MEMORY_FACTOR[stage] * min(1.02, self._jitter())
 
     def transition(self, estimated_s: float, rebuilt: Sequence[Stage], regrouped: int) -> float:
-        """True seconds of a transition the planner estimated at ``estimated_s``: its state moves
-        a little slower, plus engine rebuilds for re-laid-out model-stages and group re-formation
-        for model-stages that only changed DP."""
+        """True seconds of a transition whose state moves take ``estimated_s`` by the bandwidth
+        model: a little slower in truth, plus engine rebuilds for re-laid-out model-stages and
+        group re-formation for model-stages that only changed DP."""
         fixed = sum(REBUILD_S[s] for s in rebuilt) + REGROUP_S * regrouped
         return (estimated_s * TRANSITION_BIAS + fixed) * self._jitter()
