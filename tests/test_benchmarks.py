@@ -29,3 +29,21 @@ def test_planner_benchmark_quick(tmp_path: Path) -> None:
     for gpus in (8, 16, 32):
         assert rows[gpus]["exhaustive"]["gap"] == pytest.approx(0.0, abs=1e-9)
     assert (tmp_path / "planner.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(240)
+def test_admission_benchmark_quick(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "admission.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=230,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads((tmp_path / "admission.json").read_text())
+    for scenario in doc["results"].values():
+        policies = scenario["policies"]
+        assert {"nereus", "static", "always", "periodic:3"} <= set(policies)
+        assert policies["nereus"]["oom_steps"] == 0
+    assert (tmp_path / "admission.png").stat().st_size > 0

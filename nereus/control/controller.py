@@ -172,9 +172,9 @@ class Controller:
         self._calibrate(t)
         plan_gpus = frozenset(g for c in self.plan.candidates for g in c.gpus)
         violation = False
-        if plan_gpus <= frozenset(t.pool):
-            upcoming = price(self.problem(self.plan.pool, self._seq(t)), shapes_of(self.plan))
-            violation = bool(upcoming.over_capacity(self.problem(self.plan.pool, self._seq(t))))
+        if plan_gpus <= frozenset(t.pool):  # the running plan at the next step's expected lengths
+            ahead = self.problem(self.plan.pool, self._seq(t))
+            violation = bool(price(ahead, shapes_of(self.plan)).over_capacity(ahead))
         fired = self.monitor.observe(t, plan_gpus, violation)
         if self.config.period and (t.step + 1) % self.config.period == 0:
             fired.append(Trigger(TriggerKind.PERIODIC, "timer", t.step, t.step, float(self.config.period)))
