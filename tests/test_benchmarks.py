@@ -12,17 +12,22 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-@pytest.mark.timeout(240)
-def test_planner_benchmark_quick(tmp_path: Path) -> None:
+def run_quick(script: str, out: Path) -> dict[str, object]:
     proc = subprocess.run(
-        [sys.executable, str(BENCH / "planner.py"), "--quick", "--out", str(tmp_path)],
+        [sys.executable, str(BENCH / script), "--quick", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=230,
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    doc = json.loads((tmp_path / "planner.json").read_text())
+    doc: dict[str, object] = json.loads((out / script.replace(".py", ".json")).read_text())
+    return doc
+
+
+@pytest.mark.timeout(240)
+def test_planner_benchmark_quick(tmp_path: Path) -> None:
+    doc = run_quick("planner.py", tmp_path)
     assert {"benchmark", "git_sha", "date", "command", "machine", "targets", "results"} <= set(doc)
     rows = {r["gpus"]: r for r in doc["results"]}
     assert sorted(rows) == [8, 16, 32, 64, 128]
@@ -33,15 +38,7 @@ def test_planner_benchmark_quick(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(240)
 def test_admission_benchmark_quick(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "admission.py"), "--quick", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=230,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    doc = json.loads((tmp_path / "admission.json").read_text())
+    doc = run_quick("admission.py", tmp_path)
     for scenario in doc["results"].values():
         policies = scenario["policies"]
         assert {"nereus", "static", "always", "periodic:3"} <= set(policies)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from nereus.cli import main
+from nereus.spec import load_workload
 
 TINY = ["plan", "--model", "tiny-llama", "--cluster", "local-cpu", "--gpus", "4", "--seq-len", "32"]
 PLAN = [
@@ -40,15 +41,7 @@ def test_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
     doc = json.loads(out)
     assert {"step_latency_s", "search_ms", "stages"} <= set(doc)
     names = [s["name"] for s in doc["stages"]]
-    assert names == [
-        "actor.gen",
-        "actor.inf",
-        "ref.inf",
-        "reward.inf",
-        "critic.inf",
-        "actor.train",
-        "critic.train",
-    ]
+    assert names == [m.name for m in load_workload("ppo").workflow().model_stages]
     for s in doc["stages"]:
         assert {"name", "stage", "tp", "pp", "dp", "gpus", "latency_s", "peak_mem_gib"} <= set(s)
         assert len(s["gpus"]) == s["tp"] * s["pp"] * s["dp"]

@@ -21,7 +21,7 @@ from enum import StrEnum
 
 from nereus.control.admission import Decision, Option, Profit, Rule, Verdict, admit, payback_steps
 from nereus.control.telemetry import Telemetry
-from nereus.control.transition_cost import BandwidthEstimator, TransitionEstimate, TransitionEstimator
+from nereus.control.transition_cost import BandwidthEstimator, TransitionEstimator
 from nereus.control.triggers import Trigger, TriggerKind, TriggerMonitor, horizon
 from nereus.errors import ConfigError, InfeasibleError
 from nereus.plan.calibration import CalibrationStore
@@ -322,9 +322,3 @@ class Controller:
         except InfeasibleError:
             return None
         return Option(label, result.plan, result.step_latency_s)
-
-
-def transition_summary(est: TransitionEstimate | None) -> dict[str, object]:
-    if est is None:
-        return {}
-    return {"changed": list(est.changed), "resharded": list(est.resharded), "l_tran_s": est.seconds}

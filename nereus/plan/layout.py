@@ -143,9 +143,6 @@ class Plan:
                 return c
         raise KeyError(model_stage)
 
-    def gpus_of_stage(self, stage: Stage) -> frozenset[int]:
-        return frozenset(g for c in self.candidates if self.stage_of(c) is stage for g in c.gpus)
-
     def resident_on(self, gpu: int) -> tuple[str, ...]:
         """Model-stages whose state lives on ``gpu``."""
         return tuple(c.model_stage for c in self.candidates if gpu in c.gpus)

@@ -186,12 +186,6 @@ class SearchResult:
     solver: str
     timings: Mapping[str, float] = field(default_factory=dict)  # per phase, milliseconds
 
-    def estimate_of(self, model_stage: str) -> Estimate:
-        for e in self.estimates:
-            if e.model_stage == model_stage:
-                return e
-        raise KeyError(model_stage)
-
 
 def binding_constraint(problem: PlanningProblem, tables: dict[str, CandidateTable]) -> str:
     """One line on why nothing fits: the model-stage whose smallest footprint is furthest over."""

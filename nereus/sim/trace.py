@@ -54,13 +54,6 @@ class SpotTrace:
                 raise ConfigError(f"{path}: field 'data[{i}]': expected a non-negative integer, got {v!r}")
         return cls(path.stem, float(gap), tuple(data))
 
-    def count_at(self, time_s: float, offset_ticks: int = 0) -> int:
-        tick = min(int(time_s // self.gap_seconds) + offset_ticks, len(self.counts) - 1)
-        return self.counts[max(tick, 0)]
-
-    def changes(self) -> int:
-        return sum(1 for a, b in zip(self.counts, self.counts[1:], strict=False) if a != b)
-
 
 @dataclass(frozen=True, slots=True)
 class GpuSupply:
@@ -120,9 +113,6 @@ class GpuSupply:
     def pool_at(self, time_s: float) -> tuple[int, ...]:
         g = self.gpus_per_instance
         return tuple(i * g + j for i in self._instances(self.tick(time_s)) for j in range(g))
-
-    def gpus_at(self, time_s: float) -> int:
-        return len(self.pool_at(time_s))
 
     def next_change_after(self, time_s: float) -> float | None:
         """Simulated time at which the pool next differs, or None if it never does again."""
