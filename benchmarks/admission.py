@@ -24,9 +24,10 @@ from typing import Any
 from common import RESULTS, write
 
 from nereus.sim import GpuSupply, Scenario, SeqCurve, SpotTrace, simulate
-from nereus.spec import Role, load_cluster, load_model, load_workload
+from nereus.spec import Role, load_cluster, load_model, load_workload, names
+from nereus.spec.registry import trace_path
 
-TRACES = sorted((Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "spot").glob("*.json"))
+TRACES = [trace_path(name) for name in names("traces")]  # the AWS spot traces shipped in configs/traces
 POLICIES = ("nereus", "static", "always", "periodic:3")
 GAMMAS = (0.0, 0.25, 0.5, 0.75, 1.0)
 TARGETS = {

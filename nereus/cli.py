@@ -100,8 +100,8 @@ def _parser() -> argparse.ArgumentParser:
 
     simulate_command.add_parser(sub)
 
-    lst = sub.add_parser("list", help="shipped models, clusters or algorithms")
-    lst.add_argument("kind", choices=["models", "clusters", "algos"])
+    lst = sub.add_parser("list", help="shipped models, clusters, algorithms or traces")
+    lst.add_argument("kind", choices=["models", "clusters", "algos", "traces"])
     return p
 
 

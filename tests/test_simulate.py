@@ -10,10 +10,10 @@ import pytest
 from nereus.cli import main
 from nereus.errors import ConfigError
 from nereus.sim import Episode, GpuSupply, Scenario, SeqCurve, SpotTrace, simulate
-from nereus.spec import Role, load_cluster, load_model, load_workload
+from nereus.spec import Role, load_cluster, load_model, load_workload, names
+from nereus.spec.registry import trace_path
 
-SPOT = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "spot"
-SHIPPED = sorted(SPOT.glob("*.json"))
+SHIPPED = [trace_path(name) for name in names("traces")]
 
 
 def write_trace(tmp_path: Path, data: object, gap: object = 300) -> Path:

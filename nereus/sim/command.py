@@ -20,13 +20,16 @@ from nereus.sim.seqcurve import SeqCurve
 from nereus.sim.trace import GpuSupply, SpotTrace
 from nereus.sim.truth import Episode
 from nereus.spec import Role, load_cluster, load_model, load_workload
+from nereus.spec.registry import trace_path
 
 DEFAULT_POLICIES = "nereus,static,always,periodic:3"
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("simulate", help="replay a GPU-availability trace under several policies")
-    p.add_argument("--trace", required=True, type=Path, help="spot trace JSON (metadata.gap_seconds, data)")
+    p.add_argument(
+        "--trace", required=True, help="shipped trace name or a JSON file (metadata.gap_seconds, data)"
+    )
     p.add_argument(
         "--seq-curve",
         default="growth",
@@ -78,7 +81,7 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
     cluster = load_cluster(args.cluster)
     model = load_model(args.model)
     workload = load_workload(args.algo)
-    trace = SpotTrace.load(args.trace)
+    trace = SpotTrace.load(trace_path(args.trace))
     for flag, value in (("--steps", args.steps), ("--gpus-per-instance", args.gpus_per_instance)):
         if value <= 0:
             raise ConfigError(f"{flag} must be a positive integer, got {value}")
@@ -154,12 +157,11 @@ def run(args: argparse.Namespace, out: Console) -> int:
     for label, policy, gamma in plan:
         summaries.append(replace(simulate(scenario, policy, gamma), policy=label))
     doc = {s.policy: s.to_json() for s in summaries}
-    folder = (
-        args.out or Path("runs") / "sim" / f"{args.trace.stem}-{scenario.models[Role.ACTOR].name}-{args.algo}"
-    )
+    stem = Path(args.trace).stem
     actor = scenario.models[Role.ACTOR].name
+    folder = args.out or Path("runs") / "sim" / f"{stem}-{actor}-{args.algo}"
     title = (
-        f"{scenario.workload.algorithm.value} {actor} on {scenario.cluster.name}, trace {args.trace.stem} "
+        f"{scenario.workload.algorithm.value} {actor} on {scenario.cluster.name}, trace {stem} "
         f"(×{args.gpus_per_instance} GPUs, {args.min_gpus}–{scenario.supply.max_gpus})"
     )
     _write(folder, summaries, doc, title)

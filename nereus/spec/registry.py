@@ -10,7 +10,7 @@ from nereus.spec.cluster import ClusterSpec
 from nereus.spec.model import ModelSpec
 from nereus.spec.workload import Algorithm, WorkloadSpec
 
-KINDS = ("models", "clusters", "workloads")
+KINDS = ("models", "clusters", "workloads", "traces")
 
 
 def config_root() -> Path:
@@ -23,7 +23,8 @@ def names(kind: str) -> list[str]:
     """Names of the shipped configs of one kind, sorted."""
     if kind not in KINDS:
         raise ConfigError(f"unknown config kind {kind!r} (choices: {', '.join(KINDS)})")
-    return sorted(p.stem for p in (config_root() / kind).glob("*.yaml"))
+    pattern = "*.json" if kind == "traces" else "*.yaml"
+    return sorted(p.stem for p in (config_root() / kind).glob(pattern))
 
 
 def _resolve(kind: str, name_or_path: str, what: str) -> Path:
@@ -63,3 +64,18 @@ def load_workload(algo_or_path: str) -> WorkloadSpec:
         choices = ", ".join(a.value for a in Algorithm)
         raise ConfigError(f"unknown algorithm {algo_or_path!r} (choices: {choices}, or a workload YAML)")
     return WorkloadSpec.from_yaml(_resolve("workloads", algo_or_path, "workload"))
+
+
+def trace_path(name_or_path: str) -> Path:
+    """A shipped GPU-availability trace (``configs/traces/<name>.json``) or a trace file."""
+    path = Path(name_or_path)
+    if path.suffix == ".json" or os.sep in name_or_path:
+        if not path.exists():
+            raise ConfigError(f"trace file {name_or_path} does not exist")
+        return path
+    shipped = config_root() / "traces" / f"{name_or_path}.json"
+    if not shipped.exists():
+        raise ConfigError(
+            f"unknown trace {name_or_path!r} (choices: {', '.join(names('traces'))}, or a JSON file)"
+        )
+    return shipped
