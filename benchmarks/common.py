@@ -15,23 +15,17 @@ from typing import Any
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def _git(*args: str) -> str:
+    out = subprocess.run(
+        ["git", *args], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
+    )
+    return out.stdout.strip()
+
+
 def git_sha() -> str:
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).parent,
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).parent,
-        ).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "")
+        dirty = _git("status", "--porcelain", "--untracked-files=no")
+        return _git("rev-parse", "--short", "HEAD") + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

@@ -7,7 +7,12 @@ import pytest
 from nereus.control.admission import Option, Profit, Rule, Verdict, admit
 from nereus.control.controller import Controller, ControllerConfig, State, policy_config
 from nereus.control.telemetry import Telemetry
-from nereus.control.transition_cost import BandwidthEstimator, TransitionEstimate, state_source
+from nereus.control.transition_cost import (
+    BandwidthEstimator,
+    TransitionEstimate,
+    intact_replicas,
+    state_source,
+)
 from nereus.control.triggers import TriggerKind
 from nereus.errors import ConfigError
 from nereus.plan.layout import Plan
@@ -120,29 +125,28 @@ def test_controller_replans_on_growth_and_resets_references(plan: Plan) -> None:
 
 
 def test_gpu_loss_is_urgent_and_sole_trainer_loss_restarts(plan: Plan) -> None:
+    trainer = plan.candidate("actor.train")
+    assert trainer.dp == 1  # 16 A100s at 2K: one actor-training replica (tp4·pp2)
     ctl = _controller(plan)
     pool = tuple(range(16))
     ctl.observe(t(0, 2048, pool))
-    trainer = plan.candidate("actor.train")
-    lost = set(trainer.gpus) if trainer.dp == 1 else set(trainer.replica_gpus(0))
-    d = ctl.observe(t(1, 2048, tuple(g for g in pool if g not in lost)))
+    d = ctl.observe(t(1, 2048, tuple(g for g in pool if g not in set(trainer.gpus))))
     assert d is not None and d.urgent and d.current_latency_s is None
-    if trainer.dp == 1:
-        assert d.verdict is Verdict.RESTART and "no intact replica" in d.reason
-        assert ctl.state is State.RESTART_REQUIRED and d.target is not None
-        ctl.restarted(d.target)
-        assert ctl.state is State.STEADY
-    else:
-        assert d.verdict is Verdict.ADMIT
+    assert d.verdict is Verdict.RESTART and "no intact replica" in d.reason
+    assert ctl.state is State.RESTART_REQUIRED and d.target is not None
+    ctl.restarted(d.target)
+    assert ctl.state is State.STEADY
 
 
 def test_state_sources_follow_rl_semantics(plan: Plan) -> None:
     everything = frozenset(g for c in plan.candidates for g in c.gpus)
     assert state_source(plan, "actor.train", everything) is None  # optimizer state is gone
     assert state_source(plan, "ref.inf", everything) == "storage"  # frozen: reload from disk
-    gen_lost = frozenset(plan.candidate("actor.gen").gpus) - frozenset(plan.candidate("actor.train").gpus)
-    if gen_lost and not set(plan.candidate("actor.train").gpus) & gen_lost:
-        assert state_source(plan, "actor.gen", gen_lost) is not None
+    gen, trainer = plan.candidate("actor.gen"), plan.candidate("actor.train")
+    lost = frozenset(gen.gpus) - frozenset(trainer.gpus)  # generation loses what training does not hold
+    assert lost and intact_replicas(trainer, lost) == 1
+    expected = gen if intact_replicas(gen, lost) else trainer  # else: re-sync from the trainer
+    assert state_source(plan, "actor.gen", lost) is expected
 
 
 def test_periodic_and_static_policies(plan: Plan) -> None:

@@ -219,12 +219,11 @@ class _Run:
                     est = decision.transition
                     rebuilt = [ctl.plan.workflow.get(n).stage for n in est.resharded] if est else []
                     regrouped = len(est.changed) - len(est.resharded) if est else 0
-                    moving = (
-                        est.features[0] if est else decision.l_tran_s
-                    )  # bytes over links, not the learned costs
+                    # the truth starts from the bytes moved, not from the estimator's learned costs
+                    moving = est.features[0] if est else decision.l_tran_s
                     transition_s = self.hw.transition(moving, rebuilt, regrouped)
                     self.t += transition_s
-                    tp_pp = bool(decision.transition and decision.transition.resharded)
+                    tp_pp = bool(est and est.resharded)
                     ctl.transition_done(transition_s)
                 elif decision.verdict is Verdict.RESTART:
                     target = decision.target
@@ -251,8 +250,9 @@ class _Run:
         step_s = step_latency(plan.workflow, self.s.workload.mode, times)
         oom = self._oom(plan, peaks, ideal.resident)
         if oom:  # the step is lost: the job crashes and restarts from its checkpoint
-            restart_s += self.restart_cost(plan, seq)
-            self.t += restart_s
+            crash = self.restart_cost(plan, seq)
+            restart_s += crash
+            self.t += crash
         self.t += step_s
         plan_gpus = {g for c in plan.candidates for g in c.gpus}
         preempted = not plan_gpus <= set(self.pool())  # GPUs revoked while the step ran: it is lost
