@@ -1,4 +1,4 @@
-"""``nereus``: the command line (plan, simulate, describe, list).
+"""``nereus``: the command line (plan, transition, simulate, describe, list).
 
 Bad input exits 2, no feasible plan exits 3.
 """
@@ -36,6 +36,7 @@ from nereus.spec import (
     names,
 )
 from nereus.spec.cluster import GIB
+from nereus.transition import command as transition_command
 
 MAX_LISTED_PLANS = 100_000
 
@@ -91,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--all", action="store_true", help="with --exhaustive: list every valid plan")
     plan.add_argument("--json", action="store_true", help="one JSON object on stdout")
     plan.add_argument("--explain", action="store_true", help="latency and memory breakdown")
+    plan.add_argument(
+        "--anchor", type=Path, help="running plan (nereus plan --json): keep its unchanged replicas in place"
+    )
 
     desc = sub.add_parser("describe", help="derived facts of a model or a cluster")
     desc.add_argument("kind", choices=["model", "cluster"])
@@ -98,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     desc.add_argument("--seq-len", type=_positive_int, help="count attention FLOPs at this length")
     desc.add_argument("--json", action="store_true")
 
+    transition_command.add_parser(sub)
     simulate_command.add_parser(sub)
 
     lst = sub.add_parser("list", help="shipped models, clusters, algorithms or traces")
@@ -121,7 +126,7 @@ def _problem(args: argparse.Namespace) -> PlanningProblem:
         role: load_model(workload.models[role.value]) if role.value in workload.models else model
         for role in Role
     }
-    calibration = CalibrationStore.load(args.calibration, cluster.name) if args.calibration else None
+    calibration = CalibrationStore.load(Path(args.calibration), cluster.name) if args.calibration else None
     space = SearchSpace.urgent() if args.urgent else SearchSpace()
     if args.max_tp:
         space = dataclasses.replace(space, max_tp=args.max_tp)
@@ -148,8 +153,14 @@ def _plan(args: argparse.Namespace, out: Console) -> int:
     if args.all and not args.exhaustive:
         raise ConfigError("--all lists the plans of --exhaustive; add --exhaustive")
     problem = _problem(args)
+    if args.anchor:
+        problem = dataclasses.replace(problem, anchor=transition_command.load_plan(args.anchor, _problem))
     result = solve(problem, Solver(args.solver))
     doc = plan_json(problem, result)
+    doc["problem"] = {k: getattr(args, k) for k in transition_command.PROBLEM_KEYS}
+    doc["problem"]["mode"] = problem.workload.mode.value
+    if doc["problem"]["calibration"] is not None:
+        doc["problem"]["calibration"] = str(doc["problem"]["calibration"])
     ex = None
     if args.exhaustive:
         try:
@@ -321,6 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _describe(args, out)
         if args.command == "simulate":
             return simulate_command.run(args, out)
+        if args.command == "transition":
+            return transition_command.run(args, out, _problem)
         return _list(args, out)
     except NereusError as exc:
         print(f"nereus {args.command}: error: {exc}", file=sys.stderr)

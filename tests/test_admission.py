@@ -7,17 +7,13 @@ import pytest
 from nereus.control.admission import Option, Profit, Rule, Verdict, admit
 from nereus.control.controller import Controller, ControllerConfig, State, policy_config
 from nereus.control.telemetry import Telemetry
-from nereus.control.transition_cost import (
-    BandwidthEstimator,
-    TransitionEstimate,
-    intact_replicas,
-    state_source,
-)
+from nereus.control.transition_cost import DagEstimator, TransitionEstimate
 from nereus.control.triggers import TriggerKind
 from nereus.errors import ConfigError
 from nereus.plan.layout import Plan
 from nereus.plan.problem import PlanningProblem
 from nereus.plan.search import SearchResult, search
+from nereus.state.sources import intact_replicas, state_source
 from tests.helpers import make_problem
 
 
@@ -170,7 +166,7 @@ def test_periodic_and_static_policies(plan: Plan) -> None:
 
 
 def test_estimator_learns_fixed_costs_from_measured_transitions() -> None:
-    e = BandwidthEstimator()
+    e = DagEstimator()
     moved_only = TransitionEstimate(2.0, 0.0, True, features=(2.0, 0.0, 0.0, 0.0))
     with_rebuild = TransitionEstimate(2.0, 0.0, True, features=(2.0, 1.0, 0.0, 1.0))
     assert float(e.weights @ with_rebuild.features) == pytest.approx(2.0)  # prior: bandwidth only

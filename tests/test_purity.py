@@ -9,7 +9,7 @@ from pathlib import Path
 
 import nereus
 
-PURE = ("spec", "plan")
+PURE = ("spec", "plan", "control", "state", "transition", "sim")
 FORBIDDEN = ("torch.distributed", "subprocess", "submitit")
 ROOT = Path(nereus.__file__).parent
 

@@ -3,13 +3,13 @@
 from nereus.control.admission import Decision, Option, Profit, Rule, Verdict, admit
 from nereus.control.controller import Controller, ControllerConfig, State, policy_config
 from nereus.control.telemetry import Telemetry
-from nereus.control.transition_cost import BandwidthEstimator, TransitionEstimate, TransitionEstimator
+from nereus.control.transition_cost import DagEstimator, TransitionEstimate, TransitionEstimator
 from nereus.control.triggers import Trigger, TriggerKind, TriggerMonitor
 
 __all__ = [
-    "BandwidthEstimator",
     "Controller",
     "ControllerConfig",
+    "DagEstimator",
     "Decision",
     "Option",
     "Profit",

@@ -21,7 +21,7 @@ from enum import StrEnum
 
 from nereus.control.admission import Decision, Option, Profit, Rule, Verdict, admit, payback_steps
 from nereus.control.telemetry import Telemetry
-from nereus.control.transition_cost import BandwidthEstimator, TransitionEstimator
+from nereus.control.transition_cost import DagEstimator, TransitionEstimator
 from nereus.control.triggers import Trigger, TriggerKind, TriggerMonitor, horizon
 from nereus.errors import ConfigError, InfeasibleError
 from nereus.plan.calibration import CalibrationStore
@@ -110,7 +110,7 @@ class Controller:
         self.config = config or ControllerConfig()
         self.calibration = calibration or CalibrationStore(cluster.name)
         self.planner = planner
-        self.estimator = estimator or BandwidthEstimator()
+        self.estimator = estimator or DagEstimator()
         self.headroom = headroom
         self.state = State.STEADY
         self.decisions: list[Decision] = []

@@ -1,0 +1,1 @@
+"""What an EMU holds: shard geometry, flat state buffers, logical state and its sources (pure)."""

@@ -1,0 +1,29 @@
+"""Transitions between plans: local and global DAGs, their schedule and L_tran (pure)."""
+
+from nereus.transition.between import NoSourceError, Transition, plan_transition, stage_moves
+from nereus.transition.build import build_dag
+from nereus.transition.dag import Edge, EdgeKind, Flow, Node, Primitive, TransitionDag, Unit
+from nereus.transition.links import LinkModel
+from nereus.transition.local import StageMove, local_dag, sub_layout
+from nereus.transition.schedule import Schedule, list_schedule
+
+__all__ = [
+    "Edge",
+    "EdgeKind",
+    "Flow",
+    "LinkModel",
+    "NoSourceError",
+    "Node",
+    "Primitive",
+    "Schedule",
+    "StageMove",
+    "Transition",
+    "TransitionDag",
+    "Unit",
+    "build_dag",
+    "list_schedule",
+    "local_dag",
+    "plan_transition",
+    "stage_moves",
+    "sub_layout",
+]

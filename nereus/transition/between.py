@@ -1,0 +1,96 @@
+"""From two plans to a transition: the moves of every model-stage, the global DAG, L_tran.
+
+``plan_transition(problem, current, target, lost)`` is what admission calls before anything
+moves: it builds each model-stage's ``StageMove`` (intact units of the current plan, units of
+the target), the global DAG under the problem's per-GPU memory (capacity after headroom, minus
+the runtime reserve), and schedules it; ``l_tran_s`` is the schedule's makespan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nereus.plan.layout import Plan
+from nereus.plan.problem import PlanningProblem
+from nereus.spec.workload import STAGE_ORDER
+from nereus.state.buffers import StatePolicy
+from nereus.state.sources import STORAGE, intact_units, state_source
+from nereus.transition.build import build_dag
+from nereus.transition.dag import TransitionDag
+from nereus.transition.links import LinkModel
+from nereus.transition.local import StageMove
+from nereus.transition.schedule import Schedule, list_schedule
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    dag: TransitionDag
+    schedule: Schedule | None  # None when the DAG is infeasible
+    moves: tuple[StageMove, ...]
+
+    @property
+    def feasible(self) -> bool:
+        return self.dag.feasible
+
+    @property
+    def l_tran_s(self) -> float:
+        return self.schedule.makespan if self.schedule else float("inf")
+
+    @property
+    def moved_bytes(self) -> int:
+        return sum(n.bytes for n in self.dag.nodes)
+
+
+class NoSourceError(ValueError):
+    """A model-stage has no intact unit and nothing to restore it from (checkpoint and restart)."""
+
+
+def stage_moves(
+    problem: PlanningProblem, current: Plan, target: Plan, lost: frozenset[int] = frozenset()
+) -> tuple[StageMove, ...]:
+    """Every model-stage's move, in workflow order."""
+    moves = []
+    for ms in target.workflow.model_stages:
+        old, new = current.candidate(ms.name), target.candidate(ms.name)
+        intact = intact_units(old, lost)
+        restore_from = ""
+        restore_gpus: tuple[int, ...] = ()
+        if not intact:
+            src = state_source(current, ms.name, lost)
+            if src is None:
+                raise NoSourceError(f"{ms.name} has no intact replica (checkpoint and restart)")
+            if isinstance(src, str):
+                restore_from = STORAGE
+            else:
+                restore_from = src.model_stage
+                restore_gpus = tuple(g for g in src.gpus if g not in lost)
+        moves.append(
+            StageMove(
+                ms.name,
+                problem.model_of(ms),
+                StatePolicy.of(ms.stage, problem.workload.precision),
+                old.layout,
+                intact,
+                new.layout,
+                tuple(new.replica_gpus(r) for r in range(new.dp)),
+                restore_from,
+                restore_gpus,
+            )
+        )
+    return tuple(moves)
+
+
+def ledger_capacity(problem: PlanningProblem) -> int:
+    """Per-GPU bytes state and staging may use during a transition."""
+    return int(problem.capacity_bytes - problem.reserved_bytes)
+
+
+def plan_transition(
+    problem: PlanningProblem, current: Plan, target: Plan, lost: frozenset[int] = frozenset()
+) -> Transition:
+    """The global DAG from ``current`` to ``target`` and its schedule (raises NoSourceError)."""
+    moves = stage_moves(problem, current, target, lost)
+    rank = {ms.name: STAGE_ORDER.index(ms.stage) for ms in target.workflow.model_stages}
+    links = LinkModel(problem.cluster, problem.efficiencies)
+    dag = build_dag(moves, rank, links, ledger_capacity(problem))
+    return Transition(dag, list_schedule(dag) if dag.feasible else None, moves)

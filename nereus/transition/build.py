@@ -1,0 +1,211 @@
+"""The global transition DAG: union of local DAGs plus resource edges (paper §2.13).
+
+Nodes are committed one at a time in a priority topological order: releases first (Destroy),
+then stage order gen → inf → train, then workflow order. Each commit is checked against a
+per-GPU memory ledger that any execution respecting the edges must satisfy:
+
+    held_g ≤ initial_g + Σ acquire_g(nodes committed so far) − Σ release_g(ancestors of n)
+
+— every earlier acquisition may already have happened, but only the releases of n's ancestors
+are certain to have. When an acquisition does not fit, the builder adds resource edges from
+releases on that GPU that do not depend on it: first from nodes already committed, then from an
+*executable* Destroy (its predecessors all committed), which it commits on the spot. Neither can
+close a cycle, because a committed node or an executable Destroy never descends from the node
+being committed. A node that still does not fit waits for later commits; if every remaining
+node waits, the target fails feasibility. Because the bound holds for every execution order,
+the executor needs no memory check of its own and cannot deadlock, and ``peak`` is the per-GPU
+memory the controller's feasibility check reads.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+
+from nereus.spec.cluster import GIB
+from nereus.state.buffers import rank_buffers
+from nereus.transition.dag import Edge, EdgeKind, Node, Primitive, TransitionDag, Unit
+from nereus.transition.links import LinkModel
+from nereus.transition.local import StageMove, local_dag
+
+
+def initial_bytes(moves: Sequence[StageMove]) -> dict[int, int]:
+    """State bytes every GPU holds before the transition (intact units of every model-stage)."""
+    held: dict[int, int] = defaultdict(int)
+    for m in moves:
+        lay = m.current_layout
+        for gpus in m.current:
+            for i, g in enumerate(gpus):
+                held[g] += rank_buffers(m.model, lay, i % lay.tp, i // lay.tp, m.policy).nbytes()
+    return dict(held)
+
+
+def build_dag(
+    moves: Sequence[StageMove],
+    stage_rank: Mapping[str, int],
+    links: LinkModel,
+    capacity: int | Mapping[int, int],
+) -> TransitionDag:
+    """The global DAG of ``moves`` (model-stages in workflow order) under per-GPU ``capacity``."""
+    counter = itertools.count()
+    nodes: list[Node] = []
+    edges: list[Edge] = []
+    units: dict[str, Unit] = {}
+    for m in moves:
+        local = local_dag(m, links, lambda: next(counter))
+        nodes += local.nodes
+        edges += local.edges
+        units.update(local.units)
+    nodes.sort(key=lambda n: n.id)
+    init = initial_bytes(moves)
+    gpus = set(init) | {g for n in nodes for g, _ in n.acquire}
+    cap = {g: int(capacity if isinstance(capacity, int) else capacity.get(g, 0)) for g in gpus}
+    return _commit(nodes, edges, units, init, cap, stage_rank, {m.name: i for i, m in enumerate(moves)})
+
+
+class _Ledger:
+    """The greedy commit loop: priority order, memory bound, resource edges."""
+
+    def __init__(
+        self,
+        nodes: list[Node],
+        edges: list[Edge],
+        init: Mapping[int, int],
+        cap: Mapping[int, int],
+        key: Callable[[int], tuple[int, ...]],
+    ) -> None:
+        self.nodes, self.init, self.cap, self.key = nodes, init, cap, key
+        n = len(nodes)
+        self.preds: list[set[int]] = [set() for _ in range(n)]
+        self.succs: list[list[int]] = [[] for _ in range(n)]
+        for e in edges:
+            if e.src not in self.preds[e.dst]:
+                self.preds[e.dst].add(e.src)
+                self.succs[e.src].append(e.dst)
+        self.waiting = [len(p) for p in self.preds]
+        self.releasers: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for node in nodes:
+            for g, b in node.release:
+                if b > 0:
+                    self.releasers[g].append((node.id, b))
+        self.heap = [(key(i), i) for i in range(n) if self.waiting[i] == 0]
+        heapq.heapify(self.heap)
+        self.committed = [False] * n
+        self.anc = [0] * n  # ancestor bitsets
+        self.acquired: dict[int, int] = defaultdict(int)
+        self.peak = {g: init.get(g, 0) for g in cap}
+        self.order: list[int] = []
+        self.new_edges: list[Edge] = []
+
+    def ancestry(self, i: int) -> None:
+        for p in self.preds[i]:
+            self.anc[i] |= self.anc[p] | (1 << p)
+
+    def level(self, i: int, g: int, extra: int) -> int:
+        a = self.anc[i]
+        released = sum(b for x, b in self.releasers[g] if a >> x & 1)
+        return self.init.get(g, 0) + self.acquired[g] + extra - released
+
+    def over(self, i: int) -> tuple[int, int]:
+        """(GPU, bytes missing) of the first acquisition of i that does not fit, or (−1, 0)."""
+        for g, b in self.nodes[i].acquire:
+            missing = self.level(i, g, b) - self.cap[g]
+            if missing > 0:
+                return g, missing
+        return -1, 0
+
+    def finish(self, i: int) -> None:
+        self.ancestry(i)
+        self.committed[i] = True
+        self.order.append(i)
+        for g, b in self.nodes[i].acquire:
+            self.acquired[g] += b
+        for g, _ in self.nodes[i].acquire:
+            self.peak[g] = max(self.peak[g], self.level(i, g, 0))
+        for s in self.succs[i]:
+            self.waiting[s] -= 1
+            if self.waiting[s] == 0:
+                heapq.heappush(self.heap, (self.key(s), s))
+
+    def add_edge(self, src: int, dst: int) -> None:
+        self.preds[dst].add(src)
+        self.succs[src].append(dst)
+        self.anc[dst] |= self.anc[src] | (1 << src)
+        self.new_edges.append(Edge(src, dst, EdgeKind.RESOURCE))
+
+    def relieve(self, i: int, g: int) -> bool:
+        """Add one resource edge into ``i`` from a release on GPU ``g``; False when none exists."""
+        a = self.anc[i]
+        nodes, committed = self.nodes, self.committed
+        done = [(x, b) for x, b in self.releasers[g] if committed[x] and not a >> x & 1]
+        if done:
+            x, _ = max(done, key=lambda xb: (nodes[xb[0]].primitive is Primitive.DESTROY, xb[1]))
+            self.add_edge(x, i)
+            return True
+        ready = [
+            (x, b)
+            for x, b in self.releasers[g]
+            if not committed[x]
+            and self.waiting[x] == 0
+            and nodes[x].primitive is Primitive.DESTROY
+            and x != i
+        ]
+        if ready:
+            x, _ = max(ready, key=lambda xb: xb[1])
+            self.finish(x)
+            self.add_edge(x, i)
+            return True
+        return False
+
+    def run(self) -> str:
+        """Commit every node; the reason when some acquisition can never fit ("" when all do)."""
+        blocked: list[int] = []
+        while self.heap or blocked:
+            if not self.heap:
+                i = blocked[0]
+                g, missing = self.over(i)
+                return (
+                    f"{self.nodes[i].describe()} needs {missing / GIB:.2f} GiB more on GPU {g} "
+                    f"(capacity {self.cap[g] / GIB:.2f} GiB) and no release that does not wait for it "
+                    "frees it"
+                )
+            _, i = heapq.heappop(self.heap)
+            if self.committed[i]:
+                continue
+            self.ancestry(i)
+            g, missing = self.over(i)
+            while missing > 0 and self.relieve(i, g):
+                g, missing = self.over(i)
+            if missing > 0:
+                blocked.append(i)
+                continue
+            self.finish(i)
+            for b in blocked:
+                heapq.heappush(self.heap, (self.key(b), b))
+            blocked.clear()
+        return ""
+
+
+def _commit(
+    nodes: list[Node],
+    edges: list[Edge],
+    units: dict[str, Unit],
+    init: Mapping[int, int],
+    cap: Mapping[int, int],
+    stage_rank: Mapping[str, int],
+    order_of: Mapping[str, int],
+) -> TransitionDag:
+    def key(i: int) -> tuple[int, ...]:
+        n = nodes[i]
+        release_only = n.primitive is Primitive.DESTROY
+        return (0 if release_only else 1, stage_rank.get(n.model_stage, 0), order_of.get(n.model_stage, 0), i)
+
+    ledger = _Ledger(nodes, edges, init, cap, key)
+    why = ledger.run()
+    feasible = not why
+    return TransitionDag(
+        tuple(nodes), tuple(edges) + tuple(ledger.new_edges), units, tuple(ledger.order),
+        ledger.peak, dict(cap), feasible, why,
+    )  # fmt: skip

@@ -1,0 +1,398 @@
+"""The local DAG of one model-stage: Split → Destroy → Extend → Merge (paper §2.12).
+
+With T the current layout and T* the target, T_sub = (min tp, min pp). Each current unit that
+takes part is split into k = (tp/tp_sub)(pp/pp_sub) units of layout T_sub on its own GPUs: for
+every sub-rank q = (t', p') the k GPUs at old positions (t'·kt + b, p'·kp + a) form one all-gather
+group and each ends with the T_sub shard at q. Which GPU of a group belongs to which sub-unit is
+free, so a sub-unit is *kept* in place whenever a target slot (the k* = (tp*/tp_sub)(pp*/pp_sub)
+T_sub-shaped pieces a target unit merges from, slot (jt, jp) owning target positions
+(t'·kt* + jt, p'·kp* + jp)) draws each of its GPUs from the matching group. Surplus sub-units are
+destroyed; slots nothing covers are filled by an Extend (rank-aligned copy) from a sub-unit,
+nearest first; then each target unit merges its k* slots, a local slice wherever the layer and
+head splits nest (they do for power-of-two degrees and even layer counts; otherwise the few
+missing rows come from the other slots of the same unit).
+
+Edges: a Split precedes everything that uses its sub-units; a Destroy of a sub-unit nothing
+copies precedes every Extend onto its GPUs (release before acquire); an Extend precedes the
+Destroy of its source (a sole replica is destroyed only after it has been copied) and the Merge
+of its target unit. A model-stage with no intact unit is *restored*: an Extend straight into the
+target layout from its weight-sync source or from shared storage.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from nereus.plan.layout import Layout
+from nereus.spec.model import ModelSpec
+from nereus.state.buffers import StatePolicy, rank_buffers
+from nereus.state.geometry import rank_numel, shared_numel
+from nereus.state.sources import STORAGE
+from nereus.transition.dag import Edge, EdgeKind, Flow, Node, Primitive, Unit
+from nereus.transition.links import LinkModel
+
+
+@dataclass(frozen=True, slots=True)
+class StageMove:
+    """One model-stage's part of a transition: its intact current units and its target units."""
+
+    name: str
+    model: ModelSpec
+    policy: StatePolicy
+    current_layout: Layout
+    current: tuple[tuple[int, ...], ...]  # GPUs of each intact current unit
+    target_layout: Layout
+    target: tuple[tuple[int, ...], ...]
+    restore_from: str = ""  # when no unit is intact: a model-stage (weight sync) or STORAGE
+    restore_gpus: tuple[int, ...] = ()  # the GPUs of that model-stage
+
+    def __post_init__(self) -> None:
+        if not self.target:
+            raise ValueError(f"{self.name}: the target has no units")
+        if not self.current and not self.restore_from:
+            raise ValueError(f"{self.name}: no intact unit and no source to restore from")
+
+    @property
+    def unchanged(self) -> bool:
+        return self.current_layout == self.target_layout and sorted(self.current) == sorted(self.target)
+
+
+def sub_layout(a: Layout, b: Layout) -> Layout:
+    return Layout(min(a.tp, b.tp), min(a.pp, b.pp))
+
+
+@dataclass(slots=True)
+class LocalDag:
+    nodes: list[Node] = field(default_factory=list)
+    edges: list[Edge] = field(default_factory=list)
+    units: dict[str, Unit] = field(default_factory=dict)
+
+
+class _Builder:
+    def __init__(self, move: StageMove, links: LinkModel, next_id: Callable[[], int]) -> None:
+        self.m = move
+        self.links = links
+        self.next_id = next_id
+        self.out = LocalDag()
+        self.bpe = move.policy.bytes_per_element
+        self._held: dict[tuple[Layout, int, int], int] = {}
+
+    # -------------------------------------------------------------- geometry in bytes
+    def held(self, layout: Layout, t: int, p: int) -> int:
+        """Bytes a rank's buffers occupy (what memory holds)."""
+        key = (layout, t, p)
+        if key not in self._held:
+            self._held[key] = rank_buffers(self.m.model, layout, t, p, self.m.policy).nbytes()
+        return self._held[key]
+
+    def missing(self, have: Layout, ht: int, hp: int, need: Layout, nt: int, np_: int) -> int:
+        """Bytes rank (nt, np_) of ``need`` lacks when the GPU holds rank (ht, hp) of ``have``."""
+        model = self.m.model
+        lack = rank_numel(model, need, nt, np_) - shared_numel(model, have, ht, hp, need, nt, np_)
+        return lack * self.bpe
+
+    def unit(self, uid: str, layout: Layout, gpus: tuple[int, ...]) -> Unit:
+        u = Unit(f"{self.m.name}/{uid}", self.m.name, layout, gpus)
+        self.out.units[u.id] = u
+        return u
+
+    def add(self, node: Node) -> int:
+        self.out.nodes.append(node)
+        return node.id
+
+    def edge(self, a: int, b: int) -> None:
+        self.out.edges.append(Edge(a, b, EdgeKind.LOCAL))
+
+    # -------------------------------------------------------------- primitives
+    def destroy(self, u: Unit) -> int:
+        release = tuple(
+            (g, self.held(u.layout, i % u.layout.tp, i // u.layout.tp)) for i, g in enumerate(u.gpus)
+        )
+        return self.add(
+            Node(
+                self.next_id(),
+                Primitive.DESTROY,
+                self.m.name,
+                u.gpus,
+                0,
+                0.0,
+                (u.id,),
+                (),
+                (u.id,),
+                (),
+                release,
+            )
+        )
+
+    def split(
+        self, u: Unit, sub: Layout, subunits: list[Unit], groups: dict[tuple[int, int], list[int]]
+    ) -> int:
+        t_, kt, kp = u.layout, u.layout.tp // sub.tp, u.layout.pp // sub.pp
+        acquire, release, flows = [], [], []
+        moved = 0
+        for (tq, pq), members in groups.items():
+            link = self.links.group_link(members)
+            for g in members:
+                i = u.gpus.index(g)
+                t, p = i % t_.tp, i // t_.tp
+                recv = self.missing(t_, t, p, sub, tq, pq)
+                new = self.held(sub, tq, pq)
+                acquire.append((g, new + recv))
+                release.append((g, self.held(t_, t, p) + recv))
+                flows.append(Flow(g, recv, link))
+                moved += recv
+        est = self.links.seconds(Primitive.SPLIT, flows, hops=kt * kp - 1)
+        return self.add(
+            Node(
+                self.next_id(), Primitive.SPLIT, self.m.name, u.gpus, moved, est, (u.id,),
+                tuple(s.id for s in subunits), (u.id,), tuple(acquire), tuple(release), tuple(flows),
+                u.gpus, u.gpus,
+            )
+        )  # fmt: skip
+
+    def extend(self, src: Unit, dst: Unit) -> int:
+        lay = dst.layout
+        acquire, flows = [], []
+        moved = 0
+        for i, (a, b) in enumerate(zip(src.gpus, dst.gpus, strict=True)):
+            t, p = i % lay.tp, i // lay.tp
+            n = rank_numel(self.m.model, lay, t, p) * self.bpe
+            acquire.append((b, self.held(lay, t, p)))
+            flows.append(Flow(b, n, self.links.link(a, b)))
+            moved += n
+        est = self.links.seconds(Primitive.EXTEND, flows)
+        return self.add(
+            Node(
+                self.next_id(), Primitive.EXTEND, self.m.name, tuple(sorted(set(src.gpus) | set(dst.gpus))),
+                moved, est, (src.id,), (dst.id,), (), tuple(acquire), (), tuple(flows), src.gpus, dst.gpus,
+            )
+        )  # fmt: skip
+
+    def restore(self, dst: Unit) -> int:
+        lay = dst.layout
+        acquire, flows = [], []
+        moved = 0
+        src_nodes = {self.links.node_of(g) for g in self.m.restore_gpus}
+        for i, b in enumerate(dst.gpus):
+            t, p = i % lay.tp, i // lay.tp
+            n = rank_numel(self.m.model, lay, t, p) * self.bpe
+            acquire.append((b, self.held(lay, t, p)))
+            if self.m.restore_from == STORAGE:
+                link = None
+            else:
+                link = self.links.link(b, b) if self.links.node_of(b) in src_nodes else self.links.link(b, -1)
+            flows.append(Flow(b, n, link))
+            moved += n
+        est = self.links.seconds(Primitive.EXTEND, flows)
+        sends = () if self.m.restore_from == STORAGE else self.m.restore_gpus
+        return self.add(
+            Node(
+                self.next_id(), Primitive.EXTEND, self.m.name, dst.gpus, moved, est, (), (dst.id,), (),
+                tuple(acquire), (), tuple(flows), sends, dst.gpus, self.m.restore_from,
+            )
+        )  # fmt: skip
+
+    def merge(self, slots: list[Unit], target: Unit) -> int:
+        sub, lay = slots[0].layout, target.layout
+        kt, kp = lay.tp // sub.tp, lay.pp // sub.pp
+        acquire, release, flows = [], [], []
+        moved, local = 0, 0
+        link = self.links.group_link(target.gpus)
+        for i, g in enumerate(target.gpus):
+            t, p = i % lay.tp, i // lay.tp
+            st, sp = t // kt, p // kp  # the slot's rank that holds this position's rows
+            recv = self.missing(sub, st, sp, lay, t, p)
+            keep = rank_numel(self.m.model, lay, t, p) * self.bpe - recv
+            acquire.append((g, self.held(lay, t, p) + recv))
+            release.append((g, self.held(sub, st, sp) + recv))
+            flows.append(Flow(g, recv, link))
+            moved += recv
+            local = max(local, keep)
+        est = self.links.seconds(Primitive.MERGE, flows, hops=kt * kp - 1, local_bytes=local)
+        return self.add(
+            Node(
+                self.next_id(), Primitive.MERGE, self.m.name, target.gpus, moved, est,
+                tuple(s.id for s in slots), (target.id,), tuple(s.id for s in slots),
+                tuple(acquire), tuple(release), tuple(flows),
+                target.gpus if moved else (), target.gpus if moved else (),
+            )
+        )  # fmt: skip
+
+
+def _positions(layout: Layout) -> list[tuple[int, int]]:
+    """(t, p) of every rank, in rank order p·tp + t."""
+    return [(t, p) for p in range(layout.pp) for t in range(layout.tp)]
+
+
+def local_dag(move: StageMove, links: LinkModel, next_id: Callable[[], int]) -> LocalDag:
+    """The local DAG of ``move`` (empty when its units stay as they are)."""
+    b = _Builder(move, links, next_id)
+    if move.unchanged:
+        return b.out
+    tgt, cur = move.target_layout, move.current_layout
+    targets = [Unit(f"{move.name}/v{i}", move.name, tgt, gpus) for i, gpus in enumerate(move.target)]
+    if not move.current:
+        for v in targets:
+            b.out.units[v.id] = v
+            b.restore(v)
+        return b.out
+    sub = sub_layout(cur, tgt)
+    kt, kp = cur.tp // sub.tp, cur.pp // sub.pp
+    mt, mp = tgt.tp // sub.tp, tgt.pp // sub.pp
+    currents = [b.unit(f"u{i}", cur, gpus) for i, gpus in enumerate(move.current)]
+    owner = {g: ui for ui, u in enumerate(currents) for g in u.gpus}
+    sub_pos = _positions(sub)
+
+    def groups(u: Unit) -> dict[tuple[int, int], list[int]]:
+        return {
+            (tq, pq): [u.gpu(tq * kt + bt, pq * kp + bp) for bp in range(kp) for bt in range(kt)]
+            for tq, pq in sub_pos
+        }
+
+    # target slots: slot (jt, jp) of unit v owns target positions (t'·mt + jt, p'·mp + jp)
+    slots: list[tuple[int, tuple[int, ...]]] = []  # (target unit index, GPUs in T_sub rank order)
+    for vi, v in enumerate(targets):
+        for jp in range(mp):
+            for jt in range(mt):
+                slots.append((vi, tuple(v.gpu(tq * mt + jt, pq * mp + jp) for tq, pq in sub_pos)))
+    group_of = [groups(u) for u in currents]
+    kept: dict[int, list[int]] = {}  # current unit → slots carved from it in place
+    unmatched: list[int] = []
+    for si, (_, gpus) in enumerate(slots):
+        ui = owner.get(gpus[0], -1)
+        if ui >= 0 and all(gpu in group_of[ui][q] for gpu, q in zip(gpus, sub_pos, strict=True)):
+            kept.setdefault(ui, []).append(si)
+        else:
+            unmatched.append(si)
+    split_units = set(kept)
+    if unmatched and not split_units:
+        split_units = {_nearest(currents, [slots[si][1] for si in unmatched], links)}
+
+    slot_units: dict[int, Unit] = {}
+    sources: list[tuple[Unit, int]] = []  # (sub-unit, the Split that made it or −1)
+    leftovers: list[tuple[Unit, int]] = []
+    for ui, u in enumerate(currents):
+        if ui not in split_units:
+            continue
+        mine = kept.get(ui, [])
+        used = {g for si in mine for g in slots[si][1]}
+        subunits: list[Unit] = []
+        if kt * kp == 1:
+            sub_units_here = [(si, u) for si in mine]
+            free = [] if mine else [u]
+        else:
+            sub_units_here = [(si, b.unit(f"u{ui}.s{j}", sub, slots[si][1])) for j, si in enumerate(mine)]
+            g = group_of[ui]
+            rest = {q: [x for x in g[q] if x not in used] for q in sub_pos}
+            free = [
+                b.unit(f"u{ui}.s{len(mine) + j}", sub, tuple(rest[q][j] for q in sub_pos))
+                for j in range(kt * kp - len(mine))
+            ]
+            subunits = [s for _, s in sub_units_here] + free
+        split_id = b.split(u, sub, subunits, group_of[ui]) if subunits else -1
+        for si, s in sub_units_here:
+            slot_units[si] = s
+            sources.append((s, split_id))
+        for s in free:
+            leftovers.append((s, split_id))
+    # units that take no part are destroyed whole
+    leftovers += [(u, -1) for ui, u in enumerate(currents) if ui not in split_units]
+
+    # Extends into unmatched slots, from the sub-unit that finishes soonest (link × queued copies)
+    pool = [x for x in leftovers + sources if x[0].layout == sub]
+    chooser = _SourceChooser([u.gpus for u, _ in pool], links)
+    extend_of_source: dict[str, list[int]] = {}
+    extends: list[tuple[int, int]] = []  # (node, slot)
+    for si in unmatched:
+        gpus = slots[si][1]
+        src, split_id = pool[chooser.take(gpus)]
+        dst = b.unit(f"x{si}", sub, gpus)
+        n = b.extend(src, dst)
+        if split_id >= 0:
+            b.edge(split_id, n)
+        slot_units[si] = dst
+        extend_of_source.setdefault(src.id, []).append(n)
+        extends.append((n, si))
+
+    # destroy the leftovers: after the Extends that copy them; before Extends onto their GPUs
+    extends_onto: dict[int, list[int]] = {}
+    for n, si in extends:
+        for gpu in slots[si][1]:
+            extends_onto.setdefault(gpu, []).append(n)
+    for s, split_id in leftovers:
+        d = b.destroy(s)
+        if split_id >= 0:
+            b.edge(split_id, d)
+        copies = extend_of_source.get(s.id, [])
+        for n in copies:
+            b.edge(n, d)
+        if not copies:
+            for n in sorted({n for g in s.gpus for n in extends_onto.get(g, ())}):
+                b.edge(d, n)
+
+    # merge every target unit from its slots (a slot of a unit that needs no merge is the unit)
+    split_of = {s.id: sid for s, sid in sources}
+    extend_into = {slot_units[si].id: n for n, si in extends}
+    slots_of: dict[int, list[int]] = {}
+    for si, (vi, _) in enumerate(slots):
+        slots_of.setdefault(vi, []).append(si)
+    for vi, v in enumerate(targets):
+        mine = slots_of[vi]
+        parts = [slot_units[si] for si in mine]
+        deps = [split_of.get(p.id, -1) for p in parts] + [extend_into.get(p.id, -1) for p in parts]
+        deps += [n for p in parts for n in extend_of_source.get(p.id, ())]  # copies read it first
+        if mt * mp == 1:
+            continue  # the slot is the target unit itself
+        b.out.units[v.id] = v
+        n = b.merge(parts, v)
+        for d in deps:
+            if d >= 0:
+                b.edge(d, n)
+    return b.out
+
+
+def _nearest(currents: list[Unit], slot_gpus: list[tuple[int, ...]], links: LinkModel) -> int:
+    """Index of the current unit sharing the most nodes with the slots to fill (ties: the first)."""
+    nodes = {links.node_of(g) for gpus in slot_gpus for g in gpus}
+    return max(range(len(currents)), key=lambda i: sum(links.node_of(g) in nodes for g in currents[i].gpus))
+
+
+class _SourceChooser:
+    """Pick Extend sources: least (queued copies + 1) × (link slowness), in O(log n) per pick.
+
+    A source counts as local to a slot when both sit on one node (intra-node links); otherwise
+    its copies run at inter-node speed, ``intra / inter`` bandwidth times slower.
+    """
+
+    def __init__(self, sources: list[tuple[int, ...]], links: LinkModel) -> None:
+        c = links.cluster
+        self.slow = max(1.0, c.intra_node_bandwidth_gbs / c.inter_node_bandwidth_gbs)
+        self.links = links
+        self.load = [0] * len(sources)
+        self.all: list[tuple[int, int]] = [(0, i) for i in range(len(sources))]
+        self.by_node: dict[int, list[tuple[int, int]]] = {}
+        for i, gpus in enumerate(sources):
+            nodes = {links.node_of(g) for g in gpus}
+            if len(nodes) == 1:
+                self.by_node.setdefault(nodes.pop(), []).append((0, i))
+
+    def _best(self, heap: list[tuple[int, int]]) -> tuple[int, int] | None:
+        while heap and heap[0][0] != self.load[heap[0][1]]:
+            _, i = heapq.heappop(heap)
+            heapq.heappush(heap, (self.load[i], i))
+        return heap[0] if heap else None
+
+    def take(self, gpus: tuple[int, ...]) -> int:
+        if not self.all:
+            raise ValueError("no source unit to extend from")
+        nodes = {self.links.node_of(g) for g in gpus}
+        local = self._best(self.by_node.get(next(iter(nodes)), [])) if len(nodes) == 1 else None
+        best = self._best(self.all)
+        assert best is not None
+        pick = best[1]
+        if local is not None and (local[0] + 1) <= (best[0] + 1) * self.slow:
+            pick = local[1]
+        self.load[pick] += 1
+        return pick

@@ -1,0 +1,287 @@
+"""Transition DAGs: structure, feasibility, memory and 'no logical state ever without a copy'."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import defaultdict
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from nereus.plan.calibration import Efficiencies
+from nereus.plan.layout import Candidate, Layout, Plan
+from nereus.plan.problem import PlanningProblem
+from nereus.plan.search import search
+from nereus.spec import load_cluster, load_model
+from nereus.spec.model import Head
+from nereus.spec.workload import STAGE_ORDER, Precision, Stage
+from nereus.state.buffers import StatePolicy
+from nereus.transition import (
+    EdgeKind,
+    LinkModel,
+    Primitive,
+    StageMove,
+    TransitionDag,
+    build_dag,
+    list_schedule,
+    plan_transition,
+)
+from nereus.transition.build import initial_bytes
+from tests.helpers import make_problem
+
+GIB = 1024**3
+
+
+# ------------------------------------------------------------------ random plans
+@st.composite
+def random_plan(draw: st.DrawFn, problem: PlanningProblem) -> Plan:
+    """Any valid plan: random layouts, dp and GPUs, concurrent model-stages on disjoint GPUs."""
+    wf = problem.workflow
+    pool = list(problem.pool)
+    cands = []
+    for stage in STAGE_ORDER:
+        members = wf.by_stage(stage)
+        if not members:
+            continue
+        free = draw(st.permutations(pool))
+        share = len(free) // len(members)
+        for i, ms in enumerate(members):
+            mine = free[i * share : (i + 1) * share]
+            tp = draw(st.sampled_from([t for t in (1, 2, 4) if t <= len(mine)]))
+            pp = draw(st.sampled_from([p for p in (1, 2, 4) if tp * p <= len(mine)]))
+            dp = draw(st.integers(1, len(mine) // (tp * pp)))
+            cands.append(Candidate(ms.name, Layout(tp, pp), dp, tuple(mine[: tp * pp * dp])))
+    return Plan(wf, tuple(cands), problem.pool)
+
+
+def tiny_problem(gpus: int = 16) -> PlanningProblem:
+    return make_problem(model="tiny-llama", cluster="a100-64gb-hdr100", gpus=gpus, response=64)
+
+
+# ------------------------------------------------------------------ an execution checker
+def execute(
+    dag: TransitionDag, moves: tuple[StageMove, ...], seed: int
+) -> dict[str, set[tuple[Layout, tuple[int, ...]]]]:
+    """Run ``dag`` in a random interleaving that respects its edges; check every invariant.
+
+    Returns the units alive at the end per model-stage. Checks at every instant: inputs of a
+    starting node are alive; every model-stage keeps at least one complete unit; per-GPU memory
+    (state + staging) never exceeds the DAG's capacity.
+    """
+    rng = random.Random(seed)
+    preds = dag.preds()
+    alive: dict[str, set[str]] = defaultdict(set)
+    for m in moves:
+        if m.unchanged:
+            continue
+        for i, _ in enumerate(m.current):
+            alive[m.name].add(f"{m.name}/u{i}")
+    held = defaultdict(int, initial_bytes(moves))
+    done: set[int] = set()
+    running: list[int] = []
+    todo = set(range(len(dag.nodes)))
+    while todo or running:
+        ready = [n for n in todo if all(p in done for p in preds[n])]
+        if ready and (not running or rng.random() < 0.5):
+            n = rng.choice(ready)
+            node = dag.nodes[n]
+            todo.discard(n)
+            for u in node.inputs:
+                assert u in alive[node.model_stage], f"{node.describe()}: input {u} not alive"
+            for g, b in node.acquire:
+                held[g] += b
+                assert held[g] <= dag.capacity[g], f"GPU {g} over capacity at {node.describe()}"
+            alive[node.model_stage].update(node.outputs)
+            running.append(n)
+            continue
+        assert running, "deadlock: nothing runs and nothing is ready"
+        n = running.pop(rng.randrange(len(running)))
+        node = dag.nodes[n]
+        for g, b in node.release:
+            held[g] -= b
+        alive[node.model_stage].difference_update(node.frees)
+        for m in moves:
+            if not m.unchanged and m.current:
+                assert alive[m.name], f"{m.name} has no complete copy after {node.describe()}"
+        done.add(n)
+    return {name: {(dag.units[u].layout, dag.units[u].gpus) for u in us} for name, us in alive.items()}
+
+
+def check(problem: PlanningProblem, a: Plan, b: Plan, seeds: int = 3) -> None:
+    tr = plan_transition(problem, a, b)
+    dag = tr.dag
+    assert dag.feasible, dag.reason
+    assert sorted(dag.order) == list(range(len(dag.nodes)))
+    pos = {n: i for i, n in enumerate(dag.order)}
+    assert all(pos[e.src] < pos[e.dst] for e in dag.edges), "commit order is not topological"
+    for seed in range(seeds):
+        final = execute(dag, tr.moves, seed)
+        for m in tr.moves:
+            if m.unchanged:
+                continue
+            want = {(m.target_layout, gpus) for gpus in m.target}
+            assert final[m.name] == want, m.name
+    sched = tr.schedule
+    assert sched is not None
+    for e in dag.edges:
+        assert sched.start[e.dst] >= sched.finish[e.src] - 1e-12
+    cp, _ = dag.critical_path()
+    assert sched.makespan >= cp - 1e-9
+
+
+@given(st.data())
+def test_random_plan_pairs_reach_the_target_without_losing_state(data: st.DataObject) -> None:
+    problem = tiny_problem()
+    a = data.draw(random_plan(problem))
+    b = data.draw(random_plan(problem))
+    check(problem, a, b)
+
+
+@given(st.data())
+def test_tight_memory_is_either_feasible_and_safe_or_refused(data: st.DataObject) -> None:
+    problem = tiny_problem(8)
+    a = data.draw(random_plan(problem))
+    b = data.draw(random_plan(problem))
+    tr = plan_transition(problem, a, b)
+    init = initial_bytes(tr.moves)
+    final = defaultdict(int)
+    for m in tr.moves:
+        target_move = dataclasses.replace(m, current=m.target, current_layout=m.target_layout)
+        for g, v in initial_bytes([target_move]).items():
+            final[g] += v
+    need = max(max(init.values(), default=0), max(final.values(), default=0))
+    cap = data.draw(st.integers(need, need * 3))
+    rank = {ms.name: STAGE_ORDER.index(ms.stage) for ms in problem.workflow.model_stages}
+    dag = build_dag(tr.moves, rank, LinkModel(problem.cluster, Efficiencies()), cap)
+    if not dag.feasible:
+        assert "GiB more on GPU" in dag.reason
+        return
+    for seed in range(3):
+        execute(dag, tr.moves, seed)
+    assert all(v <= cap for v in dag.peak.values())
+
+
+def test_identical_plans_need_nothing() -> None:
+    problem = tiny_problem()
+    plan = search(problem).plan
+    tr = plan_transition(problem, plan, plan)
+    assert tr.dag.nodes == () and tr.l_tran_s == 0.0
+
+
+# ------------------------------------------------------------------ the paper's examples
+def _move(
+    name: str, model: str, head: Head, stage: Stage, cur: Layout, cur_units, tgt: Layout, tgt_units
+) -> StageMove:
+    m = load_model(model).with_head(head)
+    return StageMove(
+        name, m, StatePolicy.of(stage, Precision.BF16_MIXED), cur, tuple(cur_units), tgt, tuple(tgt_units)
+    )
+
+
+def test_fig6_reward_split_destroy_merge() -> None:
+    """Reward inference (TP 4, PP 8) on 32 GPUs → (TP 8, PP 2) on 16 of them: split into 4×(4,2),
+    destroy two, merge two — and nothing crosses a link."""
+    cur = Layout(4, 8)
+    gpus = tuple(range(32, 64))
+    unit = tuple(gpus)  # rank p·4 + t
+    # the target places (t, p) where the split leaves the right rows: sub-units 0 and 1
+    sub = [[unit[(pq * 4 + jp) * 4 + tq] for pq in range(2) for tq in range(4)] for jp in range(4)]
+    tgt = Layout(8, 2)
+    target = tuple(sub[(t % 2)][p * 4 + t // 2] for p in range(2) for t in range(8))
+    move = _move("reward.inf", "llama-3.1-8b", Head.VALUE, Stage.INF, cur, [unit], tgt, [target])
+    cluster = load_cluster("h100-ib")
+    dag = build_dag([move], {"reward.inf": 1}, LinkModel(cluster, Efficiencies()), 80 * GIB)
+    kinds = [n.primitive for n in dag.nodes]
+    assert kinds.count(Primitive.SPLIT) == 1
+    assert kinds.count(Primitive.DESTROY) == 2
+    assert kinds.count(Primitive.MERGE) == 1
+    assert kinds.count(Primitive.EXTEND) == 0
+    merge = next(n for n in dag.nodes if n.primitive is Primitive.MERGE)
+    assert merge.bytes == 0  # the target shards are slices of what the split left in place
+    freed = {g for n in dag.nodes if n.primitive is Primitive.DESTROY for g in n.gpus}
+    assert len(freed) == 16 and not freed & set(target)
+    assert dag.feasible
+
+
+def test_fig6_trainers_extend_after_the_reward_destroy() -> None:
+    """With the pool full, actor and critic Extends onto the reward's GPUs wait for its Destroy."""
+    cluster = load_cluster("h100-ib")
+    model = "llama-3.1-8b"
+    cur, tgt = Layout(4, 8), Layout(8, 2)
+    reward_unit = tuple(range(32, 64))
+    sub = [[reward_unit[(pq * 4 + jp) * 4 + tq] for pq in range(2) for tq in range(4)] for jp in range(4)]
+    reward_target = tuple(sub[(t % 2)][p * 4 + t // 2] for p in range(2) for t in range(8))
+    freed = sorted(set(reward_unit) - set(reward_target))
+    trainer = Layout(8, 1)  # one replica each; each grows a second onto the reward's freed GPUs
+    actor = _move("actor.train", model, Head.LM, Stage.TRAIN, trainer, [tuple(range(0, 8))], trainer,
+                  [tuple(range(0, 8)), tuple(freed[:8])])  # fmt: skip
+    critic = _move("critic.train", model, Head.VALUE, Stage.TRAIN, trainer, [tuple(range(8, 16))], trainer,
+                   [tuple(range(8, 16)), tuple(freed[8:])])  # fmt: skip
+    reward = _move("reward.inf", model, Head.VALUE, Stage.INF, cur, [reward_unit], tgt, [reward_target])
+    moves = [actor, critic, reward]
+    rank = {"actor.train": 2, "critic.train": 2, "reward.inf": 1}
+    links = LinkModel(cluster, Efficiencies())
+    # a trainer shard fits beside nothing else: its Extend must wait until the reward copy is gone
+    cap = max(initial_bytes([actor]).values()) + GIB // 2
+    dag = build_dag(moves, rank, links, cap)
+    assert dag.feasible, dag.reason
+    destroys = {n.id for n in dag.nodes if n.primitive is Primitive.DESTROY and n.model_stage == "reward.inf"}
+    extends = [n for n in dag.nodes if n.primitive is Primitive.EXTEND]
+    assert len(extends) == 2
+    preds = dag.preds()
+    for e in extends:
+        assert set(preds[e.id]) & destroys, f"{e.describe()} does not wait for the reward Destroy"
+    assert dag.resource_edges >= 2
+    assert all(
+        e.kind is EdgeKind.RESOURCE
+        for e in dag.edges
+        if e.src in destroys and dag.nodes[e.dst].model_stage != "reward.inf"
+    )
+
+
+def test_section51_actor_and_critic_grow_from_16_to_32_gpus() -> None:
+    """§5.1: actor and critic training on 16 GPUs double onto 32 (Extends, one per new replica)."""
+    problem = make_problem(cluster="h100-ib", gpus=32, response=1024)
+    half = dataclasses.replace(problem, pool=tuple(range(16)))
+    a = search(half).plan
+    b = search(dataclasses.replace(problem, anchor=a)).plan
+    tr = plan_transition(problem, a, b)
+    assert tr.feasible, tr.dag.reason
+    check(problem, a, b, seeds=2)
+    grew = [c.model_stage for c in b.candidates if c.dp > a.candidate(c.model_stage).dp]
+    assert grew
+    assert any(n.primitive is Primitive.EXTEND for n in tr.dag.nodes)
+    assert tr.l_tran_s > 0
+
+
+def test_a_swap_on_a_full_pool_is_refused_with_a_reason() -> None:
+    """Two sole replicas trading GPUs with no spare memory: no Destroy can go first."""
+    cluster = load_cluster("h100-ib")
+    lay = Layout(1, 1)
+    m1 = _move("actor.train", "tiny-llama", Head.LM, Stage.TRAIN, lay, [(0,)], lay, [(1,)])
+    m2 = _move("critic.train", "tiny-llama", Head.VALUE, Stage.TRAIN, lay, [(1,)], lay, [(0,)])
+    cap = max(max(initial_bytes([m1]).values()), max(initial_bytes([m2]).values())) + 1
+    dag = build_dag([m1, m2], {"actor.train": 2, "critic.train": 2}, LinkModel(cluster, Efficiencies()), cap)
+    assert not dag.feasible
+    assert "GiB more on GPU" in dag.reason
+
+
+def test_lost_gpus_restore_from_the_trainer_or_storage() -> None:
+    problem = tiny_problem()
+    searched = search(problem).plan
+    trainer = searched.candidate("actor.train")
+    spare = [g for g in problem.pool if g not in trainer.replica_gpus(0)][:2]
+    gen = Candidate("actor.gen", Layout(1, 1), 2, tuple(spare))
+    plan = dataclasses.replace(
+        searched, candidates=tuple(gen if c.model_stage == "actor.gen" else c for c in searched.candidates)
+    )
+    lost = frozenset(spare)  # both generation replicas are gone; the trainer is intact
+    shrunk = dataclasses.replace(problem, pool=tuple(g for g in problem.pool if g not in lost), anchor=plan)
+    target = search(shrunk).plan
+    tr = plan_transition(shrunk, plan, target, lost)
+    assert tr.feasible
+    restores = [n for n in tr.dag.nodes if n.source]
+    assert {n.model_stage for n in restores} >= {"actor.gen"}
+    assert all(n.source in ("actor.train", "storage") for n in restores if n.model_stage == "actor.gen")
+    assert list_schedule(tr.dag).makespan == tr.l_tran_s
