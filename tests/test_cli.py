@@ -211,3 +211,77 @@ def test_console_script_runs() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["stages"]
+
+
+# ------------------------------------------------------------------ transition
+PLAN_A100 = ["plan", "--model", "llama-3.1-8b", "--algo", "ppo", "--cluster", "a100-64gb-hdr100", "--json"]
+
+
+def _plan_file(tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, *extra: str) -> Path:
+    code, out, _ = run([*PLAN_A100, *extra], capsys)
+    assert code == 0
+    path = tmp_path / name
+    path.write_text(out)
+    return path
+
+
+def test_transition_prints_the_dag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = _plan_file(tmp_path, capsys, "a.json", "--gpus", "16", "--seq-len", "2048")
+    b = _plan_file(tmp_path, capsys, "b.json", "--gpus", "32", "--seq-len", "4096", "--anchor", str(a))
+    code, out, _ = run(["transition", "--from", str(a), "--to", str(b), "--json"], capsys)
+    assert code == 0
+    doc = json.loads(out)
+    assert set(doc) >= {"nodes", "edges", "critical_path", "l_tran_s"}
+    ids = {n["id"] for n in doc["nodes"]}
+    assert {n["primitive"] for n in doc["nodes"]} <= {"split", "merge", "extend", "destroy"}
+    assert all(set(n) >= {"id", "primitive", "stage", "gpus", "bytes", "est_s"} for n in doc["nodes"])
+    assert all(
+        e["src"] in ids and e["dst"] in ids and e["kind"] in ("local", "resource") for e in doc["edges"]
+    )
+    assert set(doc["critical_path"]) <= ids and doc["l_tran_s"] > 0
+    code, out, _ = run(["transition", "--from", str(a), "--to", str(b)], capsys)
+    assert code == 0 and "L_tran" in out
+    code, out, _ = run(["transition", "--from", str(a), "--to", str(a), "--json"], capsys)
+    assert code == 0 and json.loads(out)["l_tran_s"] == 0.0
+
+
+def test_transition_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = _plan_file(tmp_path, capsys, "a.json", "--gpus", "16", "--seq-len", "2048")
+    other = tmp_path / "other.json"
+    code, out, _ = run(
+        ["plan", "--model", "qwen3-14b", *PLAN_A100[3:], "--gpus", "16", "--seq-len", "2048"], capsys
+    )
+    other.write_text(out)
+    doc = json.loads(a.read_text())
+    doc["stages"][0]["gpus"][0] = 999
+    beyond = tmp_path / "beyond.json"
+    beyond.write_text(json.dumps(doc))
+    doc = json.loads(a.read_text())
+    doc["stages"][1]["gpus"][0] = doc["stages"][2]["gpus"][0]  # two inference model-stages share a GPU
+    overlap = tmp_path / "overlap.json"
+    overlap.write_text(json.dumps(doc))
+    for target, words in [
+        (other, "different models"),
+        (beyond, "outside the pool"),
+        (overlap, "share GPU"),
+        (tmp_path / "missing.json", "no such file"),
+    ]:
+        code, _, err = run(["transition", "--from", str(a), "--to", str(target)], capsys)
+        assert code == 2, err
+        assert words in err and len(err.strip().splitlines()) == 1
+
+
+def test_transition_without_a_copy_exits_3(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = _plan_file(tmp_path, capsys, "a.json", "--gpus", "16", "--seq-len", "2048")
+    doc = json.loads(a.read_text())
+    doc["problem"]["gpus"] = 32
+    for stage in doc["stages"]:
+        stage["gpus"] = [g + 16 for g in stage["gpus"]]  # the same plan on the other 16 GPUs
+    moved = tmp_path / "moved.json"
+    moved.write_text(json.dumps(doc))
+    trainer = next(s for s in json.loads(a.read_text())["stages"] if s["name"] == "actor.train")
+    lost = ",".join(str(g) for g in trainer["gpus"])
+    code, _, err = run(["transition", "--from", str(a), "--to", str(moved), "--lost", lost], capsys)
+    assert code == 3 and "no intact replica" in err and "actor.train" in err
+    code, _, err = run(["transition", "--from", str(a), "--to", str(a), "--lost", lost], capsys)
+    assert code == 2 and "lost GPUs" in err

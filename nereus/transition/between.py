@@ -58,7 +58,9 @@ def stage_moves(
         if not intact:
             src = state_source(current, ms.name, lost)
             if src is None:
-                raise NoSourceError(f"{ms.name} has no intact replica (checkpoint and restart)")
+                trainer = current.workflow.sync_source(ms.name)
+                also = f" and neither has its weight-sync source {trainer}" if trainer else ""
+                raise NoSourceError(f"{ms.name} has no intact replica{also} (checkpoint and restart)")
             if isinstance(src, str):
                 restore_from = STORAGE
             else:
