@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from nereus.plan.calibration import Efficiencies
 from nereus.plan.opclass import Collective, Link, OpClass
@@ -24,29 +23,41 @@ from nereus.transition.dag import Flow, Primitive
 COMMUNICATOR_SETUP_S = 0.05
 
 
-@dataclass(frozen=True, slots=True)
 class LinkModel:
-    cluster: ClusterSpec
-    efficiencies: Efficiencies
-    setup_s: float = COMMUNICATOR_SETUP_S
+    """Per-GPU transfer rates and latencies of a cluster under calibrated efficiencies."""
+
+    def __init__(
+        self, cluster: ClusterSpec, efficiencies: Efficiencies, setup_s: float = COMMUNICATOR_SETUP_S
+    ) -> None:
+        self.cluster = cluster
+        self.efficiencies = efficiencies
+        self.setup_s = setup_s
+        self.gpus_per_node = cluster.gpus_per_node
+        self._rate: dict[tuple[Primitive, Link | None], float] = {}
+        for primitive in Primitive:
+            kind = Collective.BROADCAST if primitive is Primitive.EXTEND else Collective.ALLGATHER
+            for link in Link:
+                bw = (
+                    cluster.intra_node_bandwidth_gbs
+                    if link is Link.INTRA
+                    else cluster.inter_node_bandwidth_gbs
+                )
+                self._rate[primitive, link] = efficiencies[OpClass.of(kind, link)] * bw * 1e9
+            self._rate[primitive, None] = cluster.storage_read_gbs * 1e9 / cluster.gpus_per_node
+        self._copy = cluster.hbm_bandwidth_gbs * 1e9 * efficiencies[OpClass.MEMORY]
 
     def node_of(self, gpu: int) -> int:
-        return gpu // self.cluster.gpus_per_node
+        return gpu // self.gpus_per_node
 
     def link(self, a: int, b: int) -> Link:
-        return Link.INTRA if self.node_of(a) == self.node_of(b) else Link.INTER
+        return Link.INTRA if a // self.gpus_per_node == b // self.gpus_per_node else Link.INTER
 
     def group_link(self, gpus: Iterable[int]) -> Link:
-        return Link.INTRA if len({self.node_of(g) for g in gpus}) <= 1 else Link.INTER
+        return Link.INTRA if len({g // self.gpus_per_node for g in gpus}) <= 1 else Link.INTER
 
     def rate(self, primitive: Primitive, link: Link | None) -> float:
-        """Bytes per second into one GPU."""
-        c = self.cluster
-        if link is None:
-            return c.storage_read_gbs * 1e9 / c.gpus_per_node
-        kind = Collective.BROADCAST if primitive is Primitive.EXTEND else Collective.ALLGATHER
-        bw = c.intra_node_bandwidth_gbs if link is Link.INTRA else c.inter_node_bandwidth_gbs
-        return self.efficiencies[OpClass.of(kind, link)] * bw * 1e9
+        """Bytes per second into one GPU (link None: shared storage, the node's read bandwidth)."""
+        return self._rate[primitive, link]
 
     def latency(self, link: Link | None) -> float:
         c = self.cluster
@@ -69,7 +80,7 @@ class LinkModel:
             per_gpu[f.dst] += f.bytes / self.rate(primitive, f.link)
             if f.link is not Link.INTRA:
                 worst_link = f.link if worst_link is Link.INTRA else worst_link
-        copy = 2.0 * local_bytes / (self.cluster.hbm_bandwidth_gbs * 1e9 * self.efficiencies[OpClass.MEMORY])
+        copy = 2.0 * local_bytes / self._copy
         if not remote:
             return copy
         return max(per_gpu.values()) + hops * self.latency(worst_link) + self.setup_s + copy
