@@ -105,7 +105,14 @@ def execute(
             if not m.unchanged and m.current:
                 assert alive[m.name], f"{m.name} has no complete copy after {node.describe()}"
         done.add(n)
-    return {name: {(dag.units[u].layout, dag.units[u].gpus) for u in us} for name, us in alive.items()}
+    untouched = {
+        f"{m.name}/u{i}": (m.current_layout, gpus) for m in moves for i, gpus in enumerate(m.current)
+    }
+
+    def where(u: str) -> tuple[Layout, tuple[int, ...]]:
+        return (dag.units[u].layout, dag.units[u].gpus) if u in dag.units else untouched[u]
+
+    return {name: {where(u) for u in us} for name, us in alive.items()}
 
 
 def check(problem: PlanningProblem, a: Plan, b: Plan, seeds: int = 3) -> None:
@@ -261,7 +268,7 @@ def test_a_swap_on_a_full_pool_is_refused_with_a_reason() -> None:
     lay = Layout(1, 1)
     m1 = _move("actor.train", "tiny-llama", Head.LM, Stage.TRAIN, lay, [(0,)], lay, [(1,)])
     m2 = _move("critic.train", "tiny-llama", Head.VALUE, Stage.TRAIN, lay, [(1,)], lay, [(0,)])
-    cap = max(max(initial_bytes([m1]).values()), max(initial_bytes([m2]).values())) + 1
+    cap = max(*initial_bytes([m1]).values(), *initial_bytes([m2]).values()) + 1
     dag = build_dag([m1, m2], {"actor.train": 2, "critic.train": 2}, LinkModel(cluster, Efficiencies()), cap)
     assert not dag.feasible
     assert "GiB more on GPU" in dag.reason

@@ -96,17 +96,11 @@ def layer_tensors(model: ModelSpec) -> tuple[TensorSpec, ...]:
     h, hd = model.hidden_size, model.head_dim
     q, kv, inter = model.q_size, model.kv_size, model.intermediate_size
     attn = "model.layers.{i}.self_attn."
-    out = [
-        TensorSpec(attn + "q_proj.weight", (q, h), Partition.HEADS, Place.LAYER),
-        TensorSpec(attn + "k_proj.weight", (kv, h), Partition.HEADS, Place.LAYER, kv=True),
-        TensorSpec(attn + "v_proj.weight", (kv, h), Partition.HEADS, Place.LAYER, kv=True),
-    ]
-    if model.attention_bias:
-        out += [
-            TensorSpec(attn + "q_proj.bias", (q,), Partition.HEADS, Place.LAYER),
-            TensorSpec(attn + "k_proj.bias", (kv,), Partition.HEADS, Place.LAYER, kv=True),
-            TensorSpec(attn + "v_proj.bias", (kv,), Partition.HEADS, Place.LAYER, kv=True),
-        ]
+    out: list[TensorSpec] = []
+    for proj, rows, kv_ in (("q_proj", q, False), ("k_proj", kv, True), ("v_proj", kv, True)):
+        out.append(TensorSpec(attn + proj + ".weight", (rows, h), Partition.HEADS, Place.LAYER, kv=kv_))
+        if model.attention_bias:  # Qwen2: state-dict order is weight, bias per projection
+            out.append(TensorSpec(attn + proj + ".bias", (rows,), Partition.HEADS, Place.LAYER, kv=kv_))
     out.append(TensorSpec(attn + "o_proj.weight", (h, q), Partition.ROW, Place.LAYER))
     if model.qk_norm:
         out += [

@@ -103,7 +103,9 @@ class Edge:
 class TransitionDag:
     """The global DAG, with the memory bound its edges guarantee.
 
-    ``order`` is the greedy commit order (a topological order); ``peak`` the largest bytes any
+    ``units`` holds every unit a node reads, creates or frees (units nothing touches stay as they
+    are, named ``<model-stage>/u<i>`` after the i-th intact current unit). ``order`` is the greedy
+    commit order (a topological order); ``peak`` the largest bytes any
     execution that respects the edges can hold on each GPU (state + staging, no runtime reserve).
     ``feasible`` is False when some acquisition could not be given the memory it needs; then
     ``reason`` says which and where, and the DAG is not to be run.

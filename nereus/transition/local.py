@@ -78,6 +78,7 @@ class _Builder:
         self.out = LocalDag()
         self.bpe = move.policy.bytes_per_element
         self._held: dict[tuple[Layout, int, int], int] = {}
+        self._tables: dict[Layout, tuple[list[int], list[int]]] = {}
 
     # -------------------------------------------------------------- geometry in bytes
     def held(self, layout: Layout, t: int, p: int) -> int:
@@ -86,6 +87,14 @@ class _Builder:
         if key not in self._held:
             self._held[key] = rank_buffers(self.m.model, layout, t, p, self.m.policy).nbytes()
         return self._held[key]
+
+    def table(self, layout: Layout) -> tuple[list[int], list[int]]:
+        """(payload bytes, held bytes) of every rank of ``layout``, in rank order."""
+        if layout not in self._tables:
+            pos = _positions(layout)
+            payload = [rank_numel(self.m.model, layout, t, p) * self.bpe for t, p in pos]
+            self._tables[layout] = (payload, [self.held(layout, t, p) for t, p in pos])
+        return self._tables[layout]
 
     def missing(self, have: Layout, ht: int, hp: int, need: Layout, nt: int, np_: int) -> int:
         """Bytes rank (nt, np_) of ``need`` lacks when the GPU holds rank (ht, hp) of ``have``."""
@@ -107,9 +116,7 @@ class _Builder:
 
     # -------------------------------------------------------------- primitives
     def destroy(self, u: Unit) -> int:
-        release = tuple(
-            (g, self.held(u.layout, i % u.layout.tp, i // u.layout.tp)) for i, g in enumerate(u.gpus)
-        )
+        release = tuple(zip(u.gpus, self.table(u.layout)[1], strict=True))
         return self.add(
             Node(
                 self.next_id(),
@@ -153,20 +160,15 @@ class _Builder:
         )  # fmt: skip
 
     def extend(self, src: Unit, dst: Unit) -> int:
-        lay = dst.layout
-        acquire, flows = [], []
-        moved = 0
-        for i, (a, b) in enumerate(zip(src.gpus, dst.gpus, strict=True)):
-            t, p = i % lay.tp, i // lay.tp
-            n = rank_numel(self.m.model, lay, t, p) * self.bpe
-            acquire.append((b, self.held(lay, t, p)))
-            flows.append(Flow(b, n, self.links.link(a, b)))
-            moved += n
+        payload, held = self.table(dst.layout)
+        link = self.links.link
+        flows = tuple(Flow(b, n, link(a, b)) for a, b, n in zip(src.gpus, dst.gpus, payload, strict=True))
         est = self.links.seconds(Primitive.EXTEND, flows)
+        acquire = tuple(zip(dst.gpus, held, strict=True))
         return self.add(
             Node(
-                self.next_id(), Primitive.EXTEND, self.m.name, tuple(sorted(set(src.gpus) | set(dst.gpus))),
-                moved, est, (src.id,), (dst.id,), (), tuple(acquire), (), tuple(flows), src.gpus, dst.gpus,
+                self.next_id(), Primitive.EXTEND, self.m.name, src.gpus + dst.gpus, sum(payload), est,
+                (src.id,), (dst.id,), (), acquire, (), flows, src.gpus, dst.gpus,
             )
         )  # fmt: skip
 
@@ -232,6 +234,8 @@ def local_dag(move: StageMove, links: LinkModel, next_id: Callable[[], int]) -> 
     if move.unchanged:
         return b.out
     tgt, cur = move.target_layout, move.current_layout
+    if cur == tgt and move.current:
+        return _same_layout(b, move, links)
     targets = [Unit(f"{move.name}/v{i}", move.name, tgt, gpus) for i, gpus in enumerate(move.target)]
     if not move.current:
         for v in targets:
@@ -350,6 +354,40 @@ def local_dag(move: StageMove, links: LinkModel, next_id: Callable[[], int]) -> 
         for d in deps:
             if d >= 0:
                 b.edge(d, n)
+    return b.out
+
+
+def _same_layout(b: _Builder, move: StageMove, links: LinkModel) -> LocalDag:
+    """DP-only moves (the layout stays): keep units in place, Extend the rest, Destroy the surplus."""
+    lay = move.current_layout
+    staying = set(move.current) & set(move.target)
+    new = [gpus for gpus in move.target if gpus not in staying]
+    units: dict[int, Unit] = {}
+
+    def current(i: int) -> Unit:  # only units a node touches get a Unit
+        if i not in units:
+            units[i] = b.unit(f"u{i}", lay, move.current[i])
+        return units[i]
+
+    chooser = _SourceChooser(list(move.current), links)
+    copies: dict[int, list[int]] = {}
+    onto: dict[int, list[int]] = {}
+    for i, gpus in enumerate(new):
+        src = chooser.take(gpus)
+        n = b.extend(current(src), b.unit(f"x{i}", lay, gpus))
+        copies.setdefault(src, []).append(n)
+        for g in gpus:
+            onto.setdefault(g, []).append(n)
+    for i, gpus in enumerate(move.current):
+        if gpus in staying:
+            continue
+        d = b.destroy(current(i))
+        mine = copies.get(i, [])
+        for n in mine:
+            b.edge(n, d)  # a replica is destroyed only after the copies it feeds
+        if not mine:
+            for n in sorted({n for g in gpus for n in onto.get(g, ())}):
+                b.edge(d, n)  # release before acquire on the GPUs it leaves
     return b.out
 
 
