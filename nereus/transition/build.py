@@ -94,6 +94,8 @@ class _Ledger:
         heapq.heapify(self.heap)
         self.committed = [False] * n
         self.anc = [0] * n  # ancestor bitsets
+        self.ef = [0.0] * n  # earliest finish through the edges (est_s), for choosing releases
+        self.blocked_node = -1
         self.acquired: dict[int, int] = defaultdict(int)
         self.peak = {g: init.get(g, 0) for g in cap}
         self.order: list[int] = []
@@ -118,6 +120,7 @@ class _Ledger:
 
     def finish(self, i: int) -> None:
         self.ancestry(i)
+        self.ef[i] = max((self.ef[p] for p in self.preds[i]), default=0.0) + self.nodes[i].est_s
         self.committed[i] = True
         self.order.append(i)
         for g, b in self.nodes[i].acquire:
@@ -136,24 +139,27 @@ class _Ledger:
         self.new_edges.append(Edge(src, dst, EdgeKind.RESOURCE))
 
     def relieve(self, i: int, g: int) -> bool:
-        """Add one resource edge into ``i`` from a release on GPU ``g``; False when none exists."""
+        """Add one resource edge into ``i`` from a release on GPU ``g``; False when none exists.
+
+        Among releases already committed, the one expected to finish first; else an executable
+        Destroy (committed on the spot).
+        """
         a = self.anc[i]
         nodes, committed = self.nodes, self.committed
-        done = [(x, b) for x, b in self.releasers[g] if committed[x] and not a >> x & 1]
+        done = [x for x, _ in self.releasers[g] if committed[x] and not a >> x & 1]
         if done:
-            x, _ = max(done, key=lambda xb: (nodes[xb[0]].primitive is Primitive.DESTROY, xb[1]))
-            self.add_edge(x, i)
+            self.add_edge(min(done, key=lambda x: (self.ef[x], x)), i)
             return True
         ready = [
-            (x, b)
-            for x, b in self.releasers[g]
+            x
+            for x, _ in self.releasers[g]
             if not committed[x]
             and self.waiting[x] == 0
             and nodes[x].primitive is Primitive.DESTROY
             and x != i
         ]
         if ready:
-            x, _ = max(ready, key=lambda xb: xb[1])
+            x = min(ready, key=lambda x: (max((self.ef[p] for p in self.preds[x]), default=0.0), x))
             self.finish(x)
             self.add_edge(x, i)
             return True
@@ -165,11 +171,11 @@ class _Ledger:
         while self.heap or blocked:
             if not self.heap:
                 i = blocked[0]
+                self.blocked_node = i
                 g, missing = self.over(i)
                 return (
-                    f"{self.nodes[i].describe()} needs {missing / GIB:.2f} GiB more on GPU {g} "
-                    f"(capacity {self.cap[g] / GIB:.2f} GiB) and no release that does not wait for it "
-                    "frees it"
+                    f"{self.nodes[i].describe()} needs {_size(missing)} more on GPU {g} "
+                    f"(capacity {_size(self.cap[g])}) and no release that does not wait for it frees it"
                 )
             _, i = heapq.heappop(self.heap)
             if self.committed[i]:
@@ -188,6 +194,9 @@ class _Ledger:
         return ""
 
 
+MAX_PROMOTIONS = 8  # blocked nodes moved to the front of the commit order before giving up
+
+
 def _commit(
     nodes: list[Node],
     edges: list[Edge],
@@ -197,15 +206,42 @@ def _commit(
     stage_rank: Mapping[str, int],
     order_of: Mapping[str, int],
 ) -> TransitionDag:
-    def key(i: int) -> tuple[int, ...]:
-        n = nodes[i]
-        release_only = n.primitive is Primitive.DESTROY
-        return (0 if release_only else 1, stage_rank.get(n.model_stage, 0), order_of.get(n.model_stage, 0), i)
+    """Commit greedily; when a node stays blocked, retry with it first among ready nodes.
 
-    ledger = _Ledger(nodes, edges, init, cap, key)
-    why = ledger.run()
-    feasible = not why
+    The fixed order (Destroys, then Splits, Merges and Extends; stage order within each) is the
+    paper's release-before-acquire rule. It can commit an Extend onto a GPU before a Split there
+    needs room for its new shard, although the other order fits: promotion repairs that.
+    """
+    promoted: dict[int, int] = {}
+    for _ in range(MAX_PROMOTIONS + 1):
+
+        def key(i: int) -> tuple[int, ...]:
+            n = nodes[i]
+            first = -promoted[i] if i in promoted else 0
+            return (
+                first,
+                _CLASS[n.primitive],
+                stage_rank.get(n.model_stage, 0),
+                order_of.get(n.model_stage, 0),
+                i,
+            )
+
+        ledger = _Ledger(nodes, edges, init, cap, key)
+        why = ledger.run()
+        if not why or ledger.blocked_node in promoted:
+            break
+        promoted[ledger.blocked_node] = len(promoted) + 1
     return TransitionDag(
         tuple(nodes), tuple(edges) + tuple(ledger.new_edges), units, tuple(ledger.order),
-        ledger.peak, dict(cap), feasible, why,
+        ledger.peak, dict(cap), not why, why,
     )  # fmt: skip
+
+
+_CLASS = {Primitive.DESTROY: 0, Primitive.SPLIT: 1, Primitive.MERGE: 2, Primitive.EXTEND: 3}
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"

@@ -136,26 +136,30 @@ class _Builder:
     def split(
         self, u: Unit, sub: Layout, subunits: list[Unit], groups: dict[tuple[int, int], list[int]]
     ) -> int:
+        """All-gather the T_sub shard in every group; GPUs of no sub-unit only send, then free."""
         t_, kt, kp = u.layout, u.layout.tp // sub.tp, u.layout.pp // sub.pp
-        acquire, release, flows = [], [], []
+        keeps = {g for s in subunits for g in s.gpus}
+        acquire, release, flows, recvs = [], [], [], []
         moved = 0
         for (tq, pq), members in groups.items():
             link = self.links.group_link(members)
             for g in members:
                 i = u.gpus.index(g)
                 t, p = i % t_.tp, i // t_.tp
+                release.append((g, self.held(t_, t, p)))
+                if g not in keeps:
+                    continue  # its sub-unit is not needed: it contributes its shard and frees it
                 recv = self.missing(t_, t, p, sub, tq, pq)
-                new = self.held(sub, tq, pq)
-                acquire.append((g, new + recv))
-                release.append((g, self.held(t_, t, p) + recv))
+                acquire.append((g, self.held(sub, tq, pq)))
                 flows.append(Flow(g, recv, link))
+                recvs.append(g)
                 moved += recv
         est = self.links.seconds(Primitive.SPLIT, flows, hops=kt * kp - 1)
         return self.add(
             Node(
                 self.next_id(), Primitive.SPLIT, self.m.name, u.gpus, moved, est, (u.id,),
                 tuple(s.id for s in subunits), (u.id,), tuple(acquire), tuple(release), tuple(flows),
-                u.gpus, u.gpus,
+                u.gpus, tuple(recvs),
             )
         )  # fmt: skip
 
@@ -270,90 +274,114 @@ def local_dag(move: StageMove, links: LinkModel, next_id: Callable[[], int]) -> 
             kept.setdefault(ui, []).append(si)
         else:
             unmatched.append(si)
-    split_units = set(kept)
-    if unmatched and not split_units:
-        split_units = {_nearest(currents, [slots[si][1] for si in unmatched], links)}
+    k = kt * kp
+    nearest = sorted(range(len(currents)), key=lambda i: -_closeness(currents[i], slots, unmatched, links))
+    split_units: set[int] = set(kept) if k > 1 else set()
+    if k > 1:  # enough sub-units that every slot to fill can copy from its own source
+        for ui in nearest:
+            if len(split_units) * k - sum(map(len, kept.values())) >= len(unmatched) and split_units:
+                break
+            split_units.add(ui)
 
-    slot_units: dict[int, Unit] = {}
-    sources: list[tuple[Unit, int]] = []  # (sub-unit, the Split that made it or −1)
-    leftovers: list[tuple[Unit, int]] = []
-    for ui, u in enumerate(currents):
-        if ui not in split_units:
-            continue
+    # the T_sub units that exist after the Splits: kept in place, or free (a source, or nothing)
+    kept_units: list[tuple[int, int, tuple[int, ...]]] = []  # (slot, current unit, GPUs)
+    free_units: list[tuple[int, tuple[int, ...]]] = []  # (current unit, GPUs)
+    for ui in sorted(split_units) if k > 1 else range(len(currents)):
         mine = kept.get(ui, [])
+        kept_units += [(si, ui, slots[si][1]) for si in mine]
+        if k == 1:
+            if not mine:
+                free_units.append((ui, currents[ui].gpus))
+            continue
         used = {g for si in mine for g in slots[si][1]}
-        subunits: list[Unit] = []
-        if kt * kp == 1:
-            sub_units_here = [(si, u) for si in mine]
-            free = [] if mine else [u]
-        else:
-            sub_units_here = [(si, b.unit(f"u{ui}.s{j}", sub, slots[si][1])) for j, si in enumerate(mine)]
-            g = group_of[ui]
-            rest = {q: [x for x in g[q] if x not in used] for q in sub_pos}
-            free = [
-                b.unit(f"u{ui}.s{len(mine) + j}", sub, tuple(rest[q][j] for q in sub_pos))
-                for j in range(kt * kp - len(mine))
-            ]
-            subunits = [s for _, s in sub_units_here] + free
-        split_id = b.split(u, sub, subunits, group_of[ui]) if subunits else -1
-        for si, s in sub_units_here:
-            slot_units[si] = s
-            sources.append((s, split_id))
-        for s in free:
-            leftovers.append((s, split_id))
-    # units that take no part are destroyed whole
-    leftovers += [(u, -1) for ui, u in enumerate(currents) if ui not in split_units]
+        rest = {q: [x for x in group_of[ui][q] if x not in used] for q in sub_pos}
+        free_units += [(ui, tuple(rest[q][j] for q in sub_pos)) for j in range(k - len(mine))]
 
-    # Extends into unmatched slots, from the sub-unit that finishes soonest (link × queued copies)
-    pool = [x for x in leftovers + sources if x[0].layout == sub]
-    chooser = _SourceChooser([u.gpus for u, _ in pool], links)
-    extend_of_source: dict[str, list[int]] = {}
-    extends: list[tuple[int, int]] = []  # (node, slot)
+    # sources for the slots to fill: free units first, then kept ones (least loaded, nearest)
+    pool = [gpus for _, gpus in free_units] + [gpus for _, _, gpus in kept_units]
+    chooser = _SourceChooser(pool, links) if pool else None
+    picks: dict[int, int] = {}  # unmatched slot → pool index
     for si in unmatched:
-        gpus = slots[si][1]
-        src, split_id = pool[chooser.take(gpus)]
-        dst = b.unit(f"x{si}", sub, gpus)
-        n = b.extend(src, dst)
-        if split_id >= 0:
-            b.edge(split_id, n)
-        slot_units[si] = dst
-        extend_of_source.setdefault(src.id, []).append(n)
-        extends.append((n, si))
+        assert chooser is not None
+        picks[si] = chooser.take(slots[si][1])
+    used_pool = set(picks.values())
 
-    # destroy the leftovers: after the Extends that copy them; before Extends onto their GPUs
-    extends_onto: dict[int, list[int]] = {}
-    for n, si in extends:
+    # materialise: each split unit's kept sub-units and the free ones that feed a copy
+    pool_unit: dict[int, Unit] = {}
+    made_by: dict[int, int] = {}  # pool index → the Split that made it (−1: an unsplit unit)
+    slot_units: dict[int, Unit] = {}
+    n_free = len(free_units)
+    for ui in sorted(split_units) if k > 1 else range(len(currents)):
+        subunits: list[tuple[int, Unit]] = []
+        for j, (si, owner_ui, gpus) in enumerate(kept_units):
+            if owner_ui == ui:
+                unit = currents[ui] if k == 1 else b.unit(f"u{ui}.k{si}", sub, gpus)
+                subunits.append((n_free + j, unit))
+                slot_units[si] = unit
+        for j, (owner_ui, gpus) in enumerate(free_units):
+            if owner_ui == ui and j in used_pool:
+                subunits.append((j, currents[ui] if k == 1 else b.unit(f"u{ui}.f{j}", sub, gpus)))
+        split_id = b.split(currents[ui], sub, [s for _, s in subunits], group_of[ui]) if k > 1 else -1
+        for j, unit in subunits:
+            pool_unit[j] = unit
+            made_by[j] = split_id
+
+    # Extends into the slots to fill
+    copies: dict[int, list[int]] = {}
+    extends: list[tuple[int, int]] = []  # (node, slot)
+    onto: dict[int, list[int]] = {}
+    for si in unmatched:
+        j = picks[si]
+        dst = b.unit(f"x{si}", sub, slots[si][1])
+        n = b.extend(pool_unit[j], dst)
+        if made_by[j] >= 0:
+            b.edge(made_by[j], n)
+        slot_units[si] = dst
+        copies.setdefault(j, []).append(n)
+        extends.append((n, si))
         for gpu in slots[si][1]:
-            extends_onto.setdefault(gpu, []).append(n)
-    for s, split_id in leftovers:
-        d = b.destroy(s)
-        if split_id >= 0:
-            b.edge(split_id, d)
-        copies = extend_of_source.get(s.id, [])
-        for n in copies:
+            onto.setdefault(gpu, []).append(n)
+
+    # Destroys: a free unit after the copies it feeds; a unit that takes no part before the
+    # Extends onto its GPUs (release before acquire)
+    for j in range(n_free):
+        if j not in pool_unit:
+            continue
+        d = b.destroy(pool_unit[j])
+        if made_by[j] >= 0:
+            b.edge(made_by[j], d)
+        for n in copies.get(j, ()):
             b.edge(n, d)
-        if not copies:
-            for n in sorted({n for g in s.gpus for n in extends_onto.get(g, ())}):
-                b.edge(d, n)
+    idle = [currents[ui] for ui in range(len(currents)) if k > 1 and ui not in split_units]
+    idle += [currents[ui] for j, (ui, _) in enumerate(free_units) if k == 1 and j not in used_pool]
+    for u in idle:
+        d = b.destroy(u)
+        for n in sorted({n for g in u.gpus for n in onto.get(g, ())}):
+            b.edge(d, n)
 
     # merge every target unit from its slots (a slot of a unit that needs no merge is the unit)
-    split_of = {s.id: sid for s, sid in sources}
-    extend_into = {slot_units[si].id: n for n, si in extends}
+    index_of_kept = {si: n_free + j for j, (si, _, _) in enumerate(kept_units)}
+    extend_into = dict((si, n) for n, si in extends)
     slots_of: dict[int, list[int]] = {}
     for si, (vi, _) in enumerate(slots):
         slots_of.setdefault(vi, []).append(si)
     for vi, v in enumerate(targets):
-        mine = slots_of[vi]
-        parts = [slot_units[si] for si in mine]
-        deps = [split_of.get(p.id, -1) for p in parts] + [extend_into.get(p.id, -1) for p in parts]
-        deps += [n for p in parts for n in extend_of_source.get(p.id, ())]  # copies read it first
         if mt * mp == 1:
             continue  # the slot is the target unit itself
+        mine = slots_of[vi]
+        deps: set[int] = set()
+        for si in mine:
+            if si in extend_into:
+                deps.add(extend_into[si])
+            else:
+                j = index_of_kept[si]
+                deps.update(copies.get(j, ()))  # copies read it before it is merged away
+                if made_by[j] >= 0:
+                    deps.add(made_by[j])
         b.out.units[v.id] = v
-        n = b.merge(parts, v)
-        for d in deps:
-            if d >= 0:
-                b.edge(d, n)
+        n = b.merge([slot_units[si] for si in mine], v)
+        for d in sorted(deps):
+            b.edge(d, n)
     return b.out
 
 
@@ -391,10 +419,12 @@ def _same_layout(b: _Builder, move: StageMove, links: LinkModel) -> LocalDag:
     return b.out
 
 
-def _nearest(currents: list[Unit], slot_gpus: list[tuple[int, ...]], links: LinkModel) -> int:
-    """Index of the current unit sharing the most nodes with the slots to fill (ties: the first)."""
-    nodes = {links.node_of(g) for gpus in slot_gpus for g in gpus}
-    return max(range(len(currents)), key=lambda i: sum(links.node_of(g) in nodes for g in currents[i].gpus))
+def _closeness(
+    u: Unit, slots: list[tuple[int, tuple[int, ...]]], unmatched: list[int], links: LinkModel
+) -> int:
+    """GPUs of ``u`` on nodes where slots wait to be filled (split the closest units first)."""
+    nodes = {links.node_of(g) for si in unmatched for g in slots[si][1]}
+    return sum(links.node_of(g) in nodes for g in u.gpus)
 
 
 class _SourceChooser:

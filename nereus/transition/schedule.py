@@ -43,17 +43,20 @@ def list_schedule(dag: TransitionDag, durations: Sequence[float] | None = None) 
     ports = [nd.ports for nd in nodes]
     busy: set[tuple[int, int]] = set()
     last_user: dict[tuple[int, int], int] = {}
+    parked: dict[tuple[int, int], list[int]] = {}  # ready nodes waiting for a busy port
     start = [0.0] * n
     finish = [0.0] * n
     why = [-1] * n
-    ready = sorted((i for i in range(n) if waiting[i] == 0), key=rank.__getitem__)
+    candidates = [(rank[i], i) for i in range(n) if waiting[i] == 0]
+    heapq.heapify(candidates)
     running: list[tuple[float, int]] = []
     now, done = 0.0, 0
     while done < n:
-        still = []
-        for i in ready:
-            if any(p in busy for p in ports[i]):
-                still.append(i)
+        while candidates:
+            _, i = heapq.heappop(candidates)
+            blocked = next((port for port in ports[i] if port in busy), None)
+            if blocked is not None:
+                parked.setdefault(blocked, []).append(i)
                 continue
             start[i] = now
             finish[i] = now + dur[i]
@@ -64,22 +67,20 @@ def list_schedule(dag: TransitionDag, durations: Sequence[float] | None = None) 
                 busy.add(port)
                 last_user[port] = i
             heapq.heappush(running, (finish[i], i))
-        ready = still
         if not running:
             raise RuntimeError("transition DAG has a cycle or an unreachable node")
         now = running[0][0]
-        freed = []
         while running and running[0][0] <= now:
             _, i = heapq.heappop(running)
             done += 1
-            busy.difference_update(ports[i])
-            freed.append(i)
-        for i in freed:
+            for port in ports[i]:
+                busy.discard(port)
+                for j in parked.pop(port, ()):
+                    heapq.heappush(candidates, (rank[j], j))
             for s in succs[i]:
                 waiting[s] -= 1
                 if waiting[s] == 0:
-                    ready.append(s)
-        ready.sort(key=rank.__getitem__)
+                    heapq.heappush(candidates, (rank[s], s))
     end = max(range(n), key=finish.__getitem__)
     path = [end]
     while why[path[-1]] >= 0:
