@@ -16,11 +16,14 @@ Split staging included), so on a GPU that changes hands the newcomer's state oft
 once the previous owner's state, or its Split/Merge staging, is gone. Full mode also reruns the
 same trials (seeded by index) at margins 0, 15% and 30% (summaries only).
 
-Each model-stage launches at a random offset in [0, 2] s. The baseline (DynaRL-style) runs each
+Each model-stage launches at a random offset in [0, 2] s. Two uncoordinated baselines run each
 local DAG on its own: a node starts when its local predecessors are done and what it acquires is
-free at that instant (``Policy.INDEPENDENT``); Nereus runs the global DAG of ``build_dag``
-(``Policy.RESPECT_EDGES``, which raises if memory is ever exceeded). A run succeeds when every
-model-stage finishes within 20 s of the trigger and ends with exactly its target units and bytes.
+free at that instant (``Policy.INDEPENDENT``). *independent* uses our local DAGs as they are
+(releases that nothing waits on go first); *make-before-break* is per-component migration as a
+naive system does it (DynaRL-style: every release of a model-stage waits until all of its copies
+are in place). Nereus runs the global DAG of ``build_dag`` (``Policy.RESPECT_EDGES``, which
+raises if memory is ever exceeded). A run succeeds when every model-stage finishes within 20 s of
+the trigger and ends with exactly its target units and bytes.
 
 Only trials where a memory-valid order exists count: ``build_dag`` says feasible, or an
 uncoordinated run completes (the trial's own launch, each model-stage order run one after the
@@ -52,7 +55,7 @@ from nereus.spec import STAGE_ORDER, Head, Precision, Stage, load_cluster, load_
 from nereus.spec.cluster import GIB
 from nereus.state.buffers import StatePolicy, rank_buffers
 from nereus.transition.build import build_dag, initial_bytes
-from nereus.transition.dag import TransitionDag
+from nereus.transition.dag import Edge, EdgeKind, Primitive, TransitionDag
 from nereus.transition.events import Execution, MemoryBoundError, Policy, execute
 from nereus.transition.links import LinkModel
 from nereus.transition.local import StageMove
@@ -177,6 +180,20 @@ def independent(trial: Trial, dag: TransitionDag, launch: dict[str, float]) -> E
     return execute(dag.nodes, dag.edges, init, trial.capacity, Policy.INDEPENDENT, launch)
 
 
+def make_before_break(trial: Trial, dag: TransitionDag, launch: dict[str, float]) -> Execution:
+    """Per-component migration as a naive system does it: every release of a model-stage waits
+    until all of its acquisitions are done (copy everything, then free), local DAGs uncoordinated."""
+    extra = [
+        Edge(a.id, d.id, EdgeKind.LOCAL)
+        for d in dag.nodes
+        if d.primitive is Primitive.DESTROY
+        for a in dag.nodes
+        if a.model_stage == d.model_stage and a.acquires and a.id != d.id
+    ]
+    init = initial_bytes(trial.moves)
+    return execute(dag.nodes, (*dag.edges, *extra), init, trial.capacity, Policy.INDEPENDENT, launch)
+
+
 def coordinated(
     trial: Trial,
     dag: TransitionDag,
@@ -241,6 +258,7 @@ def run_trial(trial: Trial, stress_runs: int) -> dict[str, Any]:
         "nodes": len(dag.nodes),
         "feasible": dag.feasible,
         "baseline": outcome(trial, dag, base),
+        "make_before_break": outcome(trial, dag, make_before_break(trial, dag, launch)),
     }
     if not dag.feasible:
         row["reason"] = dag.reason
@@ -281,6 +299,8 @@ def summarize(rows: list[dict[str, Any]], generated: int) -> dict[str, Any]:
         "generated": generated,
         "excluded_infeasible_for_both": sum(1 for r in rows if not r["counted"]),
         "baseline_success": rate("baseline", counted),
+        "make_before_break_success": rate("make_before_break", counted),
+        "make_before_break_deadlocks": sum(r["make_before_break"]["deadlock"] for r in counted),
         "nereus_success": rate("nereus", counted),
         "nereus_success_where_builder_feasible": rate("nereus", feasible),
         "baseline_success_where_builder_feasible": rate("baseline", feasible),
@@ -323,19 +343,15 @@ def plot(summary: dict[str, dict[str, Any]], out: Path) -> None:
 
     hatched = {"hatch": "//", "alpha": 0.6}
     bars: list[tuple[str, list[float | None], dict[str, Any]]] = [
-        ("baseline", col("baseline_success"), {"color": "C0"}),
+        ("independent (our local DAGs)", col("baseline_success"), {"color": "C0"}),
+        ("independent, make-before-break", col("make_before_break_success"), {"color": "C2"}),
         ("nereus", col("nereus_success"), {"color": "C1"}),
-        (
-            "baseline | builder feasible",
-            col("baseline_success_where_builder_feasible"),
-            {"color": "C0", **hatched},
-        ),
         (
             "nereus | builder feasible",
             col("nereus_success_where_builder_feasible"),
             {"color": "C1", **hatched},
         ),
-        ("baseline (paper)", [PAPER_BASELINE[k] for k in kinds], {"color": "grey", "alpha": 0.5}),
+        ("DynaRL-style (paper)", [PAPER_BASELINE[k] for k in kinds], {"color": "grey", "alpha": 0.5}),
     ]
     w = 0.16
     for j, (label, values, style) in enumerate(bars):
@@ -378,6 +394,8 @@ def line(kind: str, s: dict[str, Any]) -> str:
         f"{kind}: {s['trials']} trials ({s['excluded_infeasible_for_both']} excluded)  "
         f"baseline {f(s['baseline_success'], '.0%')} ({s['baseline_deadlocks']} deadlocks, "
         f"{s['baseline_timeouts']} timeouts, {f(s['baseline_mean_completion_s'], '.1f')} s)  "
+        f"make-before-break {f(s['make_before_break_success'], '.0%')} "
+        f"({s['make_before_break_deadlocks']} deadlocks)  "
         f"nereus {f(s['nereus_success'], '.0%')} ({f(s['nereus_success_where_builder_feasible'], '.0%')} "
         f"where the builder is feasible, {s['nereus_timeouts']} timeouts, "
         f"{f(s['nereus_mean_completion_s'], '.1f')} s, {f(s['mean_resource_edges'], '.1f')} resource edges)  "

@@ -44,3 +44,17 @@ def test_admission_benchmark_quick(tmp_path: Path) -> None:
         assert {"nereus", "static", "always", "periodic:3"} <= set(policies)
         assert policies["nereus"]["oom_steps"] == 0
     assert (tmp_path / "admission.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(240)
+def test_coordination_benchmark_quick(tmp_path: Path) -> None:
+    doc = run_quick("coordination.py", tmp_path)
+    summary = doc["summary"]
+    assert isinstance(summary, dict) and set(summary) == {"SM-CS", "CM-SS", "CM-CS"}
+    for s in summary.values():
+        assert s["trials"] == 20
+        assert s["memory_violations"] == 0 and s["stress_problems"] == 0
+        assert s["nereus_deadlocks"] == 0 and s["builder_misses"] == 0
+        assert s["nereus_success"] == 1.0
+        assert 0.0 <= s["baseline_success"] <= 1.0 and 0.0 <= s["make_before_break_success"] <= 1.0
+    assert (tmp_path / "coordination.png").stat().st_size > 0
