@@ -58,3 +58,18 @@ def test_coordination_benchmark_quick(tmp_path: Path) -> None:
         assert s["nereus_success"] == 1.0
         assert 0.0 <= s["baseline_success"] <= 1.0 and 0.0 <= s["make_before_break_success"] <= 1.0
     assert (tmp_path / "coordination.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(240)
+def test_dag_schedule_benchmark_quick(tmp_path: Path) -> None:
+    doc = run_quick("dag_schedule.py", tmp_path)
+    assert {"benchmark", "git_sha", "date", "command", "machine", "targets", "results", "summary"} <= set(doc)
+    rows = doc["results"]
+    assert isinstance(rows, list)
+    assert sorted({r["gpus"] for r in rows}) == [32, 128]
+    for r in rows:
+        assert r["feasible"] and r["greedy_plan_ms"] > 0
+        if "scip" in r:  # pyscipopt installed
+            assert r["scip"]["valid"] is not False
+            assert r["scip"]["makespan_ticks"] <= r["greedy_ticks"]
+    assert (tmp_path / "dag_schedule.png").stat().st_size > 0

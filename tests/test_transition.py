@@ -23,6 +23,7 @@ from nereus.transition import (
     Primitive,
     StageMove,
     TransitionDag,
+    best_schedule,
     build_dag,
     list_schedule,
     plan_transition,
@@ -296,7 +297,7 @@ def test_lost_gpus_restore_from_the_trainer_or_storage() -> None:
     restores = [n for n in tr.dag.nodes if n.source]
     assert {n.model_stage for n in restores} >= {"actor.gen"}
     assert all(n.source in ("actor.train", "storage") for n in restores if n.model_stage == "actor.gen")
-    assert list_schedule(tr.dag).makespan == tr.l_tran_s
+    assert best_schedule(tr.dag).makespan == tr.l_tran_s <= list_schedule(tr.dag).makespan
 
 
 def test_a_split_that_needs_room_goes_before_an_extend_onto_its_gpu() -> None:

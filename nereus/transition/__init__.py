@@ -5,7 +5,7 @@ from nereus.transition.build import build_dag
 from nereus.transition.dag import Edge, EdgeKind, Flow, Node, Primitive, TransitionDag, Unit
 from nereus.transition.links import LinkModel
 from nereus.transition.local import StageMove, local_dag, sub_layout
-from nereus.transition.schedule import Schedule, list_schedule
+from nereus.transition.schedule import Schedule, best_schedule, list_schedule
 
 __all__ = [
     "Edge",
@@ -20,6 +20,7 @@ __all__ = [
     "Transition",
     "TransitionDag",
     "Unit",
+    "best_schedule",
     "build_dag",
     "list_schedule",
     "local_dag",

@@ -3,7 +3,8 @@
 ``plan_transition(problem, current, target, lost)`` is what admission calls before anything
 moves: it builds each model-stage's ``StageMove`` (intact units of the current plan, units of
 the target), the global DAG under the problem's per-GPU memory (capacity after headroom, minus
-the runtime reserve), and schedules it; ``l_tran_s`` is the schedule's makespan.
+the runtime reserve), and schedules it (the better of two list-scheduling priorities);
+``l_tran_s`` is the schedule's makespan.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from nereus.transition.build import build_dag
 from nereus.transition.dag import TransitionDag
 from nereus.transition.links import LinkModel
 from nereus.transition.local import StageMove
-from nereus.transition.schedule import Schedule, list_schedule
+from nereus.transition.schedule import Schedule, best_schedule
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,4 +96,4 @@ def plan_transition(
     rank = {ms.name: STAGE_ORDER.index(ms.stage) for ms in target.workflow.model_stages}
     links = LinkModel(problem.cluster, problem.efficiencies)
     dag = build_dag(moves, rank, links, ledger_capacity(problem))
-    return Transition(dag, list_schedule(dag) if dag.feasible else None, moves)
+    return Transition(dag, best_schedule(dag) if dag.feasible else None, moves)

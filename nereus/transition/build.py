@@ -36,9 +36,12 @@ def initial_bytes(moves: Sequence[StageMove]) -> dict[int, int]:
     held: dict[int, int] = defaultdict(int)
     for m in moves:
         lay = m.current_layout
+        per_rank = [
+            rank_buffers(m.model, lay, i % lay.tp, i // lay.tp, m.policy).nbytes() for i in range(lay.size)
+        ]
         for gpus in m.current:
-            for i, g in enumerate(gpus):
-                held[g] += rank_buffers(m.model, lay, i % lay.tp, i // lay.tp, m.policy).nbytes()
+            for g, b in zip(gpus, per_rank, strict=True):
+                held[g] += b
     return dict(held)
 
 
@@ -96,6 +99,7 @@ class _Ledger:
         self.anc = [0] * n  # ancestor bitsets
         self.ef = [0.0] * n  # earliest finish through the edges (est_s), for choosing releases
         self.blocked_node = -1
+        self.blocked_gpu = -1
         self.acquired: dict[int, int] = defaultdict(int)
         self.peak = {g: init.get(g, 0) for g in cap}
         self.order: list[int] = []
@@ -171,8 +175,8 @@ class _Ledger:
         while self.heap or blocked:
             if not self.heap:
                 i = blocked[0]
-                self.blocked_node = i
                 g, missing = self.over(i)
+                self.blocked_node, self.blocked_gpu = i, g
                 return (
                     f"{self.nodes[i].describe()} needs {_size(missing)} more on GPU {g} "
                     f"(capacity {_size(self.cap[g])}) and no release that does not wait for it frees it"
@@ -206,13 +210,20 @@ def _commit(
     stage_rank: Mapping[str, int],
     order_of: Mapping[str, int],
 ) -> TransitionDag:
-    """Commit greedily; when a node stays blocked, retry with it first among ready nodes.
+    """Commit greedily; when a node stays blocked, retry with it first and its rivals after it.
 
     The fixed order (Destroys, then Splits, Merges and Extends; stage order within each) is the
-    paper's release-before-acquire rule. It can commit an Extend onto a GPU before a Split there
-    needs room for its new shard, although the other order fits: promotion repairs that.
+    paper's release-before-acquire rule. It can commit one model-stage's acquisition onto a GPU
+    before another's needs room there, although the other order fits (a Split's new shard, or a
+    Merge whose chain starts later). A retry promotes the blocked node and everything it depends
+    on, and gives every other acquisition on its GPU a resource edge from it (they wait for it;
+    none of them is among its ancestors, so no cycle). At most ``MAX_PROMOTIONS`` retries.
     """
     promoted: dict[int, int] = {}
+    deferred: list[Edge] = []  # blocked node → the acquisitions on its GPU that took the room first
+    preds: list[list[int]] = [[] for _ in nodes]
+    for e in edges:
+        preds[e.dst].append(e.src)
     for _ in range(MAX_PROMOTIONS + 1):
 
         def key(i: int) -> tuple[int, ...]:
@@ -226,15 +237,41 @@ def _commit(
                 i,
             )
 
-        ledger = _Ledger(nodes, edges, init, cap, key)
+        ledger = _Ledger(nodes, [*edges, *deferred], init, cap, key)
         why = ledger.run()
-        if not why or ledger.blocked_node in promoted:
+        if not why:
             break
-        promoted[ledger.blocked_node] = len(promoted) + 1
+        i, g = ledger.blocked_node, ledger.blocked_gpu
+        cone = _cone(i, preds)
+        done = {(e.src, e.dst) for e in deferred}
+        rivals = [
+            x.id
+            for x in nodes
+            if x.id not in cone and (i, x.id) not in done and any(gg == g and b > 0 for gg, b in x.acquire)
+        ]
+        fresh = cone - set(promoted)
+        if not fresh and not rivals:
+            break
+        rank = len(promoted) + 1  # the latest promotion goes first
+        promoted.update({x: rank for x in fresh})
+        deferred += [Edge(i, x, EdgeKind.RESOURCE) for x in rivals]
+        for x in rivals:
+            preds[x].append(i)
     return TransitionDag(
-        tuple(nodes), tuple(edges) + tuple(ledger.new_edges), units, tuple(ledger.order),
+        tuple(nodes), tuple(edges) + tuple(deferred) + tuple(ledger.new_edges), units, tuple(ledger.order),
         ledger.peak, dict(cap), not why, why,
     )  # fmt: skip
+
+
+def _cone(i: int, preds: list[list[int]]) -> set[int]:
+    """``i`` and every node it depends on through the local edges."""
+    out, todo = {i}, [i]
+    while todo:
+        for p in preds[todo.pop()]:
+            if p not in out:
+                out.add(p)
+                todo.append(p)
+    return out
 
 
 _CLASS = {Primitive.DESTROY: 0, Primitive.SPLIT: 1, Primitive.MERGE: 2, Primitive.EXTEND: 3}

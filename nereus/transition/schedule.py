@@ -24,14 +24,53 @@ class Schedule:
     finish: tuple[float, ...]
     makespan: float
     critical_path: tuple[int, ...]
+    priority: str = "commit"  # which order broke ties among startable nodes
+
+    def order(self) -> tuple[int, ...]:
+        """Nodes by start time (ties by id): the order an executor launches them in."""
+        return tuple(sorted(range(len(self.start)), key=lambda i: (self.start[i], i)))
 
 
-def list_schedule(dag: TransitionDag, durations: Sequence[float] | None = None) -> Schedule:
-    """Schedule every node of ``dag`` (durations default to each node's ``est_s``)."""
+def tail_priority(dag: TransitionDag, durations: Sequence[float] | None = None) -> tuple[int, ...]:
+    """Nodes by longest remaining path to the end (ties: commit order)."""
+    dur = [float(x) for x in durations] if durations is not None else [nd.est_s for nd in dag.nodes]
+    succs: list[list[int]] = [[] for _ in dag.nodes]
+    for e in dag.edges:
+        succs[e.src].append(e.dst)
+    tail = [0.0] * len(dag.nodes)
+    for i in reversed(dag.order):
+        tail[i] = dur[i] + max((tail[s] for s in succs[i]), default=0.0)
+    rank = {node: r for r, node in enumerate(dag.order)}
+    return tuple(sorted(rank, key=lambda i: (-tail[i], rank[i])))
+
+
+def best_schedule(dag: TransitionDag, durations: Sequence[float] | None = None) -> Schedule:
+    """The shorter of the commit-order and the longest-remaining-path list schedules.
+
+    Commit order is release-before-acquire and stage order; it can start a long Split before
+    short copies that gate the critical path. Trying both costs a second pass.
+    """
+    commit = list_schedule(dag, durations)
+    if len(dag.order) != len(dag.nodes):
+        return commit
+    tail = list_schedule(dag, durations, tail_priority(dag, durations), "critical-path")
+    return tail if tail.makespan < commit.makespan - 1e-12 else commit
+
+
+def list_schedule(
+    dag: TransitionDag,
+    durations: Sequence[float] | None = None,
+    priority: Sequence[int] | None = None,
+    label: str = "commit",
+) -> Schedule:
+    """Schedule every node of ``dag`` (durations default to each node's ``est_s``).
+
+    ``priority`` lists the nodes most urgent first (default: the DAG's commit order).
+    """
     nodes = dag.nodes
     n = len(nodes)
     if not n:
-        return Schedule((), (), 0.0, ())
+        return Schedule((), (), 0.0, (), label)
     dur = [float(x) for x in durations] if durations is not None else [nd.est_s for nd in nodes]
     preds = dag.preds()
     succs: list[list[int]] = [[] for _ in range(n)]
@@ -39,7 +78,8 @@ def list_schedule(dag: TransitionDag, durations: Sequence[float] | None = None) 
         for p in set(ps):
             succs[p].append(i)
     waiting = [len(set(ps)) for ps in preds]
-    rank = {node: r for r, node in enumerate(dag.order)} if len(dag.order) == n else {i: i for i in range(n)}
+    order = priority if priority is not None else dag.order
+    rank = {node: r for r, node in enumerate(order)} if len(order) == n else {i: i for i in range(n)}
     ports = [nd.ports for nd in nodes]
     busy: set[tuple[int, int]] = set()
     last_user: dict[tuple[int, int], int] = {}
@@ -85,4 +125,4 @@ def list_schedule(dag: TransitionDag, durations: Sequence[float] | None = None) 
     path = [end]
     while why[path[-1]] >= 0:
         path.append(why[path[-1]])
-    return Schedule(tuple(start), tuple(finish), finish[end], tuple(reversed(path)))
+    return Schedule(tuple(start), tuple(finish), finish[end], tuple(reversed(path)), label)
