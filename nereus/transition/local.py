@@ -311,6 +311,7 @@ def local_dag(move: StageMove, links: LinkModel, next_id: Callable[[], int]) -> 
     made_by: dict[int, int] = {}  # pool index → the Split that made it (−1: an unsplit unit)
     slot_units: dict[int, Unit] = {}
     n_free = len(free_units)
+    unused: set[int] = set()
     for ui in sorted(split_units) if k > 1 else range(len(currents)):
         subunits: list[tuple[int, Unit]] = []
         for j, (si, owner_ui, gpus) in enumerate(kept_units):
@@ -321,6 +322,9 @@ def local_dag(move: StageMove, links: LinkModel, next_id: Callable[[], int]) -> 
         for j, (owner_ui, gpus) in enumerate(free_units):
             if owner_ui == ui and j in used_pool:
                 subunits.append((j, currents[ui] if k == 1 else b.unit(f"u{ui}.f{j}", sub, gpus)))
+        if k > 1 and not subunits:
+            unused.add(ui)  # split for nothing after all: it is destroyed whole instead
+            continue
         split_id = b.split(currents[ui], sub, [s for _, s in subunits], group_of[ui]) if k > 1 else -1
         for j, unit in subunits:
             pool_unit[j] = unit
@@ -352,7 +356,7 @@ def local_dag(move: StageMove, links: LinkModel, next_id: Callable[[], int]) -> 
             b.edge(made_by[j], d)
         for n in copies.get(j, ()):
             b.edge(n, d)
-    idle = [currents[ui] for ui in range(len(currents)) if k > 1 and ui not in split_units]
+    idle = [currents[ui] for ui in range(len(currents)) if k > 1 and (ui not in split_units or ui in unused)]
     idle += [currents[ui] for j, (ui, _) in enumerate(free_units) if k == 1 and j not in used_pool]
     for u in idle:
         d = b.destroy(u)
