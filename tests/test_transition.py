@@ -320,3 +320,23 @@ def test_a_split_that_needs_room_goes_before_an_extend_onto_its_gpu() -> None:
         final = execute(dag, moves, seed)
         assert final["critic.train"] == {(one, (0,))}
         assert final["actor.train"] == {(one, (2,)), (one, (1,))}
+
+
+def test_the_second_commit_order_repairs_a_split_that_delays_short_copies() -> None:
+    """Found by benchmarks/dag_schedule.py (64 GCDs, responses 2,048 → 4,096): splits-first made
+    the inference copies wait for a long trainer Split, 21% above SCIP's optimum; plan_dag then
+    also tries stage order and keeps the shorter schedule."""
+    from nereus.transition.build import CommitOrder
+    from nereus.transition.schedule import best_schedule, lower_bound
+
+    a = search(make_problem(cluster="mi250x-slingshot", gpus=64, response=2048)).plan
+    p2 = dataclasses.replace(make_problem(cluster="mi250x-slingshot", gpus=64, response=4096), anchor=a)
+    b = search(p2).plan
+    tr = plan_transition(p2, a, b)
+    assert tr.feasible and tr.schedule is not None
+    assert tr.l_tran_s <= 1.05 * lower_bound(tr.dag)
+    rank = {ms.name: STAGE_ORDER.index(ms.stage) for ms in p2.workflow.model_stages}
+    links = LinkModel(p2.cluster, p2.efficiencies)
+    cap = int(p2.capacity_bytes - p2.reserved_bytes)
+    splits_first = build_dag(tr.moves, rank, links, cap, CommitOrder.SPLITS_FIRST)
+    assert tr.l_tran_s <= best_schedule(splits_first).makespan

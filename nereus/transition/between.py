@@ -16,11 +16,11 @@ from nereus.plan.problem import PlanningProblem
 from nereus.spec.workload import STAGE_ORDER
 from nereus.state.buffers import StatePolicy
 from nereus.state.sources import STORAGE, intact_units, state_source
-from nereus.transition.build import build_dag
+from nereus.transition.build import plan_dag
 from nereus.transition.dag import TransitionDag
 from nereus.transition.links import LinkModel
 from nereus.transition.local import StageMove
-from nereus.transition.schedule import Schedule, best_schedule
+from nereus.transition.schedule import Schedule
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,5 +95,5 @@ def plan_transition(
     moves = stage_moves(problem, current, target, lost)
     rank = {ms.name: STAGE_ORDER.index(ms.stage) for ms in target.workflow.model_stages}
     links = LinkModel(problem.cluster, problem.efficiencies)
-    dag = build_dag(moves, rank, links, ledger_capacity(problem))
-    return Transition(dag, best_schedule(dag) if dag.feasible else None, moves)
+    dag, schedule = plan_dag(moves, rank, links, ledger_capacity(problem))
+    return Transition(dag, schedule, moves)

@@ -23,12 +23,14 @@ import heapq
 import itertools
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
+from enum import StrEnum
 
 from nereus.spec.cluster import GIB
 from nereus.state.buffers import rank_buffers
 from nereus.transition.dag import Edge, EdgeKind, Node, Primitive, TransitionDag, Unit
 from nereus.transition.links import LinkModel
 from nereus.transition.local import StageMove, local_dag
+from nereus.transition.schedule import Schedule, best_schedule, lower_bound
 
 
 def initial_bytes(moves: Sequence[StageMove]) -> dict[int, int]:
@@ -45,27 +47,80 @@ def initial_bytes(moves: Sequence[StageMove]) -> dict[int, int]:
     return dict(held)
 
 
+class CommitOrder(StrEnum):
+    """Tie-breaking among ready nodes when committing (both put releases first)."""
+
+    SPLITS_FIRST = "splits-first"  # Destroy, Split, Merge, Extend; stage order within each
+    STAGE_FIRST = "stage-first"  # Destroy, then stage order gen → inf → train (the paper's rule)
+
+
 def build_dag(
     moves: Sequence[StageMove],
     stage_rank: Mapping[str, int],
     links: LinkModel,
     capacity: int | Mapping[int, int],
+    order: CommitOrder = CommitOrder.SPLITS_FIRST,
 ) -> TransitionDag:
     """The global DAG of ``moves`` (model-stages in workflow order) under per-GPU ``capacity``."""
-    counter = itertools.count()
-    nodes: list[Node] = []
-    edges: list[Edge] = []
-    units: dict[str, Unit] = {}
-    for m in moves:
-        local = local_dag(m, links, lambda: next(counter))
-        nodes += local.nodes
-        edges += local.edges
-        units.update(local.units)
-    nodes.sort(key=lambda n: n.id)
-    init = initial_bytes(moves)
-    gpus = set(init) | {g for n in nodes for g, _ in n.acquire}
-    cap = {g: int(capacity if isinstance(capacity, int) else capacity.get(g, 0)) for g in gpus}
-    return _commit(nodes, edges, units, init, cap, stage_rank, {m.name: i for i, m in enumerate(moves)})
+    return _Locals(moves, links, capacity).commit(stage_rank, order)
+
+
+class _Locals:
+    """The union of the local DAGs, the initial memory and the capacities: commit it any way."""
+
+    def __init__(
+        self, moves: Sequence[StageMove], links: LinkModel, capacity: int | Mapping[int, int]
+    ) -> None:
+        counter = itertools.count()
+        self.nodes: list[Node] = []
+        self.edges: list[Edge] = []
+        self.units: dict[str, Unit] = {}
+        for m in moves:
+            local = local_dag(m, links, lambda: next(counter))
+            self.nodes += local.nodes
+            self.edges += local.edges
+            self.units.update(local.units)
+        self.nodes.sort(key=lambda n: n.id)
+        self.init = initial_bytes(moves)
+        gpus = set(self.init) | {g for n in self.nodes for g, _ in n.acquire}
+        self.cap = {g: int(capacity if isinstance(capacity, int) else capacity.get(g, 0)) for g in gpus}
+        self.order_of = {m.name: i for i, m in enumerate(moves)}
+
+    def commit(self, stage_rank: Mapping[str, int], order: CommitOrder) -> TransitionDag:
+        classes = _CLASS if order is CommitOrder.SPLITS_FIRST else _RELEASE_FIRST
+        return _commit(
+            self.nodes, self.edges, self.units, self.init, self.cap, stage_rank, self.order_of, classes
+        )
+
+
+SLACK = 0.05  # try the other commit order when the schedule is this far above its lower bound
+
+
+def plan_dag(
+    moves: Sequence[StageMove],
+    stage_rank: Mapping[str, int],
+    links: LinkModel,
+    capacity: int | Mapping[int, int],
+) -> tuple[TransitionDag, Schedule | None]:
+    """The DAG and schedule a transition runs: splits-first, and stage-first when that may help.
+
+    The second commit order is built only when the first is infeasible or its schedule lies more
+    than ``SLACK`` above the lower bound (critical path of the local edges, busiest port). The
+    shorter feasible schedule wins.
+    """
+    locals_ = _Locals(moves, links, capacity)
+    best: tuple[TransitionDag, Schedule | None] | None = None
+    for order in CommitOrder:
+        dag = locals_.commit(stage_rank, order)
+        sched = best_schedule(dag) if dag.feasible else None
+        if best is None or (
+            sched is not None and (best[1] is None or sched.makespan < best[1].makespan - 1e-12)
+        ):
+            best = (dag, sched)
+        if best[1] is not None and best[1].makespan <= (1.0 + SLACK) * lower_bound(best[0]):
+            break
+    assert best is not None
+    return best
 
 
 class _Ledger:
@@ -209,6 +264,7 @@ def _commit(
     cap: Mapping[int, int],
     stage_rank: Mapping[str, int],
     order_of: Mapping[str, int],
+    classes: Mapping[Primitive, int],
 ) -> TransitionDag:
     """Commit greedily; when a node stays blocked, retry with it first and its rivals after it.
 
@@ -231,7 +287,7 @@ def _commit(
             first = -promoted[i] if i in promoted else 0
             return (
                 first,
-                _CLASS[n.primitive],
+                classes[n.primitive],
                 stage_rank.get(n.model_stage, 0),
                 order_of.get(n.model_stage, 0),
                 i,
@@ -275,6 +331,7 @@ def _cone(i: int, preds: list[list[int]]) -> set[int]:
 
 
 _CLASS = {Primitive.DESTROY: 0, Primitive.SPLIT: 1, Primitive.MERGE: 2, Primitive.EXTEND: 3}
+_RELEASE_FIRST = {Primitive.DESTROY: 0, Primitive.SPLIT: 1, Primitive.MERGE: 1, Primitive.EXTEND: 1}
 
 
 def _size(n: float) -> str:

@@ -15,7 +15,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from nereus.transition.dag import TransitionDag
+from nereus.transition.dag import EdgeKind, TransitionDag
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +42,23 @@ def tail_priority(dag: TransitionDag, durations: Sequence[float] | None = None) 
         tail[i] = dur[i] + max((tail[s] for s in succs[i]), default=0.0)
     rank = {node: r for r, node in enumerate(dag.order)}
     return tuple(sorted(rank, key=lambda i: (-tail[i], rank[i])))
+
+
+def lower_bound(dag: TransitionDag) -> float:
+    """No schedule of ``dag``'s nodes is shorter: the longest path through its local edges, or
+    the busiest port's total work (resource edges are choices, so they do not count)."""
+    preds: list[list[int]] = [[] for _ in dag.nodes]
+    for e in dag.edges:
+        if e.kind is EdgeKind.LOCAL:
+            preds[e.dst].append(e.src)
+    finish = [0.0] * len(dag.nodes)
+    for i in dag.order if len(dag.order) == len(dag.nodes) else range(len(dag.nodes)):
+        finish[i] = max((finish[p] for p in preds[i]), default=0.0) + dag.nodes[i].est_s
+    work: dict[tuple[int, int], float] = {}
+    for nd in dag.nodes:
+        for port in nd.ports:
+            work[port] = work.get(port, 0.0) + nd.est_s
+    return max(max(finish, default=0.0), max(work.values(), default=0.0))
 
 
 def best_schedule(dag: TransitionDag, durations: Sequence[float] | None = None) -> Schedule:
