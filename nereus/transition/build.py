@@ -112,12 +112,15 @@ def plan_dag(
     best: tuple[TransitionDag, Schedule | None] | None = None
     for order in CommitOrder:
         dag = locals_.commit(stage_rank, order)
-        sched = best_schedule(dag) if dag.feasible else None
-        if best is None or (
-            sched is not None and (best[1] is None or sched.makespan < best[1].makespan - 1e-12)
+        bound = lower_bound(dag) if dag.feasible else 0.0
+        sched = best_schedule(dag, bound=bound) if dag.feasible else None
+        if sched is not None and (
+            best is None or best[1] is None or sched.makespan < best[1].makespan - 1e-12
         ):
             best = (dag, sched)
-        if best[1] is not None and best[1].makespan <= (1.0 + SLACK) * lower_bound(best[0]):
+        elif best is None:
+            best = (dag, None)
+        if sched is not None and sched is best[1] and sched.makespan <= (1.0 + SLACK) * bound:
             break
     assert best is not None
     return best

@@ -79,6 +79,7 @@ class _Builder:
         self.bpe = move.policy.bytes_per_element
         self._held: dict[tuple[Layout, int, int], int] = {}
         self._tables: dict[Layout, tuple[list[int], list[int]]] = {}
+        self._missing: dict[tuple[Layout, int, int, Layout, int, int], int] = {}
 
     # -------------------------------------------------------------- geometry in bytes
     def held(self, layout: Layout, t: int, p: int) -> int:
@@ -98,9 +99,12 @@ class _Builder:
 
     def missing(self, have: Layout, ht: int, hp: int, need: Layout, nt: int, np_: int) -> int:
         """Bytes rank (nt, np_) of ``need`` lacks when the GPU holds rank (ht, hp) of ``have``."""
-        model = self.m.model
-        lack = rank_numel(model, need, nt, np_) - shared_numel(model, have, ht, hp, need, nt, np_)
-        return lack * self.bpe
+        key = (have, ht, hp, need, nt, np_)
+        if key not in self._missing:
+            model = self.m.model
+            lack = rank_numel(model, need, nt, np_) - shared_numel(model, have, ht, hp, need, nt, np_)
+            self._missing[key] = lack * self.bpe
+        return self._missing[key]
 
     def unit(self, uid: str, layout: Layout, gpus: tuple[int, ...]) -> Unit:
         u = Unit(f"{self.m.name}/{uid}", self.m.name, layout, gpus)
@@ -275,7 +279,10 @@ def local_dag(move: StageMove, links: LinkModel, next_id: Callable[[], int]) -> 
         else:
             unmatched.append(si)
     k = kt * kp
-    nearest = sorted(range(len(currents)), key=lambda i: -_closeness(currents[i], slots, unmatched, links))
+    waiting = {links.node_of(g) for si in unmatched for g in slots[si][1]}  # nodes with slots to fill
+    nearest = sorted(
+        range(len(currents)), key=lambda i: -sum(links.node_of(g) in waiting for g in currents[i].gpus)
+    )
     split_units: set[int] = set(kept) if k > 1 else set()
     if k > 1:  # enough sub-units that every slot to fill can copy from its own source
         for ui in nearest:
@@ -421,14 +428,6 @@ def _same_layout(b: _Builder, move: StageMove, links: LinkModel) -> LocalDag:
             for n in sorted({n for g in gpus for n in onto.get(g, ())}):
                 b.edge(d, n)  # release before acquire on the GPUs it leaves
     return b.out
-
-
-def _closeness(
-    u: Unit, slots: list[tuple[int, tuple[int, ...]]], unmatched: list[int], links: LinkModel
-) -> int:
-    """GPUs of ``u`` on nodes where slots wait to be filled (split the closest units first)."""
-    nodes = {links.node_of(g) for si in unmatched for g in slots[si][1]}
-    return sum(links.node_of(g) in nodes for g in u.gpus)
 
 
 class _SourceChooser:

@@ -61,14 +61,17 @@ def lower_bound(dag: TransitionDag) -> float:
     return max(max(finish, default=0.0), max(work.values(), default=0.0))
 
 
-def best_schedule(dag: TransitionDag, durations: Sequence[float] | None = None) -> Schedule:
+def best_schedule(
+    dag: TransitionDag, durations: Sequence[float] | None = None, bound: float | None = None
+) -> Schedule:
     """The shorter of the commit-order and the longest-remaining-path list schedules.
 
     Commit order is release-before-acquire and stage order; it can start a long Split before
-    short copies that gate the critical path. Trying both costs a second pass.
+    short copies that gate the critical path. The second pass is skipped when the first already
+    meets ``bound`` (a lower bound on the makespan, see ``lower_bound``).
     """
     commit = list_schedule(dag, durations)
-    if len(dag.order) != len(dag.nodes):
+    if len(dag.order) != len(dag.nodes) or (bound is not None and commit.makespan <= bound * (1 + 1e-9)):
         return commit
     tail = list_schedule(dag, durations, tail_priority(dag, durations), "critical-path")
     return tail if tail.makespan < commit.makespan - 1e-12 else commit
