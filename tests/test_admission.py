@@ -176,3 +176,33 @@ def test_estimator_learns_fixed_costs_from_measured_transitions() -> None:
     assert float(e.weights @ with_rebuild.features) == pytest.approx(34.0, rel=0.1)
     assert float(e.weights @ moved_only.features) == pytest.approx(2.0, rel=0.1)
     assert (e.weights >= 0).all()
+
+
+def test_dag_estimator_prices_the_transition_dag(plan: Plan) -> None:
+    import dataclasses
+
+    from nereus.transition import plan_transition
+
+    problem = make_problem(gpus=32)
+    target = search(dataclasses.replace(problem, anchor=plan)).plan
+    e = DagEstimator()
+    estimate = e.estimate(problem, plan, target)
+    tr = plan_transition(problem, plan, target)
+    assert estimate.feasible and tr.feasible
+    assert estimate.features[0] == pytest.approx(tr.l_tran_s) and estimate.seconds == pytest.approx(
+        tr.l_tran_s
+    )
+    assert estimate.moved_bytes == tr.moved_bytes > 0
+    assert estimate.peak_bytes == pytest.approx(max(tr.dag.peak.values()) + problem.reserved_bytes)
+    assert set(estimate.changed) == {m.name for m in tr.moves if not m.unchanged}
+    assert max(estimate.per_gpu_seconds.values()) == pytest.approx(tr.l_tran_s)
+    # nothing moves: free and feasible
+    same = e.estimate(problem, plan, plan)
+    assert same.feasible and same.seconds == 0.0 and same.changed == ()
+    # every trainer replica lost: no source of optimizer state
+    trainer = plan.candidate("actor.train")
+    lost = frozenset(trainer.gpus)
+    keep = tuple(g for g in problem.pool if g not in lost)
+    shrunk = dataclasses.replace(problem, pool=keep, anchor=plan)
+    gone = e.estimate(shrunk, plan, search(shrunk).plan, lost)
+    assert not gone.feasible and "no intact replica" in gone.reason

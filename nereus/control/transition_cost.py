@@ -23,7 +23,7 @@ import numpy as np
 from nereus.plan.layout import Plan
 from nereus.plan.problem import PlanningProblem
 from nereus.spec.workload import Stage
-from nereus.transition import NoSourceError, Transition, plan_transition
+from nereus.transition import NoSourceError, plan_transition
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +55,6 @@ class DagEstimator:
         self.weights = np.array([1.0, 0.0, 0.0, 0.0])
         self._cov = np.diag([0.1, 1e4, 1e4, 1e4])  # trust the DAG's timing, not the fixed costs
         self.forgetting = forgetting
-        self.last: Transition | None = None  # the DAG behind the latest estimate (for the executor)
 
     def observe(self, estimate: TransitionEstimate, measured_s: float) -> None:
         """Fold one measured transition into the weights (RLS with forgetting, weights ≥ 0)."""
@@ -74,7 +73,6 @@ class DagEstimator:
             tr = plan_transition(problem, current, target, lost)
         except NoSourceError as exc:
             return TransitionEstimate(0.0, 0.0, False, str(exc))
-        self.last = tr
         changed = tuple(m.name for m in tr.moves if not m.unchanged)
         resharded = tuple(m.name for m in tr.moves if m.current_layout != m.target_layout)
         reserve = problem.reserved_bytes
