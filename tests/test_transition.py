@@ -340,3 +340,28 @@ def test_the_second_commit_order_repairs_a_split_that_delays_short_copies() -> N
     cap = int(p2.capacity_bytes - p2.reserved_bytes)
     splits_first = build_dag(tr.moves, rank, links, cap, CommitOrder.SPLITS_FIRST)
     assert tr.l_tran_s <= best_schedule(splits_first).makespan
+
+
+def test_a_restore_reads_the_trainer_before_the_trainer_moves() -> None:
+    """actor.gen lost every replica and is restored from actor.train, which itself moves."""
+    cluster = load_cluster("h100-ib")
+    m = load_model("tiny-llama")
+    one, two = Layout(1, 1), Layout(2, 1)
+    trainer, copy = (
+        StatePolicy.of(Stage.TRAIN, Precision.BF16_MIXED),
+        StatePolicy.of(Stage.GEN, Precision.BF16_MIXED),
+    )
+    train = StageMove("actor.train", m, trainer, one, ((0,), (1,)), two, ((2, 3),))
+    gen = StageMove("actor.gen", m, copy, one, (), one, ((4,),), "actor.train", (0, 1))
+    dag = build_dag(
+        [gen, train], {"actor.gen": 0, "actor.train": 2}, LinkModel(cluster, Efficiencies()), 80 * GIB
+    )
+    assert dag.feasible
+    restore = next(n for n in dag.nodes if n.source == "actor.train")
+    preds = dag.preds()
+    frees = [
+        n for n in dag.nodes if n.model_stage == "actor.train" and any(g in (0, 1) for g, _ in n.release)
+    ]
+    assert frees
+    for n in frees:
+        assert restore.id in preds[n.id], f"{n.describe()} may free the trainer before the restore reads it"

@@ -81,6 +81,7 @@ class _Locals:
             self.edges += local.edges
             self.units.update(local.units)
         self.nodes.sort(key=lambda n: n.id)
+        self.edges += _restores_read_first(self.nodes, moves)
         self.init = initial_bytes(moves)
         gpus = set(self.init) | {g for n in self.nodes for g, _ in n.acquire}
         self.cap = {g: int(capacity if isinstance(capacity, int) else capacity.get(g, 0)) for g in gpus}
@@ -91,6 +92,19 @@ class _Locals:
         return _commit(
             self.nodes, self.edges, self.units, self.init, self.cap, stage_rank, self.order_of, classes
         )
+
+
+def _restores_read_first(nodes: list[Node], moves: Sequence[StageMove]) -> list[Edge]:
+    """A restore reads its weight-sync source before any node of the source frees state there."""
+    out = []
+    for r in nodes:
+        if not r.source or r.source not in {m.name for m in moves}:
+            continue  # storage, or a source that is not part of this transition
+        gpus = set(r.sends)
+        for x in nodes:
+            if x.model_stage == r.source and any(g in gpus for g, b in x.release if b > 0):
+                out.append(Edge(r.id, x.id, EdgeKind.LOCAL))
+    return out
 
 
 SLACK = 0.05  # try the other commit order when the schedule is this far above its lower bound
