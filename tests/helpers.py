@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
+from nereus.plan.layout import Candidate, Layout, Plan
 from nereus.plan.problem import PlanningProblem, SearchSpace, SeqStats
 from nereus.spec import Role, load_cluster, load_model, load_workload
+from nereus.spec.workload import STAGE_ORDER
 
 
 def make_problem(
@@ -30,3 +33,23 @@ def make_problem(
         SeqStats.fixed(prompt, response),
         space=space or SearchSpace(),
     )
+
+
+def random_plan(rng: random.Random, problem: PlanningProblem, degrees: tuple[int, ...] = (1, 2, 4)) -> Plan:
+    """Any valid plan: random layouts, dp and GPUs; concurrent model-stages on disjoint GPUs."""
+    wf = problem.workflow
+    cands = []
+    for stage in STAGE_ORDER:
+        members = wf.by_stage(stage)
+        if not members:
+            continue
+        free = list(problem.pool)
+        rng.shuffle(free)
+        share = len(free) // len(members)
+        for i, ms in enumerate(members):
+            mine = free[i * share : (i + 1) * share]
+            tp = rng.choice([t for t in degrees if t <= len(mine)])
+            pp = rng.choice([p for p in degrees if tp * p <= len(mine)])
+            dp = rng.randint(1, len(mine) // (tp * pp))
+            cands.append(Candidate(ms.name, Layout(tp, pp), dp, tuple(mine[: tp * pp * dp])))
+    return Plan(wf, tuple(cands), problem.pool)

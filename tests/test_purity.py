@@ -10,6 +10,7 @@ from pathlib import Path
 import nereus
 
 PURE = ("spec", "plan", "control", "state", "transition", "sim")
+EDGES = {"transition/execute.py"}  # runs a DAG on torch.distributed (architecture §2)
 FORBIDDEN = ("torch.distributed", "subprocess", "submitit")
 ROOT = Path(nereus.__file__).parent
 
@@ -26,7 +27,7 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_pure_packages_import_no_side_effect_modules() -> None:
-    files = [f for pkg in PURE for f in (ROOT / pkg).rglob("*.py")]
+    files = [f for pkg in PURE for f in (ROOT / pkg).rglob("*.py") if str(f.relative_to(ROOT)) not in EDGES]
     assert files
     for f in files:
         bad = sorted(n for n in _imports(f) if any(n == b or n.startswith(b + ".") for b in FORBIDDEN))
@@ -34,7 +35,10 @@ def test_pure_packages_import_no_side_effect_modules() -> None:
 
 
 def test_planner_cli_does_not_load_torch() -> None:
-    code = "import sys, nereus.cli, nereus.plan, nereus.spec; print('torch' in sys.modules)"
+    code = (
+        "import sys, nereus.cli, nereus.plan, nereus.spec, nereus.transition, nereus.control; "
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
     )

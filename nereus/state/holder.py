@@ -1,0 +1,107 @@
+"""The worker-side state holder: every unit's flat buffers on this rank, and views into them.
+
+A ``RankState`` is one rank of one unit: the layout and position, the policy, one contiguous
+tensor per buffer kind (param, master, Adam moments) laid out by ``rank_buffers``, and the
+logical state. The engine binds parameters and optimizer state as views (``view``), so a
+transition that replaces a rank's buffers is only a re-bind. Uses torch tensors, never
+torch.distributed; the executor moves the bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from nereus.plan.layout import Layout
+from nereus.spec.model import ModelSpec
+from nereus.state.buffers import BufferKind, Dtype, RankBuffers, StatePolicy, rank_buffers
+from nereus.state.emu import LogicalState
+
+TORCH_DTYPE = {Dtype.BF16: torch.bfloat16, Dtype.FP32: torch.float32}
+
+
+@dataclass(slots=True)
+class RankState:
+    model_stage: str
+    model: ModelSpec
+    layout: Layout
+    t: int
+    p: int
+    policy: StatePolicy
+    buffers: dict[BufferKind, torch.Tensor]
+    state: LogicalState = field(default_factory=LogicalState)
+
+    def __post_init__(self) -> None:
+        rb = self.layout_of()
+        dtypes = dict(self.policy.kinds)
+        if set(self.buffers) != set(dtypes):
+            raise ValueError(f"{self.model_stage}: buffers {sorted(self.buffers)} != kinds {sorted(dtypes)}")
+        for kind, buf in self.buffers.items():
+            want = TORCH_DTYPE[dtypes[kind]]
+            if buf.dtype != want or buf.dim() != 1 or buf.numel() != rb.numel:
+                raise ValueError(
+                    f"{self.model_stage} rank (t={self.t}, p={self.p}) {kind.value}: expected a flat "
+                    f"{want} buffer of {rb.numel} elements, got {buf.dtype} {tuple(buf.shape)}"
+                )
+
+    def layout_of(self) -> RankBuffers:
+        return rank_buffers(self.model, self.layout, self.t, self.p, self.policy)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+    def view(self, kind: BufferKind, name: str) -> torch.Tensor:
+        """The shard of tensor ``name`` in buffer ``kind``, shaped, sharing its memory."""
+        s = self.layout_of().slot(name)
+        return self.buffers[kind][s.offset : s.offset + s.numel].view(s.shape)
+
+    def views(self, kind: BufferKind = BufferKind.PARAM) -> Iterator[tuple[str, torch.Tensor]]:
+        for s in self.layout_of().slots:
+            yield s.name, self.buffers[kind][s.offset : s.offset + s.numel].view(s.shape)
+
+    @classmethod
+    def empty(
+        cls, model_stage: str, model: ModelSpec, layout: Layout, t: int, p: int, policy: StatePolicy,
+        state: LogicalState | None = None, device: torch.device | str = "cpu",
+    ) -> RankState:  # fmt: skip
+        n = rank_buffers(model, layout, t, p, policy).numel
+        bufs = {k: torch.zeros(n, dtype=TORCH_DTYPE[d], device=device) for k, d in policy.kinds}
+        return cls(model_stage, model, layout, t, p, policy, bufs, state or LogicalState())
+
+    @classmethod
+    def from_full(
+        cls, model_stage: str, model: ModelSpec, layout: Layout, t: int, p: int, policy: StatePolicy,
+        full: Callable[[BufferKind, str], torch.Tensor], state: LogicalState | None = None,
+    ) -> RankState:  # fmt: skip
+        """Cut this rank's shards out of full tensors (``full(kind, source_name)``)."""
+        rs = cls.empty(model_stage, model, layout, t, p, policy, state)
+        for kind, _ in policy.kinds:
+            for s in rs.layout_of().slots:
+                whole = full(kind, s.source)
+                cut = whole[tuple(slice(a, b) for a, b in s.region)]
+                rs.buffers[kind][s.offset : s.offset + s.numel].copy_(cut.reshape(-1))
+        return rs
+
+
+class StateHolder:
+    """This rank's units, by unit id (``<model-stage>/<unit>``) during a transition."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.units: dict[str, RankState] = {}
+
+    def by_stage(self) -> Mapping[str, RankState]:
+        """Between transitions a rank holds at most one unit of each model-stage."""
+        out: dict[str, RankState] = {}
+        for rs in self.units.values():
+            if rs.model_stage in out:
+                raise ValueError(f"rank {self.rank} holds two units of {rs.model_stage}")
+            out[rs.model_stage] = rs
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(rs.nbytes for rs in self.units.values())

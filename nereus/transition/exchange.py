@@ -1,0 +1,109 @@
+"""Which slices move where: the exchange plan behind Split, Merge, Extend and restores (pure).
+
+A receiving rank needs the shard of some (layout, t, p); providers hold shards of possibly other
+layouts of the same model. For every slot it needs, the plan takes each piece from the first
+provider (in preference order, the receiver itself first) that holds it, so nothing is sent
+twice and nothing already resident is sent at all. Geometry regions differ from the full tensor
+in at most one dimension (heads, rows or columns), so coverage is interval arithmetic on that
+dimension. Each provider packs all its pieces for one receiver, of every buffer kind, into one
+message; the receiver unpacks them into its flat buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from nereus.plan.layout import Layout
+from nereus.spec.model import ModelSpec
+from nereus.state.buffers import Slot, StatePolicy, rank_buffers
+from nereus.state.geometry import Region
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Elements [lo, hi) along ``dim`` of logical tensor slice ``src`` at ``provider`` → ``dst``."""
+
+    provider: int  # index into the providers
+    src: Slot
+    dst: Slot
+    dim: int  # the dimension the slices are cut along (0 when the slot is whole)
+    lo: int  # full-tensor coordinates
+    hi: int
+
+    @property
+    def numel(self) -> int:
+        other = 1
+        for i, n in enumerate(self.dst.shape):
+            if i != self.dim:
+                other *= n
+        return other * (self.hi - self.lo)
+
+
+def _cut_dim(a: Region, b: Region) -> int:
+    """The one dimension where two regions of a tensor may differ (0 when none does)."""
+    dims = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+    if len(dims) > 1:
+        raise ValueError(f"regions {a} and {b} differ in more than one dimension")
+    return dims[0] if dims else 0
+
+
+def _subtract(
+    todo: list[tuple[int, int]], lo: int, hi: int
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(what of ``todo`` lies in [lo, hi), what remains) as interval lists."""
+    taken, rest = [], []
+    for a, b in todo:
+        x, y = max(a, lo), min(b, hi)
+        if x >= y:
+            rest.append((a, b))
+            continue
+        taken.append((x, y))
+        if a < x:
+            rest.append((a, x))
+        if y < b:
+            rest.append((y, b))
+    return taken, rest
+
+
+@lru_cache(maxsize=4096)
+def plan_pieces(
+    model: ModelSpec,
+    policy: StatePolicy,
+    need: tuple[Layout, int, int],
+    providers: tuple[tuple[Layout, int, int], ...],
+    provider_policy: StatePolicy | None = None,
+) -> tuple[Piece, ...]:
+    """Pieces that fill rank ``need``'s buffers from ``providers`` (first provider preferred).
+
+    ``provider_policy`` is the providers' buffer policy when it differs (a restore from a
+    trainer). Raises ValueError naming the slot when no provider holds part of it.
+    """
+    mine = rank_buffers(model, need[0], need[1], need[2], policy)
+    theirs = provider_policy or policy
+    held = [rank_buffers(model, lay, t, p, theirs) for lay, t, p in providers]
+    by_source: list[dict[str, list[Slot]]] = []
+    for rb in held:
+        index: dict[str, list[Slot]] = {}
+        for s in rb.slots:
+            index.setdefault(s.source, []).append(s)
+        by_source.append(index)
+    out: list[Piece] = []
+    for slot in mine.slots:
+        dim = 0
+        todo: list[tuple[int, int]] | None = None
+        for k, index in enumerate(by_source):
+            for src in index.get(slot.source, ()):
+                dim = _cut_dim(slot.region, src.region)
+                if todo is None:
+                    todo = [slot.region[dim]]
+                lo, hi = src.region[dim]
+                taken, todo = _subtract(todo, lo, hi)
+                out += [Piece(k, src, slot, dim, a, b) for a, b in taken]
+                if not todo:
+                    break
+            if todo == []:
+                break
+        if todo is None or todo:
+            raise ValueError(f"no provider holds all of {slot.name} {slot.region} (missing {todo})")
+    return tuple(out)

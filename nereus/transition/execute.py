@@ -1,0 +1,292 @@
+"""Run a transition DAG on torch.distributed: the edge where planned moves become bytes.
+
+Every rank walks the same DAG in the same order (the schedule's start order) and takes part in
+the nodes that touch its GPU. A node's data movement is the exchange plan of its receivers
+(``exchange.plan_pieces``): each provider packs, per receiver, all its pieces of every buffer
+kind into one message, and the node's messages go out together (``batch_isend_irecv``), so the
+rank pairs of an Extend, the members of a Split group or of a Merge run concurrently. Pieces a
+rank already holds are copied locally, never sent. Because ranks walk nodes in one order and a
+node only waits on its own participants, the walk cannot deadlock; memory follows the DAG's
+ledger (a node frees what it consumes when it ends).
+
+- Split: the members of the unit provide their old shards, the materialised sub-units' ranks
+  receive their T_sub shard; all old shards are freed at the end.
+- Extend: rank-aligned; the source keeps its shard. A restore (``node.source``) reads from the
+  weight-sync trainer's units, or calls ``storage`` for a frozen model.
+- Merge: the target ranks assemble from the slot units' ranks (local slices when nested).
+- Destroy: drop the buffers.
+
+gloo on CPU, NCCL/RCCL on GPU, the same code. The transition's process group is created at the
+start and destroyed at the end, with a short timeout: a peer that dies surfaces as an error
+naming the node and the rank instead of a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from nereus.plan.layout import Layout
+from nereus.state.buffers import BufferKind, Slot, StatePolicy
+from nereus.state.emu import LogicalState
+from nereus.state.holder import RankState, StateHolder
+from nereus.transition.dag import Node, Primitive, TransitionDag, Unit
+from nereus.transition.exchange import Piece, plan_pieces
+from nereus.transition.local import StageMove
+
+Storage = Callable[[str, Layout, int, int], RankState]  # a frozen model's rank from shared storage
+
+
+class TransitionError(RuntimeError):
+    """A node failed on this rank (a peer died, a timeout, a buffer of the wrong shape)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """What one rank did: nodes run, bytes sent and received, its units at the end."""
+
+    nodes: int
+    sent_bytes: int
+    received_bytes: int
+    units: tuple[str, ...]
+
+
+class Executor:
+    def __init__(
+        self,
+        dag: TransitionDag,
+        moves: Sequence[StageMove],
+        holder: StateHolder,
+        gpu_of_rank: Mapping[int, int],
+        states: Mapping[str, LogicalState] | None = None,
+        storage: Storage | None = None,
+        timeout_s: float = 60.0,
+    ) -> None:
+        if not dag.feasible:
+            raise TransitionError(f"the transition is infeasible: {dag.reason}")
+        self.dag, self.holder = dag, holder
+        self.moves = {m.name: m for m in moves}
+        self.rank = holder.rank
+        self.gpu_of_rank = dict(gpu_of_rank)
+        self.rank_of_gpu = {g: r for r, g in self.gpu_of_rank.items()}
+        self.gpu = self.gpu_of_rank[self.rank]
+        self.states = dict(states or {})
+        self.storage = storage
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.units: dict[str, Unit] = dict(dag.units)
+        for m in moves:  # units nothing touches keep the ids the local DAGs gave them
+            for i, gpus in enumerate(m.current):
+                self.units.setdefault(
+                    f"{m.name}/u{i}", Unit(f"{m.name}/u{i}", m.name, m.current_layout, gpus)
+                )
+        self.sent = self.received = 0
+
+    # -------------------------------------------------------------- bookkeeping
+    def _adopt(self) -> None:
+        """Name this rank's units as the DAG does (``<model-stage>/u<i>``)."""
+        mine = self.holder.by_stage()
+        self.holder.units.clear()
+        for name, rs in mine.items():
+            m = self.moves.get(name)
+            uid = None
+            if m is not None:
+                for i, gpus in enumerate(m.current):
+                    if self.gpu in gpus:
+                        uid = f"{name}/u{i}"
+                        t, p = _position(m.current_layout, gpus.index(self.gpu))
+                        if (rs.layout, rs.t, rs.p) != (m.current_layout, t, p):
+                            raise TransitionError(
+                                f"rank {self.rank}: holds {name} {rs.layout} (t={rs.t}, p={rs.p}), "
+                                f"the plan says {m.current_layout} (t={t}, p={p})"
+                            )
+            if uid is not None:  # a unit broken by a lost GPU is dropped: its peers are gone
+                self.holder.units[uid] = rs
+
+    def _position(self, uid: str, gpu: int) -> tuple[Layout, int, int]:
+        u = self.units[uid]
+        t, p = _position(u.layout, u.gpus.index(gpu))
+        return u.layout, t, p
+
+    # -------------------------------------------------------------- the walk
+    def run(self, order: Sequence[int] | None = None) -> Report:
+        self._adopt()
+        group = dist.new_group(backend=dist.get_backend(), timeout=self.timeout)
+        done = 0
+        try:
+            for i in order if order is not None else self.dag.order:
+                node = self.dag.nodes[i]
+                if self.gpu not in {*node.gpus, *node.sends, *(g for g, _ in node.release)}:
+                    continue
+                try:
+                    self._node(node, group)
+                except TransitionError:
+                    raise
+                except Exception as exc:  # a dead peer, a timeout, a bad buffer
+                    raise TransitionError(f"rank {self.rank}: {node.primitive.value} node {node.id} "
+                                          f"({node.describe()}) failed: {exc}") from exc  # fmt: skip
+                done += 1
+        finally:
+            dist.destroy_process_group(group)
+        by_stage = self.holder.by_stage()  # one unit per model-stage again
+        self.holder.units = {f"{n}": rs for n, rs in by_stage.items()}
+        return Report(done, self.sent, self.received, tuple(sorted(self.holder.units)))
+
+    def _node(self, node: Node, group: dist.ProcessGroup) -> None:
+        prim = node.primitive
+        if prim is Primitive.DESTROY:
+            self.holder.units.pop(node.inputs[0], None)
+            return
+        if prim is Primitive.EXTEND and node.source == "storage":
+            self._from_storage(node)
+            return
+        self._exchange(node, self._roles(node), group)
+        for uid in node.frees:
+            self.holder.units.pop(uid, None)
+
+    def _roles(self, node: Node) -> _Roles:
+        receivers: dict[int, tuple[str, Layout, int, int]] = {}
+        providers: dict[int, list[tuple[int, str]]] = {}
+        for out in node.outputs:
+            u = self.units[out]
+            for i, g in enumerate(u.gpus):
+                t, p = _position(u.layout, i)
+                receivers[g] = (out, u.layout, t, p)
+        if node.primitive is Primitive.EXTEND and node.source:  # a restore from the trainer
+            src = self.moves[node.source]
+            offer = [(g, f"{node.source}/u{k}") for k, gpus in enumerate(src.current) for g in gpus]
+            for g in receivers:
+                providers[g] = sorted(offer, key=lambda x: (x[0] != g, x[0]))
+            return _Roles(receivers, providers, src.policy)
+        offer = [(g, uid) for uid in node.inputs for g in self.units[uid].gpus]
+        for g in receivers:
+            if node.primitive is Primitive.EXTEND:  # rank-aligned: the same position of the source
+                src_unit = self.units[node.inputs[0]]
+                i = self.units[node.outputs[0]].gpus.index(g)
+                providers[g] = [(src_unit.gpus[i], src_unit.id)]
+            else:  # the receiver itself first, then the others in unit order
+                providers[g] = sorted(offer, key=lambda x: (x[0] != g, x[0]))
+        return _Roles(receivers, providers, None)
+
+    def _exchange(self, node: Node, roles: _Roles, group: dist.ProcessGroup) -> None:
+        move = self.moves[node.model_stage]
+        kinds = sorted((k for k, _ in move.policy.kinds), key=lambda k: -dict(move.policy.kinds)[k].itemsize)
+        ops: list[dist.P2POp] = []
+        inbox: list[tuple[torch.Tensor, list[Piece]]] = []
+        new: RankState | None = None
+        for recv_gpu in sorted(roles.receivers):
+            _, lay, t, p = roles.receivers[recv_gpu]
+            offer = roles.providers[recv_gpu]
+            positions = tuple(self._position(u, g) for g, u in offer)
+            pieces = plan_pieces(move.model, move.policy, (lay, t, p), positions, roles.provider_policy)
+            if recv_gpu != self.gpu:  # what this rank sends to recv_gpu: one message
+                mine = [pc for pc in pieces if offer[pc.provider][0] == self.gpu]
+                if mine:
+                    src = self.holder.units[offer[mine[0].provider][1]]
+                    msg = _pack(mine, src.buffers, kinds, src.state)
+                    ops.append(dist.P2POp(dist.isend, msg, self.rank_of_gpu[recv_gpu], group, node.id))
+                    self.sent += msg.numel()
+                continue
+            new = RankState.empty(node.model_stage, move.model, lay, t, p, move.policy, None, self._device())
+            states: list[LogicalState] = []
+            by_provider: dict[int, list[Piece]] = {}
+            for pc in pieces:
+                by_provider.setdefault(pc.provider, []).append(pc)
+            for k, part in sorted(by_provider.items()):
+                gpu, src_uid = offer[k]
+                if gpu == self.gpu:  # resident: a local copy, nothing sent
+                    src = self.holder.units[src_uid]
+                    states.append(
+                        _unpack(_pack(part, src.buffers, kinds, src.state), part, new.buffers, kinds)
+                    )
+                    continue
+                size = HEADER + sum(pc.numel * new.buffers[kd].element_size() for pc in part for kd in kinds)
+                buf = torch.empty(size, dtype=torch.uint8, device=self._device())
+                ops.append(dist.P2POp(dist.irecv, buf, self.rank_of_gpu[gpu], group, node.id))
+                inbox.append((buf, part))
+                self.received += size
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        if new is not None:
+            states += [_unpack(buf, part, new.buffers, kinds) for buf, part in inbox]
+            if node.model_stage in self.states:
+                states.append(self.states[node.model_stage])
+            if len(set(states)) > 1:
+                raise TransitionError(
+                    f"{node.describe()}: providers disagree on the logical state {set(states)}"
+                )
+            new.state = states[0] if states else new.state
+            self.holder.units[roles.receivers[self.gpu][0]] = new
+
+    def _from_storage(self, node: Node) -> None:
+        uid = node.outputs[0]
+        if self.gpu not in self.units[uid].gpus:
+            return
+        if self.storage is None:
+            raise TransitionError(f"{node.describe()}: no storage reader to restore {node.model_stage} from")
+        lay, t, p = self._position(uid, self.gpu)
+        self.holder.units[uid] = self.storage(node.model_stage, lay, t, p)
+
+    def _device(self) -> torch.device:
+        for rs in self.holder.units.values():
+            return next(iter(rs.buffers.values())).device
+        return torch.device("cpu")
+
+
+@dataclass(frozen=True, slots=True)
+class _Roles:
+    """Receiver GPU → (new unit, layout, t, p); receiver GPU → providers [(GPU, unit)], preferred
+    first; the providers' buffer policy when it differs from the receivers' (a restore)."""
+
+    receivers: dict[int, tuple[str, Layout, int, int]]
+    providers: dict[int, list[tuple[int, str]]]
+    provider_policy: StatePolicy | None
+
+
+def _position(layout: Layout, index: int) -> tuple[int, int]:
+    return index % layout.tp, index // layout.tp
+
+
+def _piece_view(buf: torch.Tensor, pc: Piece, slot: Slot) -> torch.Tensor:
+    v = buf[slot.offset : slot.offset + slot.numel].view(slot.shape)
+    return v.narrow(pc.dim, pc.lo - slot.region[pc.dim][0], pc.hi - pc.lo)
+
+
+HEADER = 32  # the logical state (updates, version, minibatch, seed) as four int64
+
+
+def _pack(
+    pieces: Sequence[Piece], buffers: Mapping[BufferKind, torch.Tensor], kinds: Sequence[BufferKind],
+    state: LogicalState,
+) -> torch.Tensor:  # fmt: skip
+    """The logical state, then every piece of every kind (widest dtype first, so each kind
+    starts aligned) as bytes: one message."""
+    head = torch.tensor([state.updates, state.version, state.minibatch, state.seed], dtype=torch.int64)
+    parts = [head.view(torch.uint8).to(next(iter(buffers.values())).device)]
+    parts += [
+        _piece_view(buffers[k], pc, pc.src).reshape(-1).view(torch.uint8) for k in kinds for pc in pieces
+    ]
+    return torch.cat(parts)
+
+
+def _unpack(
+    msg: torch.Tensor, pieces: Sequence[Piece], buffers: Mapping[BufferKind, torch.Tensor],
+    kinds: Sequence[BufferKind],
+) -> LogicalState:  # fmt: skip
+    """Write a message's pieces into ``buffers``; return the sender's logical state."""
+    head = msg[:HEADER].clone().view(torch.int64).tolist()
+    at = HEADER
+    for k in kinds:
+        buf = buffers[k]
+        for pc in pieces:
+            n = pc.numel * buf.element_size()
+            view = _piece_view(buf, pc, pc.dst)
+            view.copy_(msg[at : at + n].view(buf.dtype).view(view.shape))
+            at += n
+    if at != msg.numel():
+        raise TransitionError(f"message of {msg.numel()} bytes, expected {at}")
+    return LogicalState(*head)
