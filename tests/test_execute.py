@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import pickle
 import random
+import time
 import zlib
 from pathlib import Path
 
@@ -11,14 +14,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from nereus.plan.calibration import Efficiencies
 from nereus.plan.layout import Layout, Plan
-from nereus.spec.workload import Precision
-from nereus.state.buffers import BufferKind
-from nereus.state.emu import LogicalState
+from nereus.spec import load_cluster, load_model
+from nereus.spec.workload import Precision, Stage
+from nereus.state.buffers import BufferKind, StatePolicy
+from nereus.state.emu import LogicalState, rebuild, validate
 from nereus.state.geometry import shards
 from nereus.state.holder import RankState, StateHolder
-from nereus.transition import Transition, plan_transition
-from nereus.transition.execute import Executor
+from nereus.transition import LinkModel, Node, Primitive, StageMove, Transition, build_dag, plan_transition
+from nereus.transition.execute import Executor, TransitionError
 from tests.helpers import make_problem, random_plan
 
 WORLD = 4
@@ -105,3 +110,82 @@ def test_random_transitions_move_state_bit_for_bit(tmp_path: Path, model: str, p
     trials = _trials(10, 1, model, precision)
     mp.spawn(_worker, args=(str(tmp_path / "store"), trials, str(tmp_path)), nprocs=WORLD, join=True)
     assert all((tmp_path / f"ok{r}").exists() for r in range(WORLD))
+
+
+# ------------------------------------------------------------------ a rank dies mid-transition
+def _fault_moves(scenario: str) -> list[StageMove]:
+    m = load_model("tiny-llama")
+    policy = StatePolicy.of(Stage.TRAIN, Precision.FP32)
+    one, two = Layout(1, 1), Layout(2, 1)
+    if scenario == "after-split":  # two tp2 replicas split into four tp1 replicas in place
+        return [StageMove("actor.train", m, policy, two, ((0, 1), (2, 3)), one, ((0,), (1,), (2,), (3,)))]
+    # two replicas grow to four: rank 1 is the source of the copy onto rank 0, and dies first
+    return [StageMove("actor.train", m, policy, one, ((1,), (2,)), one, ((1,), (2,), (0,), (3,)))]
+
+
+def _fault_worker(rank: int, store: str, scenario: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    moves = _fault_moves(scenario)
+    dag = build_dag(moves, {"actor.train": 2}, LinkModel(load_cluster("local-cpu"), Efficiencies()), 2**40)
+    move = moves[0]
+    holder = StateHolder(rank)
+    shapes = {s.source: s.full_shape for s in shards(move.model, Layout(1, 1), 0, 0)}
+    for gpus in move.current:
+        if rank in gpus:
+            i = gpus.index(rank)
+            lay = move.current_layout
+            holder.units["actor.train"] = RankState.from_full(
+                "actor.train", move.model, lay, i % lay.tp, i // lay.tp, move.policy,
+                lambda kind, name: full_tensor(move.model.name, shapes, kind, name), LogicalState(updates=5),
+            )  # fmt: skip
+
+    def die(node: Node, when: str) -> None:
+        if rank == 1 and (
+            (scenario == "after-split" and node.primitive is Primitive.SPLIT and when == "done")
+            or (scenario == "dead-source" and when == "start")
+        ):
+            os._exit(0)
+
+    error = ""
+    started = time.monotonic()
+    try:
+        Executor(dag, moves, holder, {r: r for r in range(WORLD)}, timeout_s=10).run(on_node=die)
+    except TransitionError as exc:
+        error = str(exc)
+    elapsed = time.monotonic() - started
+    good = True  # every unit this rank kept holds exactly its slice of the full tensors
+
+    def full(kind: BufferKind, name: str) -> torch.Tensor:
+        return full_tensor(move.model.name, shapes, kind, name)
+
+    for rs in holder.units.values():
+        exp = RankState.from_full("actor.train", move.model, rs.layout, rs.t, rs.p, move.policy, full)
+        good &= all(torch.equal(rs.buffers[k], exp.buffers[k]) for k in exp.buffers)
+    Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps((holder.holdings(rank), error, elapsed, good)))
+    os._exit(0)  # skip the world's teardown: a peer is dead
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("scenario", ["after-split", "dead-source"])
+def test_a_rank_dying_mid_transition_loses_no_state(tmp_path: Path, scenario: str) -> None:
+    ctx = mp.get_context("spawn")
+    args = (str(tmp_path / "store"), scenario, str(tmp_path))
+    procs = [ctx.Process(target=_fault_worker, args=(r, *args)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    reports = {r: pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in (0, 2, 3)}
+    assert not (tmp_path / "rank1.pkl").exists()
+    assert all(good for _, _, _, good in reports.values())
+    units = rebuild([h for holdings, _, _, _ in reports.values() for h in holdings], dead=[1])
+    stage_of = {"actor.train": Stage.TRAIN}
+    assert validate(units, stage_of) == []
+    assert all(u.state == LogicalState(updates=5) for u in units)
+    if scenario == "after-split":  # rank 0 kept its full tp1 replica; ranks 2 and 3 finished
+        assert sorted(u.gpus for u in units) == [(0,), (2,), (3,)]
+        assert all(not err for _, err, _, _ in reports.values())
+    else:  # rank 0 waited on the dead source: an error within seconds naming the peer
+        _, err, elapsed, _ = reports[0]
+        assert "rank 0" in err and "[1]" in err and elapsed < 10
+        assert sorted(u.gpus for u in units) == [(2,), (3,)]

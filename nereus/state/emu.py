@@ -94,6 +94,7 @@ class Holding:
     p: int
     numel: int
     state: LogicalState
+    unit: str = ""  # the unit it belongs to (a transition's unit id), when known
 
 
 def units_of(plan: Plan, states: Mapping[str, LogicalState] | None = None) -> tuple[Emu, ...]:
@@ -177,3 +178,27 @@ def _check_holdings(
             if h.state != u.state:
                 problems.append(f"{u.model_stage}: GPU {g} is at {h.state}, its unit at {u.state}")
     return problems
+
+
+def rebuild(holdings: Iterable[Holding], dead: Iterable[int] = ()) -> tuple[Emu, ...]:
+    """The intact units among what surviving ranks report (after a failed transition).
+
+    A unit is intact when every rank position of its layout is held by a live GPU and all its
+    ranks agree on the logical state. Units are told apart by ``Holding.unit``. The result is
+    what the controller replans from; pass it to ``validate`` with the numel table to check it.
+    """
+    gone = set(dead)
+    by_unit: dict[tuple[str, str], list[Holding]] = {}
+    for h in holdings:
+        if h.gpu not in gone:
+            by_unit.setdefault((h.model_stage, h.unit or f"gpu{h.gpu}"), []).append(h)
+    out = []
+    for (name, _), hs in sorted(by_unit.items()):
+        lay = hs[0].layout
+        at = {(h.t, h.p): h for h in hs if h.layout == lay}
+        complete = len(at) == lay.size == len(hs)
+        if not complete or len({h.state for h in hs}) != 1:
+            continue
+        gpus = tuple(at[(t, p)].gpu for p in range(lay.pp) for t in range(lay.tp))
+        out.append(Emu(name, lay, gpus, hs[0].state))
+    return tuple(out)

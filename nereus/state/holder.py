@@ -17,7 +17,7 @@ import torch
 from nereus.plan.layout import Layout
 from nereus.spec.model import ModelSpec
 from nereus.state.buffers import BufferKind, Dtype, RankBuffers, StatePolicy, rank_buffers
-from nereus.state.emu import LogicalState
+from nereus.state.emu import Holding, LogicalState
 
 TORCH_DTYPE = {Dtype.BF16: torch.bfloat16, Dtype.FP32: torch.float32}
 
@@ -105,3 +105,10 @@ class StateHolder:
     @property
     def nbytes(self) -> int:
         return sum(rs.nbytes for rs in self.units.values())
+
+    def holdings(self, gpu: int) -> list[Holding]:
+        """What this rank (on ``gpu``) reports to the controller: one entry per unit it holds."""
+        return [
+            Holding(gpu, rs.model_stage, rs.layout, rs.t, rs.p, rs.layout_of().payload_numel, rs.state, uid)
+            for uid, rs in self.units.items()
+        ]

@@ -112,7 +112,13 @@ class Executor:
         return u.layout, t, p
 
     # -------------------------------------------------------------- the walk
-    def run(self, order: Sequence[int] | None = None) -> Report:
+    def run(
+        self, order: Sequence[int] | None = None, on_node: Callable[[Node, str], None] | None = None
+    ) -> Report:
+        """Walk the DAG (``order``: the schedule's start order by default, the commit order if
+        none). ``on_node(node, "start" | "done")`` observes each node this rank takes part in.
+        Raises TransitionError naming this rank, the node and its peers when a node fails; the
+        holder then still holds every complete unit it had (nothing half-written is installed)."""
         self._adopt()
         group = dist.new_group(backend=dist.get_backend(), timeout=self.timeout)
         done = 0
@@ -121,18 +127,22 @@ class Executor:
                 node = self.dag.nodes[i]
                 if self.gpu not in {*node.gpus, *node.sends, *(g for g, _ in node.release)}:
                     continue
+                if on_node:
+                    on_node(node, "start")
                 try:
                     self._node(node, group)
-                except TransitionError:
-                    raise
                 except Exception as exc:  # a dead peer, a timeout, a bad buffer
-                    raise TransitionError(f"rank {self.rank}: {node.primitive.value} node {node.id} "
-                                          f"({node.describe()}) failed: {exc}") from exc  # fmt: skip
+                    peers = sorted({self.rank_of_gpu[g] for g in (*node.gpus, *node.sends)} - {self.rank})
+                    raise TransitionError(
+                        f"rank {self.rank}: {node.primitive.value} node {node.id} ({node.describe()}) "
+                        f"with ranks {peers} failed: {exc}"
+                    ) from exc
                 done += 1
+                if on_node:
+                    on_node(node, "done")
         finally:
             dist.destroy_process_group(group)
-        by_stage = self.holder.by_stage()  # one unit per model-stage again
-        self.holder.units = {f"{n}": rs for n, rs in by_stage.items()}
+        self.holder.by_stage()  # checks: one unit per model-stage again (ids stay the DAG's)
         return Report(done, self.sent, self.received, tuple(sorted(self.holder.units)))
 
     def _node(self, node: Node, group: dist.ProcessGroup) -> None:
