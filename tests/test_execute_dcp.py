@@ -10,14 +10,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from nereus.plan.calibration import Efficiencies
 from nereus.plan.layout import Layout
 from nereus.spec import load_cluster, load_model
 from nereus.spec.workload import Precision, Stage
 from nereus.state.buffers import StatePolicy
+from nereus.state.checkpoint import layout_mesh, to_dtensors
 from nereus.state.geometry import shards
 from nereus.state.holder import RankState, StateHolder
 from nereus.transition import LinkModel, StageMove, build_dag
@@ -30,28 +29,6 @@ PAIRS = [(Layout(2, 2), Layout(1, 4)), (Layout(1, 4), Layout(2, 1)), (Layout(2, 
 def _units(layout: Layout) -> tuple[tuple[int, ...], ...]:
     """The world split into DP replicas of ``layout``."""
     return tuple(tuple(range(r, r + layout.size)) for r in range(0, WORLD, layout.size))
-
-
-def _mesh(layout: Layout) -> DeviceMesh:
-    shape = (WORLD // layout.size, layout.pp, layout.tp)
-    return DeviceMesh("cpu", torch.arange(WORLD).view(shape), mesh_dim_names=("dp", "pp", "tp"))
-
-
-def _state_dict(rs: RankState, mesh: DeviceMesh) -> dict[str, DTensor]:
-    """This rank's shards as DTensors on its pipeline stage's TP mesh (keys: kind/name): Shard
-    along the one dimension the region cuts, Replicate where it holds the whole tensor."""
-    out = {}
-    cut = {s.name: s for s in shards(rs.model, rs.layout, rs.t, rs.p)}
-    for kind in rs.buffers:
-        for slot in rs.layout_of().slots:
-            full = cut[slot.name].full_shape
-            dims = [d for d, (a, b) in enumerate(slot.region) if (a, b) != (0, full[d])]
-            place = Shard(dims[0]) if dims else Replicate()
-            out[f"{kind.value}/{slot.name}"] = DTensor.from_local(
-                rs.view(kind, slot.name), mesh["tp"], [place], run_check=False,
-                shape=torch.Size(full), stride=torch.empty(full).stride(),
-            )  # fmt: skip
-    return out
 
 
 def _worker(rank: int, store: str, ckpt: str, pair: int) -> None:
@@ -68,12 +45,12 @@ def _worker(rank: int, store: str, ckpt: str, pair: int) -> None:
 
         i = rank % A.size
         a_state = RankState.from_full("actor.train", model, A, i % A.tp, i // A.tp, policy, full)
-        dcp.save(_state_dict(a_state, _mesh(A)), checkpoint_id=ckpt)
+        dcp.save(to_dtensors(a_state, layout_mesh(A, list(range(WORLD)))), checkpoint_id=ckpt)
 
         i = rank % B.size
         tb, pb = i % B.tp, i // B.tp
         loaded = RankState.empty("actor.train", model, B, tb, pb, policy)
-        dcp.load(_state_dict(loaded, _mesh(B)), checkpoint_id=ckpt)
+        dcp.load(to_dtensors(loaded, layout_mesh(B, list(range(WORLD)))), checkpoint_id=ckpt)
 
         move = StageMove("actor.train", model, policy, A, _units(A), B, _units(B))
         dag = build_dag(

@@ -10,7 +10,7 @@ from pathlib import Path
 import nereus
 
 PURE = ("spec", "plan", "control", "state", "transition", "sim")
-EDGES = {"transition/execute.py"}  # runs a DAG on torch.distributed (architecture §2)
+EDGES = {"transition/execute.py", "state/checkpoint.py"}  # runs a DAG on torch.distributed (architecture §2)
 FORBIDDEN = ("torch.distributed", "subprocess", "submitit")
 ROOT = Path(nereus.__file__).parent
 

@@ -1,0 +1,45 @@
+"""EMU state as DTensors for torch.distributed.checkpoint: save under one layout, load under any.
+
+Each rank's shard of a tensor becomes a DTensor on its pipeline stage's TP mesh: ``Shard(d)``
+along the one dimension its region cuts (our chunks are ``torch.chunk``'s, as DTensor's), or
+``Replicate()`` where it holds the whole tensor. DCP then reshards on load and deduplicates DP
+replicas on save. Keys are ``<kind>/<tensor name>``. Edge module (torch.distributed).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from nereus.plan.layout import Layout
+from nereus.state.geometry import shards
+from nereus.state.holder import RankState
+
+
+def layout_mesh(layout: Layout, ranks: list[int], device: str = "cpu") -> DeviceMesh:
+    """The (dp, pp, tp) mesh of DP replicas of ``layout`` over ``ranks`` (rank order p·tp + t).
+
+    Every rank of the world must call it (DeviceMesh builds its groups collectively)."""
+    if len(ranks) % layout.size:
+        raise ValueError(f"{len(ranks)} ranks do not split into replicas of {layout}")
+    shape = (len(ranks) // layout.size, layout.pp, layout.tp)
+    return DeviceMesh(device, torch.tensor(ranks).view(shape), mesh_dim_names=("dp", "pp", "tp"))
+
+
+def to_dtensors(rs: RankState, mesh: DeviceMesh) -> dict[str, DTensor]:
+    """This rank's buffers as DTensors sharing their memory (load writes straight into them)."""
+    out = {}
+    cut = {s.name: s for s in shards(rs.model, rs.layout, rs.t, rs.p)}
+    for kind in rs.buffers:
+        for slot in rs.layout_of().slots:
+            full = cut[slot.name].full_shape
+            dims = [d for d, (a, b) in enumerate(slot.region) if (a, b) != (0, full[d])]
+            if len(dims) > 1:
+                raise ValueError(f"{slot.name}: region {slot.region} is not one DTensor shard")
+            place = Shard(dims[0]) if dims else Replicate()
+            out[f"{kind.value}/{slot.name}"] = DTensor.from_local(
+                rs.view(kind, slot.name), mesh["tp"], [place], run_check=False,
+                shape=torch.Size(full), stride=torch.empty(full).stride(),
+            )  # fmt: skip
+    return out
