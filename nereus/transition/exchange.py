@@ -40,12 +40,12 @@ class Piece:
         return other * (self.hi - self.lo)
 
 
-def _cut_dim(a: Region, b: Region) -> int:
-    """The one dimension where two regions of a tensor may differ (0 when none does)."""
+def _cut_dim(a: Region, b: Region) -> int | None:
+    """The one dimension where two regions of a tensor differ (None when they are equal)."""
     dims = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
     if len(dims) > 1:
         raise ValueError(f"regions {a} and {b} differ in more than one dimension")
-    return dims[0] if dims else 0
+    return dims[0] if dims else None
 
 
 def _subtract(
@@ -90,13 +90,17 @@ def plan_pieces(
         by_source.append(index)
     out: list[Piece] = []
     for slot in mine.slots:
-        dim = 0
+        dim: int | None = None
         todo: list[tuple[int, int]] | None = None
         for k, index in enumerate(by_source):
             for src in index.get(slot.source, ()):
-                dim = _cut_dim(slot.region, src.region)
-                if todo is None:
+                cut = _cut_dim(slot.region, src.region)
+                if dim is None:
+                    dim = 0 if cut is None else cut
                     todo = [slot.region[dim]]
+                elif cut is not None and cut != dim:
+                    raise ValueError(f"{slot.name}: providers cut it along dimensions {dim} and {cut}")
+                assert todo is not None
                 lo, hi = src.region[dim]
                 taken, todo = _subtract(todo, lo, hi)
                 out += [Piece(k, src, slot, dim, a, b) for a, b in taken]

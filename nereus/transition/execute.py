@@ -84,6 +84,7 @@ class Executor:
                     f"{m.name}/u{i}", Unit(f"{m.name}/u{i}", m.name, m.current_layout, gpus)
                 )
         self.sent = self.received = 0
+        self.messages: list[tuple[int, int, int, int]] = []  # (node, from rank, to rank, bytes) sent
 
     # -------------------------------------------------------------- bookkeeping
     def _adopt(self) -> None:
@@ -196,9 +197,10 @@ class Executor:
                 mine = [pc for pc in pieces if offer[pc.provider][0] == self.gpu]
                 if mine:
                     src = self.holder.units[offer[mine[0].provider][1]]
-                    msg = _pack(mine, src.buffers, kinds, src.state)
+                    msg = pack(mine, src.buffers, kinds, src.state)
                     ops.append(dist.P2POp(dist.isend, msg, self.rank_of_gpu[recv_gpu], group, node.id))
                     self.sent += msg.numel()
+                    self.messages.append((node.id, self.rank, self.rank_of_gpu[recv_gpu], msg.numel()))
                 continue
             new = RankState.empty(node.model_stage, move.model, lay, t, p, move.policy, None, self._device())
             states: list[LogicalState] = []
@@ -210,7 +212,7 @@ class Executor:
                 if gpu == self.gpu:  # resident: a local copy, nothing sent
                     src = self.holder.units[src_uid]
                     states.append(
-                        _unpack(_pack(part, src.buffers, kinds, src.state), part, new.buffers, kinds)
+                        unpack(pack(part, src.buffers, kinds, src.state), part, new.buffers, kinds)
                     )
                     continue
                 size = HEADER + sum(pc.numel * new.buffers[kd].element_size() for pc in part for kd in kinds)
@@ -222,7 +224,7 @@ class Executor:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
         if new is not None:
-            states += [_unpack(buf, part, new.buffers, kinds) for buf, part in inbox]
+            states += [unpack(buf, part, new.buffers, kinds) for buf, part in inbox]
             if node.model_stage in self.states:
                 states.append(self.states[node.model_stage])
             if len(set(states)) > 1:
@@ -269,7 +271,7 @@ def _piece_view(buf: torch.Tensor, pc: Piece, slot: Slot) -> torch.Tensor:
 HEADER = 32  # the logical state (updates, version, minibatch, seed) as four int64
 
 
-def _pack(
+def pack(
     pieces: Sequence[Piece], buffers: Mapping[BufferKind, torch.Tensor], kinds: Sequence[BufferKind],
     state: LogicalState,
 ) -> torch.Tensor:  # fmt: skip
@@ -283,7 +285,7 @@ def _pack(
     return torch.cat(parts)
 
 
-def _unpack(
+def unpack(
     msg: torch.Tensor, pieces: Sequence[Piece], buffers: Mapping[BufferKind, torch.Tensor],
     kinds: Sequence[BufferKind],
 ) -> LogicalState:  # fmt: skip

@@ -1,0 +1,59 @@
+"""Exchange plans: every element a receiver needs comes exactly once, the receiver's own first."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from nereus.plan.layout import Layout
+from nereus.spec import load_model
+from nereus.spec.workload import Precision, Stage
+from nereus.state.buffers import StatePolicy, rank_buffers
+from nereus.transition.exchange import plan_pieces
+
+LAYOUTS = [Layout(t, p) for t in (1, 2, 4) for p in (1, 2, 4) if t * p <= 8]
+
+
+def _cover(model_name: str, need: Layout, nt: int, np_: int, have: Layout, order: list[int]) -> None:
+    model = load_model(model_name)
+    policy = StatePolicy.of(Stage.TRAIN, Precision.FP32)
+    ranks = [(i % have.tp, i // have.tp) for i in range(have.size)]
+    providers = tuple((have, *ranks[i]) for i in order)
+    pieces = plan_pieces(model, policy, (need, nt, np_), providers)
+    rb = rank_buffers(model, need, nt, np_, policy)
+    filled = {s.name: np.zeros(s.shape, dtype=int) for s in rb.slots}
+    for pc in pieces:
+        idx = [slice(None)] * len(pc.dst.shape)
+        start = pc.dst.region[pc.dim][0]
+        idx[pc.dim] = slice(pc.lo - start, pc.hi - start)
+        filled[pc.dst.name][tuple(idx)] += 1
+        src = pc.src.region[pc.dim]
+        assert src[0] <= pc.lo < pc.hi <= src[1]  # the provider holds what it sends
+    for name, counts in filled.items():
+        assert (counts == 1).all(), f"{name}: covered {counts.min()}..{counts.max()} times"
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
+def test_every_element_comes_once_from_any_provider_order(model: str) -> None:
+    m = load_model(model)
+    for need, have in itertools.product(LAYOUTS, LAYOUTS):
+        if m.num_attention_heads % max(need.tp, have.tp) or need.pp > m.num_hidden_layers:
+            continue
+        orders = [list(range(have.size)), list(reversed(range(have.size)))]
+        for order, (nt, np_) in itertools.product(orders, [(0, 0), (need.tp - 1, need.pp - 1)]):
+            _cover(model, need, nt, np_, have, order)
+
+
+def test_a_later_provider_with_the_same_region_completes_a_row_cut() -> None:
+    """Regression: tp2·pp2 → tp2·pp1, the receiver needs layer 2's down_proj columns of TP rank 1;
+    the first holder of layer 2 has the other columns, the next holds exactly the needed ones."""
+    _cover("tiny-llama", Layout(2, 1), 1, 0, Layout(2, 2), [0, 1, 2, 3])
+
+
+def test_nothing_to_provide_names_the_slot() -> None:
+    model = load_model("tiny-llama")
+    policy = StatePolicy.of(Stage.INF, Precision.FP32)
+    with pytest.raises(ValueError, match="no provider holds"):
+        plan_pieces(model, policy, (Layout(1, 1), 0, 0), ((Layout(1, 2), 0, 0),))
