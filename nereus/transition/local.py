@@ -170,12 +170,17 @@ class _Builder:
     def extend(self, src: Unit, dst: Unit) -> int:
         payload, held = self.table(dst.layout)
         link = self.links.link
-        flows = tuple(Flow(b, n, link(a, b)) for a, b, n in zip(src.gpus, dst.gpus, payload, strict=True))
+        # a position whose source and destination are one GPU is a local copy: nothing crosses a link
+        flows = tuple(
+            Flow(b, 0 if a == b else n, link(a, b))
+            for a, b, n in zip(src.gpus, dst.gpus, payload, strict=True)
+        )
         est = self.links.seconds(Primitive.EXTEND, flows)
         acquire = tuple(zip(dst.gpus, held, strict=True))
+        moved = sum(f.bytes for f in flows)
         return self.add(
             Node(
-                self.next_id(), Primitive.EXTEND, self.m.name, src.gpus + dst.gpus, sum(payload), est,
+                self.next_id(), Primitive.EXTEND, self.m.name, src.gpus + dst.gpus, moved, est,
                 (src.id,), (dst.id,), (), acquire, (), flows, src.gpus, dst.gpus,
             )
         )  # fmt: skip

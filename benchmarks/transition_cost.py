@@ -1,0 +1,353 @@
+"""What a transition costs on torch.distributed (gloo, CPU processes), against the alternatives.
+
+A ~125M-parameter Llama state (``llama-125m``) with Adam in fp32 (parameters, m, v: 12 bytes per
+parameter, ~1.5 GB per replica) moves between layouts in spawned processes:
+
+* ``extend 2→4``: one tp2 replica on 2 processes gains a second on 2 new ones (4 processes);
+* ``extend 4→8``: one tp2·pp2 replica on 4 processes gains a second (8 processes);
+* ``reshard tp2·pp2→tp4`` and ``reshard tp4→tp2·pp2`` on 4 processes (Split, Merge).
+
+Methods, measured side by side in the same processes (alternating, median of repeats):
+
+* ``nereus``: the transition DAG run by ``nereus.transition.execute.Executor``;
+* ``raw``: the very messages nereus sent (same pairs, same sizes, node by node), as bare
+  ``batch_isend_irecv`` without planning or packing: the wire's speed for these bytes;
+* ``dcp``: the checkpoint boundary (MCP/UCP-style): ``torch.distributed.checkpoint`` save under
+  the old layout, then load with resharding under the new one;
+* ``restart``: that load in freshly started processes (process start, ``import torch``,
+  rendezvous, load), timed from launch to the last rank loaded;
+* ``naive``: gather every shard to rank 0, then broadcast the full state to every rank of the
+  target, which slices its shard (how OpenRLHF-style systems move weights).
+
+Bytes: what nereus sent against the geometry's minimum (the DAG's bytes). Targets (issue 5):
+nereus ≤ 1.3× raw, ≥ 4× faster than dcp, ≥ 10× faster than restart, bytes ≤ 1.05× minimum.
+Writes ``benchmarks/results/transition_cost.json`` and ``transition_cost.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from common import RESULTS, write
+
+from nereus.plan.calibration import Efficiencies
+from nereus.plan.layout import Layout
+from nereus.spec import load_cluster, load_model
+from nereus.spec.workload import Precision, Stage
+from nereus.state.buffers import StatePolicy
+from nereus.state.checkpoint import layout_mesh, to_dtensors
+from nereus.state.holder import RankState, StateHolder
+from nereus.transition import LinkModel, StageMove, build_dag
+from nereus.transition.exchange import plan_pieces
+from nereus.transition.execute import Executor, pack, unpack
+
+TARGETS = {"raw_ratio_max": 1.3, "dcp_speedup_min": 4.0, "restart_speedup_min": 10.0, "bytes_ratio_max": 1.05}
+STAGE = "actor.train"
+
+
+def scenarios(quick: bool) -> list[dict[str, Any]]:
+    def units(layout: Layout, first: int, count: int) -> list[list[int]]:
+        return [list(range(first + i * layout.size, first + (i + 1) * layout.size)) for i in range(count)]
+
+    t2, t2p2, t4 = Layout(2, 1), Layout(2, 2), Layout(4, 1)
+    out = [
+        {"name": "extend 2→4", "world": 4, "from": (t2, units(t2, 0, 1)), "to": (t2, units(t2, 0, 2))},
+        {
+            "name": "reshard tp2·pp2→tp4",
+            "world": 4,
+            "from": (t2p2, units(t2p2, 0, 1)),
+            "to": (t4, units(t4, 0, 1)),
+        },
+    ]
+    if not quick:
+        out.insert(1, {"name": "extend 4→8", "world": 8, "from": (t2p2, units(t2p2, 0, 1)),
+                       "to": (t2p2, units(t2p2, 0, 2))})  # fmt: skip
+        out.append({"name": "reshard tp4→tp2·pp2", "world": 4, "from": (t4, units(t4, 0, 1)),
+                    "to": (t2p2, units(t2p2, 0, 1))})  # fmt: skip
+    return out
+
+
+def _move(sc: dict[str, Any], model_name: str) -> StageMove:
+    model = load_model(model_name)
+    policy = StatePolicy.of(Stage.TRAIN, Precision.FP32)
+    (la, ua), (lb, ub) = sc["from"], sc["to"]
+    return StageMove(STAGE, model, policy, la, tuple(map(tuple, ua)), lb, tuple(map(tuple, ub)))
+
+
+def _initial(move: StageMove, rank: int) -> StateHolder:
+    holder = StateHolder(rank)
+    lay = move.current_layout
+    for gpus in move.current:
+        if rank in gpus:
+            i = gpus.index(rank)
+            rs = RankState.empty(STAGE, move.model, lay, i % lay.tp, i // lay.tp, move.policy)
+            for buf in rs.buffers.values():  # cheap, deterministic content (timing only)
+                buf.copy_(torch.arange(buf.numel(), dtype=torch.float32) % 251)
+            holder.units[STAGE] = rs
+    return holder
+
+
+def _timed(fn: Any) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def _raw(messages: list[tuple[int, int, int, int]], rank: int) -> None:
+    """Replay the messages nereus sent, node by node, as bare sends and receives."""
+    for node in sorted({m[0] for m in messages}):
+        ops = []
+        for _, src, dst, n in (m for m in messages if m[0] == node):
+            if src == rank:
+                ops.append(dist.P2POp(dist.isend, torch.empty(n, dtype=torch.uint8), dst, tag=node))
+            elif dst == rank:
+                ops.append(dist.P2POp(dist.irecv, torch.empty(n, dtype=torch.uint8), src, tag=node))
+        for w in dist.batch_isend_irecv(ops) if ops else []:
+            w.wait()
+
+
+def _naive(move: StageMove, holder: StateHolder, rank: int, world: int) -> int:
+    """Gather all shards to rank 0, broadcast the full state, slice; bytes rank 0 sent."""
+    full = Layout(1, 1)
+    kinds = [k for k, _ in move.policy.kinds]
+    lay = move.current_layout
+    owners = list(move.current[0])  # one replica holds everything
+    positions = tuple((lay, i % lay.tp, i // lay.tp) for i in range(lay.size))
+    pieces = plan_pieces(move.model, move.policy, (full, 0, 0), positions)
+    whole = RankState.empty(STAGE, move.model, full, 0, 0, move.policy)
+    if rank == 0:
+        ops, inbox = [], []
+        for k, owner in enumerate(owners):
+            mine = [pc for pc in pieces if pc.provider == k]
+            if owner == 0:
+                unpack(
+                    pack(mine, holder.units[STAGE].buffers, kinds, holder.units[STAGE].state),
+                    mine,
+                    whole.buffers,
+                    kinds,
+                )
+                continue
+            size = 32 + sum(pc.numel * 4 for pc in mine) * len(kinds)
+            buf = torch.empty(size, dtype=torch.uint8)
+            ops.append(dist.P2POp(dist.irecv, buf, owner))
+            inbox.append((buf, mine))
+        for w in dist.batch_isend_irecv(ops) if ops else []:
+            w.wait()
+        for buf, mine in inbox:
+            unpack(buf, mine, whole.buffers, kinds)
+    elif rank in owners:
+        k = owners.index(rank)
+        mine = [pc for pc in pieces if pc.provider == k]
+        msg = pack(mine, holder.units[STAGE].buffers, kinds, holder.units[STAGE].state)
+        for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, msg, 0)]):
+            w.wait()
+    for buf in whole.buffers.values():
+        dist.broadcast(buf, src=0)
+    lb = move.target_layout
+    for gpus in move.target:  # slice the target shard out of the full state
+        if rank in gpus:
+            i = gpus.index(rank)
+            need = plan_pieces(move.model, move.policy, (lb, i % lb.tp, i // lb.tp), ((full, 0, 0),))
+            out = RankState.empty(STAGE, move.model, lb, i % lb.tp, i // lb.tp, move.policy)
+            unpack(pack(need, whole.buffers, kinds, whole.state), need, out.buffers, kinds)
+    return whole.nbytes * (world - 1)
+
+
+def _dcp(move: StageMove, holder: StateHolder, rank: int, world: int, ckpt: str) -> tuple[float, float]:
+    """DCP save under the old layout, then load with resharding under the new one (seconds each).
+
+    Every rank takes part in building the meshes and in save and load (they are collective);
+    ranks outside a layout contribute an empty state dict."""
+    save_ranks = [g for gpus in move.current for g in gpus]
+    mesh = layout_mesh(move.current_layout, save_ranks)
+    src = holder.units.get(STAGE)
+    state = to_dtensors(src, mesh) if src is not None else {}
+    return _timed(lambda: dcp.save(state, checkpoint_id=ckpt)), _load(move, rank, ckpt)
+
+
+def _load(move: StageMove, rank: int, ckpt: str) -> float:
+    lb = move.target_layout
+    load_ranks = [g for gpus in move.target for g in gpus]
+    mesh = layout_mesh(lb, load_ranks)
+    state = {}
+    if rank in load_ranks:
+        i = load_ranks.index(rank) % lb.size
+        rs = RankState.empty(STAGE, move.model, lb, i % lb.tp, i // lb.tp, move.policy)
+        state = to_dtensors(rs, mesh)
+    return _timed(lambda: dcp.load(state, checkpoint_id=ckpt))
+
+
+def _worker(
+    rank: int, world: int, sc: dict[str, Any], model: str, repeats: int, store: str, out: str
+) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    move = _move(sc, model)
+    dag = build_dag([move], {STAGE: 2}, LinkModel(load_cluster("local-cpu"), Efficiencies()), 2**42)
+    times: dict[str, list[float]] = {"nereus": [], "raw": [], "dcp_save": [], "dcp_load": [], "naive": []}
+    sent = 0
+    messages: list[tuple[int, int, int, int]] = []
+    ckpt = str(Path(out) / "ckpt")
+    for r in range(repeats):
+        holder = _initial(move, rank)
+        ex = Executor(dag, [move], holder, {g: g for g in range(world)})
+        times["nereus"].append(_timed(lambda ex=ex: ex.run()))
+        sent, messages = ex.sent, ex.messages
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, messages)
+        all_messages = [m for ms in gathered for m in ms]
+        times["raw"].append(_timed(lambda msgs=all_messages: _raw(msgs, rank)))
+        holder = _initial(move, rank)
+        times["naive"].append(_timed(lambda h=holder: _naive(move, h, rank, world)))
+        save, load = _dcp(move, _initial(move, rank), rank, world, f"{ckpt}{r}")
+        times["dcp_save"].append(save)
+        times["dcp_load"].append(load)
+    total_sent = [0] * world
+    dist.all_gather_object(total_sent, sent)
+    if rank == 0:
+        doc = {
+            "times": times,
+            "sent_bytes": sum(total_sent),
+            "minimum_bytes": sum(n.bytes for n in dag.nodes),
+            "nodes": [n.describe() for n in dag.nodes],
+            "state_bytes_per_replica": sum(
+                RankState.empty(
+                    STAGE,
+                    move.model,
+                    move.current_layout,
+                    i % move.current_layout.tp,
+                    i // move.current_layout.tp,
+                    move.policy,
+                ).nbytes
+                for i in range(move.current_layout.size)
+            ),
+        }
+        Path(out, "result.json").write_text(json.dumps(doc))
+    dist.destroy_process_group()
+
+
+def _restart_worker(
+    rank: int, world: int, sc: dict[str, Any], model: str, store: str, ckpt: str, out: str
+) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    move = _move(sc, model)
+    _load(move, rank, ckpt)
+    Path(out, f"loaded{rank}").write_text(str(time.time()))
+    dist.destroy_process_group()
+
+
+def run_scenario(sc: dict[str, Any], model: str, repeats: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        world = sc["world"]
+        mp.spawn(
+            _worker, args=(world, sc, model, repeats, str(Path(tmp) / "store"), tmp), nprocs=world, join=True
+        )
+        doc = json.loads(Path(tmp, "result.json").read_text())
+        launched = time.time()  # a restart: fresh processes load the last checkpoint
+        last = str(Path(tmp) / f"ckpt{repeats - 1}")
+        mp.spawn(
+            _restart_worker,
+            args=(world, sc, model, str(Path(tmp) / "store2"), last, tmp),
+            nprocs=world,
+            join=True,
+        )
+        restart = max(float(Path(tmp, f"loaded{r}").read_text()) for r in range(world)) - launched
+    med = {k: statistics.median(v) for k, v in doc["times"].items()}
+    med["dcp"] = med["dcp_save"] + med["dcp_load"]
+    med["restart"] = med["dcp_save"] + restart
+    return {
+        "scenario": sc["name"],
+        "processes": world,
+        "state_gib_per_replica": doc["state_bytes_per_replica"] / 2**30,
+        "seconds": med,
+        "runs": doc["times"],
+        "sent_bytes": doc["sent_bytes"],
+        "minimum_bytes": doc["minimum_bytes"],
+        "bytes_ratio": doc["sent_bytes"] / doc["minimum_bytes"] if doc["minimum_bytes"] else None,
+        "raw_ratio": med["nereus"] / med["raw"],
+        "dcp_speedup": med["dcp"] / med["nereus"],
+        "restart_speedup": med["restart"] / med["nereus"],
+        "naive_speedup": med["naive"] / med["nereus"],
+        "dag": doc["nodes"],
+    }
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = ["nereus", "raw", "naive", "dcp", "restart"]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    w = 0.16
+    for j, m in enumerate(methods):
+        xs = [i + (j - 2) * w for i in range(len(rows))]
+        ax.bar(xs, [r["seconds"][m] for r in rows], w, label=m)
+    ax.set_xticks(range(len(rows)), [r["scenario"] for r in rows])
+    ax.set_ylabel("seconds (median)")
+    ax.set_yscale("log")
+    ax.set_title("transition cost, gloo on CPU, llama-125m + Adam (fp32)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "transition_cost.png", dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="tiny model, two scenarios, one repeat")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    model = "tiny-llama" if args.quick else "llama-125m"
+    repeats = 1 if args.quick else args.repeats
+    rows = []
+    for sc in scenarios(args.quick):
+        row = run_scenario(sc, model, repeats)
+        s = row["seconds"]
+        print(
+            f"{row['scenario']:<22} nereus {s['nereus']:.2f}s  raw {s['raw']:.2f}s  naive {s['naive']:.2f}s  "
+            f"dcp {s['dcp']:.2f}s  restart {s['restart']:.2f}s  | ×raw {row['raw_ratio']:.2f}  "
+            f"dcp/nereus {row['dcp_speedup']:.1f}  restart/nereus {row['restart_speedup']:.1f}  "
+            f"bytes/min {row['bytes_ratio']:.3f}",
+            flush=True,
+        )
+        rows.append(row)
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = {
+        "raw_ratio_max": max(r["raw_ratio"] for r in rows),
+        "dcp_speedup_min": min(r["dcp_speedup"] for r in rows),
+        "restart_speedup_min": min(r["restart_speedup"] for r in rows),
+        "bytes_ratio_max": max(r["bytes_ratio"] for r in rows),
+    }
+    summary["met"] = {
+        "raw_ratio": summary["raw_ratio_max"] <= TARGETS["raw_ratio_max"],
+        "dcp_speedup": summary["dcp_speedup_min"] >= TARGETS["dcp_speedup_min"],
+        "restart_speedup": summary["restart_speedup_min"] >= TARGETS["restart_speedup_min"],
+        "bytes_ratio": summary["bytes_ratio_max"] <= TARGETS["bytes_ratio_max"],
+    }
+    extra = {
+        "summary": summary,
+        "model": model,
+        "repeats": repeats,
+        "mode": "quick" if args.quick else "full",
+    }
+    write("transition_cost", TARGETS, rows, extra, args.out)
+    plot(rows, args.out)
+    print(f"wrote {args.out / 'transition_cost.json'} and {args.out / 'transition_cost.png'}")
+
+
+if __name__ == "__main__":
+    main()
