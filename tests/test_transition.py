@@ -6,6 +6,7 @@ import dataclasses
 import random
 from collections import defaultdict
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -365,3 +366,32 @@ def test_a_restore_reads_the_trainer_before_the_trainer_moves() -> None:
     assert frees
     for n in frees:
         assert restore.id in preds[n.id], f"{n.describe()} may free the trainer before the restore reads it"
+
+
+def test_measured_transitions_calibrate_the_transfer_classes() -> None:
+    """Node times measured at half the links' peak refit η of the broadcast class to 0.5, and the
+    rebuilt DAG's estimate follows."""
+    from nereus.plan.calibration import CalibrationStore
+    from nereus.plan.opclass import OpClass
+
+    cluster = load_cluster("h100-ib")
+    m = load_model("llama-3.1-8b")
+    policy = StatePolicy.of(Stage.TRAIN, Precision.BF16_MIXED)
+    lay = Layout(8, 1)
+    move = StageMove(
+        "actor.train", m, policy, lay, (tuple(range(8)),), lay, (tuple(range(8)), tuple(range(8, 16)))
+    )
+    links = LinkModel(cluster, Efficiencies())
+    dag = build_dag([move], {"actor.train": 2}, links, 80 * GIB)
+    extend = next(n for n in dag.nodes if n.primitive is Primitive.EXTEND)
+    ideal, link = links.ideal_s(extend.primitive, extend.flows)
+    assert link is not None and link.value == "inter" and ideal > 0
+    store = CalibrationStore(cluster.name)
+    for _ in range(5):
+        store.update(links.measurements(dag.nodes, {extend.id: links.setup_s + 2 * ideal}))
+    eta = store.efficiencies()
+    assert eta[OpClass.BROADCAST_INTER] == pytest.approx(0.5)
+    tuned = LinkModel(cluster, eta)
+    again = build_dag([move], {"actor.train": 2}, tuned, 80 * GIB)
+    new = next(n for n in again.nodes if n.primitive is Primitive.EXTEND)
+    assert new.est_s == pytest.approx(2 * ideal + tuned.setup_s, rel=1e-3)

@@ -24,6 +24,7 @@ naming the node and the rank instead of a hang.
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -85,6 +86,7 @@ class Executor:
                 )
         self.sent = self.received = 0
         self.messages: list[tuple[int, int, int, int]] = []  # (node, from rank, to rank, bytes) sent
+        self.node_seconds: dict[int, float] = {}  # wall time of each node this rank took part in
 
     # -------------------------------------------------------------- bookkeeping
     def _adopt(self) -> None:
@@ -130,6 +132,7 @@ class Executor:
                     continue
                 if on_node:
                     on_node(node, "start")
+                started = time.perf_counter()
                 try:
                     self._node(node, group)
                 except Exception as exc:  # a dead peer, a timeout, a bad buffer
@@ -139,6 +142,7 @@ class Executor:
                         f"with ranks {peers} failed: {exc}"
                     ) from exc
                 done += 1
+                self.node_seconds[node.id] = time.perf_counter() - started
                 if on_node:
                     on_node(node, "done")
         finally:
@@ -211,9 +215,7 @@ class Executor:
                 gpu, src_uid = offer[k]
                 if gpu == self.gpu:  # resident: a local copy, nothing sent
                     src = self.holder.units[src_uid]
-                    states.append(
-                        unpack(pack(part, src.buffers, kinds, src.state), part, new.buffers, kinds)
-                    )
+                    states.append(unpack(pack(part, src.buffers, kinds, src.state), part, new.buffers, kinds))
                     continue
                 size = HEADER + sum(pc.numel * new.buffers[kd].element_size() for pc in part for kd in kinds)
                 buf = torch.empty(size, dtype=torch.uint8, device=self._device())

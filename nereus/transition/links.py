@@ -11,12 +11,12 @@ copies (a Merge slicing what is resident) run at HBM speed, read plus write.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
-from nereus.plan.calibration import Efficiencies
+from nereus.plan.calibration import Efficiencies, Measurement
 from nereus.plan.opclass import Collective, Link, OpClass
 from nereus.spec.cluster import ClusterSpec
-from nereus.transition.dag import Flow, Primitive
+from nereus.transition.dag import Flow, Node, Primitive
 
 # Creating a transition's communicators (NCCL/RCCL comm init for a rank pair or a small group;
 # gloo: a store round-trip). Pairs of one node are created concurrently.
@@ -58,6 +58,36 @@ class LinkModel:
     def rate(self, primitive: Primitive, link: Link | None) -> float:
         """Bytes per second into one GPU (link None: shared storage, the node's read bandwidth)."""
         return self._rate[primitive, link]
+
+    def ideal_s(self, primitive: Primitive, flows: Iterable[Flow]) -> tuple[float, Link | None]:
+        """Seconds of a node's transfers at the links' peak (η = 1), and its slowest link."""
+        c = self.cluster
+        per_gpu: dict[int, float] = defaultdict(float)
+        worst: Link | None = Link.INTRA
+        for f in flows:
+            if f.bytes <= 0 or f.link is None:
+                continue
+            bw = c.intra_node_bandwidth_gbs if f.link is Link.INTRA else c.inter_node_bandwidth_gbs
+            per_gpu[f.dst] += f.bytes / (bw * 1e9)
+            if f.link is Link.INTER:
+                worst = Link.INTER
+        return max(per_gpu.values(), default=0.0), worst
+
+    def measurements(self, nodes: Iterable[Node], seconds: Mapping[int, float]) -> list[Measurement]:
+        """Calibration samples from measured node times (the slowest rank's, per node id): a
+        Split or Merge refines the all-gather class of its link, an Extend the broadcast class.
+        Communicator setup and latency are taken off first; restores from storage are skipped."""
+        out = []
+        for n in nodes:
+            if n.id not in seconds or not n.bytes:
+                continue
+            ideal, link = self.ideal_s(n.primitive, n.flows)
+            measured = seconds[n.id] - self.setup_s
+            if ideal <= 0 or measured <= 0 or link is None:
+                continue
+            kind = Collective.BROADCAST if n.primitive is Primitive.EXTEND else Collective.ALLGATHER
+            out.append(Measurement(OpClass.of(kind, link), ideal, measured))
+        return out
 
     def latency(self, link: Link | None) -> float:
         c = self.cluster
