@@ -72,6 +72,16 @@ class RankState:
         return cls(model_stage, model, layout, t, p, policy, bufs, state or LogicalState())
 
     @classmethod
+    def uninitialised(
+        cls, model_stage: str, model: ModelSpec, layout: Layout, t: int, p: int, policy: StatePolicy,
+        device: torch.device | str = "cpu",
+    ) -> RankState:  # fmt: skip
+        """Buffers without a memset, for a receive that overwrites every byte (padding included)."""
+        n = rank_buffers(model, layout, t, p, policy).numel
+        bufs = {k: torch.empty(n, dtype=TORCH_DTYPE[d], device=device) for k, d in policy.kinds}
+        return cls(model_stage, model, layout, t, p, policy, bufs, LogicalState())
+
+    @classmethod
     def from_full(
         cls, model_stage: str, model: ModelSpec, layout: Layout, t: int, p: int, policy: StatePolicy,
         full: Callable[[BufferKind, str], torch.Tensor], state: LogicalState | None = None,

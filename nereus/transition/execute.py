@@ -192,10 +192,24 @@ class Executor:
         ops: list[dist.P2POp] = []
         inbox: list[tuple[torch.Tensor, list[Piece]]] = []
         new: RankState | None = None
+        inbox_whole: RankState | None = None
+        self._header = torch.zeros(4, dtype=torch.int64)
         for recv_gpu in sorted(roles.receivers):
             _, lay, t, p = roles.receivers[recv_gpu]
             offer = roles.providers[recv_gpu]
             positions = tuple(self._position(u, g) for g, u in offer)
+            whole = len(offer) == 1 and positions[0] == (lay, t, p) and roles.provider_policy is None
+            if whole and offer[0][0] != recv_gpu:  # a rank-aligned copy: the flat buffers as they are
+                if recv_gpu == self.gpu:
+                    new = self._receive_whole(
+                        node, move, (lay, t, p), self.rank_of_gpu[offer[0][0]], kinds, group, ops
+                    )
+                    inbox_whole = new
+                elif offer[0][0] == self.gpu:
+                    self._send_whole(
+                        node, self.holder.units[offer[0][1]], self.rank_of_gpu[recv_gpu], kinds, group, ops
+                    )
+                continue
             pieces = plan_pieces(move.model, move.policy, (lay, t, p), positions, roles.provider_policy)
             if recv_gpu != self.gpu:  # what this rank sends to recv_gpu: one message
                 mine = [pc for pc in pieces if offer[pc.provider][0] == self.gpu]
@@ -225,6 +239,10 @@ class Executor:
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
+        if inbox_whole is not None:
+            inbox_whole.state = LogicalState(*self._header.tolist())
+            self.holder.units[roles.receivers[self.gpu][0]] = inbox_whole
+            return
         if new is not None:
             states += [unpack(buf, part, new.buffers, kinds) for buf, part in inbox]
             if node.model_stage in self.states:
@@ -235,6 +253,32 @@ class Executor:
                 )
             new.state = states[0] if states else new.state
             self.holder.units[roles.receivers[self.gpu][0]] = new
+
+    def _send_whole(
+        self, node: Node, src: RankState, dst: int, kinds: list[BufferKind], group: dist.ProcessGroup,
+        ops: list[dist.P2POp],
+    ) -> None:  # fmt: skip
+        """Each buffer kind as one message (no packing), and the logical state."""
+        s = src.state
+        head = torch.tensor([s.updates, s.version, s.minibatch, s.seed], dtype=torch.int64)
+        ops.append(dist.P2POp(dist.isend, head, dst, group, node.id * 8 + 7))
+        for j, k in enumerate(kinds):
+            buf = src.buffers[k]
+            ops.append(dist.P2POp(dist.isend, buf, dst, group, node.id * 8 + j))
+            self.sent += buf.numel() * buf.element_size()
+            self.messages.append((node.id, self.rank, dst, buf.numel() * buf.element_size()))
+
+    def _receive_whole(
+        self, node: Node, move: StageMove, at: tuple[Layout, int, int], src: int, kinds: list[BufferKind],
+        group: dist.ProcessGroup, ops: list[dist.P2POp],
+    ) -> RankState:  # fmt: skip
+        lay, t, p = at
+        new = RankState.uninitialised(node.model_stage, move.model, lay, t, p, move.policy, self._device())
+        ops.append(dist.P2POp(dist.irecv, self._header, src, group, node.id * 8 + 7))
+        for j, k in enumerate(kinds):
+            ops.append(dist.P2POp(dist.irecv, new.buffers[k], src, group, node.id * 8 + j))
+            self.received += new.buffers[k].numel() * new.buffers[k].element_size()
+        return new
 
     def _from_storage(self, node: Node) -> None:
         uid = node.outputs[0]
