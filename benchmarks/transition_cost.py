@@ -44,8 +44,9 @@ from nereus.plan.calibration import Efficiencies
 from nereus.plan.layout import Layout
 from nereus.spec import load_cluster, load_model
 from nereus.spec.workload import Precision, Stage
-from nereus.state.buffers import StatePolicy
+from nereus.state.buffers import StatePolicy, rank_buffers
 from nereus.state.checkpoint import layout_mesh, to_dtensors
+from nereus.state.emu import LogicalState
 from nereus.state.holder import RankState, StateHolder
 from nereus.transition import LinkModel, StageMove, build_dag
 from nereus.transition.exchange import plan_pieces
@@ -119,50 +120,50 @@ def _raw(messages: list[tuple[int, int, int, int]], rank: int) -> None:
 
 
 def _naive(move: StageMove, holder: StateHolder, rank: int, world: int) -> int:
-    """Gather all shards to rank 0, broadcast the full state, slice; bytes rank 0 sent."""
+    """Gather all shards to rank 0, broadcast the full state, slice; bytes broadcast.
+
+    One buffer kind at a time (parameters, then m, then v), so a rank holds one full kind at once."""
     full = Layout(1, 1)
-    kinds = [k for k, _ in move.policy.kinds]
-    lay = move.current_layout
+    lay, lb = move.current_layout, move.target_layout
     owners = list(move.current[0])  # one replica holds everything
     positions = tuple((lay, i % lay.tp, i // lay.tp) for i in range(lay.size))
     pieces = plan_pieces(move.model, move.policy, (full, 0, 0), positions)
-    whole = RankState.empty(STAGE, move.model, full, 0, 0, move.policy)
-    if rank == 0:
-        ops, inbox = [], []
-        for k, owner in enumerate(owners):
-            mine = [pc for pc in pieces if pc.provider == k]
-            if owner == 0:
-                unpack(
-                    pack(mine, holder.units[STAGE].buffers, kinds, holder.units[STAGE].state),
-                    mine,
-                    whole.buffers,
-                    kinds,
-                )
-                continue
-            size = 32 + sum(pc.numel * 4 for pc in mine) * len(kinds)
-            buf = torch.empty(size, dtype=torch.uint8)
-            ops.append(dist.P2POp(dist.irecv, buf, owner))
-            inbox.append((buf, mine))
-        for w in dist.batch_isend_irecv(ops) if ops else []:
-            w.wait()
-        for buf, mine in inbox:
-            unpack(buf, mine, whole.buffers, kinds)
-    elif rank in owners:
-        k = owners.index(rank)
-        mine = [pc for pc in pieces if pc.provider == k]
-        msg = pack(mine, holder.units[STAGE].buffers, kinds, holder.units[STAGE].state)
-        for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, msg, 0)]):
-            w.wait()
-    for buf in whole.buffers.values():
-        dist.broadcast(buf, src=0)
-    lb = move.target_layout
-    for gpus in move.target:  # slice the target shard out of the full state
-        if rank in gpus:
-            i = gpus.index(rank)
+    n_full = rank_buffers(move.model, full, 0, 0, move.policy).numel
+    mine_at = next(((g.index(rank), g) for g in move.target if rank in g), None)
+    sent = 0
+    for kind, _ in move.policy.kinds:
+        whole = {kind: torch.zeros(n_full, dtype=torch.float32)}
+        if rank == 0:
+            ops, inbox = [], []
+            for k, owner in enumerate(owners):
+                part = [pc for pc in pieces if pc.provider == k]
+                if owner == 0:
+                    src = holder.units[STAGE]
+                    unpack(pack(part, src.buffers, [kind], src.state), part, whole, [kind])
+                    continue
+                buf = torch.empty(32 + 4 * sum(pc.numel for pc in part), dtype=torch.uint8)
+                ops.append(dist.P2POp(dist.irecv, buf, owner))
+                inbox.append((buf, part))
+            for w in dist.batch_isend_irecv(ops) if ops else []:
+                w.wait()
+            for buf, part in inbox:
+                unpack(buf, part, whole, [kind])
+        elif rank in owners:
+            part = [pc for pc in pieces if pc.provider == owners.index(rank)]
+            src = holder.units[STAGE]
+            for w in dist.batch_isend_irecv(
+                [dist.P2POp(dist.isend, pack(part, src.buffers, [kind], src.state), 0)]
+            ):
+                w.wait()
+        dist.broadcast(whole[kind], src=0)
+        sent += whole[kind].numel() * 4 * (world - 1)
+        if mine_at is not None:  # slice this rank's target shard out of the full tensor
+            i = mine_at[0]
             need = plan_pieces(move.model, move.policy, (lb, i % lb.tp, i // lb.tp), ((full, 0, 0),))
-            out = RankState.empty(STAGE, move.model, lb, i % lb.tp, i // lb.tp, move.policy)
-            unpack(pack(need, whole.buffers, kinds, whole.state), need, out.buffers, kinds)
-    return whole.nbytes * (world - 1)
+            out = {kind: torch.zeros(rank_buffers(move.model, lb, i % lb.tp, i // lb.tp, move.policy).numel)}
+            unpack(pack(need, whole, [kind], LogicalState()), need, out, [kind])
+        del whole
+    return sent
 
 
 def _dcp(move: StageMove, holder: StateHolder, rank: int, world: int, ckpt: str) -> tuple[float, float]:

@@ -73,3 +73,14 @@ def test_dag_schedule_benchmark_quick(tmp_path: Path) -> None:
             assert r["scip"]["valid"] is not False
             assert r["scip"]["makespan_ticks"] <= r["greedy_ticks"]
     assert (tmp_path / "dag_schedule.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(240)
+def test_transition_cost_benchmark_quick(tmp_path: Path) -> None:
+    doc = run_quick("transition_cost.py", tmp_path)
+    rows = doc["results"]
+    assert isinstance(rows, list) and {r["scenario"] for r in rows} == {"extend 2→4", "reshard tp2·pp2→tp4"}
+    for r in rows:
+        assert set(r["seconds"]) >= {"nereus", "raw", "naive", "dcp", "restart"}
+        assert r["bytes_ratio"] is not None and r["bytes_ratio"] <= 1.05
+    assert (tmp_path / "transition_cost.png").stat().st_size > 0
