@@ -189,3 +189,24 @@ def test_a_rank_dying_mid_transition_loses_no_state(tmp_path: Path, scenario: st
         _, err, elapsed, _ = reports[0]
         assert "rank 0" in err and "[1]" in err and elapsed < 10
         assert sorted(u.gpus for u in units) == [(2,), (3,)]
+
+
+def test_bad_buffers_and_positions_are_refused_before_anything_moves() -> None:
+    m = load_model("tiny-llama")
+    policy = StatePolicy.of(Stage.TRAIN, Precision.FP32)
+    good = RankState.empty("actor.train", m, Layout(2, 1), 0, 0, policy)
+    with pytest.raises(ValueError, match=r"exp_avg: expected a flat torch\.float32 buffer"):
+        bufs = dict(good.buffers)
+        bufs[BufferKind.EXP_AVG] = bufs[BufferKind.EXP_AVG][:-1]
+        RankState("actor.train", m, Layout(2, 1), 0, 0, policy, bufs)
+    with pytest.raises(ValueError, match="float32"):
+        bufs = dict(good.buffers)
+        bufs[BufferKind.PARAM] = bufs[BufferKind.PARAM].to(torch.bfloat16)
+        RankState("actor.train", m, Layout(2, 1), 0, 0, policy, bufs)
+    # the holder says (2, 1) rank 0, the plan puts a (1, 1) unit on this GPU
+    move = StageMove("actor.train", m, policy, Layout(1, 1), ((0,),), Layout(1, 1), ((0,),))
+    dag = build_dag([move], {"actor.train": 2}, LinkModel(load_cluster("local-cpu"), Efficiencies()), 2**40)
+    holder = StateHolder(0)
+    holder.units["actor.train"] = good
+    with pytest.raises(TransitionError, match=r"rank 0: holds actor\.train tp2·pp1"):
+        Executor(dag, [move], holder, {0: 0}).run()
