@@ -229,7 +229,8 @@ class Executor:
                 gpu, src_uid = offer[k]
                 if gpu == self.gpu:  # resident: a local copy, nothing sent
                     src = self.holder.units[src_uid]
-                    states.append(unpack(pack(part, src.buffers, kinds, src.state), part, new.buffers, kinds))
+                    copy_local(part, src.buffers, new.buffers, kinds)
+                    states.append(src.state)
                     continue
                 size = HEADER + sum(pc.numel * new.buffers[kd].element_size() for pc in part for kd in kinds)
                 buf = torch.empty(size, dtype=torch.uint8, device=self._device())
@@ -322,13 +323,31 @@ def pack(
     state: LogicalState,
 ) -> torch.Tensor:  # fmt: skip
     """The logical state, then every piece of every kind (widest dtype first, so each kind
-    starts aligned) as bytes: one message."""
+    starts aligned) as bytes: one message, each piece copied once into it."""
+    device = next(iter(buffers.values())).device
+    total = HEADER + sum(pc.numel * buffers[k].element_size() for k in kinds for pc in pieces)
+    msg = torch.empty(total, dtype=torch.uint8, device=device)
     head = torch.tensor([state.updates, state.version, state.minibatch, state.seed], dtype=torch.int64)
-    parts = [head.view(torch.uint8).to(next(iter(buffers.values())).device)]
-    parts += [
-        _piece_view(buffers[k], pc, pc.src).reshape(-1).view(torch.uint8) for k in kinds for pc in pieces
-    ]
-    return torch.cat(parts)
+    msg[:HEADER].copy_(head.view(torch.uint8))
+    at = HEADER
+    for k in kinds:
+        buf = buffers[k]
+        for pc in pieces:
+            n = pc.numel * buf.element_size()
+            src = _piece_view(buf, pc, pc.src)
+            msg[at : at + n].view(buf.dtype).view(src.shape).copy_(src)
+            at += n
+    return msg
+
+
+def copy_local(
+    pieces: Sequence[Piece], src: Mapping[BufferKind, torch.Tensor], dst: Mapping[BufferKind, torch.Tensor],
+    kinds: Sequence[BufferKind],
+) -> None:  # fmt: skip
+    """Pieces this rank already holds, straight from its old buffers into the new ones."""
+    for k in kinds:
+        for pc in pieces:
+            _piece_view(dst[k], pc, pc.dst).copy_(_piece_view(src[k], pc, pc.src))
 
 
 def unpack(
