@@ -210,3 +210,20 @@ def test_bad_buffers_and_positions_are_refused_before_anything_moves() -> None:
     holder.units["actor.train"] = good
     with pytest.raises(TransitionError, match=r"rank 0: holds actor\.train tp2·pp1"):
         Executor(dag, [move], holder, {0: 0}).run()
+
+
+def test_waves_group_ready_nodes_and_never_split_an_edge() -> None:
+    problem = make_problem(model="tiny-llama", cluster="local-cpu", gpus=WORLD, response=32)
+    rng = random.Random(5)
+    concurrent = 0
+    for _ in range(20):
+        a, b = random_plan(rng, problem, (1, 2, 4)), random_plan(rng, problem, (1, 2, 4))
+        tr = plan_transition(problem, a, b)
+        if not tr.feasible:
+            continue
+        waves = Executor(tr.dag, tr.moves, StateHolder(0), {r: r for r in range(WORLD)})._waves(None)
+        where = {i: w for w, wave in enumerate(waves) for i in wave}
+        assert sorted(where) == list(range(len(tr.dag.nodes)))
+        assert all(where[e.src] < where[e.dst] for e in tr.dag.edges)
+        concurrent += any(len(w) > 1 for w in waves)
+    assert concurrent  # independent primitives do share waves

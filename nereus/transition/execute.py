@@ -1,13 +1,14 @@
 """Run a transition DAG on torch.distributed: the edge where planned moves become bytes.
 
-Every rank walks the same DAG in the same order (the schedule's start order) and takes part in
-the nodes that touch its GPU. A node's data movement is the exchange plan of its receivers
-(``exchange.plan_pieces``): each provider packs, per receiver, all its pieces of every buffer
-kind into one message, and the node's messages go out together (``batch_isend_irecv``), so the
-rank pairs of an Extend, the members of a Split group or of a Merge run concurrently. Pieces a
-rank already holds are copied locally, never sent. Because ranks walk nodes in one order and a
-node only waits on its own participants, the walk cannot deadlock; memory follows the DAG's
-ledger (a node frees what it consumes when it ends).
+Every rank walks the same DAG in the same waves (nodes grouped by depth, so a wave depends only on
+earlier ones) and takes part in the nodes that touch its GPU. A node's data movement is the
+exchange plan of its receivers (``exchange.plan_pieces``): each provider packs, per receiver, all
+its pieces of every buffer kind into one message (a rank-aligned copy sends its flat buffers as
+they are), and a wave's messages, across all its nodes, go out together (``batch_isend_irecv``):
+the rank pairs of an Extend, the members of a Split group, and every ready primitive run
+concurrently. Pieces a rank already holds are copied locally, never sent. Ranks walk the waves in
+one order and a wave only waits on its own participants, so the walk cannot deadlock; memory
+follows the DAG's ledger, which holds for every execution that respects its edges.
 
 - Split: the members of the unit provide their old shards, the materialised sub-units' ranks
   receive their T_sub shard; all old shards are freed at the end.
@@ -126,41 +127,71 @@ class Executor:
         group = dist.new_group(backend=dist.get_backend(), timeout=self.timeout)
         done = 0
         try:
-            for i in order if order is not None else self.dag.order:
-                node = self.dag.nodes[i]
-                if self.gpu not in {*node.gpus, *node.sends, *(g for g, _ in node.release)}:
+            for wave in self._waves(order):
+                mine = [self.dag.nodes[i] for i in wave]
+                mine = [n for n in mine if self.gpu in {*n.gpus, *n.sends, *(g for g, _ in n.release)}]
+                if not mine:
                     continue
-                if on_node:
-                    on_node(node, "start")
                 started = time.perf_counter()
                 try:
-                    self._node(node, group)
+                    ops: list[dist.P2POp] = []
+                    finishes = []
+                    for node in mine:
+                        if on_node:
+                            on_node(node, "start")
+                        node_ops, finish = self._node(node, group)
+                        ops += node_ops
+                        finishes.append(finish)
+                    if ops:  # every ready node's messages at once: they run concurrently
+                        for work in dist.batch_isend_irecv(ops):
+                            work.wait()
+                    for finish in finishes:
+                        finish()
                 except Exception as exc:  # a dead peer, a timeout, a bad buffer
-                    peers = sorted({self.rank_of_gpu[g] for g in (*node.gpus, *node.sends)} - {self.rank})
+                    what = "; ".join(f"{n.primitive.value} node {n.id} ({n.describe()})" for n in mine)
+                    peers = sorted(
+                        {self.rank_of_gpu[g] for n in mine for g in (*n.gpus, *n.sends)} - {self.rank}
+                    )
                     raise TransitionError(
-                        f"rank {self.rank}: {node.primitive.value} node {node.id} ({node.describe()}) "
-                        f"with ranks {peers} failed: {exc}"
+                        f"rank {self.rank}: {what} with ranks {peers} failed: {exc}"
                     ) from exc
-                done += 1
-                self.node_seconds[node.id] = time.perf_counter() - started
-                if on_node:
-                    on_node(node, "done")
+                elapsed = time.perf_counter() - started
+                for node in mine:
+                    done += 1
+                    self.node_seconds[node.id] = elapsed
+                    if on_node:
+                        on_node(node, "done")
         finally:
             dist.destroy_process_group(group)
         self.holder.by_stage()  # checks: one unit per model-stage again (ids stay the DAG's)
         return Report(done, self.sent, self.received, tuple(sorted(self.holder.units)))
 
-    def _node(self, node: Node, group: dist.ProcessGroup) -> None:
+    def _waves(self, order: Sequence[int] | None) -> list[list[int]]:
+        """Nodes grouped by depth in the DAG: a wave's nodes depend only on earlier waves, so they
+        are ready together and run concurrently (in ``order`` within a wave)."""
+        preds = self.dag.preds()
+        seq = list(order) if order is not None else list(self.dag.order)
+        depth: dict[int, int] = {}
+        for i in self.dag.order:  # a topological order
+            depth[i] = 1 + max((depth[p] for p in preds[i]), default=-1)
+        waves: dict[int, list[int]] = {}
+        for i in seq:
+            waves.setdefault(depth[i], []).append(i)
+        return [waves[d] for d in sorted(waves)]
+
+    def _node(self, node: Node, group: dist.ProcessGroup) -> tuple[list[dist.P2POp], Callable[[], None]]:
+        """This rank's messages for ``node`` and what to do once they have arrived."""
         prim = node.primitive
         if prim is Primitive.DESTROY:
-            self.holder.units.pop(node.inputs[0], None)
-            return
+
+            def drop() -> None:
+                self.holder.units.pop(node.inputs[0], None)
+
+            return [], drop
         if prim is Primitive.EXTEND and node.source == "storage":
             self._from_storage(node)
-            return
-        self._exchange(node, self._roles(node), group)
-        for uid in node.frees:
-            self.holder.units.pop(uid, None)
+            return [], lambda: None
+        return self._exchange(node, self._roles(node), group)
 
     def _roles(self, node: Node) -> _Roles:
         receivers: dict[int, tuple[str, Layout, int, int]] = {}
@@ -186,14 +217,17 @@ class Executor:
                 providers[g] = sorted(offer, key=lambda x: (x[0] != g, x[0]))
         return _Roles(receivers, providers, None)
 
-    def _exchange(self, node: Node, roles: _Roles, group: dist.ProcessGroup) -> None:
+    def _exchange(
+        self, node: Node, roles: _Roles, group: dist.ProcessGroup
+    ) -> tuple[list[dist.P2POp], Callable[[], None]]:
         move = self.moves[node.model_stage]
         kinds = sorted((k for k, _ in move.policy.kinds), key=lambda k: -dict(move.policy.kinds)[k].itemsize)
         ops: list[dist.P2POp] = []
         inbox: list[tuple[torch.Tensor, list[Piece]]] = []
         new: RankState | None = None
         inbox_whole: RankState | None = None
-        self._header = torch.zeros(4, dtype=torch.int64)
+        states: list[LogicalState] = []
+        self._header = torch.zeros(4, dtype=torch.int64)  # a whole copy's logical state lands here
         for recv_gpu in sorted(roles.receivers):
             _, lay, t, p = roles.receivers[recv_gpu]
             offer = roles.providers[recv_gpu]
@@ -221,7 +255,6 @@ class Executor:
                     self.messages.append((node.id, self.rank, self.rank_of_gpu[recv_gpu], msg.numel()))
                 continue
             new = RankState.empty(node.model_stage, move.model, lay, t, p, move.policy, None, self._device())
-            states: list[LogicalState] = []
             by_provider: dict[int, list[Piece]] = {}
             for pc in pieces:
                 by_provider.setdefault(pc.provider, []).append(pc)
@@ -237,23 +270,26 @@ class Executor:
                 ops.append(dist.P2POp(dist.irecv, buf, self.rank_of_gpu[gpu], group, node.id))
                 inbox.append((buf, part))
                 self.received += size
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        if inbox_whole is not None:
-            inbox_whole.state = LogicalState(*self._header.tolist())
-            self.holder.units[roles.receivers[self.gpu][0]] = inbox_whole
-            return
-        if new is not None:
-            states += [unpack(buf, part, new.buffers, kinds) for buf, part in inbox]
-            if node.model_stage in self.states:
-                states.append(self.states[node.model_stage])
-            if len(set(states)) > 1:
-                raise TransitionError(
-                    f"{node.describe()}: providers disagree on the logical state {set(states)}"
-                )
-            new.state = states[0] if states else new.state
-            self.holder.units[roles.receivers[self.gpu][0]] = new
+        header = self._header
+
+        def finish() -> None:
+            if inbox_whole is not None:
+                inbox_whole.state = LogicalState(*header.tolist())
+                self.holder.units[roles.receivers[self.gpu][0]] = inbox_whole
+            elif new is not None:
+                got = states + [unpack(buf, part, new.buffers, kinds) for buf, part in inbox]
+                if node.model_stage in self.states:
+                    got.append(self.states[node.model_stage])
+                if len(set(got)) > 1:
+                    raise TransitionError(
+                        f"{node.describe()}: providers disagree on the logical state {set(got)}"
+                    )
+                new.state = got[0] if got else new.state
+                self.holder.units[roles.receivers[self.gpu][0]] = new
+            for uid in node.frees:  # what the node consumed (never one of its outputs)
+                self.holder.units.pop(uid, None)
+
+        return ops, finish
 
     def _send_whole(
         self, node: Node, src: RankState, dst: int, kinds: list[BufferKind], group: dist.ProcessGroup,
