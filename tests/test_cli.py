@@ -193,6 +193,7 @@ def test_describe_and_list(capsys: pytest.CaptureFixture[str]) -> None:
     assert json.loads(out)["total_gpus"] == 1024 and json.loads(out)["vendor"] == "amd"
     _, out, _ = run(["list", "models"], capsys)
     assert out.split() == [
+        "llama-125m",
         "llama-3.1-8b",
         "llama-3.3-70b",
         "qwen3-14b",
