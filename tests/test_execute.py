@@ -210,6 +210,7 @@ def test_bad_buffers_and_positions_are_refused_before_anything_moves() -> None:
     holder.units["actor.train"] = good
     with pytest.raises(TransitionError, match=r"rank 0: holds actor\.train tp2·pp1"):
         Executor(dag, [move], holder, {0: 0}).run()
+    assert holder.units == {"actor.train": good}  # untouched
 
 
 def test_waves_group_ready_nodes_and_never_split_an_edge() -> None:

@@ -93,7 +93,7 @@ class Executor:
     def _adopt(self) -> None:
         """Name this rank's units as the DAG does (``<model-stage>/u<i>``)."""
         mine = self.holder.by_stage()
-        self.holder.units.clear()
+        named: dict[str, RankState] = {}
         for name, rs in mine.items():
             m = self.moves.get(name)
             uid = None
@@ -108,7 +108,8 @@ class Executor:
                                 f"the plan says {m.current_layout} (t={t}, p={p})"
                             )
             if uid is not None:  # a unit broken by a lost GPU is dropped: its peers are gone
-                self.holder.units[uid] = rs
+                named[uid] = rs
+        self.holder.units = named  # only once every unit checked out: bad input changes nothing
 
     def _position(self, uid: str, gpu: int) -> tuple[Layout, int, int]:
         u = self.units[uid]
@@ -119,8 +120,9 @@ class Executor:
     def run(
         self, order: Sequence[int] | None = None, on_node: Callable[[Node, str], None] | None = None
     ) -> Report:
-        """Walk the DAG (``order``: the schedule's start order by default, the commit order if
-        none). ``on_node(node, "start" | "done")`` observes each node this rank takes part in.
+        """Walk the DAG in waves (``order`` sets the order within a wave: the schedule's start
+        order, or the commit order by default). ``on_node(node, "start" | "done")`` observes each
+        node this rank takes part in.
         Raises TransitionError naming this rank, the node and its peers when a node fails; the
         holder then still holds every complete unit it had (nothing half-written is installed)."""
         self._adopt()
