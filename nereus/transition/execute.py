@@ -252,7 +252,9 @@ class Executor:
                 if mine:
                     src = self.holder.units[offer[mine[0].provider][1]]
                     msg = pack(mine, src.buffers, kinds, src.state)
-                    ops.append(dist.P2POp(dist.isend, msg, self.rank_of_gpu[recv_gpu], group, node.id))
+                    ops.append(
+                        dist.P2POp(dist.isend, msg, self.rank_of_gpu[recv_gpu], group, node.id * 8 + PACKED)
+                    )
                     self.sent += msg.numel()
                     self.messages.append((node.id, self.rank, self.rank_of_gpu[recv_gpu], msg.numel()))
                 continue
@@ -269,7 +271,7 @@ class Executor:
                     continue
                 size = HEADER + sum(pc.numel * new.buffers[kd].element_size() for pc in part for kd in kinds)
                 buf = torch.empty(size, dtype=torch.uint8, device=self._device())
-                ops.append(dist.P2POp(dist.irecv, buf, self.rank_of_gpu[gpu], group, node.id))
+                ops.append(dist.P2POp(dist.irecv, buf, self.rank_of_gpu[gpu], group, node.id * 8 + PACKED))
                 inbox.append((buf, part))
                 self.received += size
         header = self._header
@@ -354,6 +356,8 @@ def _piece_view(buf: torch.Tensor, pc: Piece, slot: Slot) -> torch.Tensor:
 
 
 HEADER = 32  # the logical state (updates, version, minibatch, seed) as four int64
+# message tags: node.id · 8 + j, j = buffer kind (0–3) of a whole copy, PACKED, or 7 for its state
+PACKED = 6
 
 
 def pack(
