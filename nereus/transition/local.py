@@ -209,6 +209,32 @@ class _Builder:
             )
         )  # fmt: skip
 
+    def reshard(self, u: Unit, v: Unit) -> int:
+        """A unit's Split and Merge on its own GPUs fused into one exchange: every GPU of ``v``
+        assembles its target shard from the old shards of ``u`` (its own first), with no
+        intermediate T_sub layout; a Merge node whose input has the old layout."""
+        old, new = u.layout, v.layout
+        acquire, release, flows = [], [], []
+        moved, local = 0, 0
+        link = self.links.group_link(v.gpus)
+        for i, g in enumerate(v.gpus):
+            t, p = i % new.tp, i // new.tp
+            j = u.gpus.index(g)
+            ot, op = j % old.tp, j // old.tp
+            recv = self.missing(old, ot, op, new, t, p)
+            acquire.append((g, self.held(new, t, p)))
+            release.append((g, self.held(old, ot, op)))
+            flows.append(Flow(g, recv, link))
+            moved += recv
+            local = max(local, rank_numel(self.m.model, new, t, p) * self.bpe - recv)
+        est = self.links.seconds(Primitive.MERGE, flows, hops=len(v.gpus) - 1, local_bytes=local)
+        return self.add(
+            Node(
+                self.next_id(), Primitive.MERGE, self.m.name, v.gpus, moved, est, (u.id,), (v.id,), (u.id,),
+                tuple(acquire), tuple(release), tuple(flows), *(((v.gpus,) * 2) if moved else ((), ())),
+            )
+        )  # fmt: skip
+
     def merge(self, slots: list[Unit], target: Unit) -> int:
         sub, lay = slots[0].layout, target.layout
         kt, kp = lay.tp // sub.tp, lay.pp // sub.pp
@@ -254,6 +280,13 @@ def local_dag(move: StageMove, links: LinkModel, next_id: Callable[[], int]) -> 
         for v in targets:
             b.out.units[v.id] = v
             b.restore(v)
+        return b.out
+    same_gpus = {frozenset(g): i for i, g in enumerate(move.current)}
+    if len(move.current) == len(move.target) and all(frozenset(v.gpus) in same_gpus for v in targets):
+        for v in targets:  # every unit re-lays itself out on its own GPUs: no intermediate layout
+            u = b.unit(f"u{same_gpus[frozenset(v.gpus)]}", cur, move.current[same_gpus[frozenset(v.gpus)]])
+            b.out.units[v.id] = v
+            b.reshard(u, v)
         return b.out
     sub = sub_layout(cur, tgt)
     kt, kp = cur.tp // sub.tp, cur.pp // sub.pp
