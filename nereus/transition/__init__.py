@@ -1,4 +1,5 @@
-"""Transitions between plans: local and global DAGs, their schedule and L_tran (pure)."""
+"""Transitions between plans: local and global DAGs, schedules and L_tran (pure); ``execute`` runs a
+DAG on torch.distributed (edge, imported on its own so the planner never loads torch)."""
 
 from nereus.transition.between import NoSourceError, Transition, plan_transition, stage_moves
 from nereus.transition.build import build_dag
