@@ -227,9 +227,9 @@ class Executor:
         ops: list[dist.P2POp] = []
         inbox: list[tuple[torch.Tensor, list[Piece]]] = []
         new: RankState | None = None
-        inbox_whole: RankState | None = None
+        whole_copy = False  # this rank receives a rank-aligned copy: its state lands in ``header``
+        header = torch.zeros(4, dtype=torch.int64)
         states: list[LogicalState] = []
-        self._header = torch.zeros(4, dtype=torch.int64)  # a whole copy's logical state lands here
         for recv_gpu in sorted(roles.receivers):
             _, lay, t, p = roles.receivers[recv_gpu]
             offer = roles.providers[recv_gpu]
@@ -237,10 +237,9 @@ class Executor:
             whole = len(offer) == 1 and positions[0] == (lay, t, p) and roles.provider_policy is None
             if whole and offer[0][0] != recv_gpu:  # a rank-aligned copy: the flat buffers as they are
                 if recv_gpu == self.gpu:
-                    new = self._receive_whole(
-                        node, move, (lay, t, p), self.rank_of_gpu[offer[0][0]], kinds, group, ops
-                    )
-                    inbox_whole = new
+                    src_rank = self.rank_of_gpu[offer[0][0]]
+                    new = self._receive_whole(node, move, (lay, t, p), src_rank, kinds, header, group, ops)
+                    whole_copy = True
                 elif offer[0][0] == self.gpu:
                     self._send_whole(
                         node, self.holder.units[offer[0][1]], self.rank_of_gpu[recv_gpu], kinds, group, ops
@@ -274,12 +273,12 @@ class Executor:
                 ops.append(dist.P2POp(dist.irecv, buf, self.rank_of_gpu[gpu], group, node.id * 8 + PACKED))
                 inbox.append((buf, part))
                 self.received += size
-        header = self._header
 
         def finish() -> None:
-            if inbox_whole is not None:
-                inbox_whole.state = LogicalState(*header.tolist())
-                self.holder.units[roles.receivers[self.gpu][0]] = inbox_whole
+            if whole_copy:
+                assert new is not None
+                new.state = LogicalState(*header.tolist())
+                self.holder.units[roles.receivers[self.gpu][0]] = new
             elif new is not None:
                 got = states + [unpack(buf, part, new.buffers, kinds) for buf, part in inbox]
                 if node.model_stage in self.states:
@@ -300,9 +299,7 @@ class Executor:
         ops: list[dist.P2POp],
     ) -> None:  # fmt: skip
         """Each buffer kind as one message (no packing), and the logical state."""
-        s = src.state
-        head = torch.tensor([s.updates, s.version, s.minibatch, s.seed], dtype=torch.int64)
-        ops.append(dist.P2POp(dist.isend, head, dst, group, node.id * 8 + 7))
+        ops.append(dist.P2POp(dist.isend, _state_tensor(src.state), dst, group, node.id * 8 + 7))
         for j, k in enumerate(kinds):
             buf = src.buffers[k]
             ops.append(dist.P2POp(dist.isend, buf, dst, group, node.id * 8 + j))
@@ -311,11 +308,11 @@ class Executor:
 
     def _receive_whole(
         self, node: Node, move: StageMove, at: tuple[Layout, int, int], src: int, kinds: list[BufferKind],
-        group: dist.ProcessGroup, ops: list[dist.P2POp],
+        header: torch.Tensor, group: dist.ProcessGroup, ops: list[dist.P2POp],
     ) -> RankState:  # fmt: skip
         lay, t, p = at
         new = RankState.uninitialised(node.model_stage, move.model, lay, t, p, move.policy, self._device())
-        ops.append(dist.P2POp(dist.irecv, self._header, src, group, node.id * 8 + 7))
+        ops.append(dist.P2POp(dist.irecv, header, src, group, node.id * 8 + 7))
         for j, k in enumerate(kinds):
             ops.append(dist.P2POp(dist.irecv, new.buffers[k], src, group, node.id * 8 + j))
             self.received += new.buffers[k].numel() * new.buffers[k].element_size()
@@ -360,6 +357,10 @@ HEADER = 32  # the logical state (updates, version, minibatch, seed) as four int
 PACKED = 6
 
 
+def _state_tensor(state: LogicalState) -> torch.Tensor:
+    return torch.tensor([state.updates, state.version, state.minibatch, state.seed], dtype=torch.int64)
+
+
 def pack(
     pieces: Sequence[Piece], buffers: Mapping[BufferKind, torch.Tensor], kinds: Sequence[BufferKind],
     state: LogicalState,
@@ -369,8 +370,7 @@ def pack(
     device = next(iter(buffers.values())).device
     total = HEADER + sum(pc.numel * buffers[k].element_size() for k in kinds for pc in pieces)
     msg = torch.empty(total, dtype=torch.uint8, device=device)
-    head = torch.tensor([state.updates, state.version, state.minibatch, state.seed], dtype=torch.int64)
-    msg[:HEADER].copy_(head.view(torch.uint8))
+    msg[:HEADER].copy_(_state_tensor(state).view(torch.uint8))
     at = HEADER
     for k in kinds:
         buf = buffers[k]
