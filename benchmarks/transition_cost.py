@@ -119,8 +119,8 @@ def _raw(messages: list[tuple[int, int, int, int]], rank: int) -> None:
             w.wait()
 
 
-def _naive(move: StageMove, holder: StateHolder, rank: int, world: int) -> int:
-    """Gather all shards to rank 0, broadcast the full state, slice; bytes broadcast.
+def _naive(move: StageMove, holder: StateHolder, rank: int) -> None:
+    """Gather all shards to rank 0, broadcast the full state, slice.
 
     One buffer kind at a time (parameters, then m, then v), so a rank holds one full kind at once."""
     full = Layout(1, 1)
@@ -130,7 +130,6 @@ def _naive(move: StageMove, holder: StateHolder, rank: int, world: int) -> int:
     pieces = plan_pieces(move.model, move.policy, (full, 0, 0), positions)
     n_full = rank_buffers(move.model, full, 0, 0, move.policy).numel
     mine_at = next(((g.index(rank), g) for g in move.target if rank in g), None)
-    sent = 0
     for kind, _ in move.policy.kinds:
         whole = {kind: torch.zeros(n_full, dtype=torch.float32)}
         if rank == 0:
@@ -156,14 +155,12 @@ def _naive(move: StageMove, holder: StateHolder, rank: int, world: int) -> int:
             ):
                 w.wait()
         dist.broadcast(whole[kind], src=0)
-        sent += whole[kind].numel() * 4 * (world - 1)
         if mine_at is not None:  # slice this rank's target shard out of the full tensor
             i = mine_at[0]
             need = plan_pieces(move.model, move.policy, (lb, i % lb.tp, i // lb.tp), ((full, 0, 0),))
             out = {kind: torch.zeros(rank_buffers(move.model, lb, i % lb.tp, i // lb.tp, move.policy).numel)}
             unpack(pack(need, whole, [kind], LogicalState()), need, out, [kind])
         del whole
-    return sent
 
 
 def _dcp(move: StageMove, holder: StateHolder, rank: int, world: int, ckpt: str) -> tuple[float, float]:
@@ -210,7 +207,7 @@ def _worker(
         all_messages = [m for ms in gathered for m in ms]
         times["raw"].append(_timed(lambda msgs=all_messages: _raw(msgs, rank)))
         holder = _initial(move, rank)
-        times["naive"].append(_timed(lambda h=holder: _naive(move, h, rank, world)))
+        times["naive"].append(_timed(lambda h=holder: _naive(move, h, rank)))
         save, load = _dcp(move, _initial(move, rank), rank, world, f"{ckpt}{r}")
         times["dcp_save"].append(save)
         times["dcp_load"].append(load)
