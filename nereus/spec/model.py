@@ -31,6 +31,39 @@ class Head(StrEnum):
     VALUE = "value"
 
 
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Llama 3's frequency-dependent RoPE scaling (``"rope_type": "llama3"`` in ``config.json``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        require_positive(self, "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"high_freq_factor {self.high_freq_factor} must exceed low_freq_factor {self.low_freq_factor}"
+            )
+
+
+def _rope_from_hf(data: dict[str, Any], path: Path) -> tuple[float | None, RopeScaling | None]:
+    """(rope_theta, scaling) from ``rope_scaling`` + ``rope_theta`` (transformers 4) or
+    ``rope_parameters`` (transformers 5). Only the default and ``llama3`` rope types are modelled."""
+    params = data.get("rope_parameters") or data.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"{path}: key 'rope_parameters': expected a mapping, got {params!r}")
+    theta = params.get("rope_theta", data.get("rope_theta"))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ConfigError(f"{path}: key 'rope_type': expected one of default, llama3, got {kind!r}")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    return theta, build(RopeScaling, {k: params.get(k) for k in keys}, str(path), prefix="rope_scaling.")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSpec:
     """A decoder-only transformer with RMSNorm, RoPE, GQA attention and a SwiGLU MLP."""
@@ -50,6 +83,7 @@ class ModelSpec:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
+    rope_scaling: RopeScaling | None = None
     head: Head = Head.LM
     hf_repo: str = ""  # where the official weights live, for reference
 
@@ -87,7 +121,7 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, path: Path, name: str | None = None) -> ModelSpec:
-        """Read a Hugging Face ``config.json`` (keys we do not model, e.g. rope_scaling, are ignored)."""
+        """Read a Hugging Face ``config.json`` (keys we do not model, e.g. dropout, are ignored)."""
         try:
             data: dict[str, Any] = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
@@ -114,7 +148,12 @@ class ModelSpec:
             "rope_theta",
             "max_position_embeddings",
         }
-        fields = {k: v for k, v in data.items() if k in keep and v is not None}
+        fields: dict[str, Any] = {k: v for k, v in data.items() if k in keep and v is not None}
+        theta, scaling = _rope_from_hf(data, path)
+        if theta is not None:
+            fields["rope_theta"] = theta
+        if scaling is not None:
+            fields["rope_scaling"] = dataclasses.asdict(scaling)
         fields.setdefault("num_key_value_heads", data.get("num_attention_heads"))
         fields["family"] = family.value
         fields["qk_norm"] = family is ModelFamily.QWEN3

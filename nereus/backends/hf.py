@@ -1,0 +1,182 @@
+"""Hugging Face checkpoints: ``config.json`` and safetensors in, the same out.
+
+Reading is lazy (``safe_open``): a rank reads only the slices its shards need, from a single
+``model.safetensors`` or a sharded ``model.safetensors.index.json``. Writing goes to a temporary
+directory that is renamed into place, so a reader never sees half a checkpoint. Names are the
+model's state-dict names; a value head is ``score.weight`` (``*ForSequenceClassification``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from nereus.errors import ConfigError
+from nereus.spec.model import Head, ModelFamily, ModelSpec
+
+ARCHITECTURE = {
+    ModelFamily.LLAMA: "Llama",
+    ModelFamily.MISTRAL: "Mistral",
+    ModelFamily.QWEN2: "Qwen2",
+    ModelFamily.QWEN3: "Qwen3",
+}
+SHARD_BYTES = 4 << 30  # safetensors files are split above this size, as save_pretrained does
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def read_config(directory: Path) -> ModelSpec:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{directory}: no config.json (expected a Hugging Face model directory)")
+    return ModelSpec.from_hf_config(path, name=Path(directory).name)
+
+
+def hf_config(model: ModelSpec, dtype: torch.dtype) -> dict[str, Any]:
+    """``config.json`` for ``model`` in the form transformers writes (and reads back)."""
+    arch = ARCHITECTURE[model.family] + (
+        "ForSequenceClassification" if model.head is Head.VALUE else "ForCausalLM"
+    )
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": model.rope_theta}
+    if model.rope_scaling is not None:
+        s = model.rope_scaling
+        rope = {
+            "rope_type": "llama3", "rope_theta": model.rope_theta, "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }  # fmt: skip
+    cfg: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": model.family.value,
+        "hidden_size": model.hidden_size,
+        "num_hidden_layers": model.num_hidden_layers,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.num_key_value_heads,
+        "head_dim": model.head_dim,
+        "intermediate_size": model.intermediate_size,
+        "vocab_size": model.vocab_size,
+        "tie_word_embeddings": model.tie_word_embeddings,
+        "attention_bias": model.attention_bias,
+        "rms_norm_eps": model.rms_norm_eps,
+        "max_position_embeddings": model.max_position_embeddings,
+        "rope_parameters": rope,
+        "hidden_act": "silu",
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    if model.head is Head.VALUE:
+        cfg["num_labels"] = 1
+    return cfg
+
+
+class SafetensorsReader:
+    """Lazy access to the tensors of a Hugging Face model directory."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        index = self.directory / INDEX
+        single = self.directory / SINGLE
+        try:
+            if index.is_file():
+                weight_map = json.loads(index.read_text())["weight_map"]
+                self.files = {name: self.directory / f for name, f in weight_map.items()}
+            elif single.is_file():
+                with safe_open(str(single), "pt") as f:
+                    self.files = {name: single for name in f.keys()}  # noqa: SIM118
+            else:
+                raise ConfigError(f"{directory}: no {SINGLE} or {INDEX}")
+        except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{directory}: cannot read the safetensors index ({exc})") from None
+        self._open: dict[Path, Any] = {}
+
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        if name not in self.files:
+            raise ConfigError(f"{self.directory}: tensor '{name}' is missing from the checkpoint")
+        path = self.files[name]
+        try:
+            if path not in self._open:
+                self._open[path] = safe_open(str(path), "pt")
+            t: torch.Tensor = self._open[path].get_tensor(name)
+        except Exception as exc:  # safetensors raises its own error types for corrupt files
+            raise ConfigError(f"{path}: cannot read tensor '{name}' ({exc})") from None
+        if shape is not None and tuple(t.shape) != shape:
+            raise ConfigError(f"{path}: tensor '{name}' has shape {tuple(t.shape)}, the model needs {shape}")
+        return t
+
+
+def check_compatible(model: ModelSpec, found: ModelSpec, directory: Path) -> None:
+    """The checkpoint's architecture must be the model's (a value head may be added)."""
+    for key in (
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "intermediate_size", "vocab_size", "qk_norm", "attention_bias",
+    ):  # fmt: skip
+        a, b = getattr(model, key), getattr(found, key)
+        if a != b:
+            raise ConfigError(f"{directory}/config.json: key '{key}' is {b}, the model-stage needs {a}")
+
+
+def full_reader(
+    reader: SafetensorsReader, model: ModelSpec
+) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
+    """``full(name, shape)``: a whole tensor; a value head missing from an LM checkpoint is zeros
+    (a critic initialised from an actor, as verl does), anything else missing is an error."""
+
+    def full(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name == "score.weight" and model.head is Head.VALUE and name not in reader.names():
+            return torch.zeros(shape)
+        return reader.get(name, shape)
+
+    return full
+
+
+def save(directory: Path, model: ModelSpec, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Write ``config.json`` and safetensors (sharded above ``SHARD_BYTES``), atomically."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        dtype = next(iter(tensors.values())).dtype if tensors else torch.float32
+        (tmp / "config.json").write_text(json.dumps(hf_config(model, dtype), indent=2) + "\n")
+        files: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name, t in tensors.items():
+            nbytes = t.numel() * t.element_size()
+            if files[-1] and size + nbytes > SHARD_BYTES:
+                files.append({})
+                size = 0
+            files[-1][name] = t.detach().contiguous().cpu()
+            size += nbytes
+        if len(files) == 1:
+            save_file(files[0], str(tmp / SINGLE), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, part in enumerate(files):
+                fname = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+                save_file(part, str(tmp / fname), metadata={"format": "pt"})
+                weight_map.update({name: fname for name in part})
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            (tmp / INDEX).write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+            )
+        if directory.exists():
+            old = directory.with_name(f".{directory.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(directory, old)
+            os.replace(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,130 @@
+"""The Backend protocol: what every engine of a model-stage offers the runtime.
+
+An engine is built for one rank of one EMU from that rank's state (``RankState``: flat buffers,
+layout, position) and the rank's process groups; it never owns the state, it views it. Every rank
+of a replica is given the same batch. Calls are collective over the replica (and, for training,
+over the model-stage's DP replicas). ``torch_native`` implements it; Megatron-core (training) and
+vLLM (generation) adapters are to come behind the same protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from torch import Tensor
+
+from nereus.backends.sampling import SamplingParams
+from nereus.state.holder import RankState
+
+if TYPE_CHECKING:
+    from nereus.backends.parallel import Groups
+
+LossFn = Callable[[Tensor, Mapping[str, Tensor]], Tensor]
+"""``loss(scores, fields)`` for one micro-batch: ``scores`` (b, T) are the engine's per-token
+log-probs (or values), ``fields`` the batch's per-token float tensors cut to the same rows. It
+returns a scalar already normalised for the whole global batch (e.g. divided by the global token
+count), so micro-batch and replica gradients simply add up."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TokenBatch:
+    """Token ids (B, T), a 0/1 validity mask (B, T) and per-token float fields (B, T)."""
+
+    ids: Tensor
+    valid: Tensor
+    fields: Mapping[str, Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.ids.dim() != 2 or self.ids.dtype.is_floating_point:
+            raise ValueError(
+                f"ids must be an integer (B, T) tensor, got {self.ids.dtype} {tuple(self.ids.shape)}"
+            )
+        if self.valid.shape != self.ids.shape:
+            raise ValueError(f"valid {tuple(self.valid.shape)} must match ids {tuple(self.ids.shape)}")
+        for name, t in self.fields.items():
+            if t.shape != self.ids.shape:
+                raise ValueError(f"field '{name}' {tuple(t.shape)} must match ids {tuple(self.ids.shape)}")
+
+    @property
+    def rows(self) -> int:
+        return int(self.ids.shape[0])
+
+    def split(self, parts: int) -> list[TokenBatch]:
+        """``parts`` micro-batches of equal size (``tensor_split`` order, as pipelining does)."""
+        if parts <= 0 or self.rows % parts:
+            raise ValueError(f"micro_batches {parts} must divide the batch of {self.rows} rows")
+        ids, valid = self.ids.tensor_split(parts), self.valid.tensor_split(parts)
+        fields = {k: v.tensor_split(parts) for k, v in self.fields.items()}
+        return [TokenBatch(ids[i], valid[i], {k: v[i] for k, v in fields.items()}) for i in range(parts)]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Generation:
+    """Prompts as given and responses: tokens, validity (0 after a stop token) and log-probs
+    (B, N) of each sampled token under the sampling distribution."""
+
+    prompt: Tensor
+    prompt_valid: Tensor
+    tokens: Tensor
+    valid: Tensor
+    logprobs: Tensor
+
+    def sequences(self) -> TokenBatch:
+        """Prompt and response as one batch (for scoring by the other model-stages)."""
+        import torch
+
+        return TokenBatch(
+            torch.cat([self.prompt, self.tokens], 1), torch.cat([self.prompt_valid, self.valid], 1)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TrainStats:
+    loss: float  # sum of the micro-batch losses over all replicas (the global batch's loss)
+    grad_norm: float  # global gradient norm before clipping
+    tokens: int  # valid tokens this replica trained on
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    train: bool
+    generate: bool
+    value_head: bool
+    devices: tuple[str, ...]
+    tensor_parallel: str
+    pipeline_parallel: str
+
+
+class Backend(Protocol):
+    capabilities: Capabilities
+
+    def forward(self, batch: TokenBatch, micro_batches: int = 1, temperature: float = 1.0) -> Tensor:
+        """Per-token log-probs (LM head) or values (value head), (B, T) fp32, on every rank."""
+        ...
+
+    def train_step(self, batch: TokenBatch, loss_fn: LossFn, micro_batches: int = 1) -> TrainStats:
+        """Gradient accumulation over micro-batches, DP all-reduce, clipping, one AdamW update."""
+        ...
+
+    def generate(self, prompts: TokenBatch, sample_ids: Sequence[int], params: SamplingParams) -> Generation:
+        """Batched decoding with a KV cache; ``sample_ids`` key each row's random draws."""
+        ...
+
+    def rebind(self, state: RankState, groups: Groups | None = None) -> None:
+        """Use new buffers after a transition: a re-view for the same layout and position, a
+        rebuild (with the new grid's ``groups``) for another."""
+        ...
+
+    def load_hf(self, directory: Path) -> None:
+        """Read this rank's shards of a Hugging Face checkpoint into the state buffers."""
+        ...
+
+    def save_hf(self, directory: Path) -> None:
+        """Write the model-stage's weights as a Hugging Face checkpoint (from replica 0)."""
+        ...
+
+    def close(self) -> None: ...
