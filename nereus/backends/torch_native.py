@@ -365,9 +365,10 @@ class TorchNativeEngine:
                 else:
                     view.zero_()
 
-    def full_state(self) -> dict[str, Tensor] | None:
-        """The whole model's tensors on replica 0's first rank (``None`` elsewhere); collective
-        over replica 0."""
+    def full_state(self, kind: BufferKind = BufferKind.PARAM) -> dict[str, Tensor] | None:
+        """The whole model's tensors of buffer ``kind`` (parameters by default; master weights or
+        Adam moments for a trainer) on replica 0's first rank, ``None`` elsewhere. Collective over
+        replica 0."""
         if self.coord.dp != 0:
             return None
         cut = {s.name: s for s in shards(self.model, self.state.layout, self.state.t, self.state.p)}
@@ -376,7 +377,7 @@ class TorchNativeEngine:
                 s.name,
                 cut[s.name].full_shape,
                 s.region,
-                self.state.view(BufferKind.PARAM, s.name).detach().cpu(),
+                self.state.view(kind, s.name).detach().cpu(),
             )
             for s in self.state.layout_of().slots
             if s.source == s.name
