@@ -16,14 +16,20 @@ from nereus.plan.layout import Layout
 from nereus.spec import load_cluster, load_model
 from nereus.spec.workload import Precision, Stage
 from nereus.state.buffers import StatePolicy
-from nereus.state.checkpoint import layout_mesh, to_dtensors
+from nereus.state.checkpoint import kv_mesh, layout_mesh, to_dtensors
 from nereus.state.geometry import shards
 from nereus.state.holder import RankState, StateHolder
 from nereus.transition import LinkModel, StageMove, build_dag
 from nereus.transition.execute import Executor
 
 WORLD = 4
-PAIRS = [(Layout(2, 2), Layout(1, 4)), (Layout(1, 4), Layout(2, 1)), (Layout(2, 1), Layout(1, 2))]
+# The last pair has tp 4 > tiny-llama's 2 KV heads on one side: replicated heads.
+PAIRS = [
+    (Layout(2, 2), Layout(1, 4)),
+    (Layout(1, 4), Layout(2, 1)),
+    (Layout(2, 1), Layout(1, 2)),
+    (Layout(4, 1), Layout(2, 2)),
+]
 
 
 def _units(layout: Layout) -> tuple[tuple[int, ...], ...]:
@@ -45,12 +51,13 @@ def _worker(rank: int, store: str, ckpt: str, pair: int) -> None:
 
         i = rank % A.size
         a_state = RankState.from_full("actor.train", model, A, i % A.tp, i // A.tp, policy, full)
-        dcp.save(to_dtensors(a_state, layout_mesh(A, list(range(WORLD)))), checkpoint_id=ckpt)
+        world = list(range(WORLD))
+        dcp.save(to_dtensors(a_state, layout_mesh(A, world), kv_mesh(model, A, world)), checkpoint_id=ckpt)
 
         i = rank % B.size
         tb, pb = i % B.tp, i // B.tp
         loaded = RankState.empty("actor.train", model, B, tb, pb, policy)
-        dcp.load(to_dtensors(loaded, layout_mesh(B, list(range(WORLD)))), checkpoint_id=ckpt)
+        dcp.load(to_dtensors(loaded, layout_mesh(B, world), kv_mesh(model, B, world)), checkpoint_id=ckpt)
 
         move = StageMove("actor.train", model, policy, A, _units(A), B, _units(B))
         dag = build_dag(
