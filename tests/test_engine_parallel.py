@@ -1,7 +1,8 @@
 """The torch-native engine under (tp, pp, dp) layouts on gloo (4 spawned processes).
 
 The slime-style check: one fixed batch gives the same log-probs, loss, gradient norm, post-step
-parameters and Adam moments under every layout, and the same tokens when decoding; and a run
+parameters and Adam moments under every layout, and the same tokens when decoding (and a critic,
+with a value head, the same values and update); and a run
 whose state is moved by transitions (Extend, Split, Merge) between steps continues exactly as
 the run without them. fp32. The bound: log-probs within 2e-5 and loss and gradient norm within
 a relative 1e-5 (only the order of summation differs); parameters and moments within 5e-5 after
@@ -28,7 +29,7 @@ from nereus.backends.torch_native import TorchNativeEngine
 from nereus.plan.calibration import Efficiencies
 from nereus.plan.layout import Layout
 from nereus.spec import load_cluster, load_model
-from nereus.spec.model import ModelSpec
+from nereus.spec.model import Head, ModelSpec
 from nereus.spec.workload import Precision, Stage
 from nereus.state.buffers import BufferKind, StatePolicy
 from nereus.state.geometry import shards
@@ -73,6 +74,10 @@ def loss_fn(scores: torch.Tensor, fields: Any) -> torch.Tensor:
     return -(scores * fields["adv"] * fields["mask"]).sum() / (ROWS * SEQ)
 
 
+def value_loss(values: torch.Tensor, fields: Any) -> torch.Tensor:
+    return ((values - fields["adv"]).square() * fields["mask"]).sum() / (ROWS * SEQ)
+
+
 def _init(rank: int, store: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
 
@@ -114,6 +119,12 @@ def _layouts_worker(
                 result["updates"] = eng.state.state.updates
                 for kind in KINDS:
                     result[kind.value] = eng.full_state(kind)
+                critic = _engine(model.with_head(Head.VALUE), grid, groups, rank)
+                result["values"] = critic.forward(batch(model, 0), micro_batches=2)
+                result["critic_loss"] = critic.train_step(
+                    rows_of(batch(model, 0), dp, c.dp), value_loss, 2
+                ).loss
+                result["critic"] = critic.full_state()
                 if rank == grid.rank_at(c.dp, 0, 0):
                     torch.save(result, Path(out) / f"tp{tp}pp{pp}dp{dp}-{c.dp}.pt")
             dist.barrier()
@@ -162,6 +173,10 @@ def test_every_layout_computes_the_same_step(
         assert torch.equal(got["greedy"], ref["greedy"]), what
         assert torch.equal(got["sampled"], ref["sampled"]), what
         _assert_same_state(got, ref, what)
+        assert (got["values"] - ref["values"]).abs().max().item() <= 2e-5, what
+        assert got["critic_loss"] == pytest.approx(ref["critic_loss"], rel=1e-5), what
+        for name, want in ref["critic"].items():
+            assert (got["critic"][name] - want).abs().max().item() <= 5e-5, f"{what}: critic {name}"
 
 
 # ------------------------------------------------------------------ training across transitions

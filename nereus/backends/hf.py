@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from nereus.errors import ConfigError
@@ -68,7 +68,9 @@ def hf_config(model: ModelSpec, dtype: torch.dtype) -> dict[str, Any]:
         "attention_bias": model.attention_bias,
         "rms_norm_eps": model.rms_norm_eps,
         "max_position_embeddings": model.max_position_embeddings,
-        "rope_parameters": rope,
+        "rope_parameters": rope,  # transformers 5
+        "rope_theta": model.rope_theta,  # transformers 4 reads these two
+        "rope_scaling": None if model.rope_scaling is None else rope,
         "hidden_act": "silu",
         "dtype": str(dtype).removeprefix("torch."),
     }
@@ -84,17 +86,21 @@ class SafetensorsReader:
         self.directory = Path(directory)
         index = self.directory / INDEX
         single = self.directory / SINGLE
+        if index.is_file():
+            source = index
+        elif single.is_file():
+            source = single
+        else:
+            raise ConfigError(f"{directory}: no {SINGLE} or {INDEX}")
         try:
-            if index.is_file():
+            if source == index:
                 weight_map = json.loads(index.read_text())["weight_map"]
                 self.files = {name: self.directory / f for name, f in weight_map.items()}
-            elif single.is_file():
+            else:
                 with safe_open(str(single), "pt") as f:
                     self.files = {name: single for name in f.keys()}  # noqa: SIM118
-            else:
-                raise ConfigError(f"{directory}: no {SINGLE} or {INDEX}")
-        except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{directory}: cannot read the safetensors index ({exc})") from None
+        except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError, SafetensorError) as exc:
+            raise ConfigError(f"{source}: cannot read the tensor index ({exc})") from None
         self._open: dict[Path, Any] = {}
 
     def names(self) -> set[str]:
@@ -116,11 +122,16 @@ class SafetensorsReader:
 
 
 def check_compatible(model: ModelSpec, found: ModelSpec, directory: Path) -> None:
-    """The checkpoint's architecture must be the model's (a value head may be added)."""
-    for key in (
+    """The checkpoint's architecture must be the model's (a value head may be added): shapes, and
+    everything that changes the function (RoPE, norm epsilon, a tied LM head)."""
+    keys = [
         "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-        "intermediate_size", "vocab_size", "qk_norm", "attention_bias",
-    ):  # fmt: skip
+        "intermediate_size", "vocab_size", "qk_norm", "attention_bias", "rope_theta", "rope_scaling",
+        "rms_norm_eps",
+    ]  # fmt: skip
+    if model.head is Head.LM:
+        keys.append("tie_word_embeddings")
+    for key in keys:
         a, b = getattr(model, key), getattr(found, key)
         if a != b:
             raise ConfigError(f"{directory}/config.json: key '{key}' is {b}, the model-stage needs {a}")

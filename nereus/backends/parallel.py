@@ -66,6 +66,16 @@ class Groups:
                 g.created.append(pg)
         return g
 
+    def require(self, model: ModelSpec) -> None:
+        """Raise unless this rank has every group ``model`` needs on this grid (groups built for
+        a model with other KV heads or an untied head would silently skip a reduction)."""
+        needed = {kind for kind, ranks in self.grid.all_groups(model) if self.rank in ranks}
+        missing = sorted(kind for kind in needed if getattr(self, kind) is None)
+        if missing:
+            raise ValueError(
+                f"rank {self.rank}: groups lack {missing} needed by {model.name} on {self.grid.layout}"
+            )
+
     def tp_mesh(self, device_type: str) -> DeviceMesh | None:
         if self.tp is None:
             return None

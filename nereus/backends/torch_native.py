@@ -71,6 +71,7 @@ class TorchNativeEngine:
                 f"rank {groups.rank}: state is (t={state.t}, p={state.p}) of {state.layout}, "
                 f"the grid puts it at (t={c.t}, p={c.p}) of {groups.grid.layout}"
             )
+        groups.require(state.model)
         self.state, self.groups, self.grid, self.coord = state, groups, groups.grid, c
         self.model = state.model
         self.trains = state.policy.trains
@@ -111,9 +112,9 @@ class TorchNativeEngine:
         out: list[tuple[list[str], Any]] = []
         if self.groups.tp is not None:  # q/k norms see only the local heads: partial sums
             out.append(([n for n in names if n.endswith(("q_norm.weight", "k_norm.weight"))], self.groups.tp))
-        if self.groups.kv is not None:
+        if kv_rep > 1:
             out.append(([n for n in names if specs[n].kv], self.groups.kv))
-        if self.groups.tie is not None:
+        if self.grid.tie_groups(self.model):  # groups may serve several models: ask this one
             tied = "model.embed_tokens.weight" if self.first else "lm_head.weight"
             out.append(([tied], self.groups.tie))
         return [(n, g) for n, g in out if n]
