@@ -84,3 +84,21 @@ def test_transition_cost_benchmark_quick(tmp_path: Path) -> None:
         assert set(r["seconds"]) >= {"nereus", "raw", "naive", "dcp", "restart"}
         assert r["bytes_ratio"] is not None and r["bytes_ratio"] <= 1.05
     assert (tmp_path / "transition_cost.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(240)
+def test_engine_benchmark_quick(tmp_path: Path) -> None:
+    doc = run_quick("engine.py", tmp_path)
+    assert {"benchmark", "git_sha", "date", "command", "machine", "targets", "results", "gpu"} <= set(doc)
+    rows = doc["results"]
+    assert isinstance(rows, list)
+    wanted = doc["layouts"]
+    assert isinstance(wanted, list) and len(wanted) == 2
+    layouts = {(r["layout"]["tp"], r["layout"]["pp"], r["layout"]["dp"]) for r in rows}
+    assert layouts == {tuple(x) for x in wanted} and (1, 1, 1) in layouts
+    for r in rows:
+        assert r["model"] == "tiny-llama"
+        for op in ("gen", "train"):
+            assert r[op]["tokens"] > 0 and r[op]["tokens_per_s"] > 0
+    assert doc["threads_per_process"] == 1
+    assert (tmp_path / "engine.png").stat().st_size > 0

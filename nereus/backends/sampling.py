@@ -66,13 +66,17 @@ def sample(
         return tokens, torch.log_softmax(z, -1).gather(-1, tokens[:, None]).squeeze(-1).float()
     logp = torch.log_softmax(z / params.temperature, -1)
     probs = logp.exp()
+    u = uniforms(params.seed, sample_ids, step).to(probs.device)
+    if params.top_p >= 1.0:  # no truncation: the inverse CDF in vocabulary order, no sort
+        cdf = probs.cumsum(-1)
+        index = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=cdf.shape[-1] - 1)
+        tokens = index.squeeze(-1)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1).float()
     sorted_p, order = probs.sort(-1, descending=True)
-    if params.top_p < 1.0:
-        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly ahead of each token
-        sorted_p = torch.where(before < params.top_p, sorted_p, torch.zeros_like(sorted_p))
-        sorted_p[:, 0] = torch.where(sorted_p[:, 0] > 0, sorted_p[:, 0], probs.max(-1).values)
+    before = sorted_p.cumsum(-1) - sorted_p  # mass strictly ahead of each token
+    sorted_p = torch.where(before < params.top_p, sorted_p, torch.zeros_like(sorted_p))
+    sorted_p[:, 0] = torch.where(sorted_p[:, 0] > 0, sorted_p[:, 0], probs.max(-1).values)
     cdf = sorted_p.cumsum(-1)
-    u = uniforms(params.seed, sample_ids, step).to(cdf.device) * cdf[:, -1]
-    index = torch.searchsorted(cdf, u[:, None]).clamp(max=cdf.shape[-1] - 1)
+    index = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=cdf.shape[-1] - 1)
     tokens = order.gather(-1, index).squeeze(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1).float()

@@ -72,6 +72,11 @@ class TorchNativeEngine:
                 f"the grid puts it at (t={c.t}, p={c.p}) of {groups.grid.layout}"
             )
         groups.require(state.model)
+        held = state.buffers[BufferKind.PARAM].device
+        if held.type != self.device.type or (self.device.index is not None and held != self.device):
+            raise ValueError(
+                f"rank {groups.rank}: the state's buffers are on {held}, the engine runs on {self.device}"
+            )
         self.state, self.groups, self.grid, self.coord = state, groups, groups.grid, c
         self.model = state.model
         self.trains = state.policy.trains
@@ -331,8 +336,9 @@ class TorchNativeEngine:
                 drawn, drawn_lp = sample(self._full_logits(out[:, -1].float()), params, sample_ids, step)
                 tok = torch.where(done, tok, drawn.to(self.device))
                 lp = torch.where(done, lp, drawn_lp.to(self.device))
-            self._from_last(tok)
-            self._from_last(lp)
+            if self.state.layout.pp > 1:  # one broadcast: ids are exact in float64
+                both = self._from_last(torch.stack([tok.double(), lp.double()]))
+                tok, lp = both[0].long(), both[1].float()
             tokens.append(tok)
             logps.append(lp)
             alive.append(~done)
