@@ -1,4 +1,4 @@
-"""``nereus``: the command line (plan, transition, simulate, describe, list).
+"""``nereus``: the command line (plan, transition, simulate, run, describe, list).
 
 Bad input exits 2, no feasible plan exits 3.
 """
@@ -26,6 +26,7 @@ from nereus.plan.report import gpu_ranges, plan_json, stage_reports
 from nereus.plan.search import SearchResult
 from nereus.plan.solvers import Solver, solve
 from nereus.sim import command as simulate_command
+from nereus.runtime import command as run_command
 from nereus.spec import (
     Algorithm,
     ExecutionMode,
@@ -104,6 +105,7 @@ def _parser() -> argparse.ArgumentParser:
 
     transition_command.add_parser(sub)
     simulate_command.add_parser(sub)
+    run_command.add_parser(sub)
 
     lst = sub.add_parser("list", help="shipped models, clusters, algorithms or traces")
     lst.add_argument("kind", choices=["models", "clusters", "algos", "traces"])
@@ -334,6 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return simulate_command.run(args, out)
         if args.command == "transition":
             return transition_command.run(args, out, _problem)
+        if args.command == "run":
+            return run_command.run(args, out)
         return _list(args, out)
     except NereusError as exc:
         print(f"nereus {args.command}: error: {exc}", file=sys.stderr)

@@ -84,8 +84,11 @@ def _hf_config(tmp_path: Path, **overrides: object) -> Path:
         "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0,
         "rope_scaling": {
-            "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192, "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
         },
         "max_position_embeddings": 131072,
         "torch_dtype": "bfloat16",

@@ -41,7 +41,9 @@ class RopeScaling:
     original_max_position_embeddings: int
 
     def __post_init__(self) -> None:
-        require_positive(self, "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        require_positive(
+            self, "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"
+        )
         if self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(
                 f"high_freq_factor {self.high_freq_factor} must exceed low_freq_factor {self.low_freq_factor}"

@@ -57,12 +57,16 @@ def load_cluster(name_or_path: str) -> ClusterSpec:
 
 
 def load_workload(algo_or_path: str) -> WorkloadSpec:
-    """The default workload of an algorithm (``ppo``, ``grpo``, ``remax``) or a workload YAML."""
-    if algo_or_path in {a.value for a in Algorithm}:
-        return WorkloadSpec.from_yaml(config_root() / "workloads" / f"{algo_or_path}.yaml")
+    """The default workload of an algorithm (``ppo``, ``grpo``, ``remax``), another shipped
+    workload (``configs/workloads/<name>.yaml``, e.g. ``ppo-tiny``) or a workload YAML."""
+    shipped = config_root() / "workloads" / f"{algo_or_path}.yaml"
+    if algo_or_path in {a.value for a in Algorithm} or ("/" not in algo_or_path and shipped.is_file()):
+        return WorkloadSpec.from_yaml(shipped)
     if not algo_or_path.endswith((".yaml", ".yml")):
         choices = ", ".join(a.value for a in Algorithm)
-        raise ConfigError(f"unknown algorithm {algo_or_path!r} (choices: {choices}, or a workload YAML)")
+        raise ConfigError(
+            f"unknown algorithm {algo_or_path!r} (choices: {choices}, a shipped workload, or a workload YAML)"
+        )
     return WorkloadSpec.from_yaml(_resolve("workloads", algo_or_path, "workload"))
 
 

@@ -1,0 +1,77 @@
+"""A deterministic character-level tokenizer for the bundled tasks (``nereus.rl.tasks``).
+
+Ids 0, 1, 2 are pad, bos and eos; character ``c`` of the alphabet has id ``3 + alphabet.index(c)``.
+The whole vocabulary (53 ids) fits the tiny models' 512, so a randomly initialised model trains on
+it directly. A model with a larger vocabulary can emit ids outside the alphabet; they decode to
+U+FFFD so that a verifier sees a malformed answer instead of the loop failing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+PAD_ID = 0
+BOS_ID = 1
+EOS_ID = 2
+SPECIAL = 3  # ids below this are special tokens
+ALPHABET = "0123456789+-*= abcdefghijklmnopqrstuvwxyz.,:;?!()'"
+UNKNOWN = "\ufffd"  # what an id beyond the alphabet decodes to
+
+
+@dataclass(frozen=True, slots=True)
+class CharTokenizer:
+    """Characters of ``alphabet`` ↔ ids; ``encode`` refuses any other character."""
+
+    alphabet: str = ALPHABET
+    _ids: dict[str, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.alphabet:
+            raise ValueError("alphabet must not be empty")
+        repeated = sorted({c for c in self.alphabet if self.alphabet.count(c) > 1})
+        if repeated:
+            raise ValueError(f"alphabet repeats characters {repeated}")
+        object.__setattr__(self, "_ids", {c: SPECIAL + i for i, c in enumerate(self.alphabet)})
+
+    pad_id = PAD_ID
+    bos_id = BOS_ID
+    eos_id = EOS_ID
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids in use: the three special tokens and the alphabet."""
+        return SPECIAL + len(self.alphabet)
+
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        """Ids of ``text``, after bos (and followed by eos) when asked."""
+        ids = [BOS_ID] if bos else []
+        for pos, c in enumerate(text):
+            i = self._ids.get(c)
+            if i is None:
+                raise ValueError(
+                    f"character {c!r} at position {pos} is not in the tokenizer's alphabet {self.alphabet!r}"
+                )
+            ids.append(i)
+        if eos:
+            ids.append(EOS_ID)
+        return ids
+
+    def unknown(self, text: str) -> str | None:
+        """The first character of ``text`` that ``encode`` refuses, or None."""
+        return next((c for c in text if c not in self._ids), None)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text up to the first eos; pad and bos are skipped, ids beyond the alphabet become U+FFFD."""
+        out: list[str] = []
+        for raw in ids:
+            i = int(raw)
+            if i < 0:
+                raise ValueError(f"token id {i} is negative")
+            if i == EOS_ID:
+                break
+            if i in (PAD_ID, BOS_ID):
+                continue
+            k = i - SPECIAL
+            out.append(self.alphabet[k] if k < len(self.alphabet) else UNKNOWN)
+        return "".join(out)

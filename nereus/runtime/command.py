@@ -1,0 +1,43 @@
+"""``nereus run EXP.yaml``: an RL job as local worker processes (torch is imported only here)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from nereus.errors import ConfigError
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("run", help="run an RL experiment on local worker processes")
+    p.add_argument("experiment", type=Path, help="configs/experiments/<name>.yaml")
+    p.add_argument("--out", type=Path, default=None, help="results folder (default runs/<name>)")
+    p.add_argument("--steps", type=int, default=None, help="override the experiment's step count")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in the results folder"
+    )
+
+
+def run(args: argparse.Namespace, out: Console) -> int:
+    from nereus.runtime.experiment import ExperimentSpec
+
+    spec = ExperimentSpec.load(args.experiment)
+    if args.steps is not None:
+        if args.steps <= 0:
+            raise ConfigError(f"--steps: expected a positive integer, got {args.steps}")
+        import dataclasses
+
+        spec = dataclasses.replace(spec, steps=args.steps)
+    folder = args.out or Path("runs") / spec.name
+    from nereus.runtime.local import launch_local
+
+    out.print(
+        f"[bold]{spec.name}[/]: {spec.workload} on {spec.model}, "
+        f"{spec.workers} local workers, {spec.steps} steps"
+    )
+    launch_local(spec, folder, resume=args.resume)
+    out.print(f"wrote {folder / 'metrics.jsonl'} and {folder / 'report.png'}")
+    return 0

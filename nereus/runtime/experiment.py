@@ -1,0 +1,144 @@
+"""An experiment: one RL job as data (``configs/experiments/<name>.yaml``).
+
+What runs (workload, models, cluster, workers, steps, policy), what it learns from (a bundled task
+or a JSONL/Parquet dataset), the RL hyper-parameters, and a scripted drift for local runs: GPU
+pool changes (workers lost and regained) and a response-length schedule at given steps, so
+adaptation is visible on one machine. Pure and strict: unknown keys and bad values are one-line
+``ConfigError``s naming the file and key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nereus.errors import ConfigError
+from nereus.spec.schema import load_spec, require_positive
+
+
+@dataclass(frozen=True, slots=True)
+class TaskSpec:
+    """A generated task set (``nereus.rl.tasks``)."""
+
+    kind: str = "add"
+    n: int = 4096
+    difficulty: int = 4
+    length: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        from nereus.rl.tasks import generate_tasks
+
+        require_positive(self, "n")
+        generate_tasks(self.kind, 0, self.seed, self.difficulty, self.length)  # validates the rest
+
+
+@dataclass(frozen=True, slots=True)
+class RlSpec:
+    lr: float = 3e-3
+    critic_lr: float = 1e-2
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    clip_eps: float = 0.2
+    vf_clip: float = 0.2
+    kl_coef: float = 0.01  # PPO: KL in the reward; GRPO: KL in the loss
+    gamma: float = 1.0
+    lam: float = 0.95
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        require_positive(self, "lr", "critic_lr", "clip_eps", "temperature")
+        for name in ("gamma", "lam", "top_p"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        for name in ("weight_decay", "max_grad_norm", "vf_clip", "kl_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True)
+class DriftEvent:
+    """At the boundary before ``step``: workers leave or rejoin the pool, or the response length
+    limit changes."""
+
+    step: int
+    lose: tuple[int, ...] = ()
+    gain: tuple[int, ...] = ()
+    max_new_tokens: int = 0  # 0: unchanged
+
+    def __post_init__(self) -> None:
+        if self.step < 0:
+            raise ValueError(f"step must be non-negative, got {self.step}")
+        if set(self.lose) & set(self.gain):
+            raise ValueError(f"step {self.step}: a worker cannot be lost and gained at once")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be non-negative, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExperimentSpec:
+    name: str
+    workload: str  # a name in configs/workloads (or a path)
+    model: str  # the actor's (and reference's) model; the critic is the same backbone with a value head
+    cluster: str = "local-cpu"
+    workers: int = 4
+    steps: int = 20
+    seed: int = 0
+    policy: str = "nereus"
+    task: TaskSpec = field(default_factory=TaskSpec)
+    dataset: str = ""  # a JSONL/Parquet prompt file instead of the generated task
+    verifier: str = "exact_answer"
+    max_new_tokens: int = 8
+    rl: RlSpec = field(default_factory=RlSpec)
+    drift: tuple[DriftEvent, ...] = ()
+    checkpoint_every: int = 0  # steps; 0: only at the end
+
+    def __post_init__(self) -> None:
+        require_positive(self, "workers", "steps", "max_new_tokens")
+        if self.seed < 0 or self.checkpoint_every < 0:
+            raise ValueError("seed and checkpoint_every must be non-negative")
+        pool = set(range(self.workers))
+        for e in sorted(self.drift, key=lambda e: e.step):
+            for w in (*e.lose, *e.gain):
+                if not 0 <= w < self.workers:
+                    raise ValueError(f"drift at step {e.step}: worker {w} outside 0…{self.workers - 1}")
+            if not set(e.lose) <= pool:
+                raise ValueError(
+                    f"drift at step {e.step}: workers {sorted(set(e.lose) - pool)} are not in the pool"
+                )
+            if set(e.gain) & pool:
+                raise ValueError(
+                    f"drift at step {e.step}: workers {sorted(set(e.gain) & pool)} are already in"
+                )
+            pool = (pool - set(e.lose)) | set(e.gain)
+            if not pool:
+                raise ValueError(f"drift at step {e.step} leaves no worker")
+
+    @classmethod
+    def load(cls, path: Path) -> ExperimentSpec:
+        try:
+            return load_spec(cls, Path(path))
+        except ConfigError:
+            raise
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+
+    def pool_at(self, step: int) -> tuple[int, ...]:
+        """The workers in the pool during ``step``."""
+        pool = set(range(self.workers))
+        for e in sorted(self.drift, key=lambda e: e.step):
+            if e.step <= step:
+                pool = (pool - set(e.lose)) | set(e.gain)
+        return tuple(sorted(pool))
+
+    def max_new_tokens_at(self, step: int) -> int:
+        limit = self.max_new_tokens
+        for e in sorted(self.drift, key=lambda e: e.step):
+            if e.step <= step and e.max_new_tokens:
+                limit = e.max_new_tokens
+        return limit
+
+    def lost_at(self, step: int) -> tuple[int, ...]:
+        """Workers that leave at the boundary before ``step``."""
+        return tuple(sorted(w for e in self.drift if e.step == step for w in e.lose))

@@ -1,0 +1,116 @@
+"""What a run reports: one rich line and one JSON object per step, TensorBoard scalars, a report.
+
+``runs/<name>/metrics.jsonl`` holds one object per step with at least ``step``, ``reward``,
+``kl``, ``step_time_s``, ``seq_len_mean``, ``gpus``, ``plan`` (layout and GPUs per model-stage)
+and ``transitions`` (those executed at that step's boundary, with kind and seconds). The report
+(``report.png``) is drawn from that file alone (``nereus.runtime.report``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from nereus.plan.layout import Plan
+from nereus.plan.report import gpu_ranges
+from nereus.runtime.experiment import ExperimentSpec
+
+
+def plan_summary(plan: Plan) -> dict[str, str]:
+    """``{model-stage: "tp1·pp1·dp2 @ 0-1"}``."""
+    return {c.model_stage: f"{c.layout}·dp{c.dp} @ {gpu_ranges(c.gpus)}" for c in plan.candidates}
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    step: int
+    reward: float
+    accuracy: float
+    kl: float
+    actor_loss: float
+    critic_loss: float | None
+    step_time_s: float
+    weight_sync_s: float
+    seq_len_mean: float
+    gpus: int
+    plan: dict[str, str]
+    stage_times: dict[str, float]
+    transitions: list[dict[str, Any]] = field(default_factory=list)
+    decision: dict[str, Any] | None = None  # the controller's replan at this step's boundary, if any
+
+    @classmethod
+    def of(
+        cls, step: int, m: dict[str, float], step_s: float, seq_len: float, plan: Plan, sync_s: float,
+        stage_times: dict[str, float],
+    ) -> StepRecord:  # fmt: skip
+        return cls(
+            step, m["reward"], m["accuracy"], m["kl"], m["actor_loss"], m.get("critic_loss"), step_s, sync_s,
+            seq_len, len({g for c in plan.candidates for g in c.gpus}), plan_summary(plan),
+            dict(sorted(stage_times.items())),
+        )  # fmt: skip
+
+    def with_transitions(self, transitions: list[dict[str, Any]]) -> StepRecord:
+        return replace(self, transitions=list(transitions))
+
+    def with_decision(self, decision: dict[str, Any]) -> StepRecord:
+        return replace(self, decision=decision)
+
+
+class MetricsWriter:
+    def __init__(self, out: Path, spec: ExperimentSpec, console: Console | None = None) -> None:
+        self.out = Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.path = self.out / "metrics.jsonl"
+        self.file = self.path.open("a", encoding="utf-8")
+        self.console = console or Console(highlight=False)
+        self.spec = spec
+        self.tb: Any = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.out / "tensorboard"))
+        except ImportError:  # tensorboard is a dependency; a trimmed install still runs
+            self.tb = None
+
+    def write(self, r: StepRecord, plan_after: Plan) -> None:
+        self.file.write(json.dumps(asdict(r)) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for key in (
+                "reward",
+                "accuracy",
+                "kl",
+                "actor_loss",
+                "critic_loss",
+                "step_time_s",
+                "seq_len_mean",
+                "gpus",
+            ):
+                value = getattr(r, key)
+                if value is not None:
+                    self.tb.add_scalar(key, value, r.step)
+            self.tb.add_scalar("transition_s", sum(t["seconds"] for t in r.transitions), r.step)
+        moved = ", ".join(f"{t['kind']} {t['seconds']:.2f}s" for t in r.transitions) or "-"
+        if r.decision is not None and not r.transitions:
+            moved = f"- (replanned: {r.decision['verdict']}, {r.decision['reason'][:70]})"
+        layouts = " ".join(
+            f"{k.split('.')[0][0]}{k.split('.')[1][0]}:{v.split(' @')[0]}" for k, v in r.plan.items()
+        )
+        self.console.print(
+            f"step {r.step:>3} │ reward {r.reward:5.2f} acc {r.accuracy:4.2f} │ kl {r.kl:7.4f} │ "
+            f"{r.step_time_s:5.2f}s │ len {r.seq_len_mean:4.1f} │ gpus {r.gpus} │ {layouts} │ "
+            f"transitions: {moved}",
+            soft_wrap=True,
+        )
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+        from nereus.runtime.report import write_report
+
+        write_report(self.path, self.out / "report.png", self.spec.name)
