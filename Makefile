@@ -17,9 +17,11 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/pip install -q -e '.[dev,scip]'
 	touch $(STAMP)
 
-# The main job. For now: the planner answering "which layout for my RL job on this cluster?".
+# The main job: a tiny PPO run on 4 local worker processes that loses and regains a worker and
+# grows its responses; the controller replans and the state moves (runs/ppo-tiny/: metrics.jsonl,
+# TensorBoard events, report.png, checkpoints, the actor in HF format).
 run: install
-	$(BIN)/nereus plan --model llama-3.1-8b --algo ppo --cluster h200-ib --gpus 64 --seq-len 4096 --explain
+	$(BIN)/nereus run configs/experiments/ppo-tiny.yaml
 
 test: install
 	$(BIN)/python -m pytest -q
