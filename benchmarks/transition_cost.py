@@ -45,7 +45,7 @@ from nereus.plan.layout import Layout
 from nereus.spec import load_cluster, load_model
 from nereus.spec.workload import Precision, Stage
 from nereus.state.buffers import StatePolicy, rank_buffers
-from nereus.state.checkpoint import layout_mesh, to_dtensors
+from nereus.state.checkpoint import kv_mesh, layout_mesh, to_dtensors
 from nereus.state.emu import LogicalState
 from nereus.state.holder import RankState, StateHolder
 from nereus.transition import LinkModel, StageMove, build_dag
@@ -170,8 +170,9 @@ def _dcp(move: StageMove, holder: StateHolder, rank: int, world: int, ckpt: str)
     ranks outside a layout contribute an empty state dict."""
     save_ranks = [g for gpus in move.current for g in gpus]
     mesh = layout_mesh(move.current_layout, save_ranks)
+    kv = kv_mesh(move.model, move.current_layout, save_ranks)
     src = holder.units.get(STAGE)
-    state = to_dtensors(src, mesh) if src is not None else {}
+    state = to_dtensors(src, mesh, kv) if src is not None else {}
     return _timed(lambda: dcp.save(state, checkpoint_id=ckpt)), _load(move, rank, ckpt)
 
 
@@ -179,11 +180,12 @@ def _load(move: StageMove, rank: int, ckpt: str) -> float:
     lb = move.target_layout
     load_ranks = [g for gpus in move.target for g in gpus]
     mesh = layout_mesh(lb, load_ranks)
+    kv = kv_mesh(move.model, lb, load_ranks)
     state = {}
     if rank in load_ranks:
         i = load_ranks.index(rank) % lb.size
         rs = RankState.empty(STAGE, move.model, lb, i % lb.tp, i // lb.tp, move.policy)
-        state = to_dtensors(rs, mesh)
+        state = to_dtensors(rs, mesh, kv)
     return _timed(lambda: dcp.load(state, checkpoint_id=ckpt))
 
 
