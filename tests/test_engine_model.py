@@ -826,3 +826,27 @@ def test_save_failure_leaves_no_partial_directory(
         safetensors.torch.load_file(existing / hf.SINGLE)["model.norm.weight"],
         torch.full((spec.hidden_size,), 2.0),
     )
+
+
+# ------------------------------------------------------------------ bf16 mixed precision (CPU)
+def test_bf16_mixed_precision_keeps_fp32_master_weights(checkpoints: dict) -> None:
+    """bf16 parameters and activations, fp32 master weights and moments: the update lands in the
+    master copy and the parameters are its bf16 rounding; log-probs stay near fp32's."""
+    directory, _ = checkpoints["llama"]
+    model = hf.read_config(directory)
+    fp32 = _engine(model, checkpoint=directory)
+    groups = Groups.build(Grid.single(LAYOUT), model, 0)
+    rs = RankState.empty("actor", model, LAYOUT, 0, 0, StatePolicy.of(Stage.TRAIN, Precision.BF16_MIXED))
+    bf16 = TorchNativeEngine(rs, groups, AdamWConfig(lr=1e-3))
+    bf16.load_hf(directory)
+    assert rs.buffers[BufferKind.PARAM].dtype == torch.bfloat16
+    assert rs.buffers[BufferKind.MASTER].dtype == torch.float32
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, model.vocab_size, (4, 12), generator=g)
+    batch = TokenBatch(ids, torch.ones_like(ids), {"mask": torch.ones(4, 12)})
+    assert (bf16.forward(batch) - fp32.forward(batch)).abs().max().item() < 0.25
+    before = rs.buffers[BufferKind.MASTER].clone()
+    stats = bf16.train_step(batch, lambda s, f: -(s * f["mask"]).sum() / 48, micro_batches=2)
+    master = rs.buffers[BufferKind.MASTER]
+    assert stats.grad_norm > 0 and not torch.equal(master, before)
+    assert torch.equal(rs.buffers[BufferKind.PARAM], master.to(torch.bfloat16))
