@@ -25,8 +25,8 @@ from nereus.plan.problem import DEFAULT_HEADROOM, PlanningProblem, SearchSpace, 
 from nereus.plan.report import gpu_ranges, plan_json, stage_reports
 from nereus.plan.search import SearchResult
 from nereus.plan.solvers import Solver, solve
-from nereus.sim import command as simulate_command
 from nereus.runtime import command as run_command
+from nereus.sim import command as simulate_command
 from nereus.spec import (
     Algorithm,
     ExecutionMode,

@@ -39,8 +39,8 @@ def test_pure_packages_import_no_side_effect_modules() -> None:
 
 def test_planner_cli_does_not_load_torch() -> None:
     code = (
-        "import sys, nereus.cli, nereus.plan, nereus.spec, nereus.transition, nereus.control, nereus.backends; "
-        "print('torch' in sys.modules)"
+        "import sys, nereus.cli, nereus.plan, nereus.spec, nereus.transition, nereus.control, "
+        "nereus.backends, nereus.runtime.command; print('torch' in sys.modules)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False

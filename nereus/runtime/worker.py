@@ -122,9 +122,11 @@ class Worker:
     def bind(self, plan: Plan) -> None:
         """Groups for every model-stage (collective over the world) and engines for what this rank
         holds: a re-bind for a kept engine, a new engine otherwise."""
+        dist.barrier()  # every worker is done with the old groups before any tears them down
         for g in self.groups.values():
             g.destroy()
         self.groups = {}
+        dist.barrier()  # and has torn them down before any connects new ones
         for ms in self.workflow.model_stages:
             self.groups[ms.name] = Groups.build(
                 grid_of(plan.candidate(ms.name)), self.model_of(ms.name), self.rank

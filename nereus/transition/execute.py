@@ -126,6 +126,9 @@ class Executor:
         Raises TransitionError naming this rank, the node and its peers when a node fails; the
         holder then still holds every complete unit it had (nothing half-written is installed)."""
         self._adopt()
+        # every rank has torn down its previous groups before anyone connects a new one: gloo
+        # reports a peer still tearing down as "connection closed" during the new group's connect
+        dist.barrier()
         group = dist.new_group(backend=dist.get_backend(), timeout=self.timeout)
         done = 0
         try:
