@@ -192,8 +192,10 @@ def _loop(rank: int, spec: ExperimentSpec, out: Path, resume: bool) -> None:
         r, _, m = _algorithm_step(worker, plan, setup, step, spec.max_new_tokens_at(step))
         sync_s = worker.weight_sync(plan)
         step_s = time.perf_counter() - t0
+        t_ckpt = time.perf_counter()
         if (spec.checkpoint_every and (step + 1) % spec.checkpoint_every == 0) or step + 1 == spec.steps:
             ckpt.save(worker, plan, step, folder)
+        t_monitor = time.perf_counter()
         times: list[dict[str, float]] = [{}] * dist.get_world_size()
         dist.all_gather_object(times, dict(worker.times.seconds))
         held: list[dict[str, int]] = [{}] * dist.get_world_size()
@@ -220,6 +222,8 @@ def _loop(rank: int, spec: ExperimentSpec, out: Path, resume: bool) -> None:
                 d = controller.decisions[-1].to_json()
                 record = record.with_decision({k: d[k] for k in ("verdict", "triggers", "reason")})
         box = _broadcast(box)
+        if record is not None:  # telemetry, the controller's decision and its broadcast
+            record = record.with_overheads(time.perf_counter() - t_monitor, t_monitor - t_ckpt)
         moved: list[dict[str, Any]] = []
         if box is not None and box[0] == "admit":
             _, target, tr, reason = box

@@ -41,6 +41,8 @@ class StepRecord:
     stage_times: dict[str, float]
     transitions: list[dict[str, Any]] = field(default_factory=list)
     decision: dict[str, Any] | None = None  # the controller's replan at this step's boundary, if any
+    monitor_s: float = 0.0  # gathering telemetry, the controller's decision, broadcasting it
+    checkpoint_s: float = 0.0
 
     @classmethod
     def of(
@@ -58,6 +60,9 @@ class StepRecord:
 
     def with_decision(self, decision: dict[str, Any]) -> StepRecord:
         return replace(self, decision=decision)
+
+    def with_overheads(self, monitor_s: float, checkpoint_s: float) -> StepRecord:
+        return replace(self, monitor_s=monitor_s, checkpoint_s=checkpoint_s)
 
 
 class MetricsWriter:
