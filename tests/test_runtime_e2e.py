@@ -105,6 +105,10 @@ def test_resume_continues_from_the_latest_checkpoint(tmp_path: Path) -> None:
             "worker 7 outside",
         ),
         ("name: x\nworkload: ppo-tiny\nmodel: tiny-llama\ntask: {kind: nope}\n", "kind must be one of"),
+        ("name: x\nworkload: ppo-tiny\nmodel: no-such-model\n", "no-such-model"),
+        ("name: x\nworkload: ppo-tiny\nmodel: tiny-llama\ndataset: missing.jsonl\n", "does not exist"),
+        ("name: x\nworkload: ppo-tiny\nmodel: tiny-llama\npolicy: sometimes\n", "unknown policy"),
+        ("name: x\nworkload: ppo-tiny\nmodel: tiny-llama\nworkers: 64\n", "exceeds the 8 GPUs"),
     ],
 )
 def test_bad_experiment_exits_2(tmp_path: Path, text: str, message: str) -> None:
@@ -117,3 +121,13 @@ def test_bad_experiment_exits_2(tmp_path: Path, text: str, message: str) -> None
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_resume_without_a_checkpoint_exits_2(tmp_path: Path) -> None:
+    exp = tmp_path / "x.yaml"
+    exp.write_text(BASE.format(name="x", steps=2))
+    proc = subprocess.run(
+        [sys.executable, "-m", "nereus.cli", "run", str(exp), "--out", str(tmp_path / "out"), "--resume"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--resume: no checkpoint" in proc.stderr, proc.stderr

@@ -88,14 +88,22 @@ def latest(folder: Path) -> Path | None:
     return path
 
 
-def load(worker: Any, plan: Plan, path: Path) -> int:
-    """Fill this rank's saved model-stages under ``plan`` from ``path``; returns its step."""
+def _meta(path: Path) -> tuple[int, dict[str, Any]]:
     try:
         meta = json.loads((Path(path) / "meta.json").read_text())
-        step = int(meta["step"])
-        logical = meta["logical_state"]
+        return int(meta["step"]), dict(meta["logical_state"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{path}/meta.json: not a Nereus checkpoint ({exc})") from None
+
+
+def step_of(path: Path) -> int:
+    """The step after which checkpoint ``path`` was written."""
+    return _meta(path)[0]
+
+
+def load(worker: Any, plan: Plan, path: Path) -> int:
+    """Fill this rank's saved model-stages under ``plan`` from ``path``; returns its step."""
+    step, logical = _meta(path)
     missing = sorted(set(saved_stages(worker)) - set(logical))
     if missing:
         raise ConfigError(f"{path}/meta.json: key 'logical_state': no state for {missing}")

@@ -21,6 +21,40 @@ def add_parser(sub: Any) -> None:
     )
 
 
+def preflight(spec: Any, folder: Path, resume: bool) -> None:
+    """Everything a worker would reject, checked before any process starts or file is written:
+    one ``ConfigError`` (exit 2) naming the cause."""
+    from nereus.control.controller import policy_config
+    from nereus.rl.data import PromptDataset
+    from nereus.rl.tokenizer import CharTokenizer
+    from nereus.rl.verifiers import get_verifier
+    from nereus.spec import load_cluster, load_model, load_workload
+
+    workload = load_workload(spec.workload)
+    model = load_model(spec.model)
+    cluster = load_cluster(spec.cluster)
+    if spec.workers > cluster.total_gpus:
+        raise ConfigError(
+            f"workers: {spec.workers} exceeds the {cluster.total_gpus} GPUs of cluster {cluster.name}"
+        )
+    tok = CharTokenizer()
+    if tok.vocab_size > model.vocab_size:
+        raise ConfigError(
+            f"model: {model.name}'s vocabulary ({model.vocab_size}) is smaller than the tokenizer's"
+        )
+    if spec.dataset:
+        PromptDataset.load(Path(spec.dataset), tok, workload.max_prompt_len)
+    policy_config(spec.policy)
+    get_verifier(spec.verifier)
+    if resume:
+        from nereus.runtime.checkpoint import latest, step_of
+
+        path = latest(folder / "checkpoints")
+        if path is None:
+            raise ConfigError(f"--resume: no checkpoint under {folder / 'checkpoints'}")
+        step_of(path)
+
+
 def run(args: argparse.Namespace, out: Console) -> int:
     from nereus.runtime.experiment import ExperimentSpec
 
@@ -32,6 +66,7 @@ def run(args: argparse.Namespace, out: Console) -> int:
 
         spec = dataclasses.replace(spec, steps=args.steps)
     folder = args.out or Path("runs") / spec.name
+    preflight(spec, folder, args.resume)
     from nereus.runtime.local import launch_local
 
     out.print(

@@ -172,7 +172,10 @@ def _loop(rank: int, spec: ExperimentSpec, out: Path, resume: bool) -> None:
     folder = out / "checkpoints"
     start = 0
     resume_from = _broadcast(ckpt.latest(folder) if rank == 0 and resume else None)
-    plan: Plan = _broadcast(initial_plan(setup, spec.pool_at(0), spec.max_new_tokens) if rank == 0 else None)
+    first = ckpt.step_of(resume_from) + 1 if resume_from is not None else 0  # the pool and limit then
+    plan: Plan = _broadcast(
+        initial_plan(setup, spec.pool_at(first), spec.max_new_tokens_at(first)) if rank == 0 else None
+    )
     if resume_from is not None:
         start = ckpt.load(worker, plan, resume_from) + 1
         worker.bind(plan)
