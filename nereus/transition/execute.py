@@ -130,8 +130,12 @@ class Executor:
         # reports a peer still tearing down as "connection closed" during the new group's connect
         dist.barrier()
         group = dist.new_group(backend=dist.get_backend(), timeout=self.timeout)
+        # and every rank's connections are up before anyone starts: gloo connects pairs lazily
+        # per rank, so a peer that fails its first node could otherwise break a slower rank's
+        # connect, which then surfaces outside the node that failed
         done = 0
         try:
+            dist.barrier(group=group)
             for wave in self._waves(order):
                 mine = [self.dag.nodes[i] for i in wave]
                 mine = [n for n in mine if self.gpu in {*n.gpus, *n.sends, *(g for g, _ in n.release)}]
