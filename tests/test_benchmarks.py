@@ -102,3 +102,20 @@ def test_engine_benchmark_quick(tmp_path: Path) -> None:
             assert r[op]["tokens"] > 0 and r[op]["tokens_per_s"] > 0
     assert doc["threads_per_process"] == 1
     assert (tmp_path / "engine.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(240)
+def test_e2e_local_benchmark_quick(tmp_path: Path) -> None:
+    doc = run_quick("e2e_local.py", tmp_path)
+    assert {"benchmark", "git_sha", "date", "command", "machine", "targets", "results", "summary"} <= set(doc)
+    results = doc["results"]
+    assert isinstance(results, dict) and {"nereus", "static"} <= set(results)
+    for policy in ("nereus", "static"):
+        med = results[policy]["median"]
+        assert med["tokens_per_s"] > 0 and med["accounted_s"] > 0 and med["wall_s"] >= med["accounted_s"]
+        assert 0.0 <= med["transition_share"] < 1.0 and med["monitor_share_mean"] >= 0.0
+        for run in results[policy]["runs"]:
+            assert [s["step"] for s in run["per_step"]][-1] == doc["experiment"]["steps"] - 1
+            assert run["transitions"] >= 1  # the drift loses a worker: something had to move
+    assert doc["ratios"]["nereus/static"]["accounted_s"]["median"] > 0
+    assert (tmp_path / "e2e_local.png").stat().st_size > 0

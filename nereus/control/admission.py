@@ -49,7 +49,7 @@ class Rule:
 
     def pays_back(self, delta_s: float, l_tran_s: float, horizon: float) -> tuple[bool, str]:
         if self.profit is Profit.SWITCH:
-            return True, "periodic switch"
+            return True, "switch (this policy moves on every replan it makes)"
         if delta_s <= 0:
             return False, f"no gain (ΔL {delta_s:+.3g} s)"
         if self.profit is Profit.ANY_GAIN:

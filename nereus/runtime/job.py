@@ -23,6 +23,7 @@ from nereus.backends.sampling import SamplingParams
 from nereus.control.admission import Verdict
 from nereus.control.controller import Controller, policy_config
 from nereus.control.telemetry import Telemetry
+from nereus.errors import InfeasibleError
 from nereus.plan.layout import Plan
 from nereus.plan.problem import PlanningProblem, SeqStats
 from nereus.plan.search import search
@@ -282,7 +283,13 @@ def _decide(controller: Controller, tel: Telemetry, plan: Plan, setup: JobSetup,
             decision.reason,
         )
     if decision.verdict is Verdict.RESTART:
-        return ("restart", initial_plan(setup, tel.pool, max_new), None, decision.reason)
+        # the policy's own search space (a static policy keeps its layouts) if anything fits there
+        seq = SeqStats.fixed(setup.workload.prompt_len, max_new)
+        try:
+            target = search(controller.problem(tel.pool, seq)).plan
+        except InfeasibleError:
+            target = initial_plan(setup, tel.pool, max_new)
+        return ("restart", target, None, decision.reason)
     return None
 
 
