@@ -33,9 +33,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.placement_types import Replicate
 
 from nereus.backends.grid import Coord, Grid
-from nereus.backends.model import DecoderStage
+from nereus.backends.model import DecoderStage, inv_frequencies
 from nereus.spec.model import ModelSpec
 from nereus.state.buffers import BufferKind
+from nereus.state.geometry import stage_layers
 from nereus.state.holder import RankState
 
 
@@ -162,12 +163,10 @@ def tp_plan(stage: DecoderStage, kv_replicated: bool) -> dict[str, Any]:
 
 def build_stage(rs: RankState, groups: Groups, device: torch.device, trains: bool) -> DecoderStage:
     """This rank's stage module, its parameters views of ``rs``'s param buffer."""
-    from nereus.state.geometry import stage_layers
-
     model, layout = rs.model, rs.layout
     with torch.device("meta"):
         stage = DecoderStage(model, stage_layers(model, layout.pp, rs.p), rs.p == 0, rs.p == layout.pp - 1)
-    stage.inv_freq = stage.inv_freq.new_empty(0)  # replaced below, off the meta device
+    stage.inv_freq = inv_frequencies(model).to(device)  # built on the meta device above
     mesh = groups.tp_mesh(device.type)
     kv_replicated = groups.grid.kv_replication(model) > 1
     if mesh is not None:
@@ -177,9 +176,6 @@ def build_stage(rs: RankState, groups: Groups, device: torch.device, trains: boo
                 attn = layer.self_attn
                 attn.kv_input = _KvInput(groups.tp)  # type: ignore[union-attr]
     rebind(stage, rs, trains)
-    from nereus.backends.model import inv_frequencies
-
-    stage.inv_freq = inv_frequencies(model).to(device)
     return stage
 
 

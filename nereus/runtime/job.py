@@ -39,7 +39,7 @@ from nereus.runtime.metrics import MetricsWriter, StepRecord, plan_summary
 from nereus.runtime.rollout import Rollouts, responses
 from nereus.runtime.worker import Worker
 from nereus.spec import load_cluster, load_model, load_workload
-from nereus.spec.model import Head
+from nereus.spec.model import Head, ModelSpec
 from nereus.spec.workload import Algorithm, Role, WorkloadSpec
 from nereus.transition.between import plan_transition
 
@@ -50,7 +50,7 @@ class JobSetup:
 
     spec: ExperimentSpec
     workload: WorkloadSpec
-    models: dict[Role, Any]
+    models: dict[Role, ModelSpec]
     dataset: PromptDataset
     tokenizer: CharTokenizer
 
@@ -200,10 +200,12 @@ def _loop(rank: int, spec: ExperimentSpec, out: Path, resume: bool) -> None:
         if (spec.checkpoint_every and (step + 1) % spec.checkpoint_every == 0) or step + 1 == spec.steps:
             ckpt.save(worker, plan, step, folder)
         t_monitor = time.perf_counter()
-        times: list[dict[str, float]] = [{}] * dist.get_world_size()
-        dist.all_gather_object(times, dict(worker.times.seconds))
-        held: list[dict[str, int]] = [{}] * dist.get_world_size()
-        dist.all_gather_object(held, {n: rs.nbytes for n, rs in worker.holder.units.items()})
+        # every rank's stage seconds and held bytes, in one gather
+        reports: list[Any] = [None] * dist.get_world_size()
+        mine = (dict(worker.times.seconds), {n: rs.nbytes for n, rs in worker.holder.units.items()})
+        dist.all_gather_object(reports, mine)
+        times: list[dict[str, float]] = [t for t, _ in reports]
+        held: list[dict[str, int]] = [h for _, h in reports]
         # ---- the boundary: drift, the controller's decision on rank 0, the transition everywhere
         nxt = step + 1
         if rank in (spec.lost_at(nxt) if nxt < spec.steps else ()):
