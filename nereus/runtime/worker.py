@@ -177,11 +177,8 @@ class Worker:
         ordered = [moves[ms.name] for ms in self.workflow.model_stages if ms.name in moves]
         rank_of = {ms.name: STAGE_ORDER.index(ms.stage) for ms in self.workflow.model_stages}
         dag = build_dag(ordered, rank_of, self.links, 2**62)
-        # the executor adopts only the units its moves name: keep the others aside
-        others = {n: rs for n, rs in self.holder.by_stage().items() if n not in moves}
-        self.holder.units = {n: rs for n, rs in self.holder.by_stage().items() if n in moves}
         Executor(dag, ordered, self.holder, {g: g for g in range(dist.get_world_size())}).run()
-        self.holder.units = {**dict(self.holder.by_stage()), **others}
+        self.holder.units = dict(self.holder.by_stage())
         for name in (dst for _, dst in self.workflow.weight_syncs):
             if name not in self.holder.units:
                 continue

@@ -91,22 +91,25 @@ class Executor:
 
     # -------------------------------------------------------------- bookkeeping
     def _adopt(self) -> None:
-        """Name this rank's units as the DAG does (``<model-stage>/u<i>``)."""
+        """Name this rank's units as the DAG does (``<model-stage>/u<i>``); units of model-stages
+        the transition does not move (a weight sync moves only its receivers) stay as they are."""
         mine = self.holder.by_stage()
         named: dict[str, RankState] = {}
         for name, rs in mine.items():
             m = self.moves.get(name)
+            if m is None:
+                named[name] = rs
+                continue
             uid = None
-            if m is not None:
-                for i, gpus in enumerate(m.current):
-                    if self.gpu in gpus:
-                        uid = f"{name}/u{i}"
-                        t, p = _position(m.current_layout, gpus.index(self.gpu))
-                        if (rs.layout, rs.t, rs.p) != (m.current_layout, t, p):
-                            raise TransitionError(
-                                f"rank {self.rank}: holds {name} {rs.layout} (t={rs.t}, p={rs.p}), "
-                                f"the plan says {m.current_layout} (t={t}, p={p})"
-                            )
+            for i, gpus in enumerate(m.current):
+                if self.gpu in gpus:
+                    uid = f"{name}/u{i}"
+                    t, p = _position(m.current_layout, gpus.index(self.gpu))
+                    if (rs.layout, rs.t, rs.p) != (m.current_layout, t, p):
+                        raise TransitionError(
+                            f"rank {self.rank}: holds {name} {rs.layout} (t={rs.t}, p={rs.p}), "
+                            f"the plan says {m.current_layout} (t={t}, p={p})"
+                        )
             if uid is not None:  # a unit broken by a lost GPU is dropped: its peers are gone
                 named[uid] = rs
         self.holder.units = named  # only once every unit checked out: bad input changes nothing
