@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from nereus.errors import ConfigError
 from nereus.plan.layout import Plan
+from nereus.runtime.worker import Worker
 from nereus.state.checkpoint import kv_mesh, layout_mesh, to_dtensors
 from nereus.state.emu import LogicalState
 from nereus.state.holder import RankState
@@ -33,12 +34,12 @@ from nereus.state.holder import RankState
 LATEST = "latest"
 
 
-def saved_stages(worker: Any) -> list[str]:
+def saved_stages(worker: Worker) -> list[str]:
     """Model-stages a checkpoint holds: those without a weight-sync source."""
     return [ms.name for ms in worker.workflow.model_stages if worker.workflow.sync_source(ms.name) is None]
 
 
-def _state_dict(worker: Any, plan: Plan) -> dict[str, Any]:
+def _state_dict(worker: Worker, plan: Plan) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in saved_stages(worker):
         c = plan.candidate(name)
@@ -51,7 +52,7 @@ def _state_dict(worker: Any, plan: Plan) -> dict[str, Any]:
     return out
 
 
-def save(worker: Any, plan: Plan, step: int, folder: Path, keep: int = 2) -> Path:
+def save(worker: Worker, plan: Plan, step: int, folder: Path, keep: int = 2) -> Path:
     """Checkpoint after ``step`` into ``folder/step_<step>``; keeps the newest ``keep``."""
     folder = Path(folder)
     final = folder / f"step_{step:06d}"
@@ -101,7 +102,7 @@ def step_of(path: Path) -> int:
     return _meta(path)[0]
 
 
-def load(worker: Any, plan: Plan, path: Path) -> int:
+def load(worker: Worker, plan: Plan, path: Path) -> int:
     """Fill this rank's saved model-stages under ``plan`` from ``path``; returns its step."""
     step, logical = _meta(path)
     missing = sorted(set(saved_stages(worker)) - set(logical))
