@@ -106,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     transition_command.add_parser(sub)
     simulate_command.add_parser(sub)
     run_command.add_parser(sub)
+    run_command.add_node_parser(sub)
 
     lst = sub.add_parser("list", help="shipped models, clusters, algorithms or traces")
     lst.add_argument("kind", choices=["models", "clusters", "algos", "traces"])
@@ -338,6 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return transition_command.run(args, out, _problem)
         if args.command == "run":
             return run_command.run(args, out)
+        if args.command == "node":
+            return run_command.node(args, out)
         return _list(args, out)
     except NereusError as exc:
         print(f"nereus {args.command}: error: {exc}", file=sys.stderr)

@@ -41,10 +41,11 @@ KEYS = {"step", "reward", "kl", "step_time_s", "seq_len_mean", "gpus", "plan", "
 
 
 def nereus_run(
-    tmp: Path, name: str, steps: int, drift: bool, *extra: str
+    tmp: Path, name: str, steps: int, drift: bool | str, *extra: str
 ) -> tuple[Path, subprocess.CompletedProcess[str]]:
     exp = tmp / f"{name}.yaml"
-    exp.write_text(BASE.format(name=name, steps=steps) + (DRIFT if drift else ""))
+    script = drift if isinstance(drift, str) else DRIFT if drift else ""
+    exp.write_text(BASE.format(name=name, steps=steps) + script)
     out = tmp / "runs" / name
     proc = subprocess.run(
         [sys.executable, "-m", "nereus.cli", "run", str(exp), "--out", str(out), *extra],
@@ -82,6 +83,29 @@ def test_adaptive_run_equals_the_static_run(tmp_path: Path) -> None:
     for r, s in zip(rows, metrics(still), strict=True):
         assert r["reward"] == pytest.approx(s["reward"], abs=1e-6)
         assert r["kl"] == pytest.approx(s["kl"], abs=1e-4)
+
+
+@pytest.mark.timeout(400)
+def test_a_killed_worker_is_survived_and_training_stays_on_track(tmp_path: Path) -> None:
+    """A worker process killed (SIGKILL) in the middle of step 3: the survivors roll the step
+    back, form a new world, replan from intact units (or restart from the checkpoint when a last
+    copy died) and run the step again; the ending equals the run nobody killed."""
+    killed, proc = nereus_run(tmp_path, "killed", 5, "drift:\n  - {step: 3, kill: [2]}\n")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    still, proc = nereus_run(tmp_path, "still", 5, drift=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(killed)
+    assert [r["step"] for r in rows] == list(range(5))
+    recovered = [t for t in rows[3]["transitions"] if t["kind"] == "recovered"]  # type: ignore[union-attr]
+    assert recovered and recovered[0]["lost"] == [2], rows[3]["transitions"]
+    assert "lost GPUs [2]" in (killed / "membership.log").read_text()
+    assert all(r["gpus"] <= 3 for r in rows[3:])
+    a = load_file(str(killed / "hf" / "actor" / "model.safetensors"))
+    b = load_file(str(still / "hf" / "actor" / "model.safetensors"))
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=2e-4, rtol=0), name
+    for r, s in zip(rows, metrics(still), strict=True):
+        assert r["reward"] == pytest.approx(s["reward"], abs=1e-6)
 
 
 @pytest.mark.timeout(300)

@@ -27,6 +27,7 @@ def test_shipped_clusters_are_the_papers_testbeds() -> None:
         "h200-ib",
         "h100-ib",
         "local-cpu",
+        "local-slurm",
     }
     frontier = load_cluster("mi250x-slingshot")
     assert (frontier.total_gpus, frontier.vendor.value, frontier.collective_library.value) == (

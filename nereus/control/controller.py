@@ -214,6 +214,12 @@ class Controller:
         self.plan = self.pending.target
         self.state, self.pending = State.STEADY, None
 
+    def adopt(self, plan: Plan) -> None:
+        """The job runs ``plan`` again: a step that failed part-way (a transition included) was
+        rolled back to its boundary."""
+        self.plan = plan
+        self.state, self.pending = State.STEADY, None
+
     def restarted(self, plan: Plan) -> None:
         """The job restarted from a checkpoint on ``plan`` (a static policy adopts its layouts)."""
         self.plan = plan

@@ -43,7 +43,7 @@ def _state_dict(worker: Worker, plan: Plan) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in saved_stages(worker):
         c = plan.candidate(name)
-        ranks = [g for r in range(c.dp) for g in c.replica_gpus(r)]
+        ranks = [worker.rank_of[g] for r in range(c.dp) for g in c.replica_gpus(r)]
         model = worker.model_of(name)
         mesh, kv = layout_mesh(c.layout, ranks), kv_mesh(model, c.layout, ranks)  # collective
         rs = worker.holder.units.get(name)
@@ -113,8 +113,8 @@ def load(worker: Worker, plan: Plan, path: Path) -> int:
         c = plan.candidate(name)
         for r in range(c.dp):
             gpus = c.replica_gpus(r)
-            if worker.rank in gpus:
-                i = gpus.index(worker.rank)
+            if worker.gpu in gpus:
+                i = gpus.index(worker.gpu)
                 state = LogicalState(**logical[name])
                 worker.holder.units[name] = RankState.empty(
                     name, worker.model_of(name), c.layout, i % c.layout.tp, i // c.layout.tp,

@@ -21,6 +21,29 @@ def add_parser(sub: Any) -> None:
     )
 
 
+def add_node_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "node", help="one worker process of a launched job (what nereus-launch runs on compute nodes)"
+    )
+    p.add_argument("job_dir", type=Path, help="the job folder nereus-launch wrote")
+    p.add_argument("--join", action="store_true", help="join the running job (a grow)")
+
+
+def node(args: argparse.Namespace, out: Console) -> int:
+    from nereus.runtime.node import JobFolder, main
+
+    folder = JobFolder(args.job_dir)  # a clear error (exit 2) before anything starts
+    preflight(folder.spec(), folder.run, resume=False)
+    from nereus.runtime.membership import JoinRefusedError
+
+    try:
+        status = main(str(args.job_dir), join=args.join)
+    except JoinRefusedError as exc:
+        raise ConfigError(str(exc)) from None
+    out.print(f"{args.job_dir}: {status}")
+    return 0
+
+
 def preflight(spec: Any, folder: Path, resume: bool) -> None:
     """Everything a worker would reject, checked before any process starts or file is written:
     one ``ConfigError`` (exit 2) naming the cause."""

@@ -59,19 +59,23 @@ class RlSpec:
 
 @dataclass(frozen=True, slots=True)
 class DriftEvent:
-    """At the boundary before ``step``: workers leave or rejoin the pool, or the response length
-    limit changes."""
+    """Scripted drift for local runs. ``lose``: workers whose processes leave at the boundary
+    before ``step`` (their state is gone); ``kill``: workers whose processes are killed
+    (SIGKILL) in the middle of ``step``, after generation; ``gain``: new worker processes started
+    at the boundary before ``step``, which join the running job; ``max_new_tokens``: the response
+    length limit from ``step`` on."""
 
     step: int
     lose: tuple[int, ...] = ()
+    kill: tuple[int, ...] = ()
     gain: tuple[int, ...] = ()
     max_new_tokens: int = 0  # 0: unchanged
 
     def __post_init__(self) -> None:
         if self.step < 0:
             raise ValueError(f"step must be non-negative, got {self.step}")
-        if set(self.lose) & set(self.gain):
-            raise ValueError(f"step {self.step}: a worker cannot be lost and gained at once")
+        if (set(self.lose) | set(self.kill)) & set(self.gain) or set(self.lose) & set(self.kill):
+            raise ValueError(f"step {self.step}: a worker cannot be lost, killed or gained at once")
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be non-negative, got {self.max_new_tokens}")
 
@@ -100,18 +104,19 @@ class ExperimentSpec:
             raise ValueError("seed and checkpoint_every must be non-negative")
         pool = set(range(self.workers))
         for e in sorted(self.drift, key=lambda e: e.step):
-            for w in (*e.lose, *e.gain):
+            gone = set(e.lose) | set(e.kill)
+            if 0 in gone:
+                raise ValueError(f"drift at step {e.step}: worker 0 hosts the controller and cannot leave")
+            for w in (*e.lose, *e.kill, *e.gain):
                 if not 0 <= w < self.workers:
                     raise ValueError(f"drift at step {e.step}: worker {w} outside 0…{self.workers - 1}")
-            if not set(e.lose) <= pool:
-                raise ValueError(
-                    f"drift at step {e.step}: workers {sorted(set(e.lose) - pool)} are not in the pool"
-                )
+            if not gone <= pool:
+                raise ValueError(f"drift at step {e.step}: workers {sorted(gone - pool)} are not in the pool")
             if set(e.gain) & pool:
                 raise ValueError(
                     f"drift at step {e.step}: workers {sorted(set(e.gain) & pool)} are already in"
                 )
-            pool = (pool - set(e.lose)) | set(e.gain)
+            pool = (pool - gone) | set(e.gain)
             if not pool:
                 raise ValueError(f"drift at step {e.step} leaves no worker")
 
@@ -129,7 +134,7 @@ class ExperimentSpec:
         pool = set(range(self.workers))
         for e in sorted(self.drift, key=lambda e: e.step):
             if e.step <= step:
-                pool = (pool - set(e.lose)) | set(e.gain)
+                pool = (pool - set(e.lose) - set(e.kill)) | set(e.gain)
         return tuple(sorted(pool))
 
     def max_new_tokens_at(self, step: int) -> int:
@@ -142,3 +147,11 @@ class ExperimentSpec:
     def lost_at(self, step: int) -> tuple[int, ...]:
         """Workers that leave at the boundary before ``step``."""
         return tuple(sorted(w for e in self.drift if e.step == step for w in e.lose))
+
+    def killed_at(self, step: int) -> tuple[int, ...]:
+        """Workers killed in the middle of ``step``."""
+        return tuple(sorted(w for e in self.drift if e.step == step for w in e.kill))
+
+    def gained_at(self, step: int) -> tuple[int, ...]:
+        """Workers started at the boundary before ``step``."""
+        return tuple(sorted(w for e in self.drift if e.step == step for w in e.gain))

@@ -1,15 +1,15 @@
-"""The RL job: every worker's step loop, with the controller on rank 0.
+"""The RL job: its setup, one RL step on every worker, and the controller's verdict.
 
-Each step: generation, inference, rewards and advantages, training, weight sync (``Worker``);
-then, at the step boundary, the scripted drift (workers leave or rejoin, the response limit
-changes), the controller's decision on rank 0 from the step's telemetry, and every worker runs
-the admitted transition and re-binds its engines. Rank 0 writes the metrics and the report.
+``JobSetup`` is what every worker derives identically from the experiment; ``algorithm_step``
+runs one PPO/GRPO/ReMax step (generation, inference, rewards and advantages, training) on the
+plan; ``decide`` turns the controller's decision on the leader into what every worker needs to
+act on it. The loop around them, with membership and failures, is ``nereus.runtime.loop``.
 Edge module (torch.distributed).
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,10 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nereus.backends.optim import AdamWConfig
 from nereus.backends.sampling import SamplingParams
 from nereus.control.admission import Verdict
-from nereus.control.controller import Controller, policy_config
+from nereus.control.controller import Controller
 from nereus.control.telemetry import Telemetry
 from nereus.errors import InfeasibleError
 from nereus.plan.layout import Plan
@@ -33,9 +32,7 @@ from nereus.rl.losses import PolicyLoss, ValueLoss, kl_penalty
 from nereus.rl.tasks import generate_tasks, write_jsonl
 from nereus.rl.tokenizer import CharTokenizer
 from nereus.rl.verifiers import get_verifier, score
-from nereus.runtime import checkpoint as ckpt
 from nereus.runtime.experiment import ExperimentSpec
-from nereus.runtime.metrics import MetricsWriter, StepRecord, plan_summary
 from nereus.runtime.rollout import Rollouts, responses
 from nereus.runtime.worker import Worker
 from nereus.spec import load_cluster, load_model, load_workload
@@ -84,16 +81,19 @@ def initial_plan(setup: JobSetup, pool: tuple[int, ...], max_new: int) -> Plan:
     return search(problem).plan
 
 
-def _broadcast(obj: Any) -> Any:
+def broadcast(obj: Any) -> Any:
+    """``obj`` from rank 0 on every rank."""
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def _algorithm_step(
-    worker: Worker, plan: Plan, setup: JobSetup, step: int, max_new: int
-) -> tuple[Rollouts, Tensor, dict[str, float]]:
-    """One RL step on every worker; returns rollouts, scores and the step's metrics."""
+def algorithm_step(
+    worker: Worker, plan: Plan, setup: JobSetup, step: int, max_new: int,
+    after_generate: Callable[[], None] | None = None,
+) -> tuple[Rollouts, Tensor, dict[str, float]]:  # fmt: skip
+    """One RL step on every worker; returns rollouts, scores and the step's metrics.
+    ``after_generate``: a hook (a scripted kill in the middle of the step)."""
     spec, w, tok = setup.spec, setup.workload, setup.tokenizer
     rl = spec.rl
     g = w.samples_per_prompt
@@ -104,6 +104,8 @@ def _algorithm_step(
         pad_token_id=tok.pad_id, seed=spec.seed,
     )  # fmt: skip
     r = worker.generate(plan, prompt_ids, prompt_valid, list(sample_ids), params)
+    if after_generate is not None:
+        after_generate()
     verifier = get_verifier(spec.verifier)
     answers = [s.record.answer for s in samples for _ in range(g)]
     texts = [tok.decode(x) for x in responses(r)]
@@ -146,132 +148,12 @@ def _algorithm_step(
     return r, scores, metrics
 
 
-def run_worker(
-    rank: int, world: int, spec: ExperimentSpec, out: str, store: str, resume: bool = False
-) -> None:
-    """One worker process: the whole job, SPMD; rank 0 also decides and reports."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        _loop(rank, spec, Path(out), resume)
-    finally:
-        dist.destroy_process_group()
-
-
-def _loop(rank: int, spec: ExperimentSpec, out: Path, resume: bool) -> None:
-    setup = JobSetup.build(spec, out) if rank == 0 else None
-    setup = _broadcast(setup)
-    assert setup is not None
-    w, rl = setup.workload, spec.rl
-    optim = {
-        Role.ACTOR: AdamWConfig(lr=rl.lr, weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm),
-        Role.CRITIC: AdamWConfig(
-            lr=rl.critic_lr, weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm
-        ),
-    }
-    worker = Worker(rank, w, setup.models, spec.cluster, optim, spec.seed)
-    folder = out / "checkpoints"
-    start = 0
-    resume_from = _broadcast(ckpt.latest(folder) if rank == 0 and resume else None)
-    first = ckpt.step_of(resume_from) + 1 if resume_from is not None else 0  # the pool and limit then
-    plan: Plan = _broadcast(
-        initial_plan(setup, spec.pool_at(first), spec.max_new_tokens_at(first)) if rank == 0 else None
-    )
-    if resume_from is not None:
-        start = ckpt.load(worker, plan, resume_from) + 1
-        worker.bind(plan)
-        worker.weight_sync(plan)
-    else:
-        worker.init_state(plan)
-        worker.bind(plan)
-    controller = metrics = None
-    if rank == 0:
-        controller = Controller(w, setup.models, load_cluster(spec.cluster), plan, policy_config(spec.policy))
-        metrics = MetricsWriter(out, spec)
-    started = time.perf_counter()
-    step = start
-    while step < spec.steps:
-        t0 = time.perf_counter()
-        worker.times.seconds.clear()
-        r, _, m = _algorithm_step(worker, plan, setup, step, spec.max_new_tokens_at(step))
-        sync_s = worker.weight_sync(plan)
-        step_s = time.perf_counter() - t0
-        t_ckpt = time.perf_counter()
-        if (spec.checkpoint_every and (step + 1) % spec.checkpoint_every == 0) or step + 1 == spec.steps:
-            ckpt.save(worker, plan, step, folder)
-        t_monitor = time.perf_counter()
-        # every rank's stage seconds and held bytes, in one gather
-        reports: list[Any] = [None] * dist.get_world_size()
-        mine = (dict(worker.times.seconds), {n: rs.nbytes for n, rs in worker.holder.units.items()})
-        dist.all_gather_object(reports, mine)
-        times: list[dict[str, float]] = [t for t, _ in reports]
-        held: list[dict[str, int]] = [h for _, h in reports]
-        # ---- the boundary: drift, the controller's decision on rank 0, the transition everywhere
-        nxt = step + 1
-        if rank in (spec.lost_at(nxt) if nxt < spec.steps else ()):
-            worker.drop()  # this worker left the pool: its state is gone
-        lengths = r.response_lengths().float()
-        record, box = None, None
-        if rank == 0:
-            assert controller is not None
-            stage_times = {n: max(t.get(n, 0.0) for t in times) for n in {k for t in times for k in t}}
-            peaks = {n: float(max(h.get(n, 0) for h in held)) for n in {k for h in held for k in h}}
-            mean = max(1.0, float(lengths.mean()))
-            tel = Telemetry(
-                step, time.perf_counter() - started, mean, max(mean, float(lengths.quantile(0.95))),
-                spec.pool_at(nxt), stage_times, peaks,
-            )  # fmt: skip
-            record = StepRecord.of(step, m, step_s, float(lengths.mean()), plan, sync_s, stage_times)
-            if nxt < spec.steps:
-                box = _decide(controller, tel, plan, setup, spec.max_new_tokens_at(nxt))
-            if controller.decisions and controller.decisions[-1].step == step:
-                d = controller.decisions[-1].to_json()
-                record = record.with_decision({k: d[k] for k in ("verdict", "triggers", "reason")})
-        box = _broadcast(box)
-        if record is not None:  # telemetry, the controller's decision and its broadcast
-            record = record.with_overheads(time.perf_counter() - t_monitor, t_monitor - t_ckpt)
-        moved: list[dict[str, Any]] = []
-        if box is not None and box[0] == "admit":
-            _, target, tr, reason = box
-            seconds = _max(worker.transition(tr))
-            worker.bind(target)
-            kinds = sorted({n.primitive.value for n in tr.dag.nodes})
-            moved.append({
-                "kind": "+".join(kinds) or "regroup", "seconds": seconds, "reason": reason,
-                "bytes": tr.moved_bytes, "before": plan_summary(plan), "after": plan_summary(target),
-            })  # fmt: skip
-            plan = target
-            if controller is not None:
-                controller.transition_done(seconds)
-        elif box is not None and box[0] == "restart":
-            _, target, _, reason = box
-            began = time.perf_counter()
-            path = ckpt.latest(folder)
-            if path is None:
-                raise RuntimeError(f"step {step}: {reason}, and there is no checkpoint to restart from")
-            resumed = ckpt.load(worker, target, path)
-            worker.bind(target)
-            worker.weight_sync(target)
-            seconds = _max(time.perf_counter() - began)
-            moved.append({"kind": "restart", "seconds": seconds, "reason": reason, "from_step": resumed,
-                          "before": plan_summary(plan), "after": plan_summary(target)})  # fmt: skip
-            plan = target
-            if controller is not None:
-                controller.restarted(target)
-            nxt = resumed + 1  # steps after the checkpoint run again, on the new plan
-        if rank == 0:
-            assert metrics is not None and record is not None
-            metrics.write(record.with_transitions(moved), plan)
-        step = nxt
-    if "actor.train" in worker.engines:
-        worker.engines["actor.train"].save_hf(out / "hf" / "actor")
-    if rank == 0:
-        assert metrics is not None
-        metrics.close()
-
-
-def _decide(controller: Controller, tel: Telemetry, plan: Plan, setup: JobSetup, max_new: int) -> Any:
-    """Rank 0: the controller's verdict as what every worker needs to act on it."""
+def decide(
+    controller: Controller, tel: Telemetry, plan: Plan, setup: JobSetup, max_new: int,
+    skip: frozenset[str] = frozenset(),
+) -> Any:  # fmt: skip
+    """Rank 0: the controller's verdict as what every worker needs to act on it. ``skip``:
+    weight copies to leave out of the transition (a weight sync rebuilds them afterwards)."""
     decision = controller.observe(tel)
     if decision is None:
         return None
@@ -281,7 +163,7 @@ def _decide(controller: Controller, tel: Telemetry, plan: Plan, setup: JobSetup,
         return (
             "admit",
             decision.target,
-            plan_transition(problem, plan, decision.target, gone),
+            plan_transition(problem, plan, decision.target, gone, skip),
             decision.reason,
         )
     if decision.verdict is Verdict.RESTART:
@@ -295,7 +177,8 @@ def _decide(controller: Controller, tel: Telemetry, plan: Plan, setup: JobSetup,
     return None
 
 
-def _max(x: float) -> float:
+def reduce_max(x: float) -> float:
+    """The largest ``x`` over the world."""
     t = torch.tensor([x], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)

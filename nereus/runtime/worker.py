@@ -48,8 +48,10 @@ def units_of(c: Candidate) -> tuple[tuple[int, ...], ...]:
     return tuple(c.replica_gpus(r) for r in range(c.dp))
 
 
-def grid_of(c: Candidate) -> Grid:
-    return Grid(c.layout, tuple(g for gpus in units_of(c) for g in gpus))
+def grid_of(c: Candidate, rank_of: Mapping[int, int] | None = None) -> Grid:
+    """The candidate's grid over world ranks (``rank_of``: GPU id → rank; identity by default)."""
+    gpus = [g for unit in units_of(c) for g in unit]
+    return Grid(c.layout, tuple(rank_of[g] for g in gpus) if rank_of is not None else tuple(gpus))
 
 
 def init_tensor(model: ModelSpec, seed: int, kind: BufferKind, name: str) -> Tensor:
@@ -76,21 +78,49 @@ class StageTimes:
 
 
 class Worker:
+    """One worker process's part of the job. ``gpu`` is its GPU id in plans, which never changes;
+    its rank in the current world is ``rank_of[gpu]`` and changes when the world re-forms."""
+
     def __init__(
-        self, rank: int, workload: WorkloadSpec, models: Mapping[Role, ModelSpec], cluster: str,
+        self, gpu: int, workload: WorkloadSpec, models: Mapping[Role, ModelSpec], cluster: str,
         optim: Mapping[Role, AdamWConfig], seed: int,
     ) -> None:  # fmt: skip
-        self.rank = rank
+        self.gpu = gpu
+        self.rank_of: dict[int, int] = {}
         self.workload = workload
         self.workflow = workload.workflow()
         self.models = dict(models)
         self.links = LinkModel(load_cluster(cluster), Efficiencies())
         self.optim = dict(optim)
         self.seed = seed
-        self.holder = StateHolder(rank)
+        self.holder = StateHolder(gpu)
         self.engines: dict[str, TorchNativeEngine] = {}
         self.groups: dict[str, Groups] = {}
         self.times = StageTimes()
+        self.snapshot: dict[str, RankState] = {}  # the trainers' units at the last step boundary
+        self.set_world(tuple(range(dist.get_world_size())) if dist.is_initialized() else (gpu,))
+
+    def set_world(self, members: tuple[int, ...]) -> None:
+        """The world (re-)formed with ``members`` (GPU ids, in rank order): groups and engines of
+        the old world are gone; the units stay resident."""
+        self.rank_of = {g: r for r, g in enumerate(members)}
+        self.holder.rank = self.rank_of[self.gpu]
+        self.groups = {}
+        self.engines = {}
+
+    def release(self) -> None:
+        """Drop every reference to this world's groups (engines hold them too), so that
+        destroying the world closes this process's connections."""
+        self.groups = {}
+        self.engines = {}
+
+    @property
+    def rank(self) -> int:
+        return self.rank_of[self.gpu]
+
+    @property
+    def gpu_of_rank(self) -> dict[int, int]:
+        return {r: g for g, r in self.rank_of.items()}
 
     # ------------------------------------------------------------------ state and engines
     def model_of(self, name: str) -> ModelSpec:
@@ -106,8 +136,8 @@ class Worker:
             model, policy = self.model_of(c.model_stage), self.policy_of(c.model_stage)
             seed = ROLE_SEED[self.workflow.get(c.model_stage).role]
             for gpus in units_of(c):
-                if self.rank in gpus:
-                    i = gpus.index(self.rank)
+                if self.gpu in gpus:
+                    i = gpus.index(self.gpu)
                     t, p = i % c.layout.tp, i // c.layout.tp
 
                     def full(kind: BufferKind, name: str, _m: ModelSpec = model, _s: int = seed) -> Tensor:
@@ -129,7 +159,7 @@ class Worker:
         dist.barrier()  # and has torn them down before any connects new ones
         for ms in self.workflow.model_stages:
             self.groups[ms.name] = Groups.build(
-                grid_of(plan.candidate(ms.name)), self.model_of(ms.name), self.rank
+                grid_of(plan.candidate(ms.name), self.rank_of), self.model_of(ms.name), self.rank
             )
         held = dict(self.holder.by_stage())
         self.holder.units = dict(held)
@@ -148,10 +178,41 @@ class Worker:
         self.holder.units.clear()
         self.engines.clear()
 
+    # ------------------------------------------------------------------ step-boundary rollback
+    def trainers(self) -> list[str]:
+        """Model-stages whose state a step changes: those without a weight-sync source that train."""
+        return [
+            ms.name for ms in self.workflow.model_stages
+            if self.workflow.sync_source(ms.name) is None and self.policy_of(ms.name).trains
+        ]  # fmt: skip
+
+    def take_snapshot(self) -> None:
+        """Copy the trainers' units at a step boundary: a step that fails part-way (a peer died)
+        is rolled back to it and run again, so no rank keeps half a step."""
+        self.snapshot = {}
+        for name, rs in self.holder.by_stage().items():
+            if name in self.trainers():
+                bufs = {k: b.clone() for k, b in rs.buffers.items()}
+                self.snapshot[name] = RankState(
+                    rs.model_stage, rs.model, rs.layout, rs.t, rs.p, rs.policy, bufs, rs.state
+                )
+
+    def rollback(self) -> None:
+        """Back to the last boundary: the trainers' snapshot; receivers of weight syncs are dropped
+        (the next weight sync restores them), frozen models were never changed."""
+        receivers = {dst for _, dst in self.workflow.weight_syncs}
+        kept = {
+            n: rs
+            for n, rs in self.holder.by_stage().items()
+            if n not in receivers and n not in self.trainers()
+        }
+        self.holder.units = {**kept, **self.snapshot}
+        self.engines = {}
+
     def transition(self, tr: Transition) -> float:
         """Run a plan change's DAG (collective over the world); seconds it took."""
         started = time.perf_counter()
-        Executor(tr.dag, tr.moves, self.holder, {g: g for g in range(dist.get_world_size())}).run(
+        Executor(tr.dag, tr.moves, self.holder, self.gpu_of_rank).run(
             tr.schedule.order() if tr.schedule else None
         )
         return time.perf_counter() - started
@@ -177,7 +238,7 @@ class Worker:
         ordered = [moves[ms.name] for ms in self.workflow.model_stages if ms.name in moves]
         rank_of = {ms.name: STAGE_ORDER.index(ms.stage) for ms in self.workflow.model_stages}
         dag = build_dag(ordered, rank_of, self.links, 2**62)
-        Executor(dag, ordered, self.holder, {g: g for g in range(dist.get_world_size())}).run()
+        Executor(dag, ordered, self.holder, self.gpu_of_rank).run()
         self.holder.units = dict(self.holder.by_stage())
         for name in (dst for _, dst in self.workflow.weight_syncs):
             if name not in self.holder.units:
@@ -255,7 +316,7 @@ class Worker:
                 stats = eng.train_step(batch, loss(normaliser), micro)
                 self.times.add(name, time.perf_counter() - started)
                 total += stats.loss
-        return _from_rank(total, c.gpus[0])
+        return _from_rank(total, self.rank_of[c.gpus[0]])
 
 
 def _all_gather(obj: Any) -> list[Any]:

@@ -89,10 +89,15 @@ def ledger_capacity(problem: PlanningProblem) -> int:
 
 
 def plan_transition(
-    problem: PlanningProblem, current: Plan, target: Plan, lost: frozenset[int] = frozenset()
+    problem: PlanningProblem,
+    current: Plan,
+    target: Plan,
+    lost: frozenset[int] = frozenset(),
+    skip: frozenset[str] = frozenset(),
 ) -> Transition:
-    """The global DAG from ``current`` to ``target`` and its schedule (raises NoSourceError)."""
-    moves = stage_moves(problem, current, target, lost)
+    """The global DAG from ``current`` to ``target`` and its schedule (raises NoSourceError).
+    ``skip``: model-stages left out (weight copies a weight sync rebuilds afterwards)."""
+    moves = tuple(m for m in stage_moves(problem, current, target, lost) if m.name not in skip)
     rank = {ms.name: STAGE_ORDER.index(ms.stage) for ms in target.workflow.model_stages}
     links = LinkModel(problem.cluster, problem.efficiencies)
     dag, schedule = plan_dag(moves, rank, links, ledger_capacity(problem))

@@ -1,0 +1,93 @@
+"""Who this process is when a launcher started it: rank, world size, local rank, node.
+
+Under ``srun --mpi=pmi2`` mpi4py (over the ``mpich`` wheel) gives the rank and size, and rank 0
+broadcasts the rendezvous address over MPI; without MPI the same comes from SLURM's variables
+(``SLURM_PROCID``…), submitit's local executor (``SUBMITIT_LOCAL_*``) or torchrun's (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``), and the other ranks read the address the leader wrote to the job
+folder. Edge module (MPI).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+SOURCES = ("mpi", "slurm", "submitit-local", "torchrun", "single")
+
+
+@dataclass(frozen=True, slots=True)
+class Bootstrap:
+    rank: int
+    world: int
+    local_rank: int
+    node: str
+    source: str
+    launch_id: str  # the same on every rank of one launch, different after a requeue
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"source must be one of {SOURCES}, got {self.source!r}")
+        if not 0 <= self.rank < self.world or not 0 <= self.local_rank < self.world:
+            raise ValueError(f"bootstrap: rank {self.rank} / local rank {self.local_rank} of {self.world}")
+
+
+def _int(env: Mapping[str, str], key: str) -> int:
+    try:
+        return int(env[key])
+    except ValueError:
+        raise ValueError(f"environment variable {key}: expected an integer, got {env[key]!r}") from None
+
+
+def from_environment(env: Mapping[str, str] | None = None) -> Bootstrap:
+    """Rank and size from the launcher's environment variables (no MPI)."""
+    env = os.environ if env is None else env
+    node = env.get("SLURMD_NODENAME") or socket.gethostname()
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        launch = f"slurm-{env.get('SLURM_JOB_ID', '?')}-{env.get('SLURM_RESTART_COUNT', '0')}"
+        return Bootstrap(
+            _int(env, "SLURM_PROCID"),
+            _int(env, "SLURM_NTASKS"),
+            _int(env, "SLURM_LOCALID"),
+            node,
+            "slurm",
+            launch,
+        )
+    if "SUBMITIT_LOCAL_GLOBALID" in env:
+        return Bootstrap(
+            _int(env, "SUBMITIT_LOCAL_GLOBALID"), _int(env, "SUBMITIT_LOCAL_NTASKS"),
+            _int(env, "SUBMITIT_LOCAL_LOCALID"), node, "submitit-local",
+            f"local-{env.get('SUBMITIT_LOCAL_JOB_ID', '?')}",
+        )  # fmt: skip
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return Bootstrap(
+            _int(env, "RANK"), _int(env, "WORLD_SIZE"), _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
+            node, "torchrun", f"torchrun-{env.get('TORCHELASTIC_RUN_ID', env.get('MASTER_PORT', '?'))}",
+        )  # fmt: skip
+    return Bootstrap(0, 1, 0, node, "single", f"single-{os.getpid()}")
+
+
+def mpi_world() -> Any:
+    """mpi4py's COMM_WORLD when this process was started by an MPI launcher (PMI/PMI2 under
+    srun, or mpiexec) and mpi4py imports; otherwise None."""
+    if not any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")):
+        return None
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    comm = MPI.COMM_WORLD
+    return comm if comm.Get_size() > 1 else None
+
+
+def bootstrap() -> tuple[Bootstrap, Any]:
+    """This process's place in the launch, and the MPI communicator if there is one."""
+    comm = mpi_world()
+    env = from_environment()
+    if comm is None:
+        return env, None
+    local = env.local_rank if env.source == "slurm" else 0
+    boot = Bootstrap(comm.Get_rank(), comm.Get_size(), local, env.node, "mpi", env.launch_id)
+    return boot, comm
