@@ -1,0 +1,215 @@
+"""``nereus-launch``: submit Nereus jobs to SLURM through submitit (or run them locally), follow,
+grow, shrink and cancel them. Runs on login nodes: it never imports torch.
+
+Bad input is one line on stderr naming the field or cause, exit code 2, and nothing written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from rich.console import Console
+from rich.table import Table
+
+from launch import monitor, submit
+from launch.jobdir import find_job, read_record
+from nereus.errors import NereusError
+
+DEFAULT_ROOT = Path("jobs")
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block): the caller prints them and exits 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(f"{self.prog}: error: {message}")
+
+
+def _nodes(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _parser() -> _Parser:
+    p = _Parser(prog="nereus-launch", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def scheduling(q: argparse.ArgumentParser, what: str) -> None:
+        q.add_argument("--local", action="store_true", help="run as local processes (submitit LocalExecutor)")
+        q.add_argument(
+            "--site",
+            default=os.environ.get("NEREUS_SITE", "local"),
+            help="frontier, nvidia, local or a site YAML (default: $NEREUS_SITE, else local)",
+        )
+        q.add_argument("--partition", help="SLURM partition (default: the site's)")
+        q.add_argument("--account", help="SLURM account (default: the site's)")
+        q.add_argument("--time", help="time limit: MM, HH:MM:SS or D-HH:MM:SS (default: the site's)")
+        q.add_argument("--jobs-root", type=Path, default=DEFAULT_ROOT, help=f"where {what} folders go")
+        q.add_argument("--dry-run", action="store_true", help="print the sbatch script; submit nothing")
+
+    s = sub.add_parser("submit", help="submit an RL experiment")
+    s.add_argument("experiment", type=Path, help="configs/experiments/<name>.yaml")
+    s.add_argument("--nodes", type=_nodes, help="nodes (default: enough for the experiment's workers)")
+    scheduling(s, "job")
+
+    a = sub.add_parser("array", help="submit a sweep of planner runs as one job array")
+    a.add_argument("sweep", type=Path, help="configs/sweeps/<name>.yaml")
+    scheduling(a, "job")
+
+    def job(name: str, help: str) -> argparse.ArgumentParser:
+        q = sub.add_parser(name, help=help)
+        q.add_argument("job", help="a job folder, or a SLURM job id under --jobs-root")
+        q.add_argument("--jobs-root", type=Path, default=DEFAULT_ROOT, help="where to look up job ids")
+        return q
+
+    job("status", "scheduler state and progress").add_argument("--json", action="store_true")
+    job("logs", "print the job's logs").add_argument("--follow", "-f", action="store_true")
+    job("cancel", "cancel the job and its grow jobs")
+    job("grow", "add nodes to the running job").add_argument("--nodes", type=_nodes, required=True)
+    job("shrink", "drain nodes from the running job").add_argument("--nodes", type=_nodes, required=True)
+    return p
+
+
+def _options(args: argparse.Namespace) -> submit.Options:
+    return submit.Options(
+        site=args.site, local=args.local, nodes=getattr(args, "nodes", None), partition=args.partition,
+        account=args.account, time=args.time, jobs_root=args.jobs_root,
+    )  # fmt: skip
+
+
+def _submit(args: argparse.Namespace, factory: submit.ExecutorFactory) -> int:
+    opts = _options(args)
+    if args.command == "submit":
+        prep = submit.prepare_experiment(args.experiment, opts)
+    else:
+        prep = submit.prepare_array(args.sweep, opts)
+    if args.dry_run:
+        sys.stdout.write(prep.script(opts.local))
+        return 0
+    folder, record = submit.commit(prep, factory)
+    ids = ", ".join(record.job_ids)
+    where = "local processes" if opts.local else f"site {record.site}"
+    shape = (f"{len(record.tasks)} tasks" if record.kind == "array"
+             else f"{record.nodes} node(s) × {record.tasks_per_node} task(s)")  # fmt: skip
+    print(f"submitted {record.name}: job {ids} ({shape}, {where}) → {folder}")
+    return 0
+
+
+def _print_status(doc: dict[str, Any], out: Console) -> None:
+    out.print(
+        f"[bold]{doc['name']}[/] ({doc['kind']}, {doc['executor']}, site {doc['site']}) "
+        f"[bold]{doc['state']}[/] · {doc['nodes']} node(s) × {doc['tasks_per_node']} task(s) "
+        f"· {doc['folder']}"
+    )
+    grown = {g["job_id"] for g in doc["grows"]}
+    if doc["kind"] != "array":
+        for job_id, state in doc["jobs"].items():
+            out.print(f"  {'grow' if job_id in grown else 'job'} {job_id}: {state}")
+    for s in doc["shrinks"]:
+        out.print(f"  shrink request: {s['nodes']} node(s) ({s['file']})")
+    if doc["kind"] == "array":
+        table = Table("task", "args", "state", "result", title_justify="left")
+        for t in doc["tasks"]:
+            args = " ".join(f"{k}={v}" for k, v in t["args"].items())
+            if t["exit_code"] is None:
+                result = "-"
+            elif t["exit_code"] == 0:
+                latency = t.get("step_latency_s")
+                result = f"ok, step {latency:.3f} s" if latency is not None else "ok"
+            else:
+                result = f"exit {t['exit_code']}: {t.get('error', '')}"
+            table.add_row(str(t["index"]), args, t["state"], result)
+        out.print(table)
+        return
+    p = doc.get("progress")
+    if p is None:
+        out.print("  progress: no step yet (run/metrics.jsonl)")
+        return
+    plan = ", ".join(f"{k} {v}" for k, v in (p.get("plan") or {}).items())
+    parts = [f"step {p.get('step')}"]
+    if "reward" in p:
+        parts.append(f"reward {p['reward']:.3f}")
+    if "gpus" in p:
+        parts.append(f"{p['gpus']} GPUs")
+    out.print(f"  progress: {' · '.join(parts)}" + (f"\n  plan: {plan}" if plan else ""))
+
+
+def _job_command(args: argparse.Namespace, factory: submit.ExecutorFactory, runner: monitor.Runner) -> int:
+    folder = find_job(args.job, args.jobs_root)
+    if args.command == "status":
+        doc = monitor.status(folder, runner)
+        if args.json:
+            print(json.dumps(doc))
+        else:
+            _print_status(doc, Console(highlight=False, soft_wrap=True))
+    elif args.command == "logs":
+        record = read_record(folder)
+        if args.follow:
+            monitor.follow(
+                lambda: monitor.log_files(folder, record),
+                lambda: monitor.aggregate(
+                    list(monitor.job_states(folder, record, runner).values()) or ["UNKNOWN"]
+                ),
+                sys.stdout,
+            )
+        else:
+            files = monitor.log_files(folder, record)
+            if not files:
+                print(f"no logs yet in {folder / 'logs'}")
+            monitor.Follower(sys.stdout).poll(files)
+    elif args.command == "cancel":
+        ids = monitor.cancel(folder, runner)
+        print(f"cancelled {', '.join(ids) or 'nothing (no process left)'}")
+    elif args.command == "grow":
+        added, record = submit.grow(folder, args.nodes, factory)
+        print(f"grow: job {added.job_id} adds {added.nodes} node(s); {record.current_nodes} in all")
+    else:
+        path, record = submit.shrink(folder, args.nodes)
+        print(f"shrink: asked the job to drain {args.nodes} node(s) ({path}); {record.current_nodes} left")
+    return 0
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    factory: submit.ExecutorFactory = submit.submitit_executor,
+    runner: monitor.Runner = monitor.run_command,
+) -> int:
+    """The console script. ``factory`` and ``runner`` are seams: submitit executors and SLURM's
+    client commands by default."""
+    try:
+        args = _parser().parse_args(argv)
+    except _UsageError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    try:
+        if args.command in ("submit", "array"):
+            return _submit(args, factory)
+        return _job_command(args, factory, runner)
+    except NereusError as exc:
+        print(f"nereus-launch {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `nereus-launch logs JOB | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""The job folder: what ``nereus-launch`` writes for a job, and ``job.json``, its record.
+
+```
+JOB/                      mode 0700
+  experiment.yaml         the resolved config (array jobs: sweep.yaml)
+  job.sbatch              the sbatch script as submitted (not for --local)
+  job.json                JobRecord
+  secret                  mode 0600, secrets.token_hex(32): the job's rendezvous secret
+  logs/                   submitit's folder: pickles, submission scripts, per-task logs
+  control/                requests to the running job (shrink-<unix_ms>.json)
+  run/                    the runtime's output (metrics.jsonl, checkpoints, report)
+  results/                array jobs: one task-<index>.json per task
+  grow-<n>.sbatch         the script of each grow job
+```
+Every file is written whole (temporary file + rename), so a reader never sees half of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import tempfile
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from nereus.errors import ConfigError
+from nereus.spec.schema import build
+
+RECORD = "job.json"
+STATES_DONE = frozenset({"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "FINISHED",
+                         "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT"})  # fmt: skip
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+@dataclass(frozen=True, slots=True)
+class Grow:
+    """Nodes added to a running job by ``nereus-launch grow``: one more SLURM job."""
+
+    job_id: str
+    nodes: int
+    created: str
+    sbatch: str = ""  # the script's file name in the job folder ("" for --local)
+
+    def __post_init__(self) -> None:
+        if self.nodes <= 0:
+            raise ValueError(f"nodes must be positive, got {self.nodes}")
+
+
+@dataclass(frozen=True, slots=True)
+class Shrink:
+    """A request to drain ``nodes`` nodes, written to ``control/<file>``."""
+
+    nodes: int
+    created: str
+    file: str
+
+    def __post_init__(self) -> None:
+        if self.nodes <= 0:
+            raise ValueError(f"nodes must be positive, got {self.nodes}")
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayTask:
+    """One task of an array job: its grid point and where its JSON lands (``results/...``)."""
+
+    index: int
+    args: dict[str, str | int | float | bool]
+    argv: tuple[str, ...]
+    output: str
+    job_id: str = ""
+
+    def __post_init__(self) -> None:
+        if self.index < 0:
+            raise ValueError(f"index must be non-negative, got {self.index}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobRecord:
+    """``job.json``: what was submitted and how to find it again."""
+
+    version: int = 1
+    kind: str = "experiment"  # or "array"
+    name: str
+    site: str
+    executor: str  # "slurm" or "local" (then job ids are process ids of submitit's controller)
+    job_ids: tuple[str, ...] = ()
+    nodes: int
+    tasks_per_node: int
+    state: str = "SUBMITTING"
+    created: str
+    partition: str = ""
+    account: str = ""
+    time_min: int
+    python: str
+    grows: tuple[Grow, ...] = ()
+    shrinks: tuple[Shrink, ...] = ()
+    tasks: tuple[ArrayTask, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("experiment", "array"):
+            raise ValueError(f"kind must be experiment or array, got {self.kind!r}")
+        if self.executor not in ("slurm", "local"):
+            raise ValueError(f"executor must be slurm or local, got {self.executor!r}")
+        if self.nodes <= 0 or self.tasks_per_node <= 0 or self.time_min <= 0:
+            raise ValueError("nodes, tasks_per_node and time_min must be positive")
+
+    @property
+    def current_nodes(self) -> int:
+        """Nodes the job should hold now: submitted + grown − shrunk."""
+        return self.nodes + sum(g.nodes for g in self.grows) - sum(s.nodes for s in self.shrinks)
+
+    @property
+    def all_job_ids(self) -> tuple[str, ...]:
+        return (*self.job_ids, *(g.job_id for g in self.grows if g.job_id))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+
+def atomic_write(path: Path, text: str, mode: int = 0o600) -> None:
+    """Write ``text`` to ``path`` whole: a temporary file in the same folder, then a rename."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_record(folder: Path, record: JobRecord) -> None:
+    atomic_write(folder / RECORD, record.to_json())
+
+
+def read_record(folder: Path) -> JobRecord:
+    path = folder / RECORD
+    if not path.is_file():
+        raise ConfigError(f"JOB: {folder} has no {RECORD} (not a nereus-launch job folder)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"JOB: cannot read {path} ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"JOB: {path} is not a JSON object")
+    return build(JobRecord, data, str(path))
+
+
+def create_folder(root: Path, name: str, stamp: datetime | None = None) -> Path:
+    """A new job folder ``root/<name>-<YYYYmmdd-HHMMSS>`` (``-2``, ``-3`` … if taken), mode 0700."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--jobs-root: cannot create {root} ({exc.strerror})") from None
+    base = f"{name}-{(stamp or datetime.now()).strftime('%Y%m%d-%H%M%S')}"
+    for n in range(1, 1000):
+        folder = root / (base if n == 1 else f"{base}-{n}")
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise ConfigError(f"--jobs-root: cannot create {folder} ({exc.strerror})") from None
+        os.chmod(folder, 0o700)
+        return folder
+    raise ConfigError(f"--jobs-root: too many jobs named {base} under {root}")
+
+
+def write_secret(folder: Path) -> None:
+    """``secret``: 32 random bytes as hex, readable by the owner only."""
+    fd = os.open(folder / "secret", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="ascii") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    os.chmod(folder / "secret", 0o600)
+
+
+def find_job(ref: str, root: Path) -> Path:
+    """A job folder from a path, or from a SLURM job id (or a grow job's) found under ``root``."""
+    path = Path(ref)
+    if path.is_dir():
+        read_record(path)  # a clear error if it is not a job folder
+        return path
+    if ref.replace("_", "").isdigit():
+        wanted = ref.split("_", maxsplit=1)[0]
+        for record_path in sorted(root.glob(f"*/{RECORD}")):
+            try:
+                record = read_record(record_path.parent)
+            except ConfigError:
+                continue
+            if wanted in record.all_job_ids or ref in {t.job_id for t in record.tasks}:
+                return record_path.parent
+        raise ConfigError(f"JOB: no job folder at {ref!r} and no job with id {ref} under {root}")
+    raise ConfigError(f"JOB: no such job folder: {ref}")
+
+
+@dataclass(frozen=True, slots=True)
+class ShrinkRequest:
+    """``control/shrink-<unix_ms>.json``: ``{"nodes": K}``, drained at the next step boundary."""
+
+    nodes: int
+    unix_ms: int = field(default_factory=lambda: int(datetime.now(UTC).timestamp() * 1000))
+
+    def __post_init__(self) -> None:
+        if self.nodes <= 0:
+            raise ValueError(f"nodes must be positive, got {self.nodes}")
+
+    @property
+    def file(self) -> str:
+        return f"shrink-{self.unix_ms}.json"
+
+    def write(self, folder: Path) -> Path:
+        control = folder / "control"
+        control.mkdir(mode=0o700, exist_ok=True)
+        path = control / self.file
+        atomic_write(path, json.dumps({"nodes": self.nodes}) + "\n")
+        return path

@@ -1,0 +1,171 @@
+"""A SLURM site: what a cluster's sbatch scripts need that the job itself does not decide.
+
+A site file (``slurm/templates/<name>.yaml``) has a fixed set of keys: the node shape (GPUs per
+node, CPUs per task), scheduling defaults (partition, account, time limit, the partitions that
+exist), the ``srun --mpi`` plugin under which mpi4py finds its ranks, extra ``#SBATCH`` flags,
+shell setup lines (``module load ...``) and the environment exported before ``srun``
+(NCCL/RCCL, libfabric). Unknown keys and bad values are one-line ``ConfigError``s naming the key.
+Time limits are SLURM's formats (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``,
+``D-HH:MM:SS``), kept as whole minutes: submitit passes them in minutes and times requeues by them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nereus.errors import ConfigError
+from nereus.spec.cluster import Vendor
+from nereus.spec.schema import coerce_enums, load_spec
+
+MPI_PLUGINS = ("pmi2", "pmix", "cray_shasta", "none")
+# Flags the launcher sets itself from the request; a site may not override them through ``sbatch``.
+RESERVED_SBATCH = frozenset(
+    {
+        "account", "array", "cpus-per-task", "error", "gpus-per-node", "job-name", "nodes",
+        "ntasks-per-node", "open-mode", "output", "partition", "signal", "time", "wckey",
+    }
+)  # fmt: skip
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SBATCH_NAME = re.compile(r"[a-z][a-z0-9-]*")
+
+TIME_FORMATS = "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"
+_DAYS = re.compile(r"(\d+)-(\d+)(?::(\d+))?(?::(\d+))?")
+_CLOCK = re.compile(r"(\d+)(?::(\d+))?(?::(\d+))?")
+
+
+def parse_time(text: str, flag: str = "--time") -> int:
+    """Minutes in a SLURM time limit; a ``ConfigError`` naming ``flag`` when it is not one."""
+    text = str(text).strip()
+    seconds: int | None = None
+    if m := _DAYS.fullmatch(text):
+        d, h, mi, s = (int(g) if g else 0 for g in m.groups())
+        if h < 24 and mi < 60 and s < 60:
+            seconds = ((d * 24 + h) * 60 + mi) * 60 + s
+    elif m := _CLOCK.fullmatch(text):
+        parts = [int(g) for g in m.groups() if g is not None]
+        if len(parts) == 1:
+            seconds = parts[0] * 60
+        elif len(parts) == 2 and parts[1] < 60:
+            seconds = parts[0] * 60 + parts[1]
+        elif len(parts) == 3 and parts[1] < 60 and parts[2] < 60:
+            seconds = (parts[0] * 60 + parts[1]) * 60 + parts[2]
+    if not seconds:
+        raise ConfigError(f"{flag}: expected a positive time limit as {TIME_FORMATS}, got {text!r}")
+    return math.ceil(seconds / 60)
+
+
+def sites_dir() -> Path:
+    """``$NEREUS_SITES`` if set, else the repository's ``slurm/templates/``."""
+    env = os.environ.get("NEREUS_SITES")
+    return Path(env) if env else Path(__file__).resolve().parents[1] / "slurm" / "templates"
+
+
+def site_names() -> list[str]:
+    """The shipped site names, sorted."""
+    return sorted(p.stem for p in sites_dir().glob("*.yaml"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Site:
+    """One cluster's scheduling conventions; ``name`` is the file's stem."""
+
+    name: str
+    description: str = ""
+    vendor: Vendor
+    gpus_per_node: int = 0  # 0: CPU workers, no GPU request (the local test cluster)
+    cpus_per_task: int = 1
+    partition: str = ""  # default partition; "": the cluster's default
+    partitions: tuple[str, ...] = ()  # the partitions that exist; empty: any name is accepted
+    account: str = ""  # default account; "": none (or $SBATCH_ACCOUNT, read by sbatch itself)
+    time: str = "01:00:00"  # default time limit (SLURM format)
+    max_nodes: int = 0  # 0: no limit
+    mpi: str = "pmi2"  # srun --mpi plugin; "none" leaves srun's default
+    srun_args: tuple[str, ...] = ()  # more srun flags (e.g. --gpu-bind=closest)
+    sbatch: dict[str, str | int | bool] = field(default_factory=dict)  # more #SBATCH flags
+    setup: tuple[str, ...] = ()  # shell lines run before srun (module loads)
+    env: dict[str, str] = field(default_factory=dict)  # exported before srun
+    signal_delay_s: int = 120  # USR2 this long before the time limit: checkpoint and requeue
+
+    def __post_init__(self) -> None:
+        coerce_enums(self, vendor=Vendor)
+        if self.gpus_per_node < 0:
+            raise ValueError(f"gpus_per_node must be non-negative, got {self.gpus_per_node}")
+        if (self.vendor is Vendor.CPU) != (self.gpus_per_node == 0):
+            raise ValueError(
+                f"gpus_per_node must be 0 exactly when vendor is cpu (vendor {self.vendor.value}, "
+                f"gpus_per_node {self.gpus_per_node})"
+            )
+        for name in ("cpus_per_task", "signal_delay_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_nodes < 0:
+            raise ValueError(f"max_nodes must be non-negative, got {self.max_nodes}")
+        if self.partitions and self.partition and self.partition not in self.partitions:
+            raise ValueError(
+                f"partition {self.partition!r} is not in partitions ({', '.join(self.partitions)})"
+            )
+        if self.mpi not in MPI_PLUGINS:
+            raise ValueError(f"mpi must be one of {', '.join(MPI_PLUGINS)}, got {self.mpi!r}")
+        try:
+            parse_time(self.time, "time")
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        for arg in self.srun_args:
+            if not arg.startswith("-") or arg.startswith(("--mpi", "--output", "--error")):
+                raise ValueError(f"srun_args: {arg!r} is not an srun flag the site may set (--mpi: use mpi)")
+        for key, value in self.sbatch.items():
+            if not _SBATCH_NAME.fullmatch(key) or key in RESERVED_SBATCH:
+                raise ValueError(f"sbatch: {key!r} is not a flag the site may set")
+            if value is False:
+                raise ValueError(f"sbatch: {key}: false is not a value (leave the flag out)")
+        for key, value in self.env.items():
+            if not _ENV_NAME.fullmatch(key):
+                raise ValueError(f"env: {key!r} is not an environment variable name")
+            if any(c in value for c in '"`\n\\'):
+                raise ValueError(f'env: {key}: value must not contain ", `, \\ or a newline')
+        if any("\n" in line for line in self.setup):
+            raise ValueError("setup: one shell line per item")
+
+    @property
+    def mpi_args(self) -> list[str]:
+        """The srun flags: the MPI plugin, then the site's own."""
+        return ([] if self.mpi == "none" else [f"--mpi={self.mpi}"]) + list(self.srun_args)
+
+    def env_lines(self) -> list[str]:
+        """``export`` lines for the environment (double-quoted, so ``$SLURM_JOB_ID`` expands)."""
+        return [f'export {k}="{v}"' for k, v in self.env.items()]
+
+    def check_partition(self, partition: str) -> None:
+        if self.partitions and partition not in self.partitions:
+            raise ConfigError(
+                f"--partition: {partition!r} is not a partition of site {self.name} "
+                f"(allowed: {', '.join(self.partitions)})"
+            )
+
+
+def _is_name(name_or_path: str) -> bool:
+    return Path(name_or_path).suffix not in (".yaml", ".yml") and os.sep not in name_or_path
+
+
+def site_ref(name_or_path: str) -> str:
+    """How a job record names its site: the shipped name, or the site file's absolute path."""
+    return name_or_path if _is_name(name_or_path) else str(Path(name_or_path).resolve())
+
+
+def load_site(name_or_path: str) -> Site:
+    """A shipped site by name, or a site YAML by path."""
+    path = Path(name_or_path)
+    if _is_name(name_or_path):
+        path = sites_dir() / f"{name_or_path}.yaml"
+        if not path.is_file():
+            raise ConfigError(
+                f"--site: unknown site {name_or_path!r} "
+                f"(allowed: {', '.join(site_names())}, or a path to a site YAML)"
+            )
+    elif not path.is_file():
+        raise ConfigError(f"--site: site file {name_or_path} does not exist")
+    return load_spec(Site, path)

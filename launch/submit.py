@@ -1,0 +1,289 @@
+"""Submitting: an experiment, a sweep (job array) or more nodes for a running job, through submitit.
+
+Each submission is prepared first (every check, the render, the files' contents) without
+touching the disk, so ``--dry-run`` prints exactly what would be submitted and bad input leaves
+nothing behind. Then the job folder is written and the job submitted; if submission fails the
+folder is removed. The executor comes from a factory (``ExecutorFactory``): submitit's
+``SlurmExecutor`` / ``LocalExecutor`` by default, a fake one in tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+import submitit
+import yaml
+
+from launch.experiment import check_node_limit, check_plan, check_site, load_experiment, place
+from launch.job import NodeJob, run_cli_task, task_file
+from launch.jobdir import (
+    STATES_DONE,
+    ArrayTask,
+    Grow,
+    JobRecord,
+    Shrink,
+    ShrinkRequest,
+    atomic_write,
+    create_folder,
+    now_iso,
+    read_record,
+    write_record,
+    write_secret,
+)
+from launch.render import Rendered, Request, describe_local, render
+from launch.site import Site, load_site, parse_time, site_ref
+from launch.sweep import check_argv, load_sweep
+from nereus.errors import ConfigError
+
+
+class SubmittedJob(Protocol):
+    @property
+    def job_id(self) -> str: ...
+
+
+class Executor(Protocol):
+    """What the launcher uses of a submitit executor."""
+
+    def update_parameters(self, **kwargs: Any) -> None: ...
+    def submit(self, fn: Callable[..., Any], *args: Any) -> SubmittedJob: ...
+    def map_array(self, fn: Callable[..., Any], *iterables: Iterable[Any]) -> Sequence[SubmittedJob]: ...
+
+
+ExecutorFactory = Callable[[str, Path, str], Executor]  # (kind "slurm" | "local", folder, python)
+
+
+def submitit_executor(kind: str, folder: Path, python: str) -> Executor:
+    """submitit's own executor: ``SlurmExecutor`` (sbatch) or ``LocalExecutor`` (local processes)."""
+    if kind == "local":
+        ex: Executor = submitit.LocalExecutor(folder=folder, python=python)
+        return ex
+    for tool in ("sbatch", "srun"):
+        if shutil.which(tool) is None:
+            raise ConfigError(f"{tool}: not found on PATH (not a SLURM login node? --local runs here)")
+    return submitit.SlurmExecutor(folder=folder, python=python)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Options:
+    """The flags shared by ``submit`` and ``array``."""
+
+    site: str = "local"
+    local: bool = False
+    nodes: int | None = None
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None
+    jobs_root: Path = Path("jobs")
+    python: str = shlex.quote(sys.executable)
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A checked submission: where it goes, what it writes, what it runs."""
+
+    folder: Path  # planned; created only by ``commit``
+    site: Site
+    request: Request
+    rendered: Rendered
+    record: JobRecord
+    files: dict[str, str]  # job-folder file name -> text (``commit`` adds job.sbatch)
+
+    def script(self, local: bool) -> str:
+        return describe_local(self.request, self.rendered) if local else self.rendered.sbatch
+
+
+@contextlib.contextmanager
+def submitting(what: str = "sbatch") -> Iterator[None]:
+    """Turn submitit's failures (sbatch missing or failing) into one ``ConfigError`` line."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            yield
+    except FileNotFoundError as exc:
+        raise ConfigError(
+            f"{what}: {exc.filename or what} not found (not a SLURM login node? --local runs here)"
+        ) from None
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        lines = (str(exc).strip() or err.getvalue().strip()).splitlines()
+        raise ConfigError(f"{what} failed: {lines[-1] if lines else type(exc).__name__}") from None
+
+
+def _common(opts: Options, site: Site) -> tuple[str, str, int]:
+    partition = opts.partition if opts.partition is not None else site.partition
+    if partition and not opts.local:
+        site.check_partition(partition)
+    account = opts.account if opts.account is not None else site.account
+    time_min = parse_time(opts.time) if opts.time is not None else parse_time(site.time, "time")
+    return partition, account, time_min
+
+
+def prepare_experiment(path: Path, opts: Options) -> Prepared:
+    """Every check of ``submit``, and the render, without writing anything."""
+    site = load_site(opts.site)
+    exp = load_experiment(path)
+    placement = place(site, exp.spec.workers, opts.nodes, opts.local)
+    if not opts.local:
+        check_site(site, exp.spec)
+    exp = exp.resolved(placement)
+    check_plan(exp.spec, placement.tasks)
+    partition, account, time_min = _common(opts, site)
+    folder = _planned_folder(opts.jobs_root, exp.name)
+    req = Request(
+        job_name=exp.name, folder=str(folder / "logs"), python=opts.python, nodes=placement.nodes,
+        tasks_per_node=placement.tasks_per_node, time_min=time_min, partition=partition, account=account,
+    )  # fmt: skip
+    rendered = render(site, req)
+    record = JobRecord(
+        name=exp.name, site=site_ref(opts.site), executor="local" if opts.local else "slurm",
+        nodes=placement.nodes, tasks_per_node=placement.tasks_per_node, created=now_iso(),
+        partition=partition, account=account, time_min=time_min, python=opts.python,
+    )  # fmt: skip
+    return Prepared(folder, site, req, rendered, record, {"experiment.yaml": exp.dump()})
+
+
+def prepare_array(path: Path, opts: Options) -> Prepared:
+    """Every check of ``array``, and the render, without writing anything."""
+    site = load_site(opts.site)
+    sweep = load_sweep(path)
+    check_argv(sweep, path)
+    if opts.nodes not in (None, 1):
+        raise ConfigError(f"--nodes: an array task runs on one node, got {opts.nodes}")
+    partition, account, time_min = _common(opts, site)
+    folder = _planned_folder(opts.jobs_root, sweep.name)
+    req = Request(
+        job_name=sweep.name, folder=str(folder / "logs"), python=opts.python, nodes=1, tasks_per_node=1,
+        time_min=time_min, partition=partition, account=account, array=sweep.size,
+    )  # fmt: skip
+    rendered = render(site, req)
+    tasks = tuple(
+        ArrayTask(i, point, tuple(sweep.argv(point)), f"results/{task_file(i)}")
+        for i, point in enumerate(sweep.points())
+    )
+    record = JobRecord(
+        kind="array", name=sweep.name, site=site_ref(opts.site), executor="local" if opts.local else "slurm",
+        nodes=1, tasks_per_node=1, created=now_iso(), partition=partition, account=account,
+        time_min=time_min, python=opts.python, tasks=tasks,
+    )  # fmt: skip
+    doc = {"name": sweep.name, "description": sweep.description, "command": sweep.command,
+           "args": sweep.args, "grid": {k: list(v) for k, v in sweep.grid.items()}}  # fmt: skip
+    return Prepared(folder, site, req, rendered, record, {"sweep.yaml": yaml.safe_dump(doc, sort_keys=False)})
+
+
+def _planned_folder(root: Path, name: str) -> Path:
+    """Where the job folder will be (``commit`` creates it, with the time of creation)."""
+    return root.absolute() / f"{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def commit(prep: Prepared, factory: ExecutorFactory = submitit_executor) -> tuple[Path, JobRecord]:
+    """Write the job folder and submit. On any failure before the job is queued the folder is removed."""
+    root = prep.folder.parent
+    made = [d for d in (root, *root.parents) if not d.exists()]  # removed again on failure
+    folder = create_folder(root, prep.record.name)
+    local = prep.record.executor == "local"
+    try:
+        logs = folder / "logs"
+        rendered = render(prep.site, replace(prep.request, folder=str(logs)))  # the folder's real name
+        files = dict(prep.files) if local else {**prep.files, "job.sbatch": rendered.sbatch}
+        for sub in ("logs", "control", *(("results",) if prep.record.kind == "array" else ())):
+            (folder / sub).mkdir(mode=0o700)
+        for name, text in files.items():
+            atomic_write(folder / name, text)
+        write_secret(folder)
+        write_record(folder, prep.record)
+        with submitting("submitit" if local else "sbatch"):
+            ex = factory(prep.record.executor, logs, prep.request.python)
+            ex.update_parameters(**(rendered.local_params if local else rendered.params))
+            if prep.record.kind == "array":
+                tasks = prep.record.tasks
+                jobs = ex.map_array(
+                    run_cli_task,
+                    [str(folder)] * len(tasks),
+                    [t.index for t in tasks],
+                    [list(t.argv) for t in tasks],
+                )
+            else:
+                jobs = [ex.submit(NodeJob(), str(folder))]
+    except BaseException as exc:
+        shutil.rmtree(folder, ignore_errors=True)
+        for d in made:
+            with contextlib.suppress(OSError):
+                d.rmdir()  # only if still empty
+        if isinstance(exc, OSError):
+            raise ConfigError(f"--jobs-root: cannot write {folder} ({exc})") from None
+        raise
+    ids = [str(j.job_id) for j in jobs]
+    main_ids = tuple(dict.fromkeys(i.split("_", maxsplit=1)[0] for i in ids))  # an array's id, once
+    record = replace(prep.record, state="SUBMITTED", job_ids=main_ids)
+    if record.kind == "array":
+        tasks = tuple(replace(t, job_id=i) for t, i in zip(record.tasks, ids, strict=True))
+        record = replace(record, tasks=tasks)
+    write_record(folder, record)
+    return folder, record
+
+
+def grow(folder: Path, nodes: int, factory: ExecutorFactory = submitit_executor) -> tuple[Grow, JobRecord]:
+    """Submit ``nodes`` more nodes as a new job whose tasks run the node entry with ``join=True``."""
+    record = read_record(folder)
+    if record.kind != "experiment":
+        raise ConfigError(f"JOB: {folder} is an {record.kind} job; only an experiment grows")
+    if nodes <= 0:
+        raise ConfigError(f"--nodes: expected a positive integer, got {nodes}")
+    if record.state in STATES_DONE:
+        raise ConfigError(f"JOB: {record.name} is {record.state}; only a running job grows")
+    site = load_site(record.site)
+    total = record.current_nodes + nodes
+    local = record.executor == "local"
+    if not local:
+        check_node_limit(site, total)
+    exp = load_experiment(folder / "experiment.yaml")
+    check_plan(exp.spec, total * record.tasks_per_node)
+    req = Request(
+        job_name=f"{record.name}-grow", folder=str(folder.absolute() / "logs"), python=record.python,
+        nodes=nodes, tasks_per_node=record.tasks_per_node, time_min=record.time_min,
+        partition=record.partition, account=record.account,
+    )  # fmt: skip
+    rendered = render(site, req)
+    script = "" if local else f"grow-{len(record.grows) + 1}.sbatch"
+    try:
+        if script:
+            atomic_write(folder / script, rendered.sbatch)
+        with submitting("submitit" if local else "sbatch"):
+            ex = factory(record.executor, Path(req.folder), record.python)
+            ex.update_parameters(**(rendered.local_params if local else rendered.params))
+            job = ex.submit(NodeJob(), str(folder.absolute()), True)
+    except BaseException:
+        if script:
+            (folder / script).unlink(missing_ok=True)
+        raise
+    added = Grow(str(job.job_id), nodes, now_iso(), script)
+    record = replace(record, grows=(*record.grows, added))
+    write_record(folder, record)
+    return added, record
+
+
+def shrink(folder: Path, nodes: int) -> tuple[Path, JobRecord]:
+    """Ask the running job to drain ``nodes`` nodes (``control/shrink-<unix_ms>.json``)."""
+    record = read_record(folder)
+    if record.kind != "experiment":
+        raise ConfigError(f"JOB: {folder} is an {record.kind} job; only an experiment shrinks")
+    current = record.current_nodes
+    if nodes <= 0 or nodes >= current:
+        allowed = f"1 to {current - 1}" if current > 1 else "none: it has one node"
+        raise ConfigError(
+            f"--nodes: must be below the job's {current} node(s) (allowed: {allowed}), got {nodes}"
+        )
+    request = ShrinkRequest(nodes)
+    path = request.write(folder)
+    record = replace(record, shrinks=(*record.shrinks, Shrink(nodes, now_iso(), request.file)))
+    write_record(folder, record)
+    return path, record

@@ -1,0 +1,140 @@
+"""Membership: signed joins (a stranger is refused and logged), and a world re-formed in place
+after a member dies (survivors keep their tensors; the dead one is detected within seconds)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nereus.runtime.membership import JoinRefusedError, Membership, Rendezvous, sign
+
+SECRET = bytes(range(32))
+
+
+def _ask(m: Membership, out: dict[str, object], gpu: int | None = None) -> None:
+    try:
+        out["answer"] = m.request_join(gpu, timeout_s=30)
+    except JoinRefusedError as exc:
+        out["refused"] = str(exc)
+
+
+def _pending(leader: Membership, n: int) -> list[object]:
+    deadline = time.monotonic() + 10
+    got: list[object] = []
+    while len(got) < n and time.monotonic() < deadline:
+        got += leader.pending_joins()
+        time.sleep(0.02)
+    return got
+
+
+def test_a_join_without_the_secret_is_refused_and_logged(tmp_path: Path) -> None:
+    log = tmp_path / "membership.log"
+    leader = Membership.host(SECRET, log=log)
+    leader.members = (0, 1)
+    stranger = Membership.connect(leader.rendezvous, b"not the secret" * 2, -1)
+    friend = Membership.connect(leader.rendezvous, SECRET, -1)
+    s_out: dict[str, object] = {}
+    f_out: dict[str, object] = {}
+    threads = [
+        threading.Thread(target=_ask, args=(stranger, s_out)),
+        threading.Thread(target=_ask, args=(friend, f_out, 5)),
+    ]
+    for t in threads:
+        t.start()
+    (req,) = _pending(leader, 1)  # the stranger's request is refused inside pending_joins
+    leader.answer(req, 5, 1, (0, 1, 5))  # type: ignore[arg-type]
+    for t in threads:
+        t.join(10)
+    assert "bad secret" in str(s_out["refused"])
+    assert f_out["answer"] == (5, 1, (0, 1, 5))
+    text = log.read_text()
+    assert "refused join request" in text and "bad secret" in text and "accepted join request" in text
+
+
+def test_replayed_and_malformed_requests_are_refused(tmp_path: Path) -> None:
+    leader = Membership.host(SECRET, log=tmp_path / "m.log")
+    body = {"nonce": "ab" * 16, "time": time.time(), "host": "h", "pid": 1, "gpu": None}
+    signed = json.dumps({**body, "mac": sign(SECRET, body)})
+    for raw in (signed, signed, "{not json", json.dumps({**body, "time": time.time() - 3600, "mac": "x"})):
+        i = leader.store.add("join/count", 1)
+        leader.store.set(f"join/req/{i}", raw)
+    accepted = leader.pending_joins()
+    assert [r.index for r in accepted] == [1]
+    answers = [json.loads(leader.store.get(f"join/answer/{i}")) for i in (2, 3, 4)]
+    assert "replayed" in answers[0]["refused"]
+    assert "malformed" in answers[1]["refused"]
+    assert "bad secret" in answers[2]["refused"]
+
+
+def test_rendezvous_file_is_private_and_waits_for_its_launch(tmp_path: Path) -> None:
+    path = tmp_path / "rendezvous.json"
+    Rendezvous("127.0.0.1", 1234, "old").write(path)
+    assert (path.stat().st_mode & 0o777) == 0o600
+    with pytest.raises(TimeoutError):
+        Rendezvous.read(path, timeout_s=0.3, launch_id="new")
+    assert Rendezvous.read(path, launch_id="old").port == 1234
+    with pytest.raises(ValueError, match="bad address"):
+        Rendezvous("", 0)
+
+
+def _member(gpu: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    m = (
+        Membership.host(SECRET, 0, "127.0.0.1", port, log=Path(out) / "m.log")
+        if gpu == 0
+        else Membership.connect(Rendezvous("127.0.0.1", port), SECRET, gpu)
+    )
+    m.form((0, 1, 2), 0)
+    kept = torch.full((4,), float(gpu))
+    sub = dist.new_group([0, 1])
+    dist.barrier()
+    if gpu == 2:
+        time.sleep(0.3)
+        os._exit(0)  # dies without a word
+    started = time.monotonic()
+    failed = False
+    try:  # the same collectives in the same order on every rank, as the runtime's steps are
+        dist.all_reduce(torch.ones(1), group=sub)
+        dist.all_reduce(torch.ones(1))  # with the dead one: fails on both survivors
+    except RuntimeError:
+        failed = True
+    del sub
+    assert failed
+    survivors = m.recover(grace_s=20)
+    detected = time.monotonic() - started
+    m.form(survivors, 1)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    Path(out, f"{gpu}.json").write_text(
+        json.dumps({"survivors": survivors, "sum": float(t), "kept": kept.tolist(), "s": detected})
+    )
+    m.close()
+
+
+@pytest.mark.timeout(120)
+def test_survivors_re_form_the_world_in_place_after_a_member_dies(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_member, args=(g, port, str(tmp_path))) for g in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    for g in (0, 1):
+        got = json.loads((tmp_path / f"{g}.json").read_text())
+        assert got["survivors"] == [0, 1] and got["sum"] == 2.0 and got["kept"] == [float(g)] * 4
+        assert got["s"] < 10.0  # detected within seconds (the heartbeat goes stale after 4 s)
+    assert "lost GPUs [2]" in (tmp_path / "m.log").read_text()
