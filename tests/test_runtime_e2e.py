@@ -12,8 +12,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -106,6 +108,44 @@ def test_a_killed_worker_is_survived_and_training_stays_on_track(tmp_path: Path)
         assert torch.allclose(a[name], b[name], atol=2e-4, rtol=0), name
     for r, s in zip(rows, metrics(still), strict=True):
         assert r["reward"] == pytest.approx(s["reward"], abs=1e-6)
+
+
+@pytest.mark.timeout(400)
+def test_shrink_drains_a_worker_in_place_and_preemption_resumes_on_track(tmp_path: Path) -> None:
+    """A shrink request (as ``nereus-launch shrink`` writes it) waiting in the control folder:
+    at the first boundary the plan moves off one worker while it still holds its state, then
+    it leaves. A SIGUSR2 (SLURM's preemption signal) later checkpoints at the next boundary
+    and stops; ``--resume`` finishes the job. Both end where the untouched run ends."""
+    out = tmp_path / "runs" / "drained"
+    (out / "control").mkdir(parents=True)
+    (out / "control" / "shrink-1.json").write_text('{"nodes": 1}')
+    exp = tmp_path / "drained.yaml"
+    exp.write_text(BASE.format(name="drained", steps=6))
+    cmd = [sys.executable, "-m", "nereus.cli", "run", str(exp), "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (out / "metrics.jsonl").is_file() and len(metrics(out)) >= 2:
+            proc.send_signal(signal.SIGUSR2)
+            break
+        time.sleep(0.1)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    rows = metrics(out)
+    assert rows[-1]["transitions"][-1]["kind"] == "preempted" and len(rows) < 6, rows[-1]  # type: ignore[index]
+    first = rows[0]["transitions"]
+    assert [t["kind"] for t in first][-1] == "membership" and first[-1]["left"] == [3], first  # type: ignore[index]
+    assert all(r["gpus"] <= 3 for r in rows[1:])
+    assert (out / "control" / ".done-shrink-1.json").is_file()
+    proc2 = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=300, check=False)
+    assert proc2.returncode == 0, proc2.stderr[-3000:]
+    assert [r["step"] for r in metrics(out)][-1] == 5
+    still, proc3 = nereus_run(tmp_path, "still", 6, drift=False)
+    assert proc3.returncode == 0, proc3.stderr[-3000:]
+    a = load_file(str(out / "hf" / "actor" / "model.safetensors"))
+    b = load_file(str(still / "hf" / "actor" / "model.safetensors"))
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=2e-4, rtol=0), name
 
 
 @pytest.mark.timeout(300)

@@ -1,17 +1,24 @@
 """``nereus run``: the job as local worker processes on this machine (one per virtual GPU).
 
+Each local worker counts as a node of its own for shrink requests (``<out>/control/shrink-*.json``
+with ``{"nodes": K}``, as ``nereus-launch shrink`` writes them).
+
 ``launch_local`` is a small supervisor: it starts one process per worker, the first of which (GPU 0)
 hosts the job's rendezvous store and the controller, and waits for them. A scripted gain starts a
 new process that joins the running job through the store, exactly as a node added to a SLURM
-allocation does; a scripted loss or kill ends a process. The job succeeds when the leader does.
+allocation does; a scripted loss or kill ends a process. SIGUSR2 or SIGTERM to the supervisor
+is passed to every worker, as srun does: the job checkpoints at its next boundary and stops
+(``nereus run --resume`` continues). The job succeeds when the leader does.
 Edge module (processes).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import secrets
 import shutil
+import signal
 from pathlib import Path
 
 import torch
@@ -44,7 +51,18 @@ def launch_local(spec: ExperimentSpec, out: Path, resume: bool = False) -> Path:
     ]
     for p in procs:
         p.start()
-    procs[0].join()
+
+    def forward(signum: int, frame: object) -> None:  # preemption: as srun does, to every worker
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                os.kill(p.pid, signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGUSR2, signal.SIGTERM)}
+    try:
+        procs[0].join()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
     for p in procs[1:]:
         p.join(timeout=60)
         if p.is_alive():
@@ -62,10 +80,10 @@ def member_main(
     torch.set_num_threads(1)
     folder = Path(out)
     if gpu == 0:
-        m = Membership.host(secret, 0, "127.0.0.1", 0, log=folder / "membership.log")
+        m = Membership.host(secret, 0, "127.0.0.1", 0, log=folder / "membership.log", node=f"local{gpu}")
         m.rendezvous.write(folder / RDZV)
     else:
-        m = Membership.connect(Rendezvous.read(folder / RDZV), secret, gpu)
+        m = Membership.connect(Rendezvous.read(folder / RDZV), secret, gpu, node=f"local{gpu}")
     ctx = mp.get_context("spawn")
 
     def spawn(g: int) -> None:
@@ -73,7 +91,7 @@ def member_main(
 
     try:
         m.form(members, 0)
-        loop = JobLoop(m, spec, folder, spawn_local=spawn if gpu == 0 else None)
+        loop = JobLoop(m, spec, folder, spawn_local=spawn if gpu == 0 else None, control=folder / "control")
         loop.install_signals()
         loop.run(loop.start(resume))
     finally:
@@ -84,7 +102,7 @@ def joiner_main(gpu: int | None, spec: ExperimentSpec, out: str, secret: bytes) 
     """A newcomer: ask the running job to let it in, then take part from the next boundary."""
     torch.set_num_threads(1)
     folder = Path(out)
-    m = Membership.connect(Rendezvous.read(folder / RDZV), secret, -1)
+    m = Membership.connect(Rendezvous.read(folder / RDZV), secret, -1, node=f"local-new{gpu}")
     try:
         _, generation, members = m.request_join(gpu)
         loop = JobLoop(m, spec, folder)

@@ -22,6 +22,7 @@ Edge module (torch.distributed, processes).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -35,7 +36,10 @@ import torch.distributed as dist
 from nereus.backends.optim import AdamWConfig
 from nereus.control.controller import Controller, policy_config
 from nereus.control.telemetry import Telemetry
+from nereus.errors import InfeasibleError
 from nereus.plan.layout import Plan
+from nereus.plan.problem import SeqStats
+from nereus.plan.search import search
 from nereus.runtime import checkpoint as ckpt
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.job import JobSetup, algorithm_step, broadcast, decide, initial_plan, reduce_max
@@ -44,6 +48,7 @@ from nereus.runtime.metrics import MetricsWriter, StepRecord, plan_summary
 from nereus.runtime.worker import Worker
 from nereus.spec import load_cluster
 from nereus.spec.workload import Role
+from nereus.transition.between import plan_transition
 
 PREEMPT_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 JOIN_WAIT_S = 120.0  # a scripted local gain: how long the leader waits for the new process
@@ -69,6 +74,11 @@ class Change:
     generation: int
     leaving: tuple[int, ...]  # processes that stop (a scripted loss)
     joining: tuple[int, ...]  # newcomers' GPU ids
+    draining: tuple[int, ...] = ()  # processes that hand their state over, then stop (a shrink)
+
+    @property
+    def reforms(self) -> bool:
+        return bool(self.leaving or self.joining)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +96,11 @@ class JobLoop:
     """One worker process's run of the job."""
 
     def __init__(
-        self, m: Membership, spec: ExperimentSpec, out: Path, spawn_local: Callable[[int], None] | None = None
-    ) -> None:
+        self, m: Membership, spec: ExperimentSpec, out: Path,
+        spawn_local: Callable[[int], None] | None = None, control: Path | None = None,
+    ) -> None:  # fmt: skip
         self.m = m
+        self.control = control  # shrink requests (``shrink-*.json``) from nereus-launch
         self.spec = spec
         self.out = out
         self.folder = out / "checkpoints"
@@ -180,7 +192,10 @@ class JobLoop:
         while step < self.spec.steps:
             try:
                 if boundary is not None:
-                    step, boundary = self._finish_boundary(boundary), None
+                    done, boundary = self._finish_boundary(boundary), None
+                    if isinstance(done, str):
+                        return done
+                    step = done
                     continue
                 if lost is not None:
                     step, lost = self._recover(step, lost), None
@@ -259,7 +274,7 @@ class JobLoop:
         if change is not None and self.m.gpu in change.leaving:
             self.m.close()
             return "left"
-        if change is not None:
+        if change is not None and change.reforms:
             self._apply(change)
         return self._finish_boundary(Boundary(nxt, record, t_monitor, t_ckpt, change))
 
@@ -270,10 +285,12 @@ class JobLoop:
         if self.leader:
             leaving = tuple(g for g in self.spec.lost_at(nxt) if g in self.m.members)
             accepted = self._joins(nxt)
-            if leaving or accepted:
+            draining = tuple(g for g in self._shrink_requests() if g not in leaving)
+            if leaving or accepted or draining:
                 joining = tuple(g for g, _ in accepted)
                 members = tuple(sorted((set(self.m.members) - set(leaving)) | set(joining)))
-                change = Change(nxt, members, self.m.generation + 1, leaving, joining)
+                generation = self.m.generation + (1 if leaving or joining else 0)
+                change = Change(nxt, members, generation, leaving, joining, draining)
                 for gpu, req in accepted:
                     self.m.answer(req, gpu, change.generation, members)
         out: Change | None = broadcast(change)
@@ -306,6 +323,49 @@ class JobLoop:
             time.sleep(0.05)
         return accepted
 
+    def _shrink_requests(self) -> tuple[int, ...]:
+        """The leader: GPUs to drain for the shrink requests in the control folder — whole nodes,
+        the most recently added first, never the leader's."""
+        if self.control is None or not self.control.is_dir():
+            return ()
+        nodes = 0
+        for path in sorted(self.control.glob("shrink-*.json")):
+            try:
+                k = int(json.loads(path.read_text())["nodes"])
+                if k <= 0:
+                    raise ValueError(k)
+                nodes += k
+                path.rename(path.with_name(f".done-{path.name}"))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                self.m.log(f"ignored shrink request {path.name}: {exc!r}")
+                path.rename(path.with_name(f".bad-{path.name}"))
+        if not nodes:
+            return ()
+        hosts = self.m.hosts()
+        mine = hosts.get(self.m.gpu)
+        by_host: dict[str, list[int]] = {}
+        for g in self.m.members:
+            by_host.setdefault(hosts.get(g, f"gpu{g}"), []).append(g)
+        candidates = sorted((h for h in by_host if h != mine), key=lambda h: -max(by_host[h]))
+        if nodes > len(candidates):
+            self.m.log(f"shrink by {nodes} nodes refused: only {len(candidates)} can leave")
+            return ()
+        return tuple(sorted(g for h in candidates[:nodes] for g in by_host[h]))
+
+    def _drain(self, gpus: tuple[int, ...]) -> Any:
+        """The leader: the plan without ``gpus``, moved to while they still hold their state."""
+        assert self.controller is not None and self.plan is not None and self.last_tel is not None
+        pool = tuple(g for g in self.m.members if g not in gpus)
+        seq = SeqStats.fixed(self.setup.workload.prompt_len if self.setup else 1, self.last_tel[1])
+        problem = self.controller.problem(pool, seq)
+        try:
+            target = search(problem).plan
+        except InfeasibleError as exc:
+            self.m.log(f"shrink refused: the job does not fit on GPUs {list(pool)} ({exc})")
+            return None
+        tr = plan_transition(problem, self.plan, target, frozenset())
+        return ("drain", target, tr, f"shrink: GPUs {list(gpus)} leave")
+
     def _apply(self, change: Change) -> None:
         """Every continuing member: the next generation; then the newcomers get the job's state."""
         self.m.form(change.members, change.generation)
@@ -324,7 +384,7 @@ class JobLoop:
         return Boundary(change.step, None, 0.0, 0.0, change)
 
     # ------------------------------------------------------------------ the boundary's decision
-    def _finish_boundary(self, b: Boundary) -> int:
+    def _finish_boundary(self, b: Boundary) -> int | str:
         spec, plan, record = self.spec, self.plan, b.record
         assert plan is not None and self.setup is not None
         box = None
@@ -335,7 +395,9 @@ class JobLoop:
             tel = Telemetry(
                 step, time.perf_counter() - self.started, mean, p95, self.m.members, stage_times, peaks
             )
-            if b.step < spec.steps:
+            if b.change is not None and b.change.draining:
+                box = self._drain(b.change.draining)
+            elif b.step < spec.steps:
                 box = decide(self.controller, tel, plan, self.setup, spec.max_new_tokens_at(b.step))
             if (
                 record is not None
@@ -348,11 +410,23 @@ class JobLoop:
         if record is not None:
             record = record.with_overheads(time.perf_counter() - b.t_monitor, b.t_monitor - b.t_ckpt)
         moved, self.moved = self.moved, []
-        if b.change is not None:
+        if b.change is not None and b.change.reforms:
             moved.append({"kind": "membership", "seconds": 0.0, "generation": b.change.generation,
                           "left": list(b.change.leaving), "joined": list(b.change.joining)})  # fmt: skip
-        nxt, more = self._act(box, b.step, rebind=b.change is not None)
+        nxt, more = self._act(box, b.step, rebind=b.change is not None and b.change.reforms)
         moved += more
+        if b.change is not None and b.change.draining and box is not None:  # the drained leave now
+            gone = b.change.draining
+            if self.m.gpu in gone:
+                self.m.close()
+                return "left"
+            members = tuple(g for g in self.m.members if g not in gone)
+            self.m.form(members, self.m.generation + 1)
+            assert self.worker is not None and self.plan is not None
+            self.worker.set_world(members)
+            self.worker.bind(self.plan)
+            moved.append({"kind": "membership", "seconds": 0.0, "generation": self.m.generation,
+                          "left": list(gone), "joined": []})  # fmt: skip
         if self.leader:
             assert self.metrics is not None and record is not None and self.plan is not None
             self.metrics.write(record.with_transitions(moved), self.plan)
@@ -364,7 +438,7 @@ class JobLoop:
         worker, plan = self.worker, self.plan
         assert worker is not None and plan is not None
         moved: list[dict[str, Any]] = []
-        if box is not None and box[0] == "admit":
+        if box is not None and box[0] in ("admit", "drain"):
             _, target, tr, reason = box
             seconds = reduce_max(worker.transition(tr))
             worker.bind(target)
@@ -374,8 +448,10 @@ class JobLoop:
                 "bytes": tr.moved_bytes, "before": plan_summary(plan), "after": plan_summary(target),
             })  # fmt: skip
             self.plan = target
-            if self.controller is not None:
+            if self.controller is not None and box[0] == "admit":
                 self.controller.transition_done(seconds)
+            elif self.controller is not None:
+                self.controller.adopt(target)
         elif box is not None and box[0] == "restart":
             _, target, _, reason = box
             began = time.perf_counter()

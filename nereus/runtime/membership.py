@@ -109,14 +109,20 @@ def node_address() -> str:
         return "127.0.0.1"
 
 
+def node_name() -> str:
+    """This process's node: SLURM's name for it (several slurmd may share a host), else the host."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 class Membership:
     """This process's view of the job's members; one per worker process."""
 
     def __init__(
         self, store: TCPStore, secret: bytes, gpu: int, leader: bool, log: Path | None = None,
-        timeout: timedelta = timedelta(minutes=30),
+        timeout: timedelta = timedelta(minutes=30), node: str | None = None,
     ) -> None:  # fmt: skip
         self.store = store
+        self.node = node or node_name()
         self.secret = secret
         self.gpu = gpu
         self.leader = leader
@@ -132,16 +138,17 @@ class Membership:
     # ------------------------------------------------------------------ the store
     @classmethod
     def host(
-        cls, secret: bytes, gpu: int = 0, address: str = "127.0.0.1", port: int = 0, log: Path | None = None
-    ) -> Membership:
+        cls, secret: bytes, gpu: int = 0, address: str = "127.0.0.1", port: int = 0, log: Path | None = None,
+        node: str | None = None,
+    ) -> Membership:  # fmt: skip
         """The leader: start the job's store on ``address`` (port 0: a free one)."""
         store = TCPStore(address, port, None, True, timeout=timedelta(minutes=30), wait_for_workers=False)
-        return cls(store, secret, gpu, True, log)
+        return cls(store, secret, gpu, True, log, node=node)
 
     @classmethod
-    def connect(cls, rdzv: Rendezvous, secret: bytes, gpu: int) -> Membership:
+    def connect(cls, rdzv: Rendezvous, secret: bytes, gpu: int, node: str | None = None) -> Membership:
         store = TCPStore(rdzv.host, rdzv.port, None, False, timeout=timedelta(minutes=30))
-        return cls(store, secret, gpu, False)
+        return cls(store, secret, gpu, False, node=node)
 
     @property
     def rendezvous(self) -> Rendezvous:
@@ -168,7 +175,12 @@ class Membership:
             world_size=len(self.members),
             timeout=self.timeout,
         )
+        self.store.set(f"host/{self.gpu}", self.node)
         self.start_heartbeat()
+
+    def hosts(self) -> dict[int, str]:
+        """The node each member runs on."""
+        return {g: self.store.get(f"host/{g}").decode() for g in self.members}
 
     def abandon(self) -> None:
         """Leave the current generation: destroy the world and collect every group object, so

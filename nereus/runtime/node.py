@@ -65,7 +65,7 @@ def main(job_dir: str, join: bool = False) -> str:
         m = Membership.connect(Rendezvous.read(job.path / RDZV), secret, -1)
         try:
             _, generation, members = m.request_join(None)
-            loop = JobLoop(m, spec, job.run)
+            loop = JobLoop(m, spec, job.run, control=job.path / "control")
             loop.install_signals()
             boundary = loop.enter(generation, members)
             status = loop.run(boundary.step, boundary)
@@ -88,7 +88,7 @@ def main(job_dir: str, join: bool = False) -> str:
         m = Membership.connect(rdzv, secret, boot.rank)
     try:
         m.form(tuple(range(boot.world)), 0)
-        loop = JobLoop(m, spec, job.run)
+        loop = JobLoop(m, spec, job.run, control=job.path / "control")
         loop.install_signals()
         resume = ckpt.latest(job.run / "checkpoints") is not None
         status = loop.run(loop.start(resume))
