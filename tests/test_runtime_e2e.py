@@ -148,6 +148,57 @@ def test_shrink_drains_a_worker_in_place_and_preemption_resumes_on_track(tmp_pat
         assert torch.allclose(a[name], b[name], atol=2e-4, rtol=0), name
 
 
+def _hf_checkpoint(folder: Path, head: str, seed: int, head_scale: float = 1.0) -> Path:
+    from nereus.backends import hf
+    from nereus.plan.layout import Layout
+    from nereus.runtime.worker import init_tensor
+    from nereus.spec import load_model
+    from nereus.spec.model import Head
+    from nereus.state.buffers import BufferKind
+    from nereus.state.geometry import shards
+
+    model = load_model("tiny-llama").with_head(Head(head))
+    tensors = {
+        s.source: init_tensor(model, seed, BufferKind.PARAM, s.source)
+        * (head_scale if s.source == "score.weight" else 1)
+        for s in shards(model, Layout(1, 1), 0, 0)
+    }
+    hf.save(folder, model, tensors)
+    return folder
+
+
+@pytest.mark.timeout(300)
+def test_reward_model_stage_scores_from_hugging_face_weights(tmp_path: Path) -> None:
+    """A workload with a reward model: reward.inf runs on its own GPU, loaded (like the actor)
+    from Hugging Face checkpoints, and scores each response's last token; with no verifier the
+    reward is the reward model's score."""
+    actor = _hf_checkpoint(tmp_path / "actor", "lm", 11)
+    rm = _hf_checkpoint(tmp_path / "rm", "value", 12, head_scale=50.0)
+    exp = tmp_path / "rm.yaml"
+    exp.write_text(
+        BASE.format(name="rm", steps=2).replace("workload: ppo-tiny", "workload: ppo-tiny-rm")
+        + f"verifier: none\ninit: {{actor: {actor}, reward: {rm}}}\n"
+    )
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "nereus.cli", "run", str(exp), "--out", str(out)],
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(out)
+    assert all("reward.inf" in r["plan"] for r in rows)  # type: ignore[operator]
+    for r in rows:
+        assert r["reward"] == pytest.approx(r["rm_score"], abs=1e-6)
+        assert abs(r["rm_score"]) > 1e-3  # type: ignore[arg-type]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(exp.read_text().replace(str(rm), str(tmp_path / "missing")))
+    proc = subprocess.run(
+        [sys.executable, "-m", "nereus.cli", "run", str(bad), "--out", str(tmp_path / "out2")],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "init.reward" in proc.stderr, proc.stderr
+
+
 @pytest.mark.timeout(300)
 def test_resume_continues_from_the_latest_checkpoint(tmp_path: Path) -> None:
     out, proc = nereus_run(tmp_path, "resume", 3, drift=False)

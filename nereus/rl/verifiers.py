@@ -52,7 +52,16 @@ def exact_match(response_text: str, answer: str) -> float:
     return CORRECT if response_text == answer else 0.0
 
 
-VERIFIERS: Mapping[str, Verifier] = {"exact_answer": exact_answer, "exact_match": exact_match}
+def no_verifier(response_text: str, answer: str) -> float:
+    """No rule-based reward (a reward model scores alone)."""
+    return 0.0
+
+
+VERIFIERS: Mapping[str, Verifier] = {
+    "exact_answer": exact_answer,
+    "exact_match": exact_match,
+    "none": no_verifier,
+}
 
 
 def get_verifier(name: str) -> Verifier:

@@ -69,6 +69,17 @@ def preflight(spec: Any, folder: Path, resume: bool) -> None:
         PromptDataset.load(Path(spec.dataset), tok, workload.max_prompt_len)
     policy_config(spec.policy)
     get_verifier(spec.verifier)
+    from nereus.backends import hf
+    from nereus.spec.model import Head
+
+    for role, head in (("actor", Head.LM), ("reward", Head.VALUE), ("critic", Head.VALUE)):
+        path = spec.init.path(role)
+        if path:
+            if not (Path(path) / "config.json").is_file():
+                raise ConfigError(
+                    f"init.{role}: {path} is not a Hugging Face checkpoint folder (no config.json)"
+                )
+            hf.check_compatible(model.with_head(head), hf.read_config(Path(path)), Path(path))
     if resume:
         from nereus.runtime.checkpoint import latest, step_of
 

@@ -58,6 +58,24 @@ class RlSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class InitSpec:
+    """Hugging Face checkpoint folders the job starts from (empty: seeded random weights). The
+    actor's also initialises the reference; the reward model's is a ``*ForSequenceClassification``
+    with one label (a value head); the critic's likewise (default: the reward model's)."""
+
+    actor: str = ""
+    critic: str = ""
+    reward: str = ""
+
+    def path(self, role: str) -> str:
+        if role in ("actor", "ref"):
+            return self.actor
+        if role == "critic":
+            return self.critic or self.reward
+        return self.reward if role == "reward" else ""
+
+
+@dataclass(frozen=True, slots=True)
 class DriftEvent:
     """Scripted drift for local runs. ``lose``: workers whose processes leave at the boundary
     before ``step`` (their state is gone); ``kill``: workers whose processes are killed
@@ -92,7 +110,9 @@ class ExperimentSpec:
     policy: str = "nereus"
     task: TaskSpec = field(default_factory=TaskSpec)
     dataset: str = ""  # a JSONL/Parquet prompt file instead of the generated task
-    verifier: str = "exact_answer"
+    verifier: str = "exact_answer"  # or "none": the reward model alone scores
+    reward_coef: float = 1.0  # the reward model's score's weight (workloads with reward_model: true)
+    init: InitSpec = field(default_factory=InitSpec)
     max_new_tokens: int = 8
     rl: RlSpec = field(default_factory=RlSpec)
     drift: tuple[DriftEvent, ...] = ()

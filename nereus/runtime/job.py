@@ -111,10 +111,17 @@ def algorithm_step(
     texts = [tok.decode(x) for x in responses(r)]
     scores = score(verifier, texts, answers)
     mask = r.mask.float()
+    metrics: dict[str, float] = {}
+    if any(
+        ms.name == "reward.inf" for ms in worker.workflow.model_stages
+    ):  # the reward model scores each response's last token
+        values = worker.infer(plan, "reward.inf", r)
+        rm = values.gather(1, last_tokens(r).unsqueeze(1)).squeeze(1)
+        metrics["rm_score"] = float(rm.mean())
+        scores = scores + spec.reward_coef * rm
     old = worker.infer(plan, "actor.inf", r)
     ref = worker.infer(plan, "ref.inf", r)
     kl = kl_penalty(old, ref, "k1") * mask
-    metrics: dict[str, float] = {}
     fields: dict[str, Tensor] = {"old_logprobs": old, "mask": mask}
     algo = w.algorithm
     if algo is Algorithm.PPO:
@@ -175,6 +182,13 @@ def decide(
             target = initial_plan(setup, tel.pool, max_new)
         return ("restart", target, None, decision.reason)
     return None
+
+
+def last_tokens(r: Rollouts) -> Tensor:
+    """Each row's last response token (its last prompt token when the response is empty)."""
+    positions = torch.arange(r.ids.shape[1]).expand_as(r.mask)
+    last = torch.where(r.mask.bool(), positions, torch.zeros_like(positions)).amax(1)
+    return torch.where(r.mask.sum(1) == 0, torch.full_like(last, r.prompt_len - 1), last)
 
 
 def reduce_max(x: float) -> float:

@@ -172,6 +172,10 @@ class JobLoop:
         else:
             self.worker.init_state(self.plan)
             self.worker.bind(self.plan)
+            for name, engine in self.worker.engines.items():  # Hugging Face weights to start from
+                path = spec.init.path(self.worker.workflow.get(name).role.value)
+                if path:
+                    engine.load_hf(Path(path))
         if self.leader:
             self.controller = Controller(
                 setup.workload,

@@ -19,6 +19,14 @@ from nereus.plan.layout import Plan
 from nereus.plan.report import gpu_ranges
 from nereus.runtime.experiment import ExperimentSpec
 
+MODEL_LETTER = {"actor": "a", "critic": "c", "ref": "r", "reward": "w"}
+
+
+def short(model_stage: str) -> str:
+    """``actor.gen`` → ``ag``, ``reward.inf`` → ``wi`` (the rich line's plan column)."""
+    model, stage = model_stage.split(".")
+    return f"{MODEL_LETTER.get(model, model[0])}{stage[0]}"
+
 
 def plan_summary(plan: Plan) -> dict[str, str]:
     """``{model-stage: "tp1·pp1·dp2 @ 0-1"}``."""
@@ -33,6 +41,7 @@ class StepRecord:
     kl: float
     actor_loss: float
     critic_loss: float | None
+    rm_score: float | None  # the reward model's mean score (workloads with a reward model)
     step_time_s: float
     weight_sync_s: float
     seq_len_mean: float
@@ -50,9 +59,9 @@ class StepRecord:
         stage_times: dict[str, float],
     ) -> StepRecord:  # fmt: skip
         return cls(
-            step, m["reward"], m["accuracy"], m["kl"], m["actor_loss"], m.get("critic_loss"), step_s, sync_s,
-            seq_len, len({g for c in plan.candidates for g in c.gpus}), plan_summary(plan),
-            dict(sorted(stage_times.items())),
+            step, m["reward"], m["accuracy"], m["kl"], m["actor_loss"], m.get("critic_loss"),
+            m.get("rm_score"), step_s, sync_s, seq_len, len({g for c in plan.candidates for g in c.gpus}),
+            plan_summary(plan), dict(sorted(stage_times.items())),
         )  # fmt: skip
 
     def with_transitions(self, transitions: list[dict[str, Any]]) -> StepRecord:
@@ -91,6 +100,7 @@ class MetricsWriter:
                 "kl",
                 "actor_loss",
                 "critic_loss",
+                "rm_score",
                 "step_time_s",
                 "seq_len_mean",
                 "gpus",
@@ -102,9 +112,7 @@ class MetricsWriter:
         moved = ", ".join(f"{t['kind']} {t['seconds']:.2f}s" for t in r.transitions) or "-"
         if r.decision is not None and not r.transitions:
             moved = f"- (replanned: {r.decision['verdict']}, {r.decision['reason'][:70]})"
-        layouts = " ".join(
-            f"{k.split('.')[0][0]}{k.split('.')[1][0]}:{v.split(' @')[0]}" for k, v in r.plan.items()
-        )
+        layouts = " ".join(f"{short(k)}:{v.split(' @')[0]}" for k, v in r.plan.items())
         self.console.print(
             f"step {r.step:>3} │ reward {r.reward:5.2f} acc {r.accuracy:4.2f} │ kl {r.kl:7.4f} │ "
             f"{r.step_time_s:5.2f}s │ len {r.seq_len_mean:4.1f} │ gpus {r.gpus} │ {layouts} │ "
