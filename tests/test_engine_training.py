@@ -125,9 +125,10 @@ def test_micro_batches_accumulate_to_the_same_step(checkpoints: dict) -> None:
     batch, loss_fn = _train_batch(spec)
     a, b = one.train_step(batch, loss_fn), two.train_step(batch, loss_fn, micro_batches=2)
     assert a.loss == pytest.approx(b.loss, rel=1e-5) and a.grad_norm == pytest.approx(b.grad_norm, rel=1e-5)
-    # summation order differs: gradients near Adam's eps move by ~1e-6
+    # summation order differs: where a gradient is near Adam's eps its update (up to lr = 1e-2)
+    # moves by ~1e-6, and by 1.4e-5 for one element in 1e5 seen on some machines
     torch.testing.assert_close(
-        two.state.buffers[BufferKind.PARAM], one.state.buffers[BufferKind.PARAM], atol=1e-5, rtol=0
+        two.state.buffers[BufferKind.PARAM], one.state.buffers[BufferKind.PARAM], atol=5e-5, rtol=0
     )
     moved = (
         one.state.buffers[BufferKind.PARAM]

@@ -87,6 +87,8 @@ class TrainStats:
     grad_norm: float  # global gradient norm before clipping
     tokens: int  # valid tokens this replica trained on
     seconds: float
+    dp_allreduce_s: float = 0.0  # of which the data-parallel gradient all-reduce
+    dp_allreduce_bytes: int = 0  # this rank's gradient bytes in that all-reduce (0: no DP group)
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,6 +60,7 @@ class TorchNativeEngine:
         device: torch.device | str | None = None,
     ) -> None:  # fmt: skip
         self.optim_config = optim or AdamWConfig()
+        self._dp_allreduce_s = 0.0
         self.device = torch.device(device) if device is not None else state.buffers[BufferKind.PARAM].device
         self._build(state, groups)
 
@@ -177,6 +178,7 @@ class TorchNativeEngine:
                 f"{self.state.model_stage} does not train (its state has no optimizer buffers)"
             )
         t0 = time.perf_counter()
+        self._dp_allreduce_s = 0.0
         for p in self._params.values():
             p.grad = None
         if self.state.layout.pp == 1:
@@ -198,7 +200,10 @@ class TorchNativeEngine:
             self.state.state, updates=step, version=self.state.state.version + 1
         )
         loss_sum = self._global_loss(total)
-        return TrainStats(loss_sum, norm, int(batch.valid.sum()), time.perf_counter() - t0)
+        return TrainStats(
+            loss_sum, norm, int(batch.valid.sum()), time.perf_counter() - t0, self._dp_allreduce_s,
+            grad.numel() * grad.element_size() if self.groups.dp is not None else 0,
+        )  # fmt: skip
 
     def _pipeline_backward(self, batch: TokenBatch, loss_fn: LossFn, micro_batches: int) -> Tensor:
         layout, rows = self.state.layout, batch.rows
@@ -272,7 +277,9 @@ class TorchNativeEngine:
                 grad[s.offset : s.offset + s.numel].copy_(part[at : at + s.numel])
                 at += s.numel
         if self.groups.dp is not None:
+            started = time.perf_counter()
             dist.all_reduce(grad, group=self.groups.dp)
+            self._dp_allreduce_s += time.perf_counter() - started
         return grad
 
     def _clip(self, grad: Tensor) -> float:

@@ -117,6 +117,10 @@ class ExperimentSpec:
     rl: RlSpec = field(default_factory=RlSpec)
     drift: tuple[DriftEvent, ...] = ()
     checkpoint_every: int = 0  # steps; 0: only at the end
+    # Feed the measured op-class efficiencies to the controller's calibration. Off in the tiny CPU
+    # experiments: DTensor's tensor-parallel collectives are not timed apart, so a fitted GEMM
+    # efficiency alone steers the planner to TP layouts that gloo makes slower.
+    calibrate: bool = False
 
     def __post_init__(self) -> None:
         require_positive(self, "workers", "steps", "max_new_tokens")

@@ -45,6 +45,7 @@ from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.job import JobSetup, algorithm_step, broadcast, decide, initial_plan, reduce_max
 from nereus.runtime.membership import JoinRequest, Membership
 from nereus.runtime.metrics import MetricsWriter, StepRecord, plan_summary
+from nereus.runtime.optimes import efficiencies, measurements
 from nereus.runtime.worker import Worker
 from nereus.spec import load_cluster
 from nereus.spec.workload import Role
@@ -238,6 +239,7 @@ class JobLoop:
         worker.take_snapshot()
         t0 = time.perf_counter()
         worker.times.seconds.clear()
+        worker.optimes.clear()
         kill = self.m.gpu in spec.killed_at(step) and step >= self.first_step
         hook = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if kill else None
         r, _, m = algorithm_step(worker, plan, setup, step, spec.max_new_tokens_at(step), hook)
@@ -252,18 +254,19 @@ class JobLoop:
         t_monitor = time.perf_counter()
         reports: list[Any] = [None] * dist.get_world_size()
         held = {n: rs.nbytes for n, rs in worker.holder.units.items()}
-        dist.all_gather_object(reports, (dict(worker.times.seconds), held, self.preempt))
+        dist.all_gather_object(reports, (dict(worker.times.seconds), held, self.preempt, worker.optimes))
         lengths = r.response_lengths().float()
         stage_times = {
-            n: max(t.get(n, 0.0) for t, _, _ in reports) for n in {k for t, _, _ in reports for k in t}
+            n: max(t.get(n, 0.0) for t, _, _, _ in reports) for n in {k for t, _, _, _ in reports for k in t}
         }
-        peaks = {
-            n: float(max(h.get(n, 0) for _, h, _ in reports)) for n in {k for _, h, _ in reports for k in h}
-        }
+        held_by = [h for _, h, _, _ in reports]
+        peaks = {n: float(max(h.get(n, 0) for h in held_by)) for n in {k for h in held_by for k in h}}
         record = None
+        ops = measurements([t for _, _, _, times in reports for t in times])
         if self.leader:
             record = StepRecord.of(step, m, step_s, float(lengths.mean()), plan, sync_s, stage_times)
-        if any(p for _, _, p in reports):  # preempted: checkpoint, and stop
+            record = record.with_efficiency(efficiencies(ops))
+        if any(p for _, _, p, _ in reports):  # preempted: checkpoint, and stop
             if not saved:
                 ckpt.save(worker, plan, step, self.folder)
             if self.leader:
@@ -273,7 +276,7 @@ class JobLoop:
             return "preempted"
         nxt = step + 1
         mean = max(1.0, float(lengths.mean()))
-        self.last_tel = (step, mean, max(mean, float(lengths.quantile(0.95))), stage_times, peaks)
+        self.last_tel = (step, mean, max(mean, float(lengths.quantile(0.95))), stage_times, peaks, ops)
         change = self._membership(nxt) if nxt < spec.steps else None
         if change is not None and self.m.gpu in change.leaving:
             self.m.close()
@@ -395,10 +398,11 @@ class JobLoop:
         if self.leader:
             assert self.controller is not None
             assert self.last_tel is not None
-            step, mean, p95, stage_times, peaks = self.last_tel
+            step, mean, p95, stage_times, peaks, ops = self.last_tel
             tel = Telemetry(
-                step, time.perf_counter() - self.started, mean, p95, self.m.members, stage_times, peaks
-            )
+                step, time.perf_counter() - self.started, mean, p95, self.m.members, stage_times, peaks,
+                ops if spec.calibrate else (),
+            )  # fmt: skip
             if b.change is not None and b.change.draining:
                 box = self._drain(b.change.draining)
             elif b.step < spec.steps:

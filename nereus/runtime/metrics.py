@@ -52,6 +52,7 @@ class StepRecord:
     decision: dict[str, Any] | None = None  # the controller's replan at this step's boundary, if any
     monitor_s: float = 0.0  # gathering telemetry, the controller's decision, broadcasting it
     checkpoint_s: float = 0.0
+    efficiency: dict[str, float] = field(default_factory=dict)  # achieved, per op class (η = ideal/measured)
 
     @classmethod
     def of(
@@ -69,6 +70,9 @@ class StepRecord:
 
     def with_decision(self, decision: dict[str, Any]) -> StepRecord:
         return replace(self, decision=decision)
+
+    def with_efficiency(self, eta: dict[str, float]) -> StepRecord:
+        return replace(self, efficiency=eta)
 
     def with_overheads(self, monitor_s: float, checkpoint_s: float) -> StepRecord:
         return replace(self, monitor_s=monitor_s, checkpoint_s=checkpoint_s)

@@ -29,6 +29,8 @@ from nereus.backends.sampling import SamplingParams
 from nereus.backends.torch_native import TorchNativeEngine
 from nereus.plan.calibration import Efficiencies
 from nereus.plan.layout import Candidate, Layout, Plan
+from nereus.plan.opclass import OpClass
+from nereus.runtime.optimes import OpTime, decode_s, gemm_s, train_times
 from nereus.runtime.rollout import Rollouts, assemble, micro_count, placed, split_rows
 from nereus.spec import load_cluster
 from nereus.spec.model import ModelSpec
@@ -90,13 +92,15 @@ class Worker:
         self.workload = workload
         self.workflow = workload.workflow()
         self.models = dict(models)
-        self.links = LinkModel(load_cluster(cluster), Efficiencies())
+        self.cluster = load_cluster(cluster)
+        self.links = LinkModel(self.cluster, Efficiencies())
         self.optim = dict(optim)
         self.seed = seed
         self.holder = StateHolder(gpu)
         self.engines: dict[str, TorchNativeEngine] = {}
         self.groups: dict[str, Groups] = {}
         self.times = StageTimes()
+        self.optimes: list[OpTime] = []  # this step's op-class timings (for calibration)
         self.snapshot: dict[str, RankState] = {}  # the trainers' units at the last step boundary
         self.set_world(tuple(range(dist.get_world_size())) if dist.is_initialized() else (gpu,))
 
@@ -266,7 +270,11 @@ class Worker:
             eng = self.engines[name]
             rows = split_rows(prompt_ids.shape[0], c.dp, eng.coord.dp)
             batch = TokenBatch(prompt_ids[rows.start : rows.stop], prompt_valid[rows.start : rows.stop])
+            started = time.perf_counter()
             out = self._timed(name, lambda: eng.generate(batch, sample_ids[rows.start : rows.stop], params))
+            width = dict(self.policy_of(name).kinds)[BufferKind.PARAM].itemsize
+            ideal = decode_s(self.model_of(name), c.layout, int(out.tokens.shape[1]), width, self.cluster)
+            self.optimes.append(OpTime(name, OpClass.MEMORY, ideal, time.perf_counter() - started))
             if eng.coord.p == 0 and eng.coord.t == 0:
                 part = (rows.start, out.tokens, out.valid)
         parts = _all_gather(part)
@@ -282,7 +290,11 @@ class Worker:
             eng = self.engines[name]
             rows = split_rows(r.rows, c.dp, eng.coord.dp)
             micro = micro_count(len(rows), self.workload.inference_micro_batch)
+            started = time.perf_counter()
             out = self._timed(name, lambda: eng.forward(r.batch(rows), micro_batches=micro))
+            tokens = int(r.valid[rows.start : rows.stop].sum())
+            ideal = gemm_s(self.model_of(name), c.layout, tokens, 2.0, self.cluster)
+            self.optimes.append(OpTime(name, OpClass.GEMM, ideal, time.perf_counter() - started))
             if eng.coord.p == 0 and eng.coord.t == 0:
                 part = (rows.start, out)
         parts = [p for p in _all_gather(part) if p is not None]
@@ -315,6 +327,12 @@ class Worker:
                 started = time.perf_counter()
                 stats = eng.train_step(batch, loss(normaliser), micro)
                 self.times.add(name, time.perf_counter() - started)
+                i = c.replica_gpus(eng.coord.dp).index(self.gpu)
+                dp_gpus = tuple(c.replica_gpus(r)[i] for r in range(c.dp))
+                self.optimes += train_times(
+                    name, self.model_of(name), c.layout, stats.tokens, stats.seconds, stats.dp_allreduce_s,
+                    stats.dp_allreduce_bytes, dp_gpus, self.cluster,
+                )  # fmt: skip
                 total += stats.loss
         return _from_rank(total, self.rank_of[c.gpus[0]])
 
