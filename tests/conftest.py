@@ -17,3 +17,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pat
     from tests.engine_oracle import write_checkpoints
 
     return write_checkpoints(tmp_path_factory.mktemp("hf"))
+
+
+pytest_plugins = ("tests.slurm_cluster",)  # the slurm_cluster fixture and the `slurm` marker
