@@ -154,7 +154,10 @@ def test_site_contents() -> None:
     for line in ("#SBATCH --gpus-per-node=8", "#SBATCH --account=ABC123", 'export NCCL_SOCKET_IFNAME="hsn0"',
                  'export FI_PROVIDER="cxi"', "module load rocm", "--mpi=pmi2"):  # fmt: skip
         assert line in frontier.sbatch
-    assert frontier.params["ntasks_per_node"] == 8 and frontier.params["srun_args"] == ["--mpi=pmi2", "--no-kill"]
+    assert frontier.params["ntasks_per_node"] == 8 and frontier.params["srun_args"] == [
+        "--mpi=pmi2",
+        "--no-kill",
+    ]
     nvidia = load_site("nvidia")
     assert nvidia.env["NCCL_SOCKET_IFNAME"] == "ib0" and "NCCL_IB_HCA" in nvidia.env
     local = load_site("local")

@@ -258,8 +258,11 @@ class Membership:
         }  # fmt: skip
         self.store.set(f"join/req/{index}", json.dumps({**body, "mac": sign(self.secret, body)}))
         key = f"join/answer/{index}"
-        self.store.wait([key], timedelta(seconds=timeout_s))
-        answer = json.loads(self.store.get(key))
+        try:
+            self.store.wait([key], timedelta(seconds=timeout_s))
+            answer = json.loads(self.store.get(key))
+        except dist.DistError as exc:  # the leader's store went away: the job ended or failed
+            raise JoinRefusedError(f"the job's rendezvous closed before answering ({exc})") from None
         if "refused" in answer:
             raise JoinRefusedError(f"join refused by the job's leader: {answer['refused']}")
         self.gpu = int(answer["gpu"])
