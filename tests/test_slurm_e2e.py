@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.slurm_cluster import SlurmCluster
+from tests.slurm_cluster import FINAL_STATES, SlurmCluster
 
 pytestmark = [pytest.mark.slurm]
 
@@ -144,6 +144,8 @@ def test_grow_stranger_and_node_down_keep_training_on_track(
         slurm_cluster.wait_state(jobid, {"COMPLETED"}, timeout=240)
     finally:
         slurm_cluster.node_resume(node)
+    # the grown job's surviving tasks end with the job (nothing waits on the dead node's ranks)
+    wait_for("the grow job to end", lambda: slurm_cluster.state(grown) in FINAL_STATES, 60, job)
     log = (job / "run" / "membership.log").read_text()
     assert "refused join request" in log and "bad secret" in log
     assert "accepted join request" in log and "lost GPUs" in log
@@ -195,3 +197,19 @@ def test_an_array_of_planner_runs(slurm_cluster: SlurmCluster, tmp_path: Path) -
     results = [json.loads(p.read_text()) for p in sorted((folder / "results").glob("task-*.json"))]
     assert len(results) == 4, [p.name for p in (folder / "logs").iterdir()]
     assert all(r["exit_code"] == 0 and r["result"] for r in results), results
+
+
+@pytest.mark.timeout(90)
+def test_bootstrap_takes_ranks_from_mpi_under_srun(slurm_cluster: SlurmCluster) -> None:
+    code = (
+        "from nereus.runtime.bootstrap import bootstrap; b, c = bootstrap(); "
+        "print(b.source, b.rank, b.world, c.bcast(b.rank * 10 if b.rank == 0 else None, root=0))"
+    )
+    env = {**slurm_cluster.env, "NEREUS_BOOTSTRAP": "mpi"}
+    proc = subprocess.run(
+        ["srun", "--mpi=pmi2", "-N", "2", "-n", "4", sys.executable, "-c", code],
+        env=env, capture_output=True, text=True, timeout=80, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("mpi"))
+    assert lines == [f"mpi {r} 4 0" for r in range(4)], proc.stdout

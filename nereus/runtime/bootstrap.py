@@ -1,10 +1,10 @@
 """Who this process is when a launcher started it: rank, world size, local rank, node.
 
-Under ``srun --mpi=pmi2`` mpi4py (over the ``mpich`` wheel) gives the rank and size, and rank 0
-broadcasts the rendezvous address over MPI; without MPI the same comes from SLURM's variables
-(``SLURM_PROCID``…), submitit's local executor (``SUBMITIT_LOCAL_*``) or torchrun's (``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``), and the other ranks read the address the leader wrote to the job
-folder. Edge module (MPI).
+Under ``srun --mpi=pmi2`` with ``NEREUS_BOOTSTRAP=mpi``, mpi4py (over the ``mpich`` wheel) gives
+the rank and size, and rank 0 broadcasts the rendezvous address over MPI; without MPI the same
+comes from SLURM's variables (``SLURM_PROCID``…), submitit's local executor
+(``SUBMITIT_LOCAL_*``) or torchrun's (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), and the other
+ranks read the address the leader wrote to the job folder. Edge module (MPI).
 """
 
 from __future__ import annotations
@@ -75,6 +75,11 @@ def mpi_world() -> Any:
     if not any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")):
         return None
     try:
+        import mpi4py
+
+        # No MPI_Finalize at exit: under PMI it can wait for ranks that died or left the job
+        # early (a lost node, a drained one), and nothing needs MPI after the bootstrap.
+        mpi4py.rc.finalize = False
         from mpi4py import MPI
     except ImportError:
         return None
@@ -83,8 +88,11 @@ def mpi_world() -> Any:
 
 
 def bootstrap() -> tuple[Bootstrap, Any]:
-    """This process's place in the launch, and the MPI communicator if there is one."""
-    comm = mpi_world()
+    """This process's place in the launch, and the MPI communicator when ``NEREUS_BOOTSTRAP=mpi``
+    (the GPU site templates set it). Elsewhere the launcher's variables suffice: on the local test
+    cluster, whose four nodes are one host, MPICH's UCX address exchange was seen to fail
+    intermittently when ranks of two jobs started at once."""
+    comm = mpi_world() if os.environ.get("NEREUS_BOOTSTRAP", "env") == "mpi" else None
     env = from_environment()
     if comm is None:
         return env, None

@@ -60,8 +60,7 @@ def main(job_dir: str, join: bool = False) -> str:
     job = JobFolder(Path(job_dir))
     spec, secret = job.spec(), job.secret()
     job.run.mkdir(parents=True, exist_ok=True)
-    boot, comm = bootstrap()
-    if join:
+    if join:  # a newcomer needs no MPI: the rendezvous is in the job folder
         m = Membership.connect(Rendezvous.read(job.path / RDZV), secret, -1)
         try:
             _, generation, members = m.request_join(None)
@@ -74,6 +73,7 @@ def main(job_dir: str, join: bool = False) -> str:
             return status
         finally:
             m.close()
+    boot, comm = bootstrap()
     if boot.rank == 0:
         m = Membership.host(secret, 0, node_address(), 0, log=job.run / "membership.log")
         rdzv = Rendezvous(m.rendezvous.host, m.rendezvous.port, boot.launch_id)
