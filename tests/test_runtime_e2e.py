@@ -60,12 +60,19 @@ def metrics(out: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.fixture(scope="module")
+def untouched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reference: the same seeded 6-step job, never moved, killed or preempted."""
+    out, proc = nereus_run(tmp_path_factory.mktemp("still"), "still", 6, drift=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
 @pytest.mark.timeout(400)
-def test_adaptive_run_equals_the_static_run(tmp_path: Path) -> None:
+def test_adaptive_run_equals_the_static_run(tmp_path: Path, untouched: Path) -> None:
     moved, proc = nereus_run(tmp_path, "moved", 6, drift=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    still, proc = nereus_run(tmp_path, "still", 6, drift=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    still = untouched
 
     rows = metrics(moved)
     assert [r["step"] for r in rows] == list(range(6))
@@ -88,16 +95,15 @@ def test_adaptive_run_equals_the_static_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(400)
-def test_a_killed_worker_is_survived_and_training_stays_on_track(tmp_path: Path) -> None:
+def test_a_killed_worker_is_survived_and_training_stays_on_track(tmp_path: Path, untouched: Path) -> None:
     """A worker process killed (SIGKILL) in the middle of step 3: the survivors roll the step
     back, form a new world, replan from intact units (or restart from the checkpoint when a last
     copy died) and run the step again; the ending equals the run nobody killed."""
-    killed, proc = nereus_run(tmp_path, "killed", 5, "drift:\n  - {step: 3, kill: [2]}\n")
+    killed, proc = nereus_run(tmp_path, "killed", 6, "drift:\n  - {step: 3, kill: [2]}\n")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    still, proc = nereus_run(tmp_path, "still", 5, drift=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    still = untouched
     rows = metrics(killed)
-    assert [r["step"] for r in rows] == list(range(5))
+    assert [r["step"] for r in rows] == list(range(6))
     recovered = [t for t in rows[3]["transitions"] if t["kind"] == "recovered"]  # type: ignore[union-attr]
     assert recovered and recovered[0]["lost"] == [2], rows[3]["transitions"]
     assert "lost GPUs [2]" in (killed / "membership.log").read_text()
@@ -111,7 +117,9 @@ def test_a_killed_worker_is_survived_and_training_stays_on_track(tmp_path: Path)
 
 
 @pytest.mark.timeout(400)
-def test_shrink_drains_a_worker_in_place_and_preemption_resumes_on_track(tmp_path: Path) -> None:
+def test_shrink_drains_a_worker_in_place_and_preemption_resumes_on_track(
+    tmp_path: Path, untouched: Path
+) -> None:
     """A shrink request (as ``nereus-launch shrink`` writes it) waiting in the control folder:
     at the first boundary the plan moves off one worker while it still holds its state, then
     it leaves. A SIGUSR2 (SLURM's preemption signal) later checkpoints at the next boundary
@@ -140,8 +148,7 @@ def test_shrink_drains_a_worker_in_place_and_preemption_resumes_on_track(tmp_pat
     proc2 = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=300, check=False)
     assert proc2.returncode == 0, proc2.stderr[-3000:]
     assert [r["step"] for r in metrics(out)][-1] == 5
-    still, proc3 = nereus_run(tmp_path, "still", 6, drift=False)
-    assert proc3.returncode == 0, proc3.stderr[-3000:]
+    still = untouched
     a = load_file(str(out / "hf" / "actor" / "model.safetensors"))
     b = load_file(str(still / "hf" / "actor" / "model.safetensors"))
     for name in a:
