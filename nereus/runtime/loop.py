@@ -91,6 +91,7 @@ class Boundary:
     t_monitor: float
     t_ckpt: float
     change: Change | None
+    member_s: float = 0.0  # the membership change: waiting for newcomers, re-forming the world
 
 
 class JobLoop:
@@ -277,13 +278,15 @@ class JobLoop:
         nxt = step + 1
         mean = max(1.0, float(lengths.mean()))
         self.last_tel = (step, mean, max(mean, float(lengths.quantile(0.95))), stage_times, peaks, ops)
+        t_member = time.perf_counter()
         change = self._membership(nxt) if nxt < spec.steps else None
         if change is not None and self.m.gpu in change.leaving:
             self.m.close()
             return "left"
         if change is not None and change.reforms:
             self._apply(change)
-        return self._finish_boundary(Boundary(nxt, record, t_monitor, t_ckpt, change))
+        member_s = time.perf_counter() - t_member if change is not None else 0.0
+        return self._finish_boundary(Boundary(nxt, record, t_monitor, t_ckpt, change, member_s))
 
     # ------------------------------------------------------------------ membership
     def _membership(self, nxt: int) -> Change | None:
@@ -416,10 +419,11 @@ class JobLoop:
                 record = record.with_decision({k: d[k] for k in ("verdict", "triggers", "reason")})
         box = broadcast(box)
         if record is not None:
-            record = record.with_overheads(time.perf_counter() - b.t_monitor, b.t_monitor - b.t_ckpt)
+            monitor_s = time.perf_counter() - b.t_monitor - b.member_s  # a join is not monitoring
+            record = record.with_overheads(monitor_s, b.t_monitor - b.t_ckpt)
         moved, self.moved = self.moved, []
         if b.change is not None and b.change.reforms:
-            moved.append({"kind": "membership", "seconds": 0.0, "generation": b.change.generation,
+            moved.append({"kind": "membership", "seconds": b.member_s, "generation": b.change.generation,
                           "left": list(b.change.leaving), "joined": list(b.change.joining)})  # fmt: skip
         nxt, more = self._act(box, b.step, rebind=b.change is not None and b.change.reforms)
         moved += more
