@@ -391,6 +391,7 @@ class JobLoop:
         self.setup, self.plan, change = state
         self.worker = self._worker(self.setup)
         self.worker.set_world(self.m.members)
+        self.snapshot_plan = self.plan  # what a failure before its first step rolls back to
         return Boundary(change.step, None, 0.0, 0.0, change)
 
     # ------------------------------------------------------------------ the boundary's decision
