@@ -114,6 +114,7 @@ class JobLoop:
         self.controller: Controller | None = None
         self.metrics: MetricsWriter | None = None
         self.started = time.perf_counter()
+        self._previous: dict[int, Any] = {}  # the signal handlers ours replaced
         self.first_step = 0  # scripted kills apply from the step this process started at
         self.snapshot_plan: Plan | None = None
         self.last_tel: tuple[Any, ...] | None = None
@@ -136,7 +137,7 @@ class JobLoop:
             signal.signal(s, flag)
 
     def after_preempt(self) -> None:
-        for s, handler in getattr(self, "_previous", {}).items():
+        for s, handler in self._previous.items():
             signal.signal(s, handler)
         if self.leader:
             prev = self._previous.get(signal.SIGUSR2)

@@ -183,34 +183,27 @@ class Worker:
         self.engines.clear()
 
     # ------------------------------------------------------------------ step-boundary rollback
-    def trainers(self) -> list[str]:
-        """Model-stages whose state a step changes: those without a weight-sync source that train."""
-        return [
-            ms.name for ms in self.workflow.model_stages
-            if self.workflow.sync_source(ms.name) is None and self.policy_of(ms.name).trains
-        ]  # fmt: skip
+    def sources(self) -> frozenset[str]:
+        """Model-stages without a weight-sync source: the state a weight sync cannot rebuild."""
+        return frozenset(
+            ms.name for ms in self.workflow.model_stages if self.workflow.sync_source(ms.name) is None
+        )
 
     def take_snapshot(self) -> None:
-        """Copy the trainers' units at a step boundary: a step that fails part-way (a peer died)
-        is rolled back to it and run again, so no rank keeps half a step."""
-        self.snapshot = {}
-        for name, rs in self.holder.by_stage().items():
-            if name in self.trainers():
-                bufs = {k: b.clone() for k, b in rs.buffers.items()}
-                self.snapshot[name] = RankState(
-                    rs.model_stage, rs.model, rs.layout, rs.t, rs.p, rs.policy, bufs, rs.state
-                )
+        """Keep this rank's sources at a step boundary: a step that fails part-way (a peer died)
+        is rolled back to it and run again, so no rank keeps half a step or half a transition.
+        Trainers are copied (a step changes them in place); frozen models are held as they are."""
+        sources = self.sources()
+        self.snapshot = {
+            n: _copied(rs) if rs.policy.trains else rs
+            for n, rs in self.holder.by_stage().items()
+            if n in sources
+        }
 
     def rollback(self) -> None:
-        """Back to the last boundary: the trainers' snapshot; receivers of weight syncs are dropped
-        (the next weight sync restores them), frozen models were never changed."""
-        receivers = {dst for _, dst in self.workflow.weight_syncs}
-        kept = {
-            n: rs
-            for n, rs in self.holder.by_stage().items()
-            if n not in receivers and n not in self.trainers()
-        }
-        self.holder.units = {**kept, **self.snapshot}
+        """Back to the last boundary: the snapshot's sources (copied again, so a second failure
+        finds it intact); weight copies are dropped (the next weight sync restores them)."""
+        self.holder.units = {n: _copied(rs) if rs.policy.trains else rs for n, rs in self.snapshot.items()}
         self.engines = {}
 
     def transition(self, tr: Transition) -> float:
@@ -335,6 +328,11 @@ class Worker:
                 )  # fmt: skip
                 total += stats.loss
         return _from_rank(total, self.rank_of[c.gpus[0]])
+
+
+def _copied(rs: RankState) -> RankState:
+    bufs = {k: b.clone() for k, b in rs.buffers.items()}
+    return RankState(rs.model_stage, rs.model, rs.layout, rs.t, rs.p, rs.policy, bufs, rs.state)
 
 
 def _all_gather(obj: Any) -> list[Any]:
