@@ -9,33 +9,35 @@ import numpy as np
 import pytest
 
 from nereus.plan.calibration import Efficiencies
-from nereus.plan.cost import CostModel, Links
+from nereus.plan.cost import CostModel, collective, compute
 from nereus.plan.layout import Layout
+from nereus.plan.links import Links
 from nereus.plan.opclass import PRIOR_EFFICIENCY, Collective, Link, OpClass
 from nereus.spec import load_cluster
 from tests.helpers import make_problem
+
+pytestmark = pytest.mark.pure
 
 
 def test_ring_collectives_by_hand() -> None:
     c = load_cluster("h200-ib")
     links = Links(c, Efficiencies())
     eta = PRIOR_EFFICIENCY[OpClass.ALLREDUCE_INTRA]
-    got = links.collective(Collective.ALLREDUCE, 4, 4, 1e9)  # 4 GPUs inside a node
+    got = collective(links, Collective.ALLREDUCE, 4, 4, 1e9)  # 4 GPUs inside a node
     assert float(got.total) == pytest.approx(2 * 3 / 4 * 1e9 / (eta * 450e9) + 6 * 2e-6)
     assert float(got.by_class[OpClass.ALLREDUCE_INTER]) == 0.0
     eta = PRIOR_EFFICIENCY[OpClass.ALLGATHER_INTER]
-    got = links.collective(Collective.ALLGATHER, 64, 8, 8e8)  # 8 ranks spread over nodes
+    got = collective(links, Collective.ALLGATHER, 64, 8, 8e8)  # 8 ranks spread over nodes
     assert float(got.by_class[OpClass.ALLGATHER_INTER]) == pytest.approx(
         7 / 8 * 8e8 / (eta * 3.125e9) + 7 * 10e-6
     )
-    assert float(links.collective(Collective.BROADCAST, 1, 1, 1e9).total) == 0.0
+    assert float(collective(links, Collective.BROADCAST, 1, 1, 1e9).total) == 0.0
     assert links.link_for(8) is Link.INTRA and links.link_for(9) is Link.INTER
 
 
 def test_compute_uses_class_efficiency() -> None:
     c = load_cluster("h200-ib")
-    links = Links(c, Efficiencies())
-    t = links.compute(1e15, 2e14)
+    t = compute(c, Efficiencies(), 1e15, 2e14)
     assert float(t.by_class[OpClass.GEMM]) == pytest.approx(1e15 / (PRIOR_EFFICIENCY[OpClass.GEMM] * 989e12))
     assert float(t.by_class[OpClass.ATTENTION]) == pytest.approx(
         2e14 / (PRIOR_EFFICIENCY[OpClass.ATTENTION] * 989e12)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from nereus.plan.calibration import Measurement
+from nereus.plan.calibration import Efficiencies, Measurement
 from nereus.plan.layout import Layout
-from nereus.plan.opclass import Link, OpClass
-from nereus.runtime.optimes import allreduce_s, decode_s, efficiencies, gemm_s, train_times
+from nereus.plan.links import Links
+from nereus.plan.opclass import Collective, Link, OpClass
+from nereus.runtime.optimes import decode_s, efficiencies, gemm_s, train_times
 from nereus.spec import load_cluster, load_model
+
+pytestmark = pytest.mark.pure
 
 
 def test_ideal_seconds_follow_the_formulas() -> None:
@@ -20,7 +23,8 @@ def test_ideal_seconds_follow_the_formulas() -> None:
     assert decode_s(model, Layout(1, 2), 10, 2, cluster) == pytest.approx(
         10 * p / 2 * 2 / (cluster.hbm_bandwidth_gbs * 1e9)
     )
-    assert allreduce_s(8_000, 4, Link.INTRA, cluster) == pytest.approx(
+    links = Links(cluster, Efficiencies.unit())
+    assert links.ideal_ring_s(Collective.ALLREDUCE, 4, 8_000, Link.INTRA) == pytest.approx(
         1.5 * 8_000 / (cluster.intra_node_bandwidth_gbs * 1e9)
     )
 

@@ -53,7 +53,7 @@ class Grid:
         return len(self.ranks) // self.layout.size
 
     def rank_at(self, dp: int, p: int, t: int) -> int:
-        return self.ranks[dp * self.layout.size + p * self.layout.tp + t]
+        return self.ranks[dp * self.layout.size + self.layout.index(t, p)]
 
     def coord(self, rank: int) -> Coord:
         try:
@@ -61,7 +61,7 @@ class Grid:
         except ValueError:
             raise ValueError(f"rank {rank} is not in this grid {self.ranks}") from None
         d, r = divmod(i, self.layout.size)
-        p, t = divmod(r, self.layout.tp)
+        t, p = self.layout.position(r)
         return Coord(d, p, t)
 
     # ------------------------------------------------------------------ rank lists

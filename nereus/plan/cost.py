@@ -6,9 +6,7 @@ gradient synchronisation. Generation is prefill plus memory-bound decode with a 
 Every time is ``ideal / η`` with η the calibrated efficiency of the op class (``opclass.py``).
 
 Sources, one line each where used:
-* Ring collectives (n ranks, B bytes): all-reduce 2(n−1)/n·B, all-gather (n−1)/n·B, broadcast and
-  send/recv B, over the link's bandwidth, plus one hop latency per ring step: NCCL-tests
-  PERFORMANCE.md ("bus bandwidth").
+* Ring collectives: ``nereus.plan.links`` (the one bandwidth model), NCCL-tests PERFORMANCE.md.
 * Megatron TP: 2 all-reduces of b·s·h per layer forward and 2 backward (with sequence parallelism,
   the same volume as all-gather + reduce-scatter): Narayanan et al. 2021 §3.2, Korthikanti 2022 §3.
 * 1F1B pipeline: (m + p − 1) slots of one micro-batch's stage time, bubble (p − 1) slots:
@@ -30,6 +28,7 @@ import numpy as np
 
 from nereus.plan.calibration import Efficiencies
 from nereus.plan.layout import Layout
+from nereus.plan.links import Links
 from nereus.plan.memory import (
     ACT_BYTES,
     PREFILL_CHUNK_TOKENS,
@@ -102,77 +101,34 @@ class LatencyTerms:
         return sum((c.total for c in self.parts.values()), np.zeros(()))
 
 
-def _ring(kind: Collective, r: FloatArray) -> tuple[FloatArray, FloatArray]:
-    """(bus-bandwidth factor, ring steps) of a ring collective over ``r`` ranks."""
-    one = np.ones_like(r)
-    if kind is Collective.ALLREDUCE:
-        return 2.0 * (r - 1) / r, 2.0 * (r - 1)
-    if kind is Collective.ALLGATHER:
-        return (r - 1) / r, r - 1.0
-    if kind is Collective.BROADCAST:
-        return one, r - 1.0
-    return one, one
-
-
-class Links:
-    """Bandwidth, hop latency and calibrated efficiency of a cluster's links, per collective."""
-
-    def __init__(self, cluster: ClusterSpec, eff: Efficiencies) -> None:
-        self.cluster = cluster
-        self.eff = eff
-        self.gpn = cluster.gpus_per_node
-        self._bw = {
-            (kind, link): eff[OpClass.of(kind, link)] * bw * 1e9
-            for kind in Collective
-            for link, bw in (
-                (Link.INTRA, cluster.intra_node_bandwidth_gbs),
-                (Link.INTER, cluster.inter_node_bandwidth_gbs),
-            )
+def collective(links: Links, kind: Collective, span: FloatArray | float, ranks: FloatArray | float,
+               nbytes: FloatArray | float) -> Cost:  # fmt: skip
+    """One ring collective of ``nbytes`` per rank among ``ranks`` ranks whose GPUs span ``span``
+    consecutive GPUs (inside a node when span ≤ GPUs per node), attributed to its link's op class."""
+    t, intra = links.ring_s(kind, span, ranks, nbytes)
+    return Cost(
+        {
+            OpClass.of(kind, Link.INTRA): np.where(intra, t, 0.0),
+            OpClass.of(kind, Link.INTER): np.where(intra, 0.0, t),
         }
-        self._hop = {
-            Link.INTRA: cluster.intra_node_latency_us * 1e-6,
-            Link.INTER: cluster.inter_node_latency_us * 1e-6,
+    )
+
+
+def compute(
+    cluster: ClusterSpec, eff: Efficiencies, gemm_flops: FloatArray | float, attn_flops: FloatArray | float
+) -> Cost:
+    """Matmul and attention FLOPs against the cluster's peak at the calibrated efficiencies."""
+    peak = cluster.peak_flops
+    return Cost(
+        {
+            OpClass.GEMM: np.asarray(gemm_flops, dtype=np.float64) / (eff[OpClass.GEMM] * peak),
+            OpClass.ATTENTION: np.asarray(attn_flops, dtype=np.float64) / (eff[OpClass.ATTENTION] * peak),
         }
+    )
 
-    def link_for(self, span: int) -> Link:
-        """The slowest link a group of ``span`` consecutive, node-aligned GPUs crosses."""
-        return Link.INTRA if span <= self.gpn else Link.INTER
 
-    def collective(
-        self,
-        kind: Collective,
-        span: FloatArray | float,
-        ranks: FloatArray | float,
-        nbytes: FloatArray | float,
-    ) -> Cost:
-        """One ring collective of ``nbytes`` per rank among ``ranks`` ranks whose GPUs span ``span``
-        consecutive GPUs (inside a node when span ≤ GPUs per node)."""
-        r = np.asarray(ranks, dtype=np.float64)
-        intra = np.asarray(span) <= self.gpn
-        bw = np.where(intra, self._bw[kind, Link.INTRA], self._bw[kind, Link.INTER])
-        hop = np.where(intra, self._hop[Link.INTRA], self._hop[Link.INTER])
-        factor, steps = _ring(kind, np.maximum(r, 1.0))
-        t = np.where(r > 1, factor * np.asarray(nbytes, dtype=np.float64) / bw + steps * hop, 0.0)
-        return Cost(
-            {
-                OpClass.of(kind, Link.INTRA): np.where(intra, t, 0.0),
-                OpClass.of(kind, Link.INTER): np.where(intra, 0.0, t),
-            }
-        )
-
-    def compute(self, gemm_flops: FloatArray | float, attn_flops: FloatArray | float) -> Cost:
-        peak = self.cluster.peak_flops
-        return Cost(
-            {
-                OpClass.GEMM: np.asarray(gemm_flops, dtype=np.float64) / (self.eff[OpClass.GEMM] * peak),
-                OpClass.ATTENTION: np.asarray(attn_flops, dtype=np.float64)
-                / (self.eff[OpClass.ATTENTION] * peak),
-            }
-        )
-
-    def memory_bound(self, nbytes: FloatArray | float) -> Cost:
-        bw = self.cluster.hbm_bandwidth_gbs * 1e9 * self.eff[OpClass.MEMORY]
-        return Cost({OpClass.MEMORY: np.asarray(nbytes, dtype=np.float64) / bw})
+def memory_bound(links: Links, nbytes: FloatArray | float) -> Cost:
+    return Cost({OpClass.MEMORY: np.asarray(nbytes, dtype=np.float64) / links.copy_rate})
 
 
 def _gemm_flops_per_token(model: ModelSpec, rep: ReplicaFacts) -> FloatArray:
@@ -237,18 +193,21 @@ class CostModel:
         return self.evaluate_rows(model_stage, [layout], index, dp, micro_batch, recompute)
 
     # ------------------------------------------------------------ pieces
+    def _compute(self, gemm_flops: FloatArray | float, attn_flops: FloatArray | float) -> Cost:
+        return compute(self.problem.cluster, self.problem.efficiencies, gemm_flops, attn_flops)
+
     def _weight_sync(self, rep: ReplicaFacts) -> Cost:
         """Receiving updated bf16 weights from the colocated trainer at the step boundary."""
         nbytes = np.maximum(rep.params_first, rep.params_last) * 2.0
-        return self.links.collective(Collective.BROADCAST, rep.size, 2.0, nbytes)
+        return collective(self.links, Collective.BROADCAST, rep.size, 2.0, nbytes)
 
     def _tp(self, rep: ReplicaFacts, nbytes: FloatArray) -> Cost:
         """One TP all-reduce of ``nbytes`` inside the TP group."""
-        return self.links.collective(Collective.ALLREDUCE, rep.tp, rep.tp, nbytes)
+        return collective(self.links, Collective.ALLREDUCE, rep.tp, rep.tp, nbytes)
 
     def _p2p(self, rep: ReplicaFacts, nbytes: FloatArray) -> Cost:
         """One pipeline send/recv between neighbouring stages (0 without PP)."""
-        return self.links.collective(Collective.SENDRECV, rep.size, 2.0, nbytes) * np.where(
+        return collective(self.links, Collective.SENDRECV, rep.size, 2.0, nbytes) * np.where(
             rep.pp > 1, 1.0, 0.0
         )
 
@@ -265,14 +224,14 @@ class CostModel:
         fwd_attn = _attn_flops(model, rep, b * s * (s + 1.0) / 2.0)
         gemm_mult = 4.0 if recompute is Recompute.FULL else 3.0
         attn_mult = 3.0 if recompute is Recompute.NONE else 4.0
-        t_compute = self.links.compute(gemm_mult * fwd_gemm, attn_mult * fwd_attn)
+        t_compute = self._compute(gemm_mult * fwd_gemm, attn_mult * fwd_attn)
         n_ar = (6.0 if recompute is Recompute.FULL else 4.0) * rep.layers_first
         t_tp = self._tp(rep, tokens * model.hidden_size * ACT_BYTES) * n_ar
         p2p = tokens * model.hidden_size * ACT_BYTES / (rep.tp if w.sequence_parallel else 1.0)
         t_pp = self._p2p(rep, p2p) * 2.0
         slot = t_compute + t_tp + t_pp
         params_gpu = np.maximum(rep.params_first, rep.params_last)
-        dp_sync = self.links.collective(Collective.ALLREDUCE, rep.size * dp, dp, params_gpu * 4.0)
+        dp_sync = collective(self.links, Collective.ALLREDUCE, rep.size * dp, dp, params_gpu * 4.0)
         updates = w.updates_per_step
         per_step = updates * accum  # micro-batch slots per step (before the bubble)
         terms = {
@@ -281,7 +240,7 @@ class CostModel:
             "pp_comm": t_pp * per_step,
             "bubble": slot * (updates * (rep.pp - 1.0)),
             "dp_sync": dp_sync * updates,
-            "optimizer": self.links.memory_bound(params_gpu * ADAM_BYTES_PER_PARAM) * updates,
+            "optimizer": memory_bound(self.links, params_gpu * ADAM_BYTES_PER_PARAM) * updates,
         }
         mem = trainer_memory(
             model,
@@ -309,8 +268,9 @@ class CostModel:
         s = seq.mean_len
         seqs_mb = per_replica / chunks
         tokens = seqs_mb * s  # tokens per micro-batch
-        t_compute = self.links.compute(
-            _gemm_flops_per_token(model, rep) * tokens, _attn_flops(model, rep, seqs_mb * s * (s + 1.0) / 2.0)
+        t_compute = self._compute(
+            _gemm_flops_per_token(model, rep) * tokens,
+            _attn_flops(model, rep, seqs_mb * s * (s + 1.0) / 2.0),
         )
         t_tp = self._tp(rep, tokens * model.hidden_size * ACT_BYTES) * (2.0 * rep.layers_first)
         t_pp = self._p2p(rep, tokens * model.hidden_size * ACT_BYTES)
@@ -348,7 +308,7 @@ class CostModel:
         prompt = seq.prompt_len
         prefill_tokens = per_replica * prompt
         chunks = np.ceil(prefill_tokens / PREFILL_CHUNK_TOKENS)
-        prefill = self.links.compute(
+        prefill = self._compute(
             gemm_per_token * prefill_tokens,
             _attn_flops(model, rep, per_replica * prompt * (prompt + 1.0) / 2.0),
         )
@@ -360,8 +320,11 @@ class CostModel:
         per_group = conc / np.minimum(conc, rep.pp)
         weights = np.maximum(rep.params_first, rep.params_last) * 2.0
         kv_tok = kv_bytes_per_token_rank(model, rep.kv_heads, layers)
-        t_mem = self.links.memory_bound(weights + per_group * ctx * kv_tok)
-        t_cmp = self.links.compute(per_group * gemm_per_token, _attn_flops(model, rep, per_group * ctx))
+        t_mem = memory_bound(self.links, weights + per_group * ctx * kv_tok)
+        t_cmp = self._compute(
+            per_group * gemm_per_token,
+            _attn_flops(model, rep, per_group * ctx),
+        )
         slots = steps * rep.pp
         terms = {
             "prefill": prefill,

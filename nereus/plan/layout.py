@@ -43,6 +43,23 @@ class Layout:
         """GPUs per replica."""
         return self.tp * self.pp
 
+    # The one place that maps a replica's rank index to its (TP rank t, pipeline stage p).
+    def index(self, t: int, p: int) -> int:
+        """Rank index ``p·tp + t`` of TP rank ``t`` of pipeline stage ``p`` inside a replica."""
+        if not (0 <= t < self.tp and 0 <= p < self.pp):
+            raise IndexError(f"(t={t}, p={p}) outside {self}")
+        return p * self.tp + t
+
+    def position(self, index: int) -> tuple[int, int]:
+        """(t, p) of rank index ``index`` inside a replica."""
+        if not 0 <= index < self.size:
+            raise IndexError(f"rank index {index} outside {self} ({self.size} ranks)")
+        return index % self.tp, index // self.tp
+
+    def positions(self) -> tuple[tuple[int, int], ...]:
+        """(t, p) of every rank, in rank-index order."""
+        return tuple((t, p) for p in range(self.pp) for t in range(self.tp))
+
     def __str__(self) -> str:
         return f"tp{self.tp}·pp{self.pp}"
 

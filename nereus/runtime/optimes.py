@@ -5,7 +5,8 @@ Every model-stage run on a rank is split into the operation classes the cost mod
 calibration learns achieved efficiencies from real steps (paper §2.5):
 
 - training: dense matmuls (GEMM, 6 FLOPs per parameter per token), and the data-parallel gradient
-  all-reduce, timed apart (ring: 2(n−1)/n of the bytes over the slowest link of the group);
+  all-reduce, timed apart (ring: 2(n−1)/n of the bytes over the slowest link of the group, at the
+  link model's peak, ``nereus.plan.links``);
 - inference (log-probs, values): GEMM at 2 FLOPs per parameter per token;
 - generation: memory-bound decoding, one read of the rank's weights per generated token.
 
@@ -17,9 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nereus.plan.calibration import Measurement
+from nereus.plan.calibration import Efficiencies, Measurement
 from nereus.plan.layout import Layout
-from nereus.plan.opclass import Collective, Link, OpClass
+from nereus.plan.links import Links
+from nereus.plan.opclass import Collective, OpClass
 from nereus.spec.cluster import ClusterSpec
 from nereus.spec.model import ModelSpec
 
@@ -56,15 +58,6 @@ def decode_s(
     return steps * rank_params(model, layout) * bytes_per_param / (cluster.hbm_bandwidth_gbs * 1e9)
 
 
-def link_of(cluster: ClusterSpec, gpus: tuple[int, ...]) -> Link:
-    return Link.INTRA if len({cluster.node_of(g) for g in gpus}) <= 1 else Link.INTER
-
-
-def allreduce_s(nbytes: int, n: int, link: Link, cluster: ClusterSpec) -> float:
-    bw = cluster.intra_node_bandwidth_gbs if link is Link.INTRA else cluster.inter_node_bandwidth_gbs
-    return 2 * (n - 1) / n * nbytes / (bw * 1e9) if n > 1 else 0.0
-
-
 def measurements(times: list[OpTime]) -> tuple[Measurement, ...]:
     return tuple(m for t in times if (m := t.measurement()) is not None)
 
@@ -75,8 +68,9 @@ def train_times(
 ) -> list[OpTime]:  # fmt: skip
     out = [OpTime(name, OpClass.GEMM, gemm_s(model, layout, tokens, 6.0, cluster), seconds - dp_s)]
     if dp_bytes and len(dp_gpus) > 1:
-        link = link_of(cluster, dp_gpus)
-        ideal = allreduce_s(dp_bytes, len(dp_gpus), link, cluster)
+        links = Links(cluster, Efficiencies.unit())
+        link = links.group_link(dp_gpus)
+        ideal = links.ideal_ring_s(Collective.ALLREDUCE, len(dp_gpus), dp_bytes, link)
         out.append(OpTime(name, OpClass.of(Collective.ALLREDUCE, link), ideal, dp_s))
     return out
 
