@@ -57,8 +57,8 @@ from common import RESULTS, write
 from torch import Tensor
 
 from nereus.backends.grid import Grid
+from nereus.backends.groups import Groups
 from nereus.backends.optim import AdamWConfig
-from nereus.backends.parallel import Groups
 from nereus.backends.protocol import TokenBatch
 from nereus.backends.sampling import SamplingParams
 from nereus.backends.torch_native import TorchNativeEngine

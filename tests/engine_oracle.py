@@ -14,8 +14,8 @@ from torch import Tensor
 
 from nereus.backends import hf
 from nereus.backends.grid import Grid
+from nereus.backends.groups import Groups
 from nereus.backends.optim import AdamWConfig
-from nereus.backends.parallel import Groups
 from nereus.backends.protocol import TokenBatch
 from nereus.backends.torch_native import TorchNativeEngine
 from nereus.plan.layout import Layout

@@ -25,6 +25,8 @@ from tests.engine_oracle import (
     one_rank_engine,
 )
 
+pytestmark = pytest.mark.pure
+
 
 # ---------------------------------------------------------------------------- 3. KV cache
 def _prompts(spec: ModelSpec, seed: int = 11) -> TokenBatch:

@@ -18,8 +18,8 @@ from torch import Tensor
 
 from nereus.backends import hf
 from nereus.backends.grid import Grid
+from nereus.backends.groups import Groups
 from nereus.backends.model import DecoderStage, inv_frequencies
-from nereus.backends.parallel import Groups
 from nereus.backends.protocol import TokenBatch
 from nereus.backends.torch_native import TorchNativeEngine
 from nereus.errors import ConfigError
@@ -45,6 +45,8 @@ from tests.engine_oracle import (
     scored_mask,
     transformers,
 )
+
+pytestmark = pytest.mark.pure
 
 
 # ---------------------------------------------------------------------------- 1. oracle

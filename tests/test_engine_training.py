@@ -14,10 +14,10 @@ from torch import Tensor
 
 from nereus.backends import hf
 from nereus.backends.grid import Grid
+from nereus.backends.groups import Groups
 from nereus.backends.logprobs import token_logprobs
 from nereus.backends.model import DecoderStage
 from nereus.backends.optim import AdamWConfig
-from nereus.backends.parallel import Groups
 from nereus.backends.protocol import TokenBatch
 from nereus.backends.torch_native import TorchNativeEngine
 from nereus.spec.model import ModelSpec
@@ -25,6 +25,8 @@ from nereus.spec.workload import Precision, Stage
 from nereus.state.buffers import BufferKind, StatePolicy
 from nereus.state.holder import RankState
 from tests.engine_oracle import LAYOUT, left_padded, one_rank_engine, scored_mask
+
+pytestmark = pytest.mark.pure
 
 
 # ---------------------------------------------------------------------------- 6. training

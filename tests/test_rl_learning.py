@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from nereus.backends.grid import Grid
+from nereus.backends.groups import Groups
 from nereus.backends.optim import AdamWConfig
-from nereus.backends.parallel import Groups
 from nereus.backends.protocol import TokenBatch
 from nereus.backends.sampling import SamplingParams
 from nereus.backends.torch_native import TorchNativeEngine
@@ -34,6 +34,8 @@ from nereus.spec.workload import Precision, Stage
 from nereus.state.buffers import BufferKind, StatePolicy
 from nereus.state.geometry import shards
 from nereus.state.holder import RankState
+
+pytestmark = pytest.mark.pure
 
 STEPS, PROMPTS, G, UPDATES = 24, 32, 8, 4
 

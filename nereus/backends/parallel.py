@@ -1,9 +1,6 @@
-"""Process groups from a Grid, and tensor parallelism through PyTorch's own API, bound to EMU buffers.
+"""Tensor parallelism through PyTorch's own API, bound to EMU buffers.
 
-``Groups.build`` creates the communicators a ``Grid`` names. It is collective over the whole world
-(``new_group`` is): every rank builds the same grids in the same order, members or not.
-
-``bind`` turns a ``DecoderStage`` built on the meta device into this rank's shard of it:
+``build_stage`` turns a ``DecoderStage`` built on the meta device into this rank's shard of it:
 ``parallelize_module`` with Megatron's plan — q/k/v, gate and up column-parallel, o and down
 row-parallel, the embedding vocabulary-parallel (``RowwiseParallel`` on ``nn.Embedding``) and the
 LM head column-parallel with local logits out (vocabulary-parallel log-probs follow in
@@ -20,80 +17,20 @@ Edge module (torch.distributed).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import Replicate
 
-from nereus.backends.grid import Coord, Grid
+from nereus.backends.groups import Groups
 from nereus.backends.model import DecoderStage, inv_frequencies
-from nereus.spec.model import ModelSpec
 from nereus.state.buffers import BufferKind
 from nereus.state.geometry import stage_layers
 from nereus.state.holder import RankState
-
-
-@dataclass(slots=True)
-class Groups:
-    """This rank's communicators for one grid (``None`` where the group has one rank)."""
-
-    grid: Grid
-    rank: int
-    coord: Coord
-    tp: Any = None
-    pp: Any = None
-    dp: Any = None
-    unit: Any = None
-    tie: Any = None
-    kv: Any = None
-    created: list[Any] = field(default_factory=list)
-    _tp_mesh: DeviceMesh | None = None
-
-    @classmethod
-    def build(cls, grid: Grid, model: ModelSpec, rank: int, timeout: timedelta | None = None) -> Groups:
-        """Collective over the world: every rank calls it for the same grids in the same order."""
-        g = cls(grid, rank, grid.coord(rank) if rank in grid.ranks else Coord(-1, -1, -1))
-        for kind, ranks in grid.all_groups(model):
-            pg = dist.new_group(list(ranks), timeout=timeout)
-            if rank in ranks:
-                setattr(g, kind, pg)
-                g.created.append(pg)
-        return g
-
-    def require(self, model: ModelSpec) -> None:
-        """Raise unless this rank has every group ``model`` needs on this grid (groups built for
-        a model with other KV heads or an untied head would silently skip a reduction)."""
-        needed = {kind for kind, ranks in self.grid.all_groups(model) if self.rank in ranks}
-        missing = sorted(kind for kind in needed if getattr(self, kind) is None)
-        if missing:
-            raise ValueError(
-                f"rank {self.rank}: groups lack {missing} needed by {model.name} on {self.grid.layout}"
-            )
-
-    def tp_mesh(self, device_type: str) -> DeviceMesh | None:
-        if self.tp is None:
-            return None
-        if self._tp_mesh is None:
-            # DTensor caches sharding decisions by mesh equality (ranks, device, dim names), not
-            # by communicator; a unique dim name keeps a rebuilt group's mesh from aliasing an
-            # earlier, destroyed one over the same ranks.
-            name = f"tp_{self.tp.group_name}"
-            self._tp_mesh = DeviceMesh.from_group(self.tp, device_type, mesh_dim_names=(name,))
-        return self._tp_mesh
-
-    def destroy(self) -> None:
-        for pg in self.created:
-            dist.destroy_process_group(pg)
-        self.created.clear()
-        self.tp = self.pp = self.dp = self.unit = self.tie = self.kv = None
-        self._tp_mesh = None
 
 
 class _CopyToTp(torch.autograd.Function):

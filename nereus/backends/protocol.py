@@ -5,6 +5,10 @@ layout, position) and the rank's process groups; it never owns the state, it vie
 of a replica is given the same batch. Calls are collective over the replica (and, for training,
 over the model-stage's DP replicas). ``torch_native`` implements it; Megatron-core (training) and
 vLLM (generation) adapters are to come behind the same protocol.
+
+This is the one module a runtime imports from the backends for types: besides the protocol and
+its values it re-exports ``Groups``, ``Grid``, ``Coord``, ``SamplingParams`` and ``AdamWConfig``.
+Engines are found by name through ``nereus.backends.registry``; an ``EngineFactory`` builds one.
 """
 
 from __future__ import annotations
@@ -12,15 +16,30 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from torch import Tensor
 
+from nereus.backends.grid import Coord, Grid
+from nereus.backends.groups import Groups
+from nereus.backends.optim import AdamWConfig
 from nereus.backends.sampling import SamplingParams
 from nereus.state.holder import RankState
 
-if TYPE_CHECKING:
-    from nereus.backends.parallel import Groups
+__all__ = [
+    "AdamWConfig",
+    "Backend",
+    "Capabilities",
+    "Coord",
+    "EngineFactory",
+    "Generation",
+    "Grid",
+    "Groups",
+    "LossFn",
+    "SamplingParams",
+    "TokenBatch",
+    "TrainStats",
+]
 
 LossFn = Callable[[Tensor, Mapping[str, Tensor]], Tensor]
 """``loss(scores, fields)`` for one micro-batch: ``scores`` (b, T) are the engine's per-token
@@ -102,7 +121,14 @@ class Capabilities:
 
 
 class Backend(Protocol):
+    """One rank's engine of one model-stage: everything a runtime calls on it."""
+
     capabilities: Capabilities
+
+    @property
+    def coord(self) -> Coord:
+        """This rank's place in its grid (replica, pipeline stage, TP rank)."""
+        ...
 
     def forward(self, batch: TokenBatch, micro_batches: int = 1, temperature: float = 1.0) -> Tensor:
         """Per-token log-probs (LM head) or values (value head), (B, T) fp32, on every rank."""
@@ -129,4 +155,13 @@ class Backend(Protocol):
         """Write the model-stage's weights as a Hugging Face checkpoint (from replica 0)."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Drop the model (the state buffers stay the holder's)."""
+        ...
+
+
+class EngineFactory(Protocol):
+    """What the registry builds an engine with (an engine class is one): the rank's state, its
+    process groups on the model-stage's grid and, for a trainer, the optimizer's settings."""
+
+    def __call__(self, state: RankState, groups: Groups, optim: AdamWConfig | None = None) -> Backend: ...

@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nereus.backends.grid import Grid
+from nereus.backends.groups import Groups
 from nereus.backends.optim import AdamWConfig
-from nereus.backends.parallel import Groups
 from nereus.backends.protocol import TokenBatch
 from nereus.backends.sampling import SamplingParams
 from nereus.backends.torch_native import TorchNativeEngine
@@ -32,7 +32,10 @@ from nereus.state.buffers import BufferKind, StatePolicy
 from nereus.state.geometry import shards
 from nereus.state.holder import RankState
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU"),
+]
 
 
 def full_tensor(model: ModelSpec, kind: BufferKind, name: str) -> torch.Tensor:

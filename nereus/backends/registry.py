@@ -1,0 +1,129 @@
+"""Engines by name: which ones exist, which model-stages (gen, inf, train) each can serve, and
+where its factory lives (``module:attribute``, imported only when an engine is built).
+
+The table is static data: ``check_engine`` validates a config without importing torch (nor does
+importing this module). Adding an engine is a module under ``nereus/backends/`` and its entry in
+``_BUILTIN``; a plugin (or a test) adds one at run time with ``register``. ``megatron`` and
+``vllm`` are known names whose adapters are not written yet: asking for them is a ConfigError
+that says so (or that their package is not installed).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+from nereus.errors import ConfigError
+
+if TYPE_CHECKING:
+    from nereus.backends.protocol import AdamWConfig, Backend, EngineFactory, Groups
+    from nereus.backends.torch_native import TorchNativeEngine
+    from nereus.state.holder import RankState
+
+    # The table names factories by string; mypy checks here that each is an EngineFactory
+    # building a Backend.
+    _torch_native: EngineFactory = TorchNativeEngine
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    """An engine's entry: its factory (an ``EngineFactory`` or where one lives, ``module:name``;
+    ``None`` for a known engine whose adapter is not written yet), the model-stages it serves and
+    the third-party module it needs (``None``: only torch)."""
+
+    target: str | EngineFactory | None
+    stages: frozenset[str]
+    requires: str | None = None
+
+
+_ALL_STAGES = frozenset({"gen", "inf", "train"})
+
+_BUILTIN: dict[str, Engine] = {
+    "torch_native": Engine("nereus.backends.torch_native:TorchNativeEngine", _ALL_STAGES),
+    "megatron": Engine(None, frozenset({"train"}), requires="megatron.core"),
+    "vllm": Engine(None, frozenset({"gen"}), requires="vllm"),
+}
+
+ENGINES: tuple[str, ...] = tuple(n for n, e in _BUILTIN.items() if e.target is not None)
+"""The built-in engines that can be built (``register`` may add more)."""
+
+DEFAULT_ENGINE = "torch_native"
+
+_table: dict[str, Engine] = dict(_BUILTIN)
+
+
+def _available() -> list[str]:
+    return [n for n, e in _table.items() if e.target is not None]
+
+
+def _entry(name: str) -> Engine:
+    """The entry of an engine that can be built, or a ConfigError naming the allowed values."""
+    entry = _table.get(name)
+    if entry is None:
+        raise ConfigError(f"engine: expected one of {', '.join(_available())}, got {name!r}")
+    if entry.target is None:
+        module = entry.requires or name
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            raise ConfigError(
+                f"backend '{name}' is unavailable: {module} is not installed (extra nereus[gpu])"
+            )
+        raise ConfigError(
+            f"backend '{name}' is unavailable: its adapter is not implemented yet; use {DEFAULT_ENGINE}"
+        )
+    return entry
+
+
+def check_engine(name: str, stage: str | None = None) -> None:
+    """Raise a one-line ConfigError unless engine ``name`` exists, can be built and (when
+    ``stage`` is given) serves model-stages of that stage. Imports no engine."""
+    entry = _entry(name)
+    if stage is not None and stage not in entry.stages:
+        raise ConfigError(
+            f"engine {name!r} cannot run stage {stage!r} (it serves: {', '.join(sorted(entry.stages))})"
+        )
+
+
+def engine_factory(name: str) -> EngineFactory:
+    """The factory of engine ``name``, its module imported now."""
+    target = _entry(name).target
+    if not isinstance(target, str):
+        assert target is not None  # _entry refuses adapters that do not exist
+        return target
+    module, _, attr = target.partition(":")
+    return cast("EngineFactory", getattr(importlib.import_module(module), attr))
+
+
+def build_engine(name: str, state: RankState, groups: Groups, optim: AdamWConfig | None = None) -> Backend:
+    """Engine ``name`` for one rank: ``state`` its buffers, ``groups`` its communicators on the
+    model-stage's grid, ``optim`` the AdamW settings of a trainer."""
+    return engine_factory(name)(state, groups, optim)
+
+
+def register(
+    name: str, target: str | EngineFactory, stages: frozenset[str], *, replace: bool = False
+) -> None:
+    """Add engine ``name``: ``target`` a factory or ``module:attribute`` (imported when first
+    built), ``stages`` the model-stages it serves. An existing name needs ``replace=True``."""
+    if name in _table and not replace:
+        raise ValueError(f"engine {name!r} is already registered (replace=True to override it)")
+    if isinstance(target, str) and (":" not in target or not all(target.partition(":")[::2])):
+        raise ValueError(f"engine {name!r}: target {target!r} is not 'module:attribute'")
+    unknown = sorted(set(stages) - _ALL_STAGES)
+    if not stages or unknown:
+        raise ValueError(
+            f"engine {name!r}: stages must be a non-empty subset of {sorted(_ALL_STAGES)}, "
+            f"got {sorted(stages)}"
+        )
+    _table[name] = Engine(target, frozenset(stages))
+
+
+def unregister(name: str) -> None:
+    """Remove a registered engine (a built-in comes back as it was)."""
+    if name not in _table:
+        raise KeyError(name)
+    if name in _BUILTIN:
+        _table[name] = _BUILTIN[name]
+    else:
+        del _table[name]

@@ -1,0 +1,163 @@
+"""The engine registry: names and stages checked without torch, engines built by name through the
+``EngineFactory`` protocol, and engines added at run time (a plugin's, here a toy's)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from nereus.backends.protocol import AdamWConfig, Backend, EngineFactory, Grid, Groups
+from nereus.backends.registry import (
+    DEFAULT_ENGINE,
+    ENGINES,
+    build_engine,
+    check_engine,
+    engine_factory,
+    register,
+    unregister,
+)
+from nereus.backends.torch_native import TorchNativeEngine
+from nereus.errors import ConfigError
+from nereus.plan.layout import Layout
+from nereus.spec import load_model
+from nereus.spec.workload import Precision, Stage
+from nereus.state.buffers import StatePolicy
+from nereus.state.holder import RankState
+
+pytestmark = pytest.mark.pure
+
+# mypy's structural check: the engine class is a factory of Backends (the registry checks it too).
+_factory: EngineFactory = TorchNativeEngine
+_backend: type[Backend] = TorchNativeEngine
+
+LAYOUT = Layout(1, 1)
+
+
+@dataclass
+class Toy:
+    """What the toy factory builds: the arguments it was given."""
+
+    state: RankState
+    groups: Groups
+    optim: AdamWConfig | None = None
+
+
+@pytest.fixture
+def toy() -> Iterator[str]:
+    """A toy engine serving only generation, registered for one test."""
+    register("toy", Toy, frozenset({"gen"}))  # type: ignore[arg-type]  # Toy is no Backend
+    yield "toy"
+    unregister("toy")
+
+
+def _as_object(x: object) -> object:
+    """``x`` for an identity check against a class that is no Backend factory (mypy would refuse)."""
+    return x
+
+
+def _rank(stage: Stage = Stage.TRAIN) -> tuple[RankState, Groups]:
+    model = load_model("tiny-llama")
+    rs = RankState.empty("actor.train", model, LAYOUT, 0, 0, StatePolicy.of(stage, Precision.FP32))
+    return rs, Groups.build(Grid.single(LAYOUT), model, 0)  # one rank: no process group
+
+
+def test_known_engines() -> None:
+    assert ENGINES == ("torch_native",)
+    assert DEFAULT_ENGINE in ENGINES
+    for stage in ("gen", "inf", "train"):
+        check_engine("torch_native", stage)
+    check_engine("torch_native")
+
+
+def test_unknown_engine_names_the_allowed_values() -> None:
+    with pytest.raises(ConfigError, match=r"^engine: expected one of torch_native, got 'foo'$"):
+        check_engine("foo")
+    with pytest.raises(ConfigError, match="expected one of torch_native"):
+        build_engine("foo", *_rank())
+
+
+@pytest.mark.parametrize("name", ["megatron", "vllm"])
+def test_planned_adapters_are_a_config_error(name: str) -> None:
+    with pytest.raises(
+        ConfigError, match=rf"^backend '{name}' is unavailable: .*(not installed|not implemented)"
+    ):
+        check_engine(name, "train")
+    with pytest.raises(ConfigError, match=f"backend '{name}' is unavailable"):
+        engine_factory(name)
+
+
+def test_stage_refused_by_an_engine_that_does_not_serve_it(toy: str) -> None:
+    check_engine(toy, "gen")
+    with pytest.raises(ConfigError, match=r"^engine 'toy' cannot run stage 'train' \(it serves: gen\)$"):
+        check_engine(toy, "train")
+    with pytest.raises(ConfigError, match="expected one of torch_native, toy"):
+        check_engine("foo")
+
+
+def test_registry_does_not_import_torch() -> None:
+    code = (
+        "import sys, nereus.backends, nereus.backends.registry as r; "
+        "r.check_engine('torch_native', 'train'); print('torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_registered_factory_builds_the_engine(toy: str) -> None:
+    rs, groups = _rank()
+    optim = AdamWConfig(lr=1e-3)
+    built = build_engine(toy, rs, groups, optim)
+    assert isinstance(built, Toy)
+    assert built.state is rs and built.groups is groups and built.optim is optim
+    assert _as_object(engine_factory(toy)) is Toy
+
+
+def test_register_refuses_a_duplicate_unless_replaced(toy: str) -> None:
+    with pytest.raises(ValueError, match="already registered"):
+        register(toy, Toy, frozenset({"gen"}))  # type: ignore[arg-type]
+    register(toy, "tests.test_engine_registry:Toy", frozenset({"gen", "inf"}), replace=True)
+    check_engine(toy, "inf")
+    assert _as_object(engine_factory(toy)) is Toy  # imported from its module:attribute
+    with pytest.raises(ValueError, match="already registered"):
+        register("torch_native", Toy, frozenset({"gen"}))  # type: ignore[arg-type]
+
+
+def test_register_checks_its_arguments() -> None:
+    with pytest.raises(ValueError, match="module:attribute"):
+        register("bad", "no_colon", frozenset({"gen"}))
+    with pytest.raises(ValueError, match="stages"):
+        register("bad", "m:a", frozenset({"rollout"}))
+    with pytest.raises(ValueError, match="stages"):
+        register("bad", "m:a", frozenset())
+    with pytest.raises(ConfigError):
+        check_engine("bad")
+
+
+def test_unregister_restores_a_builtin() -> None:
+    register("torch_native", Toy, frozenset({"gen"}), replace=True)  # type: ignore[arg-type]
+    try:
+        assert _as_object(engine_factory("torch_native")) is Toy
+    finally:
+        unregister("torch_native")
+    assert engine_factory("torch_native") is TorchNativeEngine
+    check_engine("torch_native", "train")
+    with pytest.raises(KeyError):
+        unregister("never-registered")
+
+
+def test_torch_native_by_name() -> None:
+    assert engine_factory("torch_native") is TorchNativeEngine
+    assert engine_factory(DEFAULT_ENGINE) is TorchNativeEngine
+    rs, groups = _rank()
+    eng = build_engine("torch_native", rs, groups, AdamWConfig(lr=1e-3))
+    assert isinstance(eng, TorchNativeEngine)
+    assert eng.state is rs and eng.groups is groups and eng.coord == groups.coord
+    assert eng.optim is not None and eng.optim_config.lr == 1e-3
+    assert eng.capabilities.train and eng.capabilities.generate
+    eng.close()
