@@ -131,7 +131,7 @@ def make_trial(kind: str, index: int, margin: float) -> Trial:
     for name, (cl, cu), (tl, tu) in zip(names, current, target, strict=True):
         stage, head = MODEL_STAGES[name]
         policy = StatePolicy.of(stage, Precision.BF16_MIXED)
-        moves.append(StageMove(name, MODEL.with_head(head), policy, cl, cu, tl, tu))
+        moves.append(StageMove.between(name, MODEL.with_head(head), policy, cl, cu, tl, tu))
     capacity = int((1.0 + margin) * max(standalone_peak(m) for m in moves))
     launch = tuple((name, rng.uniform(0.0, LAUNCH_S)) for name in names)
     return Trial(kind, index, tuple(moves), capacity, launch)
@@ -140,10 +140,9 @@ def make_trial(kind: str, index: int, margin: float) -> Trial:
 def target_bytes(moves: tuple[StageMove, ...]) -> dict[int, int]:
     held: dict[int, int] = defaultdict(int)
     for m in moves:
-        lay = m.target_layout
-        for gpus in m.target:
-            for i, g in enumerate(gpus):
-                held[g] += rank_buffers(m.model, lay, i % lay.tp, i // lay.tp, m.policy).nbytes()
+        for v in m.target:
+            for g, t, p in v.ranks():
+                held[g] += rank_buffers(m.model, v.layout, t, p, m.policy).nbytes()
     return dict(held)
 
 
@@ -160,8 +159,8 @@ def reached(trial: Trial, dag: TransitionDag, run: Execution) -> bool:
         u = dag.units[uid]
         live[u.model_stage].add((u.layout, u.gpus))
     for m in trial.moves:  # a current unit no node touches stays as it is
-        live[m.name] |= {(m.current_layout, g) for g in m.current} - seen[m.name]
-    return all(live[m.name] == {(m.target_layout, g) for g in m.target} for m in trial.moves)
+        live[m.name] |= {(u.layout, u.gpus) for u in m.current} - seen[m.name]
+    return all(live[m.name] == {(v.layout, v.gpus) for v in m.target} for m in trial.moves)
 
 
 def outcome(trial: Trial, dag: TransitionDag, run: Execution) -> dict[str, Any]:

@@ -82,16 +82,15 @@ def _move(sc: dict[str, Any], model_name: str) -> StageMove:
     model = load_model(model_name)
     policy = StatePolicy.of(Stage.TRAIN, Precision.FP32)
     (la, ua), (lb, ub) = sc["from"], sc["to"]
-    return StageMove(STAGE, model, policy, la, tuple(map(tuple, ua)), lb, tuple(map(tuple, ub)))
+    return StageMove.between(STAGE, model, policy, la, tuple(map(tuple, ua)), lb, tuple(map(tuple, ub)))
 
 
 def _initial(move: StageMove, rank: int) -> StateHolder:
     holder = StateHolder(rank)
-    lay = move.current_layout
-    for gpus in move.current:
-        if rank in gpus:
-            i = gpus.index(rank)
-            rs = RankState.empty(STAGE, move.model, lay, i % lay.tp, i // lay.tp, move.policy)
+    for u in move.current:
+        if rank in u.gpus:
+            t, p = u.position(rank)
+            rs = RankState.empty(STAGE, move.model, u.layout, t, p, move.policy)
             for buf in rs.buffers.values():  # cheap, deterministic content (timing only)
                 buf.copy_(torch.arange(buf.numel(), dtype=torch.float32) % 251)
             holder.units[STAGE] = rs
@@ -125,11 +124,11 @@ def _naive(move: StageMove, holder: StateHolder, rank: int) -> None:
     One buffer kind at a time (parameters, then m, then v), so a rank holds one full kind at once."""
     full = Layout(1, 1)
     lay, lb = move.current_layout, move.target_layout
-    owners = list(move.current[0])  # one replica holds everything
-    positions = tuple((lay, i % lay.tp, i // lay.tp) for i in range(lay.size))
+    owners = list(move.current[0].gpus)  # one replica holds everything
+    positions = tuple((lay, t, p) for t, p in lay.positions())
     pieces = plan_pieces(move.model, move.policy, (full, 0, 0), positions)
     n_full = rank_buffers(move.model, full, 0, 0, move.policy).numel
-    mine_at = next(((g.index(rank), g) for g in move.target if rank in g), None)
+    mine_at = next((v.position(rank) for v in move.target if rank in v.gpus), None)
     for kind, _ in move.policy.kinds:
         whole = {kind: torch.zeros(n_full, dtype=torch.float32)}
         if rank == 0:
@@ -156,9 +155,9 @@ def _naive(move: StageMove, holder: StateHolder, rank: int) -> None:
                 w.wait()
         dist.broadcast(whole[kind], src=0)
         if mine_at is not None:  # slice this rank's target shard out of the full tensor
-            i = mine_at[0]
-            need = plan_pieces(move.model, move.policy, (lb, i % lb.tp, i // lb.tp), ((full, 0, 0),))
-            out = {kind: torch.zeros(rank_buffers(move.model, lb, i % lb.tp, i // lb.tp, move.policy).numel)}
+            t, p = mine_at
+            need = plan_pieces(move.model, move.policy, (lb, t, p), ((full, 0, 0),))
+            out = {kind: torch.zeros(rank_buffers(move.model, lb, t, p, move.policy).numel)}
             unpack(pack(need, whole, [kind], LogicalState()), need, out, [kind])
         del whole
 
@@ -168,7 +167,7 @@ def _dcp(move: StageMove, holder: StateHolder, rank: int, world: int, ckpt: str)
 
     Every rank takes part in building the meshes and in save and load (they are collective);
     ranks outside a layout contribute an empty state dict."""
-    save_ranks = [g for gpus in move.current for g in gpus]
+    save_ranks = [g for u in move.current for g in u.gpus]
     mesh = layout_mesh(move.current_layout, save_ranks)
     kv = kv_mesh(move.model, move.current_layout, save_ranks)
     src = holder.units.get(STAGE)
@@ -178,13 +177,13 @@ def _dcp(move: StageMove, holder: StateHolder, rank: int, world: int, ckpt: str)
 
 def _load(move: StageMove, rank: int, ckpt: str) -> float:
     lb = move.target_layout
-    load_ranks = [g for gpus in move.target for g in gpus]
+    load_ranks = [g for v in move.target for g in v.gpus]
     mesh = layout_mesh(lb, load_ranks)
     kv = kv_mesh(move.model, lb, load_ranks)
     state = {}
     if rank in load_ranks:
-        i = load_ranks.index(rank) % lb.size
-        rs = RankState.empty(STAGE, move.model, lb, i % lb.tp, i // lb.tp, move.policy)
+        t, p = lb.position(load_ranks.index(rank) % lb.size)
+        rs = RankState.empty(STAGE, move.model, lb, t, p, move.policy)
         state = to_dtensors(rs, mesh, kv)
     return _timed(lambda: dcp.load(state, checkpoint_id=ckpt))
 
@@ -222,15 +221,8 @@ def _worker(
             "minimum_bytes": sum(n.bytes for n in dag.nodes),
             "nodes": [n.describe() for n in dag.nodes],
             "state_bytes_per_replica": sum(
-                RankState.empty(
-                    STAGE,
-                    move.model,
-                    move.current_layout,
-                    i % move.current_layout.tp,
-                    i // move.current_layout.tp,
-                    move.policy,
-                ).nbytes
-                for i in range(move.current_layout.size)
+                RankState.empty(STAGE, move.model, move.current_layout, t, p, move.policy).nbytes
+                for t, p in move.current_layout.positions()
             ),
         }
         Path(out, "result.json").write_text(json.dumps(doc))

@@ -22,11 +22,12 @@ import json
 import os
 import secrets
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 from nereus.errors import ConfigError
+from nereus.runtime.pool import ShrinkRequest
 from nereus.spec.schema import build
 
 RECORD = "job.json"
@@ -201,24 +202,11 @@ def find_job(ref: str, root: Path) -> Path:
     raise ConfigError(f"JOB: no such job folder: {ref}")
 
 
-@dataclass(frozen=True, slots=True)
-class ShrinkRequest:
-    """``control/shrink-<unix_ms>.json``: ``{"nodes": K}``, drained at the next step boundary."""
-
-    nodes: int
-    unix_ms: int = field(default_factory=lambda: int(datetime.now(UTC).timestamp() * 1000))
-
-    def __post_init__(self) -> None:
-        if self.nodes <= 0:
-            raise ValueError(f"nodes must be positive, got {self.nodes}")
-
-    @property
-    def file(self) -> str:
-        return f"shrink-{self.unix_ms}.json"
-
-    def write(self, folder: Path) -> Path:
-        control = folder / "control"
-        control.mkdir(mode=0o700, exist_ok=True)
-        path = control / self.file
-        atomic_write(path, json.dumps({"nodes": self.nodes}) + "\n")
-        return path
+def write_shrink(folder: Path, request: ShrinkRequest) -> Path:
+    """Write ``request`` into the job's control folder, where its leader reads it at the next
+    step boundary (``nereus.runtime.pool``: the format both sides share)."""
+    control = folder / "control"
+    control.mkdir(mode=0o700, exist_ok=True)
+    path = control / request.file
+    atomic_write(path, request.body())
+    return path

@@ -32,18 +32,19 @@ from launch.jobdir import (
     Grow,
     JobRecord,
     Shrink,
-    ShrinkRequest,
     atomic_write,
     create_folder,
     now_iso,
     read_record,
     write_record,
     write_secret,
+    write_shrink,
 )
 from launch.render import Rendered, Request, describe_local, render
 from launch.site import Site, load_site, parse_time, site_ref
 from launch.sweep import check_argv, load_sweep
 from nereus.errors import ConfigError
+from nereus.runtime.pool import ShrinkRequest
 
 
 class SubmittedJob(Protocol):
@@ -283,7 +284,7 @@ def shrink(folder: Path, nodes: int) -> tuple[Path, JobRecord]:
             f"--nodes: must be below the job's {current} node(s) (allowed: {allowed}), got {nodes}"
         )
     request = ShrinkRequest(nodes)
-    path = request.write(folder)
+    path = write_shrink(folder, request)
     record = replace(record, shrinks=(*record.shrinks, Shrink(nodes, now_iso(), request.file)))
     write_record(folder, record)
     return path, record

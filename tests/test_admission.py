@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from nereus.control.admission import Option, Profit, Rule, Verdict, admit
+from nereus.control.action import Keep, Move, Restart, TransitionRecord
+from nereus.control.admission import Decision, Option, Profit, Rule, Verdict, admit
 from nereus.control.controller import Controller, ControllerConfig, State, policy_config
 from nereus.control.telemetry import Telemetry
 from nereus.control.transition_cost import DagEstimator, TransitionEstimate
 from nereus.control.triggers import TriggerKind
 from nereus.errors import ConfigError
 from nereus.plan.layout import Plan
-from nereus.plan.problem import PlanningProblem
+from nereus.plan.problem import PlanningProblem, SeqStats
 from nereus.plan.search import SearchResult, search
 from nereus.state.sources import intact_replicas, state_source
 from tests.helpers import make_problem
+
+pytestmark = pytest.mark.pure
 
 
 def est(seconds: float, feasible: bool = True) -> TransitionEstimate:
@@ -206,3 +209,44 @@ def test_dag_estimator_prices_the_transition_dag(plan: Plan) -> None:
     shrunk = dataclasses.replace(problem, pool=keep, anchor=plan)
     gone = e.estimate(shrunk, plan, search(shrunk).plan, lost)
     assert not gone.feasible and "no intact replica" in gone.reason
+
+
+def test_an_admitted_decision_moves_along_the_transition_it_priced(plan: Plan) -> None:
+    """Admission returns the transition it priced: the action carries that very DAG."""
+    static = _controller(plan, policy_config("static"))
+    static.observe(t(0, 2048, tuple(range(16))))
+    d = static.observe(t(1, 2048, tuple(range(32))))
+    assert d is not None and d.transition is not None
+    action = d.action
+    assert isinstance(action, Move) and not action.drain
+    assert action.target is d.target and action.transition is d.transition.transition
+    assert action.kind == "+".join(sorted({n.primitive.value for n in action.transition.dag.nodes}))
+    static.moved(action, 1.0)
+    assert static.plan is d.target and static.state is State.STEADY
+    record = TransitionRecord.move(action, 1.5, plan).to_json()
+    assert list(record) == ["kind", "seconds", "reason", "bytes", "before", "after"]
+    assert record["bytes"] == action.transition.moved_bytes and record["seconds"] == 1.5
+
+
+def test_restart_and_keep_actions(plan: Plan) -> None:
+    trainer = plan.candidate("actor.train")
+    ctl = _controller(plan)
+    ctl.observe(t(0, 2048, tuple(range(16))))
+    d = ctl.observe(t(1, 2048, tuple(g for g in range(16) if g not in set(trainer.gpus))))
+    assert d is not None and isinstance(d.action, Restart) and d.action.plan is d.target
+    decision = Decision(0, 0.0, (), False, Verdict.KEEP, "the current plan is the planner's target", 1.0)
+    assert decision.action == Keep("the current plan is the planner's target")
+    with pytest.raises(ValueError, match="without a priced transition"):
+        _ = Decision(0, 0.0, (), False, Verdict.ADMIT, "", 1.0, target=plan).action
+
+
+def test_a_drain_moves_off_the_leaving_gpus_or_keeps_with_the_reason(plan: Plan) -> None:
+    ctl = _controller(plan, planner=search)
+    ctl.observe(t(0, 2048, tuple(range(16))))
+    action = ctl.drain(tuple(range(12)), SeqStats.fixed(256, 2048), "shrink: GPUs [12..15] leave")
+    assert isinstance(action, Move) and action.drain and action.reason.startswith("shrink")
+    assert not {g for c in action.target.candidates for g in c.gpus} & {12, 13, 14, 15}
+    ctl.moved(action, 2.0)
+    assert ctl.plan is action.target and ctl.state is State.STEADY
+    refused = ctl.drain((0,), SeqStats.fixed(256, 2048))  # an 8B PPO job does not fit on one GPU
+    assert isinstance(refused, Keep) and "does not fit" in refused.reason

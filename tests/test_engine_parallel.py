@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nereus.backends.grid import Grid
+from nereus.backends.groups import Groups
 from nereus.backends.optim import AdamWConfig
-from nereus.backends.parallel import Groups
 from nereus.backends.protocol import TokenBatch
 from nereus.backends.sampling import SamplingParams
 from nereus.backends.torch_native import TorchNativeEngine
@@ -36,6 +36,8 @@ from nereus.state.geometry import shards
 from nereus.state.holder import RankState, StateHolder
 from nereus.transition import LinkModel, StageMove, build_dag
 from nereus.transition.execute import Executor
+
+pytestmark = pytest.mark.dist
 
 WORLD = 4
 TIMEOUT_S = 240
@@ -214,7 +216,9 @@ def _transition_worker(rank: int, store: str, out: str) -> None:
         for step, (layout, units) in enumerate(PHASES):
             if step:
                 prev_layout, prev_units = PHASES[step - 1]
-                moves = [StageMove("actor.train", model, POLICY, prev_layout, prev_units, layout, units)]
+                moves = [
+                    StageMove.between("actor.train", model, POLICY, prev_layout, prev_units, layout, units)
+                ]
                 dag = build_dag(moves, {"actor.train": 0}, links, 2**40)
                 Executor(dag, moves, holder, {r: r for r in range(WORLD)}).run()
             grid = Grid(layout, tuple(r for u in units for r in u))

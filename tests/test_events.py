@@ -16,6 +16,8 @@ from nereus.transition.events import MemoryBoundError, Policy, execute
 from nereus.transition.links import LinkModel
 from nereus.transition.local import StageMove
 
+pytestmark = pytest.mark.pure
+
 LOCAL, RESOURCE = EdgeKind.LOCAL, EdgeKind.RESOURCE
 
 
@@ -32,7 +34,10 @@ def node(
     frees: tuple[str, ...] = (),
 ) -> Node:
     gpus = tuple(sorted({g for g, _ in acquire + release} | set(ports)))
-    return Node(i, primitive, stage, gpus, 0, est_s, inputs, outputs, frees, acquire, release, sends=ports)
+    return Node(
+        id=i, primitive=primitive, model_stage=stage, gpus=gpus, bytes=0, est_s=est_s, inputs=inputs,
+        outputs=outputs, frees=frees, acquire=acquire, release=release, sends=ports,
+    )  # fmt: skip
 
 
 def swap() -> tuple[list[Node], list[Edge]]:
@@ -140,8 +145,8 @@ def test_real_swap_of_two_trainers() -> None:
     policy = StatePolicy.of(Stage.TRAIN, Precision.BF16_MIXED)
     critic = model.with_head(Head.VALUE)
     moves = [
-        StageMove("actor.train", model, policy, Layout(1, 2), ((0, 3),), Layout(2, 1), ((2, 1),)),
-        StageMove("critic.train", critic, policy, Layout(1, 2), ((2, 1),), Layout(1, 2), ((0, 3),)),
+        StageMove.between("actor.train", model, policy, Layout(1, 2), ((0, 3),), Layout(2, 1), ((2, 1),)),
+        StageMove.between("critic.train", critic, policy, Layout(1, 2), ((2, 1),), Layout(1, 2), ((0, 3),)),
     ]
     links = LinkModel(load_cluster("h100-ib"), Efficiencies())
     rank = {m.name: 2 for m in moves}

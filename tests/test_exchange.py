@@ -13,13 +13,15 @@ from nereus.spec.workload import Precision, Stage
 from nereus.state.buffers import StatePolicy, rank_buffers
 from nereus.transition.exchange import plan_pieces
 
+pytestmark = pytest.mark.pure
+
 LAYOUTS = [Layout(t, p) for t in (1, 2, 4) for p in (1, 2, 4) if t * p <= 8]
 
 
 def _cover(model_name: str, need: Layout, nt: int, np_: int, have: Layout, order: list[int]) -> None:
     model = load_model(model_name)
     policy = StatePolicy.of(Stage.TRAIN, Precision.FP32)
-    ranks = [(i % have.tp, i // have.tp) for i in range(have.size)]
+    ranks = list(have.positions())
     providers = tuple((have, *ranks[i]) for i in order)
     pieces = plan_pieces(model, policy, (need, nt, np_), providers)
     rb = rank_buffers(model, need, nt, np_, policy)

@@ -19,12 +19,22 @@ from nereus.plan.layout import Layout, Plan
 from nereus.spec import load_cluster, load_model
 from nereus.spec.workload import Precision, Stage
 from nereus.state.buffers import BufferKind, StatePolicy
-from nereus.state.emu import LogicalState, rebuild, validate
+from nereus.state.emu import LogicalState, rebuild, replicas, validate
 from nereus.state.geometry import shards
 from nereus.state.holder import RankState, StateHolder
-from nereus.transition import LinkModel, Node, Primitive, StageMove, Transition, build_dag, plan_transition
+from nereus.transition import (
+    LinkModel,
+    Node,
+    Primitive,
+    StageMove,
+    Transition,
+    build_dag,
+    plan_transition,
+)
 from nereus.transition.execute import Executor, TransitionError
 from tests.helpers import make_problem, random_plan
+
+pytestmark = pytest.mark.dist
 
 WORLD = 4
 TIMEOUT_S = 240
@@ -43,12 +53,10 @@ def holder_for(rank: int, tr: Transition, plan: Plan, when: str) -> StateHolder:
     for m in tr.moves:
         cand = plan.candidate(m.name)
         shapes = {s.source: s.full_shape for s in shards(m.model, Layout(1, 1), 0, 0)}
-        for r in range(cand.dp):
-            gpus = cand.replica_gpus(r)
-            if rank not in gpus:
+        for u in replicas(cand):
+            if rank not in u.gpus:
                 continue
-            i = gpus.index(rank)
-            t, p = i % cand.layout.tp, i // cand.layout.tp
+            t, p = u.position(rank)
             dtypes = dict(m.policy.kinds)
 
             def full(kind: BufferKind, name: str, _m=m, _s=shapes, _d=dtypes) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -118,9 +126,11 @@ def _fault_moves(scenario: str) -> list[StageMove]:
     policy = StatePolicy.of(Stage.TRAIN, Precision.FP32)
     one, two = Layout(1, 1), Layout(2, 1)
     if scenario == "after-split":  # two tp2 replicas split into four tp1 replicas in place
-        return [StageMove("actor.train", m, policy, two, ((0, 1), (2, 3)), one, ((0,), (1,), (2,), (3,)))]
+        return [
+            StageMove.between("actor.train", m, policy, two, ((0, 1), (2, 3)), one, ((0,), (1,), (2,), (3,)))
+        ]
     # two replicas grow to four: rank 1 is the source of the copy onto rank 0, and dies first
-    return [StageMove("actor.train", m, policy, one, ((1,), (2,)), one, ((1,), (2,), (0,), (3,)))]
+    return [StageMove.between("actor.train", m, policy, one, ((1,), (2,)), one, ((1,), (2,), (0,), (3,)))]
 
 
 def _fault_worker(rank: int, store: str, scenario: str, out: str) -> None:
@@ -130,12 +140,11 @@ def _fault_worker(rank: int, store: str, scenario: str, out: str) -> None:
     move = moves[0]
     holder = StateHolder(rank)
     shapes = {s.source: s.full_shape for s in shards(move.model, Layout(1, 1), 0, 0)}
-    for gpus in move.current:
-        if rank in gpus:
-            i = gpus.index(rank)
-            lay = move.current_layout
+    for u in move.current:
+        if rank in u.gpus:
+            t, p = u.position(rank)
             holder.units["actor.train"] = RankState.from_full(
-                "actor.train", move.model, lay, i % lay.tp, i // lay.tp, move.policy,
+                "actor.train", move.model, u.layout, t, p, move.policy,
                 lambda kind, name: full_tensor(move.model.name, shapes, kind, name), LogicalState(updates=5),
             )  # fmt: skip
 
@@ -189,42 +198,3 @@ def test_a_rank_dying_mid_transition_loses_no_state(tmp_path: Path, scenario: st
         _, err, elapsed, _ = reports[0]
         assert "rank 0" in err and "[1]" in err and elapsed < 10
         assert sorted(u.gpus for u in units) == [(2,), (3,)]
-
-
-def test_bad_buffers_and_positions_are_refused_before_anything_moves() -> None:
-    m = load_model("tiny-llama")
-    policy = StatePolicy.of(Stage.TRAIN, Precision.FP32)
-    good = RankState.empty("actor.train", m, Layout(2, 1), 0, 0, policy)
-    with pytest.raises(ValueError, match=r"exp_avg: expected a flat torch\.float32 buffer"):
-        bufs = dict(good.buffers)
-        bufs[BufferKind.EXP_AVG] = bufs[BufferKind.EXP_AVG][:-1]
-        RankState("actor.train", m, Layout(2, 1), 0, 0, policy, bufs)
-    with pytest.raises(ValueError, match="float32"):
-        bufs = dict(good.buffers)
-        bufs[BufferKind.PARAM] = bufs[BufferKind.PARAM].to(torch.bfloat16)
-        RankState("actor.train", m, Layout(2, 1), 0, 0, policy, bufs)
-    # the holder says (2, 1) rank 0, the plan puts a (1, 1) unit on this GPU
-    move = StageMove("actor.train", m, policy, Layout(1, 1), ((0,),), Layout(1, 1), ((0,),))
-    dag = build_dag([move], {"actor.train": 2}, LinkModel(load_cluster("local-cpu"), Efficiencies()), 2**40)
-    holder = StateHolder(0)
-    holder.units["actor.train"] = good
-    with pytest.raises(TransitionError, match=r"rank 0: holds actor\.train tp2·pp1"):
-        Executor(dag, [move], holder, {0: 0}).run()
-    assert holder.units == {"actor.train": good}  # untouched
-
-
-def test_waves_group_ready_nodes_and_never_split_an_edge() -> None:
-    problem = make_problem(model="tiny-llama", cluster="local-cpu", gpus=WORLD, response=32)
-    rng = random.Random(5)
-    concurrent = 0
-    for _ in range(20):
-        a, b = random_plan(rng, problem, (1, 2, 4)), random_plan(rng, problem, (1, 2, 4))
-        tr = plan_transition(problem, a, b)
-        if not tr.feasible:
-            continue
-        waves = Executor(tr.dag, tr.moves, StateHolder(0), {r: r for r in range(WORLD)})._waves(None)
-        where = {i: w for w, wave in enumerate(waves) for i in wave}
-        assert sorted(where) == list(range(len(tr.dag.nodes)))
-        assert all(where[e.src] < where[e.dst] for e in tr.dag.edges)
-        concurrent += any(len(w) > 1 for w in waves)
-    assert concurrent  # independent primitives do share waves

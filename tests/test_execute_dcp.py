@@ -22,6 +22,8 @@ from nereus.state.holder import RankState, StateHolder
 from nereus.transition import LinkModel, StageMove, build_dag
 from nereus.transition.execute import Executor
 
+pytestmark = pytest.mark.dist
+
 WORLD = 4
 # The last pair has tp 4 > tiny-llama's 2 KV heads on one side: replicated heads.
 PAIRS = [
@@ -59,7 +61,7 @@ def _worker(rank: int, store: str, ckpt: str, pair: int) -> None:
         loaded = RankState.empty("actor.train", model, B, tb, pb, policy)
         dcp.load(to_dtensors(loaded, layout_mesh(B, world), kv_mesh(model, B, world)), checkpoint_id=ckpt)
 
-        move = StageMove("actor.train", model, policy, A, _units(A), B, _units(B))
+        move = StageMove.between("actor.train", model, policy, A, _units(A), B, _units(B))
         dag = build_dag(
             [move], {"actor.train": 2}, LinkModel(load_cluster("local-cpu"), Efficiencies()), 2**40
         )

@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import nereus
+
+pytestmark = pytest.mark.pure
 
 PURE = ("spec", "plan", "control", "state", "transition", "sim")
 EDGES = {"transition/execute.py", "state/checkpoint.py"}  # runs a DAG on torch.distributed (architecture §2)
@@ -41,6 +45,29 @@ def test_planner_cli_does_not_load_torch() -> None:
     code = (
         "import sys, nereus.cli, nereus.plan, nereus.spec, nereus.transition, nereus.control, "
         "nereus.backends, nereus.runtime.command; print('torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_the_runtime_reaches_engines_only_through_the_protocol_and_the_registry() -> None:
+    """Adding an engine touches ``nereus/backends/`` and the registry, never ``nereus/runtime``:
+    the runtime imports the Backend protocol and the registry (and the engine-agnostic Hugging
+    Face checkpoint reader for its preflight checks), no engine module."""
+    allowed = ("nereus.backends.protocol", "nereus.backends.registry", "nereus.backends.hf")
+    for f in sorted((ROOT / "runtime").rglob("*.py")):
+        used = {n for n in _imports(f) if n.startswith("nereus.backends.")}
+        bad = sorted(n for n in used if not any(n == a or n.startswith(a + ".") for a in allowed))
+        assert not bad, f"{f.relative_to(ROOT.parent)} imports {bad}"
+    text = "\n".join(f.read_text() for f in (ROOT / "runtime").rglob("*.py"))
+    assert "TorchNativeEngine" not in text and "torch_native" not in text
+
+
+def test_the_launcher_and_the_pool_format_load_no_torch() -> None:
+    code = (
+        "import sys, launch.cli, nereus.runtime.pool, nereus.backends.registry; print('torch' in sys.modules)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False

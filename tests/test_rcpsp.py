@@ -17,6 +17,8 @@ from nereus.transition.rcpsp import choose_tick, greedy_ticks, horizon, solve_rc
 from nereus.transition.schedule import list_schedule
 from tests.helpers import make_problem
 
+pytestmark = pytest.mark.pure
+
 pytest.importorskip("pyscipopt")
 
 
@@ -63,7 +65,10 @@ def node(
     recvs: tuple[int, ...] = (),
 ) -> Node:
     gpus = tuple(sorted({g for g, _ in acquire + release} | set(sends) | set(recvs)))
-    return Node(i, primitive, "ms", gpus, 0, est, acquire=acquire, release=release, sends=sends, recvs=recvs)
+    return Node(
+        id=i, primitive=primitive, model_stage="ms", gpus=gpus, bytes=0, est_s=est,
+        acquire=acquire, release=release, sends=sends, recvs=recvs,
+    )  # fmt: skip
 
 
 def dag_of(

@@ -22,6 +22,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.e2e
+
 BASE = """
 name: {name}
 workload: ppo-tiny
@@ -231,6 +233,14 @@ def test_resume_continues_from_the_latest_checkpoint(tmp_path: Path) -> None:
         ("name: x\nworkload: ppo-tiny\nmodel: tiny-llama\ndataset: missing.jsonl\n", "does not exist"),
         ("name: x\nworkload: ppo-tiny\nmodel: tiny-llama\npolicy: sometimes\n", "unknown policy"),
         ("name: x\nworkload: ppo-tiny\nmodel: tiny-llama\nworkers: 64\n", "exceeds the 8 GPUs"),
+        (
+            "name: x\nworkload: ppo-tiny\nmodel: tiny-llama\nengines: {actor.gen: warp}\n",
+            "engines.actor.gen: engine: expected one of torch_native, got 'warp'",
+        ),
+        (
+            "name: x\nworkload: grpo-tiny\nmodel: tiny-llama\nengines: {critic.train: torch_native}\n",
+            "engines.critic.train: not a model-stage of grpo-tiny",
+        ),
     ],
 )
 def test_bad_experiment_exits_2(tmp_path: Path, text: str, message: str) -> None:

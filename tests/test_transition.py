@@ -32,6 +32,8 @@ from nereus.transition import (
 from nereus.transition.build import initial_bytes
 from tests.helpers import make_problem
 
+pytestmark = pytest.mark.pure
+
 GIB = 1024**3
 
 
@@ -77,8 +79,7 @@ def execute(
     for m in moves:
         if m.unchanged:
             continue
-        for i, _ in enumerate(m.current):
-            alive[m.name].add(f"{m.name}/u{i}")
+        alive[m.name].update(u.id for u in m.current)
     held = defaultdict(int, initial_bytes(moves))
     done: set[int] = set()
     running: list[int] = []
@@ -107,9 +108,7 @@ def execute(
             if not m.unchanged and m.current:
                 assert alive[m.name], f"{m.name} has no complete copy after {node.describe()}"
         done.add(n)
-    untouched = {
-        f"{m.name}/u{i}": (m.current_layout, gpus) for m in moves for i, gpus in enumerate(m.current)
-    }
+    untouched = {u.id: (u.layout, u.gpus) for m in moves for u in m.current}
 
     def where(u: str) -> tuple[Layout, tuple[int, ...]]:
         return (dag.units[u].layout, dag.units[u].gpus) if u in dag.units else untouched[u]
@@ -129,7 +128,7 @@ def check(problem: PlanningProblem, a: Plan, b: Plan, seeds: int = 3) -> None:
         for m in tr.moves:
             if m.unchanged:
                 continue
-            want = {(m.target_layout, gpus) for gpus in m.target}
+            want = {(v.layout, v.gpus) for v in m.target}
             assert final[m.name] == want, m.name
     sched = tr.schedule
     assert sched is not None
@@ -156,7 +155,8 @@ def test_tight_memory_is_either_feasible_and_safe_or_refused(data: st.DataObject
     init = initial_bytes(tr.moves)
     final = defaultdict(int)
     for m in tr.moves:
-        target_move = dataclasses.replace(m, current=m.target, current_layout=m.target_layout)
+        on = [v.gpus for v in m.target]
+        target_move = StageMove.between(m.name, m.model, m.policy, m.target_layout, on, m.target_layout, on)
         for g, v in initial_bytes([target_move]).items():
             final[g] += v
     need = max(max(init.values(), default=0), max(final.values(), default=0))
@@ -183,7 +183,7 @@ def _move(
     name: str, model: str, head: Head, stage: Stage, cur: Layout, cur_units, tgt: Layout, tgt_units
 ) -> StageMove:
     m = load_model(model).with_head(head)
-    return StageMove(
+    return StageMove.between(
         name, m, StatePolicy.of(stage, Precision.BF16_MIXED), cur, tuple(cur_units), tgt, tuple(tgt_units)
     )
 
@@ -308,8 +308,10 @@ def test_a_split_that_needs_room_goes_before_an_extend_onto_its_gpu() -> None:
     m = load_model("tiny-llama")
     policy = StatePolicy.of(Stage.TRAIN, Precision.BF16_MIXED)
     one = Layout(1, 1)
-    actor = StageMove("actor.train", m, policy, one, ((2,),), one, ((2,), (1,)))
-    critic = StageMove("critic.train", m.with_head(Head.VALUE), policy, Layout(2, 1), ((0, 1),), one, ((0,),))
+    actor = StageMove.between("actor.train", m, policy, one, ((2,),), one, ((2,), (1,)))
+    critic = StageMove.between(
+        "critic.train", m.with_head(Head.VALUE), policy, Layout(2, 1), ((0, 1),), one, ((0,),)
+    )
     rank = {"actor.train": 2, "critic.train": 2}
     links = LinkModel(cluster, Efficiencies())
     alone = [build_dag([mv], rank, links, 10 * GIB) for mv in (actor, critic)]
@@ -352,8 +354,8 @@ def test_a_restore_reads_the_trainer_before_the_trainer_moves() -> None:
         StatePolicy.of(Stage.TRAIN, Precision.BF16_MIXED),
         StatePolicy.of(Stage.GEN, Precision.BF16_MIXED),
     )
-    train = StageMove("actor.train", m, trainer, one, ((0,), (1,)), two, ((2, 3),))
-    gen = StageMove("actor.gen", m, copy, one, (), one, ((4,),), "actor.train", (0, 1))
+    train = StageMove.between("actor.train", m, trainer, one, ((0,), (1,)), two, ((2, 3),))
+    gen = StageMove.between("actor.gen", m, copy, one, (), one, ((4,),), "actor.train", (0, 1))
     dag = build_dag(
         [gen, train], {"actor.gen": 0, "actor.train": 2}, LinkModel(cluster, Efficiencies()), 80 * GIB
     )
@@ -378,7 +380,7 @@ def test_measured_transitions_calibrate_the_transfer_classes() -> None:
     m = load_model("llama-3.1-8b")
     policy = StatePolicy.of(Stage.TRAIN, Precision.BF16_MIXED)
     lay = Layout(8, 1)
-    move = StageMove(
+    move = StageMove.between(
         "actor.train", m, policy, lay, (tuple(range(8)),), lay, (tuple(range(8)), tuple(range(8, 16)))
     )
     links = LinkModel(cluster, Efficiencies())

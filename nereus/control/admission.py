@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from nereus.control.action import Action, Keep, Move, Restart
 from nereus.control.transition_cost import TransitionEstimate
 from nereus.control.triggers import Trigger
 from nereus.plan.layout import Plan
@@ -89,6 +90,19 @@ class Decision:
     payback_steps: float | None = None
     horizon_steps: float | None = None
     transition: TransitionEstimate | None = None
+
+    @property
+    def action(self) -> Action:
+        """What to do about this decision: move to the target along the priced transition,
+        restart from a checkpoint, or keep the plan."""
+        if self.verdict is Verdict.ADMIT:
+            tr = self.transition.transition if self.transition is not None else None
+            if self.target is None or tr is None:
+                raise ValueError(f"step {self.step}: an admitted decision without a priced transition")
+            return Move(self.target, tr, self.reason)
+        if self.verdict is Verdict.RESTART:
+            return Restart(self.target, self.reason)
+        return Keep(self.reason)
 
     def to_json(self) -> dict[str, Any]:
         def layouts(plan: Plan | None) -> dict[str, str] | None:

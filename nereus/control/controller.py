@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+from nereus.control.action import Action, Keep, Move
 from nereus.control.admission import Decision, Option, Profit, Rule, Verdict, admit, payback_steps
 from nereus.control.telemetry import Telemetry
 from nereus.control.transition_cost import DagEstimator, TransitionEstimator
@@ -162,8 +163,10 @@ class Controller:
                 self.calibration.update_memory(stage, raw, measured)
 
     # ------------------------------------------------------------------ the state machine
-    def observe(self, t: Telemetry) -> Decision | None:
-        """Telemetry of the step that just ended; a Decision if a replan happened."""
+    def observe(self, t: Telemetry, rebuilt: frozenset[str] = frozenset()) -> Decision | None:
+        """Telemetry of the step that just ended; a Decision if a replan happened. ``rebuilt``:
+        model-stages whose state a weight sync rebuilds after the transition (a rolled-back step
+        dropped the weight copies), left out of the transitions it prices."""
         if self.state in (State.TRANSITIONING, State.RESTART_REQUIRED):
             raise RuntimeError(f"observe() while {self.state.value}: report the transition or restart first")
         if self._last_len is not None and self._last_len > 0:
@@ -183,7 +186,7 @@ class Controller:
             fired = self._deferred_trigger(t.step)
         if not fired:
             return None
-        decision = self._replan(t, fired)
+        decision = self._replan(t, fired, rebuilt)
         self.monitor.reset(t)
         self._deferred = self._deferral(decision)
         self.decisions.append(decision)
@@ -214,6 +217,28 @@ class Controller:
         self.plan = self.pending.target
         self.state, self.pending = State.STEADY, None
 
+    def moved(self, action: Move, measured_s: float) -> None:
+        """The job ran ``action`` in ``measured_s``: an admitted transition (its measured time
+        refines L_tran), or a drain the launcher asked for (adopted as it is)."""
+        if action.drain:
+            self.adopt(action.target)
+        else:
+            self.transition_done(measured_s)
+
+    def drain(self, pool: Sequence[int], seq: SeqStats, reason: str = "") -> Action:
+        """A move off the GPUs outside ``pool`` while they still hold their state (a shrink the
+        launcher asked for): the best plan on ``pool`` and the transition to it, or Keep with the
+        reason nothing fits there."""
+        problem = self.problem(pool, seq)
+        try:
+            target = self.planner(problem).plan
+        except InfeasibleError as exc:
+            return Keep(f"the job does not fit on GPUs {list(problem.pool)} ({exc})")
+        est = self.estimator.estimate(problem, self.plan, target)
+        if est.transition is None or not est.feasible:
+            return Keep(f"no transition onto GPUs {list(problem.pool)}: {est.reason}")
+        return Move(target, est.transition, reason, drain=True)
+
     def adopt(self, plan: Plan) -> None:
         """The job runs ``plan`` again: a step that failed part-way (a transition included) was
         rolled back to its boundary."""
@@ -227,7 +252,7 @@ class Controller:
         self.state, self.pending = State.STEADY, None
 
     # ------------------------------------------------------------------ replanning
-    def _replan(self, t: Telemetry, fired: list[Trigger]) -> Decision:
+    def _replan(self, t: Telemetry, fired: list[Trigger], rebuilt: frozenset[str]) -> Decision:
         urgent = any(f.urgent for f in fired)
         self.state = State.URGENT if urgent else State.REPLANNING
         seq = self._seq(t)
@@ -245,11 +270,11 @@ class Controller:
         if options and options[0].plan.candidates == self.plan.candidates:
             return replace(base, reason="the current plan is the planner's target")
         options = [o for o in options if o.plan.candidates != self.plan.candidates]
-        estimates = [self.estimator.estimate(problem, self.plan, o.plan, lost) for o in options]
+        estimates = [self.estimator.estimate(problem, self.plan, o.plan, lost, rebuilt) for o in options]
         index, reason = admit(self.config.rule, current, options, estimates, h, urgent)
         if index is None and urgent:  # also try smaller micro-batches and recomputation
             widened = self._options(self.problem(t.pool, seq, SearchSpace.urgent()), "urgent")
-            more = [self.estimator.estimate(problem, self.plan, o.plan, lost) for o in widened]
+            more = [self.estimator.estimate(problem, self.plan, o.plan, lost, rebuilt) for o in widened]
             index, why = admit(self.config.rule, current, widened, more, h, True)
             if index is None:
                 best = next(iter(options or widened), None)

@@ -23,7 +23,7 @@ import numpy as np
 from nereus.plan.layout import Plan
 from nereus.plan.problem import PlanningProblem
 from nereus.spec.workload import Stage
-from nereus.transition import NoSourceError, plan_transition
+from nereus.transition import NoSourceError, Transition, plan_transition
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,12 +38,14 @@ class TransitionEstimate:
     per_gpu_seconds: Mapping[int, float] = field(default_factory=dict)  # when each GPU is done
     # what the fitted cost model multiplies: (DAG makespan s, generation rebuilds, other rebuilds, regroups)
     features: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    transition: Transition | None = None  # what was priced: the DAG and schedule a move runs
 
 
 class TransitionEstimator(Protocol):
     def estimate(
-        self, problem: PlanningProblem, current: Plan, target: Plan, lost: frozenset[int] = frozenset()
-    ) -> TransitionEstimate: ...
+        self, problem: PlanningProblem, current: Plan, target: Plan, lost: frozenset[int] = frozenset(),
+        skip: frozenset[str] = frozenset(),
+    ) -> TransitionEstimate: ...  # fmt: skip
 
     def observe(self, estimate: TransitionEstimate, measured_s: float) -> None: ...
 
@@ -67,10 +69,13 @@ class DagEstimator:
         self._cov = (self._cov - np.outer(gain, pf)) / self.forgetting
 
     def estimate(
-        self, problem: PlanningProblem, current: Plan, target: Plan, lost: frozenset[int] = frozenset()
-    ) -> TransitionEstimate:
+        self, problem: PlanningProblem, current: Plan, target: Plan, lost: frozenset[int] = frozenset(),
+        skip: frozenset[str] = frozenset(),
+    ) -> TransitionEstimate:  # fmt: skip
+        """``skip``: model-stages left out of the transition (weight copies that a weight sync
+        rebuilds after it, when a failed step's rollback dropped them)."""
         try:
-            tr = plan_transition(problem, current, target, lost)
+            tr = plan_transition(problem, current, target, lost, skip)
         except NoSourceError as exc:
             return TransitionEstimate(0.0, 0.0, False, str(exc))
         changed = tuple(m.name for m in tr.moves if not m.unchanged)
@@ -78,7 +83,9 @@ class DagEstimator:
         reserve = problem.reserved_bytes
         peak = max(tr.dag.peak.values(), default=0) + reserve
         if not tr.feasible:
-            return TransitionEstimate(0.0, peak, False, tr.dag.reason, changed, resharded, tr.moved_bytes)
+            return TransitionEstimate(
+                0.0, peak, False, tr.dag.reason, changed, resharded, tr.moved_bytes, transition=tr
+            )
         assert tr.schedule is not None
         done: dict[int, float] = {}
         for node, end in zip(tr.dag.nodes, tr.schedule.finish, strict=True):
@@ -93,5 +100,5 @@ class DagEstimator:
         )
         seconds = float(np.dot(self.weights, features))
         return TransitionEstimate(
-            seconds, peak, True, "", changed, resharded, float(tr.moved_bytes), done, features
+            seconds, peak, True, "", changed, resharded, float(tr.moved_bytes), done, features, tr
         )

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nereus.plan.candidates import Estimate
-from nereus.plan.layout import Candidate
+from nereus.plan.layout import Candidate, Plan
 from nereus.plan.memory import coresident_bounds
 from nereus.plan.overlap import critical_path
 from nereus.plan.problem import PlanningProblem
@@ -103,3 +103,8 @@ def gpu_ranges(gpus: tuple[int, ...]) -> str:
         prev = g
     parts.append(f"{start}-{prev}" if start != prev else str(start))
     return ",".join(parts)
+
+
+def plan_summary(plan: Plan) -> dict[str, str]:
+    """``{model-stage: "tp1·pp1·dp2 @ 0-1"}``."""
+    return {c.model_stage: f"{c.layout}·dp{c.dp} @ {gpu_ranges(c.gpus)}" for c in plan.candidates}

@@ -28,7 +28,7 @@ from nereus.errors import ConfigError
 from nereus.plan.layout import Plan
 from nereus.runtime.worker import Worker
 from nereus.state.checkpoint import kv_mesh, layout_mesh, to_dtensors
-from nereus.state.emu import LogicalState
+from nereus.state.emu import LogicalState, replicas
 from nereus.state.holder import RankState
 
 LATEST = "latest"
@@ -43,7 +43,7 @@ def _state_dict(worker: Worker, plan: Plan) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in saved_stages(worker):
         c = plan.candidate(name)
-        ranks = [worker.rank_of[g] for r in range(c.dp) for g in c.replica_gpus(r)]
+        ranks = [worker.rank_of[g] for u in replicas(c) for g in u.gpus]
         model = worker.model_of(name)
         mesh, kv = layout_mesh(c.layout, ranks), kv_mesh(model, c.layout, ranks)  # collective
         rs = worker.holder.units.get(name)
@@ -110,16 +110,12 @@ def load(worker: Worker, plan: Plan, path: Path) -> int:
         raise ConfigError(f"{path}/meta.json: key 'logical_state': no state for {missing}")
     worker.drop()
     for name in saved_stages(worker):
-        c = plan.candidate(name)
-        for r in range(c.dp):
-            gpus = c.replica_gpus(r)
-            if worker.gpu in gpus:
-                i = gpus.index(worker.gpu)
-                state = LogicalState(**logical[name])
-                worker.holder.units[name] = RankState.empty(
-                    name, worker.model_of(name), c.layout, i % c.layout.tp, i // c.layout.tp,
-                    worker.policy_of(name), state,
-                )  # fmt: skip
+        place = worker.place(plan.candidate(name))
+        if place is not None:
+            worker.holder.units[name] = RankState.empty(
+                name, worker.model_of(name), plan.candidate(name).layout, place.t, place.p,
+                worker.policy_of(name), LogicalState(**logical[name]),
+            )  # fmt: skip
     dcp_load(_state_dict(worker, plan), checkpoint_id=str(path))
     return step
 

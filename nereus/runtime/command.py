@@ -54,6 +54,12 @@ def preflight(spec: Any, folder: Path, resume: bool) -> None:
     from nereus.spec import load_cluster, load_model, load_workload
 
     workload = load_workload(spec.workload)
+    stages = [ms.name for ms in workload.workflow().model_stages]
+    for name in spec.engines:
+        if name not in stages:
+            raise ConfigError(
+                f"engines.{name}: not a model-stage of {workload.name} (allowed: {', '.join(stages)})"
+            )
     model = load_model(spec.model)
     cluster = load_cluster(spec.cluster)
     if spec.workers > cluster.total_gpus:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nereus.backends.registry import DEFAULT_ENGINE, check_engine
 from nereus.errors import ConfigError
 from nereus.spec.schema import load_spec, require_positive
 
@@ -121,9 +122,19 @@ class ExperimentSpec:
     # experiments: DTensor's tensor-parallel collectives are not timed apart, so a fitted GEMM
     # efficiency alone steers the planner to TP layouts that gloo makes slower.
     calibrate: bool = False
+    # The engine of each model-stage (``actor.gen: <engine>``), from ``nereus.backends.registry``;
+    # a model-stage not named runs on the default engine.
+    engines: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         require_positive(self, "workers", "steps", "max_new_tokens")
+        for name, engine in self.engines.items():
+            if name.count(".") != 1:
+                raise ValueError(f"engines: {name!r} is not a model-stage (<model>.<stage>, e.g. actor.gen)")
+            try:
+                check_engine(engine, name.split(".")[1])
+            except ConfigError as exc:
+                raise ValueError(f"engines.{name}: {exc}") from None
         if self.seed < 0 or self.checkpoint_every < 0:
             raise ValueError("seed and checkpoint_every must be non-negative")
         pool = set(range(self.workers))
@@ -152,6 +163,10 @@ class ExperimentSpec:
             raise
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{path}: {exc}") from None
+
+    def engine_of(self, model_stage: str) -> str:
+        """The engine that runs ``model_stage``."""
+        return self.engines.get(model_stage, DEFAULT_ENGINE)
 
     def pool_at(self, step: int) -> tuple[int, ...]:
         """The workers in the pool during ``step``."""

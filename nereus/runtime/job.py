@@ -1,27 +1,22 @@
-"""The RL job: its setup, one RL step on every worker, and the controller's verdict.
+"""The RL job: its setup, its workers, and one RL step on every worker.
 
-``JobSetup`` is what every worker derives identically from the experiment; ``algorithm_step``
-runs one PPO/GRPO/ReMax step (generation, inference, rewards and advantages, training) on the
-plan; ``decide`` turns the controller's decision on the leader into what every worker needs to
-act on it. The loop around them, with membership and failures, is ``nereus.runtime.loop``.
-Edge module (torch.distributed).
+``JobSetup`` is what every worker derives identically from the experiment; ``make_worker`` builds
+a process's worker from it; ``algorithm_step`` runs one PPO/GRPO/ReMax step (generation,
+inference, rewards and advantages, training) on the plan. The loop around them, with the
+controller, membership and failures, is ``nereus.runtime.loop``. Edge module (torch).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from nereus.backends.sampling import SamplingParams
-from nereus.control.admission import Verdict
-from nereus.control.controller import Controller
-from nereus.control.telemetry import Telemetry
+from nereus.backends.protocol import AdamWConfig, SamplingParams
 from nereus.errors import InfeasibleError
 from nereus.plan.layout import Plan
 from nereus.plan.problem import PlanningProblem, SeqStats
@@ -38,7 +33,6 @@ from nereus.runtime.worker import Worker
 from nereus.spec import load_cluster, load_model, load_workload
 from nereus.spec.model import Head, ModelSpec
 from nereus.spec.workload import Algorithm, Role, WorkloadSpec
-from nereus.transition.between import plan_transition
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,11 +75,27 @@ def initial_plan(setup: JobSetup, pool: tuple[int, ...], max_new: int) -> Plan:
     return search(problem).plan
 
 
-def broadcast(obj: Any) -> Any:
-    """``obj`` from rank 0 on every rank."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def make_worker(gpu: int, setup: JobSetup) -> Worker:
+    """This process's worker: the setup's models, AdamW per trainer role, engines per model-stage."""
+    spec = setup.spec
+    rl = spec.rl
+    optim = {
+        Role.ACTOR: AdamWConfig(lr=rl.lr, weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm),
+        Role.CRITIC: AdamWConfig(
+            lr=rl.critic_lr, weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm
+        ),
+    }
+    return Worker(gpu, setup.workload, setup.models, spec.cluster, optim, spec.seed, spec.engine_of)
+
+
+def restart_plan(setup: JobSetup, problem: PlanningProblem, max_new: int) -> Plan:
+    """Where a restart from the checkpoint goes: the policy's own search space (a static policy
+    keeps its layouts) if anything fits there, else anything that fits the pool."""
+    seq = SeqStats.fixed(setup.workload.prompt_len, max_new)
+    try:
+        return search(dataclasses.replace(problem, seq=seq)).plan
+    except InfeasibleError:
+        return initial_plan(setup, problem.pool, max_new)
 
 
 def algorithm_step(
@@ -155,44 +165,8 @@ def algorithm_step(
     return r, scores, metrics
 
 
-def decide(
-    controller: Controller, tel: Telemetry, plan: Plan, setup: JobSetup, max_new: int,
-    skip: frozenset[str] = frozenset(),
-) -> Any:  # fmt: skip
-    """Rank 0: the controller's verdict as what every worker needs to act on it. ``skip``:
-    weight copies to leave out of the transition (a weight sync rebuilds them afterwards)."""
-    decision = controller.observe(tel)
-    if decision is None:
-        return None
-    if decision.verdict is Verdict.ADMIT and decision.target is not None:
-        gone = frozenset(g for c in plan.candidates for g in c.gpus) - frozenset(tel.pool)
-        problem = controller.problem(tel.pool, SeqStats.fixed(setup.workload.prompt_len, tel.seq_len_mean))
-        return (
-            "admit",
-            decision.target,
-            plan_transition(problem, plan, decision.target, gone, skip),
-            decision.reason,
-        )
-    if decision.verdict is Verdict.RESTART:
-        # the policy's own search space (a static policy keeps its layouts) if anything fits there
-        seq = SeqStats.fixed(setup.workload.prompt_len, max_new)
-        try:
-            target = search(controller.problem(tel.pool, seq)).plan
-        except InfeasibleError:
-            target = initial_plan(setup, tel.pool, max_new)
-        return ("restart", target, None, decision.reason)
-    return None
-
-
 def last_tokens(r: Rollouts) -> Tensor:
     """Each row's last response token (its last prompt token when the response is empty)."""
     positions = torch.arange(r.ids.shape[1]).expand_as(r.mask)
     last = torch.where(r.mask.bool(), positions, torch.zeros_like(positions)).amax(1)
     return torch.where(r.mask.sum(1) == 0, torch.full_like(last, r.prompt_len - 1), last)
-
-
-def reduce_max(x: float) -> float:
-    """The largest ``x`` over the world."""
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)

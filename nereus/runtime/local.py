@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from nereus.runtime.experiment import ExperimentSpec
-from nereus.runtime.loop import JobLoop
+from nereus.runtime.loop import JobLoop, Preemption
 from nereus.runtime.membership import Membership, Rendezvous
 
 RDZV = "rendezvous.json"
@@ -91,9 +91,9 @@ def member_main(
 
     try:
         m.form(members, 0)
-        loop = JobLoop(m, spec, folder, spawn_local=spawn if gpu == 0 else None, control=folder / "control")
-        loop.install_signals()
-        loop.run(loop.start(resume))
+        preemption = Preemption().install()
+        local = spawn if gpu == 0 else None
+        JobLoop.start(m, spec, folder, resume, folder / "control", local, preemption).run()
     finally:
         m.close()
 
@@ -104,10 +104,8 @@ def joiner_main(gpu: int | None, spec: ExperimentSpec, out: str, secret: bytes) 
     folder = Path(out)
     m = Membership.connect(Rendezvous.read(folder / RDZV), secret, -1, node=f"local-new{gpu}")
     try:
+        preemption = Preemption().install()
         _, generation, members = m.request_join(gpu)
-        loop = JobLoop(m, spec, folder)
-        loop.install_signals()
-        boundary = loop.enter(generation, members)
-        loop.run(boundary.step, boundary)
+        JobLoop.enter(m, spec, folder, generation, members, preemption).run()
     finally:
         m.close()

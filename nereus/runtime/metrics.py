@@ -16,7 +16,7 @@ from typing import Any
 from rich.console import Console
 
 from nereus.plan.layout import Plan
-from nereus.plan.report import gpu_ranges
+from nereus.plan.report import plan_summary
 from nereus.runtime.experiment import ExperimentSpec
 
 MODEL_LETTER = {"actor": "a", "critic": "c", "ref": "r", "reward": "w"}
@@ -26,11 +26,6 @@ def short(model_stage: str) -> str:
     """``actor.gen`` → ``ag``, ``reward.inf`` → ``wi`` (the rich line's plan column)."""
     model, stage = model_stage.split(".")
     return f"{MODEL_LETTER.get(model, model[0])}{stage[0]}"
-
-
-def plan_summary(plan: Plan) -> dict[str, str]:
-    """``{model-stage: "tp1·pp1·dp2 @ 0-1"}``."""
-    return {c.model_stage: f"{c.layout}·dp{c.dp} @ {gpu_ranges(c.gpus)}" for c in plan.candidates}
 
 
 @dataclass(frozen=True, slots=True)

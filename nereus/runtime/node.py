@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch
 
+from nereus.control.action import Outcome
 from nereus.errors import ConfigError
 from nereus.runtime import checkpoint as ckpt
 from nereus.runtime.bootstrap import bootstrap
 from nereus.runtime.experiment import ExperimentSpec
-from nereus.runtime.loop import JobLoop
+from nereus.runtime.loop import JobLoop, Preemption
 from nereus.runtime.membership import Membership, Rendezvous, node_address
 
 RDZV = "rendezvous.json"
@@ -54,7 +55,7 @@ class JobFolder:
             raise ConfigError(f"{self.path / 'secret'}: expected hex") from None
 
 
-def main(job_dir: str, join: bool = False) -> str:
+def main(job_dir: str, join: bool = False) -> Outcome:
     """Run this process's part of the job; returns ``done``, ``preempted`` or ``left``."""
     torch.set_num_threads(int(os.environ.get("NEREUS_THREADS", "1")))
     job = JobFolder(Path(job_dir))
@@ -63,13 +64,11 @@ def main(job_dir: str, join: bool = False) -> str:
     if join:  # a newcomer needs no MPI: the rendezvous is in the job folder
         m = Membership.connect(Rendezvous.read(job.path / RDZV), secret, -1)
         try:
+            preemption = Preemption().install()
             _, generation, members = m.request_join(None)
-            loop = JobLoop(m, spec, job.run, control=job.path / "control")
-            loop.install_signals()
-            boundary = loop.enter(generation, members)
-            status = loop.run(boundary.step, boundary)
-            if status == "preempted":
-                loop.after_preempt()
+            status = JobLoop.enter(m, spec, job.run, generation, members, preemption).run()
+            if status is Outcome.PREEMPTED:
+                preemption.hand_over(m.leader)
             return status
         finally:
             m.close()
@@ -88,12 +87,11 @@ def main(job_dir: str, join: bool = False) -> str:
         m = Membership.connect(rdzv, secret, boot.rank)
     try:
         m.form(tuple(range(boot.world)), 0)
-        loop = JobLoop(m, spec, job.run, control=job.path / "control")
-        loop.install_signals()
+        preemption = Preemption().install()
         resume = ckpt.latest(job.run / "checkpoints") is not None
-        status = loop.run(loop.start(resume))
-        if status == "preempted":
-            loop.after_preempt()
+        status = JobLoop.start(m, spec, job.run, resume, job.path / "control", preemption=preemption).run()
+        if status is Outcome.PREEMPTED:
+            preemption.hand_over(m.leader)
         return status
     finally:
         m.close()

@@ -1,12 +1,14 @@
 """A worker: one rank (a GPU slot; a virtual GPU on CPU) running its part of every RL step.
 
 Every worker runs the same step (SPMD) on the plan it was given: for each model-stage in
-workflow order it takes part only if the plan put one of the stage's units on its GPU. Stages
+workflow order it takes part only if the plan put one of the stage's EMUs on its GPU. Stages
 run in the workflow's order (gen → inf → train); model-stages of one stage sit on disjoint GPUs
 and so run concurrently. Rollouts and per-token scores are exchanged over the world group after
 each stage; every worker then derives the same advantages. Weight syncs (actor.train ⇒ actor.gen,
 actor.inf; critic.train ⇒ critic.inf) and plan changes are transition DAGs run by the executor,
-after which the engines re-bind to the moved buffers. Edge module (torch.distributed).
+after which the engines re-bind to the moved buffers. Engines come from the registry
+(``nereus.backends.registry``, one engine name per model-stage) and are spoken to only through
+the Backend protocol. Edge module (torch.distributed).
 """
 
 from __future__ import annotations
@@ -21,22 +23,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nereus.backends.grid import Grid
-from nereus.backends.optim import AdamWConfig
-from nereus.backends.parallel import Groups
-from nereus.backends.protocol import LossFn, TokenBatch
-from nereus.backends.sampling import SamplingParams
-from nereus.backends.torch_native import TorchNativeEngine
+from nereus.backends.protocol import AdamWConfig, Backend, Grid, Groups, LossFn, SamplingParams, TokenBatch
+from nereus.backends.registry import build_engine
 from nereus.plan.calibration import Efficiencies
 from nereus.plan.layout import Candidate, Layout, Plan
 from nereus.plan.opclass import OpClass
+from nereus.runtime.comm import all_gather, from_rank
 from nereus.runtime.optimes import OpTime, decode_s, gemm_s, train_times
 from nereus.runtime.rollout import Rollouts, assemble, micro_count, placed, split_rows
 from nereus.spec import load_cluster
 from nereus.spec.model import ModelSpec
 from nereus.spec.workload import STAGE_ORDER, Role, WorkloadSpec
 from nereus.state.buffers import BufferKind, StatePolicy
-from nereus.state.emu import LogicalState, sample_range
+from nereus.state.emu import LogicalState, replica_of, replicas, sample_range
 from nereus.state.geometry import shards
 from nereus.state.holder import RankState, StateHolder
 from nereus.transition import LinkModel, StageMove, build_dag
@@ -46,13 +45,9 @@ from nereus.transition.execute import Executor
 ROLE_SEED = {Role.ACTOR: 1, Role.REF: 1, Role.CRITIC: 2, Role.REWARD: 3}  # the reference starts as the actor
 
 
-def units_of(c: Candidate) -> tuple[tuple[int, ...], ...]:
-    return tuple(c.replica_gpus(r) for r in range(c.dp))
-
-
 def grid_of(c: Candidate, rank_of: Mapping[int, int] | None = None) -> Grid:
     """The candidate's grid over world ranks (``rank_of``: GPU id → rank; identity by default)."""
-    gpus = [g for unit in units_of(c) for g in unit]
+    gpus = [g for u in replicas(c) for g in u.gpus]
     return Grid(c.layout, tuple(rank_of[g] for g in gpus) if rank_of is not None else tuple(gpus))
 
 
@@ -79,13 +74,27 @@ class StageTimes:
         self.seconds[name] = self.seconds.get(name, 0.0) + s
 
 
+@dataclass(frozen=True, slots=True)
+class Place:
+    """Where this worker's GPU sits in a model-stage's plan: DP rank, TP rank, pipeline stage."""
+
+    dp: int
+    t: int
+    p: int
+
+    @property
+    def reports(self) -> bool:
+        """The replica's first rank, which reports its results to the world."""
+        return self.t == 0 and self.p == 0
+
+
 class Worker:
     """One worker process's part of the job. ``gpu`` is its GPU id in plans, which never changes;
     its rank in the current world is ``rank_of[gpu]`` and changes when the world re-forms."""
 
     def __init__(
         self, gpu: int, workload: WorkloadSpec, models: Mapping[Role, ModelSpec], cluster: str,
-        optim: Mapping[Role, AdamWConfig], seed: int,
+        optim: Mapping[Role, AdamWConfig], seed: int, engines: Callable[[str], str],
     ) -> None:  # fmt: skip
         self.gpu = gpu
         self.rank_of: dict[int, int] = {}
@@ -96,12 +105,13 @@ class Worker:
         self.links = LinkModel(self.cluster, Efficiencies())
         self.optim = dict(optim)
         self.seed = seed
+        self.engine_of = engines  # model-stage → engine name in the registry
         self.holder = StateHolder(gpu)
-        self.engines: dict[str, TorchNativeEngine] = {}
+        self.engines: dict[str, Backend] = {}
         self.groups: dict[str, Groups] = {}
         self.times = StageTimes()
         self.optimes: list[OpTime] = []  # this step's op-class timings (for calibration)
-        self.snapshot: dict[str, RankState] = {}  # the trainers' units at the last step boundary
+        self.snapshot: dict[str, RankState] = {}  # the sources' units at the last step boundary
         self.set_world(tuple(range(dist.get_world_size())) if dist.is_initialized() else (gpu,))
 
     def set_world(self, members: tuple[int, ...]) -> None:
@@ -109,8 +119,7 @@ class Worker:
         the old world are gone; the units stay resident."""
         self.rank_of = {g: r for r, g in enumerate(members)}
         self.holder.rank = self.rank_of[self.gpu]
-        self.groups = {}
-        self.engines = {}
+        self.release()
 
     def release(self) -> None:
         """Drop every reference to this world's groups (engines hold them too), so that
@@ -126,6 +135,14 @@ class Worker:
     def gpu_of_rank(self) -> dict[int, int]:
         return {r: g for g, r in self.rank_of.items()}
 
+    def place(self, c: Candidate) -> Place | None:
+        """Where this GPU sits in ``c`` (None: it holds none of its units)."""
+        found = replica_of(c, self.gpu)
+        if found is None:
+            return None
+        dp, unit = found
+        return Place(dp, *unit.position(self.gpu))
+
     # ------------------------------------------------------------------ state and engines
     def model_of(self, name: str) -> ModelSpec:
         ms = self.workflow.get(name)
@@ -137,21 +154,22 @@ class Worker:
     def init_state(self, plan: Plan) -> None:
         """Fresh weights for every unit this rank holds (the same values in every replica)."""
         for c in plan.candidates:
+            place = self.place(c)
+            if place is None:
+                continue
             model, policy = self.model_of(c.model_stage), self.policy_of(c.model_stage)
             seed = ROLE_SEED[self.workflow.get(c.model_stage).role]
-            for gpus in units_of(c):
-                if self.gpu in gpus:
-                    i = gpus.index(self.gpu)
-                    t, p = i % c.layout.tp, i // c.layout.tp
 
-                    def full(kind: BufferKind, name: str, _m: ModelSpec = model, _s: int = seed) -> Tensor:
-                        return init_tensor(
-                            _m, _s, BufferKind.PARAM if kind is BufferKind.MASTER else kind, name
-                        )
+            def full(kind: BufferKind, name: str, _m: ModelSpec = model, _s: int = seed) -> Tensor:
+                return init_tensor(_m, _s, BufferKind.PARAM if kind is BufferKind.MASTER else kind, name)
 
-                    self.holder.units[c.model_stage] = RankState.from_full(
-                        c.model_stage, model, c.layout, t, p, policy, full, LogicalState(seed=self.seed)
-                    )
+            self.holder.units[c.model_stage] = RankState.from_full(
+                c.model_stage, model, c.layout, place.t, place.p, policy, full, LogicalState(seed=self.seed)
+            )
+
+    def _engine(self, name: str, rs: RankState) -> Backend:
+        role = self.workflow.get(name).role
+        return build_engine(self.engine_of(name), rs, self.groups[name], self.optim.get(role))
 
     def bind(self, plan: Plan) -> None:
         """Groups for every model-stage (collective over the world) and engines for what this rank
@@ -167,18 +185,17 @@ class Worker:
             )
         held = dict(self.holder.by_stage())
         self.holder.units = dict(held)
-        engines: dict[str, TorchNativeEngine] = {}
+        engines: dict[str, Backend] = {}
         for name, rs in held.items():
-            role = self.workflow.get(name).role
             if name in self.engines:
                 engines[name] = self.engines[name]
                 engines[name].rebind(rs, self.groups[name])
             else:
-                engines[name] = TorchNativeEngine(rs, self.groups[name], self.optim.get(role))
+                engines[name] = self._engine(name, rs)
         self.engines = engines
 
     def drop(self) -> None:
-        """This worker left the pool: its state is gone."""
+        """This worker's state is gone (a checkpoint is about to refill it)."""
         self.holder.units.clear()
         self.engines.clear()
 
@@ -188,6 +205,10 @@ class Worker:
         return frozenset(
             ms.name for ms in self.workflow.model_stages if self.workflow.sync_source(ms.name) is None
         )
+
+    def receivers(self) -> tuple[str, ...]:
+        """Model-stages a weight sync fills (actor.gen, actor.inf, critic.inf), in sync order."""
+        return tuple(dst for _, dst in self.workflow.weight_syncs)
 
     def take_snapshot(self) -> None:
         """Keep this rank's sources at a step boundary: a step that fails part-way (a peer died)
@@ -221,15 +242,14 @@ class Worker:
         moves: dict[str, StageMove] = {}
         for src, dst in self.workflow.weight_syncs:
             s, d = plan.candidate(src), plan.candidate(dst)
+            on = [u.gpus for u in replicas(s)]
             moves.setdefault(
                 src,
-                StageMove(
-                    src, self.model_of(src), self.policy_of(src), s.layout, units_of(s), s.layout, units_of(s)
-                ),
+                StageMove.between(src, self.model_of(src), self.policy_of(src), s.layout, on, s.layout, on),
             )
-            moves[dst] = StageMove(
-                dst, self.model_of(dst), self.policy_of(dst), d.layout, (), d.layout, units_of(d),
-                restore_from=src, restore_gpus=s.gpus,
+            moves[dst] = StageMove.between(
+                dst, self.model_of(dst), self.policy_of(dst), d.layout, (), d.layout,
+                [u.gpus for u in replicas(d)], restore_from=src, restore_gpus=s.gpus,
             )  # fmt: skip
             self.holder.units.pop(dst, None)
         ordered = [moves[ms.name] for ms in self.workflow.model_stages if ms.name in moves]
@@ -237,13 +257,13 @@ class Worker:
         dag = build_dag(ordered, rank_of, self.links, 2**62)
         Executor(dag, ordered, self.holder, self.gpu_of_rank).run()
         self.holder.units = dict(self.holder.by_stage())
-        for name in (dst for _, dst in self.workflow.weight_syncs):
+        for name in self.receivers():
             if name not in self.holder.units:
                 continue
             if name in self.engines:
                 self.engines[name].rebind(self.holder.units[name])
             else:  # after a restart: the receiver's first units
-                self.engines[name] = TorchNativeEngine(self.holder.units[name], self.groups[name])
+                self.engines[name] = self._engine(name, self.holder.units[name])
         return time.perf_counter() - started
 
     # ------------------------------------------------------------------ stage work
@@ -258,19 +278,19 @@ class Worker:
         params: SamplingParams, name: str = "actor.gen",
     ) -> Rollouts:  # fmt: skip
         c = plan.candidate(name)
-        part = None
-        if name in self.engines:
+        place, part = self.place(c), None
+        if name in self.engines and place is not None:
             eng = self.engines[name]
-            rows = split_rows(prompt_ids.shape[0], c.dp, eng.coord.dp)
+            rows = split_rows(prompt_ids.shape[0], c.dp, place.dp)
             batch = TokenBatch(prompt_ids[rows.start : rows.stop], prompt_valid[rows.start : rows.stop])
             started = time.perf_counter()
             out = self._timed(name, lambda: eng.generate(batch, sample_ids[rows.start : rows.stop], params))
             width = dict(self.policy_of(name).kinds)[BufferKind.PARAM].itemsize
             ideal = decode_s(self.model_of(name), c.layout, int(out.tokens.shape[1]), width, self.cluster)
             self.optimes.append(OpTime(name, OpClass.MEMORY, ideal, time.perf_counter() - started))
-            if eng.coord.p == 0 and eng.coord.t == 0:
+            if place.reports:
                 part = (rows.start, out.tokens, out.valid)
-        parts = _all_gather(part)
+        parts = all_gather(part)
         return assemble(
             prompt_ids, prompt_valid, [p for p in parts if p is not None], sample_ids, params.pad_token_id
         )
@@ -278,19 +298,19 @@ class Worker:
     def infer(self, plan: Plan, name: str, r: Rollouts) -> Tensor:
         """Per-token log-probs (or values) of ``name`` over the whole batch, on every worker."""
         c = plan.candidate(name)
-        part = None
-        if name in self.engines:
+        place, part = self.place(c), None
+        if name in self.engines and place is not None:
             eng = self.engines[name]
-            rows = split_rows(r.rows, c.dp, eng.coord.dp)
+            rows = split_rows(r.rows, c.dp, place.dp)
             micro = micro_count(len(rows), self.workload.inference_micro_batch)
             started = time.perf_counter()
             out = self._timed(name, lambda: eng.forward(r.batch(rows), micro_batches=micro))
             tokens = int(r.valid[rows.start : rows.stop].sum())
             ideal = gemm_s(self.model_of(name), c.layout, tokens, 2.0, self.cluster)
             self.optimes.append(OpTime(name, OpClass.GEMM, ideal, time.perf_counter() - started))
-            if eng.coord.p == 0 and eng.coord.t == 0:
+            if place.reports:
                 part = (rows.start, out)
-        parts = [p for p in _all_gather(part) if p is not None]
+        parts = [p for p in all_gather(part) if p is not None]
         return placed(parts, r.rows, r.ids.shape[1])
 
     def train(
@@ -307,42 +327,28 @@ class Worker:
         gb = self.workload.global_batch
         if r.rows % gb or gb % c.dp:
             raise ValueError(f"{name}: {r.rows} rollouts, global batch {gb} and dp {c.dp} must divide evenly")
+        place = self.place(c)
         total = 0.0
         for _ in range(self.workload.epochs):
             for u in range(r.rows // gb):
                 normaliser = float(r.mask[u * gb : (u + 1) * gb].sum().clamp(min=1))
-                if name not in self.engines:
+                if name not in self.engines or place is None:
                     continue
-                eng = self.engines[name]
-                mine = sample_range(gb, c.dp, eng.coord.dp, u)
+                mine = sample_range(gb, c.dp, place.dp, u)
                 micro = micro_count(len(mine), self.workload.micro_batch)
                 batch = r.batch(mine, **fields)
                 started = time.perf_counter()
-                stats = eng.train_step(batch, loss(normaliser), micro)
+                stats = self.engines[name].train_step(batch, loss(normaliser), micro)
                 self.times.add(name, time.perf_counter() - started)
-                i = c.replica_gpus(eng.coord.dp).index(self.gpu)
-                dp_gpus = tuple(c.replica_gpus(r)[i] for r in range(c.dp))
+                dp_gpus = tuple(unit.gpu(place.t, place.p) for unit in replicas(c))
                 self.optimes += train_times(
                     name, self.model_of(name), c.layout, stats.tokens, stats.seconds, stats.dp_allreduce_s,
                     stats.dp_allreduce_bytes, dp_gpus, self.cluster,
                 )  # fmt: skip
                 total += stats.loss
-        return _from_rank(total, self.rank_of[c.gpus[0]])
+        return from_rank(total, self.rank_of[c.gpus[0]])
 
 
 def _copied(rs: RankState) -> RankState:
     bufs = {k: b.clone() for k, b in rs.buffers.items()}
     return RankState(rs.model_stage, rs.model, rs.layout, rs.t, rs.p, rs.policy, bufs, rs.state)
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _from_rank(x: float, src: int) -> float:
-    """A value ``src`` knows (the stage's losses agree on all its ranks), on every rank."""
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.broadcast(t, src=src)
-    return float(t)

@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from nereus.control.admission import Verdict
+from nereus.control.action import Keep, Move, RecordKind, Restart, TransitionRecord
+from nereus.control.admission import Decision, Verdict
 from nereus.control.controller import Controller, policy_config
 from nereus.control.telemetry import Telemetry
 from nereus.errors import InfeasibleError, NereusError
@@ -83,6 +84,7 @@ class StepRecord:
     tp_pp_change: bool = False
     decision: dict[str, Any] | None = None
     preempted: bool = False  # GPUs of the plan were revoked during the step
+    transitions: tuple[TransitionRecord, ...] = ()  # what moved at the boundary before the step
 
     @property
     def lost(self) -> bool:
@@ -110,6 +112,7 @@ class StepRecord:
             "tp_pp_change": self.tp_pp_change,
             "preempted": self.preempted,
             "decision": self.decision,
+            "transitions": [t.to_json() for t in self.transitions],
         }
 
 
@@ -196,9 +199,7 @@ class _Run:
     def step(self, k: int, prev: Telemetry | None) -> tuple[StepRecord, Telemetry]:
         seq = self.s.lengths(k)
         start = self.t
-        transition_s = restart_s = stalled_s = 0.0
-        tp_pp = False
-        decision_json = None
+        stalled_s = 0.0
         if self.controller is None:
             plan, stalled_s = self.wait_for_plan(seq)
             self.controller = Controller(
@@ -211,33 +212,24 @@ class _Run:
             )
         ctl = self.controller
         pool = self.pool()  # what the boundary sees; changes after it surface at the next one
-        if prev is not None:
-            decision = ctl.observe(replace(prev, pool=pool, time_s=self.t))
-            if decision is not None:
-                decision_json = decision.to_json()
-                if decision.verdict is Verdict.ADMIT and decision.l_tran_s is not None:
-                    est = decision.transition
-                    rebuilt = [ctl.plan.workflow.get(n).stage for n in est.resharded] if est else []
-                    regrouped = len(est.changed) - len(est.resharded) if est else 0
-                    # the truth starts from the bytes moved, not from the estimator's learned costs
-                    moving = est.features[0] if est else decision.l_tran_s
-                    transition_s = self.hw.transition(moving, rebuilt, regrouped)
-                    self.t += transition_s
-                    tp_pp = bool(est and est.resharded)
-                    ctl.transition_done(transition_s)
-                elif decision.verdict is Verdict.RESTART:
-                    target = decision.target
-                    running = frozenset(g for c in ctl.plan.candidates for g in c.gpus)
-                    if target is None and running <= set(pool):
-                        ctl.restarted(ctl.plan)  # nothing better fits: carry on with the plan as it is
-                    else:
-                        if target is None:
-                            target, waited = self.wait_for_plan(seq)
-                            stalled_s += waited
-                            pool = target.pool
-                        restart_s = self.restart_cost(target, seq)
-                        self.t += restart_s
-                        ctl.restarted(target)
+        decision = ctl.observe(replace(prev, pool=pool, time_s=self.t)) if prev is not None else None
+        moved: list[TransitionRecord] = []
+        tp_pp = False
+        if decision is not None:
+            before = ctl.plan
+            match decision.action:
+                case Move() as move:
+                    seconds = self._transition_truth(decision, move)
+                    self.t += seconds
+                    ctl.moved(move, seconds)
+                    moved.append(TransitionRecord.move(move, seconds, before))
+                    tp_pp = bool(decision.transition and decision.transition.resharded)
+                case Restart(plan=target, reason=reason):
+                    pool, restarted, waited = self._restart(target, reason, pool, seq, k - 1)
+                    stalled_s += waited
+                    moved += [restarted] if restarted is not None else []
+                case Keep():
+                    pass
         plan = ctl.plan
         problem = replace(ctl.problem(pool, seq), efficiencies=Efficiencies.unit())
         ideal = price(problem, shapes_of(plan))  # seconds per op class at peak, raw memory
@@ -249,10 +241,10 @@ class _Run:
             peaks[c.model_stage] = self.hw.peak(ideal.active[c.model_stage], stage)
         step_s = step_latency(plan.workflow, self.s.workload.mode, times)
         oom = self._oom(plan, peaks, ideal.resident)
+        restart_s = 0.0
         if oom:  # the step is lost: the job crashes and restarts from its checkpoint
-            crash = self.restart_cost(plan, seq)
-            restart_s += crash
-            self.t += crash
+            restart_s = self.restart_cost(plan, seq)
+            self.t += restart_s
         self.t += step_s
         plan_gpus = {g for c in plan.candidates for g in c.gpus}
         preempted = not plan_gpus <= set(self.pool())  # GPUs revoked while the step ran: it is lost
@@ -264,13 +256,14 @@ class _Run:
             seq.response_p95,
             _describe(plan),
             step_s,
-            transition_s,
-            restart_s,
+            sum(r.seconds for r in moved if r.kind is RecordKind.MOVE),
+            restart_s + sum(r.seconds for r in moved if r.kind is RecordKind.RESTART),
             stalled_s,
             oom,
             tp_pp,
-            decision_json,
+            decision.to_json() if decision is not None else None,
             preempted,
+            tuple(moved),
         )
         telemetry = Telemetry(
             k,
@@ -284,6 +277,36 @@ class _Run:
             oom,
         )
         return record, telemetry
+
+    def _transition_truth(self, decision: Decision, move: Move) -> float:
+        """The true seconds of an admitted move: from the bytes it moves (not from the
+        estimator's learned costs), its engine rebuilds and regroups."""
+        est = decision.transition
+        plan = self.controller.plan if self.controller is not None else move.target
+        rebuilt = [plan.workflow.get(n).stage for n in est.resharded] if est else []
+        regrouped = len(est.changed) - len(est.resharded) if est else 0
+        moving = est.features[0] if est else move.transition.l_tran_s
+        return self.hw.transition(moving, rebuilt, regrouped)
+
+    def _restart(
+        self, target: Plan | None, reason: str, pool: tuple[int, ...], seq: SeqStats, checkpoint: int
+    ) -> tuple[tuple[int, ...], TransitionRecord | None, float]:
+        """Reload the checkpoint onto ``target`` (None: the best plan once the pool allows one).
+        Returns the pool, what moved, and the seconds spent waiting for GPUs."""
+        assert self.controller is not None
+        ctl, waited = self.controller, 0.0
+        running = frozenset(g for c in ctl.plan.candidates for g in c.gpus)
+        if target is None and running <= set(pool):
+            ctl.restarted(ctl.plan)  # nothing better fits: carry on with the plan as it is
+            return pool, None, 0.0
+        if target is None:
+            target, waited = self.wait_for_plan(seq)
+            pool = target.pool
+        seconds = self.restart_cost(target, seq)
+        self.t += seconds
+        record = TransitionRecord.restart(seconds, reason, checkpoint, ctl.plan, target)
+        ctl.restarted(target)
+        return pool, record, waited
 
     def _oom(self, plan: Plan, peaks: Mapping[str, float], resident: Mapping[str, float]) -> bool:
         capacity = self.s.cluster.gpu_memory_bytes

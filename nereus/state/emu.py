@@ -1,7 +1,7 @@
 """EMU: one DP replica of a model-stage and the logical state it carries (paper §2.10, §2.15).
 
-``Emu = ⟨model-stage, layout, GPUs, logical state⟩``: tp·pp ranks (GPU ``gpus[p·tp + t]`` holds
-TP rank t of pipeline stage p), each with its parameter (and, for trainers, optimizer) shards.
+``Emu = ⟨model-stage, layout, GPUs, logical state⟩``: tp·pp ranks (GPU ``gpus[layout.index(t, p)]``
+holds TP rank t of pipeline stage p), each with its parameter (and, for trainers, optimizer) shards.
 The ``LogicalState`` is what must survive every transition bit for bit: update counter c,
 model-stage and policy versions v, minibatch position p of the last completed update, and the
 seed from which RNG state and data position derive. A replica's data position and RNG stream
@@ -19,7 +19,7 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from nereus.plan.layout import Layout, Plan
+from nereus.plan.layout import Candidate, Layout, Plan
 from nereus.spec.workload import ExecutionMode, Stage
 
 
@@ -61,26 +61,67 @@ def rng_seed(seed: int, model_stage: str, dp_rank: int, minibatch: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Emu:
+    """One DP replica of a model-stage: ⟨model-stage, layout, GPUs, logical state⟩ (paper §2.10).
+
+    ``gpus[layout.index(t, p)]`` holds TP rank t of pipeline stage p. ``id`` names the unit in a
+    transition DAG (``<model-stage>/u<i>`` for the i-th intact unit of the current plan,
+    ``<model-stage>/v<i>`` for the i-th unit of the target, others for units a transition makes
+    on the way); a unit outside a transition needs none. This one type is the unit of the
+    planner's candidates, the transition DAG, the executor and the runtime's recovery.
+    """
+
     model_stage: str
     layout: Layout
     gpus: tuple[int, ...]
     state: LogicalState = LogicalState()
+    id: str = ""
 
     def __post_init__(self) -> None:
         if len(self.gpus) != self.layout.size:
             raise ValueError(
-                f"{self.model_stage}: {self.layout} needs {self.layout.size} GPUs, got {len(self.gpus)}"
+                f"{self.id or self.model_stage}: {self.layout} needs {self.layout.size} distinct GPUs, "
+                f"got {len(self.gpus)}"
             )
         if len(set(self.gpus)) != len(self.gpus):
-            raise ValueError(f"{self.model_stage}: unit GPUs repeat in {self.gpus}")
+            raise ValueError(f"{self.id or self.model_stage}: unit GPUs repeat in {self.gpus}")
 
     def gpu(self, t: int, p: int) -> int:
-        return self.gpus[p * self.layout.tp + t]
+        return self.gpus[self.layout.index(t, p)]
 
     def position(self, gpu: int) -> tuple[int, int]:
         """(t, p) of ``gpu`` in this unit."""
-        i = self.gpus.index(gpu)
-        return i % self.layout.tp, i // self.layout.tp
+        return self.layout.position(self.gpus.index(gpu))
+
+    def ranks(self) -> tuple[tuple[int, int, int], ...]:
+        """(GPU, t, p) of every rank, in rank-index order."""
+        return tuple((g, t, p) for g, (t, p) in zip(self.gpus, self.layout.positions(), strict=True))
+
+    def named(self, uid: str) -> Emu:
+        """The same unit under the DAG name ``uid``."""
+        return Emu(self.model_stage, self.layout, self.gpus, self.state, uid)
+
+
+def replicas(c: Candidate, state: LogicalState = LogicalState(), prefix: str = "") -> tuple[Emu, ...]:
+    """The candidate's DP replicas as EMUs, in replica order (ids ``<model-stage>/<prefix><r>``
+    when a ``prefix`` is given)."""
+    return tuple(
+        Emu(
+            c.model_stage,
+            c.layout,
+            c.replica_gpus(r),
+            state,
+            f"{c.model_stage}/{prefix}{r}" if prefix else "",
+        )
+        for r in range(c.dp)
+    )
+
+
+def replica_of(c: Candidate, gpu: int) -> tuple[int, Emu] | None:
+    """(DP rank, unit) of the replica of ``c`` that holds ``gpu``, or None."""
+    for r, u in enumerate(replicas(c)):
+        if gpu in u.gpus:
+            return r, u
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,11 +141,7 @@ class Holding:
 def units_of(plan: Plan, states: Mapping[str, LogicalState] | None = None) -> tuple[Emu, ...]:
     """Φ(π): one EMU per DP replica of every model-stage of ``plan``."""
     states = states or {}
-    return tuple(
-        Emu(c.model_stage, c.layout, c.replica_gpus(r), states.get(c.model_stage, LogicalState()))
-        for c in plan.candidates
-        for r in range(c.dp)
-    )
+    return tuple(u for c in plan.candidates for u in replicas(c, states.get(c.model_stage, LogicalState())))
 
 
 def validate(
@@ -162,8 +199,7 @@ def _check_holdings(
     problems = []
     held = {(h.gpu, h.model_stage): h for h in holdings}
     for u in units:
-        for i, g in enumerate(u.gpus):
-            t, p = i % u.layout.tp, i // u.layout.tp
+        for g, t, p in u.ranks():
             h = held.get((g, u.model_stage))
             if h is None:
                 problems.append(f"{u.model_stage}: GPU {g} holds no shard (rank t={t}, p={p})")
@@ -199,6 +235,6 @@ def rebuild(holdings: Iterable[Holding], dead: Iterable[int] = ()) -> tuple[Emu,
         complete = len(at) == lay.size == len(hs)
         if not complete or len({h.state for h in hs}) != 1:
             continue
-        gpus = tuple(at[(t, p)].gpu for p in range(lay.pp) for t in range(lay.tp))
-        out.append(Emu(name, lay, gpus, hs[0].state))
+        gpus = tuple(at[pos].gpu for pos in lay.positions())
+        out.append(Emu(name, lay, gpus, hs[0].state, hs[0].unit))
     return tuple(out)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from nereus.plan.layout import Candidate, Plan
 from nereus.spec.workload import Stage
+from nereus.state.emu import Emu, replicas
 
 STORAGE = "storage"  # the source of a frozen model's weights when no replica survives
 
@@ -18,9 +19,9 @@ def intact_replicas(c: Candidate, lost: frozenset[int]) -> int:
     return sum(1 for r in range(c.dp) if not set(c.replica_gpus(r)) & lost)
 
 
-def intact_units(c: Candidate, lost: frozenset[int]) -> tuple[tuple[int, ...], ...]:
-    """GPUs of every replica of ``c`` that touches no lost GPU."""
-    return tuple(c.replica_gpus(r) for r in range(c.dp) if not set(c.replica_gpus(r)) & lost)
+def intact_units(c: Candidate, lost: frozenset[int]) -> tuple[Emu, ...]:
+    """Every replica of ``c`` that touches no lost GPU, in replica order."""
+    return tuple(u for u in replicas(c) if not set(u.gpus) & lost)
 
 
 def state_source(current: Plan, name: str, lost: frozenset[int]) -> Candidate | str | None:

@@ -3,9 +3,10 @@ DAG on torch.distributed (edge, imported on its own so the planner never loads t
 
 from nereus.transition.between import NoSourceError, Transition, plan_transition, stage_moves
 from nereus.transition.build import build_dag
-from nereus.transition.dag import Edge, EdgeKind, Flow, Node, Primitive, TransitionDag, Unit
+from nereus.transition.dag import Edge, EdgeKind, Flow, Node, Primitive, TransitionDag
 from nereus.transition.links import LinkModel
-from nereus.transition.local import StageMove, local_dag, sub_layout
+from nereus.transition.local import local_dag
+from nereus.transition.move import StageMove, sub_layout
 from nereus.transition.schedule import Schedule, best_schedule, list_schedule
 
 __all__ = [
@@ -20,7 +21,6 @@ __all__ = [
     "StageMove",
     "Transition",
     "TransitionDag",
-    "Unit",
     "best_schedule",
     "build_dag",
     "list_schedule",

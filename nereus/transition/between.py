@@ -15,11 +15,12 @@ from nereus.plan.layout import Plan
 from nereus.plan.problem import PlanningProblem
 from nereus.spec.workload import STAGE_ORDER
 from nereus.state.buffers import StatePolicy
+from nereus.state.emu import replicas
 from nereus.state.sources import STORAGE, intact_units, state_source
 from nereus.transition.build import plan_dag
 from nereus.transition.dag import TransitionDag
 from nereus.transition.links import LinkModel
-from nereus.transition.local import StageMove
+from nereus.transition.move import StageMove
 from nereus.transition.schedule import Schedule
 
 
@@ -68,14 +69,14 @@ def stage_moves(
                 restore_from = src.model_stage
                 restore_gpus = tuple(g for g in src.gpus if g not in lost)
         moves.append(
-            StageMove(
+            StageMove.between(
                 ms.name,
                 problem.model_of(ms),
                 StatePolicy.of(ms.stage, problem.workload.precision),
                 old.layout,
-                intact,
+                [u.gpus for u in intact],
                 new.layout,
-                tuple(new.replica_gpus(r) for r in range(new.dp)),
+                [u.gpus for u in replicas(new)],
                 restore_from,
                 restore_gpus,
             )

@@ -27,9 +27,11 @@ from enum import StrEnum
 
 from nereus.spec.cluster import GIB
 from nereus.state.buffers import rank_buffers
-from nereus.transition.dag import Edge, EdgeKind, Node, Primitive, TransitionDag, Unit
+from nereus.state.emu import Emu
+from nereus.transition.dag import Edge, EdgeKind, Node, Primitive, TransitionDag
 from nereus.transition.links import LinkModel
-from nereus.transition.local import StageMove, local_dag
+from nereus.transition.local import local_dag
+from nereus.transition.move import StageMove
 from nereus.transition.schedule import Schedule, best_schedule, lower_bound
 
 
@@ -38,11 +40,9 @@ def initial_bytes(moves: Sequence[StageMove]) -> dict[int, int]:
     held: dict[int, int] = defaultdict(int)
     for m in moves:
         lay = m.current_layout
-        per_rank = [
-            rank_buffers(m.model, lay, i % lay.tp, i // lay.tp, m.policy).nbytes() for i in range(lay.size)
-        ]
-        for gpus in m.current:
-            for g, b in zip(gpus, per_rank, strict=True):
+        per_rank = [rank_buffers(m.model, lay, t, p, m.policy).nbytes() for t, p in lay.positions()]
+        for u in m.current:
+            for g, b in zip(u.gpus, per_rank, strict=True):
                 held[g] += b
     return dict(held)
 
@@ -74,7 +74,7 @@ class _Locals:
         counter = itertools.count()
         self.nodes: list[Node] = []
         self.edges: list[Edge] = []
-        self.units: dict[str, Unit] = {}
+        self.units: dict[str, Emu] = {}
         for m in moves:
             local = local_dag(m, links, lambda: next(counter))
             self.nodes += local.nodes
@@ -276,7 +276,7 @@ MAX_PROMOTIONS = 8  # blocked nodes moved to the front of the commit order befor
 def _commit(
     nodes: list[Node],
     edges: list[Edge],
-    units: dict[str, Unit],
+    units: dict[str, Emu],
     init: Mapping[int, int],
     cap: Mapping[int, int],
     stage_rank: Mapping[str, int],

@@ -1,7 +1,7 @@
-"""The transition DAG's values: units, primitives, nodes, edges (paper §2.11–2.13).
+"""The transition DAG's values: primitives, nodes, edges (paper §2.11–2.13).
 
-A ``Unit`` is a symbolic EMU the transition creates or consumes: a model-stage, a layout and the
-GPU of every rank (rank ``p·tp + t``). A ``Node`` is one primitive applied to units; it reads its
+The units a transition creates or consumes are EMUs (``nereus.state.emu.Emu``) named by their
+``id``. A ``Node`` is one primitive applied to units; it reads its
 ``inputs``, creates its ``outputs`` and frees the units in ``frees`` when it finishes. Memory is
 taken at a node's start (``acquire``) and given back at its finish (``release``), per GPU, so the
 ledger of a schedule is exact at every instant. ``bytes`` is what crosses links (the geometry's
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from nereus.plan.layout import Layout
 from nereus.plan.opclass import Link
+from nereus.state.emu import Emu
 
 
 class Primitive(StrEnum):
@@ -32,23 +32,6 @@ class EdgeKind(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class Unit:
-    """A symbolic EMU: ``gpus[p·tp + t]`` holds TP rank t of pipeline stage p."""
-
-    id: str
-    model_stage: str
-    layout: Layout
-    gpus: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if len(self.gpus) != self.layout.size or len(set(self.gpus)) != len(self.gpus):
-            raise ValueError(f"unit {self.id}: {self.layout} needs {self.layout.size} distinct GPUs")
-
-    def gpu(self, t: int, p: int) -> int:
-        return self.gpus[p * self.layout.tp + t]
-
-
-@dataclass(frozen=True, slots=True)
 class Flow:
     """Bytes that arrive at ``dst`` over ``link`` (None: read from shared storage)."""
 
@@ -57,8 +40,10 @@ class Flow:
     link: Link | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Node:
+    """One primitive applied to units (built by keyword: ``Node(id=…, primitive=…, …)``)."""
+
     id: int
     primitive: Primitive
     model_stage: str
@@ -113,7 +98,7 @@ class TransitionDag:
 
     nodes: tuple[Node, ...]
     edges: tuple[Edge, ...]
-    units: dict[str, Unit]
+    units: dict[str, Emu]
     order: tuple[int, ...]
     peak: dict[int, int]
     capacity: dict[int, int]

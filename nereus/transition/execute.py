@@ -1,21 +1,14 @@
 """Run a transition DAG on torch.distributed: the edge where planned moves become bytes.
 
-Every rank walks the same DAG in the same waves (nodes grouped by depth, so a wave depends only on
-earlier ones) and takes part in the nodes that touch its GPU. A node's data movement is the
-exchange plan of its receivers (``exchange.plan_pieces``): each provider packs, per receiver, all
-its pieces of every buffer kind into one message (a rank-aligned copy sends its flat buffers as
-they are), and a wave's messages, across all its nodes, go out together (``batch_isend_irecv``):
-the rank pairs of an Extend, the members of a Split group, and every ready primitive run
-concurrently. Pieces a rank already holds are copied locally, never sent. Ranks walk the waves in
-one order and a wave only waits on its own participants, so the walk cannot deadlock; memory
-follows the DAG's ledger, which holds for every execution that respects its edges.
-
-- Split: the members of the unit provide their old shards, the materialised sub-units' ranks
-  receive their T_sub shard; all old shards are freed at the end.
-- Extend: rank-aligned; the source keeps its shard. A restore (``node.source``) reads from the
-  weight-sync trainer's units, or calls ``storage`` for a frozen model.
-- Merge: the target ranks assemble from the slot units' ranks (local slices when nested).
-- Destroy: drop the buffers.
+What moves is decided in ``wire.py`` (pure); this module only communicates. Every rank walks the
+same DAG in the same waves (nodes grouped by depth, so a wave depends only on earlier ones) and
+takes part in the nodes that touch its GPU: it posts the sends and receives its ``RankPart``
+names — a wave's messages, across all its nodes, go out together (``batch_isend_irecv``), so the
+rank pairs of an Extend, the members of a Split group and every ready primitive run concurrently
+— copies what it already holds, installs the units it assembled and frees what the node consumed.
+A Destroy drops its unit; a restore from storage reads the rank through ``storage``. Ranks walk
+the waves in one order and a wave only waits on its own participants, so the walk cannot
+deadlock; memory follows the DAG's ledger, which holds for every execution that respects its edges.
 
 gloo on CPU, NCCL/RCCL on GPU, the same code. The transition's process group is created at the
 start and destroyed at the end, with a short timeout: a peer that dies surfaces as an error
@@ -33,14 +26,29 @@ import torch
 import torch.distributed as dist
 
 from nereus.plan.layout import Layout
-from nereus.state.buffers import BufferKind, Slot, StatePolicy
+from nereus.state.buffers import BufferKind, Slot
 from nereus.state.emu import LogicalState
 from nereus.state.holder import RankState, StateHolder
-from nereus.transition.dag import Node, Primitive, TransitionDag, Unit
-from nereus.transition.exchange import Piece, plan_pieces
-from nereus.transition.local import StageMove
+from nereus.state.sources import STORAGE
+from nereus.transition.dag import Node, Primitive, TransitionDag
+from nereus.transition.exchange import Piece
+from nereus.transition.move import StageMove
+from nereus.transition.wire import (
+    HEADER,
+    PACKED,
+    STATE,
+    Carry,
+    Receive,
+    Transfer,
+    WirePlan,
+    kinds_of,
+    tag,
+    takes_part,
+    waves,
+)
 
 Storage = Callable[[str, Layout, int, int], RankState]  # a frozen model's rank from shared storage
+Finish = Callable[[], None]
 
 
 class TransitionError(RuntimeError):
@@ -71,7 +79,8 @@ class Executor:
         if not dag.feasible:
             raise TransitionError(f"the transition is infeasible: {dag.reason}")
         self.dag, self.holder = dag, holder
-        self.moves = {m.name: m for m in moves}
+        self.wire = WirePlan(dag, moves)
+        self.moves = self.wire.moves
         self.rank = holder.rank
         self.gpu_of_rank = dict(gpu_of_rank)
         self.rank_of_gpu = {g: r for r, g in self.gpu_of_rank.items()}
@@ -79,12 +88,6 @@ class Executor:
         self.states = dict(states or {})
         self.storage = storage
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.units: dict[str, Unit] = dict(dag.units)
-        for m in moves:  # units nothing touches keep the ids the local DAGs gave them
-            for i, gpus in enumerate(m.current):
-                self.units.setdefault(
-                    f"{m.name}/u{i}", Unit(f"{m.name}/u{i}", m.name, m.current_layout, gpus)
-                )
         self.sent = self.received = 0
         self.messages: list[tuple[int, int, int, int]] = []  # (node, from rank, to rank, bytes) sent
         self.node_seconds: dict[int, float] = {}  # wall time of each node this rank took part in
@@ -93,31 +96,22 @@ class Executor:
     def _adopt(self) -> None:
         """Name this rank's units as the DAG does (``<model-stage>/u<i>``); units of model-stages
         the transition does not move (a weight sync moves only its receivers) stay as they are."""
-        mine = self.holder.by_stage()
         named: dict[str, RankState] = {}
-        for name, rs in mine.items():
+        for name, rs in self.holder.by_stage().items():
             m = self.moves.get(name)
             if m is None:
                 named[name] = rs
                 continue
-            uid = None
-            for i, gpus in enumerate(m.current):
-                if self.gpu in gpus:
-                    uid = f"{name}/u{i}"
-                    t, p = _position(m.current_layout, gpus.index(self.gpu))
+            for u in m.current:
+                if self.gpu in u.gpus:
+                    t, p = u.position(self.gpu)
                     if (rs.layout, rs.t, rs.p) != (m.current_layout, t, p):
                         raise TransitionError(
                             f"rank {self.rank}: holds {name} {rs.layout} (t={rs.t}, p={rs.p}), "
                             f"the plan says {m.current_layout} (t={t}, p={p})"
                         )
-            if uid is not None:  # a unit broken by a lost GPU is dropped: its peers are gone
-                named[uid] = rs
+                    named[u.id] = rs  # a unit broken by a lost GPU is dropped: its peers are gone
         self.holder.units = named  # only once every unit checked out: bad input changes nothing
-
-    def _position(self, uid: str, gpu: int) -> tuple[Layout, int, int]:
-        u = self.units[uid]
-        t, p = _position(u.layout, u.gpus.index(gpu))
-        return u.layout, t, p
 
     # -------------------------------------------------------------- the walk
     def run(
@@ -139,203 +133,144 @@ class Executor:
         done = 0
         try:
             dist.barrier(group=group)
-            for wave in self._waves(order):
-                mine = [self.dag.nodes[i] for i in wave]
-                mine = [n for n in mine if self.gpu in {*n.gpus, *n.sends, *(g for g, _ in n.release)}]
-                if not mine:
-                    continue
-                started = time.perf_counter()
-                try:
-                    ops: list[dist.P2POp] = []
-                    finishes = []
-                    for node in mine:
-                        if on_node:
-                            on_node(node, "start")
-                        node_ops, finish = self._node(node, group)
-                        ops += node_ops
-                        finishes.append(finish)
-                    if ops:  # every ready node's messages at once: they run concurrently
-                        for work in dist.batch_isend_irecv(ops):
-                            work.wait()
-                    for finish in finishes:
-                        finish()
-                except Exception as exc:  # a dead peer, a timeout, a bad buffer
-                    what = "; ".join(f"{n.primitive.value} node {n.id} ({n.describe()})" for n in mine)
-                    peers = sorted(
-                        {self.rank_of_gpu[g] for n in mine for g in (*n.gpus, *n.sends)} - {self.rank}
-                    )
-                    raise TransitionError(
-                        f"rank {self.rank}: {what} with ranks {peers} failed: {exc}"
-                    ) from exc
-                elapsed = time.perf_counter() - started
-                for node in mine:
-                    done += 1
-                    self.node_seconds[node.id] = elapsed
-                    if on_node:
-                        on_node(node, "done")
+            for wave in waves(self.dag, order):
+                mine = [self.dag.nodes[i] for i in wave if takes_part(self.dag.nodes[i], self.gpu)]
+                if mine:
+                    self._wave(mine, group, on_node)
+                    done += len(mine)
         finally:
             dist.destroy_process_group(group)
         self.holder.by_stage()  # checks: one unit per model-stage again (ids stay the DAG's)
         return Report(done, self.sent, self.received, tuple(sorted(self.holder.units)))
 
-    def _waves(self, order: Sequence[int] | None) -> list[list[int]]:
-        """Nodes grouped by depth in the DAG: a wave's nodes depend only on earlier waves, so they
-        are ready together and run concurrently (in ``order`` within a wave)."""
-        preds = self.dag.preds()
-        seq = list(order) if order is not None else list(self.dag.order)
-        depth: dict[int, int] = {}
-        for i in self.dag.order:  # a topological order
-            depth[i] = 1 + max((depth[p] for p in preds[i]), default=-1)
-        waves: dict[int, list[int]] = {}
-        for i in seq:
-            waves.setdefault(depth[i], []).append(i)
-        return [waves[d] for d in sorted(waves)]
+    def _wave(
+        self, mine: list[Node], group: dist.ProcessGroup, on_node: Callable[[Node, str], None] | None
+    ) -> None:
+        started = time.perf_counter()
+        try:
+            ops: list[dist.P2POp] = []
+            finishes = []
+            for node in mine:
+                if on_node:
+                    on_node(node, "start")
+                finishes.append(self._node(node, group, ops))
+            if ops:  # every ready node's messages at once: they run concurrently
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+            for finish in finishes:
+                finish()
+        except Exception as exc:  # a dead peer, a timeout, a bad buffer
+            what = "; ".join(f"{n.primitive.value} node {n.id} ({n.describe()})" for n in mine)
+            peers = sorted({self.rank_of_gpu[g] for n in mine for g in (*n.gpus, *n.sends)} - {self.rank})
+            raise TransitionError(f"rank {self.rank}: {what} with ranks {peers} failed: {exc}") from exc
+        elapsed = time.perf_counter() - started
+        for node in mine:
+            self.node_seconds[node.id] = elapsed
+            if on_node:
+                on_node(node, "done")
 
-    def _node(self, node: Node, group: dist.ProcessGroup) -> tuple[list[dist.P2POp], Callable[[], None]]:
-        """This rank's messages for ``node`` and what to do once they have arrived."""
-        prim = node.primitive
-        if prim is Primitive.DESTROY:
+    def _node(self, node: Node, group: dist.ProcessGroup, ops: list[dist.P2POp]) -> Finish:
+        """Post this rank's messages of ``node`` into ``ops``; what to do once they arrived."""
+        if node.primitive is Primitive.DESTROY:
 
             def drop() -> None:
                 self.holder.units.pop(node.inputs[0], None)
 
-            return [], drop
-        if prim is Primitive.EXTEND and node.source == "storage":
+            return drop
+        if node.source == STORAGE:
             self._from_storage(node)
-            return [], lambda: None
-        return self._exchange(node, self._roles(node), group)
-
-    def _roles(self, node: Node) -> _Roles:
-        receivers: dict[int, tuple[str, Layout, int, int]] = {}
-        providers: dict[int, list[tuple[int, str]]] = {}
-        for out in node.outputs:
-            u = self.units[out]
-            for i, g in enumerate(u.gpus):
-                t, p = _position(u.layout, i)
-                receivers[g] = (out, u.layout, t, p)
-        if node.primitive is Primitive.EXTEND and node.source:  # a restore from the trainer
-            src = self.moves[node.source]
-            offer = [(g, f"{node.source}/u{k}") for k, gpus in enumerate(src.current) for g in gpus]
-            for g in receivers:
-                providers[g] = sorted(offer, key=lambda x: (x[0] != g, x[0]))
-            return _Roles(receivers, providers, src.policy)
-        offer = [(g, uid) for uid in node.inputs for g in self.units[uid].gpus]
-        for g in receivers:
-            if node.primitive is Primitive.EXTEND:  # rank-aligned: the same position of the source
-                src_unit = self.units[node.inputs[0]]
-                i = self.units[node.outputs[0]].gpus.index(g)
-                providers[g] = [(src_unit.gpus[i], src_unit.id)]
-            else:  # the receiver itself first, then the others in unit order
-                providers[g] = sorted(offer, key=lambda x: (x[0] != g, x[0]))
-        return _Roles(receivers, providers, None)
-
-    def _exchange(
-        self, node: Node, roles: _Roles, group: dist.ProcessGroup
-    ) -> tuple[list[dist.P2POp], Callable[[], None]]:
-        move = self.moves[node.model_stage]
-        kinds = sorted((k for k, _ in move.policy.kinds), key=lambda k: -dict(move.policy.kinds)[k].itemsize)
-        ops: list[dist.P2POp] = []
-        inbox: list[tuple[torch.Tensor, list[Piece]]] = []
-        new: RankState | None = None
-        whole_copy = False  # this rank receives a rank-aligned copy: its state lands in ``header``
-        header = torch.zeros(4, dtype=torch.int64)
-        states: list[LogicalState] = []
-        for recv_gpu in sorted(roles.receivers):
-            _, lay, t, p = roles.receivers[recv_gpu]
-            offer = roles.providers[recv_gpu]
-            positions = tuple(self._position(u, g) for g, u in offer)
-            whole = len(offer) == 1 and positions[0] == (lay, t, p) and roles.provider_policy is None
-            if whole and offer[0][0] != recv_gpu:  # a rank-aligned copy: the flat buffers as they are
-                if recv_gpu == self.gpu:
-                    src_rank = self.rank_of_gpu[offer[0][0]]
-                    new = self._receive_whole(node, move, (lay, t, p), src_rank, kinds, header, group, ops)
-                    whole_copy = True
-                elif offer[0][0] == self.gpu:
-                    self._send_whole(
-                        node, self.holder.units[offer[0][1]], self.rank_of_gpu[recv_gpu], kinds, group, ops
-                    )
-                continue
-            pieces = plan_pieces(move.model, move.policy, (lay, t, p), positions, roles.provider_policy)
-            if recv_gpu != self.gpu:  # what this rank sends to recv_gpu: one message
-                mine = [pc for pc in pieces if offer[pc.provider][0] == self.gpu]
-                if mine:
-                    src = self.holder.units[offer[mine[0].provider][1]]
-                    msg = pack(mine, src.buffers, kinds, src.state)
-                    ops.append(
-                        dist.P2POp(dist.isend, msg, self.rank_of_gpu[recv_gpu], group, node.id * 8 + PACKED)
-                    )
-                    self.sent += msg.numel()
-                    self.messages.append((node.id, self.rank, self.rank_of_gpu[recv_gpu], msg.numel()))
-                continue
-            new = RankState.empty(node.model_stage, move.model, lay, t, p, move.policy, None, self._device())
-            by_provider: dict[int, list[Piece]] = {}
-            for pc in pieces:
-                by_provider.setdefault(pc.provider, []).append(pc)
-            for k, part in sorted(by_provider.items()):
-                gpu, src_uid = offer[k]
-                if gpu == self.gpu:  # resident: a local copy, nothing sent
-                    src = self.holder.units[src_uid]
-                    copy_local(part, src.buffers, new.buffers, kinds)
-                    states.append(src.state)
-                    continue
-                size = HEADER + sum(pc.numel * new.buffers[kd].element_size() for pc in part for kd in kinds)
-                buf = torch.empty(size, dtype=torch.uint8, device=self._device())
-                ops.append(dist.P2POp(dist.irecv, buf, self.rank_of_gpu[gpu], group, node.id * 8 + PACKED))
-                inbox.append((buf, part))
-                self.received += size
+            return lambda: None
+        part = self.wire.part(node, self.gpu)
+        for x in part.sends:
+            self._send(x, group, ops)
+        landed = self._receive(node, part.receive, group, ops) if part.receive else None
 
         def finish() -> None:
-            if whole_copy:
-                assert new is not None
-                new.state = LogicalState(*header.tolist())
-                self.holder.units[roles.receivers[self.gpu][0]] = new
-            elif new is not None:
-                got = states + [unpack(buf, part, new.buffers, kinds) for buf, part in inbox]
-                if node.model_stage in self.states:
-                    got.append(self.states[node.model_stage])
-                if len(set(got)) > 1:
-                    raise TransitionError(
-                        f"{node.describe()}: providers disagree on the logical state {set(got)}"
-                    )
-                new.state = got[0] if got else new.state
-                self.holder.units[roles.receivers[self.gpu][0]] = new
+            if landed is not None:
+                assert part.receive is not None
+                self.holder.units[part.receive.unit] = landed()
             for uid in node.frees:  # what the node consumed (never one of its outputs)
                 self.holder.units.pop(uid, None)
 
-        return ops, finish
+        return finish
 
-    def _send_whole(
-        self, node: Node, src: RankState, dst: int, kinds: list[BufferKind], group: dist.ProcessGroup,
-        ops: list[dist.P2POp],
-    ) -> None:  # fmt: skip
-        """Each buffer kind as one message (no packing), and the logical state."""
-        ops.append(dist.P2POp(dist.isend, _state_tensor(src.state), dst, group, node.id * 8 + 7))
-        for j, k in enumerate(kinds):
-            buf = src.buffers[k]
-            ops.append(dist.P2POp(dist.isend, buf, dst, group, node.id * 8 + j))
+    # -------------------------------------------------------------- sending
+    def _send(self, x: Transfer, group: dist.ProcessGroup, ops: list[dist.P2POp]) -> None:
+        src, dst = self.holder.units[x.src_unit], self.rank_of_gpu[x.dst]
+        kinds = kinds_of(self.moves[self.dag.nodes[x.node].model_stage].policy)
+        if x.carry is Carry.WHOLE:  # each buffer kind as one message, as it is, and the state
+            ops.append(dist.P2POp(dist.isend, state_tensor(src.state), dst, group, tag(x.node, STATE)))
+            tensors = [src.buffers[k] for k in kinds]
+            for j, buf in enumerate(tensors):
+                ops.append(dist.P2POp(dist.isend, buf, dst, group, tag(x.node, j)))
+        else:
+            tensors = [pack(x.pieces, src.buffers, kinds, src.state)]
+            ops.append(dist.P2POp(dist.isend, tensors[0], dst, group, tag(x.node, PACKED)))
+        for buf in tensors:
             self.sent += buf.numel() * buf.element_size()
-            self.messages.append((node.id, self.rank, dst, buf.numel() * buf.element_size()))
+            self.messages.append((x.node, self.rank, dst, buf.numel() * buf.element_size()))
 
-    def _receive_whole(
-        self, node: Node, move: StageMove, at: tuple[Layout, int, int], src: int, kinds: list[BufferKind],
-        header: torch.Tensor, group: dist.ProcessGroup, ops: list[dist.P2POp],
-    ) -> RankState:  # fmt: skip
-        lay, t, p = at
-        new = RankState.uninitialised(node.model_stage, move.model, lay, t, p, move.policy, self._device())
-        ops.append(dist.P2POp(dist.irecv, header, src, group, node.id * 8 + 7))
-        for j, k in enumerate(kinds):
-            ops.append(dist.P2POp(dist.irecv, new.buffers[k], src, group, node.id * 8 + j))
-            self.received += new.buffers[k].numel() * new.buffers[k].element_size()
-        return new
+    # -------------------------------------------------------------- receiving
+    def _receive(
+        self, node: Node, r: Receive, group: dist.ProcessGroup, ops: list[dist.P2POp]
+    ) -> Callable[[], RankState]:
+        """Post the receives of this rank's new unit; returns what builds it once they arrived."""
+        move = self.moves[node.model_stage]
+        kinds, device = kinds_of(move.policy), self._device()
+        whole = r.whole
+        if whole is not None:  # a rank-aligned copy: the flat buffers as they are
+            new = RankState.uninitialised(
+                node.model_stage, move.model, r.layout, r.t, r.p, move.policy, device
+            )
+            header = torch.zeros(4, dtype=torch.int64)
+            src = self.rank_of_gpu[whole.src]
+            ops.append(dist.P2POp(dist.irecv, header, src, group, tag(node.id, STATE)))
+            for j, k in enumerate(kinds):
+                ops.append(dist.P2POp(dist.irecv, new.buffers[k], src, group, tag(node.id, j)))
+                self.received += new.buffers[k].numel() * new.buffers[k].element_size()
+
+            def copied() -> RankState:
+                new.state = LogicalState(*header.tolist())
+                return new
+
+            return copied
+        new = RankState.empty(node.model_stage, move.model, r.layout, r.t, r.p, move.policy, None, device)
+        states: list[LogicalState] = []
+        inbox: list[tuple[torch.Tensor, Transfer]] = []
+        for x in r.transfers:
+            if x.carry is Carry.LOCAL:  # resident: a local copy, nothing sent
+                held = self.holder.units[x.src_unit]
+                copy_local(x.pieces, held.buffers, new.buffers, kinds)
+                states.append(held.state)
+                continue
+            size = HEADER + sum(pc.numel * new.buffers[k].element_size() for pc in x.pieces for k in kinds)
+            buf = torch.empty(size, dtype=torch.uint8, device=device)
+            ops.append(dist.P2POp(dist.irecv, buf, self.rank_of_gpu[x.src], group, tag(node.id, PACKED)))
+            inbox.append((buf, x))
+            self.received += size
+
+        def assembled() -> RankState:
+            got = states + [unpack(buf, x.pieces, new.buffers, kinds) for buf, x in inbox]
+            if node.model_stage in self.states:
+                got.append(self.states[node.model_stage])
+            if len(set(got)) > 1:
+                raise TransitionError(
+                    f"{node.describe()}: providers disagree on the logical state {set(got)}"
+                )
+            new.state = got[0] if got else new.state
+            return new
+
+        return assembled
 
     def _from_storage(self, node: Node) -> None:
         uid = node.outputs[0]
-        if self.gpu not in self.units[uid].gpus:
+        unit = self.wire.units[uid]
+        if self.gpu not in unit.gpus:
             return
         if self.storage is None:
             raise TransitionError(f"{node.describe()}: no storage reader to restore {node.model_stage} from")
-        lay, t, p = self._position(uid, self.gpu)
-        self.holder.units[uid] = self.storage(node.model_stage, lay, t, p)
+        t, p = unit.position(self.gpu)
+        self.holder.units[uid] = self.storage(node.model_stage, unit.layout, t, p)
 
     def _device(self) -> torch.device:
         for rs in self.holder.units.values():
@@ -343,31 +278,13 @@ class Executor:
         return torch.device("cpu")
 
 
-@dataclass(frozen=True, slots=True)
-class _Roles:
-    """Receiver GPU → (new unit, layout, t, p); receiver GPU → providers [(GPU, unit)], preferred
-    first; the providers' buffer policy when it differs from the receivers' (a restore)."""
-
-    receivers: dict[int, tuple[str, Layout, int, int]]
-    providers: dict[int, list[tuple[int, str]]]
-    provider_policy: StatePolicy | None
-
-
-def _position(layout: Layout, index: int) -> tuple[int, int]:
-    return index % layout.tp, index // layout.tp
-
-
+# ------------------------------------------------------------------ bytes in and out of messages
 def _piece_view(buf: torch.Tensor, pc: Piece, slot: Slot) -> torch.Tensor:
     v = buf[slot.offset : slot.offset + slot.numel].view(slot.shape)
     return v.narrow(pc.dim, pc.lo - slot.region[pc.dim][0], pc.hi - pc.lo)
 
 
-HEADER = 32  # the logical state (updates, version, minibatch, seed) as four int64
-# message tags: node.id · 8 + j, j = buffer kind (0–3) of a whole copy, PACKED, or 7 for its state
-PACKED = 6
-
-
-def _state_tensor(state: LogicalState) -> torch.Tensor:
+def state_tensor(state: LogicalState) -> torch.Tensor:
     return torch.tensor([state.updates, state.version, state.minibatch, state.seed], dtype=torch.int64)
 
 
@@ -380,7 +297,7 @@ def pack(
     device = next(iter(buffers.values())).device
     total = HEADER + sum(pc.numel * buffers[k].element_size() for k in kinds for pc in pieces)
     msg = torch.empty(total, dtype=torch.uint8, device=device)
-    msg[:HEADER].copy_(_state_tensor(state).view(torch.uint8))
+    msg[:HEADER].copy_(state_tensor(state).view(torch.uint8))
     at = HEADER
     for k in kinds:
         buf = buffers[k]

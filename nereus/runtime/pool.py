@@ -1,0 +1,115 @@
+"""Pool changes: who is in the job's next generation, and the shrink requests that ask for less.
+
+``nereus-launch shrink JOB --nodes K`` writes ``control/shrink-<unix_ms>.json`` (``{"nodes": K}``)
+into the job folder; at its next step boundary the job's leader reads every request, renames it
+``.done-…`` (or ``.bad-…`` with the reason logged), and drains that many whole nodes — the most
+recently added first, never the leader's — by moving the plan off them while they still hold
+their state. Both sides use this module: ``launch/`` writes requests with ``ShrinkRequest``, the
+runtime reads them with ``read_shrink_requests`` and picks the GPUs with ``drain_gpus``.
+
+A ``Change`` is what the leader decided at a boundary and every member learns: the next
+generation's members, who leaves (a scripted loss), who joins (newcomers admitted through the
+store), who drains (a shrink). Pure: no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+SHRINK_GLOB = "shrink-*.json"
+
+
+@dataclass(frozen=True, slots=True)
+class ShrinkRequest:
+    """``control/shrink-<unix_ms>.json``: ``{"nodes": K}``, drained at the next step boundary."""
+
+    nodes: int
+    unix_ms: int = field(default_factory=lambda: int(datetime.now(UTC).timestamp() * 1000))
+
+    def __post_init__(self) -> None:
+        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes <= 0:
+            raise ValueError(f"nodes: expected a positive integer, got {self.nodes!r}")
+
+    @property
+    def file(self) -> str:
+        return f"shrink-{self.unix_ms}.json"
+
+    def body(self) -> str:
+        return json.dumps({"nodes": self.nodes}) + "\n"
+
+    @classmethod
+    def parse(cls, path: Path) -> ShrinkRequest:
+        """A request file as the launcher wrote it; ValueError naming what is wrong otherwise."""
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"unreadable ({exc})") from None
+        if not isinstance(data, dict) or set(data) != {"nodes"}:
+            raise ValueError(f'expected {{"nodes": K}}, got {data!r}')
+        stamp = path.stem.removeprefix("shrink-")
+        return cls(data["nodes"], int(stamp) if stamp.isdigit() else 0)
+
+
+def read_shrink_requests(control: Path | None, log: Callable[[str], None]) -> int:
+    """The nodes every pending request in ``control`` asks to drain; each file is renamed
+    ``.done-<name>`` once read, or ``.bad-<name>`` (and logged) when it is not a valid request."""
+    if control is None or not control.is_dir():
+        return 0
+    nodes = 0
+    for path in sorted(control.glob(SHRINK_GLOB)):
+        try:
+            nodes += ShrinkRequest.parse(path).nodes
+        except ValueError as exc:
+            log(f"ignored shrink request {path.name}: {exc}")
+            os.replace(path, path.with_name(f".bad-{path.name}"))
+            continue
+        os.replace(path, path.with_name(f".done-{path.name}"))
+    return nodes
+
+
+def drain_gpus(
+    nodes: int, members: Sequence[int], hosts: Mapping[int, str], leader: int
+) -> tuple[tuple[int, ...], str]:
+    """The GPUs of ``nodes`` whole nodes to drain — the most recently added first (the node with
+    the highest GPU id), never the leader's — or () and why that many cannot leave."""
+    if nodes <= 0:
+        return (), ""
+    mine = hosts.get(leader)
+    by_host: dict[str, list[int]] = {}
+    for g in members:
+        by_host.setdefault(hosts.get(g, f"gpu{g}"), []).append(g)
+    candidates = sorted((h for h in by_host if h != mine), key=lambda h: -max(by_host[h]))
+    if nodes > len(candidates):
+        return (), f"shrink by {nodes} nodes refused: only {len(candidates)} can leave"
+    return tuple(sorted(g for h in candidates[:nodes] for g in by_host[h])), ""
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """A pool change the leader decided at the boundary before ``step``."""
+
+    step: int
+    members: tuple[int, ...]  # of the next generation
+    generation: int
+    leaving: tuple[int, ...] = ()  # processes that stop (a scripted loss)
+    joining: tuple[int, ...] = ()  # newcomers' GPU ids
+    draining: tuple[int, ...] = ()  # processes that hand their state over, then stop (a shrink)
+
+    def __post_init__(self) -> None:
+        if set(self.leaving) & set(self.members) or not set(self.joining) <= set(self.members):
+            raise ValueError(f"step {self.step}: leavers must not be members and joiners must be")
+
+    @property
+    def reforms(self) -> bool:
+        """Whether the world re-forms at this boundary (someone leaves or joins now)."""
+        return bool(self.leaving or self.joining)
+
+    @property
+    def after_drain(self) -> tuple[int, ...]:
+        """Members once the drained processes are gone."""
+        return tuple(g for g in self.members if g not in self.draining)

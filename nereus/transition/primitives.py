@@ -1,0 +1,223 @@
+"""The four primitives as DAG nodes of one model-stage: bytes from the shard geometry, seconds from
+the link model, memory as per-GPU acquire/release (paper §2.11).
+
+- **Split** all-gathers the T_sub shard within each group of a unit's ranks; ranks that keep no
+  sub-unit only send, and every old shard is released.
+- **Extend** is a rank-aligned copy from a source unit (a local copy where both sides share a GPU);
+  a *restore* is an Extend into the target layout from the weight-sync source or shared storage.
+- **Merge** assembles each target rank from the T_sub slots it covers (a local slice where the
+  splits nest); a *reshard* is a Split and a Merge on one unit's own GPUs fused into one exchange.
+- **Destroy** releases a unit.
+Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from nereus.plan.layout import Layout
+from nereus.state.buffers import rank_buffers
+from nereus.state.emu import Emu
+from nereus.state.geometry import rank_numel, shared_numel
+from nereus.state.sources import STORAGE
+from nereus.transition.dag import Edge, EdgeKind, Flow, Node, Primitive
+from nereus.transition.links import LinkModel
+from nereus.transition.move import StageMove
+
+
+@dataclass(slots=True)
+class LocalDag:
+    """One model-stage's nodes, local edges and the units they touch."""
+
+    nodes: list[Node] = field(default_factory=list)
+    edges: list[Edge] = field(default_factory=list)
+    units: dict[str, Emu] = field(default_factory=dict)
+
+
+class NodeMaker:
+    """Makes the nodes of one model-stage's local DAG, one method per primitive."""
+
+    def __init__(self, move: StageMove, links: LinkModel, next_id: Callable[[], int]) -> None:
+        self.m = move
+        self.links = links
+        self.next_id = next_id
+        self.out = LocalDag()
+        self.bpe = move.policy.bytes_per_element
+        self._held: dict[tuple[Layout, int, int], int] = {}
+        self._tables: dict[Layout, tuple[list[int], list[int]]] = {}
+        self._missing: dict[tuple[Layout, int, int, Layout, int, int], int] = {}
+
+    # -------------------------------------------------------------- geometry in bytes
+    def held(self, layout: Layout, t: int, p: int) -> int:
+        """Bytes a rank's buffers occupy (what memory holds)."""
+        key = (layout, t, p)
+        if key not in self._held:
+            self._held[key] = rank_buffers(self.m.model, layout, t, p, self.m.policy).nbytes()
+        return self._held[key]
+
+    def payload(self, layout: Layout, t: int, p: int) -> int:
+        """Bytes of a rank's shard that cross a link when it is copied whole."""
+        return rank_numel(self.m.model, layout, t, p) * self.bpe
+
+    def table(self, layout: Layout) -> tuple[list[int], list[int]]:
+        """(payload bytes, held bytes) of every rank of ``layout``, in rank order."""
+        if layout not in self._tables:
+            pos = layout.positions()
+            self._tables[layout] = (
+                [self.payload(layout, t, p) for t, p in pos],
+                [self.held(layout, t, p) for t, p in pos],
+            )
+        return self._tables[layout]
+
+    def missing(self, have: Layout, ht: int, hp: int, need: Layout, nt: int, np_: int) -> int:
+        """Bytes rank (nt, np_) of ``need`` lacks when the GPU holds rank (ht, hp) of ``have``."""
+        key = (have, ht, hp, need, nt, np_)
+        if key not in self._missing:
+            model = self.m.model
+            lack = rank_numel(model, need, nt, np_) - shared_numel(model, have, ht, hp, need, nt, np_)
+            self._missing[key] = lack * self.bpe
+        return self._missing[key]
+
+    # -------------------------------------------------------------- bookkeeping
+    def unit(self, uid: str, layout: Layout, gpus: tuple[int, ...]) -> Emu:
+        """A unit of this model-stage named ``<model-stage>/<uid>``, recorded in the DAG."""
+        return self.touch(Emu(self.m.name, layout, gpus, id=f"{self.m.name}/{uid}"))
+
+    def touch(self, u: Emu) -> Emu:
+        self.out.units[u.id] = u
+        return u
+
+    def add(self, node: Node) -> int:
+        self.out.nodes.append(node)
+        return node.id
+
+    def edge(self, a: int, b: int) -> None:
+        self.out.edges.append(Edge(a, b, EdgeKind.LOCAL))
+
+    # -------------------------------------------------------------- primitives
+    def destroy(self, u: Emu) -> int:
+        release = tuple(zip(u.gpus, self.table(u.layout)[1], strict=True))
+        return self.add(
+            Node(
+                id=self.next_id(), primitive=Primitive.DESTROY, model_stage=self.m.name, gpus=u.gpus,
+                bytes=0, est_s=0.0, inputs=(u.id,), frees=(u.id,), release=release,
+            )
+        )  # fmt: skip
+
+    def split(
+        self, u: Emu, sub: Layout, subunits: Sequence[Emu], groups: dict[tuple[int, int], list[int]]
+    ) -> int:
+        """All-gather the T_sub shard in every group; GPUs of no sub-unit only send, then free."""
+        kt, kp = u.layout.tp // sub.tp, u.layout.pp // sub.pp
+        keeps = {g for s in subunits for g in s.gpus}
+        acquire, release, flows, recvs = [], [], [], []
+        moved = 0
+        for (tq, pq), members in groups.items():
+            link = self.links.group_link(members)
+            for g in members:
+                t, p = u.position(g)
+                release.append((g, self.held(u.layout, t, p)))
+                if g not in keeps:
+                    continue  # its sub-unit is not needed: it contributes its shard and frees it
+                recv = self.missing(u.layout, t, p, sub, tq, pq)
+                acquire.append((g, self.held(sub, tq, pq)))
+                flows.append(Flow(g, recv, link))
+                recvs.append(g)
+                moved += recv
+        return self.add(
+            Node(
+                id=self.next_id(), primitive=Primitive.SPLIT, model_stage=self.m.name, gpus=u.gpus,
+                bytes=moved, est_s=self.links.seconds(Primitive.SPLIT, flows, hops=kt * kp - 1),
+                inputs=(u.id,), outputs=tuple(s.id for s in subunits), frees=(u.id,),
+                acquire=tuple(acquire), release=tuple(release), flows=tuple(flows),
+                sends=u.gpus, recvs=tuple(recvs),
+            )
+        )  # fmt: skip
+
+    def extend(self, src: Emu, dst: Emu) -> int:
+        payload, held = self.table(dst.layout)
+        # a position whose source and destination are one GPU is a local copy: nothing crosses a link
+        flows = tuple(
+            Flow(b, 0 if a == b else n, self.links.link(a, b))
+            for a, b, n in zip(src.gpus, dst.gpus, payload, strict=True)
+        )
+        return self.add(
+            Node(
+                id=self.next_id(), primitive=Primitive.EXTEND, model_stage=self.m.name,
+                gpus=src.gpus + dst.gpus, bytes=sum(f.bytes for f in flows),
+                est_s=self.links.seconds(Primitive.EXTEND, flows), inputs=(src.id,), outputs=(dst.id,),
+                acquire=tuple(zip(dst.gpus, held, strict=True)), flows=flows, sends=src.gpus, recvs=dst.gpus,
+            )
+        )  # fmt: skip
+
+    def restore(self, dst: Emu) -> int:
+        """An Extend into ``dst`` from the weight-sync source's GPUs or from shared storage."""
+        storage = self.m.restore_from == STORAGE
+        src_nodes = {self.links.node_of(g) for g in self.m.restore_gpus}
+        acquire, flows = [], []
+        for b, t, p in dst.ranks():
+            acquire.append((b, self.held(dst.layout, t, p)))
+            near = self.links.node_of(b) in src_nodes
+            link = None if storage else self.links.link(b, b) if near else self.links.link(b, -1)
+            flows.append(Flow(b, self.payload(dst.layout, t, p), link))
+        return self.add(
+            Node(
+                id=self.next_id(), primitive=Primitive.EXTEND, model_stage=self.m.name, gpus=dst.gpus,
+                bytes=sum(f.bytes for f in flows), est_s=self.links.seconds(Primitive.EXTEND, flows),
+                outputs=(dst.id,), acquire=tuple(acquire), flows=tuple(flows),
+                sends=() if storage else self.m.restore_gpus, recvs=dst.gpus, source=self.m.restore_from,
+            )
+        )  # fmt: skip
+
+    def reshard(self, u: Emu, v: Emu) -> int:
+        """A unit's Split and Merge on its own GPUs fused into one exchange: every GPU of ``v``
+        assembles its target shard from the old shards of ``u`` (its own first), with no
+        intermediate T_sub layout; a Merge node whose input has the old layout."""
+        old, new = u.layout, v.layout
+        acquire, release, flows = [], [], []
+        moved, local = 0, 0
+        link = self.links.group_link(v.gpus)
+        for g, t, p in v.ranks():
+            ot, op = u.position(g)
+            recv = self.missing(old, ot, op, new, t, p)
+            acquire.append((g, self.held(new, t, p)))
+            release.append((g, self.held(old, ot, op)))
+            flows.append(Flow(g, recv, link))
+            moved += recv
+            local = max(local, self.payload(new, t, p) - recv)
+        ports = v.gpus if moved else ()
+        est = self.links.seconds(Primitive.MERGE, flows, hops=len(v.gpus) - 1, local_bytes=local)
+        return self.add(
+            Node(
+                id=self.next_id(), primitive=Primitive.MERGE, model_stage=self.m.name, gpus=v.gpus,
+                bytes=moved, est_s=est,
+                inputs=(u.id,), outputs=(v.id,), frees=(u.id,), acquire=tuple(acquire),
+                release=tuple(release), flows=tuple(flows), sends=ports, recvs=ports,
+            )
+        )  # fmt: skip
+
+    def merge(self, slots: Sequence[Emu], target: Emu) -> int:
+        sub, lay = slots[0].layout, target.layout
+        kt, kp = lay.tp // sub.tp, lay.pp // sub.pp
+        acquire, release, flows = [], [], []
+        moved, local = 0, 0
+        link = self.links.group_link(target.gpus)
+        for g, t, p in target.ranks():
+            st, sp = t // kt, p // kp  # the slot's rank that holds this position's rows
+            recv = self.missing(sub, st, sp, lay, t, p)
+            acquire.append((g, self.held(lay, t, p) + recv))
+            release.append((g, self.held(sub, st, sp) + recv))
+            flows.append(Flow(g, recv, link))
+            moved += recv
+            local = max(local, self.payload(lay, t, p) - recv)
+        ports = target.gpus if moved else ()
+        est = self.links.seconds(Primitive.MERGE, flows, hops=kt * kp - 1, local_bytes=local)
+        return self.add(
+            Node(
+                id=self.next_id(), primitive=Primitive.MERGE, model_stage=self.m.name, gpus=target.gpus,
+                bytes=moved, est_s=est,
+                inputs=tuple(s.id for s in slots), outputs=(target.id,), frees=tuple(s.id for s in slots),
+                acquire=tuple(acquire), release=tuple(release), flows=tuple(flows), sends=ports, recvs=ports,
+            )
+        )  # fmt: skip

@@ -1,0 +1,244 @@
+"""What a transition moves: every send, receive and local copy of every node, per GPU (pure).
+
+``execute.py`` only communicates; this module decides what it communicates (picotron's split of
+``tensor_parallel.py`` from ``tp_communications.py``). For each node, every GPU that gains a new
+unit's rank (a *receiver*) assembles it from *providers*: the node's input units (a Split's old
+unit, a Merge's slots: the receiver itself first, then the others in unit order), the rank at the
+same position of the source (an Extend: rank-aligned), or every unit of the weight-sync trainer
+(a restore). ``exchange.plan_pieces`` cuts what each provider contributes; a provider that is the
+receiver copies locally, any other sends one message:
+
+- **whole**: a rank-aligned copy of a rank with the same layout, position and buffers sends its
+  flat buffers as they are (one message per buffer kind, widest first) and its logical state;
+- **packed**: otherwise, a 32-byte header with the logical state, then every piece of every kind.
+
+Tags are ``node.id · 8 + j``: j = buffer kind index (whole), ``PACKED`` or ``STATE``; a node never
+has two messages between one pair of GPUs, so tags are unique within a wave. ``RankPart`` is one
+GPU's share of a node — what it sends, what it receives, what it copies — and is all the
+executor needs; ``waves`` groups nodes that may run at once. Sizes are computed from each side's
+own dtypes, so a test can check that every receive has exactly one matching send of its size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from nereus.plan.layout import Layout
+from nereus.state.buffers import BufferKind, StatePolicy, rank_buffers
+from nereus.state.emu import Emu
+from nereus.state.sources import STORAGE
+from nereus.transition.dag import Node, Primitive, TransitionDag
+from nereus.transition.exchange import Piece, plan_pieces
+from nereus.transition.move import StageMove
+
+HEADER = 32  # the logical state (updates, version, minibatch, seed) as four int64
+TAGS_PER_NODE = 8
+PACKED = 6  # tag slot of a packed message
+STATE = 7  # tag slot of a whole copy's logical state
+
+
+class Carry(StrEnum):
+    WHOLE = "whole"  # the flat buffers as they are, plus the logical state
+    PACKED = "packed"  # a header with the logical state, then the pieces
+    LOCAL = "local"  # the receiver holds the provider: a copy, nothing sent
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One point-to-point message as one side posts it."""
+
+    node: int
+    src: int  # GPU
+    dst: int  # GPU
+    tag: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """What one provider contributes to one receiver in one node."""
+
+    node: int
+    src: int  # the provider's GPU
+    dst: int  # the receiver's GPU
+    src_unit: str
+    carry: Carry
+    pieces: tuple[Piece, ...]  # PACKED and LOCAL: what is copied, in order; WHOLE: everything
+
+
+@dataclass(frozen=True, slots=True)
+class Receive:
+    """What one GPU assembles in a node: rank (t, p) of ``layout`` of the new unit ``unit``."""
+
+    unit: str
+    layout: Layout
+    t: int
+    p: int
+    transfers: tuple[Transfer, ...]
+
+    @property
+    def whole(self) -> Transfer | None:
+        """The rank-aligned copy that delivers the whole rank, if that is how it arrives."""
+        return self.transfers[0] if self.transfers and self.transfers[0].carry is Carry.WHOLE else None
+
+
+@dataclass(frozen=True, slots=True)
+class RankPart:
+    """One GPU's share of a node."""
+
+    sends: tuple[Transfer, ...]
+    receive: Receive | None
+
+
+def kinds_of(policy: StatePolicy) -> tuple[BufferKind, ...]:
+    """Buffer kinds in message order: widest dtype first, so every kind starts aligned."""
+    width = dict(policy.kinds)
+    return tuple(sorted(width, key=lambda k: -width[k].itemsize))
+
+
+def unit_table(dag: TransitionDag, moves: Sequence[StageMove]) -> dict[str, Emu]:
+    """Every unit the walk can meet: the DAG's, and current units no node touches."""
+    units = dict(dag.units)
+    for m in moves:
+        for u in m.current:
+            units.setdefault(u.id, u)
+    return units
+
+
+class WirePlan:
+    """The messages of a whole transition, node by node (computed once per node, on demand)."""
+
+    def __init__(self, dag: TransitionDag, moves: Sequence[StageMove]) -> None:
+        self.dag = dag
+        self.moves = {m.name: m for m in moves}
+        self.units = unit_table(dag, moves)
+        self._receives: dict[int, dict[int, Receive]] = {}
+
+    # ------------------------------------------------------------------ per GPU
+    def part(self, node: Node, gpu: int) -> RankPart:
+        """What ``gpu`` sends and receives in ``node`` (local copies are in its receive)."""
+        receives = self.receives(node)
+        sends = tuple(
+            x
+            for dst in sorted(receives)
+            for x in receives[dst].transfers
+            if x.src == gpu and x.carry is not Carry.LOCAL
+        )
+        return RankPart(sends, receives.get(gpu))
+
+    def policies(self, node: Node) -> tuple[StatePolicy, StatePolicy]:
+        """(receivers' policy, providers' policy): they differ for a restore from the trainer."""
+        move = self.moves[node.model_stage]
+        provider = self.moves[node.source].policy if node.source and node.source != STORAGE else move.policy
+        return move.policy, provider
+
+    def sent(self, x: Transfer) -> tuple[Message, ...]:
+        """The messages the provider posts for ``x``, sized by its own buffers."""
+        return self._messages(x, self.policies(self._node(x))[1])
+
+    def expected(self, x: Transfer) -> tuple[Message, ...]:
+        """The messages the receiver posts for ``x``, sized by the buffers it builds."""
+        return self._messages(x, self.policies(self._node(x))[0])
+
+    # ------------------------------------------------------------------ per node
+    def receives(self, node: Node) -> dict[int, Receive]:
+        """Receiving GPU → its assembly (empty for a Destroy and a restore from storage)."""
+        if node.id not in self._receives:
+            self._receives[node.id] = self._plan(node)
+        return self._receives[node.id]
+
+    def _plan(self, node: Node) -> dict[int, Receive]:
+        if node.primitive is Primitive.DESTROY or node.source == STORAGE:
+            return {}
+        receiver, provider = self.policies(node)
+        move = self.moves[node.model_stage]
+        restore = bool(node.source)
+        out: dict[int, Receive] = {}
+        for uid in node.outputs:
+            unit = self.units[uid]
+            for gpu, t, p in unit.ranks():
+                offer = self._providers(node, unit, gpu)
+                at = tuple((self.units[u].layout, *self.units[u].position(g)) for g, u in offer)
+                if len(offer) == 1 and at[0] == (unit.layout, t, p) and not restore and offer[0][0] != gpu:
+                    whole = Transfer(node.id, offer[0][0], gpu, offer[0][1], Carry.WHOLE, ())
+                    out[gpu] = Receive(uid, unit.layout, t, p, (whole,))
+                    continue
+                pieces = plan_pieces(
+                    move.model, receiver, (unit.layout, t, p), at, provider if restore else None
+                )
+                by_provider: dict[int, list[Piece]] = {}
+                for pc in pieces:
+                    by_provider.setdefault(pc.provider, []).append(pc)
+                transfers = tuple(
+                    Transfer(
+                        node.id,
+                        offer[k][0],
+                        gpu,
+                        offer[k][1],
+                        Carry.LOCAL if offer[k][0] == gpu else Carry.PACKED,
+                        tuple(part),
+                    )
+                    for k, part in sorted(by_provider.items())
+                )
+                out[gpu] = Receive(uid, unit.layout, t, p, transfers)
+        return out
+
+    def _providers(self, node: Node, unit: Emu, gpu: int) -> list[tuple[int, str]]:
+        """(GPU, unit id) that may provide ``gpu``'s rank of ``unit``, preferred first."""
+        if node.source:  # a restore from the weight-sync trainer: any of its units
+            src = self.moves[node.source]
+            offer = [(g, u.id) for u in src.current for g in u.gpus]
+        elif node.primitive is Primitive.EXTEND:  # rank-aligned: the same position of the source
+            src_unit = self.units[node.inputs[0]]
+            return [(src_unit.gpus[unit.gpus.index(gpu)], src_unit.id)]
+        else:  # the receiver itself first, then the others in unit order
+            offer = [(g, uid) for uid in node.inputs for g in self.units[uid].gpus]
+        return sorted(offer, key=lambda x: (x[0] != gpu, x[0]))
+
+    def _node(self, x: Transfer) -> Node:
+        return self.dag.nodes[x.node]
+
+    def _messages(self, x: Transfer, policy: StatePolicy) -> tuple[Message, ...]:
+        if x.carry is Carry.LOCAL:
+            return ()
+        width = dict(policy.kinds)
+        receiver = self.moves[self._node(x).model_stage].policy
+        kinds = kinds_of(receiver)
+        if x.carry is Carry.PACKED:
+            size = HEADER + sum(pc.numel * width[k].itemsize for k in kinds for pc in x.pieces)
+            return (Message(x.node, x.src, x.dst, tag(x.node, PACKED), size),)
+        u = self.units[x.src_unit]
+        t, p = u.position(x.src)
+        numel = rank_buffers(self.moves[u.model_stage].model, u.layout, t, p, policy).numel
+        return (
+            Message(x.node, x.src, x.dst, tag(x.node, STATE), HEADER),
+            *(
+                Message(x.node, x.src, x.dst, tag(x.node, j), numel * width[k].itemsize)
+                for j, k in enumerate(kinds)
+            ),
+        )
+
+
+def tag(node: int, slot: int) -> int:
+    return node * TAGS_PER_NODE + slot
+
+
+def takes_part(node: Node, gpu: int) -> bool:
+    """Whether ``gpu`` has a part in ``node``: it holds, sends, receives or frees something there."""
+    return gpu in {*node.gpus, *node.sends, *(g for g, _ in node.release)}
+
+
+def waves(dag: TransitionDag, order: Sequence[int] | None = None) -> list[list[int]]:
+    """Nodes grouped by depth in the DAG: a wave's nodes depend only on earlier waves, so they
+    are ready together and run concurrently (in ``order`` within a wave; the commit order by
+    default)."""
+    preds = dag.preds()
+    depth: dict[int, int] = {}
+    for i in dag.order:  # a topological order
+        depth[i] = 1 + max((depth[p] for p in preds[i]), default=-1)
+    grouped: dict[int, list[int]] = {}
+    for i in order if order is not None else dag.order:
+        grouped.setdefault(depth[i], []).append(i)
+    return [grouped[d] for d in sorted(grouped)]
