@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # GPU nodes: `make install TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'`.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test test-fast lint bench clean
 
 install: $(STAMP)
 
@@ -25,6 +25,10 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# The `pure` layer only (no processes, no process groups): under a minute. Layers: tests/README.md.
+test-fast: install
+	$(BIN)/python -m pytest -q -m pure
 
 lint: install
 	$(BIN)/ruff check nereus launch tests benchmarks

@@ -1,4 +1,4 @@
-"""The local SLURM test cluster as a pytest fixture (``slurm_cluster``), and the ``slurm`` marker.
+"""The local SLURM test cluster as a pytest fixture (``slurm_cluster``) for the ``slurm`` layer.
 
 ``slurm/local/start.sh`` starts slurmctld and four slurmd (n1..n4) on this host; see that script and
 docs/architecture.md §4/§6. The fixture is session-scoped: it reuses a cluster that is already up in
@@ -6,7 +6,7 @@ docs/architecture.md §4/§6. The fixture is session-scoped: it reuses a cluster
 stops after the session. It skips (never fails) when the cluster cannot be installed or started,
 and always when ``NEREUS_SLURM=skip``. ``NEREUS_SLURM_ACCOUNTING=1`` starts it with slurmdbd.
 
-Registered as a plugin by tests/conftest.py (``pytest_plugins``), so the marker hook below runs.
+Registered as a plugin by tests/conftest.py (``pytest_plugins``); the marker is in setup.cfg.
 """
 
 from __future__ import annotations
@@ -32,10 +32,6 @@ UP_STATES = frozenset({"idle", "mix", "alloc"})
 FINAL_STATES = frozenset(
     {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 )
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slurm: needs the local SLURM test cluster (slurm/local/start.sh)")
 
 
 def slurm_dir() -> Path:

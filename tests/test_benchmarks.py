@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 

@@ -12,6 +12,8 @@ from nereus.plan.calibration import CalibrationStore, Efficiencies, Measurement
 from nereus.plan.opclass import PRIOR_EFFICIENCY, OpClass
 from nereus.spec import Stage
 
+pytestmark = pytest.mark.pure
+
 
 def test_priors_until_measured() -> None:
     store = CalibrationStore("h200-ib")

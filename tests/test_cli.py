@@ -13,6 +13,8 @@ import pytest
 from nereus.cli import main
 from nereus.spec import load_workload
 
+pytestmark = pytest.mark.pure
+
 TINY = ["plan", "--model", "tiny-llama", "--cluster", "local-cpu", "--gpus", "4", "--seq-len", "32"]
 PLAN = [
     "plan",

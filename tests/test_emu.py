@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -10,6 +11,8 @@ from nereus.plan.search import search
 from nereus.spec.workload import Stage
 from nereus.state.emu import Emu, Holding, LogicalState, rng_seed, sample_range, units_of, validate
 from tests.helpers import make_problem
+
+pytestmark = pytest.mark.pure
 
 
 @given(st.lists(st.integers(0, 6), min_size=1, max_size=8))

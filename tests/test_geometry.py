@@ -27,6 +27,8 @@ from nereus.spec import Head, ModelFamily, ModelSpec, Precision, Stage, load_mod
 from nereus.state.buffers import ALIGN_BYTES, BufferKind, Dtype, StatePolicy, rank_buffers
 from nereus.state.geometry import check_layout, rank_numel, shards, shared_numel
 
+pytestmark = pytest.mark.pure
+
 Box = tuple[tuple[int, int], ...] | None  # a region, or None when it holds nothing
 Row = tuple[str, str, Box, tuple[int, ...]]  # name, source, region, full shape
 

@@ -7,6 +7,8 @@ import pytest
 from nereus.plan.layout import Candidate, Layout, Plan, split_layers
 from nereus.spec import ExecutionMode, load_workload
 
+pytestmark = pytest.mark.pure
+
 
 def test_layout_powers_of_two() -> None:
     assert Layout(4, 2).size == 8 and str(Layout(4, 2)) == "tp4·pp2"

@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from nereus.runtime.membership import JoinRefusedError, Membership, Rendezvous, sign
 
+pytestmark = pytest.mark.dist
+
 SECRET = bytes(range(32))
 
 

@@ -15,6 +15,8 @@ from nereus.plan.memory import (
 from nereus.plan.replica import ReplicaFacts, layer_params_per_rank, stage_params
 from nereus.spec import Head, ModelFamily, ModelSpec, Precision, Recompute, load_model
 
+pytestmark = pytest.mark.pure
+
 
 # A GPT-shaped model in SwiGLU clothing: MHA (kv heads = heads), I = 8h/3 so 3I = 8h like a 4h GeLU
 # MLP's two saved tensors. Korthikanti's per-layer bytes without dropout masks then apply exactly.

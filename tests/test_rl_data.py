@@ -18,6 +18,8 @@ from nereus.rl.verifiers import exact_answer, exact_match, get_verifier, score
 from nereus.spec import load_model
 from nereus.state.emu import sample_range
 
+pytestmark = pytest.mark.pure
+
 TOK = CharTokenizer()
 
 

@@ -18,6 +18,8 @@ import nereus
 from nereus.rl.advantages import gae, grpo_advantages, last_valid, remax_advantages, token_rewards, whiten
 from nereus.rl.losses import KLKind, PolicyLoss, ValueLoss, kl_penalty
 
+pytestmark = pytest.mark.pure
+
 B, P, N = 6, 3, 7  # rows, prompt columns, response columns
 T = P + N
 

@@ -22,6 +22,8 @@ import pytest
 
 from nereus.runtime.experiment import ExperimentSpec
 
+pytestmark = pytest.mark.e2e
+
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "configs" / "experiments"
 MARGIN = 0.2  # mean reward, last 3 steps minus first 3
 WINDOW = 3

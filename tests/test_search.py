@@ -33,6 +33,8 @@ from nereus.spec import (
 from nereus.spec.cluster import GIB
 from tests.helpers import make_problem
 
+pytestmark = pytest.mark.pure
+
 
 @st.composite
 def small_problems(draw: st.DrawFn) -> PlanningProblem:

@@ -13,6 +13,8 @@ from nereus.sim import Episode, GpuSupply, Scenario, SeqCurve, SpotTrace, simula
 from nereus.spec import Role, load_cluster, load_model, load_workload, names
 from nereus.spec.registry import trace_path
 
+pytestmark = pytest.mark.pure
+
 SHIPPED = [trace_path(name) for name in names("traces")]
 
 

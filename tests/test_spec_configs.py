@@ -19,6 +19,8 @@ from nereus.spec import (
     names,
 )
 
+pytestmark = pytest.mark.pure
+
 
 def test_shipped_clusters_are_the_papers_testbeds() -> None:
     assert set(names("clusters")) == {

@@ -10,6 +10,8 @@ import pytest
 from nereus.errors import ConfigError
 from nereus.spec import Head, ModelFamily, load_model
 
+pytestmark = pytest.mark.pure
+
 # Totals are what each model's safetensors index sums to (bf16 total_size / 2); the model cards
 # round them to 8B, 14.8B (13.2B non-embedding), 32.8B (31.2B non-embedding) and 70B.
 EXACT = {

@@ -11,6 +11,8 @@ from nereus.control.triggers import Horizon, Threshold, TriggerKind, TriggerMoni
 from nereus.plan.calibration import Measurement
 from nereus.plan.opclass import OpClass
 
+pytestmark = pytest.mark.pure
+
 
 def tel(step: int, length: float = 1000.0, pool: tuple[int, ...] = (0, 1, 2, 3), **kw: object) -> Telemetry:
     return Telemetry(step, float(step), length, length * 1.1, pool, **kw)  # type: ignore[arg-type]
