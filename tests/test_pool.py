@@ -1,0 +1,76 @@
+"""Pool changes and shrink requests: the format nereus-launch writes and the runtime reads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launch.jobdir import write_shrink
+from nereus.runtime.pool import Change, ShrinkRequest, drain_gpus, read_shrink_requests
+
+pytestmark = pytest.mark.pure
+
+
+def test_what_the_launcher_writes_the_runtime_reads(tmp_path: Path) -> None:
+    first = write_shrink(tmp_path, ShrinkRequest(1, unix_ms=1_700_000_000_000))
+    write_shrink(tmp_path, ShrinkRequest(2, unix_ms=1_700_000_000_001))
+    assert first.parent == tmp_path / "control" and oct(first.parent.stat().st_mode & 0o777) == "0o700"
+    assert ShrinkRequest.parse(first) == ShrinkRequest(1, 1_700_000_000_000)
+    log: list[str] = []
+    assert read_shrink_requests(tmp_path / "control", log.append) == 3
+    assert sorted(p.name for p in (tmp_path / "control").iterdir()) == [
+        ".done-shrink-1700000000000.json",
+        ".done-shrink-1700000000001.json",
+    ]
+    assert read_shrink_requests(tmp_path / "control", log.append) == 0 and not log  # read once
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        ("{nope", "unreadable"),
+        ('{"nodes": 0}', "positive integer"),
+        ('{"nodes": -2}', "positive integer"),
+        ('{"nodes": "2"}', "positive integer"),
+        ('{"nodes": true}', "positive integer"),
+        ('{"nodes": 1, "extra": 1}', 'expected {"nodes": K}'),
+        ("[1]", 'expected {"nodes": K}'),
+    ],
+)
+def test_a_bad_request_is_set_aside_and_logged(tmp_path: Path, body: str, why: str) -> None:
+    control = tmp_path / "control"
+    control.mkdir()
+    (control / "shrink-5.json").write_text(body)
+    (control / "shrink-6.json").write_text('{"nodes": 1}')
+    log: list[str] = []
+    assert read_shrink_requests(control, log.append) == 1  # the good one still counts
+    assert (control / ".bad-shrink-5.json").read_text() == body  # kept for the user, not parsed again
+    assert len(log) == 1 and "shrink-5.json" in log[0] and why in log[0]
+
+
+def test_no_control_folder_means_no_request(tmp_path: Path) -> None:
+    assert read_shrink_requests(None, print) == 0
+    assert read_shrink_requests(tmp_path / "missing", print) == 0
+
+
+def test_drains_take_whole_nodes_newest_first_never_the_leaders() -> None:
+    members = (0, 1, 2, 3, 4, 5)
+    hosts = {0: "a", 1: "a", 2: "b", 3: "b", 4: "c", 5: "c"}
+    assert drain_gpus(1, members, hosts, leader=0) == ((4, 5), "")
+    assert drain_gpus(2, members, hosts, leader=0) == ((2, 3, 4, 5), "")
+    gpus, why = drain_gpus(3, members, hosts, leader=0)  # the leader's node never leaves
+    assert gpus == () and "only 2 can leave" in why
+    assert drain_gpus(0, members, hosts, leader=0) == ((), "")
+    assert drain_gpus(1, members, {}, leader=0) == ((5,), "")  # unknown hosts: a GPU is a node
+
+
+def test_a_change_knows_whether_the_world_re_forms() -> None:
+    drain = Change(4, (0, 1, 2, 3), 2, draining=(2, 3))
+    assert not drain.reforms and drain.after_drain == (0, 1)
+    assert Change(4, (0, 1, 2), 3, leaving=(3,)).reforms
+    assert Change(4, (0, 1, 2, 3), 3, joining=(3,)).reforms
+    with pytest.raises(ValueError, match="leavers must not be members"):
+        Change(4, (0, 1, 3), 3, leaving=(3,))
+    with pytest.raises(ValueError, match="positive integer"):
+        ShrinkRequest(0)
