@@ -1,7 +1,8 @@
 """``nereus-launch``: submit Nereus jobs to SLURM through submitit (or run them locally), follow,
 grow, shrink and cancel them. Runs on login nodes: it never imports torch.
 
-Bad input is one line on stderr naming the field or cause, exit code 2, and nothing written.
+Bad input is one line on stderr naming the field or cause, exit code 2, and nothing written:
+``nereus-launch <command>: error: <message>`` (usage errors end with ``(see --help)``).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from launch import monitor, submit
+from launch.inputs import one_line, shown
 from launch.jobdir import find_job, read_record
 from nereus.errors import NereusError
 
@@ -29,17 +32,17 @@ class _UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (no usage block): the caller prints them and exits 2."""
+    """argparse with one-line errors (no usage block): the caller prints them and exits 2.
+    The subcommands' parsers are of this class too (``add_subparsers(parser_class=...)``)."""
 
     def error(self, message: str) -> NoReturn:
-        raise _UsageError(f"{self.prog}: error: {message}")
+        raise _UsageError(f"{self.prog}: error: {one_line(message)} (see --help)")
 
 
 def _nodes(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if not re.fullmatch(r"[0-9]{1,9}", text.strip()):  # ASCII digits: int() takes "١", "1_0", "+1"
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {shown(text)}")
+    value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
@@ -47,7 +50,7 @@ def _nodes(text: str) -> int:
 
 def _parser() -> _Parser:
     p = _Parser(prog="nereus-launch", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def scheduling(q: argparse.ArgumentParser, what: str) -> None:
         q.add_argument("--local", action="store_true", help="run as local processes (submitit LocalExecutor)")
@@ -110,6 +113,11 @@ def _submit(args: argparse.Namespace, factory: submit.ExecutorFactory) -> int:
     return 0
 
 
+def _is_number(value: Any) -> bool:
+    """What the status line formats as a number (the files it comes from may be anything)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _print_status(doc: dict[str, Any], out: Console) -> None:
     out.print(
         f"[bold]{doc['name']}[/] ({doc['kind']}, {doc['executor']}, site {doc['site']}) "
@@ -130,7 +138,7 @@ def _print_status(doc: dict[str, Any], out: Console) -> None:
                 result = "-"
             elif t["exit_code"] == 0:
                 latency = t.get("step_latency_s")
-                result = f"ok, step {latency:.3f} s" if latency is not None else "ok"
+                result = f"ok, step {latency:.3f} s" if _is_number(latency) else "ok"
             else:
                 result = f"exit {t['exit_code']}: {t.get('error', '')}"
             table.add_row(str(t["index"]), args, t["state"], result)
@@ -140,9 +148,9 @@ def _print_status(doc: dict[str, Any], out: Console) -> None:
     if p is None:
         out.print("  progress: no step yet (run/metrics.jsonl)")
         return
-    plan = ", ".join(f"{k} {v}" for k, v in (p.get("plan") or {}).items())
+    plan = ", ".join(f"{k} {v}" for k, v in p["plan"].items()) if isinstance(p.get("plan"), dict) else ""
     parts = [f"step {p.get('step')}"]
-    if "reward" in p:
+    if _is_number(p.get("reward")):
         parts.append(f"reward {p['reward']:.3f}")
     if "gpus" in p:
         parts.append(f"{p['gpus']} GPUs")
@@ -193,22 +201,35 @@ def main(
     """The console script. ``factory`` and ``runner`` are seams: submitit executors and SLURM's
     client commands by default."""
     try:
-        args = _parser().parse_args(argv)
+        args, extra = _parser().parse_known_args(argv)
+        if extra:  # the subcommand's error, not the top parser's
+            raise _UsageError(
+                f"nereus-launch {args.command}: error: unrecognized arguments: "
+                f"{one_line(' '.join(extra))} (see --help)"
+            )
     except _UsageError as exc:
         print(exc, file=sys.stderr)
         return 2
+    prefix = f"nereus-launch {args.command}: error:"
     try:
         if args.command in ("submit", "array"):
             return _submit(args, factory)
         return _job_command(args, factory, runner)
     except NereusError as exc:
-        print(f"nereus-launch {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{prefix} {one_line(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `nereus-launch logs JOB | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except UnicodeDecodeError as exc:  # a config file another one names (a cluster, a model)
+        print(f"{prefix} a config file is not UTF-8 text ({exc.reason} at byte {exc.start})", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a job folder this user cannot write (shrink, cancel, grow)
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"{prefix} {one_line(where + (exc.strerror or str(exc)))}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

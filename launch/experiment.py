@@ -15,10 +15,12 @@ from typing import Any
 
 import yaml
 
+from launch.inputs import read_yaml
+from launch.render import job_name_error
 from launch.site import Site
 from nereus.errors import ConfigError, NereusError
 from nereus.runtime.experiment import ExperimentSpec
-from nereus.spec.schema import build, load_yaml
+from nereus.spec.schema import build
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,12 +62,14 @@ class Experiment:
 
 
 def load_experiment(path: Path) -> Experiment:
-    """Read and validate ``path``; ``name`` defaults to the file's stem."""
-    if not path.is_file():
-        raise ConfigError(f"EXPERIMENT: no such file: {path}")
-    data = load_yaml(path)
+    """Read and validate ``path``; ``name`` (the job's name) defaults to the file's stem."""
+    data = read_yaml(path, "EXPERIMENT")
+    stem = "name" not in data
     data.setdefault("name", path.stem)
-    return Experiment(path, data, build(ExperimentSpec, data, str(path)))
+    exp = Experiment(path, data, build(ExperimentSpec, data, str(path)))
+    if why := job_name_error(exp.name):
+        raise ConfigError(f"{path}: key 'name'{' (the file name)' if stem else ''}: {why}")
+    return exp
 
 
 def place(site: Site, workers: int, nodes: int | None, local: bool) -> Placement:

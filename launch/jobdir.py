@@ -20,17 +20,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import tempfile
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from launch.inputs import check_text, control_error, has_control, shown
+from launch.render import job_name_error
 from nereus.errors import ConfigError
 from nereus.runtime.pool import ShrinkRequest
 from nereus.spec.schema import build
 
 RECORD = "job.json"
+_JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+)?")  # a SLURM job id or an array task's (A_i)
 STATES_DONE = frozenset({"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "FINISHED",
                          "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT"})  # fmt: skip
 
@@ -110,6 +114,16 @@ class JobRecord:
             raise ValueError(f"executor must be slurm or local, got {self.executor!r}")
         if self.nodes <= 0 or self.tasks_per_node <= 0 or self.time_min <= 0:
             raise ValueError("nodes, tasks_per_node and time_min must be positive")
+        # What a grow job renders into its sbatch script comes from here: checked like the flags.
+        if why := job_name_error(self.name):
+            raise ValueError(f"name: {why}")
+        for name in ("site", "partition", "account", "python"):
+            if has_control(getattr(self, name)):
+                raise ValueError(control_error(name, getattr(self, name)))
+        if self.executor == "local":  # process ids: cancel signals them
+            bad = [i for i in self.all_job_ids if not i.isascii() or not i.isdigit()]
+            if bad:
+                raise ValueError(f"job_ids: a local job's ids are process ids, got {bad[0]!r}")
 
     @property
     def current_nodes(self) -> int:
@@ -185,11 +199,16 @@ def write_secret(folder: Path) -> None:
 
 def find_job(ref: str, root: Path) -> Path:
     """A job folder from a path, or from a SLURM job id (or a grow job's) found under ``root``."""
+    check_text("JOB", ref)
     path = Path(ref)
-    if path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except OSError as exc:  # a name too long
+        raise ConfigError(f"JOB: cannot look at {shown(ref)} ({exc.strerror})") from None
+    if is_dir:
         read_record(path)  # a clear error if it is not a job folder
         return path
-    if ref.replace("_", "").isdigit():
+    if _JOB_ID.fullmatch(ref):
         wanted = ref.split("_", maxsplit=1)[0]
         for record_path in sorted(root.glob(f"*/{RECORD}")):
             try:

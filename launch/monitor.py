@@ -110,7 +110,7 @@ def progress(folder: Path) -> dict[str, Any] | None:
     """The runtime's last complete step record (``run/metrics.jsonl``), or None."""
     path = folder / "run" / "metrics.jsonl"
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
     except OSError:
         return None
     for line in reversed(lines):
@@ -130,7 +130,8 @@ def status(folder: Path, run: Runner = run_command) -> dict[str, Any]:
     main = aggregate(list(states.values())) if states else record.state
     if main not in ("UNKNOWN", record.state):
         record = replace(record, state=main)
-        write_record(folder, record)
+        with contextlib.suppress(OSError):  # someone else's job folder: show it all the same
+            write_record(folder, record)
     doc: dict[str, Any] = {
         "folder": str(folder), "name": record.name, "kind": record.kind, "site": record.site,
         "executor": record.executor, "state": main, "nodes": record.current_nodes,
@@ -150,6 +151,8 @@ def _task_status(folder: Path, index: int, args: dict[str, Any], output: str, st
     task: dict[str, Any] = {"index": index, "args": args, "state": state, "output": output, "exit_code": None}
     with contextlib.suppress(OSError, ValueError):
         result = json.loads((folder / output).read_text(encoding="utf-8"))
+        if not isinstance(result, dict):
+            return task
         task["exit_code"] = result.get("exit_code")
         task["error"] = result.get("error", "")
         if isinstance(result.get("result"), dict) and "step_latency_s" in result["result"]:

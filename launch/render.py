@@ -2,7 +2,9 @@
 
 Pure. The sbatch text comes from submitit's own ``_make_sbatch_string`` with the same parameters
 and the same command the ``SlurmExecutor`` uses, so what ``--dry-run`` prints (and what the job
-folder keeps as ``job.sbatch``) is the script that is submitted.
+folder keeps as ``job.sbatch``) is the script that is submitted. submitit ``shlex.quote``s every
+``#SBATCH`` value and srun argument, but a quoted newline still ends the ``#SBATCH`` comment line:
+a ``Request`` (like a ``Site``) refuses control characters in every text it renders.
 """
 
 from __future__ import annotations
@@ -14,9 +16,18 @@ from typing import Any
 
 from submitit.slurm.slurm import _make_sbatch_string
 
+from launch.inputs import control_error, has_control, shown
 from launch.site import Site
 
-_JOB_NAME = re.compile(r"[A-Za-z0-9._+-]+")
+JOB_NAME = re.compile(r"[A-Za-z0-9._+-]{1,200}")
+JOB_NAME_RULE = "1 to 200 letters, digits, '.', '_', '+' or '-'"
+
+
+def job_name_error(name: str) -> str | None:
+    """Why ``name`` cannot name a job (it is the SLURM job name and the job folder's prefix), or None."""
+    if JOB_NAME.fullmatch(name):
+        return None
+    return f"expected {JOB_NAME_RULE} (it names the job and its folder), got {shown(name)}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,8 +45,11 @@ class Request:
     array: int = 0  # > 0: a job array of this many tasks, one node and one task each
 
     def __post_init__(self) -> None:
-        if not _JOB_NAME.fullmatch(self.job_name):
-            raise ValueError(f"job_name must match {_JOB_NAME.pattern}, got {self.job_name!r}")
+        if why := job_name_error(self.job_name):
+            raise ValueError(f"job_name: {why}")
+        for name in ("folder", "python", "partition", "account"):
+            if has_control(getattr(self, name)):
+                raise ValueError(control_error(name, getattr(self, name)))
         for name in ("nodes", "tasks_per_node", "time_min"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -45,6 +59,8 @@ class Request:
             raise ValueError("an array task runs on one node as one task")
         if not self.folder.startswith("/"):
             raise ValueError(f"folder must be absolute, got {self.folder!r}")
+        if "%" in self.folder:  # SLURM expands %j, %t … in the log paths submitit derives from it
+            raise ValueError(f"folder: '%' is not allowed (SLURM reads %j, %t … in it), got {self.folder!r}")
 
 
 @dataclass(frozen=True, slots=True)

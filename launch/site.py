@@ -5,6 +5,9 @@ node, CPUs per task), scheduling defaults (partition, account, time limit, the p
 exist), the ``srun --mpi`` plugin under which mpi4py finds its ranks, extra ``#SBATCH`` flags,
 shell setup lines (``module load ...``) and the environment exported before ``srun``
 (NCCL/RCCL, libfabric). Unknown keys and bad values are one-line ``ConfigError``s naming the key.
+Every value that reaches the sbatch script is free of control characters (a newline would start a
+shell line of its own); ``setup`` lines are shell, run as written, while ``env`` values are data:
+exported through ``shlex.quote``, so ``$VAR``, ``$(...)`` and backticks stay literal.
 Time limits are SLURM's formats (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``,
 ``D-HH:MM:SS``), kept as whole minutes: submitit passes them in minutes and times requeues by them.
 """
@@ -14,12 +17,14 @@ from __future__ import annotations
 import math
 import os
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launch.inputs import check_text, control_error, has_control, read_yaml, shown
 from nereus.errors import ConfigError
 from nereus.spec.cluster import Vendor
-from nereus.spec.schema import coerce_enums, load_spec
+from nereus.spec.schema import build, coerce_enums
 
 MPI_PLUGINS = ("pmi2", "pmix", "cray_shasta", "none")
 # Flags the launcher sets itself from the request; a site may not override them through ``sbatch``.
@@ -33,12 +38,14 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SBATCH_NAME = re.compile(r"[a-z][a-z0-9-]*")
 
 TIME_FORMATS = "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"
-_DAYS = re.compile(r"(\d+)-(\d+)(?::(\d+))?(?::(\d+))?")
-_CLOCK = re.compile(r"(\d+)(?::(\d+))?(?::(\d+))?")
+# ASCII digits only, at most 9 each: int() would take other scripts' digits, and fail past 4300.
+_DAYS = re.compile(r"([0-9]{1,9})-([0-9]{1,9})(?::([0-9]{1,9}))?(?::([0-9]{1,9}))?")
+_CLOCK = re.compile(r"([0-9]{1,9})(?::([0-9]{1,9}))?(?::([0-9]{1,9}))?")
 
 
 def parse_time(text: str, flag: str = "--time") -> int:
     """Minutes in a SLURM time limit; a ``ConfigError`` naming ``flag`` when it is not one."""
+    check_text(flag, str(text))
     text = str(text).strip()
     seconds: int | None = None
     if m := _DAYS.fullmatch(text):
@@ -54,7 +61,7 @@ def parse_time(text: str, flag: str = "--time") -> int:
         elif len(parts) == 3 and parts[1] < 60 and parts[2] < 60:
             seconds = (parts[0] * 60 + parts[1]) * 60 + parts[2]
     if not seconds:
-        raise ConfigError(f"{flag}: expected a positive time limit as {TIME_FORMATS}, got {text!r}")
+        raise ConfigError(f"{flag}: expected a positive time limit as {TIME_FORMATS}, got {shown(text)}")
     return math.ceil(seconds / 60)
 
 
@@ -91,6 +98,7 @@ class Site:
     signal_delay_s: int = 120  # USR2 this long before the time limit: checkpoint and requeue
 
     def __post_init__(self) -> None:
+        self._check_text()
         coerce_enums(self, vendor=Vendor)
         if self.gpus_per_node < 0:
             raise ValueError(f"gpus_per_node must be non-negative, got {self.gpus_per_node}")
@@ -118,17 +126,29 @@ class Site:
             if not arg.startswith("-") or arg.startswith(("--mpi", "--output", "--error")):
                 raise ValueError(f"srun_args: {arg!r} is not an srun flag the site may set (--mpi: use mpi)")
         for key, value in self.sbatch.items():
-            if not _SBATCH_NAME.fullmatch(key) or key in RESERVED_SBATCH:
-                raise ValueError(f"sbatch: {key!r} is not a flag the site may set")
             if value is False:
                 raise ValueError(f"sbatch: {key}: false is not a value (leave the flag out)")
-        for key, value in self.env.items():
+
+    def _check_text(self) -> None:
+        """Flag and variable names, then every value the sbatch script gets: no control characters."""
+        for key in self.sbatch:
+            if not _SBATCH_NAME.fullmatch(key) or key in RESERVED_SBATCH:
+                raise ValueError(f"sbatch: {key!r} is not a flag the site may set")
+        for key in self.env:
             if not _ENV_NAME.fullmatch(key):
-                raise ValueError(f"env: {key!r} is not an environment variable name")
-            if any(c in value for c in '"`\n\\'):
-                raise ValueError(f'env: {key}: value must not contain ", `, \\ or a newline')
-        if any("\n" in line for line in self.setup):
-            raise ValueError("setup: one shell line per item")
+                raise ValueError(
+                    f"key 'env': {key!r} is not an environment variable name (allowed: {_ENV_NAME.pattern})"
+                )
+        values = [("name", self.name), ("partition", self.partition), ("account", self.account),
+                  ("time", self.time)]  # fmt: skip
+        for key, items in (("partitions", self.partitions), ("srun_args", self.srun_args),
+                           ("setup", self.setup)):  # fmt: skip
+            values += [(f"{key}[{i}]", item) for i, item in enumerate(items)]
+        values += [(f"sbatch.{k}", v) for k, v in self.sbatch.items() if isinstance(v, str)]
+        values += [(f"env.{k}", v) for k, v in self.env.items()]
+        for key, value in values:
+            if has_control(value):
+                raise ValueError(control_error(f"key {key!r}", value))
 
     @property
     def mpi_args(self) -> list[str]:
@@ -136,8 +156,9 @@ class Site:
         return ([] if self.mpi == "none" else [f"--mpi={self.mpi}"]) + list(self.srun_args)
 
     def env_lines(self) -> list[str]:
-        """``export`` lines for the environment (double-quoted, so ``$SLURM_JOB_ID`` expands)."""
-        return [f'export {k}="{v}"' for k, v in self.env.items()]
+        """``export`` lines for the environment, each value ``shlex.quote``d: taken literally by the
+        shell (``$VAR``, ``$(...)``, backticks, ``;`` expand to nothing; shell belongs in ``setup``)."""
+        return [f"export {k}={shlex.quote(v)}" for k, v in self.env.items()]
 
     def check_partition(self, partition: str) -> None:
         if self.partitions and partition not in self.partitions:
@@ -158,14 +179,20 @@ def site_ref(name_or_path: str) -> str:
 
 def load_site(name_or_path: str) -> Site:
     """A shipped site by name, or a site YAML by path."""
+    if has_control(name_or_path):
+        raise ConfigError(control_error("--site", name_or_path))
     path = Path(name_or_path)
     if _is_name(name_or_path):
         path = sites_dir() / f"{name_or_path}.yaml"
-        if not path.is_file():
+        try:
+            found = path.is_file()
+        except OSError:  # a name too long for a file
+            found = False
+        if not found:
             raise ConfigError(
-                f"--site: unknown site {name_or_path!r} "
+                f"--site: unknown site {shown(name_or_path)} "
                 f"(allowed: {', '.join(site_names())}, or a path to a site YAML)"
             )
-    elif not path.is_file():
-        raise ConfigError(f"--site: site file {name_or_path} does not exist")
-    return load_spec(Site, path)
+    data = read_yaml(path, "--site")
+    data.setdefault("name", path.stem)
+    return build(Site, data, str(path))

@@ -25,6 +25,7 @@ import submitit
 import yaml
 
 from launch.experiment import check_node_limit, check_plan, check_site, load_experiment, place
+from launch.inputs import check_text, shown
 from launch.job import NodeJob, run_cli_task, task_file
 from launch.jobdir import (
     STATES_DONE,
@@ -119,7 +120,29 @@ def submitting(what: str = "sbatch") -> Iterator[None]:
         raise ConfigError(f"{what} failed: {lines[-1] if lines else type(exc).__name__}") from None
 
 
+def _request(**kwargs: Any) -> Request:
+    """A ``Request``; what it refuses (the flags and files were checked before) is one line."""
+    try:
+        return Request(**kwargs)
+    except ValueError as exc:
+        raise ConfigError(f"cannot render the sbatch script: {exc}") from None
+
+
+def check_folder(flag: str, path: Path) -> None:
+    """A folder whose path is written into the script: no control characters, no ``%`` (SLURM
+    reads ``%j``, ``%t`` … in the log paths submitit puts under it)."""
+    text = str(path.absolute())
+    check_text(flag, text)
+    if "%" in text:
+        why = "SLURM reads %j, %t … in the log paths under it"
+        raise ConfigError(f"{flag}: '%' is not allowed ({why}), got {shown(text)}")
+
+
 def _common(opts: Options, site: Site) -> tuple[str, str, int]:
+    for flag, value in (("--partition", opts.partition), ("--account", opts.account)):
+        if value is not None:
+            check_text(flag, value)
+    check_folder("--jobs-root", opts.jobs_root)
     partition = opts.partition if opts.partition is not None else site.partition
     if partition and not opts.local:
         site.check_partition(partition)
@@ -131,15 +154,15 @@ def _common(opts: Options, site: Site) -> tuple[str, str, int]:
 def prepare_experiment(path: Path, opts: Options) -> Prepared:
     """Every check of ``submit``, and the render, without writing anything."""
     site = load_site(opts.site)
+    partition, account, time_min = _common(opts, site)
     exp = load_experiment(path)
     placement = place(site, exp.spec.workers, opts.nodes, opts.local)
     if not opts.local:
         check_site(site, exp.spec)
     exp = exp.resolved(placement)
     check_plan(exp.spec, placement.tasks)
-    partition, account, time_min = _common(opts, site)
     folder = _planned_folder(opts.jobs_root, exp.name)
-    req = Request(
+    req = _request(
         job_name=exp.name, folder=str(folder / "logs"), python=opts.python, nodes=placement.nodes,
         tasks_per_node=placement.tasks_per_node, time_min=time_min, partition=partition, account=account,
     )  # fmt: skip
@@ -155,13 +178,13 @@ def prepare_experiment(path: Path, opts: Options) -> Prepared:
 def prepare_array(path: Path, opts: Options) -> Prepared:
     """Every check of ``array``, and the render, without writing anything."""
     site = load_site(opts.site)
-    sweep = load_sweep(path)
-    check_argv(sweep, path)
     if opts.nodes not in (None, 1):
         raise ConfigError(f"--nodes: an array task runs on one node, got {opts.nodes}")
     partition, account, time_min = _common(opts, site)
+    sweep = load_sweep(path)
+    check_argv(sweep, path)
     folder = _planned_folder(opts.jobs_root, sweep.name)
-    req = Request(
+    req = _request(
         job_name=sweep.name, folder=str(folder / "logs"), python=opts.python, nodes=1, tasks_per_node=1,
         time_min=time_min, partition=partition, account=account, array=sweep.size,
     )  # fmt: skip
@@ -248,7 +271,8 @@ def grow(folder: Path, nodes: int, factory: ExecutorFactory = submitit_executor)
         check_node_limit(site, total)
     exp = load_experiment(folder / "experiment.yaml")
     check_plan(exp.spec, total * record.tasks_per_node)
-    req = Request(
+    check_folder("JOB", folder)
+    req = _request(
         job_name=f"{record.name}-grow", folder=str(folder.absolute() / "logs"), python=record.python,
         nodes=nodes, tasks_per_node=record.tasks_per_node, time_min=record.time_min,
         partition=record.partition, account=record.account,

@@ -19,8 +19,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launch.inputs import read_yaml
+from launch.render import job_name_error
 from nereus.errors import ConfigError
-from nereus.spec.schema import load_spec
+from nereus.spec.schema import build
 
 COMMANDS = ("plan",)  # torch-free commands whose --json output a task keeps
 MAX_TASKS = 1000  # SLURM's default MaxArraySize is 1001
@@ -80,9 +82,13 @@ class Sweep:
 
 
 def load_sweep(path: Path) -> Sweep:
-    if not path.is_file():
-        raise ConfigError(f"SWEEP: no such file: {path}")
-    return load_spec(Sweep, path)
+    data = read_yaml(path, "SWEEP")
+    stem = "name" not in data
+    data.setdefault("name", path.stem)
+    sweep = build(Sweep, data, str(path))
+    if why := job_name_error(sweep.name):
+        raise ConfigError(f"{path}: key 'name'{' (the file name)' if stem else ''}: {why}")
+    return sweep
 
 
 def check_argv(sweep: Sweep, path: Path) -> None:

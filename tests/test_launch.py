@@ -149,8 +149,8 @@ def test_render_equals_what_submitit_submits(name: str, monkeypatch: pytest.Monk
 
 def test_site_contents() -> None:
     frontier = render(load_site("frontier"), golden_request("frontier"))
-    for line in ("#SBATCH --gpus-per-node=8", "#SBATCH --account=ABC123", 'export NCCL_SOCKET_IFNAME="hsn0"',
-                 'export FI_PROVIDER="cxi"', "module load rocm", "--mpi=pmi2"):  # fmt: skip
+    for line in ("#SBATCH --gpus-per-node=8", "#SBATCH --account=ABC123", "export NCCL_SOCKET_IFNAME=hsn0",
+                 "export FI_PROVIDER=cxi", "module load rocm", "--mpi=pmi2"):  # fmt: skip
         assert line in frontier.sbatch
     assert frontier.params["ntasks_per_node"] == 8 and frontier.params["srun_args"] == [
         "--mpi=pmi2",
