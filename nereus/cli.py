@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rich.console import Console
 from rich.table import Table
@@ -37,24 +39,53 @@ from nereus.spec import (
     names,
 )
 from nereus.spec.cluster import GIB
+from nereus.spec.files import brief, one_line, shorten
+from nereus.spec.workload import MAX_TOKENS
 from nereus.transition import command as transition_command
+from nereus.transition.command import MAX_GPUS, MAX_TP
 
 MAX_LISTED_PLANS = 100_000
+MAX_LINE = 1000  # characters of an error line (values in it are cut to ~60 already)
+
+
+# ------------------------------------------------------------------ parser
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``nereus <cmd>: error: <message> (see nereus <cmd> --help)``
+    on stderr, exit 2, instead of the usage block. Subparsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        # argparse quotes user values with %r: cut long ones so the line stays short
+        message = _LONG_QUOTED.sub(lambda m: brief(m.group(1) or m.group(2)), message)
+        self.exit(2, f"{self.prog}: error: {shorten(message, MAX_LINE)} (see {self.prog} --help)\n")
+
+
+_LONG_QUOTED = re.compile(r"'([^']{61,})'|\"([^\"]{61,})\"")
 
 
 # ------------------------------------------------------------------ argument types
-def _positive_int(text: str) -> int:
+def _positive_int(text: str, most: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {brief(text)}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    if value > most:
+        raise argparse.ArgumentTypeError(f"must be at most {most}, got {brief(value)}")
     return value
 
 
+def _count(most: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [1, most]."""
+
+    def parse(text: str) -> int:
+        return _positive_int(text, most)
+
+    return parse
+
+
 def _power_of_two(text: str) -> int:
-    value = _positive_int(text)
+    value = _positive_int(text, MAX_TP)
     if not is_power_of_two(value):
         raise argparse.ArgumentTypeError(f"must be a power of two, got {value}")
     return value
@@ -64,14 +95,14 @@ def _fraction(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {brief(text)}") from None
     if not 0.0 <= value < 1.0:
         raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {value}")
     return value
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nereus", description=__doc__)
+def _parser() -> Parser:
+    p = Parser(prog="nereus", description=__doc__)
     p.add_argument("--version", action="version", version=f"nereus {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -79,10 +110,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--model", required=True, help="shipped name, our YAML, or HF config.json/dir")
     plan.add_argument("--algo", required=True, help="ppo, grpo, remax, or a workload YAML")
     plan.add_argument("--cluster", required=True, help="shipped name or a cluster YAML")
-    plan.add_argument("--gpus", required=True, type=_positive_int, help="GPUs in the pool")
-    plan.add_argument("--seq-len", required=True, type=_positive_int, help="mean response tokens")
-    plan.add_argument("--seq-len-p95", type=_positive_int, help="p95 response tokens (memory)")
-    plan.add_argument("--prompt-len", type=_positive_int, help="mean prompt tokens (workload's)")
+    plan.add_argument("--gpus", required=True, type=_count(MAX_GPUS), help="GPUs in the pool")
+    plan.add_argument("--seq-len", required=True, type=_count(MAX_TOKENS), help="mean response tokens")
+    plan.add_argument("--seq-len-p95", type=_count(MAX_TOKENS), help="p95 response tokens (memory)")
+    plan.add_argument("--prompt-len", type=_count(MAX_TOKENS), help="mean prompt tokens (workload's)")
     plan.add_argument("--mode", choices=[m.value for m in ExecutionMode], help="sync or async")
     plan.add_argument("--max-tp", type=_power_of_two, help="largest TP degree (default: node size)")
     plan.add_argument("--headroom", type=_fraction, default=DEFAULT_HEADROOM, help="memory kept free")
@@ -100,7 +131,7 @@ def _parser() -> argparse.ArgumentParser:
     desc = sub.add_parser("describe", help="derived facts of a model or a cluster")
     desc.add_argument("kind", choices=["model", "cluster"])
     desc.add_argument("name")
-    desc.add_argument("--seq-len", type=_positive_int, help="count attention FLOPs at this length")
+    desc.add_argument("--seq-len", type=_count(MAX_TOKENS), help="count attention FLOPs at this length")
     desc.add_argument("--json", action="store_true")
 
     transition_command.add_parser(sub)
@@ -114,6 +145,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # ------------------------------------------------------------------ plan
+def _flag(args: argparse.Namespace, name: str) -> str:
+    """How an error names an input: ``--seq-len`` for a flag, or, for the problem of a plan read
+    back from a file (``args.origin``), ``a.json: key 'problem.seq_len'``."""
+    origin = getattr(args, "origin", None)
+    return f"{origin}: key 'problem.{name}':" if origin else f"--{name.replace('_', '-')}"
+
+
 def _problem(args: argparse.Namespace) -> PlanningProblem:
     model = load_model(args.model)
     cluster = load_cluster(args.cluster)
@@ -121,15 +159,24 @@ def _problem(args: argparse.Namespace) -> PlanningProblem:
     if args.mode:
         workload = dataclasses.replace(workload, mode=ExecutionMode(args.mode))
     if args.gpus > cluster.total_gpus:
-        raise ConfigError(f"--gpus {args.gpus} exceeds cluster {cluster.name} ({cluster.total_gpus} GPUs)")
+        raise ConfigError(
+            f"{_flag(args, 'gpus')} {args.gpus} exceeds cluster {cluster.name} ({cluster.total_gpus} GPUs)"
+        )
     p95 = args.seq_len_p95 or args.seq_len
     if p95 < args.seq_len:
-        raise ConfigError(f"--seq-len-p95 {p95} must be at least --seq-len {args.seq_len}")
+        raise ConfigError(f"{_flag(args, 'seq_len_p95')} {p95} must be at least --seq-len {args.seq_len}")
     models = {
         role: load_model(workload.models[role.value]) if role.value in workload.models else model
         for role in Role
     }
-    calibration = CalibrationStore.load(Path(args.calibration), cluster.name) if args.calibration else None
+    calibration = None
+    if args.calibration:
+        path = Path(args.calibration)
+        try:
+            calibration = CalibrationStore.load(path, cluster.name, strict=True)
+        except ConfigError as exc:
+            reason = str(exc).removeprefix("calibration file ")
+            raise ConfigError(f"{_flag(args, 'calibration')} {reason}") from None
     space = SearchSpace.urgent() if args.urgent else SearchSpace()
     if args.max_tp:
         space = dataclasses.replace(space, max_tp=args.max_tp)
@@ -149,7 +196,8 @@ def _problem(args: argparse.Namespace) -> PlanningProblem:
             **kwargs,
         )
     except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+        origin = getattr(args, "origin", None)
+        raise ConfigError(f"{origin}: {exc}" if origin else str(exc)) from None
 
 
 def _plan(args: argparse.Namespace, out: Console) -> int:
@@ -157,8 +205,18 @@ def _plan(args: argparse.Namespace, out: Console) -> int:
         raise ConfigError("--all lists the plans of --exhaustive; add --exhaustive")
     problem = _problem(args)
     if args.anchor:
-        problem = dataclasses.replace(problem, anchor=transition_command.load_plan(args.anchor, _problem))
-    result = solve(problem, Solver(args.solver))
+        expect = {
+            "model": args.model,
+            "algo": args.algo,
+            "cluster": args.cluster,
+            "mode": problem.workload.mode.value,
+        }
+        anchor = transition_command.load_plan(args.anchor, _problem, expect)
+        problem = dataclasses.replace(problem, anchor=anchor)
+    try:
+        result = solve(problem, Solver(args.solver))
+    except ExhaustiveTooLargeError as exc:
+        raise ConfigError(f"--solver {args.solver}: {exc} (allowed: fewer --gpus, or --solver dp)") from None
     doc = plan_json(problem, result)
     doc["problem"] = {k: getattr(args, k) for k in transition_command.PROBLEM_KEYS}
     doc["problem"]["mode"] = problem.workload.mode.value
@@ -170,7 +228,9 @@ def _plan(args: argparse.Namespace, out: Console) -> int:
             ex = exhaustive(problem)
         except ExhaustiveTooLargeError as exc:
             if args.all:
-                raise
+                raise ConfigError(
+                    f"--all: the plan space is too large to list ({exc}); lower --gpus"
+                ) from None
             doc["exhaustive"] = {"error": f"not tractable: {exc}"}
     if ex is not None:
         doc["exhaustive"] = {
@@ -325,8 +385,19 @@ def _list(args: argparse.Namespace, out: Console) -> int:
     return 0
 
 
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; arguments no subcommand knows are that subcommand's error (one line)."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        owner = sub.choices.get(args.command, parser)
+        owner.error(f"unrecognized arguments: {shorten(' '.join(extra))}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     out = Console(highlight=False)
     try:
         if args.command == "plan":
@@ -343,8 +414,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_command.node(args, out)
         return _list(args, out)
     except NereusError as exc:
-        print(f"nereus {args.command}: error: {exc}", file=sys.stderr)
+        line = shorten(one_line(str(exc)), MAX_LINE)
+        print(f"nereus {args.command}: error: {line}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:  # the reader left (nereus plan --json | head): stop quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

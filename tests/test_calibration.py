@@ -77,7 +77,7 @@ def test_save_load_roundtrip_and_clusters_kept_apart(tmp_path: Path) -> None:
 def test_malformed_file_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "c.json"
     path.write_text("{not json")
-    with pytest.raises(ConfigError, match="cannot read calibration JSON"):
+    with pytest.raises(ConfigError, match="not valid JSON"):
         CalibrationStore.load(path, "x")
     path.write_text(json.dumps({"format": 99, "clusters": {}}))
     with pytest.raises(ConfigError, match="key 'format'"):

@@ -15,6 +15,7 @@ conservative), clipped to [0.5, 4].
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -26,6 +27,7 @@ from types import MappingProxyType
 
 from nereus.errors import ConfigError
 from nereus.plan.opclass import PRIOR_EFFICIENCY, OpClass
+from nereus.spec.files import brief, load_json, shorten
 from nereus.spec.workload import Stage
 
 FORMAT_VERSION = 1
@@ -169,32 +171,76 @@ class CalibrationStore:
             raise
 
     @classmethod
-    def load(cls, path: Path, cluster: str) -> CalibrationStore:
-        """The store for ``cluster`` from ``path``; priors if the file or the cluster is absent."""
-        if not path.exists():
+    def load(cls, path: Path, cluster: str, strict: bool = False) -> CalibrationStore:
+        """The store for ``cluster`` from ``path``; priors if the file or the cluster is absent,
+        unless ``strict`` (a file the user named: then both must be there, or ``ConfigError``)."""
+        if not strict and not path.exists():
             return cls(cluster)
         entry = _read(path)["clusters"]
         assert isinstance(entry, dict)
         data = entry.get(cluster)
+        if data is None and strict:
+            held = ", ".join(shorten(str(k), 30) for k in list(entry)[:8]) or "none"
+            raise ConfigError(f"{path}: no calibration for cluster {cluster} (clusters in it: {held})")
         if data is None:
             return cls(cluster)
-        try:
-            store = cls(cluster, window=int(data["window"]))
-            for op, pairs in data["samples"].items():
-                store.update(Measurement(OpClass(op), float(i), float(m)) for i, m in pairs)
-            for stage, ratios in data["memory"].items():
-                bucket = store._memory.setdefault(Stage(stage), deque(maxlen=store.window))
-                bucket.extend(float(r) for r in ratios)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"{path}: cluster '{cluster}': malformed calibration ({exc})") from None
+        key = f"{path}: key 'clusters.{cluster}"
+        if not isinstance(data, dict) or set(data) != {"window", "samples", "memory"}:
+            raise ConfigError(
+                f"{key}': malformed calibration (expected a mapping of window, samples, memory)"
+            )
+        window = data["window"]
+        if not _integer(window) or not 1 <= window <= MAX_WINDOW:
+            raise ConfigError(f"{key}.window': expected an integer in [1, {MAX_WINDOW}], got {brief(window)}")
+        store = cls(cluster, window=window)
+        for field_, kind, width in (("samples", OpClass, 2), ("memory", Stage, 1)):
+            entries = data[field_]
+            allowed = ", ".join(k.value for k in kind)
+            if not isinstance(entries, dict):
+                raise ConfigError(f"{key}.{field_}': expected a mapping of {allowed}, got {brief(entries)}")
+            for name, values in entries.items():
+                where = f"{key}.{field_}.{shorten(str(name), 30)}'"
+                if name not in {k.value for k in kind}:
+                    raise ConfigError(f"{where}: malformed calibration (allowed: {allowed})")
+                what = "[ideal_s, measured_s] pairs" if width == 2 else "ratios"
+                if not isinstance(values, list) or not all(_sample(v, width) for v in values):
+                    raise ConfigError(
+                        f"{where}: expected a list of {what} (numbers in [{SAMPLE_MIN:g}, {SAMPLE_MAX:g}])"
+                    )
+                if width == 2:
+                    store.update(Measurement(OpClass(name), float(i), float(m)) for i, m in values)
+                else:
+                    bucket = store._memory.setdefault(Stage(name), deque(maxlen=store.window))
+                    bucket.extend(float(r) for r in values)
         return store
 
 
+MAX_WINDOW = 1 << 16
+SAMPLE_MIN, SAMPLE_MAX = 1e-12, 1e12  # seconds and memory ratios a calibration file may hold
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: object) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and SAMPLE_MIN <= value <= SAMPLE_MAX
+    )
+
+
+def _sample(value: object, width: int) -> bool:
+    """A memory ratio (``width`` 1) or an [ideal_s, measured_s] pair (``width`` 2), in range."""
+    if width == 1:
+        return _number(value)
+    return isinstance(value, list) and len(value) == 2 and all(_number(v) for v in value)
+
+
 def _read(path: Path) -> dict[str, object]:
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read calibration JSON ({exc})") from None
+    doc = load_json(path, "calibration file")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_VERSION:
         raise ConfigError(f"{path}: key 'format': expected {FORMAT_VERSION}")
     if not isinstance(doc.get("clusters"), dict):

@@ -9,12 +9,21 @@ adaptation is visible on one machine. Pure and strict: unknown keys and bad valu
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from nereus.backends.registry import DEFAULT_ENGINE, check_engine
 from nereus.errors import ConfigError
-from nereus.spec.schema import load_spec, require_positive
+from nereus.spec.files import brief
+from nereus.spec.schema import load_spec, require_at_most, require_finite, require_positive
+
+# An experiment's name becomes a folder (runs/<name>), a Slurm job name and part of shell lines.
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+MAX_NAME = 64
+MAX_WORKERS = 1 << 16
+MAX_STEPS = 10_000_000
+MAX_TOKENS = 1 << 24
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +40,7 @@ class TaskSpec:
         from nereus.rl.tasks import generate_tasks
 
         require_positive(self, "n")
+        require_at_most(self, 10_000_000, "n")
         generate_tasks(self.kind, 0, self.seed, self.difficulty, self.length)  # validates the rest
 
 
@@ -49,7 +59,10 @@ class RlSpec:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
+        names = ("lr", "critic_lr", "weight_decay", "max_grad_norm", "clip_eps", "vf_clip", "kl_coef")
+        require_finite(self, *names, "gamma", "lam", "temperature", "top_p")
         require_positive(self, "lr", "critic_lr", "clip_eps", "temperature")
+        require_at_most(self, 1e6, *names, "temperature")
         for name in ("gamma", "lam", "top_p"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
@@ -91,12 +104,12 @@ class DriftEvent:
     max_new_tokens: int = 0  # 0: unchanged
 
     def __post_init__(self) -> None:
-        if self.step < 0:
-            raise ValueError(f"step must be non-negative, got {self.step}")
+        if not 0 <= self.step <= MAX_STEPS:
+            raise ValueError(f"step must be in [0, {MAX_STEPS}], got {brief(self.step)}")
         if (set(self.lose) | set(self.kill)) & set(self.gain) or set(self.lose) & set(self.kill):
             raise ValueError(f"step {self.step}: a worker cannot be lost, killed or gained at once")
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be non-negative, got {self.max_new_tokens}")
+        if not 0 <= self.max_new_tokens <= MAX_TOKENS:
+            raise ValueError(f"max_new_tokens must be in [0, {MAX_TOKENS}], got {brief(self.max_new_tokens)}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -127,7 +140,16 @@ class ExperimentSpec:
     engines: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if len(self.name) > MAX_NAME or not NAME.fullmatch(self.name):
+            raise ValueError(
+                f"key 'name': expected a letter or digit, then letters, digits, '.', '_' or '-', at most "
+                f"{MAX_NAME} characters (it names the results folder and the job), got {brief(self.name)}"
+            )
         require_positive(self, "workers", "steps", "max_new_tokens")
+        require_at_most(self, MAX_WORKERS, "workers")
+        require_at_most(self, MAX_STEPS, "steps", "checkpoint_every")
+        require_at_most(self, MAX_TOKENS, "max_new_tokens")
+        require_finite(self, "reward_coef")
         for name, engine in self.engines.items():
             if name.count(".") != 1:
                 raise ValueError(f"engines: {name!r} is not a model-stage (<model>.<stage>, e.g. actor.gen)")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
+import math
+import re
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,49 @@ from nereus.sim.seqcurve import SeqCurve
 from nereus.sim.trace import GpuSupply, SpotTrace
 from nereus.sim.truth import Episode
 from nereus.spec import Role, load_cluster, load_model, load_workload
+from nereus.spec.files import OutputFolder, brief
 from nereus.spec.registry import trace_path
 
 DEFAULT_POLICIES = "nereus,static,always,periodic:3"
+COMMAND = "simulate"
+MAX_STEPS = 100_000
+MAX_GPUS = 1 << 20
+MAX_SPEEDUP = 1e6
+MAX_NOISE = 1.0
+MAX_RUNS = 16
+
+
+def int_in(lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [lo, hi] (the message names the range)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be an integer in [{lo}, {hi}], got {brief(text)}"
+            ) from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be an integer in [{lo}, {hi}], got {brief(value)}")
+        return value
+
+    return parse
+
+
+def float_in(lo: float, hi: float, low_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number in [lo, hi] (or (lo, hi] with ``low_open``)."""
+    span = f"{'(' if low_open else '['}{lo:g}, {hi:g}]"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number in {span}, got {brief(text)}") from None
+        if not math.isfinite(value) or not lo <= value <= hi or (low_open and value == lo):
+            raise argparse.ArgumentTypeError(f"must be a number in {span}, got {brief(text)}")
+        return value
+
+    return parse
 
 
 def add_parser(sub: Any) -> None:
@@ -42,16 +83,32 @@ def add_parser(sub: Any) -> None:
         "--policies", default=DEFAULT_POLICIES, help="comma list: nereus, static, always, periodic:K"
     )
     p.add_argument("--gamma", default="0.5", help="γ for nereus; a comma list sweeps it")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--gpus-per-instance", type=int, default=1)
-    p.add_argument("--max-gpus", type=int, help="cap on the pool (default: the cluster's GPUs)")
-    p.add_argument("--min-gpus", type=int, default=0, help="floor of the pool (a reserved allocation)")
-    p.add_argument("--offset", type=int, default=0, help="trace tick the run starts at")
-    p.add_argument("--speedup", type=float, default=1.0, help="trace seconds per simulated second")
+    p.add_argument("--steps", type=int_in(1, MAX_STEPS), default=200)
+    p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
+    p.add_argument("--gpus-per-instance", type=int_in(1, 1024), default=1)
+    p.add_argument(
+        "--max-gpus", type=int_in(1, MAX_GPUS), help="cap on the pool (default: the cluster's GPUs)"
+    )
+    p.add_argument(
+        "--min-gpus", type=int_in(0, MAX_GPUS), default=0, help="floor of the pool (a reserved allocation)"
+    )
+    p.add_argument("--offset", type=int_in(0, 2**31), default=0, help="trace tick the run starts at")
+    p.add_argument(
+        "--speedup",
+        type=float_in(0.0, MAX_SPEEDUP, low_open=True),
+        default=1.0,
+        help="trace seconds per simulated second",
+    )
     p.add_argument("--episode", action="append", default=[], help="START-END:SCOPE:FACTOR, repeatable")
-    p.add_argument("--noise", type=float, default=0.03, help="per-step timing noise (lognormal σ)")
-    p.add_argument("--out", type=Path, help="output folder (default runs/sim/<trace>-<model>-<algo>)")
+    p.add_argument(
+        "--noise", type=float_in(0.0, MAX_NOISE), default=0.03, help="per-step timing noise (lognormal σ)"
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="output folder (default runs/sim/<trace>-<model>-<algo>): new, empty, or one simulate wrote",
+    )
+    p.add_argument("--force", action="store_true", help="write into an --out folder holding other files")
     p.add_argument("--json", action="store_true", help="print the summary JSON")
 
 
@@ -61,9 +118,13 @@ def _curve(text: str) -> SeqCurve:
     if text.startswith("growth:"):
         try:
             a, b, n = text.split(":")[1:]
-            return SeqCurve.growth(float(a), float(b), int(n))
+            start, end, steps = float(a), float(b), int(n)
         except ValueError:
-            raise ConfigError(f"--seq-curve {text!r}: expected growth:START:END:STEPS") from None
+            raise ConfigError(f"--seq-curve {brief(text)}: expected growth:START:END:STEPS") from None
+        try:
+            return SeqCurve.growth(start, end, steps)
+        except ValueError as exc:
+            raise ConfigError(f"--seq-curve {brief(text)}: {exc}") from None
     return SeqCurve.load_csv(Path(text))
 
 
@@ -71,9 +132,11 @@ def _gammas(text: str) -> list[float]:
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ConfigError(f"--gamma {text!r}: expected numbers in [0, 1], comma-separated") from None
+        raise ConfigError(f"--gamma {brief(text)}: expected numbers in [0, 1], comma-separated") from None
     if not values or any(not 0.0 <= v <= 1.0 for v in values):
-        raise ConfigError(f"--gamma {text!r}: expected numbers in [0, 1], comma-separated")
+        raise ConfigError(f"--gamma {brief(text)}: expected numbers in [0, 1], comma-separated")
+    if len(values) > MAX_RUNS:
+        raise ConfigError(f"--gamma: at most {MAX_RUNS} values, got {len(values)}")
     return values
 
 
@@ -85,17 +148,21 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
     for flag, value in (("--steps", args.steps), ("--gpus-per-instance", args.gpus_per_instance)):
         if value <= 0:
             raise ConfigError(f"{flag} must be a positive integer, got {value}")
-    max_gpus = args.max_gpus or cluster.total_gpus
+    max_gpus = cluster.total_gpus if args.max_gpus is None else args.max_gpus
     if not 0 < max_gpus <= cluster.total_gpus:
         raise ConfigError(
             f"--max-gpus must be in [1, {cluster.total_gpus}] for {cluster.name}, got {max_gpus}"
         )
     if not 0 <= args.min_gpus <= max_gpus:
-        raise ConfigError(f"--min-gpus must be in [0, --max-gpus], got {args.min_gpus}")
+        raise ConfigError(f"--min-gpus must be in [0, --max-gpus {max_gpus}], got {args.min_gpus}")
+    if args.gpus_per_instance > max_gpus:
+        raise ConfigError(
+            f"--gpus-per-instance must be in [1, --max-gpus {max_gpus}], got {args.gpus_per_instance}"
+        )
     if not 0 <= args.offset < len(trace.counts):
         raise ConfigError(f"--offset must be in [0, {len(trace.counts)}) ticks, got {args.offset}")
-    if args.speedup <= 0 or args.noise < 0:
-        raise ConfigError("--speedup must be positive and --noise non-negative")
+    if not (0 < args.speedup <= MAX_SPEEDUP and 0 <= args.noise <= MAX_NOISE):
+        raise ConfigError(f"--speedup must be in (0, {MAX_SPEEDUP:g}] and --noise in [0, {MAX_NOISE:g}]")
     try:
         supply = GpuSupply(
             trace, args.gpus_per_instance, max_gpus, args.min_gpus, args.offset, args.speedup, args.seed
@@ -119,7 +186,13 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
 def runs(policies: str, gammas: list[float]) -> list[tuple[str, str, float]]:
     """(label, policy, γ) for every run; nereus once per γ."""
     out: list[tuple[str, str, float]] = []
-    for name in [p.strip() for p in policies.split(",") if p.strip()]:
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    if len(names) > MAX_RUNS:
+        raise ConfigError(f"--policies: at most {MAX_RUNS} policies, got {len(names)}")
+    for name in names:
+        period = re.fullmatch(r"periodic:(\d{1,9})", name)
+        if name.startswith("periodic:") and (period is None or int(period.group(1)) <= 0):
+            raise ConfigError(f"--policies: {brief(name)}: periodic:K needs an integer K in [1, 999999999]")
         policy_config(name)  # refuses unknown names before anything runs
         if name == "nereus" and len(gammas) > 1:
             out.extend((f"nereus(γ={g:g})", name, g) for g in gammas)
@@ -127,44 +200,55 @@ def runs(policies: str, gammas: list[float]) -> list[tuple[str, str, float]]:
             out.append((name, name, gammas[0]))
     if not out:
         raise ConfigError("--policies is empty")
+    labels = [label for label, _, _ in out]
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"--policies names a run twice: {brief(policies)}")
     return out
 
 
-def _write(folder: Path, summaries: list[Summary], doc: dict[str, Any], title: str) -> None:
-    """Write every output into a temporary folder, then move it into place."""
+def _file_name(label: str) -> str:
+    safe = label.replace(":", "-").replace("(", "-").replace(")", "").replace("γ=", "g")
+    return f"steps-{safe}.jsonl"
+
+
+def _writers(summaries: list[Summary], doc: dict[str, Any], title: str) -> dict[str, Callable[[Path], None]]:
+    """What ``simulate`` writes: a JSONL of steps per policy, summary.json and timeline.png."""
     from nereus.sim.plot import timeline
 
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
-    for s in summaries:
-        safe = s.policy.replace(":", "-").replace("(", "-").replace(")", "").replace("γ=", "g")
-        with (tmp / f"steps-{safe}.jsonl").open("w") as fh:
-            for r in s.records:
-                fh.write(json.dumps(r.to_json()) + "\n")
-    (tmp / "summary.json").write_text(json.dumps(doc, indent=1) + "\n")
-    timeline(summaries, tmp / "timeline.png", title)
-    if folder.exists():
-        for f in folder.iterdir():
-            f.unlink()
-        folder.rmdir()
-    os.replace(tmp, folder)
+    def steps(s: Summary) -> Callable[[Path], None]:
+        def write(path: Path) -> None:
+            with path.open("w") as fh:
+                for r in s.records:
+                    fh.write(json.dumps(r.to_json()) + "\n")
+
+        return write
+
+    def summary(path: Path) -> None:
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+
+    files = {_file_name(s.policy): steps(s) for s in summaries}
+    files["summary.json"] = summary
+    files["timeline.png"] = lambda path: timeline(summaries, path, title)
+    return files
 
 
 def run(args: argparse.Namespace, out: Console) -> int:
     scenario = scenario_from(args)
     plan = runs(args.policies, _gammas(args.gamma))
+    stem = scenario.supply.trace.name
+    actor = scenario.models[Role.ACTOR].name
+    folder = args.out or Path("runs") / "sim" / f"{stem}-{actor}-{scenario.workload.name}"
+    names = [_file_name(label) for label, _, _ in plan] + ["summary.json", "timeline.png"]
+    target = OutputFolder.check(folder, COMMAND, names, force=args.force)  # before anything runs
     summaries = []
     for label, policy, gamma in plan:
         summaries.append(replace(simulate(scenario, policy, gamma), policy=label))
     doc = {s.policy: s.to_json() for s in summaries}
-    stem = Path(args.trace).stem
-    actor = scenario.models[Role.ACTOR].name
-    folder = args.out or Path("runs") / "sim" / f"{stem}-{actor}-{args.algo}"
     title = (
         f"{scenario.workload.algorithm.value} {actor} on {scenario.cluster.name}, trace {stem} "
         f"(×{args.gpus_per_instance} GPUs, {args.min_gpus}–{scenario.supply.max_gpus})"
     )
-    _write(folder, summaries, doc, title)
+    target.write(_writers(summaries, doc, title))
     if args.json:
         print(json.dumps(doc))
         return 0

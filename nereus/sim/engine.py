@@ -19,7 +19,7 @@ from nereus.control.action import Keep, Move, RecordKind, Restart, TransitionRec
 from nereus.control.admission import Decision, Verdict
 from nereus.control.controller import Controller, policy_config
 from nereus.control.telemetry import Telemetry
-from nereus.errors import InfeasibleError, NereusError
+from nereus.errors import InfeasibleError
 from nereus.plan.calibration import CalibrationStore, Efficiencies
 from nereus.plan.evaluate import price, shapes_of
 from nereus.plan.layout import Plan
@@ -34,8 +34,8 @@ from nereus.spec.model import ModelSpec
 from nereus.spec.workload import Role, WorkloadSpec
 
 
-class SimulationError(NereusError):
-    """The scenario cannot run (e.g. no pool in the trace fits any plan)."""
+class SimulationError(InfeasibleError):
+    """The scenario cannot run: no pool in the trace fits any plan (exit 3, like any infeasible plan)."""
 
 
 @dataclass(frozen=True, slots=True)

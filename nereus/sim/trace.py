@@ -7,12 +7,16 @@ Format (``shared/data/traces/spot/*.json``): ``{"metadata": {"gap_seconds": 300}
 
 from __future__ import annotations
 
-import json
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from nereus.errors import ConfigError
+from nereus.spec.files import MAX_DATA_BYTES, brief, load_json
+
+MIN_GAP_S, MAX_GAP_S = 1e-3, 1e9  # seconds per tick
+MAX_COUNT = 1 << 20  # instances in one tick
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,36 +26,40 @@ class SpotTrace:
     counts: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if self.gap_seconds <= 0:
-            raise ValueError(f"gap_seconds must be positive, got {self.gap_seconds}")
+        if not MIN_GAP_S <= self.gap_seconds <= MAX_GAP_S:
+            raise ValueError(f"gap_seconds must be in [{MIN_GAP_S:g}, {MAX_GAP_S:g}], got {self.gap_seconds}")
         if not self.counts:
             raise ValueError("the trace has no ticks")
-        if any(c < 0 for c in self.counts):
-            raise ValueError("instance counts must be non-negative")
+        if any(not 0 <= c <= MAX_COUNT for c in self.counts):
+            raise ValueError(f"instance counts must be in [0, {MAX_COUNT}]")
 
     @classmethod
     def load(cls, path: Path) -> SpotTrace:
         """Read and validate a trace; errors name the file and the field."""
-        try:
-            doc = json.loads(path.read_text())
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}: line {exc.lineno}: not valid JSON") from None
+        doc = load_json(path, "trace", MAX_DATA_BYTES)
         if not isinstance(doc, dict):
             raise ConfigError(f"{path}: expected a JSON object with 'metadata' and 'data'")
         meta = doc.get("metadata")
         gap = meta.get("gap_seconds") if isinstance(meta, dict) else None
-        if isinstance(gap, bool) or not isinstance(gap, int | float) or gap <= 0:
+        if (
+            isinstance(gap, bool)
+            or not isinstance(gap, int | float)
+            or not math.isfinite(gap)
+            or not MIN_GAP_S <= gap <= MAX_GAP_S
+        ):
             raise ConfigError(
-                f"{path}: field 'metadata.gap_seconds': expected a positive number, got {gap!r}"
+                f"{path}: field 'metadata.gap_seconds': expected a number of seconds in "
+                f"[{MIN_GAP_S:g}, {MAX_GAP_S:g}], got {brief(gap)}"
             )
         data = doc.get("data")
         if not isinstance(data, list) or not data:
             raise ConfigError(f"{path}: field 'data': expected a non-empty list of instance counts")
         for i, v in enumerate(data):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"{path}: field 'data[{i}]': expected a non-negative integer, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_COUNT:
+                raise ConfigError(
+                    f"{path}: field 'data[{i}]': expected an instance count in [0, {MAX_COUNT}], "
+                    f"got {brief(v)}"
+                )
         return cls(path.stem, float(gap), tuple(data))
 
 

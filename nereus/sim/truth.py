@@ -19,6 +19,7 @@ from nereus.errors import ConfigError
 from nereus.plan.calibration import Measurement
 from nereus.plan.layout import Layout
 from nereus.plan.opclass import Link, OpClass
+from nereus.spec.files import brief, shorten
 from nereus.spec.workload import Stage
 
 TRUE_EFFICIENCY: dict[OpClass, float] = {
@@ -58,7 +59,7 @@ class Episode:
         if not 0 <= self.start < self.end:
             raise ValueError(f"episode steps must satisfy 0 ≤ start < end, got {self.start}-{self.end}")
         if self.scope not in SCOPES:
-            raise ValueError(f"episode scope must be one of {', '.join(SCOPES)}, got {self.scope!r}")
+            raise ValueError(f"episode scope must be one of {', '.join(SCOPES)}, got {brief(self.scope)}")
         if not 0 < self.factor <= 1:
             raise ValueError(f"episode factor must be in (0, 1], got {self.factor}")
 
@@ -71,8 +72,8 @@ class Episode:
             return cls(int(start), int(end), scope, float(factor))
         except ValueError as exc:
             raise ConfigError(
-                f"--episode {text!r}: expected START-END:SCOPE:FACTOR with SCOPE one of "
-                f"{', '.join(SCOPES)} ({exc})"
+                f"--episode {brief(text)}: expected START-END:SCOPE:FACTOR with SCOPE one of "
+                f"{', '.join(SCOPES)} ({shorten(str(exc))})"
             ) from None
 
     def covers(self, op: OpClass, step: int) -> bool:

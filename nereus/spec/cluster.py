@@ -6,9 +6,12 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from nereus.spec.schema import coerce_enums, load_spec, require_positive
+from nereus.spec.schema import coerce_enums, load_spec, require_at_most, require_finite, require_positive
 
 GIB = 1024**3
+MAX_NODES = 1 << 16
+MAX_GPUS_PER_NODE = 1024
+MAX_RATE = 1e6  # TFLOP/s, GB/s, µs and GiB: a million of any is beyond hardware of this age
 
 
 class Vendor(StrEnum):
@@ -64,8 +67,23 @@ class ClusterSpec:
             "inter_node_bandwidth_gbs",
             "storage_read_gbs",
         )
+        rates = (
+            "gpu_memory_gib",
+            "peak_bf16_tflops",
+            "hbm_bandwidth_gbs",
+            "intra_node_bandwidth_gbs",
+            "inter_node_bandwidth_gbs",
+            "intra_node_latency_us",
+            "inter_node_latency_us",
+            "runtime_reserved_gib",
+            "storage_read_gbs",
+        )
+        require_finite(self, *rates)
+        require_at_most(self, MAX_RATE, *rates)
+        require_at_most(self, MAX_NODES, "nodes")
+        require_at_most(self, MAX_GPUS_PER_NODE, "gpus_per_node")
         for name in ("intra_node_latency_us", "inter_node_latency_us", "runtime_reserved_gib"):
-            if getattr(self, name) < 0:
+            if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
         if self.runtime_reserved_gib >= self.gpu_memory_gib:
             raise ValueError("runtime_reserved_gib must be below gpu_memory_gib")

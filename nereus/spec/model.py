@@ -7,14 +7,30 @@ so a model is fully described by its Hugging Face ``config.json`` (or our YAML w
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from nereus.errors import ConfigError
-from nereus.spec.schema import build, coerce_enums, load_spec, require_positive
+from nereus.spec.files import brief, load_json
+from nereus.spec.schema import (
+    build,
+    coerce_enums,
+    load_spec,
+    require_at_most,
+    require_finite,
+    require_positive,
+)
+
+# Upper bounds far beyond any real model: beyond them a value is a typo (or hostile) and the cost
+# model's arithmetic would overflow.
+MAX_WIDTH = 1 << 18  # hidden_size, head_dim·heads
+MAX_HEADS = 4096
+MAX_LAYERS = 4096
+MAX_INTERMEDIATE = 1 << 20
+MAX_VOCAB = 1 << 24
+MAX_POSITIONS = 1 << 27
 
 
 class ModelFamily(StrEnum):
@@ -44,6 +60,9 @@ class RopeScaling:
         require_positive(
             self, "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"
         )
+        require_finite(self, "factor", "low_freq_factor", "high_freq_factor")
+        require_at_most(self, 1e6, "factor", "low_freq_factor", "high_freq_factor")
+        require_at_most(self, MAX_POSITIONS, "original_max_position_embeddings")
         if self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(
                 f"high_freq_factor {self.high_freq_factor} must exceed low_freq_factor {self.low_freq_factor}"
@@ -55,13 +74,13 @@ def _rope_from_hf(data: dict[str, Any], path: Path) -> tuple[float | None, RopeS
     ``rope_parameters`` (transformers 5). Only the default and ``llama3`` rope types are modelled."""
     params = data.get("rope_parameters") or data.get("rope_scaling") or {}
     if not isinstance(params, dict):
-        raise ConfigError(f"{path}: key 'rope_parameters': expected a mapping, got {params!r}")
+        raise ConfigError(f"{path}: key 'rope_parameters': expected a mapping, got {brief(params)}")
     theta = params.get("rope_theta", data.get("rope_theta"))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, None
     if kind != "llama3":
-        raise ConfigError(f"{path}: key 'rope_type': expected one of default, llama3, got {kind!r}")
+        raise ConfigError(f"{path}: key 'rope_type': expected one of default, llama3, got {brief(kind)}")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     return theta, build(RopeScaling, {k: params.get(k) for k in keys}, str(path), prefix="rope_scaling.")
 
@@ -100,9 +119,23 @@ class ModelSpec:
             "intermediate_size",
             "vocab_size",
             "max_position_embeddings",
+            "rms_norm_eps",
+            "rope_theta",
         )
-        if self.head_dim < 0:
-            raise ValueError(f"head_dim must be positive (or 0 for hidden/heads), got {self.head_dim}")
+        require_finite(self, "rms_norm_eps", "rope_theta")
+        require_at_most(self, MAX_WIDTH, "hidden_size")
+        require_at_most(self, MAX_LAYERS, "num_hidden_layers")
+        require_at_most(self, MAX_HEADS, "num_attention_heads", "num_key_value_heads")
+        require_at_most(self, MAX_INTERMEDIATE, "intermediate_size")
+        require_at_most(self, MAX_VOCAB, "vocab_size")
+        require_at_most(self, MAX_POSITIONS, "max_position_embeddings")
+        require_at_most(self, 1e12, "rope_theta")
+        if not self.rms_norm_eps < 1:
+            raise ValueError(f"rms_norm_eps must be below 1, got {self.rms_norm_eps}")
+        if not 0 <= self.head_dim <= MAX_WIDTH:
+            raise ValueError(
+                f"head_dim must be in [1, {MAX_WIDTH}] (or 0 for hidden/heads), got {brief(self.head_dim)}"
+            )
         if self.head_dim == 0:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(
@@ -124,17 +157,16 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, path: Path, name: str | None = None) -> ModelSpec:
         """Read a Hugging Face ``config.json`` (keys we do not model, e.g. dropout, are ignored)."""
-        try:
-            data: dict[str, Any] = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{path}: cannot read a JSON object ({exc})") from None
+        data = load_json(path, "model config")
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a JSON object, got {type(data).__name__}")
         model_type = data.get("model_type")
         families = ", ".join(f.value for f in ModelFamily)
         try:
             family = ModelFamily(str(model_type))
         except ValueError:
             raise ConfigError(
-                f"{path}: key 'model_type': expected one of {families}, got {model_type!r}"
+                f"{path}: key 'model_type': expected one of {families}, got {brief(model_type)}"
             ) from None
         keep = {
             "hidden_size",

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from nereus.errors import ConfigError
 from nereus.spec.cluster import ClusterSpec
+from nereus.spec.files import brief, shorten
 from nereus.spec.model import ModelSpec
 from nereus.spec.workload import Algorithm, WorkloadSpec
 
@@ -27,25 +28,52 @@ def names(kind: str) -> list[str]:
     return sorted(p.stem for p in (config_root() / kind).glob(pattern))
 
 
+def _exists(path: Path) -> bool:
+    """``path.exists()``, False for names the OS refuses (too long, an embedded NUL)."""
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except (OSError, ValueError):
+        return False
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def _shipped_name(text: str) -> bool:
+    """Whether ``text`` could name a shipped config (no path separator, not hidden, not empty)."""
+    return bool(text) and os.sep not in text and "/" not in text and not text.startswith(".")
+
+
 def _resolve(kind: str, name_or_path: str, what: str) -> Path:
     path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml", ".json") or path.is_dir() or os.sep in name_or_path:
-        if not path.exists():
-            raise ConfigError(f"{what} file {name_or_path} does not exist")
+    if path.suffix in (".yaml", ".yml", ".json") or _is_dir(path) or os.sep in name_or_path:
+        if not _exists(path):
+            raise ConfigError(f"{what} file {shorten(name_or_path, 200)} does not exist")
         return path
     shipped = config_root() / kind / f"{name_or_path}.yaml"
-    if not shipped.exists():
-        raise ConfigError(f"unknown {what} {name_or_path!r} (choices: {', '.join(names(kind))})")
+    if not _shipped_name(name_or_path) or not _is_file(shipped):
+        raise ConfigError(f"unknown {what} {brief(name_or_path)} (choices: {', '.join(names(kind))})")
     return shipped
 
 
 def load_model(name_or_path: str) -> ModelSpec:
     """A shipped model name, our YAML, a Hugging Face ``config.json``, or a directory holding one."""
     path = _resolve("models", name_or_path, "model")
-    if path.is_dir():
+    if _is_dir(path):
         path = path / "config.json"
-        if not path.exists():
-            raise ConfigError(f"model directory {name_or_path} has no config.json")
+        if not _exists(path):
+            raise ConfigError(f"model directory {shorten(name_or_path, 200)} has no config.json")
         return ModelSpec.from_hf_config(path, name=path.parent.name)
     if path.suffix == ".json":
         return ModelSpec.from_hf_config(path)
@@ -60,12 +88,13 @@ def load_workload(algo_or_path: str) -> WorkloadSpec:
     """The default workload of an algorithm (``ppo``, ``grpo``, ``remax``), another shipped
     workload (``configs/workloads/<name>.yaml``, e.g. ``ppo-tiny``) or a workload YAML."""
     shipped = config_root() / "workloads" / f"{algo_or_path}.yaml"
-    if algo_or_path in {a.value for a in Algorithm} or ("/" not in algo_or_path and shipped.is_file()):
+    if algo_or_path in {a.value for a in Algorithm} or (_shipped_name(algo_or_path) and _is_file(shipped)):
         return WorkloadSpec.from_yaml(shipped)
     if not algo_or_path.endswith((".yaml", ".yml")):
         choices = ", ".join(a.value for a in Algorithm)
         raise ConfigError(
-            f"unknown algorithm {algo_or_path!r} (choices: {choices}, a shipped workload, or a workload YAML)"
+            f"unknown algorithm {brief(algo_or_path)} "
+            f"(choices: {choices}, a shipped workload, or a workload YAML)"
         )
     return WorkloadSpec.from_yaml(_resolve("workloads", algo_or_path, "workload"))
 
@@ -74,12 +103,12 @@ def trace_path(name_or_path: str) -> Path:
     """A shipped GPU-availability trace (``configs/traces/<name>.json``) or a trace file."""
     path = Path(name_or_path)
     if path.suffix == ".json" or os.sep in name_or_path:
-        if not path.exists():
-            raise ConfigError(f"trace file {name_or_path} does not exist")
+        if not _exists(path):
+            raise ConfigError(f"trace file {shorten(name_or_path, 200)} does not exist")
         return path
     shipped = config_root() / "traces" / f"{name_or_path}.json"
-    if not shipped.exists():
+    if not _shipped_name(name_or_path) or not _is_file(shipped):
         raise ConfigError(
-            f"unknown trace {name_or_path!r} (choices: {', '.join(names('traces'))}, or a JSON file)"
+            f"unknown trace {brief(name_or_path)} (choices: {', '.join(names('traces'))}, or a JSON file)"
         )
     return shipped

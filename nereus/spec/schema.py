@@ -1,13 +1,17 @@
 """Strict mapping → frozen dataclass conversion for YAML and JSON configs.
 
-Unknown keys are refused, types are checked (bool is not an int, an int is accepted as a float),
-and every error names the file, the dotted key and the expected type, in one line.
+Unknown keys are refused, types are checked (bool is not an int, an int is accepted as a float,
+NaN and infinities are not numbers, integers beyond 2^53 are refused), and every error names the
+file, the dotted key and the expected type, in one line. YAML is read through ``files.read_text``
+(a regular file of at most 1 MiB, UTF-8) and composed by a loader that refuses more than
+``MAX_ALIASES`` aliases and deep nesting before anything is expanded (no alias bombs).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -15,24 +19,77 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
+from yaml.composer import ComposerError
+from yaml.constructor import ConstructorError
+from yaml.nodes import Node, ScalarNode
 
 from nereus.errors import ConfigError
+from nereus.spec.files import MAX_CONFIG_BYTES, MAX_DEPTH, MAX_INT_DIGITS, brief, read_text, shorten
 
 T = TypeVar("T")
+
+MAX_ALIASES = 8  # YAML aliases (*name) per document: enough for shared blocks, too few for a bomb
+MAX_INT = 2**53  # the largest integer a config may hold (exact as a float)
+
+
+def _num(limit: float) -> str:
+    return str(int(limit)) if float(limit).is_integer() else f"{limit:g}"
+
+
+class _Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that counts aliases and nesting while composing, before any expansion,
+    and turns a constructor's ``ValueError`` (a 5,000-digit integer, a 13th month) into a
+    ``YAMLError`` with a line number."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._aliases = 0
+        self._depth = 0
+
+    def compose_node(self, parent: Node | None, index: Any) -> Node | None:
+        if self.check_event(yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > MAX_ALIASES:
+                mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
+                raise ComposerError(None, None, f"more than {MAX_ALIASES} aliases (*name)", mark)
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
+                raise ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels", mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_object(self, node: Node, deep: bool = False) -> Any:
+        if isinstance(node, ScalarNode) and node.tag == "tag:yaml.org,2002:int":
+            digits = sum(c.isalnum() for c in str(node.value))
+            if digits > MAX_INT_DIGITS:
+                raise ConstructorError(
+                    None,
+                    None,
+                    f"an integer of {digits} digits, at most {MAX_INT_DIGITS} allowed",
+                    node.start_mark,
+                )
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, OverflowError) as exc:
+            raise ConstructorError(None, None, brief(str(exc)), node.start_mark) from None
 
 
 def load_yaml(path: Path) -> dict[str, Any]:
     """Read a YAML file whose top level must be a mapping."""
+    text = read_text(path, "config", MAX_CONFIG_BYTES)
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
-    try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_Loader)  # a SafeLoader
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}:{where} is not valid YAML") from None
+        problem = getattr(exc, "problem", None)
+        why = f" ({shorten(str(problem), 80)})" if problem else ""
+        raise ConfigError(f"{path}:{where} is not valid YAML{why}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: is not valid YAML (nested too deeply)") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
     return data
@@ -46,15 +103,31 @@ def coerce_enums(obj: object, **fields: type[enum.Enum]) -> None:
             object.__setattr__(obj, name, kind(value))
         except ValueError:
             allowed = ", ".join(str(k.value) for k in kind)
-            raise ValueError(f"{name} must be one of {allowed}, got {value!r}") from None
+            raise ValueError(f"{name} must be one of {allowed}, got {brief(value)}") from None
 
 
 def require_positive(obj: object, *names: str) -> None:
-    """In ``__post_init__``: every named numeric field must be > 0."""
+    """In ``__post_init__``: every named numeric field must be > 0 (NaN is not)."""
     for name in names:
         value = getattr(obj, name)
-        if value <= 0:
+        if not value > 0:
             raise ValueError(f"{name} must be positive, got {value}")
+
+
+def require_at_most(obj: object, limit: float, *names: str) -> None:
+    """In ``__post_init__``: every named numeric field must be ≤ ``limit`` (absurd values refused)."""
+    for name in names:
+        value = getattr(obj, name)
+        if not value <= limit:
+            raise ValueError(f"{name} must be at most {_num(limit)}, got {brief(value)}")
+
+
+def require_finite(obj: object, *names: str) -> None:
+    """In ``__post_init__``: every named float field must be a finite number."""
+    for name in names:
+        value = getattr(obj, name)
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value}")
 
 
 def load_spec(cls: type[T], path: Path) -> T:
@@ -82,7 +155,7 @@ def _type_name(tp: Any) -> str:
 
 
 def _fail(source: str, key: str, tp: Any, value: Any) -> ConfigError:
-    return ConfigError(f"{source}: key '{key}': expected {_type_name(tp)}, got {value!r}")
+    return ConfigError(f"{source}: key '{key}': expected {_type_name(tp)}, got {brief(value)}")
 
 
 def _convert(value: Any, tp: Any, source: str, key: str) -> Any:
@@ -108,7 +181,7 @@ def _convert(value: Any, tp: Any, source: str, key: str) -> Any:
         if not isinstance(value, Mapping):
             raise _fail(source, key, tp, value)
         return {
-            _convert(k, key_tp, source, key): _convert(v, val_tp, source, f"{key}.{k}")
+            _convert(k, key_tp, source, key): _convert(v, val_tp, source, f"{key}.{shorten(str(k))}")
             for k, v in value.items()
         }
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
@@ -123,8 +196,14 @@ def _convert(value: Any, tp: Any, source: str, key: str) -> Any:
     if tp is bool and isinstance(value, bool):
         return value
     if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        if abs(value) > MAX_INT:
+            raise ConfigError(f"{source}: key '{key}': expected int of at most 2^53, got {brief(value)}")
         return value
     if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
+        if isinstance(value, int) and abs(value) > MAX_INT:
+            raise ConfigError(f"{source}: key '{key}': expected a number of at most 2^53, got {brief(value)}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{source}: key '{key}': expected a finite number, got {value}")
         return float(value)
     if tp is str and isinstance(value, str):
         return value
@@ -141,7 +220,7 @@ def build(cls: type[T], data: Mapping[str, Any], source: str, prefix: str = "") 
     """
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
-    unknown = sorted(str(k) for k in set(data) - set(fields))
+    unknown = sorted(shorten(str(k)) for k in set(data) - set(fields))
     if unknown:
         raise ConfigError(
             f"{source}: unknown key '{prefix}{unknown[0]}' (allowed: {', '.join(sorted(fields))})"

@@ -17,8 +17,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from nereus.spec.files import brief
 from nereus.spec.model import Head
-from nereus.spec.schema import coerce_enums, load_spec, require_positive
+from nereus.spec.schema import coerce_enums, load_spec, require_at_most, require_positive
+
+MAX_TOKENS = 1 << 24  # a prompt or response length beyond any context window
+MAX_SEQUENCES = 1 << 24  # sequences per step, per batch
 
 
 class Algorithm(StrEnum):
@@ -199,6 +203,15 @@ class WorkloadSpec:
             "max_num_seqs",
             "epochs",
         )
+        require_at_most(self, MAX_TOKENS, "prompt_len", "max_prompt_len", "max_response_len")
+        require_at_most(self, MAX_SEQUENCES, "prompts_per_step", "global_batch", "max_num_seqs")
+        require_at_most(self, 1 << 16, "samples_per_prompt", "micro_batch", "inference_micro_batch")
+        require_at_most(self, 1000, "epochs")
+        if self.sequences_per_step > MAX_SEQUENCES:
+            raise ValueError(
+                f"prompts_per_step × samples_per_prompt must be at most {MAX_SEQUENCES}, "
+                f"got {self.sequences_per_step}"
+            )
         if self.prompt_len > self.max_prompt_len:
             raise ValueError(f"prompt_len {self.prompt_len} exceeds max_prompt_len {self.max_prompt_len}")
         if self.algorithm is Algorithm.GRPO and self.samples_per_prompt < 2:
@@ -211,7 +224,7 @@ class WorkloadSpec:
         roles = {r.value for r in Role}
         for role in self.models:
             if role not in roles:
-                raise ValueError(f"models: unknown role {role!r} (allowed: {', '.join(sorted(roles))})")
+                raise ValueError(f"models: unknown role {brief(role)} (allowed: {', '.join(sorted(roles))})")
 
     @classmethod
     def from_yaml(cls, path: Path) -> WorkloadSpec:

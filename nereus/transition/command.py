@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +20,103 @@ from rich.console import Console
 from rich.table import Table
 
 from nereus.errors import ConfigError, InfeasibleError
-from nereus.plan.layout import Candidate, Layout, Plan
+from nereus.plan.layout import Candidate, Layout, Plan, is_power_of_two
 from nereus.plan.problem import PlanningProblem
 from nereus.plan.report import gpu_ranges
 from nereus.spec.cluster import GIB
-from nereus.spec.workload import ExecutionMode, Recompute
+from nereus.spec.files import brief, load_json, shorten
+from nereus.spec.schema import build
+from nereus.spec.workload import MAX_TOKENS, ExecutionMode, Recompute
 from nereus.transition.between import NoSourceError, Transition, plan_transition
 
 # what must agree between the two plans (the pool, lengths and headroom may differ)
 SAME = ("model", "algo", "cluster", "mode")
 PROBLEM_KEYS = ("model", "algo", "cluster", "gpus", "seq_len", "seq_len_p95", "prompt_len", "mode",
                 "max_tp", "headroom", "urgent", "calibration")  # fmt: skip
+MAX_GPUS = 1 << 20  # --gpus, a plan's pool
+MAX_TP = 1024  # --max-tp, a plan's tp and pp
+MAX_STAGES = 64  # model-stages in a plan
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanProblem:
+    """The ``problem`` section of a printed plan: the ``nereus plan`` flags it was found with."""
+
+    model: str
+    algo: str
+    cluster: str
+    gpus: int
+    seq_len: int
+    seq_len_p95: int | None
+    prompt_len: int | None
+    mode: ExecutionMode
+    max_tp: int | None
+    headroom: float
+    urgent: bool
+    calibration: str | None
+
+    def check(self, path: Path) -> None:
+        """Every value in range (types are ``build``'s); errors name ``path`` and the key."""
+        checks = [
+            ("gpus", self.gpus, 1 <= self.gpus <= MAX_GPUS, f"an integer in [1, {MAX_GPUS}]"),
+            ("seq_len", self.seq_len, 1 <= self.seq_len <= MAX_TOKENS, f"an integer in [1, {MAX_TOKENS}]"),
+            ("headroom", self.headroom, 0.0 <= self.headroom < 1.0, "a number in [0, 1)"),
+        ]
+        if self.seq_len_p95 is not None:
+            ok = self.seq_len <= self.seq_len_p95 <= MAX_TOKENS
+            checks.append(
+                ("seq_len_p95", self.seq_len_p95, ok, f"null or an integer in [seq_len, {MAX_TOKENS}]")
+            )
+        if self.prompt_len is not None:
+            ok = 1 <= self.prompt_len <= MAX_TOKENS
+            checks.append(("prompt_len", self.prompt_len, ok, f"null or an integer in [1, {MAX_TOKENS}]"))
+        if self.max_tp is not None:
+            ok = is_power_of_two(self.max_tp) and self.max_tp <= MAX_TP
+            checks.append(("max_tp", self.max_tp, ok, f"null or a power of two up to {MAX_TP}"))
+        for name, value, ok, allowed in checks:
+            if not ok:
+                raise ConfigError(f"{path}: key 'problem.{name}': expected {allowed}, got {brief(value)}")
+
+    def namespace(self, origin: Path) -> argparse.Namespace:
+        """What ``nereus plan``'s parser would have produced; ``origin`` names the file in errors."""
+        values = {k: getattr(self, k) for k in PROBLEM_KEYS}
+        values["mode"] = self.mode.value
+        return argparse.Namespace(**values, origin=str(origin))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageEntry:
+    """One entry of a printed plan's ``stages`` (its other keys are reports, not read back)."""
+
+    name: str
+    tp: int
+    pp: int
+    dp: int
+    gpus: tuple[int, ...]
+    micro_batch: int = 1
+    recompute: Recompute = Recompute.NONE
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp"):
+            value = getattr(self, name)
+            if not (is_power_of_two(value) and value <= MAX_TP):
+                raise ValueError(f"{name} must be a power of two up to {MAX_TP}, got {brief(value)}")
+        for name in ("dp", "micro_batch"):
+            value = getattr(self, name)
+            if not 1 <= value <= MAX_GPUS:
+                raise ValueError(f"{name} must be an integer in [1, {MAX_GPUS}], got {brief(value)}")
+
+
+_STAGE_KEYS = {f.name for f in fields(StageEntry)}
+
+
+@dataclass(frozen=True, slots=True)
+class PlanDoc:
+    """A printed plan (``nereus plan --json``), its shape checked."""
+
+    path: Path
+    problem: PlanProblem
+    stages: tuple[StageEntry, ...]
 
 
 def add_parser(sub: Any) -> None:
@@ -39,95 +127,114 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
 
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: not a plan JSON ({exc})") from None
+def read_plan(path: Path) -> PlanDoc:
+    """A printed plan from ``path``: every field typed and in range, or one ``ConfigError`` line."""
+    doc = load_json(path, "plan")
     if not isinstance(doc, dict):
-        raise ConfigError(f"{path}: not a plan JSON (expected an object)")
+        raise ConfigError(f"{path}: not a plan JSON (expected an object; write it with nereus plan --json)")
     for key in ("problem", "stages"):
         if key not in doc:
-            raise ConfigError(f"{path}: missing field '{key}' (write it with nereus plan --json)")
+            raise ConfigError(f"{path}: missing key '{key}' (write it with nereus plan --json)")
     problem = doc["problem"]
-    if not isinstance(problem, dict) or set(PROBLEM_KEYS) - set(problem):
-        raise ConfigError(f"{path}: field 'problem' must hold {', '.join(PROBLEM_KEYS)}")
-    return doc
+    if not isinstance(problem, dict):
+        raise ConfigError(f"{path}: key 'problem': expected a mapping of {', '.join(PROBLEM_KEYS)}")
+    stages = doc["stages"]
+    if not isinstance(stages, list) or not 1 <= len(stages) <= MAX_STAGES:
+        raise ConfigError(f"{path}: key 'stages': expected a list of 1 to {MAX_STAGES} model-stages")
+    entries = []
+    for i, s in enumerate(stages):
+        if not isinstance(s, dict):
+            raise ConfigError(f"{path}: key 'stages[{i}]': expected a mapping, got {brief(s)}")
+        entries.append(
+            build(StageEntry, {k: v for k, v in s.items() if k in _STAGE_KEYS}, str(path), f"stages[{i}].")
+        )
+    parsed = build(PlanProblem, problem, str(path), "problem.")
+    parsed.check(path)
+    return PlanDoc(path, parsed, tuple(entries))
 
 
-def parse_gpus(text: str) -> frozenset[int]:
-    """``"3,8-11"`` → {3, 8, 9, 10, 11}."""
+def parse_gpus(text: str, pool: int, source: Path) -> frozenset[int]:
+    """``"3,8-11"`` → {3, 8, 9, 10, 11}; every id must lie in the pool of ``source`` (0…pool-1),
+    checked before a range is expanded."""
     out: set[int] = set()
     for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, _, hi = part.partition("-")
-        try:
-            a, b = int(lo), int(hi or lo)
-        except ValueError:
-            raise ConfigError(f"--lost: expected GPU ids like 3,8-11, got {part!r}") from None
-        if a < 0 or b < a:
-            raise ConfigError(f"--lost: bad range {part!r}")
+        match = re.fullmatch(r"(\d{1,9})(?:-(\d{1,9}))?", part)
+        if match is None:
+            raise ConfigError(f"--lost: expected GPU ids like 3,8-11, got {brief(part)}")
+        a, b = int(match.group(1)), int(match.group(2) or match.group(1))
+        if b < a:
+            raise ConfigError(f"--lost: bad range {brief(part)} (expected LOW-HIGH)")
+        if b >= pool:
+            raise ConfigError(f"--lost: GPU {b} is outside the pool of {source} (0-{pool - 1})")
         out.update(range(a, b + 1))
     return frozenset(out)
 
 
-def plan_from_json(path: Path, doc: dict[str, Any], problem: PlanningProblem) -> Plan:
+def plan_from_json(doc: PlanDoc, problem: PlanningProblem) -> Plan:
     """The ``Plan`` a printed plan describes, validated against ``problem``'s workflow and pool."""
-    wf = problem.workflow
-    pool = tuple(range(int(doc["problem"]["gpus"])))
+    path = doc.path
+    pool = tuple(range(doc.problem.gpus))
     cands = []
-    for i, s in enumerate(doc["stages"]):
+    for i, s in enumerate(doc.stages):
         where = f"{path}: stages[{i}]"
-        try:
-            name = str(s["name"])
-            gpus = tuple(int(g) for g in s["gpus"])
-            bad = sorted(g for g in gpus if g not in pool)
-            if bad:
-                raise ConfigError(f"{where} ({name}): gpus {bad} outside the pool 0-{len(pool) - 1}")
-            cands.append(
-                Candidate(
-                    name,
-                    Layout(int(s["tp"]), int(s["pp"])),
-                    int(s["dp"]),
-                    gpus,
-                    int(s.get("micro_batch", 1)),
-                    Recompute(s.get("recompute", "none")),
-                )
+        bad = sorted(g for g in s.gpus if not 0 <= g < len(pool))
+        if bad:
+            raise ConfigError(
+                f"{where} ({shorten(s.name, 30)}): gpus {brief(bad)} outside the pool 0-{len(pool) - 1}"
             )
-        except KeyError as exc:
-            raise ConfigError(f"{where}: missing field {exc}") from None
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{where}: {exc}") from None
+        try:
+            cands.append(Candidate(s.name, Layout(s.tp, s.pp), s.dp, s.gpus, s.micro_batch, s.recompute))
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {shorten(str(exc), 200)}") from None
     try:
-        return Plan(wf, tuple(cands), pool, ExecutionMode(doc["problem"]["mode"]))
+        return Plan(problem.workflow, tuple(cands), pool, doc.problem.mode)
     except ValueError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        raise ConfigError(f"{path}: {shorten(str(exc), 300)}") from None
 
 
-def load_plan(path: Path, build: Callable[[argparse.Namespace], PlanningProblem]) -> Plan:
-    """A printed plan, rebuilt against its own problem."""
-    doc = _read(path)
-    return plan_from_json(path, doc, build(argparse.Namespace(**doc["problem"])))
+def load_plan(
+    path: Path,
+    build_problem: Callable[[argparse.Namespace], PlanningProblem],
+    expect: dict[str, str] | None = None,
+    flag: str = "--anchor",
+) -> Plan:
+    """A printed plan, rebuilt against its own problem; with ``expect`` (e.g. ``{"cluster":
+    "h200-ib"}``), a plan for another model, algorithm, cluster or mode is refused first. Errors
+    start with ``flag``."""
+    try:
+        doc = read_plan(path)
+    except ConfigError as exc:
+        raise ConfigError(f"{flag} {str(exc).removeprefix('plan ')}") from None
+    for key, value in (expect or {}).items():
+        theirs = getattr(doc.problem, key)
+        theirs = theirs.value if isinstance(theirs, ExecutionMode) else theirs
+        if theirs != value:
+            raise ConfigError(
+                f"{flag} {path}: the plan is for {key} {brief(theirs)}, not {brief(value)} "
+                f"(allowed: a plan of the same {', '.join(SAME)})"
+            )
+    return plan_from_json(doc, build_problem(doc.problem.namespace(path)))
 
 
 def run(
-    args: argparse.Namespace, out: Console, build: Callable[[argparse.Namespace], PlanningProblem]
+    args: argparse.Namespace, out: Console, build_problem: Callable[[argparse.Namespace], PlanningProblem]
 ) -> int:
-    a_doc, b_doc = _read(args.source), _read(args.target)
+    a_doc, b_doc = read_plan(args.source), read_plan(args.target)
     for key in SAME:
-        if a_doc["problem"][key] != b_doc["problem"][key]:
+        a, b = getattr(a_doc.problem, key), getattr(b_doc.problem, key)
+        if a != b:
             raise ConfigError(
-                f"plans are for different {key}s: {a_doc['problem'][key]!r} ({args.source}) vs "
-                f"{b_doc['problem'][key]!r} ({args.target})"
+                f"plans are for different {key}s: {brief(str(a))} ({args.source}) vs "
+                f"{brief(str(b))} ({args.target})"
             )
-    problem = build(argparse.Namespace(**b_doc["problem"]))
-    current = plan_from_json(args.source, a_doc, build(argparse.Namespace(**a_doc["problem"])))
-    target = plan_from_json(args.target, b_doc, problem)
-    lost = parse_gpus(args.lost)
+    lost = parse_gpus(args.lost, a_doc.problem.gpus, args.source)
+    problem = build_problem(b_doc.problem.namespace(args.target))
+    current = plan_from_json(a_doc, build_problem(a_doc.problem.namespace(args.source)))
+    target = plan_from_json(b_doc, problem)
     reused = sorted(lost & {g for c in target.candidates for g in c.gpus})
     if reused:
-        raise ConfigError(f"--lost: the target plan {args.target} places state on lost GPUs {reused}")
+        lost_gpus = shorten(gpu_ranges(tuple(reused)))
+        raise ConfigError(f"--lost: the target plan {args.target} places state on lost GPUs {lost_gpus}")
     try:
         tr = plan_transition(problem, current, target, lost)
     except NoSourceError as exc:
