@@ -19,9 +19,10 @@ $(STAMP): setup.cfg pyproject.toml
 
 # The main job: a tiny PPO run on 4 local worker processes that loses and regains a worker and
 # grows its responses; the controller replans and the state moves (runs/ppo-tiny/: metrics.jsonl,
-# TensorBoard events, report.png, checkpoints, the actor in HF format).
+# TensorBoard events, report.png, checkpoints, the actor in HF format). runs/ppo-tiny is this
+# target's own folder, so each `make run` replaces the previous one (--force).
 run: install
-	$(BIN)/nereus run configs/experiments/ppo-tiny.yaml
+	$(BIN)/nereus run configs/experiments/ppo-tiny.yaml --force
 
 test: install
 	$(BIN)/python -m pytest -q

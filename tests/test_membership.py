@@ -14,16 +14,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.membership import JoinRefusedError, Membership, Rendezvous, sign
+from nereus.runtime.membership import JOIN_QUEUE, JoinRefusedError, Membership, Rendezvous
+from nereus.runtime.signed import BoundedLog, SignedStore
 
 pytestmark = pytest.mark.dist
 
 SECRET = bytes(range(32))
 
 
-def _ask(m: Membership, out: dict[str, object], gpu: int | None = None) -> None:
+def _ask(m: Membership, out: dict[str, object], gpu: int | None = None, timeout_s: float = 30) -> None:
     try:
-        out["answer"] = m.request_join(gpu, timeout_s=30)
+        out["answer"] = m.request_join(gpu, timeout_s=timeout_s)
     except JoinRefusedError as exc:
         out["refused"] = str(exc)
 
@@ -41,12 +42,12 @@ def test_a_join_without_the_secret_is_refused_and_logged(tmp_path: Path) -> None
     log = tmp_path / "membership.log"
     leader = Membership.host(SECRET, log=log)
     leader.members = (0, 1)
-    stranger = Membership.connect(leader.rendezvous, b"not the secret" * 2, -1)
+    stranger = Membership.connect(leader.rendezvous, b"not the secret" * 3, -1)
     friend = Membership.connect(leader.rendezvous, SECRET, -1)
     s_out: dict[str, object] = {}
     f_out: dict[str, object] = {}
     threads = [
-        threading.Thread(target=_ask, args=(stranger, s_out)),
+        threading.Thread(target=_ask, args=(stranger, s_out, None, 8)),
         threading.Thread(target=_ask, args=(friend, f_out, 5)),
     ]
     for t in threads:
@@ -54,26 +55,83 @@ def test_a_join_without_the_secret_is_refused_and_logged(tmp_path: Path) -> None
     (req,) = _pending(leader, 1)  # the stranger's request is refused inside pending_joins
     leader.answer(req, 5, 1, (0, 1, 5))  # type: ignore[arg-type]
     for t in threads:
-        t.join(10)
-    assert "bad secret" in str(s_out["refused"])
+        t.join(15)
+    assert "could not verify this request" in str(s_out["refused"])  # a note, never an answer
     assert f_out["answer"] == (5, 1, (0, 1, 5))
     text = log.read_text()
     assert "refused join request" in text and "bad secret" in text and "accepted join request" in text
 
 
-def test_replayed_and_malformed_requests_are_refused(tmp_path: Path) -> None:
+def test_replayed_forged_and_malformed_requests_are_refused_never_fatal(tmp_path: Path) -> None:
     leader = Membership.host(SECRET, log=tmp_path / "m.log")
-    body = {"nonce": "ab" * 16, "time": time.time(), "host": "h", "pid": 1, "gpu": None}
-    signed = json.dumps({**body, "mac": sign(SECRET, body)})
-    for raw in (signed, signed, "{not json", json.dumps({**body, "time": time.time() - 3600, "mac": "x"})):
-        i = leader.store.add("join/count", 1)
-        leader.store.set(f"join/req/{i}", raw)
+    signed = SignedStore(leader.store, SECRET)
+    body = {"ticket": "ab" * 16, "time": time.time(), "host": "h", "pid": 1, "gpu": None}
+    good = signed.envelope(JOIN_QUEUE, body)
+    stale = signed.envelope(JOIN_QUEUE, {**body, "ticket": "cd" * 16, "time": time.time() - 3600})
+    moved = signed.envelope(
+        "join/answer/" + "ab" * 16, {**body, "ticket": "ef" * 16}
+    )  # signed for another key
+    hostile = [
+        good,
+        good,
+        stale,
+        moved,
+        "{not json",
+        b"\xff\xfe",
+        json.dumps({"value": body, "mac": "\u00e9" * 64}),
+        json.dumps({"value": body, "mac": 5}),
+        json.dumps([1, 2]),
+        "x" * 10_000,
+        SignedStore(leader.store, b"not the secret" * 3).envelope(JOIN_QUEUE, {**body, "ticket": "12" * 16}),
+    ]
+    for raw in hostile:
+        leader.store.queue_push(JOIN_QUEUE, raw)
     accepted = leader.pending_joins()
-    assert [r.index for r in accepted] == [1]
-    answers = [json.loads(leader.store.get(f"join/answer/{i}")) for i in (2, 3, 4)]
-    assert "replayed" in answers[0]["refused"]
-    assert "malformed" in answers[1]["refused"]
-    assert "bad secret" in answers[2]["refused"]
+    assert [r.ticket for r in accepted] == ["ab" * 16]
+    stale_answer = signed.read("join/answer/" + "cd" * 16)
+    assert "replayed or stale" in stale_answer["refused"]
+    for ticket in ("12" * 16, "ef" * 16):  # another secret, or signed for another key: no answer at all,
+        assert not leader.store.check(["join/answer/" + ticket])  # so a stranger cannot make one
+    text = (tmp_path / "m.log").read_text()
+    assert "malformed" in text or "bad secret" in text
+
+
+def test_forged_store_entries_are_ignored_and_the_log_stays_bounded(tmp_path: Path) -> None:
+    log = tmp_path / "m.log"
+    leader = Membership.host(SECRET, log=log)
+    leader.members = (0, 1)
+    for garbage in ("not a number", json.dumps({"value": {"t": 1e18}, "mac": "0" * 64}), "\x00"):
+        leader.store.set("hb/1", garbage)  # a stranger's heartbeat for GPU 1
+        assert leader.alive(1) is False
+        leader.store.set("host/1", garbage)
+        assert leader.hosts()[1] == "gpu1"
+    for _ in range(5000):  # a flood of bad join requests over many boundaries
+        leader.store.queue_push(JOIN_QUEUE, "{garbage")
+    while leader.store.queue_len(JOIN_QUEUE):
+        assert leader.pending_joins() == []
+    assert log.stat().st_size < 64 * 1024  # rate-limited: a burst per minute, not a line per request
+    bounded = BoundedLog(tmp_path / "small.log", max_bytes=2000)
+    for i in range(1000):
+        bounded.write(f"line {i}")
+    assert (tmp_path / "small.log").stat().st_size <= 2100
+    assert "the log is full" in (tmp_path / "small.log").read_text()
+
+
+def test_a_short_secret_is_refused_and_the_store_listens_only_where_asked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="at least 32 bytes"):
+        Membership.host(b"short")
+    leader = Membership.host(SECRET, address="127.0.0.1")
+    import socket
+
+    other = [a for a in {i[4][0] for i in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
+             if not a.startswith("127.")]  # fmt: skip
+    with socket.socket() as s:
+        s.settimeout(2)
+        assert s.connect_ex(("127.0.0.1", leader.rendezvous.port)) == 0
+    for address in other:  # another interface of this host: nothing listens there
+        with socket.socket() as s:
+            s.settimeout(2)
+            assert s.connect_ex((address, leader.rendezvous.port)) != 0
 
 
 def test_rendezvous_file_is_private_and_waits_for_its_launch(tmp_path: Path) -> None:

@@ -125,7 +125,8 @@ def test_shrink_drains_a_worker_in_place_and_preemption_resumes_on_track(
     """A shrink request (as ``nereus-launch shrink`` writes it) waiting in the control folder:
     at the first boundary the plan moves off one worker while it still holds its state, then
     it leaves. A SIGUSR2 (SLURM's preemption signal) later checkpoints at the next boundary
-    and stops; ``--resume`` finishes the job. Both end where the untouched run ends."""
+    and stops (exit 144, one line); ``--resume`` finishes the job. Both end where the untouched
+    run ends. (The control folder may exist before the first run: it is the run's input.)"""
     out = tmp_path / "runs" / "drained"
     (out / "control").mkdir(parents=True)
     (out / "control" / "shrink-1.json").write_text('{"nodes": 1}')
@@ -140,8 +141,12 @@ def test_shrink_drains_a_worker_in_place_and_preemption_resumes_on_track(
             break
         time.sleep(0.1)
     _, err = proc.communicate(timeout=240)
-    assert proc.returncode == 0, err[-3000:]
+    assert proc.returncode == 144, err[-3000:]  # stopped by SIGUSR2: submitit's requeue code
     rows = metrics(out)
+    assert err.splitlines() == [
+        f"nereus run: stopped by SIGUSR2 after step {rows[-1]['step']}, with a checkpoint; "
+        "resume with --resume"
+    ]
     assert rows[-1]["transitions"][-1]["kind"] == "preempted" and len(rows) < 6, rows[-1]  # type: ignore[index]
     first = rows[0]["transitions"]
     assert [t["kind"] for t in first][-1] == "membership" and first[-1]["left"] == [3], first  # type: ignore[index]

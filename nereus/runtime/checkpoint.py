@@ -3,12 +3,18 @@
 What is saved: every model-stage that nothing else can rebuild — the trainers (parameters,
 master weights, Adam moments) and the frozen ones without a weight-sync source (reference,
 reward model) — as DTensors on each model-stage's (dp, pp, tp) mesh (``nereus.state.checkpoint``),
-plus ``meta.json`` (the step, every saved model-stage's logical state, the plan). Generation
-and inference stages are restored from their trainers by a weight sync after loading.
+plus ``meta.json`` (the step, the model and workload the job trains, every saved model-stage's
+logical state, the plan). Generation and inference stages are restored from their trainers by a
+weight sync after loading.
 
-A checkpoint is written to a hidden temporary folder and renamed when every rank has finished;
-``latest`` names the newest complete one, so a failing worker never leaves a checkpoint that
-looks complete. All functions are collective over the world. Edge module.
+A checkpoint is written to a hidden temporary folder, signed (``nereus.runtime.signing``: a
+manifest of every file's SHA-256 and an HMAC with the job's key) and renamed when every rank has
+finished; ``latest`` names the newest complete one, so a failing worker never leaves a
+checkpoint that looks complete. ``load`` refuses, on every rank alike and before DCP reads
+anything, a checkpoint that does not verify or that another model or workload wrote. The key
+is the process's (``use_key``: the launched job's secret, or ``nereus run``'s
+``<out>/checkpoint.key``). All functions but ``use_key`` are collective over the world. Edge
+module.
 """
 
 from __future__ import annotations
@@ -16,27 +22,53 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from nereus.errors import ConfigError
 from nereus.plan.layout import Plan
+from nereus.runtime import signing
+from nereus.runtime.comm import all_gather, broadcast
 from nereus.runtime.worker import Worker
+from nereus.spec.workload import Role
 from nereus.state.checkpoint import kv_mesh, layout_mesh, to_dtensors
 from nereus.state.emu import LogicalState, replicas
 from nereus.state.holder import RankState
 
-LATEST = "latest"
+LATEST = signing.LATEST
+DCP_METADATA = ".metadata"
+_KEY: dict[str, bytes] = {}  # "key": this process's checkpoint key
+
+
+def use_key(key: bytes) -> None:
+    """The key this process signs and verifies checkpoints with."""
+    if len(key) < signing.KEY_BYTES:
+        raise ValueError(f"a checkpoint key has at least {signing.KEY_BYTES} bytes, got {len(key)}")
+    _KEY["key"] = bytes(key)
+
+
+def _the_key() -> bytes:
+    if "key" not in _KEY:
+        raise RuntimeError("no checkpoint key: the process's entry point calls checkpoint.use_key")
+    return _KEY["key"]
 
 
 def saved_stages(worker: Worker) -> list[str]:
     """Model-stages a checkpoint holds: those without a weight-sync source."""
     return [ms.name for ms in worker.workflow.model_stages if worker.workflow.sync_source(ms.name) is None]
+
+
+def identity(worker: Worker) -> dict[str, str]:
+    """What the checkpoint's state belongs to: a resume with another model or workload is refused."""
+    return {"model": worker.models[Role.ACTOR].name, "workload": worker.workload.name}
 
 
 def _state_dict(worker: Worker, plan: Plan) -> dict[str, Any]:
@@ -53,21 +85,25 @@ def _state_dict(worker: Worker, plan: Plan) -> dict[str, Any]:
 
 
 def save(worker: Worker, plan: Plan, step: int, folder: Path, keep: int = 2) -> Path:
-    """Checkpoint after ``step`` into ``folder/step_<step>``; keeps the newest ``keep``."""
+    """Checkpoint after ``step`` into ``folder/step_<step>``, signed; keeps the newest ``keep``."""
+    key = _the_key()
     folder = Path(folder)
     final = folder / f"step_{step:06d}"
     tmp = folder / f".step_{step:06d}.tmp"
     if dist.get_rank() == 0:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        tmp.mkdir(mode=0o700)
     dist.barrier()
     dcp_save(_state_dict(worker, plan), checkpoint_id=str(tmp))
-    states: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(states, {n: dataclasses.asdict(rs.state) for n, rs in worker.holder.units.items()})
+    states = all_gather(
+        {n: dataclasses.asdict(rs.state) for n, rs in worker.holder.units.items()}, dict[str, dict[str, int]]
+    )
     if dist.get_rank() == 0:
         logical = {n: s for part in states for n, s in part.items() if n in saved_stages(worker)}
-        meta = {"step": step, "logical_state": logical, "plan": _plan_json(plan)}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+        meta = {"step": step, **identity(worker), "logical_state": logical, "plan": _plan_json(plan)}
+        (tmp / signing.META).write_text(json.dumps(meta, indent=1) + "\n")
+        signing.sign(tmp, key)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         pointer = folder / f".{LATEST}.tmp"
@@ -80,31 +116,82 @@ def save(worker: Worker, plan: Plan, step: int, folder: Path, keep: int = 2) -> 
 
 
 def latest(folder: Path) -> Path | None:
-    pointer = Path(folder) / LATEST
-    if not pointer.is_file():
-        return None
-    path = Path(folder) / pointer.read_text().strip()
-    if not (path / "meta.json").is_file():
-        raise ConfigError(f"{pointer}: names {path.name}, which is not a complete checkpoint")
-    return path
+    """The newest complete checkpoint under ``folder`` (``signing.latest``: only a folder directly
+    under it); None when there is none. Not collective."""
+    return signing.latest(folder)
 
 
-def _meta(path: Path) -> tuple[int, dict[str, Any]]:
+def agreed_latest(folder: Path, wanted: bool = True) -> Path | None:
+    """``latest`` as rank 0 finds it, on every rank (None when not ``wanted``); a bad pointer is
+    the same ``ConfigError`` everywhere."""
+    found: dict[str, str] | None = None
+    if dist.get_rank() == 0 and wanted:
+        try:
+            path = latest(folder)
+            found = {"path": str(path)} if path is not None else None
+        except ConfigError as exc:
+            found = {"error": str(exc)}
+    got: dict[str, str] | None = broadcast(found, dict[str, str] | None)
+    if got is not None and "error" in got:
+        raise ConfigError(got["error"])
+    return Path(got["path"]) if got is not None else None
+
+
+def verified(path: Path) -> signing.Manifest:
+    """Checkpoint ``path``'s manifest after every rank checked its share of the files; one rank's
+    refusal is every rank's ``ConfigError``."""
+    manifest, error = None, None
     try:
-        meta = json.loads((Path(path) / "meta.json").read_text())
+        manifest = signing.verify(path, _the_key(), dist.get_rank(), dist.get_world_size())
+    except (ConfigError, OSError) as exc:
+        error = str(exc)
+    first = next((e for e in all_gather(error, str | None) if e is not None), None)
+    if first is not None or manifest is None:
+        raise ConfigError(first or f"{path}: not verified")
+    return manifest
+
+
+def _meta(path: Path, meta: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    try:
         return int(meta["step"]), dict(meta["logical_state"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{path}/meta.json: not a Nereus checkpoint ({exc})") from None
 
 
 def step_of(path: Path) -> int:
-    """The step after which checkpoint ``path`` was written."""
-    return _meta(path)[0]
+    """The step after which checkpoint ``path`` was written (its ``meta.json``, unverified: for
+    messages; ``load`` verifies). Not collective."""
+    try:
+        meta = json.loads((Path(path) / signing.META).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}/meta.json: not a Nereus checkpoint ({exc})") from None
+    return _meta(path, meta if isinstance(meta, dict) else {})[0]
+
+
+class VerifiedReader(FileSystemReader):
+    """DCP's file reader, unpickling ``.metadata`` only from bytes with the signed digest."""
+
+    def __init__(self, manifest: signing.Manifest) -> None:
+        super().__init__(manifest.path)
+        self.manifest = manifest
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        data = self.manifest.read(DCP_METADATA)  # refused unless it is what was signed
+        metadata: Metadata = pickle.loads(data)  # verified bytes only
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        assert metadata.storage_meta is not None
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def load(worker: Worker, plan: Plan, path: Path) -> int:
-    """Fill this rank's saved model-stages under ``plan`` from ``path``; returns its step."""
-    step, logical = _meta(path)
+    """Fill this rank's saved model-stages under ``plan`` from ``path``; returns its step.
+    Nothing is loaded unless the checkpoint verifies and this job's model and workload wrote it."""
+    manifest = verified(path)
+    meta = manifest.meta()
+    signing.check_identity(path, meta, identity(worker))
+    step, logical = _meta(path, meta)
     missing = sorted(set(saved_stages(worker)) - set(logical))
     if missing:
         raise ConfigError(f"{path}/meta.json: key 'logical_state': no state for {missing}")
@@ -116,7 +203,7 @@ def load(worker: Worker, plan: Plan, path: Path) -> int:
                 name, worker.model_of(name), plan.candidate(name).layout, place.t, place.p,
                 worker.policy_of(name), LogicalState(**logical[name]),
             )  # fmt: skip
-    dcp_load(_state_dict(worker, plan), checkpoint_id=str(path))
+    dcp_load(_state_dict(worker, plan), storage_reader=VerifiedReader(manifest))
     return step
 
 

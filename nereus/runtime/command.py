@@ -1,14 +1,36 @@
-"""``nereus run EXP.yaml``: an RL job as local worker processes (torch is imported only here)."""
+"""``nereus run EXP.yaml``: an RL job as local worker processes.
+
+Before anything is written or started, ``preflight`` checks everything a worker would reject —
+the experiment and its names, that a plan exists for the workers, the output folder
+(``nereus.runtime.outdir``), a ``--resume``'s checkpoint (signed by this run's key, written for
+this model and workload), the dataset, the verifier and ``init:`` weights — and a bad one is one
+``ConfigError`` line, exit 2. This process never imports torch: the checks that need the
+runtime's torch-importing modules (the dataset, the verifier, Hugging Face weights) run in a
+short child process, and the workers import the runtime themselves.
+
+Exit codes: 0 done; 1 a worker failed; 2 bad input (nothing written), or a checkpoint a running
+job refused; 130, 143, 144: stopped by SIGINT, SIGTERM, SIGUSR2 after a checkpoint
+(``nereus.runtime.signals``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
-from nereus.errors import ConfigError
+from nereus.errors import ConfigError, InfeasibleError, NereusError
+from nereus.runtime import outdir, signing
+from nereus.runtime.signals import exit_code
+from nereus.runtime.signals import name as signal_name
+
+FEASIBLE_LISTED_UP_TO = 64  # worker counts tried for the message of an infeasible one
 
 
 def add_parser(sub: Any) -> None:
@@ -18,6 +40,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--steps", type=int, default=None, help="override the experiment's step count")
     p.add_argument(
         "--resume", action="store_true", help="continue from the latest checkpoint in the results folder"
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="write into a results folder that is not empty, replacing a previous run's files there",
     )
 
 
@@ -33,7 +60,7 @@ def node(args: argparse.Namespace, out: Console) -> int:
     from nereus.runtime.node import JobFolder, main
 
     folder = JobFolder(args.job_dir)  # a clear error (exit 2) before anything starts
-    preflight(folder.spec(), folder.run, resume=False)
+    preflight(folder.spec(), folder.run, resume=False, local=False)
     from nereus.runtime.membership import JoinRefusedError
 
     try:
@@ -44,13 +71,13 @@ def node(args: argparse.Namespace, out: Console) -> int:
     return 0
 
 
-def preflight(spec: Any, folder: Path, resume: bool) -> None:
+# ------------------------------------------------------------------ the preflight
+def preflight(spec: Any, folder: Path, resume: bool, force: bool = False, local: bool = True) -> None:
     """Everything a worker would reject, checked before any process starts or file is written:
-    one ``ConfigError`` (exit 2) naming the cause."""
+    one ``ConfigError`` (exit 2) naming the cause. ``local``: ``nereus run``'s checks of the
+    output folder and of a plan for ``spec.workers`` (a launched job's world is SLURM's)."""
     from nereus.control.controller import policy_config
-    from nereus.rl.data import PromptDataset
     from nereus.rl.tokenizer import CharTokenizer
-    from nereus.rl.verifiers import get_verifier
     from nereus.spec import load_cluster, load_model, load_workload
 
     workload = load_workload(spec.workload)
@@ -71,31 +98,183 @@ def preflight(spec: Any, folder: Path, resume: bool) -> None:
         raise ConfigError(
             f"model: {model.name}'s vocabulary ({model.vocab_size}) is smaller than the tokenizer's"
         )
-    if spec.dataset:
-        PromptDataset.load(Path(spec.dataset), tok, workload.max_prompt_len)
     policy_config(spec.policy)
-    get_verifier(spec.verifier)
-    from nereus.backends import hf
-    from nereus.spec.model import Head
+    for role in ("actor", "reward", "critic"):
+        path = spec.init.path(role)
+        if path and not (Path(path) / "config.json").is_file():
+            raise ConfigError(f"init.{role}: {path} is not a Hugging Face checkpoint folder (no config.json)")
+    if local:
+        outdir.check(folder, resume, force)
+    first = 0
+    if resume:
+        first = check_checkpoint(folder, {"model": model.name, "workload": workload.name}) + 1
+    if local:
+        check_plan(spec, spec.workers, spec.max_new_tokens_at(first))
+    _checks_in_a_child(spec)
 
+
+def check_checkpoint(folder: Path, expected: dict[str, str]) -> int:
+    """``--resume``: the latest checkpoint under ``folder`` verifies with the run's key and was
+    written for ``expected``'s model and workload. Returns its step."""
+    ckpts = folder / "checkpoints"
+    try:
+        path = signing.latest(ckpts)
+        if path is None:
+            raise ConfigError(f"no checkpoint under {ckpts}")
+        key_file = folder / signing.KEY_FILE
+        if not key_file.is_file():
+            raise ConfigError(
+                f"{key_file} is missing: a checkpoint is loaded only with the key of the run that wrote it"
+            )
+        meta = signing.verify(path, signing.read_key(key_file)).meta()
+        signing.check_identity(path, meta, expected)
+        step = meta.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ConfigError(f"{path}/{signing.META}: key 'step': expected a non-negative integer")
+    except ConfigError as exc:
+        raise ConfigError(f"--resume: {exc}") from None
+    return step
+
+
+def check_plan(spec: Any, workers: int, max_new: int) -> None:
+    """A plan exists for ``workers`` (as the leader's first plan: ``nereus.runtime.job``'s
+    ``initial_plan``, without torch); else a ``ConfigError`` naming the worker counts that fit."""
+    from nereus.plan.problem import PlanningProblem, SeqStats
+    from nereus.plan.search import search
+    from nereus.spec import load_cluster, load_model, load_workload
+    from nereus.spec.model import Head
+    from nereus.spec.workload import Role
+
+    workload, actor = load_workload(spec.workload), load_model(spec.model)
+    cluster = load_cluster(spec.cluster)
+    models = {role: actor for role in Role}
+    models[Role.CRITIC] = actor.with_head(Head.VALUE)
+    models[Role.REWARD] = actor.with_head(Head.VALUE)
+    seq = SeqStats.fixed(workload.prompt_len, max_new)
+
+    def why_not(n: int) -> str | None:
+        try:
+            search(PlanningProblem(workload, models, cluster, tuple(range(n)), seq))
+        except (InfeasibleError, ValueError) as exc:
+            return str(exc)
+        return None
+
+    reason = why_not(workers)
+    if reason is None:
+        return
+    top = min(cluster.total_gpus, FEASIBLE_LISTED_UP_TO)
+    fits = [n for n in range(1, top + 1) if n != workers and why_not(n) is None]
+    allowed = f"allowed on {cluster.name}: {_ranges(fits)}" if fits else f"no count up to {top} fits"
+    raise ConfigError(
+        f"workers: no plan of {workload.name} for {actor.name} fits {workers} workers ({reason}); {allowed}"
+    )
+
+
+def _ranges(values: list[int]) -> str:
+    """``[1, 2, 3, 5]`` → ``1-3, 5``."""
+    parts: list[str] = []
+    for v in values:
+        if parts and v == int(parts[-1].split("-")[-1]) + 1:
+            parts[-1] = f"{parts[-1].split('-')[0]}-{v}"
+        else:
+            parts.append(str(v))
+    return ", ".join(parts)
+
+
+def torch_checks(spec: Any) -> None:
+    """The checks that import torch (run in a child process by ``preflight``): the dataset's
+    records, the verifier, and each ``init:`` folder's architecture and weights."""
+    from nereus.backends import hf
+    from nereus.plan.layout import Layout
+    from nereus.rl.data import PromptDataset
+    from nereus.rl.tokenizer import CharTokenizer
+    from nereus.rl.verifiers import get_verifier
+    from nereus.spec import load_model, load_workload
+    from nereus.spec.model import Head
+    from nereus.state.geometry import shards
+
+    workload, model = load_workload(spec.workload), load_model(spec.model)
+    if spec.dataset:
+        PromptDataset.load(Path(spec.dataset), CharTokenizer(), workload.max_prompt_len)
+    get_verifier(spec.verifier)
     for role, head in (("actor", Head.LM), ("reward", Head.VALUE), ("critic", Head.VALUE)):
         path = spec.init.path(role)
-        if path:
-            if not (Path(path) / "config.json").is_file():
-                raise ConfigError(
-                    f"init.{role}: {path} is not a Hugging Face checkpoint folder (no config.json)"
-                )
-            hf.check_compatible(model.with_head(head), hf.read_config(Path(path)), Path(path))
-    if resume:
-        from nereus.runtime.checkpoint import latest, step_of
+        if not path:
+            continue
+        folder, wanted = Path(path), model.with_head(head)
+        try:
+            hf.check_compatible(wanted, hf.read_config(folder), folder)
+        except ConfigError as exc:
+            raise ConfigError(f"init.{role}: {exc}") from None
+        try:
+            reader = hf.SafetensorsReader(folder)
+        except ConfigError as exc:
+            raise ConfigError(f"init.{role}: {path} has no weights ({exc})") from None
+        absent = sorted({str(f) for f in reader.files.values() if not f.is_file()})
+        if absent:
+            raise ConfigError(f"init.{role}: {path}: the weights index names {absent[0]}, which is missing")
+        needed = {s.source for s in shards(wanted, Layout(1, 1), 0, 0)}
+        if head is Head.VALUE:
+            needed.discard("score.weight")  # a value head may start from an LM checkpoint (zeros)
+        missing = sorted(needed - reader.names())
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise ConfigError(f"init.{role}: {path} has no weights for {missing[0]}{more}")
 
-        path = latest(folder / "checkpoints")
-        if path is None:
-            raise ConfigError(f"--resume: no checkpoint under {folder / 'checkpoints'}")
-        step_of(path)
+
+CHILD = "from nereus.runtime.command import _child_main; _child_main()"
 
 
+def _checks_in_a_child(spec: Any) -> None:
+    """``torch_checks`` in a child process (the spec goes in on stdin, one JSON line comes back)."""
+    import pickle
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        stdout, stderr = proc.communicate(pickle.dumps(spec))
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    lines = stdout.decode(errors="replace").strip().splitlines()
+    try:
+        doc = json.loads(lines[-1]) if lines else {}
+    except ValueError:
+        doc = {}
+    if proc.returncode == 0 and doc.get("ok"):
+        return
+    if "error" in doc:
+        err = NereusError(doc["error"])
+        err.exit_code = int(doc.get("code", 2))
+        raise err
+    last = (stderr.decode(errors="replace").strip().splitlines() or ["no output"])[-1]
+    raise NereusError(f"the preflight's checks failed (exit code {proc.returncode}): {last}")
+
+
+def _child_main() -> None:
+    import pickle
+
+    spec = pickle.loads(sys.stdin.buffer.read())  # from the parent process
+    try:
+        torch_checks(spec)
+        doc: dict[str, Any] = {"ok": True}
+    except NereusError as exc:
+        doc = {"error": str(exc), "code": exc.exit_code}
+    print(json.dumps(doc))
+
+
+# ------------------------------------------------------------------ the run
 def run(args: argparse.Namespace, out: Console) -> int:
+    try:
+        return _run(args, out)
+    except KeyboardInterrupt:  # before the job's own handling of signals is in place
+        print("nereus run: stopped by SIGINT before the job started", file=sys.stderr)
+        return exit_code(signal.SIGINT)
+
+
+def _run(args: argparse.Namespace, out: Console) -> int:
     from nereus.runtime.experiment import ExperimentSpec
 
     spec = ExperimentSpec.load(args.experiment)
@@ -106,13 +285,33 @@ def run(args: argparse.Namespace, out: Console) -> int:
 
         spec = dataclasses.replace(spec, steps=args.steps)
     folder = args.out or Path("runs") / spec.name
-    preflight(spec, folder, args.resume)
+    preflight(spec, folder, args.resume, args.force)
     from nereus.runtime.local import launch_local
 
     out.print(
         f"[bold]{spec.name}[/]: {spec.workload} on {spec.model}, "
         f"{spec.workers} local workers, {spec.steps} steps"
     )
-    launch_local(spec, folder, resume=args.resume)
+    end = launch_local(spec, folder, resume=args.resume, force=args.force)
+    if end.signum is not None:
+        print(f"nereus run: {_stopped(end.signum, end.forced, end.checkpoint)}", file=sys.stderr)
+        return end.code
+    if end.code == ConfigError.exit_code:
+        return end.code  # the leader printed the one line
+    if end.code != 0:
+        raise NereusError(f"the job's leader (GPU 0) failed with exit code {end.code}; see above")
     out.print(f"wrote {folder / 'metrics.jsonl'} and {folder / 'report.png'}")
     return 0
+
+
+def _stopped(signum: int, forced: bool, checkpoint: int | None) -> str:
+    """The one line of a run a signal stopped."""
+    by = "a second SIGINT" if forced else signal_name(signum)
+    if checkpoint is None:
+        return f"stopped by {by} before the first checkpoint; run again with --force to start over"
+    if forced:
+        return (
+            f"stopped by {by} without waiting for a checkpoint; resume with --resume "
+            f"(from the checkpoint after step {checkpoint})"
+        )
+    return f"stopped by {by} after step {checkpoint}, with a checkpoint; resume with --resume"

@@ -3,81 +3,163 @@
 Each local worker counts as a node of its own for shrink requests (``<out>/control/shrink-*.json``
 with ``{"nodes": K}``, as ``nereus-launch shrink`` writes them).
 
-``launch_local`` is a small supervisor: it starts one process per worker, the first of which (GPU 0)
-hosts the job's rendezvous store and the controller, and waits for them. A scripted gain starts a
-new process that joins the running job through the store, exactly as a node added to a SLURM
-allocation does; a scripted loss or kill ends a process. SIGUSR2 or SIGTERM to the supervisor
-is passed to every worker, as srun does: the job checkpoints at its next boundary and stops
-(``nereus run --resume`` continues). The job succeeds when the leader does.
-Edge module (processes).
+``launch_local`` is a small supervisor: it prepares the output folder (``nereus.runtime.outdir``)
+and starts one process per worker, the first of which (GPU 0) hosts the job's rendezvous store
+and the controller, and waits for them. A scripted gain starts a new process that joins the
+running job through the store, exactly as a node added to a SLURM allocation does; a scripted
+loss or kill ends a process. SIGINT, SIGTERM or SIGUSR2 — to the supervisor, which passes it on
+to every worker as srun does, or to the whole process group — stops the job at its next
+boundary after a checkpoint, and the run ends with the signal's exit code
+(``nereus.runtime.signals``; ``nereus run --resume`` continues). A second SIGINT to the
+supervisor kills the workers at once (the last checkpoint stays). The job succeeds when the
+leader does.
+
+The supervisor imports no torch: the workers (``member_main``, ``joiner_main``) import the
+runtime themselves. Edge module (processes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import secrets
-import shutil
 import signal
+import sys
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import Any, NoReturn
 
-import torch
-
+from nereus.errors import NereusError
+from nereus.runtime import outdir, signing
 from nereus.runtime.experiment import ExperimentSpec
-from nereus.runtime.loop import JobLoop, Preemption
-from nereus.runtime.membership import Membership, Rendezvous
+from nereus.runtime.signals import STOP_SIGNALS, exit_code, start, stopped_by
 
 RDZV = "rendezvous.json"
+STRAGGLER_S = 60.0  # how long the other workers may take to stop after the leader did
 
 
-def launch_local(spec: ExperimentSpec, out: Path, resume: bool = False) -> Path:
-    """Run ``spec`` on ``spec.workers`` processes; results under ``out``."""
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """How a local run ended: ``code`` is what ``nereus run`` exits with (0: done; the leader's
+    exit code otherwise), ``signum`` the signal that stopped it, ``checkpoint`` the step of the
+    latest checkpoint, ``forced`` whether a second SIGINT killed the workers."""
+
+    code: int
+    signum: int | None = None
+    checkpoint: int | None = None
+    forced: bool = False
+
+
+class _Supervisor:
+    """The supervisor's signal handling: the first stop signal is passed on to every worker; a
+    second SIGINT kills them."""
+
+    def __init__(self, procs: list[BaseProcess]) -> None:
+        self.procs = procs
+        self.signum: int | None = None
+        self.forced = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.signum is not None and signum == signal.SIGINT and not self.forced:
+            self.forced = True
+            self._send(signal.SIGKILL)
+            return
+        if self.signum is None:
+            self.signum = signum
+        self._send(signum)
+
+    def _send(self, signum: int) -> None:
+        for p in self.procs:
+            if p.pid is not None and p.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signum)
+
+
+def launch_local(spec: ExperimentSpec, out: Path, resume: bool = False, force: bool = False) -> Ending:
+    """Run ``spec`` on ``spec.workers`` processes; results under ``out``. The caller has run the
+    preflight; this prepares ``out`` (``outdir.prepare``) and runs the job."""
     out = Path(out)
-    if not resume and out.exists():
-        for name in ("metrics.jsonl", "report.png", "membership.log"):
-            (out / name).unlink(missing_ok=True)
-        shutil.rmtree(out / "tensorboard", ignore_errors=True)
-        shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
+    key = outdir.prepare(out, resume, force)
     (out / RDZV).unlink(missing_ok=True)
     secret = secrets.token_bytes(32)
     ctx = mp.get_context("spawn")
     members = tuple(range(spec.workers))
-    procs = [
+    procs: list[BaseProcess] = [
         ctx.Process(
-            target=member_main, args=(g, members, spec, str(out), secret, resume), name=f"nereus-gpu{g}"
+            target=member_main, args=(g, members, spec, str(out), secret, key, resume), name=f"nereus-gpu{g}"
         )
         for g in members
     ]
-    for p in procs:
-        p.start()
-
-    def forward(signum: int, frame: object) -> None:  # preemption: as srun does, to every worker
-        for p in procs:
-            if p.pid is not None and p.is_alive():
-                os.kill(p.pid, signum)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGUSR2, signal.SIGTERM)}
+    supervisor = _Supervisor(procs)
+    previous = {s: signal.signal(s, supervisor) for s in STOP_SIGNALS}
     try:
+        start(procs)  # the workers start with the stop signals held until their handlers are in
         procs[0].join()
+        for p in procs[1:]:
+            p.join(timeout=STRAGGLER_S)
+            if p.is_alive():  # SIGKILL: a straggler may hold its stop signals
+                p.kill()
+                p.join()
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-    for p in procs[1:]:
-        p.join(timeout=60)
-        if p.is_alive():
-            p.terminate()
     (out / RDZV).unlink(missing_ok=True)
-    if procs[0].exitcode != 0:
-        raise RuntimeError(f"the job's leader (GPU 0) failed with exit code {procs[0].exitcode}; see above")
-    return out
+    code = procs[0].exitcode
+    code = 128 + signal.SIGKILL if code is None or code < 0 else code
+    try:
+        found = signing.latest(out / "checkpoints")
+    except NereusError:
+        found = None
+    step = _step_of(found) if found is not None else None
+    if supervisor.forced:
+        return Ending(exit_code(signal.SIGINT), signal.SIGINT, step, forced=True)
+    signum = stopped_by(code)
+    return Ending(code, signum, step if signum is not None else None)
+
+
+def _step_of(path: Path) -> int | None:
+    import json
+
+    try:
+        return int(json.loads((path / signing.META).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _exit(code: int) -> NoReturn:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
+
+
+def _fail(leader: bool, exc: NereusError) -> NoReturn:
+    """A worker's clear error: one line from the leader, the error's exit code from every worker."""
+    if leader:
+        print(f"nereus run: error: {exc}", file=sys.stderr)
+    _exit(exc.exit_code)
 
 
 def member_main(
-    gpu: int, members: tuple[int, ...], spec: ExperimentSpec, out: str, secret: bytes, resume: bool
-) -> None:
-    """An initial worker process: GPU 0 hosts the store; the others connect to it."""
+    gpu: int, members: tuple[int, ...], spec: ExperimentSpec, out: str, secret: bytes, key: bytes,
+    resume: bool,
+) -> None:  # fmt: skip
+    """An initial worker process: GPU 0 hosts the store; the others connect to it. Exits 0 when
+    the job is done, with the stop signal's code when it stopped, with a ``NereusError``'s code
+    (2 for a ``ConfigError``; the leader prints its one line) when it refused to go on."""
+    from nereus.runtime.preemption import Preemption
+
+    preemption = Preemption(STOP_SIGNALS).install()  # first: the signals were held until now
+    import torch
+
+    from nereus.control.action import Outcome
+    from nereus.runtime import checkpoint as ckpt
+    from nereus.runtime.loop import JobLoop
+    from nereus.runtime.membership import Membership, Rendezvous
+
     torch.set_num_threads(1)
+    ckpt.use_key(key)
     folder = Path(out)
     if gpu == 0:
         m = Membership.host(secret, 0, "127.0.0.1", 0, log=folder / "membership.log", node=f"local{gpu}")
@@ -87,25 +169,48 @@ def member_main(
     ctx = mp.get_context("spawn")
 
     def spawn(g: int) -> None:
-        ctx.Process(target=joiner_main, args=(g, spec, out, secret), name=f"nereus-gpu{g}").start()
+        start([ctx.Process(target=joiner_main, args=(g, spec, out, secret, key), name=f"nereus-gpu{g}")])
 
+    status, error = Outcome.DONE, None
     try:
         m.form(members, 0)
-        preemption = Preemption().install()
         local = spawn if gpu == 0 else None
-        JobLoop.start(m, spec, folder, resume, folder / "control", local, preemption).run()
+        status = JobLoop.start(m, spec, folder, resume, folder / "control", local, preemption).run()
+    except NereusError as exc:
+        error = exc
     finally:
         m.close()
+    if error is not None:
+        _fail(gpu == 0, error)
+    if status is Outcome.PREEMPTED:
+        _exit(exit_code(preemption.signum or signal.SIGTERM))
 
 
-def joiner_main(gpu: int | None, spec: ExperimentSpec, out: str, secret: bytes) -> None:
+def joiner_main(gpu: int | None, spec: ExperimentSpec, out: str, secret: bytes, key: bytes) -> None:
     """A newcomer: ask the running job to let it in, then take part from the next boundary."""
+    from nereus.runtime.preemption import Preemption
+
+    preemption = Preemption(STOP_SIGNALS).install()
+    import torch
+
+    from nereus.control.action import Outcome
+    from nereus.runtime import checkpoint as ckpt
+    from nereus.runtime.loop import JobLoop
+    from nereus.runtime.membership import Membership, Rendezvous
+
     torch.set_num_threads(1)
+    ckpt.use_key(key)
     folder = Path(out)
     m = Membership.connect(Rendezvous.read(folder / RDZV), secret, -1, node=f"local-new{gpu}")
+    status, error = Outcome.DONE, None
     try:
-        preemption = Preemption().install()
         _, generation, members = m.request_join(gpu)
-        JobLoop.enter(m, spec, folder, generation, members, preemption).run()
+        status = JobLoop.enter(m, spec, folder, generation, members, preemption).run()
+    except NereusError as exc:
+        error = exc
     finally:
         m.close()
+    if error is not None:
+        _fail(False, error)
+    if status is Outcome.PREEMPTED:
+        _exit(exit_code(preemption.signum or signal.SIGTERM))

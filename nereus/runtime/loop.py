@@ -18,8 +18,9 @@ boundary:
 A collective that fails mid-step (a peer died) is caught on every survivor: it rolls the step back
 to the boundary snapshot, the survivors form the next generation, the controller replans urgently
 from the intact units (or the job restarts from its checkpoint when the last copy of some state
-was lost), and the step runs again — so training stays exactly on track. A SIGUSR2/SIGTERM (SLURM
-preemption) is acted on at the next boundary: checkpoint, then stop as ``preempted``.
+was lost), and the step runs again — so training stays exactly on track. A stop signal (SLURM's
+preemption: SIGUSR2, SIGTERM; ``nereus run`` also stops on SIGINT) is acted on at the next
+boundary: checkpoint, then stop as ``preempted`` (after the last step the job just finishes).
 Edge module (torch.distributed, processes).
 """
 
@@ -31,7 +32,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
 
@@ -44,12 +44,11 @@ from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.job import JobSetup, algorithm_step, initial_plan, make_worker
 from nereus.runtime.leader import Leader
 from nereus.runtime.membership import Membership
-from nereus.runtime.metrics import StepRecord
+from nereus.runtime.metrics import StepRecord, drop_rows_after
 from nereus.runtime.monitor import StepResult, gather_reports, step_record, telemetry
 from nereus.runtime.pool import Change
+from nereus.runtime.preemption import Preemption
 from nereus.runtime.worker import Worker
-
-PREEMPT_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -61,34 +60,6 @@ def is_peer_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(
         s in text for s in ("Connection closed", "Connection reset", "Broken pipe", "Timed out", "timed out")
     )
-
-
-class Preemption:
-    """SLURM's preemption signals (SIGUSR2, SIGTERM) set a flag the loop acts on at the next
-    boundary; the handlers installed before (submitit's requeue) run after the checkpoint
-    (``hand_over``)."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: dict[int, Any] = {}
-
-    def install(self) -> Preemption:
-        self._previous = {s: signal.getsignal(s) for s in PREEMPT_SIGNALS}
-
-        def flag(signum: int, frame: Any) -> None:
-            self.requested = True
-
-        for s in PREEMPT_SIGNALS:
-            signal.signal(s, flag)
-        return self
-
-    def hand_over(self, leader: bool) -> None:
-        """Give the signals back; the leader runs the previous SIGUSR2 handler (the requeue)."""
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        prev = self._previous.get(signal.SIGUSR2)
-        if leader and callable(prev):
-            prev(signal.SIGUSR2, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,16 +100,16 @@ class JobLoop:
         spawn_local: Callable[[int], None] | None = None, preemption: Preemption | None = None,
     ) -> JobLoop:  # fmt: skip
         """Every initial member: the setup, the first plan, fresh or checkpointed state."""
-        setup: JobSetup = broadcast(JobSetup.build(spec, out) if m.leader else None)
+        setup: JobSetup = broadcast(JobSetup.build(spec, out) if m.leader else None, JobSetup)
         worker = make_worker(m.gpu, setup)
         worker.set_world(m.members)
-        resume_from: Path | None = broadcast(
-            ckpt.latest(out / "checkpoints") if m.leader and resume else None
-        )
+        resume_from = ckpt.agreed_latest(out / "checkpoints", resume)
         first = ckpt.step_of(resume_from) + 1 if resume_from is not None else 0
         max_new = spec.max_new_tokens_at(first)
-        plan: Plan = broadcast(initial_plan(setup, m.members, max_new) if m.leader else None)
+        plan: Plan = broadcast(initial_plan(setup, m.members, max_new) if m.leader else None, Plan)
         step = _first_state(worker, plan, resume_from, spec)
+        if m.leader and resume_from is not None:  # steps after the checkpoint run again
+            drop_rows_after(out / "metrics.jsonl", step - 1)
         leader = Leader(m, setup, plan, out, control, spawn_local) if m.leader else None
         return cls(m, spec, out, setup, worker, plan, step, leader, preemption=preemption)
 
@@ -150,7 +121,7 @@ class JobLoop:
         """A newcomer whose join was accepted: form the generation, receive the job's state, and
         finish the boundary with the others."""
         m.form(members, generation)
-        received: tuple[JobSetup, Plan, Change] = broadcast(None)
+        received: tuple[JobSetup, Plan, Change] = broadcast(None, tuple[JobSetup, Plan, Change])
         setup, plan, change = received
         worker = make_worker(m.gpu, setup)
         worker.set_world(m.members)
@@ -192,7 +163,7 @@ class JobLoop:
         t_monitor = time.perf_counter()
         reports = gather_reports(self.worker, self.preemption.requested)
         record = step_record(result, reports, self.plan) if self.leader is not None else None
-        if any(r.preempted for r in reports):
+        if any(r.preempted for r in reports) and step + 1 < self.spec.steps:
             return self._preempted(step, saved, record)
         self.telemetry = telemetry(result, reports, self.m.members, 0.0, self.spec.calibrate)
         change, member_s = self._pool_change(step + 1)
@@ -224,7 +195,9 @@ class JobLoop:
         return saved
 
     def _preempted(self, step: int, saved: bool, record: StepRecord | None) -> Outcome:
-        """SLURM asked the job to stop: checkpoint (if this step did not), record it, stop."""
+        """A stop signal (SLURM's preemption, or one to ``nereus run``): checkpoint (if this step
+        did not), record it, stop; every rank learns which signal it was."""
+        self.preemption.agree()
         if not saved:
             ckpt.save(self.worker, self.plan, step, self.folder)
         if self.leader is not None and record is not None:
@@ -239,18 +212,20 @@ class JobLoop:
         if nxt >= self.spec.steps:
             return None, 0.0
         started = time.perf_counter()
-        change: Change | None = broadcast(self.leader.pool_change(nxt) if self.leader is not None else None)
+        change: Change | None = broadcast(
+            self.leader.pool_change(nxt) if self.leader is not None else None, Change | None
+        )
         if change is None:
             return None, 0.0
         if change.reforms and self.m.gpu not in change.leaving:
             self.m.form(change.members, change.generation)
             self.worker.set_world(change.members)
-            broadcast((self.setup, self.plan, change))
+            broadcast((self.setup, self.plan, change), tuple[JobSetup, Plan, Change])
         return change, time.perf_counter() - started
 
     def _finish_boundary(self, b: Boundary) -> Outcome | None:
         """Every member runs the boundary's action; the leader writes the step's metrics."""
-        action: Action = broadcast(self._decide(b) if self.leader is not None else None)
+        action: Action = broadcast(self._decide(b) if self.leader is not None else None, Action)
         record = self._record(b)
         moved, self.moved = self.moved, []
         change = b.change
@@ -311,7 +286,7 @@ class JobLoop:
 
     def _restart(self, action: Restart) -> TransitionRecord:
         """The latest checkpoint onto the action's plan; the steps after it run again."""
-        began, target, path = time.perf_counter(), action.plan, ckpt.latest(self.folder)
+        began, target, path = time.perf_counter(), action.plan, ckpt.agreed_latest(self.folder)
         if path is None or target is None:
             raise RuntimeError(
                 f"step {self.step}: {action.reason}, and there is no checkpoint to restart from"
@@ -354,7 +329,8 @@ class JobLoop:
         action: Action = broadcast(
             self.leader.recover(self.plan, self.telemetry, self.step, rebuilt)
             if self.leader is not None
-            else None
+            else None,
+            Action,
         )
         moved = self._act(action, rebind=True)
         if not isinstance(action, Restart):

@@ -1,16 +1,22 @@
 """Who is in the job: a long-lived rendezvous store, generations of the world, joins and losses.
 
 The job's leader (the worker on GPU 0, which also hosts the controller) owns one ``TCPStore`` for
-the job's lifetime, bound to its node's address on a per-job port. Every *generation* of the
-world is a ``init_process_group`` over ``PrefixStore(f"gen{g}", …)`` with the members of that
-generation; members are identified by their GPU id, which never changes, while their rank is their
-index among the generation's members. Re-forming the world keeps every tensor resident
-(architecture §6).
+the job's lifetime, listening only on the address it is given (its node's address; 127.0.0.1 for
+local runs) on a per-job port. Every *generation* of the world is an ``init_process_group`` over
+``PrefixStore(f"gen{g}", …)`` with the members of that generation; members are identified by their
+GPU id, which never changes, while their rank is their index among the generation's members.
+Re-forming the world keeps every tensor resident (architecture §6).
 
-- **Joins** go through a queue on the store: a newcomer appends a request signed with the job's
-  secret (HMAC-SHA256 over the request, with a nonce and a timestamp); the leader verifies it at a
-  step boundary, refuses and logs a bad one, and answers a good one with its GPU id and the
-  generation to join.
+Everything Nereus itself reads from the store is authenticated (``signed.py``: HMAC-SHA256 with
+the job's secret over the key and the value, so a value is bound to its key, and keys name their
+slot and generation): join requests, the leader's answers, node names, heartbeats, recovery
+check-ins and the survivors' list. An entry that does not verify or does not parse is logged
+(rate-limited, bounded log) and ignored, never fatal.
+
+- **Joins** go through a queue on the store: a newcomer pushes a signed request carrying a fresh
+  ticket and waits for the leader's signed answer under ``join/answer/<ticket>``; the leader
+  verifies requests at a step boundary (the MAC, the ticket never seen, a fresh timestamp),
+  refuses and logs a bad one, and answers a good one with its GPU id and the generation to join.
 - **Losses**: when a collective fails (a peer died), every survivor drops its references to the
   process groups (which closes its gloo connections, so peers blocked on it fail too), checks in
   for the next generation, and the leader decides the survivors: those that checked in, waiting
@@ -18,6 +24,9 @@ index among the generation's members. Re-forming the world keeps every tensor re
 - **Heartbeats**: each member's thread writes the time to ``hb/<gpu>`` every second over its own
   store connection.
 
+What the secret does not protect: torch.distributed's own rendezvous keys (gloo's addresses under
+``gen<g>/``), which c10d reads directly (torch 2.13 cannot build gloo subgroups over a Python store
+that could check them), and the store's availability. See docs/launcher.md, "Security".
 Edge module (torch.distributed, sockets, threads).
 """
 
@@ -25,10 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
-import hmac
 import json
 import os
+import re
 import secrets
 import socket
 import threading
@@ -36,14 +44,24 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
+from nereus.runtime.rendezvous import Rendezvous, listening_socket, node_address, node_name
+from nereus.runtime.signed import SECRET_MIN_BYTES, BoundedLog, SignedStore, UnauthenticError, sign
+
 HEARTBEAT_S = 1.0
 STALE_S = 4.0  # a heartbeat older than this: the member is gone
 MAX_REQUEST_AGE_S = 300.0  # a join request older than this is a replay
+MAX_REQUESTS_PER_BOUNDARY = 64  # more wait for the next boundary (a flood delays, never blocks)
+MAX_REQUEST_BYTES = 4096
+REPUSH_S = 30.0  # a newcomer with no answer pushes its request again, freshly timed
+UNVERIFIED_GRACE_S = 5.0  # a newcomer the leader cannot verify gives up after this long
+JOIN_QUEUE = "join/queue"
+TICKET = re.compile(r"[0-9a-f]{32}")
+
+__all__ = ["JoinRefusedError", "JoinRequest", "Membership", "Rendezvous", "node_address", "node_name", "sign"]
 
 
 class JoinRefusedError(PermissionError):
@@ -51,67 +69,11 @@ class JoinRefusedError(PermissionError):
 
 
 @dataclass(frozen=True, slots=True)
-class Rendezvous:
-    """Where the job's store listens (written to ``rendezvous.json`` in the job folder)."""
-
-    host: str
-    port: int
-    launch_id: str = ""  # which launch wrote it (a requeued job's new leader writes a new one)
-
-    def __post_init__(self) -> None:
-        if not self.host or not 0 < self.port < 65536:
-            raise ValueError(f"rendezvous: bad address {self.host}:{self.port}")
-
-    def write(self, path: Path) -> None:
-        tmp = path.with_name(f".{path.name}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"host": self.host, "port": self.port, "launch_id": self.launch_id}, f)
-        os.replace(tmp, path)
-
-    @classmethod
-    def read(cls, path: Path, timeout_s: float = 120.0, launch_id: str | None = None) -> Rendezvous:
-        """Wait for the leader to write ``path`` (of launch ``launch_id`` when given: not the one
-        a requeued job's previous leader left); a clear error when it never does."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if path.is_file():
-                data = json.loads(path.read_text())
-                found = cls(str(data["host"]), int(data["port"]), str(data.get("launch_id", "")))
-                if launch_id is None or found.launch_id == launch_id:
-                    return found
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{path}: the job's leader wrote no rendezvous in {timeout_s:.0f} s")
-            time.sleep(0.1)
-
-
-@dataclass(frozen=True, slots=True)
 class JoinRequest:
-    index: int
+    ticket: str  # the newcomer's answer key: join/answer/<ticket>
     host: str
     pid: int
     gpu: int | None  # the GPU id asked for (a local worker coming back), or None: the next free one
-
-
-def sign(secret: bytes, body: dict[str, Any]) -> str:
-    msg = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
-
-
-def node_address() -> str:
-    """This node's address for the store: ``NEREUS_RDZV_HOST``, else the host name's address."""
-    explicit = os.environ.get("NEREUS_RDZV_HOST")
-    if explicit:
-        return explicit
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-
-
-def node_name() -> str:
-    """This process's node: SLURM's name for it (several slurmd may share a host), else the host."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 class Membership:
@@ -120,18 +82,22 @@ class Membership:
     def __init__(
         self, store: TCPStore, secret: bytes, gpu: int, leader: bool, log: Path | None = None,
         timeout: timedelta = timedelta(minutes=30), node: str | None = None,
+        listener: socket.socket | None = None,
     ) -> None:  # fmt: skip
+        if len(secret) < SECRET_MIN_BYTES:
+            raise ValueError(f"the job's secret must be at least {SECRET_MIN_BYTES} bytes, got {len(secret)}")
         self.store = store
+        self.signed = SignedStore(store, secret)
         self.node = node or node_name()
-        self.secret = secret
         self.gpu = gpu
         self.leader = leader
-        self.log_path = log
+        self.journal = BoundedLog(log)
         self.timeout = timeout
         self.members: tuple[int, ...] = ()
         self.generation = -1
-        self._next_request = 1
-        self._seen_nonces: set[str] = set()
+        self._listener = listener  # kept open: the store serves on its descriptor
+        self._seen: dict[str, float] = {}  # tickets answered, with when (replays are refused)
+        self._noted: dict[str, float] = {}  # a newcomer: when it first saw "unverified" for its ticket
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
 
@@ -141,9 +107,15 @@ class Membership:
         cls, secret: bytes, gpu: int = 0, address: str = "127.0.0.1", port: int = 0, log: Path | None = None,
         node: str | None = None,
     ) -> Membership:  # fmt: skip
-        """The leader: start the job's store on ``address`` (port 0: a free one)."""
-        store = TCPStore(address, port, None, True, timeout=timedelta(minutes=30), wait_for_workers=False)
-        return cls(store, secret, gpu, True, log, node=node)
+        """The leader: start the job's store on ``address`` only (port 0: a free one)."""
+        if len(secret) < SECRET_MIN_BYTES:
+            raise ValueError(f"the job's secret must be at least {SECRET_MIN_BYTES} bytes, got {len(secret)}")
+        listener = listening_socket(address, port)
+        store = TCPStore(
+            address, listener.getsockname()[1], None, True, timeout=timedelta(minutes=30),
+            wait_for_workers=False, master_listen_fd=listener.fileno(),
+        )  # fmt: skip
+        return cls(store, secret, gpu, True, log, node=node, listener=listener)
 
     @classmethod
     def connect(cls, rdzv: Rendezvous, secret: bytes, gpu: int, node: str | None = None) -> Membership:
@@ -153,6 +125,10 @@ class Membership:
     @property
     def rendezvous(self) -> Rendezvous:
         return Rendezvous(self.store.host, self.store.port)
+
+    def log(self, line: str, kind: str = "") -> None:
+        """A line in ``membership.log`` (``kind``: rate-limited per kind, for what strangers can cause)."""
+        self.journal.write(line, kind)
 
     # ------------------------------------------------------------------ generations
     @property
@@ -175,12 +151,26 @@ class Membership:
             world_size=len(self.members),
             timeout=self.timeout,
         )
-        self.store.set(f"host/{self.gpu}", self.node)
+        self.signed.put(f"host/{self.gpu}", {"node": self.node})
         self.start_heartbeat()
 
     def hosts(self) -> dict[int, str]:
-        """The node each member runs on."""
-        return {g: self.store.get(f"host/{g}").decode() for g in self.members}
+        """The node each member runs on (a member whose entry does not verify counts as a node of
+        its own, and the entry is logged)."""
+        out = {}
+        for g in self.members:
+            try:
+                entry = self.signed.read(f"host/{g}")
+                out[g] = (
+                    str(entry["node"])
+                    if isinstance(entry, dict) and isinstance(entry.get("node"), str)
+                    else ""
+                )
+            except (UnauthenticError, KeyError) as exc:
+                self.log(f"ignored the node name of GPU {g}: {exc}", "host")
+                out[g] = ""
+            out[g] = out[g] or f"gpu{g}"
+        return out
 
     def abandon(self) -> None:
         """Leave the current generation: destroy the world and collect every group object, so
@@ -194,12 +184,12 @@ class Membership:
     def start_heartbeat(self) -> None:
         if self._beat is not None:
             return
-        client = self.store.clone()  # type: ignore[attr-defined]  # its own connection
+        beats = SignedStore(self.store.clone(), self.signed.secret)  # type: ignore[attr-defined]
 
         def beat() -> None:
             while not self._stop.is_set():
                 try:
-                    client.set(f"hb/{self.gpu}", repr(time.time()))
+                    beats.put(f"hb/{self.gpu}", {"t": time.time()})
                 except Exception:  # the leader is gone; the main thread will see it
                     return
                 self._stop.wait(HEARTBEAT_S)
@@ -208,10 +198,17 @@ class Membership:
         self._beat.start()
 
     def alive(self, gpu: int, now: float | None = None) -> bool:
+        """Whether ``gpu``'s heartbeat is fresh (one that does not verify is not, and is logged)."""
         key = f"hb/{gpu}"
         if not self.store.check([key]):
             return False
-        return (now or time.time()) - float(self.store.get(key)) < STALE_S
+        try:
+            entry = self.signed.read(key)
+            beat = float(entry["t"]) if isinstance(entry, dict) else float("nan")
+        except (UnauthenticError, KeyError, TypeError, ValueError) as exc:
+            self.log(f"ignored the heartbeat of GPU {gpu}: {exc}", "heartbeat")
+            return False
+        return (now or time.time()) - beat < STALE_S
 
     def close(self) -> None:
         self._stop.set()
@@ -224,98 +221,182 @@ class Membership:
         generation: the caller does, with the survivors, at ``generation + 1``."""
         g = self.generation
         self.abandon()
-        self.store.set(f"recover/{g}/alive/{self.gpu}", "1")
+        self.signed.put(f"recover/{g}/alive/{self.gpu}", {"gpu": self.gpu})
         key = f"recover/{g}/members"
         if self.leader:
             deadline = time.monotonic() + grace_s
             while True:
-                checked = [m for m in self.members if self.store.check([f"recover/{g}/alive/{m}"])]
+                checked = [m for m in self.members if self._checked_in(g, m)]
                 waiting = [m for m in self.members if m not in checked and self.alive(m)]
                 if not waiting or time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
             survivors = tuple(checked)
-            self.store.set(key, json.dumps(survivors))
+            self.signed.put(key, {"members": list(survivors)})
             lost = sorted(set(self.members) - set(survivors))
             self.log(f"generation {g}: lost GPUs {lost}; survivors {list(survivors)}")
             return survivors
-        self.store.wait([key], timedelta(seconds=grace_s + 30))
-        survivors = tuple(json.loads(self.store.get(key)))
+        answer = self.signed.wait_valid(
+            key, grace_s + 30, lambda why: self.log(f"ignored {key}: {why}", "recover")
+        )
+        survivors = _gpu_list(answer, "members")
         if self.gpu not in survivors:
             raise RuntimeError(f"GPU {self.gpu} checked in too late for generation {g + 1}")
         return survivors
+
+    def _checked_in(self, generation: int, gpu: int) -> bool:
+        key = f"recover/{generation}/alive/{gpu}"
+        if not self.store.check([key]):
+            return False
+        try:
+            entry = self.signed.read(key)
+        except UnauthenticError as exc:
+            self.log(f"ignored a check-in for GPU {gpu}: {exc}", "recover")
+            return False
+        return isinstance(entry, dict) and entry.get("gpu") == gpu
 
     # ------------------------------------------------------------------ joins
     def request_join(
         self, gpu: int | None = None, timeout_s: float = 3600.0
     ) -> tuple[int, int, tuple[int, ...]]:
         """A newcomer: ask to join; returns (GPU id, generation, its members) once the leader
-        accepts (at a step boundary)."""
-        index = self.store.add("join/count", 1)
-        body = {
-            "nonce": secrets.token_hex(16), "time": time.time(), "host": socket.gethostname(),
-            "pid": os.getpid(), "gpu": gpu,
-        }  # fmt: skip
-        self.store.set(f"join/req/{index}", json.dumps({**body, "mac": sign(self.secret, body)}))
-        key = f"join/answer/{index}"
-        try:
-            self.store.wait([key], timedelta(seconds=timeout_s))
-            answer = json.loads(self.store.get(key))
-        except dist.DistError as exc:  # the leader's store went away: the job ended or failed
-            raise JoinRefusedError(f"the job's rendezvous closed before answering ({exc})") from None
+        accepts (at a step boundary). The request is pushed again, freshly timed, every
+        ``REPUSH_S`` until an authentic answer comes (a long step, or a stranger who took it off
+        the queue); answers that do not verify are waited past."""
+        ticket = secrets.token_hex(16)
+        key = f"join/answer/{ticket}"
+        deadline = time.monotonic() + timeout_s
+        answer: object = None
+        bad = ""
+        while answer is None:
+            body = {"ticket": ticket, "time": time.time(), "host": socket.gethostname()[:64],
+                    "pid": os.getpid(), "gpu": gpu}  # fmt: skip
+            try:
+                self.store.queue_push(JOIN_QUEUE, self.signed.envelope(JOIN_QUEUE, body))
+            except dist.DistError as exc:  # the leader's store went away: the job ended or failed
+                raise JoinRefusedError(f"the job's rendezvous closed before answering ({exc})") from None
+            repush = min(deadline, time.monotonic() + REPUSH_S)
+            while answer is None and time.monotonic() < repush:
+                try:
+                    answer = self.signed.read(key)
+                except UnauthenticError as exc:
+                    bad = bad if "missing" in str(exc) else str(exc)
+                    time.sleep(0.05)
+                if answer is None and self._unverified(ticket):
+                    raise JoinRefusedError(
+                        "join refused: the job's leader could not verify this request with the job's "
+                        "secret (a bad secret?)"
+                    )
+            if answer is None and time.monotonic() >= deadline:
+                why = (
+                    f"; an answer that does not verify with this secret ({bad}): a bad secret?" if bad else ""
+                )
+                raise JoinRefusedError(
+                    f"join refused: no answer from the job's leader in {timeout_s:.0f} s{why}"
+                )
+        if not isinstance(answer, dict):
+            raise JoinRefusedError("join refused: the leader's answer is malformed")
         if "refused" in answer:
             raise JoinRefusedError(f"join refused by the job's leader: {answer['refused']}")
         self.gpu = int(answer["gpu"])
-        return self.gpu, int(answer["generation"]), tuple(int(g) for g in answer["members"])
+        return self.gpu, int(answer["generation"]), _gpu_list(answer, "members")
+
+    def _unverified(self, ticket: str) -> bool:
+        """Whether the leader noted that a request with this ticket did not verify, and that note
+        does not verify with this process's secret either (then this secret is not the job's; a
+        note that verifies means a stranger used the ticket, and the wait goes on). A note first
+        seen is trusted only after ``UNVERIFIED_GRACE_S`` without an answer."""
+        key = f"join/unverified/{ticket}"
+        if not self.store.check([key]):
+            return False
+        try:
+            self.signed.read(key)
+            return False
+        except UnauthenticError:
+            first = self._noted.setdefault(ticket, time.monotonic())
+            return time.monotonic() - first > UNVERIFIED_GRACE_S
 
     def pending_joins(self) -> list[JoinRequest]:
-        """The leader: requests that arrived since the last call, verified; bad ones are refused
-        and logged."""
-        count = self.store.add("join/count", 0)
+        """The leader: requests that arrived since the last call, verified. An authentic request
+        that is refused (stale) gets a signed refusal; anything unauthentic is only logged (a
+        stranger cannot make the leader answer for a ticket), and a repeat of a ticket already
+        answered is ignored, so an answer is never overwritten. Never fatal."""
         out: list[JoinRequest] = []
-        while self._next_request <= count:
-            i = self._next_request
-            key = f"join/req/{i}"
-            if not self.store.check([key]):
-                break  # its writer is between add() and set(); next boundary
-            self._next_request += 1
-            why, req = self._verify(i, self.store.get(key))
-            if req is None:
-                self.store.set(f"join/answer/{i}", json.dumps({"refused": why}))
-                self.log(f"refused join request {i}: {why}")
-            else:
+        waiting = int(self.store.queue_len(JOIN_QUEUE))
+        for _ in range(min(waiting, MAX_REQUESTS_PER_BOUNDARY)):
+            try:
+                raw = self.store.queue_pop(JOIN_QUEUE, False)
+            except dist.DistError:  # emptied meanwhile (someone else popped): nothing more now
+                break
+            ticket = _ticket_of(raw)
+            if ticket is not None and ticket in self._seen:
+                self.log(f"ignored a join request for ticket {ticket[:8]}…, already answered", "join")
+                continue
+            why, req, authentic = self._verify(raw)
+            if req is not None:
+                self._seen[req.ticket] = time.time()
                 out.append(req)
+                continue
+            self.log(f"refused join request: {why}", "join")
+            if authentic and ticket is not None:
+                self._seen[ticket] = time.time()
+                self.signed.put(f"join/answer/{ticket}", {"refused": why})
+            elif ticket is not None:  # say so, where only a note (never an answer) can go
+                self.signed.put(f"join/unverified/{ticket}", {"ticket": ticket})
+        self._forget_old()
         return out
 
-    def _verify(self, index: int, raw: bytes) -> tuple[str, JoinRequest | None]:
+    def _verify(self, raw: bytes) -> tuple[str, JoinRequest | None, bool]:
+        """(why it is refused, the request, whether it was signed with the job's secret)."""
+        if len(raw) > MAX_REQUEST_BYTES:
+            return f"{len(raw)} bytes (at most {MAX_REQUEST_BYTES})", None, False
         try:
-            data = json.loads(raw)
-            mac = str(data.pop("mac"))
-            host, pid, nonce = str(data["host"]), int(data["pid"]), str(data["nonce"])
-            gpu = None if data["gpu"] is None else int(data["gpu"])
-            age = time.time() - float(data["time"])
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return "malformed request", None
-        if not hmac.compare_digest(mac, sign(self.secret, data)):
-            return f"bad secret (from {host} pid {pid})", None
-        if nonce in self._seen_nonces or not -60 < age < MAX_REQUEST_AGE_S:
-            return f"replayed or stale request (from {host} pid {pid})", None
-        self._seen_nonces.add(nonce)
-        return "", JoinRequest(index, host, pid, gpu)
+            data = self.signed.open(JOIN_QUEUE, raw)
+        except UnauthenticError as exc:
+            return f"bad secret ({exc})", None, False
+        try:
+            ticket, host, pid = data["ticket"], data["host"], data["pid"]
+            gpu, sent = data["gpu"], float(data["time"])
+            if not (isinstance(ticket, str) and TICKET.fullmatch(ticket) and isinstance(host, str)):
+                raise ValueError("ticket or host")
+            if not isinstance(pid, int) or not (gpu is None or (isinstance(gpu, int) and 0 <= gpu < 1 << 20)):
+                raise ValueError("pid or gpu")
+        except (KeyError, TypeError, ValueError) as exc:
+            return f"malformed request ({exc})", None, True
+        host = host[:64]
+        age = time.time() - sent
+        if not -60 < age < MAX_REQUEST_AGE_S:
+            return f"replayed or stale request (from {host} pid {pid})", None, True
+        return "", JoinRequest(ticket, host, pid, gpu), True
+
+    def _forget_old(self) -> None:
+        """Tickets older than any acceptable request can be forgotten: a replay of one is stale."""
+        cutoff = time.time() - 2 * MAX_REQUEST_AGE_S
+        for t in [t for t, at in self._seen.items() if at < cutoff]:
+            del self._seen[t]
 
     def answer(self, req: JoinRequest, gpu: int, generation: int, members: tuple[int, ...]) -> None:
-        body = {"gpu": gpu, "generation": generation, "members": list(members)}
-        self.store.set(f"join/answer/{req.index}", json.dumps(body))
-        self.log(f"accepted join request {req.index} from {req.host} pid {req.pid} as GPU {gpu}")
+        self.signed.put(
+            f"join/answer/{req.ticket}", {"gpu": gpu, "generation": generation, "members": list(members)}
+        )
+        self.log(f"accepted join request from {req.host} pid {req.pid} as GPU {gpu}")
 
     def refuse(self, req: JoinRequest, why: str) -> None:
-        self.store.set(f"join/answer/{req.index}", json.dumps({"refused": why}))
-        self.log(f"refused join request {req.index} from {req.host} pid {req.pid}: {why}")
+        self.signed.put(f"join/answer/{req.ticket}", {"refused": why})
+        self.log(f"refused join request from {req.host} pid {req.pid}: {why}")
 
-    # ------------------------------------------------------------------ the membership log
-    def log(self, line: str) -> None:
-        if self.log_path is None:
-            return
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-        with open(self.log_path, "a") as f:
-            f.write(f"{stamp} {line}\n")
+
+def _ticket_of(raw: bytes) -> str | None:
+    """The ticket a request names, if it names a well-formed one (to send a refusal to)."""
+    try:
+        ticket = json.loads(raw)["value"]["ticket"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return ticket if isinstance(ticket, str) and TICKET.fullmatch(ticket) else None
+
+
+def _gpu_list(answer: object, field: str) -> tuple[int, ...]:
+    values = answer.get(field) if isinstance(answer, dict) else None
+    if not isinstance(values, list) or not all(isinstance(g, int) and g >= 0 for g in values):
+        raise RuntimeError(f"the leader's {field} is malformed: {str(values)[:60]}")
+    return tuple(values)

@@ -4,11 +4,16 @@
 ``kl``, ``step_time_s``, ``seq_len_mean``, ``gpus``, ``plan`` (layout and GPUs per model-stage)
 and ``transitions`` (those executed at that step's boundary, with kind and seconds). The report
 (``report.png``) is drawn from that file alone (``nereus.runtime.report``).
+
+The file has exactly one row per step: when steps run again (a resume, or a restart from the
+checkpoint, continues after the checkpoint's step), the rows from the first step that runs again
+on are dropped (``drop_rows_after``, an atomic rewrite) before its new row is written.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -73,11 +78,54 @@ class StepRecord:
         return replace(self, monitor_s=monitor_s, checkpoint_s=checkpoint_s)
 
 
+def _row_step(line: str) -> int | None:
+    """A row's step; None for a line that is not a row (a half-written last line, say)."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    step = row.get("step") if isinstance(row, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def read_rows(path: Path) -> list[tuple[int, str]]:
+    """``(step, line)`` of every row in ``path``, in file order (no file: none)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    return [(step, line) for line in text.splitlines() if (step := _row_step(line)) is not None]
+
+
+def drop_rows_after(path: Path, step: int) -> None:
+    """Keep only rows of steps up to ``step`` in ``path``, one per step (the last written), by
+    an atomic rewrite; a file that already is so is left alone."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines()
+    last: dict[int, str] = {}
+    for s, line in read_rows(path):
+        if s <= step:
+            last[s] = line
+    keep = [last[s] for s in sorted(last)]
+    if keep == lines:
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write("".join(line + "\n" for line in keep))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 class MetricsWriter:
     def __init__(self, out: Path, spec: ExperimentSpec, console: Console | None = None) -> None:
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.path = self.out / "metrics.jsonl"
+        self.last = max((s for s, _ in read_rows(self.path)), default=None)  # the last step written
+        drop_rows_after(self.path, -1 if self.last is None else self.last)  # a half-written line
         self.file = self.path.open("a", encoding="utf-8")
         self.console = console or Console(highlight=False)
         self.spec = spec
@@ -90,8 +138,13 @@ class MetricsWriter:
             self.tb = None
 
     def write(self, r: StepRecord, plan_after: Plan) -> None:
+        if self.last is not None and r.step <= self.last:  # the step runs again: one row per step
+            self.file.close()
+            drop_rows_after(self.path, r.step - 1)
+            self.file = self.path.open("a", encoding="utf-8")
         self.file.write(json.dumps(asdict(r)) + "\n")
         self.file.flush()
+        self.last = r.step
         if self.tb is not None:
             for key in (
                 "reward",

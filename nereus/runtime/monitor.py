@@ -45,7 +45,9 @@ class StepResult:
 def gather_reports(worker: Worker, preempt: bool) -> list[RankReport]:
     """Every rank's report, in rank order (collective over the world)."""
     held = {n: rs.nbytes for n, rs in worker.holder.units.items()}
-    return all_gather(RankReport(dict(worker.times.seconds), held, preempt, tuple(worker.optimes)))
+    return all_gather(
+        RankReport(dict(worker.times.seconds), held, preempt, tuple(worker.optimes)), RankReport
+    )
 
 
 def stage_times(reports: Sequence[RankReport]) -> dict[str, float]:

@@ -7,7 +7,8 @@ the first generation, and the job runs — resuming from the folder's latest che
 is one (a requeued job). ``main(job_dir, join=True)`` is a newcomer (``nereus-launch grow``): it
 presents the job's secret, waits to be admitted at a step boundary, and takes part from then on.
 A preempted job checkpoints at its next boundary and hands over to the launcher's requeue.
-Edge module.
+Checkpoints are signed and verified with the job's secret (``nereus.runtime.signing``): a
+requeued job resumes only from what the job itself wrote. Edge module.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from nereus.errors import ConfigError
 from nereus.runtime import checkpoint as ckpt
 from nereus.runtime.bootstrap import bootstrap
 from nereus.runtime.experiment import ExperimentSpec
-from nereus.runtime.loop import JobLoop, Preemption
+from nereus.runtime.loop import JobLoop
 from nereus.runtime.membership import Membership, Rendezvous, node_address
+from nereus.runtime.preemption import Preemption
+from nereus.runtime.signing import KEY_BYTES
 
 RDZV = "rendezvous.json"
 
@@ -48,11 +51,13 @@ class JobFolder:
         return ExperimentSpec.load(self.path / "experiment.yaml")
 
     def secret(self) -> bytes:
-        text = (self.path / "secret").read_text().strip()
         try:
-            return bytes.fromhex(text)
-        except ValueError:
+            secret = bytes.fromhex((self.path / "secret").read_text(encoding="ascii").strip())
+        except (OSError, ValueError):  # unreadable, not ASCII, not hex
             raise ConfigError(f"{self.path / 'secret'}: expected hex") from None
+        if len(secret) < KEY_BYTES:
+            raise ConfigError(f"{self.path / 'secret'}: expected at least {2 * KEY_BYTES} hex digits")
+        return secret
 
 
 def main(job_dir: str, join: bool = False) -> Outcome:
@@ -60,7 +65,8 @@ def main(job_dir: str, join: bool = False) -> Outcome:
     torch.set_num_threads(int(os.environ.get("NEREUS_THREADS", "1")))
     job = JobFolder(Path(job_dir))
     spec, secret = job.spec(), job.secret()
-    job.run.mkdir(parents=True, exist_ok=True)
+    ckpt.use_key(secret)  # checkpoints are signed with the job's secret
+    job.run.mkdir(mode=0o700, parents=True, exist_ok=True)
     if join:  # a newcomer needs no MPI: the rendezvous is in the job folder
         m = Membership.connect(Rendezvous.read(job.path / RDZV), secret, -1)
         try:

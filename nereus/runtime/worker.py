@@ -28,7 +28,7 @@ from nereus.backends.registry import build_engine
 from nereus.plan.calibration import Efficiencies
 from nereus.plan.layout import Candidate, Layout, Plan
 from nereus.plan.opclass import OpClass
-from nereus.runtime.comm import all_gather, from_rank
+from nereus.runtime.comm import from_rank, gather_parts
 from nereus.runtime.optimes import OpTime, decode_s, gemm_s, train_times
 from nereus.runtime.rollout import Rollouts, assemble, micro_count, placed, split_rows
 from nereus.spec import load_cluster
@@ -278,7 +278,8 @@ class Worker:
         params: SamplingParams, name: str = "actor.gen",
     ) -> Rollouts:  # fmt: skip
         c = plan.candidate(name)
-        place, part = self.place(c), None
+        place = self.place(c)
+        part: tuple[int, list[Tensor]] | None = None
         if name in self.engines and place is not None:
             eng = self.engines[name]
             rows = split_rows(prompt_ids.shape[0], c.dp, place.dp)
@@ -289,16 +290,17 @@ class Worker:
             ideal = decode_s(self.model_of(name), c.layout, int(out.tokens.shape[1]), width, self.cluster)
             self.optimes.append(OpTime(name, OpClass.MEMORY, ideal, time.perf_counter() - started))
             if place.reports:
-                part = (rows.start, out.tokens, out.valid)
-        parts = all_gather(part)
+                part = (rows.start, [out.tokens, out.valid])
+        parts = gather_parts(part, (torch.long, torch.long))
         return assemble(
-            prompt_ids, prompt_valid, [p for p in parts if p is not None], sample_ids, params.pad_token_id
+            prompt_ids, prompt_valid, [(s, t, v) for s, (t, v) in parts], sample_ids, params.pad_token_id
         )
 
     def infer(self, plan: Plan, name: str, r: Rollouts) -> Tensor:
         """Per-token log-probs (or values) of ``name`` over the whole batch, on every worker."""
         c = plan.candidate(name)
-        place, part = self.place(c), None
+        place = self.place(c)
+        part: tuple[int, list[Tensor]] | None = None
         if name in self.engines and place is not None:
             eng = self.engines[name]
             rows = split_rows(r.rows, c.dp, place.dp)
@@ -309,9 +311,9 @@ class Worker:
             ideal = gemm_s(self.model_of(name), c.layout, tokens, 2.0, self.cluster)
             self.optimes.append(OpTime(name, OpClass.GEMM, ideal, time.perf_counter() - started))
             if place.reports:
-                part = (rows.start, out)
-        parts = [p for p in all_gather(part) if p is not None]
-        return placed(parts, r.rows, r.ids.shape[1])
+                part = (rows.start, [out])
+        parts = gather_parts(part, (torch.float32,))
+        return placed([(s, out) for s, (out,) in parts], r.rows, r.ids.shape[1])
 
     def train(
         self,

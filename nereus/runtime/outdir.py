@@ -1,0 +1,94 @@
+"""``nereus run``'s output folder: written only when it is new, empty, or this run's own (torch-free).
+
+A run writes into a folder that does not exist yet (it is created 0700), that is empty (a
+``control/`` folder of shrink requests may wait there), or — with ``--resume`` — that holds the
+checkpoint it continues. The folder then carries a marker (``.nereus-output``, holding ``run``).
+Any other folder, a previous run's included, needs ``--force``; then the previous run's files
+(``RUN_FILES``) are replaced, and nothing else in the folder is touched. ``check`` writes
+nothing; ``prepare`` writes only after every check passed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from nereus.errors import ConfigError
+from nereus.runtime.signing import KEY_FILE, create_key, read_key
+
+MARKER = ".nereus-output"
+MARK = "run"
+INPUTS = frozenset({"control"})  # shrink requests (nereus-launch shrink) may wait before the run
+RUN_FILES = (
+    "metrics.jsonl", ".metrics.jsonl.tmp", "report.png", "report.tmp.png", "membership.log", "tensorboard",
+    "checkpoints", "hf", "tasks.jsonl", "rendezvous.json", KEY_FILE, MARKER,
+)  # fmt: skip
+
+
+def _existing_ancestor(path: Path) -> Path:
+    p = path.absolute()
+    while not p.exists() and not p.is_symlink() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def is_ours(path: Path) -> bool:
+    """``path`` carries the marker a run leaves (its first line names the command, as
+    ``nereus.spec.files`` writes it for the other commands)."""
+    try:
+        lines = (Path(path) / MARKER).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return False
+    return bool(lines) and lines[0].strip() == MARK
+
+
+def check(path: Path, resume: bool, force: bool) -> None:
+    """Whether ``nereus run`` may write into ``path``; a ``ConfigError`` naming ``--out`` (or the
+    flag to pass) if not. Writes nothing."""
+    path = Path(path)
+    if resume and force:
+        raise ConfigError("--force and --resume: pass one (--resume continues the run, --force replaces it)")
+    found = _existing_ancestor(path)
+    if not found.is_dir():
+        what = "is a file" if found == path.absolute() else f"is inside {found}, a file"
+        raise ConfigError(f"--out: {path} {what}; expected a folder")
+    if not os.access(found, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out: {path} is not writable ({found} does not let this user write)")
+    if resume or force or not path.exists():
+        return
+    entries = sorted(e.name for e in path.iterdir() if e.name not in INPUTS)
+    if not entries:
+        return
+    if is_ours(path):
+        raise ConfigError(
+            f"--out: {path} holds a previous run; pass --resume to continue it or --force to replace it"
+        )
+    shown = ", ".join(entries[:3]) + (", …" if len(entries) > 3 else "")
+    raise ConfigError(
+        f"--out: {path} is not empty ({shown}) and nereus run did not create it; pass --force to write "
+        "into it (only a run's own files there are replaced)"
+    )
+
+
+def prepare(path: Path, resume: bool, force: bool) -> bytes:
+    """Check again, then make ``path`` the run's folder: created 0700 if new, the previous run's
+    files removed with ``force``, the marker written. Returns the checkpoint key (a resume's
+    existing one, else a new one in ``<path>/checkpoint.key``, 0600)."""
+    path = Path(path)
+    check(path, resume, force)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if force:
+        for name in RUN_FILES:
+            old = path / name
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old)
+            elif old.exists() or old.is_symlink():
+                old.unlink()
+    marker = path / f"{MARKER}.tmp"
+    marker.write_text(MARK + "\n")
+    os.replace(marker, path / MARKER)
+    key_file = path / KEY_FILE
+    if resume or key_file.exists():
+        return read_key(key_file)
+    return create_key(key_file)

@@ -1,0 +1,220 @@
+"""Signed checkpoints: a job loads only what it wrote itself (torch-free).
+
+A checkpoint folder (``checkpoints/step_<n>``) is trusted input: DCP unpickles its ``.metadata``
+on load. So after every save, rank 0 writes ``manifest.json`` (every file of the folder with its
+SHA-256, and ``meta.json``'s digest again) and ``manifest.sig``, an HMAC-SHA256 over the
+manifest's bytes with the job's key: a launched job's secret (``nereus.runtime.node``), or for
+``nereus run`` the key kept in its output folder (``<out>/checkpoint.key``, 32 random bytes as
+hex, 0600, created by the first run). ``verify`` checks the signature first (nothing else of an
+unsigned folder is parsed), then that the folder holds exactly the manifest's files, no
+symbolic links, each with its digest. ``latest`` follows the ``latest`` pointer only to a
+folder directly under the checkpoint folder.
+
+``nereus run --resume`` verifies in its preflight (exit 2, nothing started); the workers verify
+again before DCP reads anything (``nereus.runtime.checkpoint.load``), and DCP's ``.metadata``
+is unpickled only from bytes whose digest was checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nereus.errors import ConfigError
+
+MANIFEST = "manifest.json"
+SIGNATURE = "manifest.sig"
+META = "meta.json"
+LATEST = "latest"
+KEY_FILE = "checkpoint.key"
+KEY_BYTES = 32
+FORMAT = 1
+CHECKPOINT_NAME = re.compile(r"step_[0-9]{6,}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+# ------------------------------------------------------------------ the key
+def read_key(path: Path) -> bytes:
+    """The key in ``path`` (hex, as ``create_key`` writes it)."""
+    try:
+        text = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the checkpoint key ({exc.strerror})") from None
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        key = b""
+    if len(key) < KEY_BYTES:
+        raise ConfigError(f"{path}: expected {2 * KEY_BYTES} hex digits (the key nereus run wrote)")
+    return key
+
+
+def create_key(path: Path) -> bytes:
+    """A new random key in a new file ``path`` (0600); an existing file is never overwritten."""
+    key = secrets.token_bytes(KEY_BYTES)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key.hex() + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return key
+
+
+# ------------------------------------------------------------------ signing
+def digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(folder: Path) -> dict[str, Path]:
+    """The folder's files by relative path (manifest and signature aside); a symbolic link or
+    anything but a regular file or folder is refused."""
+    out: dict[str, Path] = {}
+    for root, dirs, names in os.walk(folder, followlinks=False):
+        for entry in (*dirs, *names):
+            path = Path(root) / entry
+            rel = path.relative_to(folder).as_posix()
+            if path.is_symlink():
+                raise ConfigError(f"{folder}: {rel} is a symbolic link; a checkpoint holds only files")
+            if entry in names:
+                if not path.is_file():
+                    raise ConfigError(f"{folder}: {rel} is not a regular file")
+                if rel not in (MANIFEST, SIGNATURE):
+                    out[rel] = path
+    return dict(sorted(out.items()))
+
+
+def _mac(key: bytes, data: bytes) -> str:
+    return hmac.new(key, data, hashlib.sha256).hexdigest()
+
+
+def _write(path: Path, data: bytes) -> None:
+    with path.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def sign(folder: Path, key: bytes) -> None:
+    """Write ``manifest.json`` and its signature into the finished checkpoint ``folder``."""
+    folder = Path(folder)
+    files = {rel: digest(p) for rel, p in _files(folder).items()}
+    if META not in files:
+        raise ValueError(f"{folder}: no {META} to sign")
+    manifest = {"format": FORMAT, "files": files, "meta": files[META]}
+    data = (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
+    _write(folder / MANIFEST, data)
+    _write(folder / SIGNATURE, (_mac(key, data) + "\n").encode())
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """A verified checkpoint: its folder and every file's digest."""
+
+    path: Path
+    files: dict[str, str]
+
+    def read(self, rel: str) -> bytes:
+        """The bytes of file ``rel``, refused unless their digest is the signed one."""
+        expected = self.files.get(rel)
+        if expected is None:
+            raise ConfigError(f"{self.path}: {rel} is not in the signed manifest")
+        data = (self.path / rel).read_bytes()
+        if hashlib.sha256(data).hexdigest() != expected:
+            raise ConfigError(f"{self.path}/{rel}: changed since the checkpoint was signed")
+        return data
+
+    def meta(self) -> dict[str, Any]:
+        """``meta.json``, from verified bytes."""
+        try:
+            meta = json.loads(self.read(META))
+        except ValueError as exc:
+            raise ConfigError(f"{self.path}/{META}: not JSON ({exc})") from None
+        if not isinstance(meta, dict):
+            raise ConfigError(f"{self.path}/{META}: expected a JSON object")
+        return meta
+
+
+def verify(folder: Path, key: bytes, rank: int = 0, world: int = 1) -> Manifest:
+    """The signed manifest of checkpoint ``folder``, after checking the signature with ``key``,
+    that the folder holds exactly the manifest's files, and their digests (``rank`` of ``world``
+    checks every ``world``-th file, so a world shares the reading; ``meta.json`` always)."""
+    folder = Path(folder)
+    try:
+        data = (folder / MANIFEST).read_bytes()
+        signature = (folder / SIGNATURE).read_text(errors="replace").strip()
+    except FileNotFoundError as exc:
+        raise ConfigError(
+            f"{folder}: not a signed checkpoint (no {Path(str(exc.filename)).name}); "
+            "a checkpoint is loaded only with the manifest and signature its run wrote"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"{folder}: cannot read the manifest ({exc.strerror})") from None
+    if not hmac.compare_digest(signature.encode(), _mac(key, data).encode()):
+        raise ConfigError(
+            f"{folder}: the signature does not verify with this run's key "
+            "(the manifest was changed, or another run wrote the checkpoint)"
+        )
+    try:
+        doc = json.loads(data)
+        files = doc["files"]
+        ok = doc["format"] == FORMAT and doc["meta"] == files[META]
+        ok = ok and all(isinstance(d, str) and _HEX64.fullmatch(d) for d in files.values())
+    except (ValueError, KeyError, TypeError, AttributeError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"{folder}/{MANIFEST}: not a manifest of format {FORMAT}")
+    present = _files(folder)
+    extra, missing = sorted(set(present) - set(files)), sorted(set(files) - set(present))
+    if extra:
+        raise ConfigError(f"{folder}: {extra[0]} is not in the signed manifest")
+    if missing:
+        raise ConfigError(f"{folder}: {missing[0]} is missing (the signed manifest lists it)")
+    for i, (rel, expected) in enumerate(sorted(files.items())):
+        if (i % world == rank or rel == META) and digest(present[rel]) != expected:
+            raise ConfigError(f"{folder}/{rel}: changed since the checkpoint was signed")
+    return Manifest(folder, dict(files))
+
+
+def check_identity(path: Path, meta: dict[str, Any], expected: dict[str, str], prefix: str = "") -> None:
+    """A checkpoint resumes only the model and workload that wrote it (``meta.json``'s)."""
+    found = {k: meta.get(k) for k in ("model", "workload")}
+    if found != {k: expected[k] for k in ("model", "workload")}:
+        raise ConfigError(
+            f"{prefix}{path} was written for model {found['model']} and workload {found['workload']}; "
+            f"this run has model {expected['model']} and workload {expected['workload']}"
+        )
+
+
+# ------------------------------------------------------------------ the latest pointer
+def latest(folder: Path) -> Path | None:
+    """The checkpoint ``folder/latest`` names: a folder directly under ``folder`` (no ``..``, no
+    absolute path, no symbolic link). None when there is no pointer."""
+    folder = Path(folder)
+    pointer = folder / LATEST
+    if not pointer.is_symlink() and not pointer.exists():
+        return None
+    if pointer.is_symlink() or not pointer.is_file():
+        raise ConfigError(f"{pointer}: not a regular file")
+    name = pointer.read_text(errors="replace").strip()
+    allowed = f"allowed: a checkpoint folder directly under {folder}, named step_<6 digits>"
+    if not CHECKPOINT_NAME.fullmatch(name):
+        raise ConfigError(f"{pointer}: names {name!r} ({allowed})")
+    path = folder / name
+    if path.is_symlink():
+        raise ConfigError(f"{pointer}: names {name}, a symbolic link ({allowed})")
+    if not path.is_dir():
+        raise ConfigError(f"{pointer}: names {name}, which does not exist ({allowed})")
+    if path.resolve().parent != folder.resolve():
+        raise ConfigError(f"{pointer}: names {name}, which is not directly under {folder} ({allowed})")
+    return path

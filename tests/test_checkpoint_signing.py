@@ -1,0 +1,275 @@
+"""Signed checkpoints, the output folder's rules, one metrics row per step — without torch.
+
+- ``signing``: a signed folder verifies; any changed, added or removed file, a changed manifest
+  or signature, another key, a symbolic link, and a ``latest`` pointer that leaves the checkpoint
+  folder are refused with a ``ConfigError`` naming the cause.
+- ``outdir``: a run writes only into a new, empty or its own folder (``--force`` replaces a
+  previous run's files and nothing else); folders it creates are 0700.
+- ``metrics.drop_rows_after``: rows after a step go, one row per step stays, atomically.
+- ``nereus run``'s command and its preflight (with ``--resume``) import no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nereus.errors import ConfigError
+from nereus.runtime import outdir, signing
+from nereus.runtime.metrics import drop_rows_after, read_rows
+
+pytestmark = pytest.mark.pure
+
+KEY = bytes(range(32))
+
+
+def _checkpoint(folder: Path, step: int = 4, key: bytes = KEY, **meta: object) -> Path:
+    path = folder / "checkpoints" / f"step_{step:06d}"
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"\x80\x04pickled")
+    (path / "__0_0.distcp").write_bytes(bytes(100))
+    doc = {"step": step, "model": "tiny-llama", "workload": "ppo-tiny", "logical_state": {}, **meta}
+    (path / "meta.json").write_text(json.dumps(doc))
+    signing.sign(path, key)
+    (folder / "checkpoints" / "latest").write_text(path.name + "\n")
+    return path
+
+
+def test_a_signed_checkpoint_verifies_and_its_meta_reads_back(tmp_path: Path) -> None:
+    path = _checkpoint(tmp_path)
+    manifest = signing.verify(path, KEY)
+    assert set(manifest.files) == {".metadata", "__0_0.distcp", "meta.json"}
+    assert manifest.meta()["step"] == 4
+    assert manifest.read(".metadata") == b"\x80\x04pickled"
+    for rank in range(3):  # a world shares the hashing
+        signing.verify(path, KEY, rank, 3)
+    assert signing.latest(tmp_path / "checkpoints") == path
+
+
+def _flip(path: Path, at: int = 0) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 1
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("tamper", "message"),
+    [
+        (lambda p: _flip(p / ".metadata", 3), ".metadata: changed since the checkpoint was signed"),
+        (lambda p: _flip(p / "__0_0.distcp", 50), "__0_0.distcp: changed since"),
+        (lambda p: (p / "meta.json").write_text('{"step": 9}'), "meta.json: changed since"),
+        (lambda p: (p / "manifest.json").write_text((p / "manifest.json").read_text() + " "), "signature"),
+        (lambda p: (p / "manifest.sig").write_text("00" * 32), "signature does not verify"),
+        (lambda p: (p / "manifest.sig").unlink(), "not a signed checkpoint (no manifest.sig)"),
+        (lambda p: (p / "manifest.json").unlink(), "not a signed checkpoint (no manifest.json)"),
+        (lambda p: (p / "extra.bin").write_bytes(b"x"), "extra.bin is not in the signed manifest"),
+        (lambda p: (p / "__0_0.distcp").unlink(), "__0_0.distcp is missing"),
+        (lambda p: (p / "link").symlink_to("/etc/passwd"), "link is a symbolic link"),
+    ],
+)
+def test_a_changed_checkpoint_is_refused(tmp_path: Path, tamper: object, message: str) -> None:
+    path = _checkpoint(tmp_path)
+    tamper(path)  # type: ignore[operator]
+    with pytest.raises(ConfigError) as info:
+        signing.verify(path, KEY)
+    assert message in str(info.value)
+    assert str(path) in str(info.value)
+
+
+def test_a_checkpoint_of_another_key_is_refused(tmp_path: Path) -> None:
+    path = _checkpoint(tmp_path, key=bytes(32))
+    with pytest.raises(ConfigError, match="does not verify with this run's key"):
+        signing.verify(path, KEY)
+
+
+@pytest.mark.parametrize(
+    ("pointer", "message"),
+    [
+        ("../outside", "names '../outside'"),
+        ("/tmp", "names '/tmp'"),
+        ("step_000004/..", "names 'step_000004/..'"),
+        ("step_000042", "step_000042, which does not exist"),
+        ("link", "names 'link'"),
+        ("step_000099", "step_000099, a symbolic link"),
+    ],
+)
+def test_latest_names_only_a_folder_directly_under_the_checkpoints(
+    tmp_path: Path, pointer: str, message: str
+) -> None:
+    _checkpoint(tmp_path)
+    other = _checkpoint(tmp_path / "elsewhere", step=99)
+    (tmp_path / "checkpoints" / "step_000099").symlink_to(other)
+    (tmp_path / "checkpoints" / "latest").write_text(pointer + "\n")
+    with pytest.raises(ConfigError) as info:
+        signing.latest(tmp_path / "checkpoints")
+    assert message in str(info.value) and "allowed:" in str(info.value)
+
+
+def test_no_pointer_is_no_checkpoint(tmp_path: Path) -> None:
+    assert signing.latest(tmp_path / "checkpoints") is None
+
+
+def test_the_key_file_is_private_and_never_overwritten(tmp_path: Path) -> None:
+    key = signing.create_key(tmp_path / "checkpoint.key")
+    assert stat.S_IMODE((tmp_path / "checkpoint.key").stat().st_mode) == 0o600
+    assert signing.read_key(tmp_path / "checkpoint.key") == key and len(key) == 32
+    with pytest.raises(FileExistsError):
+        signing.create_key(tmp_path / "checkpoint.key")
+    (tmp_path / "bad.key").write_text("abc\n")
+    with pytest.raises(ConfigError, match="expected 64 hex digits"):
+        signing.read_key(tmp_path / "bad.key")
+
+
+def test_identity_names_both_models_and_workloads(tmp_path: Path) -> None:
+    meta = {"model": "tiny-llama", "workload": "ppo-tiny"}
+    signing.check_identity(tmp_path, meta, {"model": "tiny-llama", "workload": "ppo-tiny"})
+    with pytest.raises(ConfigError) as info:
+        signing.check_identity(tmp_path, meta, {"model": "tiny-qwen", "workload": "grpo-tiny"})
+    text = str(info.value)
+    assert "model tiny-llama and workload ppo-tiny" in text
+    assert "model tiny-qwen and workload grpo-tiny" in text
+
+
+# ------------------------------------------------------------------ the output folder
+def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {
+        str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_a_new_folder_is_created_private_and_marked(tmp_path: Path) -> None:
+    out = tmp_path / "a" / "run"
+    outdir.check(out, resume=False, force=False)
+    assert not (tmp_path / "a").exists()
+    key = outdir.prepare(out, resume=False, force=False)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o700
+    assert outdir.is_ours(out) and signing.read_key(out / "checkpoint.key") == key
+
+
+def test_an_empty_folder_or_one_with_shrink_requests_is_fine(tmp_path: Path) -> None:
+    (tmp_path / "control").mkdir()
+    (tmp_path / "control" / "shrink-1.json").write_text('{"nodes": 1}')
+    outdir.check(tmp_path, resume=False, force=False)
+
+
+def test_a_used_folder_needs_force_and_force_replaces_only_the_runs_files(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    outdir.prepare(out, resume=False, force=False)
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    (out / "checkpoints").mkdir()
+    (out / "notes.txt").write_text("mine")
+    before = _snapshot(out)
+    with pytest.raises(ConfigError, match="holds a previous run; pass --resume to continue it or --force"):
+        outdir.check(out, resume=False, force=False)
+    with pytest.raises(ConfigError, match="--force and --resume"):
+        outdir.prepare(out, resume=True, force=True)
+    assert _snapshot(out) == before
+    outdir.prepare(out, resume=False, force=True)
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_a_foreign_folder_needs_force(tmp_path: Path) -> None:
+    (tmp_path / "thesis.tex").write_text("x")
+    with pytest.raises(ConfigError, match=r"is not empty \(thesis.tex\) and nereus run did not create it"):
+        outdir.check(tmp_path, resume=False, force=False)
+
+
+def test_out_must_be_a_writable_folder(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=r"--out: .*file is a file; expected a folder"):
+        outdir.check(tmp_path / "file", resume=False, force=False)
+    with pytest.raises(ConfigError, match=r"is inside .*file, a file"):
+        outdir.check(tmp_path / "file" / "run", resume=False, force=False)
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(ConfigError, match="is not writable"):
+            outdir.check(locked / "run", resume=False, force=False)
+
+
+# ------------------------------------------------------------------ metrics rows
+def test_rows_after_a_step_are_dropped_and_each_step_keeps_one_row(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "n": i} for i, s in enumerate([0, 1, 2, 3, 4, 2, 3])]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "half')
+    drop_rows_after(path, 3)
+    assert [(s, json.loads(line)["n"]) for s, line in read_rows(path)] == [(0, 0), (1, 1), (2, 5), (3, 6)]
+    assert path.read_text().endswith("\n")
+    before = path.stat().st_mtime_ns
+    drop_rows_after(path, 3)  # already so: untouched
+    assert path.stat().st_mtime_ns == before
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+# ------------------------------------------------------------------ no torch in the command
+def test_the_run_command_and_its_preflight_load_no_torch(tmp_path: Path) -> None:
+    """The preflight of a fresh run and of a ``--resume`` (a signed checkpoint, its key), in a
+    process of its own: torch stays out (its own checks ran in a child)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    _checkpoint(out, step=1)
+    (out / "checkpoint.key").write_text(KEY.hex() + "\n")
+    exp = tmp_path / "x.yaml"
+    exp.write_text("name: x\nworkload: ppo-tiny\nmodel: tiny-llama\nworkers: 4\nsteps: 3\n")
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "import nereus.cli, nereus.runtime.command as c, nereus.runtime.local\n"
+        "from nereus.runtime.experiment import ExperimentSpec\n"
+        f"spec = ExperimentSpec.load(Path({str(exp)!r}))\n"
+        f"c.preflight(spec, Path({str(tmp_path / 'fresh')!r}), resume=False)\n"
+        f"c.preflight(spec, Path({str(out)!r}), resume=True)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.stdout.strip() == "False", proc.stderr[-2000:]
+
+
+@settings(deadline=None, database=None, max_examples=120)
+@given(
+    target=st.sampled_from(
+        [".metadata", "__0_0.distcp", "meta.json", "manifest.json", "manifest.sig", "latest"]
+    ),
+    how=st.sampled_from(["flip", "truncate", "append", "replace", "empty"]),
+    at=st.integers(0, 10_000),
+    junk=st.binary(min_size=1, max_size=64),
+)
+def test_fuzzed_checkpoint_files_verify_unchanged_or_are_refused(
+    tmp_path_factory: pytest.TempPathFactory, target: str, how: str, at: int, junk: bytes
+) -> None:
+    """Whatever happens to one of a checkpoint's files (or to the pointer), finding and verifying
+    it either gives back exactly what was signed or is one ``ConfigError``, nothing else."""
+    root = tmp_path_factory.mktemp("fuzz")
+    path = _checkpoint(root)
+    file = root / "checkpoints" / "latest" if target == "latest" else path / target
+    data = file.read_bytes()
+    mutated = {
+        "flip": lambda: bytes(b ^ (1 if i == at % max(len(data), 1) else 0) for i, b in enumerate(data)),
+        "truncate": lambda: data[: at % max(len(data), 1)],
+        "append": lambda: data + junk,
+        "replace": lambda: junk,
+        "empty": lambda: b"",
+    }[how]()
+    file.write_bytes(mutated)
+    try:
+        found = signing.latest(root / "checkpoints")
+        assert found is not None
+        manifest = signing.verify(found, KEY)
+    except ConfigError as exc:
+        assert "\n" not in str(exc)
+        return
+    assert found == path and manifest.read(".metadata") == b"\x80\x04pickled"
+    assert manifest.meta()["step"] == 4

@@ -1,0 +1,257 @@
+"""``nereus run`` stops cleanly, keeps one metrics row per step, and never overwrites a run
+unasked (4 local workers, tiny PPO jobs of a few steps, through the CLI).
+
+- SIGINT, SIGTERM or SIGUSR2, to the supervisor alone or to the whole process group: every
+  worker stops at the next step boundary after a checkpoint; the run exits 130, 143 or 144
+  with one line on stderr, no traceback, and no process of the run left.
+- A resume after a stop, or after the whole run was killed between checkpoints, ends with
+  exactly one metrics row per step.
+- A second run into a used folder exits 2 and changes nothing; with ``--force`` it replaces the
+  run's files (and leaves the user's). An infeasible worker count and ``init:`` folders without
+  weights exit 2 before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+BASE = """
+name: {name}
+workload: ppo-tiny
+model: tiny-llama
+workers: {workers}
+steps: {steps}
+seed: 3
+policy: always
+task: {{kind: copy, n: 256, difficulty: 2, length: 2}}
+max_new_tokens: 2
+rl: {{lr: 0.002, critic_lr: 0.01, kl_coef: 0.01}}
+checkpoint_every: {every}
+"""
+CODES: dict[int, int] = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGUSR2: 144}
+
+
+def experiment(tmp: Path, name: str, steps: int, every: int = 1, workers: int = 4, extra: str = "") -> Path:
+    exp = tmp / f"{name}.yaml"
+    exp.write_text(BASE.format(name=name, steps=steps, every=every, workers=workers) + extra)
+    return exp
+
+
+def cli(exp: Path, out: Path, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "nereus.cli", "run", str(exp), "--out", str(out), *flags]
+
+
+def run(exp: Path, out: Path, *flags: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cli(exp, out, *flags), capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def steps(out: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def rows(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def group_left(pgid: int, wait_s: float = 15.0) -> list[str]:
+    """Live (not zombie) processes of process group ``pgid`` once ``wait_s`` passed or none is left."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                left.append(f"{entry}: {cmd}")
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+def stop_after(
+    exp: Path, out: Path, after_rows: int, signum: int, group: bool, *flags: str
+) -> tuple[subprocess.Popen[str], str, str]:
+    """Start the run in a session of its own; once ``after_rows`` rows are written, send
+    ``signum`` to the supervisor or to the whole group; wait for the end."""
+    proc = subprocess.Popen(
+        cli(exp, out, *flags),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and proc.poll() is None:
+        if rows(out) >= after_rows:
+            if group:
+                os.killpg(proc.pid, signum)
+            else:
+                proc.send_signal(signum)
+            break
+        time.sleep(0.05)
+    try:
+        stdout, stderr = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc, stdout, stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("signum", "group"),
+    [
+        (signal.SIGINT, True),
+        (signal.SIGINT, False),
+        (signal.SIGTERM, False),
+        (signal.SIGTERM, True),
+        (signal.SIGUSR2, True),
+        (signal.SIGUSR2, False),
+    ],
+    ids=["SIGINT-group", "SIGINT-supervisor", "SIGTERM-supervisor", "SIGTERM-group", "SIGUSR2-group",
+         "SIGUSR2-supervisor"],
+)  # fmt: skip
+def test_a_stop_signal_checkpoints_and_exits_with_its_code(tmp_path: Path, signum: int, group: bool) -> None:
+    out = tmp_path / "out"
+    exp = experiment(tmp_path, "stop", steps=30, every=5)
+    proc, stdout, stderr = stop_after(exp, out, 2, signum, group)
+    name = signal.Signals(signum).name
+    assert proc.returncode == CODES[signum], stderr[-3000:]
+    assert "Traceback" not in stderr + stdout, stderr[-3000:]
+    last = steps(out)[-1]
+    assert 2 <= last < 29 and steps(out) == list(range(last + 1))
+    assert stderr.splitlines() == [
+        f"nereus run: stopped by {name} after step {last}, with a checkpoint; resume with --resume"
+    ]
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{last:06d}"
+    final = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert final["transitions"][-1]["kind"] == "preempted"
+    assert not group_left(proc.pid)
+
+
+@pytest.mark.timeout(150)
+def test_a_resume_after_sigint_writes_one_row_per_step(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    exp = experiment(tmp_path, "again", steps=7, every=3)
+    proc, _, stderr = stop_after(exp, out, 2, signal.SIGINT, True)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert len(steps(out)) < 7
+    done = run(exp, out, "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert steps(out) == list(range(7))
+
+
+@pytest.mark.timeout(150)
+def test_a_resume_after_a_kill_drops_the_rows_after_the_checkpoint(tmp_path: Path) -> None:
+    """The whole run killed (SIGKILL) between checkpoints: ``metrics.jsonl`` has rows after the
+    latest checkpoint's step; the resume drops them before it writes its own."""
+    out = tmp_path / "out"
+    exp = experiment(tmp_path, "killed", steps=8, every=3)
+    proc, _, _ = stop_after(exp, out, 5, signal.SIGKILL, True)
+    assert proc.returncode == -signal.SIGKILL
+    assert not group_left(proc.pid)
+    latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    assert json.loads((latest / "meta.json").read_text())["step"] < steps(out)[-1], "no rows to drop"
+    done = run(exp, out, "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert steps(out) == list(range(8))
+
+
+@pytest.mark.timeout(150)
+def test_a_used_folder_needs_force(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    exp = experiment(tmp_path, "twice", steps=2)
+    first = run(exp, out)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (out / "notes.txt").write_text("mine")
+    before = {
+        str(p.relative_to(out)): (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()
+    }
+    second = run(exp, out)
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert second.stderr.splitlines() == [
+        f"nereus run: error: --out: {out} holds a previous run; pass --resume to continue it or --force "
+        "to replace it"
+    ]
+    after = {
+        str(p.relative_to(out)): (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()
+    }
+    assert after == before
+    key = (out / "checkpoint.key").read_text()
+    forced = run(experiment(tmp_path, "twice", steps=3), out, "--force")
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    assert steps(out) == [0, 1, 2]
+    assert (out / "notes.txt").read_text() == "mine"
+    assert (out / "checkpoint.key").read_text() != key  # the previous run's key went with its checkpoints
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_000001", "step_000002"]
+
+
+def test_an_infeasible_worker_count_exits_2_before_writing_anything(tmp_path: Path) -> None:
+    """PPO's inference stage needs 3 GPUs at once: 2 workers have no plan."""
+    out = tmp_path / "out"
+    proc = run(experiment(tmp_path, "two", steps=1, workers=2), out)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "nereus run: error: workers: no plan of ppo-tiny for tiny-llama fits 2 workers (stage inf needs ≥ 3 "
+        "GPUs for its concurrent model-stages; the pool has 2); allowed on local-cpu: 3-8"
+    ]
+    assert not out.exists()
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("{}\n")
+    forced = run(experiment(tmp_path, "two", steps=1, workers=2), out, "--force")
+    assert forced.returncode == 2 and "workers: no plan" in forced.stderr
+    assert [p.name for p in out.iterdir()] == ["metrics.jsonl"]  # --force waits for every check
+
+
+def test_init_folders_without_weights_exit_2(tmp_path: Path) -> None:
+    from tests.test_runtime_e2e import _hf_checkpoint
+
+    actor = _hf_checkpoint(tmp_path / "actor", "lm", 11)
+    (actor / "model.safetensors").unlink()
+    out = tmp_path / "out"
+    proc = run(experiment(tmp_path, "init", steps=1, extra=f"init: {{actor: {actor}}}\n"), out)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f"nereus run: error: init.actor: {actor} has no weights ({actor}: no model.safetensors or "
+        "model.safetensors.index.json)"
+    ]
+    assert not out.exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_second_sigint_kills_the_workers_at_once(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    exp = experiment(tmp_path, "twice", steps=30, every=50)
+    proc = subprocess.Popen(
+        cli(exp, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and rows(out) < 2:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert stderr.splitlines() == [
+        "nereus run: stopped by a second SIGINT before the first checkpoint; run again with --force to "
+        "start over"
+    ]
+    assert not group_left(proc.pid)
