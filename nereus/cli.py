@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from nereus import __version__
+from nereus import describe as describe_command
 from nereus.errors import ConfigError, NereusError
 from nereus.plan.calibration import CalibrationStore
 from nereus.plan.exhaustive import ExhaustiveTooLargeError, all_plans, exhaustive
@@ -41,6 +42,7 @@ from nereus.spec import (
 from nereus.spec.cluster import GIB
 from nereus.spec.files import brief, one_line, shorten
 from nereus.spec.workload import MAX_TOKENS
+from nereus.telemetry import read_node
 from nereus.transition import command as transition_command
 from nereus.transition.command import MAX_GPUS, MAX_TP
 
@@ -128,9 +130,9 @@ def _parser() -> Parser:
         "--anchor", type=Path, help="running plan (nereus plan --json): keep its unchanged replicas in place"
     )
 
-    desc = sub.add_parser("describe", help="derived facts of a model or a cluster")
-    desc.add_argument("kind", choices=["model", "cluster"])
-    desc.add_argument("name")
+    desc = sub.add_parser("describe", help="derived facts of a model or a cluster; this node's GPUs")
+    desc.add_argument("kind", choices=["model", "cluster", "node"])
+    desc.add_argument("name", nargs="?", help="the model or cluster (describe node takes none)")
     desc.add_argument("--seq-len", type=_count(MAX_TOKENS), help="count attention FLOPs at this length")
     desc.add_argument("--json", action="store_true")
 
@@ -334,50 +336,7 @@ def _print_explain(problem: PlanningProblem, result: SearchResult, out: Console)
         )
 
 
-# ------------------------------------------------------------------ describe / list
-def _describe(args: argparse.Namespace, out: Console) -> int:
-    if args.kind == "model":
-        m = load_model(args.name)
-        ctx = (args.seq_len + 1) / 2 if args.seq_len else 0.0
-        doc: dict[str, Any] = {
-            "name": m.name,
-            "family": m.family.value,
-            "params": m.param_count(),
-            "params_non_embedding": m.non_embedding_params(),
-            "flops_per_token": m.forward_flops_per_token(ctx),
-            "flops_per_token_train": 3 * m.forward_flops_per_token(ctx),
-            "attention_flops_per_context_token": m.attention_flops_per_context_token(),
-            "kv_bytes_per_token": m.kv_bytes_per_token(),
-            "seq_len": args.seq_len,
-            **{
-                k: getattr(m, k)
-                for k in (
-                    "hidden_size",
-                    "num_hidden_layers",
-                    "num_attention_heads",
-                    "num_key_value_heads",
-                    "head_dim",
-                    "intermediate_size",
-                    "vocab_size",
-                    "tie_word_embeddings",
-                    "qk_norm",
-                )
-            },
-        }
-    else:
-        c = load_cluster(args.name)
-        doc = {k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(c).items()}
-        doc["total_gpus"] = c.total_gpus
-    if args.json:
-        print(json.dumps(doc))
-        return 0
-    table = Table(title=f"{args.kind} {doc['name']}", title_justify="left", show_header=False)
-    for k, v in doc.items():
-        table.add_row(k, f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v))
-    out.print(table)
-    return 0
-
-
+# ------------------------------------------------------------------ list
 def _list(args: argparse.Namespace, out: Console) -> int:
     items = [a.value for a in Algorithm] if args.kind == "algos" else names(args.kind)
     for item in items:
@@ -389,10 +348,14 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse ``argv``; arguments no subcommand knows are that subcommand's error (one line)."""
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    owner = sub.choices.get(args.command, parser)
     if extra:
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        owner = sub.choices.get(args.command, parser)
         owner.error(f"unrecognized arguments: {shorten(' '.join(extra))}")
+    if args.command == "describe" and args.kind != "node" and args.name is None:
+        owner.error("the following arguments are required: name")
+    if args.command == "describe" and args.kind == "node" and args.name is not None:
+        owner.error(f"describe node takes no name (it reads the node it runs on), got {brief(args.name)}")
     return args
 
 
@@ -403,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plan":
             return _plan(args, out)
         if args.command == "describe":
-            return _describe(args, out)
+            return describe_command.run(args, out, read_node)
         if args.command == "simulate":
             return simulate_command.run(args, out)
         if args.command == "transition":

@@ -14,6 +14,7 @@ from nereus.errors import ConfigError
 from nereus.plan.layout import Plan
 from nereus.plan.problem import PlanningProblem, SeqStats
 from nereus.plan.search import SearchResult, search
+from nereus.spec.workload import Stage
 from nereus.state.sources import intact_replicas, state_source
 from tests.helpers import make_problem
 
@@ -250,3 +251,18 @@ def test_a_drain_moves_off_the_leaving_gpus_or_keeps_with_the_reason(plan: Plan)
     assert ctl.plan is action.target and ctl.state is State.STEADY
     refused = ctl.drain((0,), SeqStats.fixed(256, 2048))  # an 8B PPO job does not fit on one GPU
     assert isinstance(refused, Keep) and "does not fit" in refused.reason
+
+
+def test_out_of_memory_never_keeps_the_plan_and_raises_the_stage_correction(plan: Plan) -> None:
+    ctl = _controller(plan)
+    pool = tuple(range(16))
+    ctl.observe(t(0, 2048, pool))
+    before = ctl.calibration.memory_factor(Stage.TRAIN)
+    d = ctl.observe(t(1, 2048, pool, oom=True, oom_stage="actor.train"))
+    assert d is not None and d.urgent and d.current_latency_s is None
+    assert any(tr.kind is TriggerKind.OOM for tr in d.triggers)
+    assert d.verdict in (Verdict.ADMIT, Verdict.RESTART)  # never "keep": that plan ran out
+    if d.verdict is Verdict.ADMIT:
+        assert d.target is not None and d.target.candidates != plan.candidates
+    assert ctl.calibration.memory_factor(Stage.TRAIN) == pytest.approx(before * 1.25)
+    assert ctl.calibration.memory_factor(Stage.GEN) == 1.0  # only the stage that ran out

@@ -217,6 +217,15 @@ def test_bad_numbers_in_configs(
             "drift: [{step: 1, lose: [1], max_new_tokens: -1}]",
             "'drift[0]' max_new_tokens must be in [0, 16777216], got -1",
         ),
+        (
+            "drift: [{step: 1, lose: [1], unhealthy: [1]}]",
+            "'drift[0]' step 1: a worker cannot be lost, killed, unhealthy or gained at once",
+        ),
+        (
+            "drift: [{step: 1, unhealthy: [0]}]",
+            "drift at step 1: worker 0 hosts the controller and cannot leave",
+        ),
+        ("drift: [{step: 1, unhealthy: [9]}]", "drift at step 1: worker 9 outside 0…3"),
     ],
 )
 def test_bad_numbers_in_experiments(extra: str, line: str) -> None:

@@ -55,8 +55,9 @@ def test_every_runtime_message_round_trips(setup: JobSetup) -> None:
     got = decode(encode(welcome), tuple[JobSetup, Plan, Change])
     assert got[1:] == (plan, change)
     report = RankReport(
-        {"actor.gen": 0.25}, {"actor.gen": 1 << 40}, False, (OpTime("actor.gen", OpClass.MEMORY, 0.1, 0.2),)
-    )
+        {"actor.gen": 0.25}, {"actor.gen": 1 << 40}, False, (OpTime("actor.gen", OpClass.MEMORY, 0.1, 0.2),),
+        '{"node": "gpu-a07"}', {"actor.gen": 1 << 41},
+    )  # fmt: skip
     assert decode(encode(report), RankReport) == report
     assert decode(encode({"a": {"updates": 3}}), dict[str, dict[str, int]]) == {"a": {"updates": 3}}
 

@@ -268,3 +268,50 @@ def test_resume_without_a_checkpoint_exits_2(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert proc.returncode == 2 and "--resume: no checkpoint" in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(400)
+def test_out_of_memory_takes_the_urgent_path_and_training_stays_on_track(
+    tmp_path: Path, untouched: Path
+) -> None:
+    """A model-stage that runs out of memory (the real ``torch.OutOfMemoryError``, raised by a
+    fault hook from inside actor.train on worker 1 at step 3) is not a crash: the step rolls back,
+    the controller raises that stage's memory correction and moves to another plan, the step runs
+    again, and the run ends with the actor of the run that never ran out of memory."""
+    drift = "drift:\n  - {step: 3, oom: [1], oom_stage: actor.train}\n"
+    out, proc = nereus_run(tmp_path, "oom", 6, drift)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(6))
+    moved = [t for r in rows for t in r["transitions"]]  # type: ignore[union-attr]
+    recovered = [t for t in moved if t["kind"] == "recovered"]
+    assert recovered and recovered[0]["oom"] == "actor.train" and recovered[0]["lost"] == []
+    after = [t for t in moved if t["kind"] not in ("recovered", "membership")]
+    assert after, "the controller kept the plan that ran out of memory"
+    decision = rows[3]["decision"]
+    assert decision["verdict"] == "admit" and any("oom" in t for t in decision["triggers"])
+    a = load_file(str(out / "hf" / "actor" / "model.safetensors"))
+    b = load_file(str(untouched / "hf" / "actor" / "model.safetensors"))
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=2e-4, rtol=0), name
+
+
+def test_a_gpu_that_turns_unhealthy_is_a_gpu_loss(tmp_path: Path, untouched: Path) -> None:
+    """Worker 2's health check reports its GPU fallen off the bus (XID 79, the scripted fault in
+    ``runtime/health.py``) at the boundary before step 3: the leader decodes the report, the
+    health rule condemns the GPU, and it leaves the pool like a lost worker. Training stays on
+    track: the run ends with the actor of the run that never lost a GPU."""
+    out, proc = nereus_run(tmp_path, "sick", 6, "drift:\n  - {step: 3, unhealthy: [2]}\n")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(6))
+    assert [r["gpus"] for r in rows] == [4, 4, 4, 3, 3, 3]
+    changes = [t for r in rows for t in r["transitions"] if t["kind"] == "membership"]  # type: ignore[union-attr]
+    assert changes and changes[0]["left"] == [2]
+    log = (out / "membership.log").read_text()
+    assert "GPU 2 is unhealthy (xid 79: GPU has fallen off the bus): treated as lost" in log
+    a = load_file(str(out / "hf" / "actor" / "model.safetensors"))
+    b = load_file(str(untouched / "hf" / "actor" / "model.safetensors"))
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=2e-4, rtol=0), name

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from nereus.devices import CPU
 from nereus.state.buffers import BufferKind, RankBuffers
 from nereus.state.geometry import Partition, tensors_at
 from nereus.state.holder import RankState
@@ -39,7 +40,7 @@ class AdamWConfig:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
 
 
-def decay_weights(rb: RankBuffers, device: torch.device | str = "cpu") -> Tensor:
+def decay_weights(rb: RankBuffers, device: torch.device | str = CPU) -> Tensor:
     """1.0 on elements of matrices (weight decay applies), 0.0 on vectors and padding."""
     w = torch.zeros(rb.numel, dtype=torch.float32, device=device)
     for s in rb.slots:
@@ -72,7 +73,7 @@ def norm_weights(rs: RankState, t: int, kv_replication: int) -> Tensor:
 
 
 class FlatAdamW:
-    def __init__(self, config: AdamWConfig, rb: RankBuffers, device: torch.device | str = "cpu") -> None:
+    def __init__(self, config: AdamWConfig, rb: RankBuffers, device: torch.device | str = CPU) -> None:
         self.config = config
         self.decay = decay_weights(rb, device)
 

@@ -88,6 +88,7 @@ class TransitionRecord:
     joined: tuple[int, ...] = ()
     lost: tuple[int, ...] = ()
     members: tuple[int, ...] = ()
+    oom: str = ""  # a recovery: the model-stage that ran out of memory, if that was the failure
 
     @classmethod
     def move(cls, action: Move, seconds: float, before: Plan) -> TransitionRecord:
@@ -113,9 +114,9 @@ class TransitionRecord:
 
     @classmethod
     def recovered(
-        cls, seconds: float, lost: tuple[int, ...], members: tuple[int, ...], generation: int
+        cls, seconds: float, lost: tuple[int, ...], members: tuple[int, ...], generation: int, oom: str = ""
     ) -> TransitionRecord:
-        return cls(RecordKind.RECOVERED, seconds, lost=lost, members=members, generation=generation)
+        return cls(RecordKind.RECOVERED, seconds, lost=lost, members=members, generation=generation, oom=oom)
 
     def to_json(self) -> dict[str, Any]:
         """The object ``metrics.jsonl`` lists under ``transitions``."""
@@ -128,4 +129,6 @@ class TransitionRecord:
             out.update(generation=self.generation, left=list(self.left), joined=list(self.joined))
         elif self.kind is RecordKind.RECOVERED:
             out.update(lost=list(self.lost), members=list(self.members), generation=self.generation)
+            if self.oom:
+                out["oom"] = self.oom
         return out

@@ -32,7 +32,7 @@ from nereus.plan.problem import DEFAULT_HEADROOM, PlanningProblem, SearchSpace, 
 from nereus.plan.search import SearchResult, search
 from nereus.spec.cluster import ClusterSpec
 from nereus.spec.model import ModelSpec
-from nereus.spec.workload import Role, WorkloadSpec
+from nereus.spec.workload import Role, Stage, WorkloadSpec
 
 Planner = Callable[[PlanningProblem], SearchResult]
 
@@ -173,6 +173,10 @@ class Controller:
             self._growth = 0.5 * self._growth + 0.5 * (t.seq_len_mean / self._last_len)
         self._last_len = t.seq_len_mean
         self._calibrate(t)
+        if t.oom:  # the model under-predicted that stage's memory: correct it before replanning
+            stages = {self.plan.workflow.get(t.oom_stage).stage} if t.oom_stage else set(Stage)
+            for stage in stages:
+                self.calibration.raise_memory_floor(stage)
         plan_gpus = frozenset(g for c in self.plan.candidates for g in c.gpus)
         violation = False
         if plan_gpus <= frozenset(t.pool):  # the running plan at the next step's expected lengths
@@ -258,8 +262,9 @@ class Controller:
         seq = self._seq(t)
         problem = self.problem(t.pool, seq)
         lost = frozenset(g for c in self.plan.candidates for g in c.gpus) - frozenset(t.pool)
+        oom = any(f.kind is TriggerKind.OOM for f in fired)
         current = None
-        if not lost:
+        if not lost and not oom:  # a plan that ran out of memory is not one to keep
             cost = price(problem, shapes_of(self.plan))
             if not cost.over_capacity(problem):
                 current = cost.step_latency_s
@@ -267,13 +272,17 @@ class Controller:
         h = horizon([f for f in fired if not f.urgent]) if not urgent else 1.0
         base = Decision(t.step, t.time_s, tuple(fired), urgent, Verdict.KEEP, "", current, horizon_steps=h)
         options = self._options(problem)
-        if options and options[0].plan.candidates == self.plan.candidates:
+        if options and options[0].plan.candidates == self.plan.candidates and not oom:
             return replace(base, reason="the current plan is the planner's target")
         options = [o for o in options if o.plan.candidates != self.plan.candidates]
         estimates = [self.estimator.estimate(problem, self.plan, o.plan, lost, rebuilt) for o in options]
         index, reason = admit(self.config.rule, current, options, estimates, h, urgent)
         if index is None and urgent:  # also try smaller micro-batches and recomputation
-            widened = self._options(self.problem(t.pool, seq, SearchSpace.urgent()), "urgent")
+            widened = [
+                o
+                for o in self._options(self.problem(t.pool, seq, SearchSpace.urgent()), "urgent")
+                if not (oom and o.plan.candidates == self.plan.candidates)
+            ]
             more = [self.estimator.estimate(problem, self.plan, o.plan, lost, rebuilt) for o in widened]
             index, why = admit(self.config.rule, current, widened, more, h, True)
             if index is None:

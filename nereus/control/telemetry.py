@@ -29,6 +29,7 @@ class Telemetry:
     peak_memory: Mapping[str, float] = field(default_factory=dict)
     measurements: tuple[Measurement, ...] = ()
     oom: bool = False  # the step ran out of memory (and was lost)
+    oom_stage: str = ""  # the model-stage whose work ran out, when known
 
     def __post_init__(self) -> None:
         if self.step < 0:

@@ -33,6 +33,8 @@ from nereus.spec.workload import Stage
 FORMAT_VERSION = 1
 MAD_SCALE = 1.4826  # MAD → standard deviation for normal data
 RELATIVE_FLOOR = 0.05
+MEMORY_CAP = 4.0  # the largest memory correction (the model is not that wrong)
+OOM_STEP = 1.25  # an out-of-memory error raises a stage's memory correction by this factor
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,12 +104,20 @@ class CalibrationStore:
         self.window = window
         self._samples: dict[OpClass, deque[tuple[float, float]]] = {}
         self._memory: dict[Stage, deque[float]] = {}
+        self._floor: dict[Stage, float] = {}  # lower bounds from out-of-memory errors (not persisted)
 
     # ---------------------------------------------------------------- updates
     def update(self, measurements: Iterable[Measurement]) -> None:
         for m in measurements:
             bucket = self._samples.setdefault(m.op_class, deque(maxlen=self.window))
             bucket.append((m.ideal_s, m.measured_s))
+
+    def raise_memory_floor(self, stage: Stage, step: float = OOM_STEP) -> float:
+        """A stage ran out of memory: its correction is at least ``step`` times what it was (the
+        model under-predicted it; repeated out-of-memory errors escalate). Returns the new floor."""
+        floor = min(MEMORY_CAP, max(self._floor.get(stage, 1.0), self.memory_factor(stage)) * step)
+        self._floor[stage] = floor
+        return floor
 
     def update_memory(self, stage: Stage, predicted_bytes: float, measured_bytes: float) -> None:
         if predicted_bytes <= 0 or measured_bytes <= 0:
@@ -127,13 +137,14 @@ class CalibrationStore:
         return min(1.0, max(0.01, ideal / measured))
 
     def memory_factor(self, stage: Stage) -> float:
+        floor = self._floor.get(stage, 0.0)  # raised by out-of-memory errors
         ratios = list(self._memory.get(stage, ()))
         if not ratios:
-            return 1.0
+            return max(1.0, floor)
         kept = [ratios[i] for i in _inliers(ratios)]
         med = statistics.median(kept)
         mad = statistics.median(abs(r - med) for r in kept) * MAD_SCALE
-        return min(4.0, max(0.5, med + 2 * mad))
+        return max(floor, min(MEMORY_CAP, max(0.5, med + 2 * mad)))
 
     def efficiencies(self) -> Efficiencies:
         return Efficiencies(

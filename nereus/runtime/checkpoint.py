@@ -77,7 +77,8 @@ def _state_dict(worker: Worker, plan: Plan) -> dict[str, Any]:
         c = plan.candidate(name)
         ranks = [worker.rank_of[g] for u in replicas(c) for g in u.gpus]
         model = worker.model_of(name)
-        mesh, kv = layout_mesh(c.layout, ranks), kv_mesh(model, c.layout, ranks)  # collective
+        kind = worker.device.type
+        mesh, kv = layout_mesh(c.layout, ranks, kind), kv_mesh(model, c.layout, ranks, kind)  # collective
         rs = worker.holder.units.get(name)
         if rs is not None:
             out.update({f"{name}/{k}": v for k, v in to_dtensors(rs, mesh, kv).items()})
@@ -201,7 +202,7 @@ def load(worker: Worker, plan: Plan, path: Path) -> int:
         if place is not None:
             worker.holder.units[name] = RankState.empty(
                 name, worker.model_of(name), plan.candidate(name).layout, place.t, place.p,
-                worker.policy_of(name), LogicalState(**logical[name]),
+                worker.policy_of(name), LogicalState(**logical[name]), worker.device,
             )  # fmt: skip
     dcp_load(_state_dict(worker, plan), storage_reader=VerifiedReader(manifest))
     return step

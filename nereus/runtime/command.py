@@ -87,6 +87,12 @@ def preflight(spec: Any, folder: Path, resume: bool, force: bool = False, local:
             raise ConfigError(
                 f"engines.{name}: not a model-stage of {workload.name} (allowed: {', '.join(stages)})"
             )
+    for event in spec.drift:
+        if event.oom and event.oom_stage not in stages:
+            raise ConfigError(
+                f"drift (step {event.step}): oom_stage {event.oom_stage!r} is not a model-stage of "
+                f"{workload.name} (allowed: {', '.join(stages)})"
+            )
     model = load_model(spec.model)
     cluster = load_cluster(spec.cluster)
     if spec.workers > cluster.total_gpus:

@@ -94,22 +94,39 @@ class DriftEvent:
     """Scripted drift for local runs. ``lose``: workers whose processes leave at the boundary
     before ``step`` (their state is gone); ``kill``: workers whose processes are killed
     (SIGKILL) in the middle of ``step``, after generation; ``gain``: new worker processes started
-    at the boundary before ``step``, which join the running job; ``max_new_tokens``: the response
+    at the boundary before ``step``, which join the running job; ``oom``: workers on which
+    ``oom_stage``'s work raises ``torch.OutOfMemoryError`` once in ``step`` (a fault injected where a
+    real one would come from); ``unhealthy``: workers whose GPU health check reports a fatal XID at
+    the boundary before ``step`` (the leader treats them as lost); ``max_new_tokens``: the response
     length limit from ``step`` on."""
 
     step: int
     lose: tuple[int, ...] = ()
     kill: tuple[int, ...] = ()
     gain: tuple[int, ...] = ()
+    oom: tuple[int, ...] = ()
+    oom_stage: str = "actor.train"
+    unhealthy: tuple[int, ...] = ()
     max_new_tokens: int = 0  # 0: unchanged
 
     def __post_init__(self) -> None:
         if not 0 <= self.step <= MAX_STEPS:
             raise ValueError(f"step must be in [0, {MAX_STEPS}], got {brief(self.step)}")
-        if (set(self.lose) | set(self.kill)) & set(self.gain) or set(self.lose) & set(self.kill):
-            raise ValueError(f"step {self.step}: a worker cannot be lost, killed or gained at once")
+        gone = (set(self.lose), set(self.kill), set(self.unhealthy))
+        if any(a & b for i, a in enumerate(gone) for b in gone[i + 1 :]) or set().union(*gone) & set(
+            self.gain
+        ):
+            raise ValueError(
+                f"step {self.step}: a worker cannot be lost, killed, unhealthy or gained at once"
+            )
         if not 0 <= self.max_new_tokens <= MAX_TOKENS:
             raise ValueError(f"max_new_tokens must be in [0, {MAX_TOKENS}], got {brief(self.max_new_tokens)}")
+        if set(self.oom) & (set().union(*gone) | set(self.gain)):
+            raise ValueError(f"step {self.step}: a worker that runs out of memory stays in the job")
+        if self.oom_stage.count(".") != 1:
+            raise ValueError(
+                f"oom_stage: expected a model-stage (<model>.<stage>), got {brief(self.oom_stage)}"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -161,14 +178,15 @@ class ExperimentSpec:
             raise ValueError("seed and checkpoint_every must be non-negative")
         pool = set(range(self.workers))
         for e in sorted(self.drift, key=lambda e: e.step):
-            gone = set(e.lose) | set(e.kill)
+            gone = set(e.lose) | set(e.kill) | set(e.unhealthy)
             if 0 in gone:
                 raise ValueError(f"drift at step {e.step}: worker 0 hosts the controller and cannot leave")
-            for w in (*e.lose, *e.kill, *e.gain):
+            for w in (*e.lose, *e.kill, *e.unhealthy, *e.gain, *e.oom):
                 if not 0 <= w < self.workers:
                     raise ValueError(f"drift at step {e.step}: worker {w} outside 0…{self.workers - 1}")
-            if not gone <= pool:
-                raise ValueError(f"drift at step {e.step}: workers {sorted(gone - pool)} are not in the pool")
+            if not (gone | set(e.oom)) <= pool:
+                missing = sorted((gone | set(e.oom)) - pool)
+                raise ValueError(f"drift at step {e.step}: workers {missing} are not in the pool")
             if set(e.gain) & pool:
                 raise ValueError(
                     f"drift at step {e.step}: workers {sorted(set(e.gain) & pool)} are already in"
@@ -195,7 +213,7 @@ class ExperimentSpec:
         pool = set(range(self.workers))
         for e in sorted(self.drift, key=lambda e: e.step):
             if e.step <= step:
-                pool = (pool - set(e.lose) - set(e.kill)) | set(e.gain)
+                pool = (pool - set(e.lose) - set(e.kill) - set(e.unhealthy)) | set(e.gain)
         return tuple(sorted(pool))
 
     def max_new_tokens_at(self, step: int) -> int:
@@ -208,6 +226,14 @@ class ExperimentSpec:
     def lost_at(self, step: int) -> tuple[int, ...]:
         """Workers that leave at the boundary before ``step``."""
         return tuple(sorted(w for e in self.drift if e.step == step for w in e.lose))
+
+    def oom_at(self, step: int) -> dict[int, str]:
+        """Workers whose model-stage (the value) runs out of memory once in ``step``."""
+        return {w: e.oom_stage for e in self.drift if e.step == step for w in e.oom}
+
+    def unhealthy_at(self, step: int) -> tuple[int, ...]:
+        """Workers whose GPU reports a fatal XID at the boundary before ``step``."""
+        return tuple(sorted(w for e in self.drift if e.step == step for w in e.unhealthy))
 
     def killed_at(self, step: int) -> tuple[int, ...]:
         """Workers killed in the middle of ``step``."""

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from nereus.backends.protocol import AdamWConfig, SamplingParams
+from nereus.devices import Devices
 from nereus.errors import InfeasibleError
 from nereus.plan.layout import Plan
 from nereus.plan.problem import PlanningProblem, SeqStats
@@ -30,7 +31,7 @@ from nereus.rl.verifiers import get_verifier, score
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.rollout import Rollouts, responses
 from nereus.runtime.worker import Worker
-from nereus.spec import load_cluster, load_model, load_workload
+from nereus.spec import ClusterSpec, load_cluster, load_model, load_workload
 from nereus.spec.model import Head, ModelSpec
 from nereus.spec.workload import Algorithm, Role, WorkloadSpec
 
@@ -44,6 +45,7 @@ class JobSetup:
     models: dict[Role, ModelSpec]
     dataset: PromptDataset
     tokenizer: CharTokenizer
+    cluster: ClusterSpec  # the spec's, with what the leader's node measured where they differ
 
     @classmethod
     def build(cls, spec: ExperimentSpec, out: Path) -> JobSetup:
@@ -65,17 +67,17 @@ class JobSetup:
             t = spec.task
             write_jsonl(generate_tasks(t.kind, t.n, t.seed, t.difficulty, t.length), path)
         dataset = PromptDataset.load(path, tok, workload.max_prompt_len, spec.seed)
-        return cls(spec, workload, models, dataset, tok)
+        return cls(spec, workload, models, dataset, tok, load_cluster(spec.cluster))
 
 
 def initial_plan(setup: JobSetup, pool: tuple[int, ...], max_new: int) -> Plan:
-    spec, w = setup.spec, setup.workload
+    w = setup.workload
     seq = SeqStats.fixed(w.prompt_len, max_new)
-    problem = PlanningProblem(w, setup.models, load_cluster(spec.cluster), pool, seq)
+    problem = PlanningProblem(w, setup.models, setup.cluster, pool, seq)
     return search(problem).plan
 
 
-def make_worker(gpu: int, setup: JobSetup) -> Worker:
+def make_worker(gpu: int, setup: JobSetup, devices: Devices) -> Worker:
     """This process's worker: the setup's models, AdamW per trainer role, engines per model-stage."""
     spec = setup.spec
     rl = spec.rl
@@ -85,7 +87,7 @@ def make_worker(gpu: int, setup: JobSetup) -> Worker:
             lr=rl.critic_lr, weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm
         ),
     }
-    return Worker(gpu, setup.workload, setup.models, spec.cluster, optim, spec.seed, spec.engine_of)
+    return Worker(gpu, setup.workload, setup.models, setup.cluster, optim, spec.seed, spec.engine_of, devices)
 
 
 def restart_plan(setup: JobSetup, problem: PlanningProblem, max_new: int) -> Plan:

@@ -9,8 +9,9 @@ writes each step's metrics. Every other worker learns the outcome by broadcast. 
 
 from __future__ import annotations
 
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,11 +20,13 @@ from nereus.control.controller import Controller, policy_config
 from nereus.control.telemetry import Telemetry
 from nereus.plan.layout import Plan
 from nereus.plan.problem import SeqStats
+from nereus.runtime.health import describe, unhealthy_members
 from nereus.runtime.job import JobSetup, restart_plan
 from nereus.runtime.membership import JoinRequest, Membership
 from nereus.runtime.metrics import MetricsWriter, StepRecord
 from nereus.runtime.pool import Change, drain_gpus, read_shrink_requests
-from nereus.spec import load_cluster
+from nereus.spec import ClusterSpec
+from nereus.telemetry import NodeInventory, reconcile
 
 JOIN_WAIT_S = 120.0  # a scripted local gain: how long the leader waits for the new process
 
@@ -39,7 +42,7 @@ class Leader:
         self.m, self.setup, self.spec = m, setup, spec
         self.control = control  # shrink requests (``shrink-*.json``) from nereus-launch
         self.spawn_local = spawn_local  # local mode: start a scripted newcomer
-        self.cluster = load_cluster(spec.cluster)
+        self.cluster = setup.cluster
         self.controller = Controller(
             setup.workload, setup.models, self.cluster, plan, policy_config(spec.policy)
         )
@@ -69,11 +72,14 @@ class Leader:
             self.m.log(f"shrink refused: {action.reason}")
         return action
 
-    def recover(self, plan: Plan, last: Telemetry | None, step: int, rebuilt: frozenset[str]) -> Action:
-        """After a failed step rolled back to ``plan``: the urgent replan on the survivors."""
+    def recover(
+        self, plan: Plan, last: Telemetry | None, step: int, rebuilt: frozenset[str], oom: str = ""
+    ) -> Action:
+        """After a failed step rolled back to ``plan``: the urgent replan on the survivors
+        (``oom``: the model-stage that ran out of memory, which the controller corrects for)."""
         self.controller.adopt(plan)
         mean, p95 = (last.seq_len_mean, last.seq_len_p95) if last is not None else (1.0, 1.0)
-        tel = Telemetry(step, self.clock(), mean, p95, self.m.members)
+        tel = Telemetry(step, self.clock(), mean, p95, self.m.members, oom=bool(oom), oom_stage=oom)
         return self.decide(tel, self.spec.max_new_tokens_at(step), rebuilt)
 
     def clock(self) -> float:
@@ -81,10 +87,13 @@ class Leader:
         return time.perf_counter() - self.started
 
     # ------------------------------------------------------------------ the pool
-    def pool_change(self, nxt: int) -> Change | None:
-        """Who is in the generation from step ``nxt``: scripted losses, accepted newcomers (each
+    def pool_change(self, nxt: int, health: Sequence[str] = ()) -> Change | None:
+        """Who is in the generation from step ``nxt``: scripted losses, GPUs the health rule
+        condemns (``health``: every rank's report, in rank order), accepted newcomers (each
         answered with its GPU id and the generation), nodes drained for shrink requests."""
-        leaving = tuple(g for g in self.spec.lost_at(nxt) if g in self.m.members)
+        condemned = self.condemned(health)
+        lost = set(self.spec.lost_at(nxt)) | set(condemned)
+        leaving = tuple(sorted(g for g in lost if g in self.m.members and g != self.m.gpu))
         accepted = self._joins(nxt)
         nodes = read_shrink_requests(self.control, self.m.log)
         draining, why = drain_gpus(nodes, self.m.members, self.m.hosts() if nodes else {}, self.m.gpu)
@@ -127,6 +136,28 @@ class Leader:
                 return accepted
             time.sleep(0.05)
 
+    # ------------------------------------------------------------------ GPU inventory and health
+    def check_inventory(self, inventory: NodeInventory) -> ClusterSpec:
+        """At start-up: the cluster spec with what ``inventory`` (``nereus.telemetry.read_node()``
+        on this node) measured in place of the GPUs per node, memory per GPU and model it gets
+        wrong. A mismatch is one warning line, in ``membership.log`` and once on stderr; the
+        measured values win. Nothing measured (a CPU node) leaves the spec as it is. The caller
+        decides what uses the returned spec (``self.cluster`` and the controller are untouched)."""
+        return measured_cluster(self.cluster, inventory, self.m.log)
+
+    def condemned(self, health: Sequence[str]) -> tuple[int, ...]:
+        """The members whose health report (``health``, in rank order; none: nothing to judge)
+        condemns their GPU, each logged with why. The leader's own GPU is logged, never dropped:
+        it hosts the store and the controller, so the job cannot go on without it."""
+        if not health:
+            return ()
+        problems = unhealthy_members(health, self.m.members, self.m.log)
+        for line in describe(problems):
+            self.m.log(line)
+        if self.m.gpu in problems:
+            self.m.log(f"GPU {self.m.gpu} hosts the job's controller and stays; replace its node")
+        return tuple(g for g in problems if g != self.m.gpu)
+
     # ------------------------------------------------------------------ metrics
     def with_decision(self, record: StepRecord, step: int) -> StepRecord:
         """``record`` with the controller's replan at its boundary, if there was one."""
@@ -151,3 +182,15 @@ def _free(taken: set[int]) -> int:
     while g in taken:
         g += 1
     return g
+
+
+def measured_cluster(
+    cluster: ClusterSpec, inventory: NodeInventory, log: Callable[[str], None]
+) -> ClusterSpec:
+    """``cluster`` with what ``inventory`` measured where they differ (the measured values win);
+    a difference is one warning line, logged and printed once."""
+    fixed, warning = reconcile(inventory, cluster)
+    if warning is not None:
+        log(f"inventory: {warning}")
+        print(f"nereus: warning: {warning}", file=sys.stderr, flush=True)
+    return fixed

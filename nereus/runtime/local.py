@@ -151,21 +151,26 @@ def member_main(
     from nereus.runtime.preemption import Preemption
 
     preemption = Preemption(STOP_SIGNALS).install()  # first: the signals were held until now
-    import torch
 
     from nereus.control.action import Outcome
+    from nereus.devices import activate, choose
     from nereus.runtime import checkpoint as ckpt
     from nereus.runtime.loop import JobLoop
     from nereus.runtime.membership import Membership, Rendezvous
 
-    torch.set_num_threads(1)
+    devices = choose(gpu, spec.workers)  # one node: worker g is its local rank g
+    activate(devices)
     ckpt.use_key(key)
     folder = Path(out)
     if gpu == 0:
-        m = Membership.host(secret, 0, "127.0.0.1", 0, log=folder / "membership.log", node=f"local{gpu}")
+        m = Membership.host(
+            secret, 0, "127.0.0.1", 0, log=folder / "membership.log", node=f"local{gpu}", devices=devices
+        )
         m.rendezvous.write(folder / RDZV)
     else:
-        m = Membership.connect(Rendezvous.read(folder / RDZV), secret, gpu, node=f"local{gpu}")
+        m = Membership.connect(
+            Rendezvous.read(folder / RDZV), secret, gpu, node=f"local{gpu}", devices=devices
+        )
     ctx = mp.get_context("spawn")
 
     def spawn(g: int) -> None:
@@ -191,17 +196,20 @@ def joiner_main(gpu: int | None, spec: ExperimentSpec, out: str, secret: bytes, 
     from nereus.runtime.preemption import Preemption
 
     preemption = Preemption(STOP_SIGNALS).install()
-    import torch
 
     from nereus.control.action import Outcome
+    from nereus.devices import activate, choose
     from nereus.runtime import checkpoint as ckpt
     from nereus.runtime.loop import JobLoop
     from nereus.runtime.membership import Membership, Rendezvous
 
-    torch.set_num_threads(1)
+    devices = choose(gpu or 0, spec.workers)
+    activate(devices)
     ckpt.use_key(key)
     folder = Path(out)
-    m = Membership.connect(Rendezvous.read(folder / RDZV), secret, -1, node=f"local-new{gpu}")
+    m = Membership.connect(
+        Rendezvous.read(folder / RDZV), secret, -1, node=f"local-new{gpu}", devices=devices
+    )
     status, error = Outcome.DONE, None
     try:
         _, generation, members = m.request_join(gpu)

@@ -33,22 +33,27 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from nereus.control.action import Action, Keep, Move, Outcome, RecordKind, Restart, TransitionRecord
 from nereus.control.telemetry import Telemetry
+from nereus.devices import StageOutOfMemoryError
 from nereus.plan.layout import Plan
 from nereus.runtime import checkpoint as ckpt
 from nereus.runtime.comm import broadcast, reduce_max
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.job import JobSetup, algorithm_step, initial_plan, make_worker
-from nereus.runtime.leader import Leader
+from nereus.runtime.leader import Leader, measured_cluster
 from nereus.runtime.membership import Membership
 from nereus.runtime.metrics import StepRecord, drop_rows_after
 from nereus.runtime.monitor import StepResult, gather_reports, step_record, telemetry
 from nereus.runtime.pool import Change
 from nereus.runtime.preemption import Preemption
 from nereus.runtime.worker import Worker
+from nereus.telemetry import read_node
+
+MAX_OOM_TRIES = 3  # a step that runs out of memory after this many urgent replans fails the job
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -91,6 +96,8 @@ class JobLoop:
         self.snapshot_plan = plan  # what a failed step rolls back to
         self.telemetry: Telemetry | None = None  # the latest step's, what the controller observes
         self.moved: list[TransitionRecord] = []  # a recovery's, reported with the next step
+        self.ooms_at, self.oom_tries = -1, 0  # out-of-memory recoveries of one step, so far
+        self.faulted: set[int] = set()  # steps whose scripted fault has struck
         self.preemption = preemption or Preemption()
 
     # ------------------------------------------------------------------ the two ways in
@@ -100,8 +107,8 @@ class JobLoop:
         spawn_local: Callable[[int], None] | None = None, preemption: Preemption | None = None,
     ) -> JobLoop:  # fmt: skip
         """Every initial member: the setup, the first plan, fresh or checkpointed state."""
-        setup: JobSetup = broadcast(JobSetup.build(spec, out) if m.leader else None, JobSetup)
-        worker = make_worker(m.gpu, setup)
+        setup: JobSetup = broadcast(_measured_setup(spec, out, m) if m.leader else None, JobSetup)
+        worker = make_worker(m.gpu, setup, m.devices)
         worker.set_world(m.members)
         resume_from = ckpt.agreed_latest(out / "checkpoints", resume)
         first = ckpt.step_of(resume_from) + 1 if resume_from is not None else 0
@@ -123,24 +130,27 @@ class JobLoop:
         m.form(members, generation)
         received: tuple[JobSetup, Plan, Change] = broadcast(None, tuple[JobSetup, Plan, Change])
         setup, plan, change = received
-        worker = make_worker(m.gpu, setup)
+        worker = make_worker(m.gpu, setup, m.devices)
         worker.set_world(m.members)
         pending = Boundary(change.step, None, change=change)
         return cls(m, spec, out, setup, worker, plan, change.step, pending=pending, preemption=preemption)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> Outcome:
-        """Steps to the end of the job; a peer's death rolls the step back and runs it again."""
+        """Steps to the end of the job; a peer's death or a model-stage out of memory rolls the
+        step back, and it runs again (after the controller's urgent replan)."""
         while self.step < self.spec.steps:
-            failed, outcome = False, None
+            failed, outcome, oom = False, None, ""
             try:
                 outcome = self._advance()
+            except StageOutOfMemoryError as exc:  # the peers see this rank leave the world
+                failed, oom = True, exc.model_stage
             except Exception as exc:
                 if not is_peer_failure(exc):
                     raise
                 failed = True
             if failed:
-                self._survive()  # outside the handler: its traceback pins the old groups
+                self._survive(oom)  # outside the handler: its traceback pins the old groups
             elif outcome is not None:
                 return outcome
         self._finish()
@@ -166,7 +176,7 @@ class JobLoop:
         if any(r.preempted for r in reports) and step + 1 < self.spec.steps:
             return self._preempted(step, saved, record)
         self.telemetry = telemetry(result, reports, self.m.members, 0.0, self.spec.calibrate)
-        change, member_s = self._pool_change(step + 1)
+        change, member_s = self._pool_change(step + 1, [r.health for r in reports])
         if change is not None and self.m.gpu in change.leaving:
             self.m.close()
             return Outcome.LEFT
@@ -181,6 +191,14 @@ class JobLoop:
         worker.optimes.clear()
         kill = self.m.gpu in spec.killed_at(step) and step >= self.first_step
         hook = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if kill else None
+        worker.memory.clear()
+        worker.fault = None
+        if self.m.gpu in spec.unhealthy_at(step + 1):  # reported at this step's boundary
+            worker.health.inject()
+        oom = spec.oom_at(step).get(self.m.gpu)
+        if oom is not None and step not in self.faulted:  # a scripted out-of-memory error, once
+            self.faulted.add(step)
+            worker.fault = _out_of_memory_in(oom)
         rollouts, _, metrics = algorithm_step(
             worker, self.plan, self.setup, step, spec.max_new_tokens_at(step), hook
         )
@@ -206,14 +224,15 @@ class JobLoop:
         return Outcome.PREEMPTED
 
     # ------------------------------------------------------------------ the boundary
-    def _pool_change(self, nxt: int) -> tuple[Change | None, float]:
-        """The leader decides who is in the generation from step ``nxt``; every member learns it,
-        and the world re-forms when someone leaves or joins (newcomers then get the job's state)."""
+    def _pool_change(self, nxt: int, health: list[str]) -> tuple[Change | None, float]:
+        """The leader decides who is in the generation from step ``nxt`` (``health``: every rank's
+        GPU health report); every member learns it, and the world re-forms when someone leaves or
+        joins (newcomers then get the job's state)."""
         if nxt >= self.spec.steps:
             return None, 0.0
         started = time.perf_counter()
         change: Change | None = broadcast(
-            self.leader.pool_change(nxt) if self.leader is not None else None, Change | None
+            self.leader.pool_change(nxt, health) if self.leader is not None else None, Change | None
         )
         if change is None:
             return None, 0.0
@@ -308,12 +327,12 @@ class JobLoop:
         self.worker.bind(self.plan)
 
     # ------------------------------------------------------------------ failures
-    def _survive(self) -> None:
-        """A peer died: let go of every group, form the next generation with the survivors,
-        roll back to the boundary."""
+    def _survive(self, oom: str = "") -> None:
+        """A peer died, or ``oom`` ran out of memory here: let go of every group, form the next
+        generation with the survivors, roll back to the boundary."""
         before = self.m.members
         self.worker.release()
-        survivors = self.m.recover()
+        survivors = self.m.recover(oom=oom)
         self.m.form(survivors, self.m.generation + 1)
         self.worker.set_world(survivors)
         self.worker.rollback()
@@ -326,8 +345,17 @@ class JobLoop:
         latest checkpoint."""
         t0 = time.perf_counter()
         rebuilt = frozenset(self.worker.receivers())
+        oom = next(iter(self.m.oom.values()), "")  # every member learnt it from the leader
+        if oom:
+            self.oom_tries = self.oom_tries + 1 if self.ooms_at == self.step else 1
+            self.ooms_at = self.step
+            if self.oom_tries > MAX_OOM_TRIES:
+                raise RuntimeError(
+                    f"step {self.step}: {oom} ran out of memory {self.oom_tries} times; no plan the "
+                    "controller found fits (lower max_new_tokens or the batch, or add GPUs)"
+                )
         action: Action = broadcast(
-            self.leader.recover(self.plan, self.telemetry, self.step, rebuilt)
+            self.leader.recover(self.plan, self.telemetry, self.step, rebuilt, oom)
             if self.leader is not None
             else None,
             Action,
@@ -336,7 +364,8 @@ class JobLoop:
         if not isinstance(action, Restart):
             self.worker.weight_sync(self.plan)  # the rollback dropped the weight copies
         seconds = reduce_max(time.perf_counter() - t0)
-        self.moved = [TransitionRecord.recovered(seconds, lost, self.m.members, self.m.generation), *moved]
+        record = TransitionRecord.recovered(seconds, lost, self.m.members, self.m.generation, oom)
+        self.moved = [record, *moved]
         self.lost = None
 
     # ------------------------------------------------------------------ the end
@@ -345,6 +374,23 @@ class JobLoop:
             self.worker.engines["actor.train"].save_hf(self.out / "hf" / "actor")
         if self.leader is not None:
             self.leader.finish()
+
+
+def _measured_setup(spec: ExperimentSpec, out: Path, m: Membership) -> JobSetup:
+    """The leader: the job's setup, with its node's GPUs as measured where the cluster spec says
+    otherwise (``nereus.telemetry``; nothing measured on a CPU node)."""
+    setup = JobSetup.build(spec, out)
+    return replace(setup, cluster=measured_cluster(setup.cluster, read_node(topology=False), m.log))
+
+
+def _out_of_memory_in(model_stage: str) -> Callable[[str], None]:
+    """A fault at the start of ``model_stage``'s work: the error a GPU raises when memory runs out."""
+
+    def fault(name: str) -> None:
+        if name == model_stage:
+            raise torch.OutOfMemoryError(f"{name}: an injected out-of-memory error (the experiment's drift)")
+
+    return fault
 
 
 def _first_state(worker: Worker, plan: Plan, resume_from: Path | None, spec: ExperimentSpec) -> int:

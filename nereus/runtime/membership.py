@@ -32,7 +32,6 @@ Edge module (torch.distributed, sockets, threads).
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import os
@@ -48,6 +47,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
+from nereus.devices import CPU, Devices, abort_world, init_world
 from nereus.runtime.rendezvous import Rendezvous, listening_socket, node_address, node_name
 from nereus.runtime.signed import SECRET_MIN_BYTES, BoundedLog, SignedStore, UnauthenticError, sign
 
@@ -82,7 +82,7 @@ class Membership:
     def __init__(
         self, store: TCPStore, secret: bytes, gpu: int, leader: bool, log: Path | None = None,
         timeout: timedelta = timedelta(minutes=30), node: str | None = None,
-        listener: socket.socket | None = None,
+        listener: socket.socket | None = None, devices: Devices | None = None,
     ) -> None:  # fmt: skip
         if len(secret) < SECRET_MIN_BYTES:
             raise ValueError(f"the job's secret must be at least {SECRET_MIN_BYTES} bytes, got {len(secret)}")
@@ -96,8 +96,10 @@ class Membership:
         self.members: tuple[int, ...] = ()
         self.generation = -1
         self._listener = listener  # kept open: the store serves on its descriptor
+        self.devices = devices or Devices(CPU)  # what the world's backends are chosen for
         self._seen: dict[str, float] = {}  # tickets answered, with when (replays are refused)
         self._noted: dict[str, float] = {}  # a newcomer: when it first saw "unverified" for its ticket
+        self.oom: dict[int, str] = {}  # after ``recover``: GPU → the model-stage that ran out of memory
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
 
@@ -105,7 +107,7 @@ class Membership:
     @classmethod
     def host(
         cls, secret: bytes, gpu: int = 0, address: str = "127.0.0.1", port: int = 0, log: Path | None = None,
-        node: str | None = None,
+        node: str | None = None, devices: Devices | None = None,
     ) -> Membership:  # fmt: skip
         """The leader: start the job's store on ``address`` only (port 0: a free one)."""
         if len(secret) < SECRET_MIN_BYTES:
@@ -115,12 +117,19 @@ class Membership:
             address, listener.getsockname()[1], None, True, timeout=timedelta(minutes=30),
             wait_for_workers=False, master_listen_fd=listener.fileno(),
         )  # fmt: skip
-        return cls(store, secret, gpu, True, log, node=node, listener=listener)
+        return cls(store, secret, gpu, True, log, node=node, listener=listener, devices=devices)
 
     @classmethod
-    def connect(cls, rdzv: Rendezvous, secret: bytes, gpu: int, node: str | None = None) -> Membership:
+    def connect(
+        cls,
+        rdzv: Rendezvous,
+        secret: bytes,
+        gpu: int,
+        node: str | None = None,
+        devices: Devices | None = None,
+    ) -> Membership:
         store = TCPStore(rdzv.host, rdzv.port, None, False, timeout=timedelta(minutes=30))
-        return cls(store, secret, gpu, False, node=node)
+        return cls(store, secret, gpu, False, node=node, devices=devices)
 
     @property
     def rendezvous(self) -> Rendezvous:
@@ -144,12 +153,12 @@ class Membership:
             raise RuntimeError(f"GPU {self.gpu} is not a member of generation {generation}: {members}")
         self.abandon()
         self.members, self.generation = tuple(sorted(members)), generation
-        dist.init_process_group(
-            "gloo",
-            store=PrefixStore(f"gen{generation}", self.store),
-            rank=self.rank,
-            world_size=len(self.members),
-            timeout=self.timeout,
+        init_world(
+            self.devices,
+            PrefixStore(f"gen{generation}", self.store),
+            self.rank,
+            len(self.members),
+            self.timeout,
         )
         self.signed.put(f"host/{self.gpu}", {"node": self.node})
         self.start_heartbeat()
@@ -175,9 +184,7 @@ class Membership:
     def abandon(self) -> None:
         """Leave the current generation: destroy the world and collect every group object, so
         this process's gloo connections close and peers blocked on it fail at once."""
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):  # a broken world still has to go
-                dist.destroy_process_group()
+        abort_world()
         gc.collect()
 
     # ------------------------------------------------------------------ heartbeats
@@ -215,26 +222,31 @@ class Membership:
         self.abandon()
 
     # ------------------------------------------------------------------ losses
-    def recover(self, grace_s: float = 60.0) -> tuple[int, ...]:
-        """After a failed collective in the current generation: check in, and return the
-        survivors (the leader decides; the others wait for its answer). Does not form the next
-        generation: the caller does, with the survivors, at ``generation + 1``."""
+    def recover(self, grace_s: float = 60.0, oom: str = "") -> tuple[int, ...]:
+        """After a failed step in the current generation (a peer died, or a model-stage ran out
+        of memory here: ``oom`` names it): check in, and return the survivors (the leader
+        decides; the others wait for its answer). ``self.oom`` then says which model-stage ran
+        out of memory on which GPU. Does not form the next generation: the caller does, with the
+        survivors, at ``generation + 1``."""
         g = self.generation
         self.abandon()
-        self.signed.put(f"recover/{g}/alive/{self.gpu}", {"gpu": self.gpu})
+        self.signed.put(f"recover/{g}/alive/{self.gpu}", {"gpu": self.gpu, "oom": oom})
         key = f"recover/{g}/members"
         if self.leader:
             deadline = time.monotonic() + grace_s
             while True:
-                checked = [m for m in self.members if self._checked_in(g, m)]
+                checked = {m: e for m in self.members if (e := self._check_in(g, m)) is not None}
                 waiting = [m for m in self.members if m not in checked and self.alive(m)]
                 if not waiting or time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
-            survivors = tuple(checked)
-            self.signed.put(key, {"members": list(survivors)})
+            survivors = tuple(sorted(checked))
+            self.oom = {m: stage for m, stage in checked.items() if stage}
+            self.signed.put(key, {"members": list(survivors), "oom": [[m, s] for m, s in self.oom.items()]})
             lost = sorted(set(self.members) - set(survivors))
-            self.log(f"generation {g}: lost GPUs {lost}; survivors {list(survivors)}")
+            self.log(
+                f"generation {g}: lost GPUs {lost}; survivors {list(survivors)}; out of memory {self.oom}"
+            )
             return survivors
         answer = self.signed.wait_valid(
             key, grace_s + 30, lambda why: self.log(f"ignored {key}: {why}", "recover")
@@ -242,18 +254,25 @@ class Membership:
         survivors = _gpu_list(answer, "members")
         if self.gpu not in survivors:
             raise RuntimeError(f"GPU {self.gpu} checked in too late for generation {g + 1}")
+        pairs = answer.get("oom", []) if isinstance(answer, dict) else []
+        self.oom = {int(m): str(s) for m, s in pairs if isinstance(m, int) and isinstance(s, str)}
         return survivors
 
-    def _checked_in(self, generation: int, gpu: int) -> bool:
+    def _check_in(self, generation: int, gpu: int) -> str | None:
+        """A verified check-in of ``gpu``: the model-stage that ran out of memory there ("" for
+        none), or None when it has not checked in."""
         key = f"recover/{generation}/alive/{gpu}"
         if not self.store.check([key]):
-            return False
+            return None
         try:
             entry = self.signed.read(key)
         except UnauthenticError as exc:
             self.log(f"ignored a check-in for GPU {gpu}: {exc}", "recover")
-            return False
-        return isinstance(entry, dict) and entry.get("gpu") == gpu
+            return None
+        if not isinstance(entry, dict) or entry.get("gpu") != gpu:
+            return None
+        stage = entry.get("oom", "")
+        return stage if isinstance(stage, str) else ""
 
     # ------------------------------------------------------------------ joins
     def request_join(

@@ -53,6 +53,7 @@ class StepRecord:
     monitor_s: float = 0.0  # gathering telemetry, the controller's decision, broadcasting it
     checkpoint_s: float = 0.0
     efficiency: dict[str, float] = field(default_factory=dict)  # achieved, per op class (η = ideal/measured)
+    memory_gib: dict[str, dict[str, float]] = field(default_factory=dict)  # peak allocated/reserved (GPU)
 
     @classmethod
     def of(
@@ -73,6 +74,9 @@ class StepRecord:
 
     def with_efficiency(self, eta: dict[str, float]) -> StepRecord:
         return replace(self, efficiency=eta)
+
+    def with_memory(self, memory_gib: dict[str, dict[str, float]]) -> StepRecord:
+        return replace(self, memory_gib=memory_gib)
 
     def with_overheads(self, monitor_s: float, checkpoint_s: float) -> StepRecord:
         return replace(self, monitor_s=monitor_s, checkpoint_s=checkpoint_s)

@@ -1,16 +1,19 @@
 """The monitor at a step boundary (paper §1): every rank's report, gathered once, becomes the
 controller's ``Telemetry`` and the leader's ``StepRecord``.
 
-Each rank reports the seconds each model-stage's work took on it, the bytes of state it holds per
-model-stage, its op-class timings and whether SLURM asked it to stop (one ``all_gather``). A
-model-stage's time is its slowest rank's; its peak memory the largest bytes one of its ranks
-holds. Edge module (torch.distributed).
+Each rank reports the seconds each model-stage's work took on it, each model-stage's peak memory
+on its device (its state plus its working memory, from the allocator: ``devices.StageMemory``;
+nothing on a CPU, where there is no allocator to ask — the bytes of state a rank holds are not a
+peak, and fed as one they drove the memory correction down to its floor), its op-class timings
+and whether it was asked to stop (one ``all_gather``). A model-stage's time is its slowest rank's;
+its peak the largest of its ranks'. A worker on a GPU also sends its GPU's health when a check is
+due (``health.py``). Edge module (torch.distributed).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nereus.control.telemetry import Telemetry
 from nereus.plan.layout import Plan
@@ -26,9 +29,11 @@ class RankReport:
     """What one rank tells the others at a step boundary."""
 
     stage_seconds: Mapping[str, float]
-    held_bytes: Mapping[str, int]
+    peak_bytes: Mapping[str, int]  # allocator peaks per model-stage (empty on a CPU)
     preempted: bool
     optimes: tuple[OpTime, ...]
+    health: str = ""  # its GPU's inventory as JSON when a health check was due (``health.py``)
+    reserved_bytes: Mapping[str, int] = field(default_factory=dict)  # the allocator's reserved peaks
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,10 +49,11 @@ class StepResult:
 
 def gather_reports(worker: Worker, preempt: bool) -> list[RankReport]:
     """Every rank's report, in rank order (collective over the world)."""
-    held = {n: rs.nbytes for n, rs in worker.holder.units.items()}
-    return all_gather(
-        RankReport(dict(worker.times.seconds), held, preempt, tuple(worker.optimes)), RankReport
-    )
+    report = RankReport(
+        dict(worker.times.seconds), dict(worker.memory.peaks), preempt, tuple(worker.optimes),
+        worker.health.report(), dict(worker.memory.reserved),
+    )  # fmt: skip
+    return all_gather(report, RankReport)
 
 
 def stage_times(reports: Sequence[RankReport]) -> dict[str, float]:
@@ -57,9 +63,9 @@ def stage_times(reports: Sequence[RankReport]) -> dict[str, float]:
 
 
 def peaks(reports: Sequence[RankReport]) -> dict[str, float]:
-    """Each model-stage's largest bytes held on one rank."""
-    names = {n for r in reports for n in r.held_bytes}
-    return {n: float(max(r.held_bytes.get(n, 0) for r in reports)) for n in names}
+    """Each model-stage's peak memory: the largest its ranks measured (none measured, none here)."""
+    names = {n for r in reports for n in r.peak_bytes}
+    return {n: float(max(r.peak_bytes.get(n, 0) for r in reports)) for n in names}
 
 
 def telemetry(
@@ -83,4 +89,16 @@ def step_record(result: StepResult, reports: Sequence[RankReport], plan: Plan) -
         result.step, dict(result.metrics), result.seconds, float(lengths.mean()), plan, result.sync_s,
         stage_times(reports),
     )  # fmt: skip
-    return record.with_efficiency(efficiencies(ops))
+    return record.with_efficiency(efficiencies(ops)).with_memory(memory_gib(reports))
+
+
+def memory_gib(reports: Sequence[RankReport]) -> dict[str, dict[str, float]]:
+    """Each model-stage's peak allocated and reserved GiB, the largest over its ranks (GPU only)."""
+    names = {n for r in reports for n in r.peak_bytes}
+    return {
+        n: {
+            "allocated": round(max(r.peak_bytes.get(n, 0) for r in reports) / 2**30, 3),
+            "reserved": round(max(r.reserved_bytes.get(n, 0) for r in reports) / 2**30, 3),
+        }
+        for n in sorted(names)
+    }

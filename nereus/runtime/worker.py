@@ -17,21 +17,34 @@ import time
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nereus.backends.protocol import AdamWConfig, Backend, Grid, Groups, LossFn, SamplingParams, TokenBatch
+from nereus.backends.protocol import (
+    AdamWConfig,
+    Backend,
+    Grid,
+    Groups,
+    LossFn,
+    SamplingParams,
+    TokenBatch,
+    TrainStats,
+)
 from nereus.backends.registry import build_engine
+from nereus.devices import CPU, Devices, StageMemory
 from nereus.plan.calibration import Efficiencies
 from nereus.plan.layout import Candidate, Layout, Plan
 from nereus.plan.opclass import OpClass
 from nereus.runtime.comm import from_rank, gather_parts
+from nereus.runtime.health import HealthCheck
 from nereus.runtime.optimes import OpTime, decode_s, gemm_s, train_times
 from nereus.runtime.rollout import Rollouts, assemble, micro_count, placed, split_rows
-from nereus.spec import load_cluster
+from nereus.runtime.snapshot import Snapshot
+from nereus.spec import ClusterSpec
 from nereus.spec.model import ModelSpec
 from nereus.spec.workload import STAGE_ORDER, Role, WorkloadSpec
 from nereus.state.buffers import BufferKind, StatePolicy
@@ -93,25 +106,31 @@ class Worker:
     its rank in the current world is ``rank_of[gpu]`` and changes when the world re-forms."""
 
     def __init__(
-        self, gpu: int, workload: WorkloadSpec, models: Mapping[Role, ModelSpec], cluster: str,
+        self, gpu: int, workload: WorkloadSpec, models: Mapping[Role, ModelSpec], cluster: ClusterSpec,
         optim: Mapping[Role, AdamWConfig], seed: int, engines: Callable[[str], str],
+        devices: Devices | None = None,
     ) -> None:  # fmt: skip
         self.gpu = gpu
+        self.devices = devices or Devices(CPU)
+        self.device = self.devices.device
         self.rank_of: dict[int, int] = {}
         self.workload = workload
         self.workflow = workload.workflow()
         self.models = dict(models)
-        self.cluster = load_cluster(cluster)
+        self.cluster = cluster
         self.links = LinkModel(self.cluster, Efficiencies())
         self.optim = dict(optim)
         self.seed = seed
         self.engine_of = engines  # model-stage → engine name in the registry
-        self.holder = StateHolder(gpu)
+        self.holder = StateHolder(gpu, self.device)
         self.engines: dict[str, Backend] = {}
         self.groups: dict[str, Groups] = {}
         self.times = StageTimes()
         self.optimes: list[OpTime] = []  # this step's op-class timings (for calibration)
-        self.snapshot: dict[str, RankState] = {}  # the sources' units at the last step boundary
+        self.memory = StageMemory(self.devices)  # this step's peak memory per model-stage (GPU)
+        self.fault: Callable[[str], None] | None = None  # a scripted fault at a stage's start
+        self.snapshot = Snapshot(self.device)  # the sources' units at the last step boundary
+        self.health = HealthCheck.of(self.devices)  # its GPU's health, for the boundary report
         self.set_world(tuple(range(dist.get_world_size())) if dist.is_initialized() else (gpu,))
 
     def set_world(self, members: tuple[int, ...]) -> None:
@@ -164,8 +183,9 @@ class Worker:
                 return init_tensor(_m, _s, BufferKind.PARAM if kind is BufferKind.MASTER else kind, name)
 
             self.holder.units[c.model_stage] = RankState.from_full(
-                c.model_stage, model, c.layout, place.t, place.p, policy, full, LogicalState(seed=self.seed)
-            )
+                c.model_stage, model, c.layout, place.t, place.p, policy, full, LogicalState(seed=self.seed),
+                self.device,
+            )  # fmt: skip
 
     def _engine(self, name: str, rs: RankState) -> Backend:
         role = self.workflow.get(name).role
@@ -211,20 +231,15 @@ class Worker:
         return tuple(dst for _, dst in self.workflow.weight_syncs)
 
     def take_snapshot(self) -> None:
-        """Keep this rank's sources at a step boundary: a step that fails part-way (a peer died)
-        is rolled back to it and run again, so no rank keeps half a step or half a transition.
-        Trainers are copied (a step changes them in place); frozen models are held as they are."""
-        sources = self.sources()
-        self.snapshot = {
-            n: _copied(rs) if rs.policy.trains else rs
-            for n, rs in self.holder.by_stage().items()
-            if n in sources
-        }
+        """Keep this rank's sources at a step boundary: a step that fails part-way (a peer died,
+        a stage ran out of memory) is rolled back to it and run again, so no rank keeps half a
+        step or half a transition."""
+        self.snapshot.take(self.holder.by_stage(), self.sources())
 
     def rollback(self) -> None:
-        """Back to the last boundary: the snapshot's sources (copied again, so a second failure
-        finds it intact); weight copies are dropped (the next weight sync restores them)."""
-        self.holder.units = {n: _copied(rs) if rs.policy.trains else rs for n, rs in self.snapshot.items()}
+        """Back to the last boundary: the snapshot's sources; weight copies are dropped (the next
+        weight sync restores them)."""
+        self.holder.units = self.snapshot.restore()
         self.engines = {}
 
     def transition(self, tr: Transition) -> float:
@@ -268,8 +283,13 @@ class Worker:
 
     # ------------------------------------------------------------------ stage work
     def _timed(self, name: str, fn: Callable[[], Any]) -> Any:
+        """Run a model-stage's work: its seconds, its peak memory (on a GPU), an out-of-memory
+        error named after it, and a scripted fault (``fault(name)``) at its start."""
         started = time.perf_counter()
-        out = fn()
+        with self.memory.measure(name, self.holder.units[name].nbytes if name in self.holder.units else 0):
+            if self.fault is not None:
+                self.fault(name)
+            out = fn()
         self.times.add(name, time.perf_counter() - started)
         return out
 
@@ -339,9 +359,9 @@ class Worker:
                 mine = sample_range(gb, c.dp, place.dp, u)
                 micro = micro_count(len(mine), self.workload.micro_batch)
                 batch = r.batch(mine, **fields)
-                started = time.perf_counter()
-                stats = self.engines[name].train_step(batch, loss(normaliser), micro)
-                self.times.add(name, time.perf_counter() - started)
+                self.snapshot.fence()  # the boundary's copy has read the trainer before it changes
+                engine, loss_fn = self.engines[name], loss(normaliser)
+                stats: TrainStats = self._timed(name, partial(engine.train_step, batch, loss_fn, micro))
                 dp_gpus = tuple(unit.gpu(place.t, place.p) for unit in replicas(c))
                 self.optimes += train_times(
                     name, self.model_of(name), c.layout, stats.tokens, stats.seconds, stats.dp_allreduce_s,
@@ -349,8 +369,3 @@ class Worker:
                 )  # fmt: skip
                 total += stats.loss
         return from_rank(total, self.rank_of[c.gpus[0]])
-
-
-def _copied(rs: RankState) -> RankState:
-    bufs = {k: b.clone() for k, b in rs.buffers.items()}
-    return RankState(rs.model_stage, rs.model, rs.layout, rs.t, rs.p, rs.policy, bufs, rs.state)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import StrEnum, auto
 from pathlib import Path
 
 from nereus.spec.schema import coerce_enums, load_spec, require_at_most, require_finite, require_positive
@@ -21,9 +21,12 @@ class Vendor(StrEnum):
 
 
 class CollectiveLibrary(StrEnum):
-    NCCL = "nccl"
-    RCCL = "rccl"
-    GLOO = "gloo"
+    """What a cluster's YAML says its collectives run on (data about the cluster; which backend a
+    worker uses is ``nereus.devices``'s choice). ``auto()``: the lowercase name."""
+
+    NCCL = auto()
+    RCCL = auto()
+    GLOO = auto()
 
 
 _LIBRARY_OF = {

@@ -15,13 +15,14 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from nereus.devices import CPU
 from nereus.plan.layout import Layout
 from nereus.spec.model import ModelSpec
 from nereus.state.geometry import shards, tensors_at
 from nereus.state.holder import RankState
 
 
-def layout_mesh(layout: Layout, ranks: list[int], device: str = "cpu") -> DeviceMesh:
+def layout_mesh(layout: Layout, ranks: list[int], device: str = CPU.type) -> DeviceMesh:
     """The (dp, pp, tp) mesh of DP replicas of ``layout`` over ``ranks`` (rank order p·tp + t).
 
     Every rank of the world must call it (DeviceMesh builds its groups collectively)."""
@@ -31,7 +32,7 @@ def layout_mesh(layout: Layout, ranks: list[int], device: str = "cpu") -> Device
     return DeviceMesh(device, torch.tensor(ranks).view(shape), mesh_dim_names=("dp", "pp", "tp"))
 
 
-def kv_mesh(model: ModelSpec, layout: Layout, ranks: list[int], device: str = "cpu") -> DeviceMesh | None:
+def kv_mesh(model: ModelSpec, layout: Layout, ranks: list[int], device: str = CPU.type) -> DeviceMesh | None:
     """The (dp, pp, kv head, replica) mesh when tp exceeds the KV heads, else ``None``.
 
     Collective over the world, like ``layout_mesh``."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nereus.devices import CPU
 from nereus.plan.layout import Layout
 from nereus.spec.model import ModelSpec
 from nereus.state.buffers import BufferKind, Dtype, RankBuffers, StatePolicy, rank_buffers
@@ -65,7 +66,7 @@ class RankState:
     @classmethod
     def empty(
         cls, model_stage: str, model: ModelSpec, layout: Layout, t: int, p: int, policy: StatePolicy,
-        state: LogicalState | None = None, device: torch.device | str = "cpu",
+        state: LogicalState | None = None, device: torch.device | str = CPU,
     ) -> RankState:  # fmt: skip
         n = rank_buffers(model, layout, t, p, policy).numel
         bufs = {k: torch.zeros(n, dtype=TORCH_DTYPE[d], device=device) for k, d in policy.kinds}
@@ -74,7 +75,7 @@ class RankState:
     @classmethod
     def uninitialised(
         cls, model_stage: str, model: ModelSpec, layout: Layout, t: int, p: int, policy: StatePolicy,
-        device: torch.device | str = "cpu",
+        device: torch.device | str = CPU,
     ) -> RankState:  # fmt: skip
         """Buffers without a memset, for a receive that overwrites every byte (padding included)."""
         n = rank_buffers(model, layout, t, p, policy).numel
@@ -85,22 +86,44 @@ class RankState:
     def from_full(
         cls, model_stage: str, model: ModelSpec, layout: Layout, t: int, p: int, policy: StatePolicy,
         full: Callable[[BufferKind, str], torch.Tensor], state: LogicalState | None = None,
+        device: torch.device | str = CPU,
     ) -> RankState:  # fmt: skip
-        """Cut this rank's shards out of full tensors (``full(kind, source_name)``)."""
+        """Cut this rank's shards out of full tensors (``full(kind, source_name)``, on the CPU),
+        into buffers on ``device``."""
         rs = cls.empty(model_stage, model, layout, t, p, policy, state)
         for kind, _ in policy.kinds:
             for s in rs.layout_of().slots:
                 whole = full(kind, s.source)
                 cut = whole[tuple(slice(a, b) for a, b in s.region)]
                 rs.buffers[kind][s.offset : s.offset + s.numel].copy_(cut.reshape(-1))
-        return rs
+        return rs.to(device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffers[BufferKind.PARAM].device
+
+    def to(self, device: torch.device | str, pinned: bool = False, non_blocking: bool = False) -> RankState:
+        """This rank's state with its buffers on ``device`` (this object when they are there
+        already; ``pinned``: page-locked host buffers, for asynchronous copies from a GPU)."""
+        device = torch.device(device)
+        if self.device == device and not pinned:
+            return self
+        bufs = {}
+        for k, b in self.buffers.items():
+            out = torch.empty(b.shape, dtype=b.dtype, device=device, pin_memory=pinned)
+            out.copy_(b, non_blocking=non_blocking)
+            bufs[k] = out
+        return RankState(
+            self.model_stage, self.model, self.layout, self.t, self.p, self.policy, bufs, self.state
+        )
 
 
 class StateHolder:
     """This rank's units, by unit id (``<model-stage>/<unit>``) during a transition."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, device: torch.device | str = CPU) -> None:
         self.rank = rank
+        self.device = torch.device(device)  # where this rank's units live and new ones are made
         self.units: dict[str, RankState] = {}
 
     def by_stage(self) -> Mapping[str, RankState]:

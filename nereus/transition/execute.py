@@ -199,7 +199,9 @@ class Executor:
         src, dst = self.holder.units[x.src_unit], self.rank_of_gpu[x.dst]
         kinds = kinds_of(self.moves[self.dag.nodes[x.node].model_stage].policy)
         if x.carry is Carry.WHOLE:  # each buffer kind as one message, as it is, and the state
-            ops.append(dist.P2POp(dist.isend, state_tensor(src.state), dst, group, tag(x.node, STATE)))
+            ops.append(
+                dist.P2POp(dist.isend, state_tensor(src.state, src.device), dst, group, tag(x.node, STATE))
+            )
             tensors = [src.buffers[k] for k in kinds]
             for j, buf in enumerate(tensors):
                 ops.append(dist.P2POp(dist.isend, buf, dst, group, tag(x.node, j)))
@@ -222,7 +224,7 @@ class Executor:
             new = RankState.uninitialised(
                 node.model_stage, move.model, r.layout, r.t, r.p, move.policy, device
             )
-            header = torch.zeros(4, dtype=torch.int64)
+            header = torch.zeros(4, dtype=torch.int64, device=device)
             src = self.rank_of_gpu[whole.src]
             ops.append(dist.P2POp(dist.irecv, header, src, group, tag(node.id, STATE)))
             for j, k in enumerate(kinds):
@@ -273,9 +275,7 @@ class Executor:
         self.holder.units[uid] = self.storage(node.model_stage, unit.layout, t, p)
 
     def _device(self) -> torch.device:
-        for rs in self.holder.units.values():
-            return next(iter(rs.buffers.values())).device
-        return torch.device("cpu")
+        return self.holder.device
 
 
 # ------------------------------------------------------------------ bytes in and out of messages
@@ -284,8 +284,9 @@ def _piece_view(buf: torch.Tensor, pc: Piece, slot: Slot) -> torch.Tensor:
     return v.narrow(pc.dim, pc.lo - slot.region[pc.dim][0], pc.hi - pc.lo)
 
 
-def state_tensor(state: LogicalState) -> torch.Tensor:
-    return torch.tensor([state.updates, state.version, state.minibatch, state.seed], dtype=torch.int64)
+def state_tensor(state: LogicalState, device: torch.device | None = None) -> torch.Tensor:
+    values = [state.updates, state.version, state.minibatch, state.seed]
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def pack(

@@ -1,12 +1,51 @@
 #!/usr/bin/env bash
-# Every check that needs a GPU, in one place, for the GPU box (CUDA or ROCm torch installed:
-# `make install TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'`).
-# On a CPU machine the tests skip and the benchmark records no GPU.
-set -euo pipefail
+# Every check that needs a GPU, in one place, for a GPU box (about 8 minutes on one GPU). Install a
+# GPU build of torch first:
+#   make install TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'
+#   (ROCm: --index-url https://download.pytorch.org/whl/rocm6.4), and for `describe node`:
+#   .venv/bin/pip install 'nvidia-ml-py>=12.535'   (or amdsmi from ROCm, for AMD GPUs)
+# Prints one line per check and a final `N passed, N failed, N skipped` line; exits non-zero when a
+# check failed. Every check has a CPU twin that runs the same code in `make test`
+# (tests/test_device_twins*.py, tests/test_engine_*.py, tests/test_inventory*.py). On a CPU machine
+# every check skips and says why. Results (JUnit XML, the engine benchmark) go to $OUT.
+set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-/tmp/nereus-gpu}
 mkdir -p "$OUT"
-"$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.device_count())'
-"$PY" -m pytest -q -rs tests/gpu
-"$PY" benchmarks/engine.py --out "$OUT"
+"$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.device_count(), "hip", torch.version.hip)'
+"$PY" -m nereus.cli describe node || true
+"$PY" -m pytest -q -p no:cacheprovider -rA --junitxml="$OUT/gpu.xml" tests/gpu >"$OUT/pytest.log" 2>&1
+tests=$?
+"$PY" benchmarks/engine.py --quick --out "$OUT" >"$OUT/engine.log" 2>&1
+bench=$?
+"$PY" - "$OUT/gpu.xml" "$bench" <<'PYEOF'
+import sys
+import xml.etree.ElementTree as ET
+
+counts = {"passed": 0, "failed": 0, "skipped": 0}
+for case in ET.parse(sys.argv[1]).getroot().iter("testcase"):
+    name = f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}"
+    seconds = float(case.get("time", 0))
+    failure = case.find("failure") if case.find("failure") is not None else case.find("error")
+    skipped = case.find("skipped")
+    if failure is not None:
+        counts["failed"] += 1
+        print(f"FAIL {name} ({seconds:.1f} s): {(failure.get('message') or '').splitlines()[0][:160]}")
+    elif skipped is not None:
+        counts["skipped"] += 1
+        print(f"SKIP {name}: {(skipped.get('message') or '')[:160]}")
+    else:
+        counts["passed"] += 1
+        print(f"PASS {name} ({seconds:.1f} s)")
+if sys.argv[2] == "0":
+    counts["passed"] += 1
+    print("PASS benchmarks/engine.py --quick")
+else:
+    counts["failed"] += 1
+    print("FAIL benchmarks/engine.py --quick (see engine.log)")
+print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
+PYEOF
+summary=$?
+# pytest: 0 all passed or skipped, 5 nothing collected; anything else is a failure
+{ [ "$tests" -eq 0 ] || [ "$tests" -eq 5 ]; } && [ "$bench" -eq 0 ] && [ "$summary" -eq 0 ]

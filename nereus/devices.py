@@ -1,0 +1,194 @@
+"""Which device a worker computes on and which torch.distributed backends carry its messages.
+
+The one place in Nereus that names a device or a backend. A worker with a visible GPU (CUDA, or
+ROCm, which torch exposes through the same ``torch.cuda`` API) computes on ``cuda:<local rank mod
+visible GPUs>``; otherwise on the CPU (``NEREUS_DEVICE=cpu`` forces the CPU, ``=cuda`` requires a
+GPU). Tensors on GPUs move over NCCL (RCCL on ROCm, under the same ``nccl`` name), small control
+messages and CPU tensors over gloo in both cases: the world is one process group with a backend
+per device type (``cpu:gloo,cuda:nccl``), so each collective takes the backend of its tensors'
+device. NCCL is told to surface a dead peer as an error instead of hanging
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING``), and a broken world's communicators are aborted before it is
+destroyed (``abort_world``). A worker uses as many CPU threads as its node gives it: the CPUs it
+may run on, shared among the node's workers.
+Edge module (torch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nereus.errors import ConfigError
+
+CPU = torch.device("cpu")
+CHOICES = ("auto", "cpu", "cuda")
+TENSORS_ON_CPU = "gloo"
+TENSORS_ON_GPU = "nccl"  # NCCL on NVIDIA, RCCL on ROCm
+CONTROL = "gloo"
+
+
+@dataclass(frozen=True, slots=True)
+class Devices:
+    """A worker's device and backends."""
+
+    device: torch.device
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device: expected cpu or cuda, got {self.device}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be positive, got {self.threads}")
+
+    @property
+    def accelerated(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def backend(self) -> str:
+        """The backend of the tensors this worker computes with."""
+        return TENSORS_ON_GPU if self.accelerated else TENSORS_ON_CPU
+
+    @property
+    def world_backend(self) -> str:
+        """The world's backend string: control messages over gloo, GPU tensors over NCCL/RCCL."""
+        return f"cpu:{CONTROL},cuda:{TENSORS_ON_GPU}" if self.accelerated else CONTROL
+
+    @property
+    def vendor(self) -> str:
+        if not self.accelerated:
+            return "cpu"
+        return "amd" if getattr(torch.version, "hip", None) else "nvidia"
+
+
+def node_threads(env: Mapping[str, str], local_workers: int) -> int:
+    """The CPU threads a worker may use: ``NEREUS_THREADS``, else SLURM's CPUs per task, else the
+    CPUs this process may run on shared among the node's ``local_workers``."""
+    for key in ("NEREUS_THREADS", "SLURM_CPUS_PER_TASK"):
+        if env.get(key, "").isdigit() and int(env[key]) > 0:
+            return int(env[key])
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // max(1, local_workers))
+
+
+def choose(local_rank: int, local_workers: int, env: Mapping[str, str] | None = None) -> Devices:
+    """The device and threads of the worker with node-local rank ``local_rank`` of ``local_workers``."""
+    env = os.environ if env is None else env
+    want = env.get("NEREUS_DEVICE", "auto")
+    if want not in CHOICES:
+        raise ConfigError(f"NEREUS_DEVICE: expected one of {', '.join(CHOICES)}, got {want[:40]!r}")
+    threads = node_threads(env, local_workers)
+    visible = torch.cuda.device_count() if want != "cpu" and torch.cuda.is_available() else 0
+    if visible == 0:
+        if want == "cuda":
+            raise ConfigError("NEREUS_DEVICE=cuda: no CUDA or ROCm GPU is visible to this process")
+        return Devices(CPU, threads)
+    return Devices(torch.device("cuda", local_rank % visible), threads)
+
+
+def launched(env: Mapping[str, str] | None = None, local_rank: int | None = None) -> Devices:
+    """The devices of a worker a launcher started: its node-local rank (``local_rank``, else
+    ``LOCAL_RANK`` from torchrun, else ``SLURM_LOCALID``, else 0) among the node's workers
+    (``LOCAL_WORLD_SIZE``, else SLURM's tasks on this node, else its GPUs, else 1)."""
+    env = os.environ if env is None else env
+    if local_rank is None:
+        local_rank = next(
+            (int(env[k]) for k in ("LOCAL_RANK", "SLURM_LOCALID") if env.get(k, "").isdigit()), 0
+        )
+    workers = 1
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_GPUS_ON_NODE"):
+        lead = env.get(key, "").split("(")[0].split(",")[0]  # SLURM writes "4(x2),2"
+        if lead.isdigit() and int(lead) > 0:
+            workers = int(lead)
+            break
+    return choose(local_rank, max(workers, local_rank + 1), env)
+
+
+def activate(devices: Devices) -> None:
+    """Make ``devices`` this process's: the current GPU, NCCL's error handling, the CPU threads."""
+    torch.set_num_threads(devices.threads)
+    if devices.accelerated:
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # a dead peer raises, never hangs
+        torch.cuda.set_device(devices.device)
+
+
+def init_world(devices: Devices, store: Any, rank: int, world_size: int, timeout: timedelta) -> None:
+    """Form the world (one process group, a backend per device type) over ``store``."""
+    dist.init_process_group(
+        devices.world_backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+        device_id=devices.device if devices.accelerated else None,
+    )  # fmt: skip
+
+
+def abort_world() -> None:
+    """Let go of a (possibly broken) world at once: abort its communicators where the backend can
+    (NCCL: a collective stuck on a dead peer returns), then destroy it."""
+    if not dist.is_initialized():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None and dist.get_backend() != CONTROL:
+        with contextlib.suppress(Exception):
+            abort()
+    with contextlib.suppress(Exception):  # a broken world still has to go
+        dist.destroy_process_group()
+
+
+def synchronize(devices: Devices) -> None:
+    """Wait for the device's queued work (timings on a GPU measure work, not its launch)."""
+    if devices.accelerated:
+        torch.cuda.synchronize(devices.device)
+
+
+class StageOutOfMemoryError(RuntimeError):
+    """A model-stage's work ran out of device memory on this rank (``torch.OutOfMemoryError``)."""
+
+    def __init__(self, model_stage: str, detail: str) -> None:
+        super().__init__(f"{model_stage} ran out of memory: {detail[:200]}")
+        self.model_stage = model_stage
+
+
+class StageMemory:
+    """What one model-stage's work took on this rank's device: its own state plus its peak working
+    memory (the allocator's peak during the work, less what was allocated before it: the state of
+    every model-stage resident on the device). On the CPU there is no allocator to ask: None."""
+
+    def __init__(self, devices: Devices) -> None:
+        self.devices = devices
+        self.peaks: dict[str, int] = {}  # model-stage → bytes, the largest this step
+        self.reserved: dict[str, int] = {}  # model-stage → the allocator's peak reserved bytes
+
+    def clear(self) -> None:
+        self.peaks.clear()
+        self.reserved.clear()
+
+    @contextlib.contextmanager
+    def measure(self, model_stage: str, own_bytes: int) -> Iterator[None]:
+        """Around a model-stage's work: record its peak (GPU); turn an out-of-memory error into a
+        ``StageOutOfMemoryError`` naming the model-stage. Also the allocator's peak reserved
+        bytes (its cached segments: what the device actually gave up to this process)."""
+        device = self.devices.device
+        base = 0
+        if self.devices.accelerated:
+            torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)  # allocated and reserved peaks
+        try:
+            yield
+        except torch.OutOfMemoryError as exc:
+            raise StageOutOfMemoryError(model_stage, str(exc)) from exc
+        if self.devices.accelerated:
+            torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device) - base + own_bytes
+            self.peaks[model_stage] = max(self.peaks.get(model_stage, 0), peak)
+            reserved = torch.cuda.max_memory_reserved(device)
+            self.reserved[model_stage] = max(self.reserved.get(model_stage, 0), reserved)

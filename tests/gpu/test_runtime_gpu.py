@@ -1,0 +1,78 @@
+"""The runtime's device paths on a GPU (CUDA or ROCm); skipped cleanly elsewhere; run by
+``tests/gpu/run.sh``. Every check is a function of ``tests/device_checks.py`` whose CPU twin runs
+in ``tests/test_device_twins.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nereus.devices import Devices
+from tests import device_checks as checks
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU"),
+]
+
+
+@pytest.fixture
+def gpu() -> Devices:
+    torch.cuda.set_device(0)
+    return Devices(torch.device("cuda", 0))
+
+
+def test_snapshot_to_pinned_memory_and_back(gpu: Devices) -> None:
+    checks.check_snapshot(gpu)
+
+
+def test_stage_memory_is_the_allocators_peak(gpu: Devices) -> None:
+    checks.check_stage_memory(gpu)
+
+
+def test_a_real_out_of_memory_error_is_named_after_its_stage(gpu: Devices) -> None:
+    checks.check_out_of_memory(gpu)
+
+
+@pytest.mark.timeout(300)
+def test_a_transition_runs_on_the_device(gpu: Devices, tmp_path: Path) -> None:
+    checks.check_transition_in_a_world_of_one(gpu, tmp_path)
+
+
+def test_the_health_check_reads_this_gpu(gpu: Devices) -> None:
+    checks.check_health(gpu)
+
+
+def test_describe_node_sees_the_gpus() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "nereus.cli", "describe", "node", "--json"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert len(doc["gpus"]) == torch.cuda.device_count(), doc
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a job's workers need one GPU each: needs 2 GPUs")
+@pytest.mark.timeout(600)
+def test_a_short_run_on_the_gpus(tmp_path: Path) -> None:
+    exp = tmp_path / "gpu.yaml"
+    workers = min(4, torch.cuda.device_count())
+    exp.write_text(
+        f"name: gpu\nworkload: grpo-tiny\nmodel: tiny-llama\nworkers: {workers}\nsteps: 3\n"
+        "task: {kind: copy, n: 64, difficulty: 2, length: 2}\nmax_new_tokens: 2\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "nereus.cli", "run", str(exp), "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=540, check=False, env={**os.environ, "NEREUS_DEVICE": "cuda"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 3

@@ -1,0 +1,76 @@
+"""Device selection: one module names devices and backends; a CPU machine runs on the CPU over
+gloo; a GPU would run on ``cuda:<local rank mod GPUs>`` over NCCL/RCCL with control over gloo."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import nereus
+from nereus.devices import CPU, Devices, choose, launched, node_threads
+from nereus.errors import ConfigError
+
+pytestmark = pytest.mark.pure
+
+ROOT = Path(nereus.__file__).parent
+
+
+def test_a_machine_without_a_gpu_runs_on_the_cpu_over_gloo() -> None:
+    d = choose(3, 4, env={})
+    assert d.device == CPU and not d.accelerated and d.backend == "gloo" and d.world_backend == "gloo"
+    assert d.vendor == "cpu"
+    assert choose(0, 1, env={"NEREUS_DEVICE": "cpu"}).device == CPU
+
+
+def test_asking_for_a_gpu_where_there_is_none_or_for_nonsense_is_one_line() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ConfigError, match="NEREUS_DEVICE=cuda: no CUDA or ROCm GPU"):
+        choose(0, 1, env={"NEREUS_DEVICE": "cuda"})
+    with pytest.raises(ConfigError, match="expected one of auto, cpu, cuda"):
+        choose(0, 1, env={"NEREUS_DEVICE": "tpu"})
+
+
+def test_a_gpu_worker_would_compute_on_its_local_gpu_with_nccl_for_tensors() -> None:
+    d = Devices(torch.device("cuda", 1))
+    assert d.accelerated and d.backend == "nccl" and d.world_backend == "cpu:gloo,cuda:nccl"
+    with pytest.raises(ValueError, match="expected cpu or cuda"):
+        Devices(torch.device("meta"))
+
+
+def test_threads_are_what_the_node_gives_a_worker() -> None:
+    assert node_threads({"NEREUS_THREADS": "6"}, 4) == 6
+    assert node_threads({"SLURM_CPUS_PER_TASK": "7"}, 4) == 7
+    cpus = len(__import__("os").sched_getaffinity(0))
+    assert node_threads({}, 1) == cpus and node_threads({}, 10_000) == 1
+    assert node_threads({"NEREUS_THREADS": "zero"}, 1) == cpus  # not a count: ignored
+
+
+def test_only_the_device_module_names_a_backend_or_a_device() -> None:
+    """The issue's check, ``grep -rn '"gloo"\\|"nccl"\\|device="cpu"' nereus``, and a little more."""
+    pattern = re.compile(r'"gloo"|"nccl"|device="cpu"|"cpu:gloo')
+    found = [
+        f"{f.relative_to(ROOT.parent)}:{i}"
+        for f in sorted(ROOT.rglob("*.py"))
+        if f.name != "devices.py"
+        for i, line in enumerate(f.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not found, found
+
+
+def test_a_launched_worker_takes_its_local_rank_from_torchrun_or_slurm() -> None:
+    env = {"NEREUS_DEVICE": "cpu"}
+    cpus = len(__import__("os").sched_getaffinity(0))
+    # torchrun: LOCAL_RANK of LOCAL_WORLD_SIZE; the threads are the node's CPUs shared among them
+    assert launched({**env, "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}).threads == max(1, cpus // 2)
+    # SLURM: SLURM_LOCALID of the node's tasks ("4(x2)": 4 tasks on each of 2 nodes)
+    assert launched({**env, "SLURM_LOCALID": "3", "SLURM_TASKS_PER_NODE": "4(x2)"}).threads == max(
+        1, cpus // 4
+    )
+    assert launched({**env, "SLURM_CPUS_PER_TASK": "3"}, local_rank=5).threads == 3  # SLURM's grant wins
+    assert launched({**env, "NEREUS_THREADS": "2", "SLURM_CPUS_PER_TASK": "3"}).threads == 2  # then ours
+    assert launched(env).device == CPU and launched(env, local_rank=0).threads == cpus
