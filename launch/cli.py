@@ -22,6 +22,7 @@ from rich.table import Table
 from launch import monitor, submit
 from launch.inputs import one_line, shown
 from launch.jobdir import find_job, read_record
+from launch.render import DEFAULT_RESTARTS, LAUNCHERS, MAX_RESTARTS
 from nereus.errors import NereusError
 
 DEFAULT_ROOT = Path("jobs")
@@ -48,6 +49,12 @@ def _nodes(text: str) -> int:
     return value
 
 
+def _restarts(text: str) -> int:
+    if not re.fullmatch(r"[0-9]{1,9}", text.strip()) or int(text) > MAX_RESTARTS:
+        raise argparse.ArgumentTypeError(f"expected an integer from 0 to {MAX_RESTARTS}, got {shown(text)}")
+    return int(text)
+
+
 def _parser() -> _Parser:
     p = _Parser(prog="nereus-launch", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -68,6 +75,18 @@ def _parser() -> _Parser:
     s = sub.add_parser("submit", help="submit an RL experiment")
     s.add_argument("experiment", type=Path, help="configs/experiments/<name>.yaml")
     s.add_argument("--nodes", type=_nodes, help="nodes (default: enough for the experiment's workers)")
+    s.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="srun",
+        help="srun: one task per GPU (default); torchrun: one agent per node, which restarts its workers",
+    )
+    s.add_argument(
+        "--max-restarts",
+        type=_restarts,
+        metavar="N",
+        help=f"torchrun: restarts of a node's workers, 0-{MAX_RESTARTS} (default {DEFAULT_RESTARTS})",
+    )
     scheduling(s, "job")
 
     a = sub.add_parser("array", help="submit a sweep of planner runs as one job array")
@@ -92,6 +111,7 @@ def _options(args: argparse.Namespace) -> submit.Options:
     return submit.Options(
         site=args.site, local=args.local, nodes=getattr(args, "nodes", None), partition=args.partition,
         account=args.account, time=args.time, jobs_root=args.jobs_root,
+        launcher=getattr(args, "launcher", "srun"), max_restarts=getattr(args, "max_restarts", None),
     )  # fmt: skip
 
 
@@ -109,6 +129,8 @@ def _submit(args: argparse.Namespace, factory: submit.ExecutorFactory) -> int:
     where = "local processes" if opts.local else f"site {record.site}"
     shape = (f"{len(record.tasks)} tasks" if record.kind == "array"
              else f"{record.nodes} node(s) × {record.tasks_per_node} task(s)")  # fmt: skip
+    if record.launcher == "torchrun":
+        shape += f", torchrun, {record.max_restarts} restart(s)"
     print(f"submitted {record.name}: job {ids} ({shape}, {where}) → {folder}")
     return 0
 
@@ -122,7 +144,7 @@ def _print_status(doc: dict[str, Any], out: Console) -> None:
     out.print(
         f"[bold]{doc['name']}[/] ({doc['kind']}, {doc['executor']}, site {doc['site']}) "
         f"[bold]{doc['state']}[/] · {doc['nodes']} node(s) × {doc['tasks_per_node']} task(s) "
-        f"· {doc['folder']}"
+        f"{'(torchrun) ' if doc.get('launcher') == 'torchrun' else ''}· {doc['folder']}"
     )
     grown = {g["job_id"] for g in doc["grows"]}
     if doc["kind"] != "array":

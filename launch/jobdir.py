@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from launch.inputs import check_text, control_error, has_control, shown
-from launch.render import job_name_error
+from launch.render import DEFAULT_RESTARTS, LAUNCHERS, MAX_RESTARTS, job_name_error
 from nereus.errors import ConfigError
 from nereus.runtime.pool import ShrinkRequest
 from nereus.spec.schema import build
@@ -106,12 +106,20 @@ class JobRecord:
     grows: tuple[Grow, ...] = ()
     shrinks: tuple[Shrink, ...] = ()
     tasks: tuple[ArrayTask, ...] = ()
+    launcher: str = "srun"  # srun: one task per worker; torchrun: one torchrun agent per node
+    max_restarts: int = DEFAULT_RESTARTS  # torchrun: how often an agent restarts its node's workers
 
     def __post_init__(self) -> None:
         if self.kind not in ("experiment", "array"):
             raise ValueError(f"kind must be experiment or array, got {self.kind!r}")
         if self.executor not in ("slurm", "local"):
             raise ValueError(f"executor must be slurm or local, got {self.executor!r}")
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {self.launcher!r}")
+        if self.launcher == "torchrun" and (self.kind, self.executor) != ("experiment", "slurm"):
+            raise ValueError("launcher torchrun: only an experiment on SLURM runs under torchrun")
+        if not 0 <= self.max_restarts <= MAX_RESTARTS:
+            raise ValueError(f"max_restarts must be 0 to {MAX_RESTARTS}, got {self.max_restarts}")
         if self.nodes <= 0 or self.tasks_per_node <= 0 or self.time_min <= 0:
             raise ValueError("nodes, tasks_per_node and time_min must be positive")
         # What a grow job renders into its sbatch script comes from here: checked like the flags.

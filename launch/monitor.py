@@ -134,8 +134,9 @@ def status(folder: Path, run: Runner = run_command) -> dict[str, Any]:
             write_record(folder, record)
     doc: dict[str, Any] = {
         "folder": str(folder), "name": record.name, "kind": record.kind, "site": record.site,
-        "executor": record.executor, "state": main, "nodes": record.current_nodes,
-        "tasks_per_node": record.tasks_per_node, "jobs": states, "created": record.created,
+        "executor": record.executor, "launcher": record.launcher, "state": main,
+        "nodes": record.current_nodes, "tasks_per_node": record.tasks_per_node, "jobs": states,
+        "created": record.created,
         "grows": [{"job_id": g.job_id, "nodes": g.nodes} for g in record.grows],
         "shrinks": [{"nodes": s.nodes, "file": s.file} for s in record.shrinks],
     }  # fmt: skip

@@ -5,10 +5,19 @@ and the same command the ``SlurmExecutor`` uses, so what ``--dry-run`` prints (a
 folder keeps as ``job.sbatch``) is the script that is submitted. submitit ``shlex.quote``s every
 ``#SBATCH`` value and srun argument, but a quoted newline still ends the ``#SBATCH`` comment line:
 a ``Request`` (like a ``Site``) refuses control characters in every text it renders.
+
+Two launchers. ``srun`` (the default): one task per GPU, each running submitit's runner, which
+calls ``nereus.runtime.node.main``. ``torchrun``: one task per node, each a torchrun agent
+(``python -m torch.distributed.run``, the job's Python) with a node-local rendezvous
+(``--standalone``) that starts the node's workers (``python -m nereus.cli node JOB``) and restarts
+them (``--max-restarts``) when one fails; the task gets the CPUs of all its workers (each worker
+uses the site's ``cpus_per_task``: ``NEREUS_THREADS``), and no MPI plugin (the workers' ranks come
+from SLURM's task and torchrun's local rank).
 """
 
 from __future__ import annotations
 
+import posixpath
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -21,6 +30,12 @@ from launch.site import Site
 
 JOB_NAME = re.compile(r"[A-Za-z0-9._+-]{1,200}")
 JOB_NAME_RULE = "1 to 200 letters, digits, '.', '_', '+' or '-'"
+LAUNCHERS = ("srun", "torchrun")
+MAX_RESTARTS = 100  # --max-restarts: 0 to this
+DEFAULT_RESTARTS = 3
+# The signals a torchrun agent passes on to its workers (then waits for them): torchrun's default
+# four, and SIGUSR2, SLURM's warning before the time limit, at which the job checkpoints.
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"
 
 
 def job_name_error(name: str) -> str | None:
@@ -43,6 +58,9 @@ class Request:
     partition: str = ""  # "": the cluster's default
     account: str = ""  # "": none
     array: int = 0  # > 0: a job array of this many tasks, one node and one task each
+    launcher: str = "srun"  # srun: one task per worker; torchrun: one agent task per node
+    max_restarts: int = DEFAULT_RESTARTS  # torchrun: restarts of a node's workers
+    join: bool = False  # torchrun: the workers join a running job (a grow job)
 
     def __post_init__(self) -> None:
         if why := job_name_error(self.job_name):
@@ -61,6 +79,17 @@ class Request:
             raise ValueError(f"folder must be absolute, got {self.folder!r}")
         if "%" in self.folder:  # SLURM expands %j, %t … in the log paths submitit derives from it
             raise ValueError(f"folder: '%' is not allowed (SLURM reads %j, %t … in it), got {self.folder!r}")
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {shown(self.launcher)}")
+        if not 0 <= self.max_restarts <= MAX_RESTARTS:
+            raise ValueError(f"max_restarts must be 0 to {MAX_RESTARTS}, got {self.max_restarts}")
+        if self.launcher == "torchrun" and self.array:
+            raise ValueError("an array task runs under srun, not torchrun")
+
+    @property
+    def job_dir(self) -> str:
+        """The job folder: ``folder``'s parent (submitit's folder is ``JOB/logs``)."""
+        return posixpath.dirname(self.folder.rstrip("/"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,17 +108,34 @@ def submitit_command(python: str, folder: str) -> str:
     return " ".join([python, "-u -m submitit.core._submit", shlex.quote(folder)])
 
 
+def torchrun_command(site: Site, req: Request) -> str:
+    """What each node's task runs under ``--launcher torchrun``: a torchrun agent (the job's Python,
+    ``-m torch.distributed.run``) with a node-local rendezvous, one worker per GPU of the node
+    (``req.tasks_per_node``), each ``python -m nereus.cli node JOB``. It passes SIGUSR2 on to its
+    workers and waits for them as long as SLURM's warning leaves (``signal_delay_s``)."""
+    args = [
+        "-u", "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+        f"--nproc-per-node={req.tasks_per_node}", f"--max-restarts={req.max_restarts}",
+        f"--signals-to-handle={TORCHRUN_SIGNALS}", f"--shutdown-timeout={site.signal_delay_s}",
+        "-m", "nereus.cli", "node", req.job_dir, *(["--join"] if req.join else []),
+    ]  # fmt: skip
+    return " ".join([req.python, *(shlex.quote(a) for a in args)])
+
+
 def render(site: Site, req: Request) -> Rendered:
     """The executor parameters and the sbatch script of ``req`` on ``site``."""
     setup = [*site.setup, *site.env_lines()]
+    torchrun = req.launcher == "torchrun"
+    if torchrun and "NEREUS_THREADS" not in site.env:  # the task has all its workers' CPUs; each, its own
+        setup.append(f"export NEREUS_THREADS={site.cpus_per_task}")
     params: dict[str, Any] = {
         "job_name": req.job_name,
         "nodes": req.nodes,
-        "ntasks_per_node": req.tasks_per_node,
-        "cpus_per_task": site.cpus_per_task,
+        "ntasks_per_node": 1 if torchrun else req.tasks_per_node,
+        "cpus_per_task": site.cpus_per_task * (req.tasks_per_node if torchrun else 1),
         "time": req.time_min,
         "signal_delay_s": site.signal_delay_s,
-        "srun_args": site.mpi_args,
+        "srun_args": ["--mpi=none", *site.srun_args] if torchrun else site.mpi_args,
     }
     if site.gpus_per_node and not req.array:
         params["gpus_per_node"] = site.gpus_per_node
@@ -101,9 +147,11 @@ def render(site: Site, req: Request) -> Rendered:
         params["setup"] = setup
     if site.sbatch:
         params["additional_parameters"] = dict(site.sbatch)
-    command = submitit_command(req.python, req.folder)
+    command = torchrun_command(site, req) if torchrun else submitit_command(req.python, req.folder)
     map_count = req.array or None
     sbatch = _make_sbatch_string(command=command, folder=req.folder, map_count=map_count, **params)
+    if torchrun:  # for ``TorchrunExecutor``: its srun runs this instead of submitit's runner
+        params["command"] = command
     local: dict[str, Any] = {
         "nodes": 1,
         "tasks_per_node": req.nodes * req.tasks_per_node,

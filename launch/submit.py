@@ -4,7 +4,8 @@ Each submission is prepared first (every check, the render, the files' contents)
 touching the disk, so ``--dry-run`` prints exactly what would be submitted and bad input leaves
 nothing behind. Then the job folder is written and the job submitted; if submission fails the
 folder is removed. The executor comes from a factory (``ExecutorFactory``): submitit's
-``SlurmExecutor`` / ``LocalExecutor`` by default, a fake one in tests.
+``SlurmExecutor`` / ``LocalExecutor`` by default (``TorchrunExecutor``, a ``SlurmExecutor`` whose
+srun runs the rendered torchrun command, for ``--launcher torchrun``), a fake one in tests.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from launch.jobdir import (
     write_secret,
     write_shrink,
 )
-from launch.render import Rendered, Request, describe_local, render
+from launch.render import DEFAULT_RESTARTS, LAUNCHERS, MAX_RESTARTS, Rendered, Request, describe_local, render
 from launch.site import Site, load_site, parse_time, site_ref
 from launch.sweep import check_argv, load_sweep
 from nereus.errors import ConfigError
@@ -61,18 +62,48 @@ class Executor(Protocol):
     def map_array(self, fn: Callable[..., Any], *iterables: Iterable[Any]) -> Sequence[SubmittedJob]: ...
 
 
-ExecutorFactory = Callable[[str, Path, str], Executor]  # (kind "slurm" | "local", folder, python)
+# (kind "slurm" | "torchrun" | "local", folder, python)
+ExecutorFactory = Callable[[str, Path, str], Executor]
+
+
+class TorchrunExecutor(submitit.SlurmExecutor):
+    """submitit's ``SlurmExecutor`` whose srun runs the rendered torchrun command (one agent task
+    per node) instead of submitit's runner: ``update_parameters(command=...)`` sets it (``render``
+    puts it in the parameters). The sbatch script is otherwise submitit's, byte for byte; the
+    pickle submitit writes next to it is never read."""
+
+    command = ""
+
+    def update_parameters(self, **kwargs: Any) -> None:
+        if "command" in kwargs:
+            self.command = str(kwargs.pop("command"))
+        super().update_parameters(**kwargs)
+
+    @property
+    def _submitit_command_str(self) -> str:
+        if not self.command:
+            raise RuntimeError("TorchrunExecutor: no command to run (update_parameters(command=...))")
+        return self.command
 
 
 def submitit_executor(kind: str, folder: Path, python: str) -> Executor:
-    """submitit's own executor: ``SlurmExecutor`` (sbatch) or ``LocalExecutor`` (local processes)."""
+    """submitit's own executor: ``SlurmExecutor`` (sbatch), ``TorchrunExecutor`` (sbatch, torchrun on
+    the nodes) or ``LocalExecutor`` (local processes)."""
     if kind == "local":
         ex: Executor = submitit.LocalExecutor(folder=folder, python=python)
         return ex
     for tool in ("sbatch", "srun"):
         if shutil.which(tool) is None:
             raise ConfigError(f"{tool}: not found on PATH (not a SLURM login node? --local runs here)")
+    if kind == "torchrun":
+        torchrun: Executor = TorchrunExecutor(folder=folder, python=python)
+        return torchrun
     return submitit.SlurmExecutor(folder=folder, python=python)
+
+
+def executor_kind(record: JobRecord) -> str:
+    """What the factory is asked for: ``local``, ``torchrun`` or ``slurm``."""
+    return "torchrun" if record.launcher == "torchrun" and record.executor == "slurm" else record.executor
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,6 +118,8 @@ class Options:
     time: str | None = None
     jobs_root: Path = Path("jobs")
     python: str = shlex.quote(sys.executable)
+    launcher: str = "srun"  # submit only: srun (a task per worker) or torchrun (an agent per node)
+    max_restarts: int | None = None  # torchrun only (default DEFAULT_RESTARTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,8 +184,25 @@ def _common(opts: Options, site: Site) -> tuple[str, str, int]:
     return partition, account, time_min
 
 
+def _launcher(opts: Options) -> tuple[str, int]:
+    """The launcher and torchrun's restarts, checked: one line naming the flag."""
+    if opts.launcher not in LAUNCHERS:
+        raise ConfigError(f"--launcher: expected one of {', '.join(LAUNCHERS)}, got {shown(opts.launcher)}")
+    restarts = DEFAULT_RESTARTS if opts.max_restarts is None else opts.max_restarts
+    if opts.max_restarts is not None and opts.launcher != "torchrun":
+        raise ConfigError("--max-restarts: only with --launcher torchrun (srun restarts no worker)")
+    if not 0 <= restarts <= MAX_RESTARTS:
+        raise ConfigError(f"--max-restarts: expected an integer from 0 to {MAX_RESTARTS}, got {restarts}")
+    if opts.launcher == "torchrun" and opts.local:
+        raise ConfigError(
+            "--launcher: torchrun runs on SLURM nodes under srun; --local runs local processes without it"
+        )
+    return opts.launcher, restarts
+
+
 def prepare_experiment(path: Path, opts: Options) -> Prepared:
     """Every check of ``submit``, and the render, without writing anything."""
+    launcher, restarts = _launcher(opts)
     site = load_site(opts.site)
     partition, account, time_min = _common(opts, site)
     exp = load_experiment(path)
@@ -165,12 +215,14 @@ def prepare_experiment(path: Path, opts: Options) -> Prepared:
     req = _request(
         job_name=exp.name, folder=str(folder / "logs"), python=opts.python, nodes=placement.nodes,
         tasks_per_node=placement.tasks_per_node, time_min=time_min, partition=partition, account=account,
+        launcher=launcher, max_restarts=restarts,
     )  # fmt: skip
     rendered = render(site, req)
     record = JobRecord(
         name=exp.name, site=site_ref(opts.site), executor="local" if opts.local else "slurm",
         nodes=placement.nodes, tasks_per_node=placement.tasks_per_node, created=now_iso(),
         partition=partition, account=account, time_min=time_min, python=opts.python,
+        launcher=launcher, max_restarts=restarts,
     )  # fmt: skip
     return Prepared(folder, site, req, rendered, record, {"experiment.yaml": exp.dump()})
 
@@ -225,7 +277,7 @@ def commit(prep: Prepared, factory: ExecutorFactory = submitit_executor) -> tupl
         write_secret(folder)
         write_record(folder, prep.record)
         with submitting("submitit" if local else "sbatch"):
-            ex = factory(prep.record.executor, logs, prep.request.python)
+            ex = factory(executor_kind(prep.record), logs, prep.request.python)
             ex.update_parameters(**(rendered.local_params if local else rendered.params))
             if prep.record.kind == "array":
                 tasks = prep.record.tasks
@@ -275,7 +327,8 @@ def grow(folder: Path, nodes: int, factory: ExecutorFactory = submitit_executor)
     req = _request(
         job_name=f"{record.name}-grow", folder=str(folder.absolute() / "logs"), python=record.python,
         nodes=nodes, tasks_per_node=record.tasks_per_node, time_min=record.time_min,
-        partition=record.partition, account=record.account,
+        partition=record.partition, account=record.account, launcher=record.launcher,
+        max_restarts=record.max_restarts, join=True,
     )  # fmt: skip
     rendered = render(site, req)
     script = "" if local else f"grow-{len(record.grows) + 1}.sbatch"
@@ -283,7 +336,7 @@ def grow(folder: Path, nodes: int, factory: ExecutorFactory = submitit_executor)
         if script:
             atomic_write(folder / script, rendered.sbatch)
         with submitting("submitit" if local else "sbatch"):
-            ex = factory(record.executor, Path(req.folder), record.python)
+            ex = factory(executor_kind(record), Path(req.folder), record.python)
             ex.update_parameters(**(rendered.local_params if local else rendered.params))
             job = ex.submit(NodeJob(), str(folder.absolute()), True)
     except BaseException:

@@ -8,16 +8,24 @@
 - SLURM's preemption signal (``scancel --signal=USR2``): the job checkpoints at its next
   boundary, submitit requeues it, and the requeued job resumes to the same final state.
 - A job array of 4 planner runs.
+- ``--launcher torchrun`` (one torchrun agent per node, 1 worker each on 4 nodes): a worker
+  SIGKILLed inside the job is restarted by its node's agent and rejoins through the signed join
+  path; the leader SIGKILLed is restarted too, finds its store gone and requeues the job, which
+  resumes from its checkpoint; SIGUSR2 checkpoints, and the leader requeues. Each time the
+  exported actor equals that of the same job run untouched (``nereus run``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -213,3 +221,136 @@ def test_bootstrap_takes_ranks_from_mpi_under_srun(slurm_cluster: SlurmCluster) 
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("mpi"))
     assert lines == [f"mpi {r} 4 0" for r in range(4)], proc.stdout
+
+
+# ------------------------------------------------------------------ --launcher torchrun
+TORCHRUN_STEPS, TORCHRUN_EVERY = 60, 4
+_references: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+
+
+def torchrun_reference(tmp: Path) -> dict[str, torch.Tensor]:
+    """The untouched run of the torchrun jobs' experiment (computed once for the three tests)."""
+    key = (TORCHRUN_STEPS, TORCHRUN_EVERY)
+    if key not in _references:
+        _references[key] = reference(tmp, "torchrun", *key)
+    return _references[key]
+
+
+def _proc(pid: int, what: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/{what}").read_bytes()
+    except OSError:
+        return b""
+
+
+def _environ(pid: int) -> dict[str, str]:
+    pairs = (item.split("=", 1) for item in _proc(pid, "environ").decode(errors="replace").split("\0"))
+    return {kv[0]: kv[1] for kv in pairs if len(kv) == 2}
+
+
+def _parent(pid: int) -> int:
+    stat = _proc(pid, "stat").decode(errors="replace")
+    return int(stat.rsplit(")", 1)[1].split()[1]) if ")" in stat else -1
+
+
+def torchrun_worker(job: Path, task: int) -> tuple[int, int, dict[str, str]]:
+    """(agent pid, worker pid, the worker's environment) of SLURM task ``task``'s torchrun agent and
+    the one worker it runs (1 per node): the worker is the agent's child ``nereus.cli node JOB``."""
+    procs = [int(p.name) for p in Path("/proc").glob("[0-9]*")]
+
+    def is_agent(pid: int) -> bool:  # python -u -m torch.distributed.run … JOB (not the srun that runs it)
+        argv = _proc(pid, "cmdline").split(b"\0")
+        return argv[1:4] == [b"-u", b"-m", b"torch.distributed.run"] and str(job).encode() in argv
+
+    agents = [pid for pid in procs if is_agent(pid) and _environ(pid).get("SLURM_PROCID") == str(task)]
+    assert len(agents) == 1, agents
+    workers = [pid for pid in procs if _parent(pid) == agents[0] and b"nereus.cli" in _proc(pid, "cmdline")]
+    assert len(workers) == 1, workers
+    return agents[0], workers[0], _environ(workers[0])
+
+
+@pytest.fixture
+def torchrun_job(slurm_cluster: SlurmCluster, tmp_path: Path) -> Iterator[Callable[[str], tuple[str, Path]]]:
+    """Submit the experiment under ``--launcher torchrun`` on the 4 nodes and wait past its first
+    checkpoint (after step 3: whatever a loss costs, there is one to fall back on). A job the test
+    leaves running is cancelled."""
+    ids: list[str] = []
+
+    def submit(name: str) -> tuple[str, Path]:
+        for node in slurm_cluster.nodes:  # four free nodes: one torchrun agent, one worker on each
+            slurm_cluster.node_resume(node)
+        slurm_cluster.wait_idle()
+        exp = tmp_path / f"{name}.yaml"
+        exp.write_text(EXPERIMENT.format(name=name, steps=TORCHRUN_STEPS, every=TORCHRUN_EVERY))
+        jobid, job = submitted(
+            launch(
+                slurm_cluster, "submit", str(exp), "--site", "local", "--nodes", "4", "--launcher",
+                "torchrun", "--max-restarts", "2", "--jobs-root", str(tmp_path),
+            )
+        )  # fmt: skip
+        ids.append(jobid)
+        script = (job / "job.sbatch").read_text()
+        assert "--ntasks-per-node=1" in script and "-m torch.distributed.run --standalone" in script
+        wait_for("step 5", lambda: len(rows(job)) >= 6, 180, job)
+        return jobid, job
+
+    yield submit
+    for jobid in ids:
+        if slurm_cluster.state(jobid) not in FINAL_STATES:
+            slurm_cluster.run("scancel", jobid, check=False)
+
+
+def transitions(job: Path, kind: str) -> list[dict[str, object]]:
+    return [t for r in rows(job) for t in r["transitions"] if t.get("kind") == kind]  # type: ignore[union-attr]
+
+
+def finished(cluster: SlurmCluster, jobid: str, job: Path, tmp: Path) -> None:
+    cluster.wait_state(jobid, {"COMPLETED"}, timeout=300)
+    assert [r["step"] for r in rows(job)][-1] == TORCHRUN_STEPS - 1
+    assert_same_actor(job, torchrun_reference(tmp))
+
+
+@pytest.mark.timeout(420)
+def test_torchrun_restarts_a_killed_worker_which_rejoins(
+    slurm_cluster: SlurmCluster, tmp_path: Path, torchrun_job: Callable[[str], tuple[str, Path]]
+) -> None:
+    jobid, job = torchrun_job("torchrun-worker")
+    agent, worker, env = torchrun_worker(job, 2)
+    assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["TORCHELASTIC_RESTART_COUNT"]) == ("0", "1", "0")
+    os.kill(worker, signal.SIGKILL)  # GPU 2 = node 2 × 1 + local rank 0: not the leader
+
+    def rejoined() -> bool:
+        return any(2 in t.get("joined", ()) for t in transitions(job, "membership"))  # type: ignore[operator]
+
+    wait_for("GPU 2 to rejoin", rejoined, 180, job)
+    again, restarted, env = torchrun_worker(job, 2)
+    assert again == agent and restarted != worker and env["TORCHELASTIC_RESTART_COUNT"] == "1"
+    log = (job / "run" / "membership.log").read_text()
+    assert "lost GPUs [2]" in log and "as GPU 2" in log, log
+    finished(slurm_cluster, jobid, job, tmp_path)
+    assert slurm_cluster.job(jobid).get("Restarts", "0") == "0"  # in place: never requeued
+    assert transitions(job, "recovered")
+
+
+@pytest.mark.timeout(420)
+def test_torchrun_leader_killed_requeues_and_resumes(
+    slurm_cluster: SlurmCluster, tmp_path: Path, torchrun_job: Callable[[str], tuple[str, Path]]
+) -> None:
+    jobid, job = torchrun_job("torchrun-leader")
+    _, leader, _ = torchrun_worker(job, 0)
+    os.kill(leader, signal.SIGKILL)  # GPU 0: the job's store and controller die with it
+    wait_for("the requeue", lambda: int(slurm_cluster.job(jobid).get("Restarts", "0")) >= 1, 120, job)
+    finished(slurm_cluster, jobid, job, tmp_path)
+    err = "".join(p.read_text() for p in (job / "logs").glob(f"{jobid}_0_log.err"))
+    assert "the job's store died with the leader: requeueing the job" in err
+
+
+@pytest.mark.timeout(420)
+def test_torchrun_preemption_checkpoints_and_requeues(
+    slurm_cluster: SlurmCluster, tmp_path: Path, torchrun_job: Callable[[str], tuple[str, Path]]
+) -> None:
+    jobid, job = torchrun_job("torchrun-preempted")
+    slurm_cluster.run("scancel", "--signal=USR2", jobid)  # every agent passes it on to its worker
+    wait_for("the preemption checkpoint", lambda: bool(transitions(job, "preempted")), 120, job)
+    finished(slurm_cluster, jobid, job, tmp_path)
+    assert int(slurm_cluster.job(jobid).get("Restarts", "0")) >= 1

@@ -8,28 +8,46 @@ is one (a requeued job). ``main(job_dir, join=True)`` is a newcomer (``nereus-la
 presents the job's secret, waits to be admitted at a step boundary, and takes part from then on.
 A preempted job checkpoints at its next boundary and hands over to the launcher's requeue.
 Checkpoints are signed and verified with the job's secret (``nereus.runtime.signing``): a
-requeued job resumes only from what the job itself wrote. Edge module.
+requeued job resumes only from what the job itself wrote.
+
+Under ``nereus-launch --launcher torchrun`` each node's torchrun agent starts the node's workers
+(``bootstrap`` source ``torchrun-slurm``) and restarts them when one fails. A restarted worker
+(``TORCHELASTIC_RESTART_COUNT`` > 0) has lost its state: it rejoins the running job through the
+signed join path, asking for its own GPU id, exactly as a ``grow`` newcomer does. The leader (GPU
+0) hosts the job's store, which dies with it: a restarted leader requeues the job instead (while
+SLURM's requeue count is below torchrun's ``--max-restarts``), which resumes from its latest
+checkpoint. Under torchrun only SIGUSR2 stops a worker at a boundary (the agent sends SIGTERM to
+the node's other workers when it restarts them: they end at once and rejoin), the agent forwards
+it (``--signals-to-handle``), and the leader requeues the job through ``scontrol requeue`` after the
+checkpoint (submitit's requeue is not in these processes). Edge module.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import Any
 
 from nereus.control.action import Outcome
-from nereus.errors import ConfigError
+from nereus.devices import Devices, activate, launched
+from nereus.errors import ConfigError, NereusError
 from nereus.runtime import checkpoint as ckpt
-from nereus.runtime.bootstrap import bootstrap
+from nereus.runtime.bootstrap import Bootstrap, bootstrap, torchrun_on_slurm
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.loop import JobLoop
-from nereus.runtime.membership import Membership, Rendezvous, node_address
+from nereus.runtime.membership import JoinRefusedError, Membership, Rendezvous, node_address
 from nereus.runtime.preemption import Preemption
+from nereus.runtime.signals import PREEMPT_SIGNALS
 from nereus.runtime.signing import KEY_BYTES
 
 RDZV = "rendezvous.json"
+STORE_PROBE_S = 10.0  # a restarted worker: how long the job's store may take to answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,25 +80,22 @@ class JobFolder:
 
 def main(job_dir: str, join: bool = False) -> Outcome:
     """Run this process's part of the job; returns ``done``, ``preempted`` or ``left``."""
-    torch.set_num_threads(int(os.environ.get("NEREUS_THREADS", "1")))
     job = JobFolder(Path(job_dir))
     spec, secret = job.spec(), job.secret()
     ckpt.use_key(secret)  # checkpoints are signed with the job's secret
     job.run.mkdir(mode=0o700, parents=True, exist_ok=True)
     if join:  # a newcomer needs no MPI: the rendezvous is in the job folder
-        m = Membership.connect(Rendezvous.read(job.path / RDZV), secret, -1)
-        try:
-            preemption = Preemption().install()
-            _, generation, members = m.request_join(None)
-            status = JobLoop.enter(m, spec, job.run, generation, members, preemption).run()
-            if status is Outcome.PREEMPTED:
-                preemption.hand_over(m.leader)
-            return status
-        finally:
-            m.close()
+        signals = stop_signals("torchrun-slurm" if torchrun_on_slurm(os.environ) else "")
+        devices = launched()
+        activate(devices)
+        return _join(job, spec, secret, Rendezvous.read(job.path / RDZV), None, signals, devices)
     boot, comm = bootstrap()
+    devices = launched(local_rank=boot.local_rank)
+    activate(devices)
+    if boot.restart:  # torchrun's agent restarted this worker: its state is gone
+        return _rejoin(job, spec, secret, boot, devices)
     if boot.rank == 0:
-        m = Membership.host(secret, 0, node_address(), 0, log=job.run / "membership.log")
+        m = Membership.host(secret, 0, node_address(), 0, log=job.run / "membership.log", devices=devices)
         rdzv = Rendezvous(m.rendezvous.host, m.rendezvous.port, boot.launch_id)
         rdzv.write(job.path / RDZV)
     else:
@@ -90,10 +105,12 @@ def main(job_dir: str, join: bool = False) -> Outcome:
         rdzv = Rendezvous(*sent)
     if boot.rank != 0:
         rdzv = rdzv or Rendezvous.read(job.path / RDZV, launch_id=boot.launch_id)
-        m = Membership.connect(rdzv, secret, boot.rank)
+        m = Membership.connect(rdzv, secret, boot.rank, devices=devices)
     try:
         m.form(tuple(range(boot.world)), 0)
-        preemption = Preemption().install()
+        if boot.source == "torchrun-slurm" and m.leader:  # what hand_over runs after the checkpoint
+            signal.signal(signal.SIGUSR2, _requeue_after_checkpoint)
+        preemption = Preemption(stop_signals(boot.source)).install()
         resume = ckpt.latest(job.run / "checkpoints") is not None
         status = JobLoop.start(m, spec, job.run, resume, job.path / "control", preemption=preemption).run()
         if status is Outcome.PREEMPTED:
@@ -101,3 +118,109 @@ def main(job_dir: str, join: bool = False) -> Outcome:
         return status
     finally:
         m.close()
+
+
+def stop_signals(source: str) -> tuple[int, ...]:
+    """The signals that stop a worker at its next boundary. Under torchrun only SIGUSR2 (SLURM's
+    warning before the time limit, ``scancel --signal=USR2``): the agent stops the node's other
+    workers with SIGTERM when one of them failed, and those must end at once, not stop the job."""
+    return (signal.SIGUSR2,) if source == "torchrun-slurm" else PREEMPT_SIGNALS
+
+
+def _join(
+    job: JobFolder, spec: ExperimentSpec, secret: bytes, rdzv: Rendezvous, gpu: int | None,
+    signals: tuple[int, ...], devices: Devices,
+) -> Outcome:  # fmt: skip
+    """A newcomer: ask the leader (signed, with the job's secret) to be admitted, as GPU ``gpu``
+    (None: the next free one), and take part from the boundary it is admitted at."""
+    m = Membership.connect(rdzv, secret, -1, devices=devices)
+    try:
+        preemption = Preemption(signals).install()
+        _, generation, members = m.request_join(gpu)
+        status = JobLoop.enter(m, spec, job.run, generation, members, preemption).run()
+        if status is Outcome.PREEMPTED:
+            preemption.hand_over(m.leader)
+        return status
+    finally:
+        m.close()
+
+
+def _rejoin(
+    job: JobFolder, spec: ExperimentSpec, secret: bytes, boot: Bootstrap, devices: Devices
+) -> Outcome:
+    """A worker its torchrun agent restarted: rejoin the running job as its own GPU id. The
+    leader's store died with the leader: a restarted leader requeues the job instead."""
+    if boot.rank == 0:
+        return _requeue_lost_leader(boot)
+    rdzv = Rendezvous.read(job.path / RDZV, launch_id=boot.launch_id)
+    if not store_answers(rdzv):
+        raise JoinRefusedError(
+            f"GPU {boot.rank} cannot rejoin: the job's store at {rdzv.host}:{rdzv.port} does not answer "
+            "(the leader, GPU 0, is gone; its restart requeues the job)"
+        )
+    print(
+        f"GPU {boot.rank}: restarted by torchrun (restart {boot.restart}); rejoining the job", file=sys.stderr
+    )
+    return _join(job, spec, secret, rdzv, boot.rank, stop_signals(boot.source), devices)
+
+
+def store_answers(rdzv: Rendezvous, timeout_s: float | None = None) -> bool:
+    """Whether something accepts connections at the job's store within ``timeout_s`` (default
+    ``STORE_PROBE_S``; a client TCPStore would retry for its whole 30-minute timeout when the
+    leader is gone)."""
+    deadline = time.monotonic() + (STORE_PROBE_S if timeout_s is None else timeout_s)
+    while True:
+        try:
+            with socket.create_connection((rdzv.host, rdzv.port), timeout=2.0):
+                return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
+
+
+def _requeue_lost_leader(boot: Bootstrap) -> Outcome:
+    """The leader, restarted by torchrun: the job's store and controller died with it, so the job
+    cannot go on in place. Requeue it (it resumes from its latest checkpoint), at most as often as
+    torchrun may restart a node's workers; ``preempted`` then (SLURM ends this launch)."""
+    done = _env_int("SLURM_RESTART_COUNT")
+    limit = _env_int("TORCHELASTIC_MAX_RESTARTS")
+    if done >= limit:
+        raise NereusError(
+            f"the job's leader (GPU 0) died and was restarted (restart {boot.restart}); its store died "
+            f"with it, and the job was requeued {done} time(s) already (--max-restarts {limit}): not again"
+        )
+    print(
+        f"GPU 0: restarted by torchrun (restart {boot.restart}); the job's store died with the leader: "
+        f"requeueing the job (requeue {done + 1} of at most {limit}) to resume from its checkpoint",
+        file=sys.stderr,
+    )
+    requeue()
+    return Outcome.PREEMPTED
+
+
+def _requeue_after_checkpoint(signum: int, frame: Any) -> None:
+    """The leader under torchrun, after a stop signal's checkpoint (``Preemption.hand_over``)."""
+    try:
+        requeue()
+    except NereusError as exc:
+        print(f"GPU 0: {exc}; the job resumes from its checkpoint when submitted again", file=sys.stderr)
+
+
+def requeue() -> None:
+    """``scontrol requeue`` this SLURM job: SLURM ends this launch and runs the job again."""
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    if not job_id.isdigit():
+        raise NereusError(f"cannot requeue: SLURM_JOB_ID is {job_id!r}, not a SLURM job id")
+    try:
+        subprocess.run(
+            ["scontrol", "requeue", job_id], check=True, capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        why = getattr(exc, "stderr", None) or str(exc)
+        raise NereusError(f"scontrol requeue {job_id} failed: {why.strip()[:200]}") from None
+
+
+def _env_int(key: str) -> int:
+    text = os.environ.get(key, "0").strip()
+    return int(text) if text.isdigit() else 0
