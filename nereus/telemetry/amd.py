@@ -22,7 +22,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from nereus.telemetry.fields import clip_lines
+from nereus.telemetry.fields import clip_lines, nonneg, printable, say
 from nereus.telemetry.health import GpuHealth
 from nereus.telemetry.inventory import GpuInfo, Link, LinkKind, NodeInventory
 
@@ -52,34 +52,16 @@ def load() -> ModuleType | str:
     except ModuleNotFoundError as exc:
         if exc.name == "amdsmi":
             return INSTALL
-        return f"import failed: {_say(exc)}"
+        return f"import failed: {say(exc)}"
     except Exception as exc:
         if "libamd_smi" in printed.getvalue() + str(exc):
             return NO_LIBRARY
-        return f"import failed: {_say(exc)}"
-
-
-def _say(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text[:200]
+        return f"import failed: {say(exc)}"
 
 
 def _code(exc: BaseException) -> int | None:
     value = getattr(exc, "err_code", None)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _nonneg(value: object) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        return None
-    return value
-
-
-def _str(value: object) -> str | None:
-    if not isinstance(value, str):
-        return None
-    value = "".join(c for c in value.strip() if c.isprintable())[:256]
-    return value if value and value != "N/A" else None
 
 
 class _Calls:
@@ -95,7 +77,7 @@ class _Calls:
             return fn(*args)
         except Exception as exc:
             if not quiet and _code(exc) != NOT_SUPPORTED:
-                self.errors.append(f"gpu {gpu} {what}: {type(exc).__name__}: {_say(exc)}")
+                self.errors.append(f"gpu {gpu} {what}: {type(exc).__name__}: {say(exc)}")
             return None
 
 
@@ -111,12 +93,12 @@ def read(node: str, *, topology: bool = True) -> NodeInventory | str:
         else:
             am.amdsmi_init()
     except Exception as exc:
-        return f"amdsmi_init failed: {_say(exc)} (no amdgpu driver on this node?)"
+        return f"amdsmi_init failed: {say(exc)} (no amdgpu driver on this node?)"
     try:
         try:
             handles = list(am.amdsmi_get_processor_handles())
         except Exception as exc:
-            return f"amdsmi_get_processor_handles failed: {_say(exc)}"
+            return f"amdsmi_get_processor_handles failed: {say(exc)}"
         if not handles:
             return "no AMD GPU"
         return _read(am, node, handles[:1024], topology)
@@ -135,18 +117,18 @@ def _read(am: ModuleType, node: str, handles: list[Any], topology: bool) -> Node
 def _gpu(am: ModuleType, call: _Calls, i: int, h: Any) -> GpuInfo:
     fn = getattr  # fn(am, "name", None) is None when this amdsmi lacks the function
     asic = call(i, "asic info", fn(am, "amdsmi_get_gpu_asic_info", None), h)
-    model = _str(asic.get("market_name")) if isinstance(asic, dict) else None
+    model = printable(asic.get("market_name")) if isinstance(asic, dict) else None
     vram = getattr(getattr(am, "AmdSmiMemoryType", None), "VRAM", None)
     total = used = None
     if vram is not None:
-        total = _nonneg(call(i, "memory total", fn(am, "amdsmi_get_gpu_memory_total", None), h, vram))
-        used = _nonneg(call(i, "memory usage", fn(am, "amdsmi_get_gpu_memory_usage", None), h, vram))
+        total = nonneg(call(i, "memory total", fn(am, "amdsmi_get_gpu_memory_total", None), h, vram))
+        used = nonneg(call(i, "memory usage", fn(am, "amdsmi_get_gpu_memory_usage", None), h, vram))
     if total is not None and used is not None and used > total:
         used = None
-    bus = _str(call(i, "bdf", fn(am, "amdsmi_get_gpu_device_bdf", None), h))
+    bus = printable(call(i, "bdf", fn(am, "amdsmi_get_gpu_device_bdf", None), h))
 
     ecc = call(i, "total ECC count", fn(am, "amdsmi_get_gpu_total_ecc_count", None), h)
-    uncorrected = _nonneg(ecc.get("uncorrectable_count")) if isinstance(ecc, dict) else None
+    uncorrected = nonneg(ecc.get("uncorrectable_count")) if isinstance(ecc, dict) else None
     events = _ras_events(am, call, i, h)
     pages, limit, pending, failed = _pages(am, call, i, h)
     health = GpuHealth(
@@ -188,7 +170,7 @@ def _ras_events(am: ModuleType, call: _Calls, i: int, h: Any) -> tuple[str, ...]
         if not name or name in SKIP_BLOCKS or (enabled is not None and name not in enabled):
             continue
         counts = call(i, f"ECC count {name}", count_fn, h, block, quiet=True)
-        if isinstance(counts, dict) and (_nonneg(counts.get("uncorrectable_count")) or 0) > 0:
+        if isinstance(counts, dict) and (nonneg(counts.get("uncorrectable_count")) or 0) > 0:
             out.append(f"ras {name.lower()}")
     return tuple(out[:32])
 
@@ -196,7 +178,7 @@ def _ras_events(am: ModuleType, call: _Calls, i: int, h: Any) -> tuple[str, ...]
 def _pages(am: ModuleType, call: _Calls, i: int, h: Any) -> tuple[int | None, int | None, bool, bool]:
     """(bad pages, the driver's bad-page threshold, any pending, any unreservable)."""
     info = call(i, "bad pages", getattr(am, "amdsmi_get_gpu_bad_page_info", None), h)
-    limit = _nonneg(
+    limit = nonneg(
         call(i, "bad page threshold", getattr(am, "amdsmi_get_gpu_bad_page_threshold", None), h, quiet=True)
     )
     if not isinstance(info, list):

@@ -1,6 +1,7 @@
 """Field checks shared by the inventory's value types (``inventory``, ``health``) and the readers
 (``nvml``, ``amd``): the bounds on text and lists, the ``__post_init__`` validators, and the
-readers of ``from_json`` documents. Every check raises ValueError naming the field."""
+readers of ``from_json`` documents. Every check raises ValueError naming the field; the
+readers' cleaning of what a library returned (``say``, ``nonneg``, ``printable``) never raises."""
 
 from __future__ import annotations
 
@@ -80,3 +81,28 @@ def strings(d: Mapping[str, Any], key: str) -> tuple[str, ...]:
     if not isinstance(v, list) or len(v) > MAX_LINES or not all(isinstance(s, str) for s in v):
         raise ValueError(f"'{key}' must be a list of at most {MAX_LINES} strings")
     return tuple(v)
+
+
+# ------------------------------------------------------------------ what a library returned
+def say(exc: BaseException) -> str:
+    """An exception as one short line."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text[:200]
+
+
+def nonneg(value: object) -> int | None:
+    """A count a library returned, or None when it is not one."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return value
+
+
+def printable(value: object) -> str | None:
+    """Text a library returned (str or bytes), printable and at most ``MAX_TEXT`` characters;
+    None when empty, not text, or the libraries' "N/A"."""
+    if isinstance(value, bytes):
+        value = value.decode(errors="replace")
+    if not isinstance(value, str):
+        return None
+    value = "".join(c for c in value.strip() if c.isprintable())[:MAX_TEXT]
+    return value if value and value != "N/A" else None

@@ -19,10 +19,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 from collections.abc import Callable
+from dataclasses import replace
 from types import ModuleType
 from typing import Any
 
-from nereus.telemetry.fields import clip_lines
+from nereus.telemetry.fields import clip_lines, nonneg, printable, say
 from nereus.telemetry.health import RETIRED_PAGE_LIMIT, GpuHealth
 from nereus.telemetry.inventory import GpuInfo, Link, LinkKind, NodeInventory, bus_key
 
@@ -58,14 +59,9 @@ def load() -> ModuleType | str:
     except ModuleNotFoundError as exc:
         if exc.name == "pynvml":
             return INSTALL
-        return f"import failed: {_say(exc)}"
+        return f"import failed: {say(exc)}"
     except Exception as exc:
-        return f"import failed: {_say(exc)}"
-
-
-def _say(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text[:200]
+        return f"import failed: {say(exc)}"
 
 
 def _code(exc: BaseException) -> int | None:
@@ -76,21 +72,6 @@ def _code(exc: BaseException) -> int | None:
 def _const(nv: ModuleType, name: str, default: int) -> int:
     value = getattr(nv, name, default)
     return value if isinstance(value, int) and not isinstance(value, bool) else default
-
-
-def _str(value: object) -> str | None:
-    if isinstance(value, bytes):
-        value = value.decode(errors="replace")
-    if not isinstance(value, str):
-        return None
-    value = "".join(c for c in value.strip() if c.isprintable())[:256]
-    return value or None
-
-
-def _nonneg(value: object) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        return None
-    return value
 
 
 class _Calls:
@@ -119,7 +100,7 @@ class _Calls:
                 self.lost.add(gpu)
             if not quiet and code not in QUIET:
                 where = f"gpu {gpu} " if gpu is not None else ""
-                self.errors.append(f"{where}{what}: {type(exc).__name__}: {_say(exc)}")
+                self.errors.append(f"{where}{what}: {type(exc).__name__}: {say(exc)}")
             return None
 
 
@@ -132,12 +113,12 @@ def read(node: str, *, topology: bool = True, xids: XidWatch | None = None) -> N
         nv.nvmlInit()
     except Exception as exc:
         hint = " (no NVIDIA driver on this node)" if _code(exc) in {9, 12} else ""
-        return f"nvmlInit failed: {_say(exc)}{hint}"
+        return f"nvmlInit failed: {say(exc)}{hint}"
     try:
         try:
             count = int(nv.nvmlDeviceGetCount())
         except Exception as exc:
-            return f"nvmlDeviceGetCount failed: {_say(exc)}"
+            return f"nvmlDeviceGetCount failed: {say(exc)}"
         if count <= 0:
             return "no NVIDIA GPU"
         return _read(nv, node, count, topology, xids)
@@ -173,39 +154,22 @@ def _read(nv: ModuleType, node: str, count: int, topology: bool, xids: XidWatch 
 
 
 def _with_health(g: GpuInfo, *, events: tuple[str, ...]) -> GpuInfo:
-    h = g.health
-    health = GpuHealth(
-        ecc_uncorrected=h.ecc_uncorrected,
-        retired_or_bad_pages=h.retired_or_bad_pages,
-        page_limit=h.page_limit,
-        pages_pending=h.pages_pending,
-        page_repair_failed=h.page_repair_failed,
-        xid_or_ras_events=events,
-        throttle_reasons=h.throttle_reasons,
-    )
-    return GpuInfo(
-        index=g.index,
-        vendor=g.vendor,
-        model=g.model,
-        memory_total_bytes=g.memory_total_bytes,
-        memory_used_bytes=g.memory_used_bytes,
-        health=health,
-        pci_bus_id=g.pci_bus_id,
-    )
+    """``g`` with ``events`` as its XID events (its health's verdict recomputed)."""
+    return replace(g, health=replace(g.health, xid_or_ras_events=events))
 
 
 def _gpu(nv: ModuleType, call: _Calls, i: int, h: Any, xids: tuple[int, ...]) -> GpuInfo:
     fn = getattr  # fn(nv, "name", None) is None when this pynvml lacks the function
-    model = _str(call(i, "name", fn(nv, "nvmlDeviceGetName", None), h))
+    model = printable(call(i, "name", fn(nv, "nvmlDeviceGetName", None), h))
     mem = call(i, "memory", fn(nv, "nvmlDeviceGetMemoryInfo", None), h)
-    total = _nonneg(getattr(mem, "total", None))
-    used = _nonneg(getattr(mem, "used", None))
+    total = nonneg(getattr(mem, "total", None))
+    used = nonneg(getattr(mem, "used", None))
     if total is not None and used is not None and used > total:
         used = None
     pci = call(i, "pci info", fn(nv, "nvmlDeviceGetPciInfo", None), h)
-    bus = _str(getattr(pci, "busId", None))
+    bus = printable(getattr(pci, "busId", None))
 
-    ecc = _nonneg(
+    ecc = nonneg(
         call(
             i,
             "uncorrected ECC errors",
@@ -243,7 +207,7 @@ def _pages(nv: ModuleType, call: _Calls, i: int, h: Any) -> tuple[int | None, in
     later, page retirement before."""
     rows = call(i, "remapped rows", getattr(nv, "nvmlDeviceGetRemappedRows", None), h)
     if isinstance(rows, (tuple, list)) and len(rows) >= 4:
-        corr, unc = _nonneg(rows[0]), _nonneg(rows[1])
+        corr, unc = nonneg(rows[0]), nonneg(rows[1])
         count = None if corr is None or unc is None else corr + unc
         return count, None, bool(rows[2]), bool(rows[3])
     if call.failed not in QUIET:  # row remapping exists here but could not be read
@@ -266,7 +230,7 @@ def _throttle(nv: ModuleType, call: _Calls, i: int, h: Any) -> tuple[str, ...]:
     if reasons_fn is None:
         reasons_fn = getattr(nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
         prefix = "nvmlClocksThrottleReason"
-    mask = _nonneg(call(i, "clock event reasons", reasons_fn, h))
+    mask = nonneg(call(i, "clock event reasons", reasons_fn, h))
     if mask is None:
         return ()
     return tuple(name for const, bit, name in THROTTLE_BITS if mask & _const(nv, prefix + const, bit))
@@ -312,13 +276,15 @@ def _nvlink_peers(
     peers: dict[int, set[tuple[int, str]]] = {}
     buses: dict[int, tuple[int, str]] = {}
     for i, h in handles.items():
-        own = _str(getattr(call(i, "pci info", pci, h, quiet=True), "busId", None))
+        own = printable(getattr(call(i, "pci info", pci, h, quiet=True), "busId", None))
         if own is not None:
             buses[i] = bus_key(own)
         for link in range(links):
             if call(i, f"nvlink {link} state", state, h, link, quiet=True) != FEATURE_ENABLED:
                 continue
-            far = _str(getattr(call(i, f"nvlink {link} remote", remote, h, link, quiet=True), "busId", None))
+            far = printable(
+                getattr(call(i, f"nvlink {link} remote", remote, h, link, quiet=True), "busId", None)
+            )
             if far is not None:
                 peers.setdefault(i, set()).add(bus_key(far))
     return peers, buses
@@ -344,7 +310,7 @@ class XidWatch:
         try:
             nv.nvmlInit()
         except Exception as exc:
-            return f"nvmlInit failed: {_say(exc)}"
+            return f"nvmlInit failed: {say(exc)}"
         try:
             event_set = nv.nvmlEventSetCreate()
             handles: dict[int, Any] = {}
@@ -363,7 +329,7 @@ class XidWatch:
         except Exception as exc:
             with contextlib.suppress(Exception):
                 nv.nvmlShutdown()
-            return f"no XID events: {_say(exc)}"
+            return f"no XID events: {say(exc)}"
         return cls(nv, event_set, handles)
 
     def poll(self) -> dict[int, tuple[int, ...]]:
@@ -378,7 +344,7 @@ class XidWatch:
                 if not int(getattr(data, "eventType", 0)) & xid_bit:
                     continue
                 index = self._index_of(getattr(data, "device", None))
-                xid = _nonneg(getattr(data, "eventData", None))
+                xid = nonneg(getattr(data, "eventData", None))
                 if index is not None and xid is not None:
                     self.seen.setdefault(index, set()).add(xid)
         return {i: tuple(sorted(x)) for i, x in sorted(self.seen.items())}
