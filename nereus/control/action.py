@@ -89,12 +89,15 @@ class TransitionRecord:
     lost: tuple[int, ...] = ()
     members: tuple[int, ...] = ()
     oom: str = ""  # a recovery: the model-stage that ran out of memory, if that was the failure
+    rebuild_s: float | None = None  # a move: of its seconds, building and re-binding engines
 
     @classmethod
-    def move(cls, action: Move, seconds: float, before: Plan) -> TransitionRecord:
+    def move(
+        cls, action: Move, seconds: float, before: Plan, rebuild_s: float | None = None
+    ) -> TransitionRecord:
         return cls(
             RecordKind.MOVE, seconds, action.reason, action.kind, action.transition.moved_bytes,
-            plan_summary(before), plan_summary(action.target),
+            plan_summary(before), plan_summary(action.target), rebuild_s=rebuild_s,
         )  # fmt: skip
 
     @classmethod
@@ -123,6 +126,8 @@ class TransitionRecord:
         out: dict[str, Any] = {"kind": self.label or self.kind.value, "seconds": self.seconds}
         if self.kind is RecordKind.MOVE:
             out.update(reason=self.reason, bytes=self.moved_bytes, before=self.before, after=self.after)
+            if self.rebuild_s is not None:
+                out["rebuild_s"] = self.rebuild_s
         elif self.kind is RecordKind.RESTART:
             out.update(reason=self.reason, from_step=self.from_step, before=self.before, after=self.after)
         elif self.kind is RecordKind.MEMBERSHIP:

@@ -103,8 +103,10 @@ class Controller:
         planner: Planner = search,
         estimator: TransitionEstimator | None = None,
         headroom: float = DEFAULT_HEADROOM,
+        space: SearchSpace | None = None,
     ) -> None:
         self.workload = workload
+        self.space = space or SearchSpace()  # the job's engine limits every replan keeps
         self.models = dict(models)
         self.cluster = cluster
         self.plan = plan
@@ -127,7 +129,7 @@ class Controller:
     def problem(
         self, pool: Sequence[int], seq: SeqStats, space: SearchSpace | None = None
     ) -> PlanningProblem:
-        base = space or SearchSpace()
+        base = (space or self.space).keeping(self.space)
         if self.config.hold_layouts:
             base = base.holding(self.first_layouts)
         return PlanningProblem(

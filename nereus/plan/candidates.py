@@ -119,12 +119,13 @@ def layouts(problem: PlanningProblem, model_stage: ModelStage) -> list[Layout]:
     if fixed is not None:
         return [fixed] if fixed.size <= problem.gpus else []
     model = problem.model_of(model_stage)
+    max_pp = 1 if model_stage.name in problem.space.flat else model.num_hidden_layers
     result = []
     tp = 1
     while tp <= min(problem.max_tp, problem.gpus):
         if model.num_attention_heads % tp == 0:
             pp = 1
-            while pp <= model.num_hidden_layers and tp * pp <= problem.gpus:
+            while pp <= max_pp and tp * pp <= problem.gpus:
                 result.append(Layout(tp, pp))
                 pp *= 2
         tp *= 2

@@ -51,6 +51,8 @@ class SearchSpace:
     max_tp: int = 0  # 0: GPUs per node (TP stays inside a node)
     # model-stages whose (tp, pp) is held fixed; only their DP degree and GPUs may change
     fixed_layouts: tuple[tuple[str, Layout], ...] = ()
+    # model-stages whose engine does not pipeline (vLLM's generation here): pp = 1 only
+    flat: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.recompute:
@@ -64,6 +66,10 @@ class SearchSpace:
     @classmethod
     def urgent(cls) -> SearchSpace:
         return cls(recompute=tuple(Recompute), shrink_micro_batch=True)
+
+    def keeping(self, other: SearchSpace) -> SearchSpace:
+        """This space with ``other``'s engine limits (``flat``): what any space of a job keeps."""
+        return self if self.flat == other.flat else replace(self, flat=other.flat)
 
     def fixed_layout(self, model_stage: str) -> Layout | None:
         return dict(self.fixed_layouts).get(model_stage)

@@ -78,6 +78,7 @@ def preflight(spec: Any, folder: Path, resume: bool, force: bool = False, local:
     output folder and of a plan for ``spec.workers`` (a launched job's world is SLURM's)."""
     from nereus.control.controller import policy_config
     from nereus.rl.tokenizer import CharTokenizer
+    from nereus.runtime.engines import engines_of, job_models
     from nereus.spec import load_cluster, load_model, load_workload
 
     workload = load_workload(spec.workload)
@@ -94,6 +95,7 @@ def preflight(spec: Any, folder: Path, resume: bool, force: bool = False, local:
                 f"{workload.name} (allowed: {', '.join(stages)})"
             )
     model = load_model(spec.model)
+    engines_of(spec, workload, job_models(model))
     cluster = load_cluster(spec.cluster)
     if spec.workers > cluster.total_gpus:
         raise ConfigError(
@@ -147,20 +149,18 @@ def check_plan(spec: Any, workers: int, max_new: int) -> None:
     ``initial_plan``, without torch); else a ``ConfigError`` naming the worker counts that fit."""
     from nereus.plan.problem import PlanningProblem, SeqStats
     from nereus.plan.search import search
+    from nereus.runtime.engines import engines_of, job_models, space_of
     from nereus.spec import load_cluster, load_model, load_workload
-    from nereus.spec.model import Head
-    from nereus.spec.workload import Role
 
     workload, actor = load_workload(spec.workload), load_model(spec.model)
     cluster = load_cluster(spec.cluster)
-    models = {role: actor for role in Role}
-    models[Role.CRITIC] = actor.with_head(Head.VALUE)
-    models[Role.REWARD] = actor.with_head(Head.VALUE)
+    models = job_models(actor)
     seq = SeqStats.fixed(workload.prompt_len, max_new)
+    space = space_of(engines_of(spec, workload, models))
 
     def why_not(n: int) -> str | None:
         try:
-            search(PlanningProblem(workload, models, cluster, tuple(range(n)), seq))
+            search(PlanningProblem(workload, models, cluster, tuple(range(n)), seq, space=space))
         except (InfeasibleError, ValueError) as exc:
             return str(exc)
         return None

@@ -13,9 +13,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nereus.backends.registry import DEFAULT_ENGINE, check_engine
+from nereus.backends.registry import check_engine, default_engine
 from nereus.errors import ConfigError
 from nereus.spec.files import brief
+from nereus.spec.model import ModelSpec
 from nereus.spec.schema import load_spec, require_at_most, require_finite, require_positive
 
 # An experiment's name becomes a folder (runs/<name>), a Slurm job name and part of shell lines.
@@ -153,7 +154,8 @@ class ExperimentSpec:
     # efficiency alone steers the planner to TP layouts that gloo makes slower.
     calibrate: bool = False
     # The engine of each model-stage (``actor.gen: <engine>``), from ``nereus.backends.registry``;
-    # a model-stage not named runs on the default engine.
+    # a model-stage not named runs on the default engine (vLLM for generation when it is
+    # installed and serves the model, torch-native otherwise).
     engines: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -204,9 +206,10 @@ class ExperimentSpec:
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{path}: {exc}") from None
 
-    def engine_of(self, model_stage: str) -> str:
-        """The engine that runs ``model_stage``."""
-        return self.engines.get(model_stage, DEFAULT_ENGINE)
+    def engine_of(self, model_stage: str, model: ModelSpec | None = None) -> str:
+        """The engine that runs ``model_stage`` (of ``model``): the one named, else the default."""
+        named = self.engines.get(model_stage)
+        return named if named is not None else default_engine(model_stage.split(".")[1], model)
 
     def pool_at(self, step: int) -> tuple[int, ...]:
         """The workers in the pool during ``step``."""

@@ -20,7 +20,7 @@ from nereus.backends.protocol import AdamWConfig, SamplingParams
 from nereus.devices import Devices
 from nereus.errors import InfeasibleError
 from nereus.plan.layout import Plan
-from nereus.plan.problem import PlanningProblem, SeqStats
+from nereus.plan.problem import PlanningProblem, SearchSpace, SeqStats
 from nereus.plan.search import search
 from nereus.rl.advantages import gae, grpo_advantages, remax_advantages, token_rewards
 from nereus.rl.data import PromptDataset, collate
@@ -28,11 +28,12 @@ from nereus.rl.losses import PolicyLoss, ValueLoss, kl_penalty
 from nereus.rl.tasks import generate_tasks, write_jsonl
 from nereus.rl.tokenizer import CharTokenizer
 from nereus.rl.verifiers import get_verifier, score
+from nereus.runtime.engines import engines_of, job_models, space_of
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.rollout import Rollouts, responses
 from nereus.runtime.worker import Worker
 from nereus.spec import ClusterSpec, load_cluster, load_model, load_workload
-from nereus.spec.model import Head, ModelSpec
+from nereus.spec.model import ModelSpec
 from nereus.spec.workload import Algorithm, Role, WorkloadSpec
 
 
@@ -46,14 +47,21 @@ class JobSetup:
     dataset: PromptDataset
     tokenizer: CharTokenizer
     cluster: ClusterSpec  # the spec's, with what the leader's node measured where they differ
+    engines: dict[str, str] = dataclasses.field(default_factory=dict)  # model-stage → engine
+
+    def engine_of(self, model_stage: str) -> str:
+        return self.engines[model_stage]
+
+    @property
+    def space(self) -> SearchSpace:
+        """The job's search space (an engine without pipelining keeps its model-stage at pp = 1)."""
+        return space_of(self.engines)
 
     @classmethod
     def build(cls, spec: ExperimentSpec, out: Path) -> JobSetup:
         workload = load_workload(spec.workload)
         actor = load_model(spec.model)
-        models = {role: actor for role in Role}
-        models[Role.CRITIC] = actor.with_head(Head.VALUE)
-        models[Role.REWARD] = actor.with_head(Head.VALUE)
+        models = job_models(actor)
         tok = CharTokenizer()
         if tok.vocab_size > actor.vocab_size:
             raise ValueError(
@@ -67,17 +75,25 @@ class JobSetup:
             t = spec.task
             write_jsonl(generate_tasks(t.kind, t.n, t.seed, t.difficulty, t.length), path)
         dataset = PromptDataset.load(path, tok, workload.max_prompt_len, spec.seed)
-        return cls(spec, workload, models, dataset, tok, load_cluster(spec.cluster))
+        return cls(
+            spec,
+            workload,
+            models,
+            dataset,
+            tok,
+            load_cluster(spec.cluster),
+            engines_of(spec, workload, models),
+        )
 
 
 def initial_plan(setup: JobSetup, pool: tuple[int, ...], max_new: int) -> Plan:
     w = setup.workload
     seq = SeqStats.fixed(w.prompt_len, max_new)
-    problem = PlanningProblem(w, setup.models, setup.cluster, pool, seq)
+    problem = PlanningProblem(w, setup.models, setup.cluster, pool, seq, space=setup.space)
     return search(problem).plan
 
 
-def make_worker(gpu: int, setup: JobSetup, devices: Devices) -> Worker:
+def make_worker(gpu: int, setup: JobSetup, devices: Devices, workdir: Path | None = None) -> Worker:
     """This process's worker: the setup's models, AdamW per trainer role, engines per model-stage."""
     spec = setup.spec
     rl = spec.rl
@@ -87,7 +103,9 @@ def make_worker(gpu: int, setup: JobSetup, devices: Devices) -> Worker:
             lr=rl.critic_lr, weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm
         ),
     }
-    return Worker(gpu, setup.workload, setup.models, setup.cluster, optim, spec.seed, spec.engine_of, devices)
+    return Worker(
+        gpu, setup.workload, setup.models, setup.cluster, optim, spec.seed, setup.engine_of, devices, workdir
+    )
 
 
 def restart_plan(setup: JobSetup, problem: PlanningProblem, max_new: int) -> Plan:

@@ -44,7 +44,7 @@ class Leader:
         self.spawn_local = spawn_local  # local mode: start a scripted newcomer
         self.cluster = setup.cluster
         self.controller = Controller(
-            setup.workload, setup.models, self.cluster, plan, policy_config(spec.policy)
+            setup.workload, setup.models, self.cluster, plan, policy_config(spec.policy), space=setup.space
         )
         self.metrics = MetricsWriter(out, spec)
         self.started = time.perf_counter()  # the controller's clock

@@ -108,7 +108,7 @@ class JobLoop:
     ) -> JobLoop:  # fmt: skip
         """Every initial member: the setup, the first plan, fresh or checkpointed state."""
         setup: JobSetup = broadcast(_measured_setup(spec, out, m) if m.leader else None, JobSetup)
-        worker = make_worker(m.gpu, setup, m.devices)
+        worker = make_worker(m.gpu, setup, m.devices, out)
         worker.set_world(m.members)
         resume_from = ckpt.agreed_latest(out / "checkpoints", resume)
         first = ckpt.step_of(resume_from) + 1 if resume_from is not None else 0
@@ -130,7 +130,7 @@ class JobLoop:
         m.form(members, generation)
         received: tuple[JobSetup, Plan, Change] = broadcast(None, tuple[JobSetup, Plan, Change])
         setup, plan, change = received
-        worker = make_worker(m.gpu, setup, m.devices)
+        worker = make_worker(m.gpu, setup, m.devices, out)
         worker.set_world(m.members)
         pending = Boundary(change.step, None, change=change)
         return cls(m, spec, out, setup, worker, plan, change.step, pending=pending, preemption=preemption)
@@ -138,7 +138,14 @@ class JobLoop:
     # ------------------------------------------------------------------ the loop
     def run(self) -> Outcome:
         """Steps to the end of the job; a peer's death or a model-stage out of memory rolls the
-        step back, and it runs again (after the controller's urgent replan)."""
+        step back, and it runs again (after the controller's urgent replan). The engines are
+        shut down however it ends."""
+        try:
+            return self._run()
+        finally:
+            self.worker.close()
+
+    def _run(self) -> Outcome:
         while self.step < self.spec.steps:
             failed, outcome, oom = False, None, ""
             try:
@@ -189,6 +196,7 @@ class JobLoop:
         t0 = time.perf_counter()
         worker.times.seconds.clear()
         worker.optimes.clear()
+        worker.generation.clear()
         kill = self.m.gpu in spec.killed_at(step) and step >= self.first_step
         hook = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if kill else None
         worker.memory.clear()
@@ -295,9 +303,16 @@ class JobLoop:
                 return []
 
     def _move(self, action: Move) -> TransitionRecord:
-        seconds = reduce_max(self.worker.transition(action.transition))
+        """The priced transition, then groups and engines for the target; the measured seconds
+        (what the controller learns its fixed costs from) include the regrouping and the engine
+        rebuilds the estimate charges for."""
+        started = time.perf_counter()
+        self.worker.transition(action.transition)
+        self.worker.take_rebuilds()
         self.worker.bind(action.target)
-        record = TransitionRecord.move(action, seconds, self.plan)
+        rebuild_s = reduce_max(self.worker.take_rebuilds())
+        seconds = reduce_max(time.perf_counter() - started)
+        record = TransitionRecord.move(action, seconds, self.plan, rebuild_s)
         self.plan = action.target
         if self.leader is not None:
             self.leader.controller.moved(action, seconds)

@@ -54,6 +54,8 @@ class StepRecord:
     checkpoint_s: float = 0.0
     efficiency: dict[str, float] = field(default_factory=dict)  # achieved, per op class (η = ideal/measured)
     memory_gib: dict[str, dict[str, float]] = field(default_factory=dict)  # peak allocated/reserved (GPU)
+    # per generating model-stage: tokens, engine steps, peak KV share, preemptions
+    generation: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -77,6 +79,9 @@ class StepRecord:
 
     def with_memory(self, memory_gib: dict[str, dict[str, float]]) -> StepRecord:
         return replace(self, memory_gib=memory_gib)
+
+    def with_generation(self, generation: dict[str, dict[str, float]]) -> StepRecord:
+        return replace(self, generation=generation)
 
     def with_overheads(self, monitor_s: float, checkpoint_s: float) -> StepRecord:
         return replace(self, monitor_s=monitor_s, checkpoint_s=checkpoint_s)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from nereus.backends.protocol import GenerationStats
 from nereus.control.telemetry import Telemetry
 from nereus.plan.layout import Plan
 from nereus.runtime.comm import all_gather
@@ -34,6 +35,7 @@ class RankReport:
     optimes: tuple[OpTime, ...]
     health: str = ""  # its GPU's inventory as JSON when a health check was due (``health.py``)
     reserved_bytes: Mapping[str, int] = field(default_factory=dict)  # the allocator's reserved peaks
+    generation: Mapping[str, GenerationStats] = field(default_factory=dict)  # its replicas' generation
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +53,7 @@ def gather_reports(worker: Worker, preempt: bool) -> list[RankReport]:
     """Every rank's report, in rank order (collective over the world)."""
     report = RankReport(
         dict(worker.times.seconds), dict(worker.memory.peaks), preempt, tuple(worker.optimes),
-        worker.health.report(), dict(worker.memory.reserved),
+        worker.health.report(), dict(worker.memory.reserved), dict(worker.generation),
     )  # fmt: skip
     return all_gather(report, RankReport)
 
@@ -89,7 +91,17 @@ def step_record(result: StepResult, reports: Sequence[RankReport], plan: Plan) -
         result.step, dict(result.metrics), result.seconds, float(lengths.mean()), plan, result.sync_s,
         stage_times(reports),
     )  # fmt: skip
-    return record.with_efficiency(efficiencies(ops)).with_memory(memory_gib(reports))
+    record = record.with_efficiency(efficiencies(ops)).with_memory(memory_gib(reports))
+    return record.with_generation(generation(reports))
+
+
+def generation(reports: Sequence[RankReport]) -> dict[str, dict[str, float]]:
+    """Each generating model-stage's statistics over its replicas (the KV share: the largest)."""
+    total: dict[str, GenerationStats] = {}
+    for r in reports:
+        for name, stats in r.generation.items():
+            total[name] = total.get(name, GenerationStats()).plus(stats)
+    return {name: total[name].as_dict() for name in sorted(total)}
 
 
 def memory_gib(reports: Sequence[RankReport]) -> dict[str, dict[str, float]]:

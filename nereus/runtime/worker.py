@@ -16,8 +16,10 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Callable, Mapping
+from contextlib import suppress
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +29,8 @@ from torch import Tensor
 from nereus.backends.protocol import (
     AdamWConfig,
     Backend,
+    EngineOptions,
+    GenerationStats,
     Grid,
     Groups,
     LossFn,
@@ -46,7 +50,7 @@ from nereus.runtime.rollout import Rollouts, assemble, micro_count, placed, spli
 from nereus.runtime.snapshot import Snapshot
 from nereus.spec import ClusterSpec
 from nereus.spec.model import ModelSpec
-from nereus.spec.workload import STAGE_ORDER, Role, WorkloadSpec
+from nereus.spec.workload import STAGE_ORDER, Role, Stage, WorkloadSpec
 from nereus.state.buffers import BufferKind, StatePolicy
 from nereus.state.emu import LogicalState, replica_of, replicas, sample_range
 from nereus.state.geometry import shards
@@ -108,7 +112,7 @@ class Worker:
     def __init__(
         self, gpu: int, workload: WorkloadSpec, models: Mapping[Role, ModelSpec], cluster: ClusterSpec,
         optim: Mapping[Role, AdamWConfig], seed: int, engines: Callable[[str], str],
-        devices: Devices | None = None,
+        devices: Devices | None = None, workdir: Path | None = None,
     ) -> None:  # fmt: skip
         self.gpu = gpu
         self.devices = devices or Devices(CPU)
@@ -122,6 +126,9 @@ class Worker:
         self.optim = dict(optim)
         self.seed = seed
         self.engine_of = engines  # model-stage → engine name in the registry
+        self.workdir = workdir  # the run's folder for engines' files (vLLM's caches and sockets)
+        self.generation: dict[str, GenerationStats] = {}  # this step's, per generating model-stage
+        self.rebuilds = 0.0  # seconds engines spent being built since the last look (``take_rebuilds``)
         self.holder = StateHolder(gpu, self.device)
         self.engines: dict[str, Backend] = {}
         self.groups: dict[str, Groups] = {}
@@ -187,9 +194,34 @@ class Worker:
                 self.device,
             )  # fmt: skip
 
-    def _engine(self, name: str, rs: RankState) -> Backend:
+    def options(self, plan: Plan, name: str) -> EngineOptions:
+        """What ``plan`` tells the engine of ``name``: a generation replica's concurrency (its
+        candidate's micro-batch), the workload's longest sequence, whether it shares a GPU with
+        a trainer (on a GPU it then sleeps while that trains)."""
+        ms = self.workflow.get(name)
+        if ms.stage is not Stage.GEN:
+            return EngineOptions(workdir=self.workdir)
+        c = plan.candidate(name)
+        trainers = {
+            g
+            for t in plan.candidates
+            if self.workflow.get(t.model_stage).stage is Stage.TRAIN
+            for g in t.gpus
+        }
+        w = self.workload
+        return EngineOptions(
+            max_num_seqs=c.micro_batch, max_model_len=w.max_prompt_len + w.max_response_len,
+            workdir=self.workdir, sleep=self.devices.accelerated and bool(trainers & set(c.gpus)),
+        )  # fmt: skip
+
+    def _engine(self, name: str, rs: RankState, plan: Plan) -> Backend:
         role = self.workflow.get(name).role
-        return build_engine(self.engine_of(name), rs, self.groups[name], self.optim.get(role))
+        started = time.perf_counter()
+        engine = build_engine(
+            self.engine_of(name), rs, self.groups[name], self.optim.get(role), self.options(plan, name)
+        )
+        self.rebuilds += time.perf_counter() - started
+        return engine
 
     def bind(self, plan: Plan) -> None:
         """Groups for every model-stage (collective over the world) and engines for what this rank
@@ -209,10 +241,21 @@ class Worker:
         for name, rs in held.items():
             if name in self.engines:
                 engines[name] = self.engines[name]
-                engines[name].rebind(rs, self.groups[name])
+                started = time.perf_counter()
+                engines[name].rebind(rs, self.groups[name], self.options(plan, name))
+                self.rebuilds += time.perf_counter() - started
             else:
-                engines[name] = self._engine(name, rs)
+                engines[name] = self._engine(name, rs, plan)
+        for name in set(self.engines) - set(engines):  # an engine whose units left this GPU
+            self.engines[name].close()
         self.engines = engines
+
+    def close(self) -> None:
+        """Shut every engine down (the job is over for this worker); the units stay."""
+        for engine in self.engines.values():
+            with suppress(Exception):  # an engine of a failed world: nothing left to release
+                engine.close()
+        self.engines = {}
 
     def drop(self) -> None:
         """This worker's state is gone (a checkpoint is about to refill it)."""
@@ -229,6 +272,11 @@ class Worker:
     def receivers(self) -> tuple[str, ...]:
         """Model-stages a weight sync fills (actor.gen, actor.inf, critic.inf), in sync order."""
         return tuple(dst for _, dst in self.workflow.weight_syncs)
+
+    def take_rebuilds(self) -> float:
+        """Seconds spent building and re-binding engines since the last call."""
+        seconds, self.rebuilds = self.rebuilds, 0.0
+        return seconds
 
     def take_snapshot(self) -> None:
         """Keep this rank's sources at a step boundary: a step that fails part-way (a peer died,
@@ -278,7 +326,7 @@ class Worker:
             if name in self.engines:
                 self.engines[name].rebind(self.holder.units[name])
             else:  # after a restart: the receiver's first units
-                self.engines[name] = self._engine(name, self.holder.units[name])
+                self.engines[name] = self._engine(name, self.holder.units[name], plan)
         return time.perf_counter() - started
 
     # ------------------------------------------------------------------ stage work
@@ -306,6 +354,8 @@ class Worker:
             batch = TokenBatch(prompt_ids[rows.start : rows.stop], prompt_valid[rows.start : rows.stop])
             started = time.perf_counter()
             out = self._timed(name, lambda: eng.generate(batch, sample_ids[rows.start : rows.stop], params))
+            if place.reports:  # a replica's statistics, once
+                self.generation[name] = self.generation.get(name, GenerationStats()).plus(out.stats)
             width = dict(self.policy_of(name).kinds)[BufferKind.PARAM].itemsize
             ideal = decode_s(self.model_of(name), c.layout, int(out.tokens.shape[1]), width, self.cluster)
             self.optimes.append(OpTime(name, OpClass.MEMORY, ideal, time.perf_counter() - started))

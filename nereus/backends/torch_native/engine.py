@@ -15,7 +15,7 @@ from nereus.backends.grid import Coord, Grid
 from nereus.backends.groups import Groups
 from nereus.backends.model import DecoderStage
 from nereus.backends.optim import AdamWConfig, FlatAdamW
-from nereus.backends.protocol import Capabilities, Generation, LossFn, TokenBatch, TrainStats
+from nereus.backends.protocol import Capabilities, EngineOptions, Generation, LossFn, TokenBatch, TrainStats
 from nereus.backends.sampling import SamplingParams
 from nereus.backends.torch_native import generation, training, weights
 from nereus.backends.torch_native.stage import BoundStage
@@ -32,8 +32,10 @@ class TorchNativeEngine:
 
     def __init__(
         self, state: RankState, groups: Groups, optim: AdamWConfig | None = None,
-        device: torch.device | str | None = None,
+        device: torch.device | str | None = None, *, options: EngineOptions | None = None,
     ) -> None:  # fmt: skip
+        # ``options`` (the plan's limits for a generation engine) do not apply: the KV cache is
+        # sized per call by the batch it decodes.
         self.optim_config = optim or AdamWConfig()
         self.device = torch.device(device) if device is not None else state.buffers[BufferKind.PARAM].device
         self._bind(state, groups)
@@ -76,7 +78,9 @@ class TorchNativeEngine:
         return self.optimizer.adamw if self.optimizer is not None else None
 
     # ------------------------------------------------------------------ Backend
-    def rebind(self, state: RankState, groups: Groups | None = None) -> None:
+    def rebind(
+        self, state: RankState, groups: Groups | None = None, options: EngineOptions | None = None
+    ) -> None:
         if groups is None and self.bound.same_place(state):
             self.bound.rebind(state)
             return

