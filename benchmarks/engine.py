@@ -32,7 +32,12 @@ FLOPs of the GPU (a table by ``torch.cuda.get_device_name``). FLOPs are
 ``ModelSpec.forward_flops_per_token(context)`` × 3 for training (mean context (T+1)/2) and × 1
 for generation (prefill, then each decoding pass at its context). On CPU ``gpu`` is ``null``.
 
-Targets: none numeric (issue: "tokens/s per layout; MFU on GPU").
+Where vLLM is installed, ``engine_vllm.py`` adds vLLM against torch-native generation tokens/s for
+the same model and batch (side by side, a ratio), and the seconds of a weight sync and an engine
+rebuild (``vllm`` in ``engine.json``, ``engine_vllm.png``); ``vllm`` is ``null`` without it.
+
+Targets: none numeric (issues: "tokens/s per layout; MFU on GPU"; "vLLM vs torch-native tokens/s,
+the cost of one weight sync and one rebuild").
 ``--quick`` (smoke test): tiny-llama only, layouts (1,1,1) and (2,2,1), small batches.
 Writes ``benchmarks/results/engine.json`` and ``engine.png``.
 """
@@ -40,6 +45,7 @@ Writes ``benchmarks/results/engine.json`` and ``engine.png``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -54,6 +60,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from common import RESULTS, write
+from engine_vllm import plot as plot_vllm
+from engine_vllm import run_vllm
 from torch import Tensor
 
 from nereus.backends.grid import Grid
@@ -431,6 +439,14 @@ def main() -> None:
         t0 = time.perf_counter()
         rows += run_model(m, layouts, sizes, repeats)
         model_seconds[m] = time.perf_counter() - t0
+    vllm = None
+    if importlib.util.find_spec("vllm") is not None:
+        vllm_models = ["tiny-llama-h32"] if args.quick else ["tiny-llama-h32", "llama-125m"]
+        t0 = time.perf_counter()
+        vllm = run_vllm(vllm_models, sizes, repeats)
+        model_seconds["vllm"] = time.perf_counter() - t0
+    else:
+        print("no vLLM installed: the vLLM comparison is skipped (vllm: null)", flush=True)
     gpu = None
     if torch.cuda.is_available():
         gpu = run_gpu("llama-125m", GPU_SIZES, repeats)
@@ -460,12 +476,15 @@ def main() -> None:
         "optimizer": "AdamW (FlatAdamW), lr 1e-5",
         "note": "on few cores more processes share the same compute: compare layouts by *_vs_111, same run",
         "gpu": gpu,
+        "vllm": vllm,
         "seconds": {"models": model_seconds, "total": time.perf_counter() - started},
         "load_average": {"before": load_before, "after": os.getloadavg()},  # other work on the cores
     }
     args.out.mkdir(parents=True, exist_ok=True)
     write("engine", TARGETS, rows, extra, args.out)
     plot(rows, gpu, args.out)
+    if vllm:
+        plot_vllm(vllm, args.out)
     print(
         f"wrote {args.out / 'engine.json'} and {args.out / 'engine.png'} ({extra['seconds']['total']:.0f}s)"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -104,6 +105,21 @@ def test_engine_benchmark_quick(tmp_path: Path) -> None:
             assert r[op]["tokens"] > 0 and r[op]["tokens_per_s"] > 0
     assert doc["threads_per_process"] == 1
     assert (tmp_path / "engine.png").stat().st_size > 0
+    if importlib.util.find_spec("vllm") is None:
+        assert doc["vllm"] is None
+        return
+    vllm = doc["vllm"]
+    assert isinstance(vllm, list) and {(r["model"], r["tp"]) for r in vllm} == {
+        ("tiny-llama-h32", 1),
+        ("tiny-llama-h32", 2),
+    }
+    for r in vllm:
+        for engine in ("native", "vllm"):
+            assert r[engine]["tokens"] > 0 and r[engine]["tokens_per_s"] > 0
+        ratio = r["vllm"]["tokens_per_s"] / r["native"]["tokens_per_s"]
+        assert r["vllm_vs_native"] == pytest.approx(ratio)
+        assert r["sync_s"] > 0 and r["rebuild_s"] > 0
+    assert (tmp_path / "engine_vllm.png").stat().st_size > 0
 
 
 @pytest.mark.timeout(240)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from nereus.backends.protocol import GenerationStats
 from nereus.control.action import Action, Keep, Move, Restart
 from nereus.control.controller import Controller, policy_config
 from nereus.control.telemetry import Telemetry
@@ -56,9 +57,10 @@ def test_every_runtime_message_round_trips(setup: JobSetup) -> None:
     assert got[1:] == (plan, change)
     report = RankReport(
         {"actor.gen": 0.25}, {"actor.gen": 1 << 40}, False, (OpTime("actor.gen", OpClass.MEMORY, 0.1, 0.2),),
-        '{"node": "gpu-a07"}', {"actor.gen": 1 << 41},
+        '{"node": "gpu-a07"}', {"actor.gen": 1 << 41}, {"actor.gen": GenerationStats(64, 9, 0.5, 1)},
     )  # fmt: skip
     assert decode(encode(report), RankReport) == report
+    assert got[0].engines == setup.engines and got[0].space == setup.space
     assert decode(encode({"a": {"updates": 3}}), dict[str, dict[str, int]]) == {"a": {"updates": 3}}
 
 

@@ -216,7 +216,10 @@ def test_bad_flags(flags: list[str], message: str, tmp_path: Path, capsys: Any, 
 def test_node_count_the_planner_cannot_use(tmp_path: Path, capsys: Any, factory: Any) -> None:
     path = experiment(tmp_path, name="one", workers=1, drift=[])
     code, _, err = launch(["submit", str(path), "--dry-run"], capsys, factory=factory)
-    assert code == 2 and "--nodes: the planner cannot use 1 GPUs for ppo-tiny on tiny-llama-h32: stage inf" in err
+    assert (
+        code == 2
+        and "--nodes: the planner cannot use 1 GPUs for ppo-tiny on tiny-llama-h32: stage inf" in err
+    )
     amd = experiment(tmp_path, name="amd", cluster="mi250x-slingshot", drift=[])
     code, out, err = launch(["submit", str(amd), "--site", "frontier", "--dry-run"], capsys)
     assert code == 0 and "#SBATCH --gpus-per-node=8" in out and "#SBATCH --nodes=1" in out, err

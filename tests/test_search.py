@@ -228,3 +228,27 @@ def test_urgent_space_can_rescue_a_plan() -> None:
     rescued = search(make_problem(gpus=8, response=8192, space=SearchSpace.urgent()))
     assert any(e.shape.recompute.value != "none" or e.shape.micro_batch < 4 for e in rescued.estimates)
     assert math.isfinite(rescued.step_latency_s)
+
+
+def test_flat_model_stages_are_planned_without_pipelining() -> None:
+    """An engine without pipelining (vLLM) keeps its model-stage at pp = 1 in every plan the
+    search considers, also in the urgent space, and the controller's replans keep the limit."""
+    from nereus.control.controller import Controller
+    from nereus.plan.candidates import layouts
+
+    base = make_problem("llama-3.1-8b", gpus=32, response=2048)
+    gen = base.workflow.get("actor.gen")
+    assert any(lay.pp > 1 for lay in layouts(base, gen))  # the search would pipeline it
+    for space in (
+        SearchSpace(flat=("actor.gen",)),
+        SearchSpace.urgent().keeping(SearchSpace(flat=("actor.gen",))),
+    ):
+        problem = make_problem("llama-3.1-8b", gpus=32, response=2048, space=space)
+        assert all(lay.pp == 1 for lay in layouts(problem, gen))
+        assert any(lay.pp > 1 for lay in layouts(problem, problem.workflow.get("actor.train")))
+        assert search(problem).plan.candidate("actor.gen").layout.pp == 1
+    flat = SearchSpace(flat=("actor.gen",))
+    plan = search(make_problem("llama-3.1-8b", gpus=32, response=2048, space=flat)).plan
+    ctl = Controller(base.workload, base.models, base.cluster, plan, space=flat)
+    assert ctl.problem(base.pool, base.seq).space.flat == ("actor.gen",)
+    assert ctl.problem(base.pool, base.seq, SearchSpace.urgent()).space.flat == ("actor.gen",)

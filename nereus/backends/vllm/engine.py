@@ -82,6 +82,7 @@ class VllmEngine:
         self.build_s = 0.0
         self.sync_s = 0.0
         self._sleeping = False
+        self._can_sleep = False  # built with vLLM's sleep mode (CUDA/ROCm, shared with a trainer)
         self._build(state, groups)
 
     # ------------------------------------------------------------------ building
@@ -121,6 +122,7 @@ class VllmEngine:
                 enable_sleep_mode=opts.sleep and device.type == "cuda", enable_prefix_caching=False,
             )  # fmt: skip
         _live.append(self)
+        self._can_sleep, self._sleeping = opts.sleep and device.type == "cuda", False
         self.build_s = time.perf_counter() - started
         self._load(state)
 
@@ -188,7 +190,8 @@ class VllmEngine:
                 VSampling(temperature=t, top_p=p, seed=request_seed(params.seed, s), **common)
                 for s in sample_ids
             ]
-        self.wake()
+        if self._sleeping:  # asleep since its last call (level 2 dropped the weights): reload them
+            self._load(self.state)
         before = self._counters()
         outs = self.llm.generate(requests, sampling, use_tqdm=False)
         after = self._counters()
@@ -207,8 +210,7 @@ class VllmEngine:
             self._kv_usage([len(r["prompt_token_ids"]) for r in requests], valid.sum(1).tolist()),
             int(after["preemptions"] - before["preemptions"]),
         )  # fmt: skip
-        if self.options.sleep:
-            self.sleep()
+        self.sleep()
         return Generation(prompts.ids, prompts.valid, tokens, valid, logprobs, stats)
 
     def _counters(self) -> dict[str, float]:
@@ -238,7 +240,7 @@ class VllmEngine:
 
     def sleep(self) -> None:
         """Free the GPU for a trainer (CUDA/ROCm; vLLM's sleep is a no-op on a CPU)."""
-        if self.options.sleep and not self._sleeping and self.llm is not None:
+        if self._can_sleep and not self._sleeping and self.llm is not None:
             self.llm.sleep(level=2)
             self._sleeping = True
 

@@ -1,0 +1,134 @@
+"""The vllm engine's checks on any device: the GPU runner (``tests/gpu/test_vllm_gpu.py``) calls
+them with a GPU (bf16, sleep mode on), their CPU twins (``tests/test_device_twins_dist.py``) with
+the CPU (fp32), each in a spawned process of its own (vLLM's state is process-wide).
+
+- generation: vLLM's greedy tokens, and its log-probs against the torch-native engine's scores
+  of the same sequences (on the CPU in fp32 the tokens equal the torch-native engine's greedy
+  ones);
+- a weight sync: new weights into the state, ``rebind``, and generation follows them;
+- sleep and wake: on a GPU shared with a trainer the engine frees its memory after generating
+  and takes it back for the next sync (vLLM's sleep mode; a no-op on the CPU).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import zlib
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nereus.backends.grid import Grid
+from nereus.backends.groups import Groups
+from nereus.backends.protocol import EngineOptions, TokenBatch
+from nereus.backends.sampling import SamplingParams
+from nereus.backends.torch_native import TorchNativeEngine
+from nereus.devices import Devices, abort_world, init_world
+from nereus.plan.layout import Layout
+from nereus.spec import load_model
+from nereus.spec.workload import Precision, Stage
+from nereus.state.buffers import BufferKind, StatePolicy
+from nereus.state.geometry import shards
+from nereus.state.holder import RankState
+
+MODEL = "tiny-llama-h32"
+NEW = 8
+FP32_LOGPROB = 1e-3  # vLLM's CPU kernels against ours, fp32
+BF16_LOGPROB = 0.25  # bf16 weights and activations, different kernels: nats per token
+
+
+def run_isolated(check: Callable[..., None], *args: Any, timeout: float = 300) -> None:
+    """``check(*args)`` in a spawned process; its failure fails the caller."""
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=check, args=args)
+    proc.start()
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        raise AssertionError(f"{check.__name__} did not finish within {timeout:.0f} s")
+    assert proc.exitcode == 0, f"{check.__name__} failed (exit code {proc.exitcode}); see its output above"
+
+
+def _weights(seed: int) -> Callable[[BufferKind, str], torch.Tensor]:
+    model = load_model(MODEL)
+    shapes = {s.source: s.full_shape for s in shards(model, Layout(1, 1), 0, 0)}
+
+    def full(kind: BufferKind, name: str) -> torch.Tensor:
+        if name.endswith("norm.weight"):
+            return torch.ones(shapes[name])
+        g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
+        return torch.randn(shapes[name], generator=g) * 0.3
+
+    return full
+
+
+def _prompts() -> TokenBatch:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 512, (4, 6), generator=g)
+    valid = torch.ones_like(ids)
+    valid[1, :3] = 0  # a left-padded prompt
+    return TokenBatch(ids, valid)
+
+
+def _scored(native: TorchNativeEngine, prompts: TokenBatch, tokens: torch.Tensor) -> torch.Tensor:
+    """The torch-native engine's log-probs of ``tokens`` after ``prompts`` (rows, NEW)."""
+    batch = TokenBatch(
+        torch.cat([prompts.ids, tokens], 1), torch.cat([prompts.valid, torch.ones_like(tokens)], 1)
+    )
+    return native.forward(batch)[:, prompts.ids.shape[1] :].float().cpu()
+
+
+def check_vllm_engine(device: str, tmp: str) -> None:
+    """Generation, a weight sync and sleep/wake of one vllm engine in a world of one."""
+    from nereus.backends.vllm import VllmEngine
+
+    devices = Devices(torch.device(device, 0) if device == "cuda" else torch.device("cpu"))
+    if devices.accelerated:
+        torch.cuda.set_device(devices.device)
+    init_world(devices, dist.FileStore(str(Path(tmp) / "store"), 1), 0, 1, timedelta(seconds=120))
+    try:
+        model, one = load_model(MODEL), Layout(1, 1)
+        precision = Precision.BF16_MIXED if devices.accelerated else Precision.FP32
+        policy = StatePolicy.of(Stage.GEN, precision)
+        state = RankState.from_full("actor.gen", model, one, 0, 0, policy, _weights(0), None, devices.device)
+        groups = Groups.build(Grid(one, (0,)), model, 0)
+        options = EngineOptions(max_num_seqs=4, max_model_len=32, workdir=Path(tmp), sleep=True)
+        engine = VllmEngine(state, groups, options=options)
+        native = TorchNativeEngine(state, groups, device=devices.device)
+        prompts, greedy = _prompts(), SamplingParams(NEW, greedy=True)
+        tolerance = BF16_LOGPROB if devices.accelerated else FP32_LOGPROB
+
+        def agrees(tag: str) -> torch.Tensor:
+            out = engine.generate(prompts, [0, 1, 2, 3], greedy)
+            assert out.tokens.shape == (4, NEW) and bool(out.valid.all()), tag
+            err = float((out.logprobs - _scored(native, prompts, out.tokens)).abs().max())
+            assert err <= tolerance, (
+                f"{tag}: vLLM's log-probs differ from the torch-native scores by {err:.3g}"
+            )
+            if not devices.accelerated:
+                want = native.generate(prompts, [0, 1, 2, 3], greedy).tokens
+                assert torch.equal(out.tokens, want), f"{tag}: greedy tokens differ from torch-native's"
+            return out.tokens
+
+        before = agrees("built")
+        if devices.accelerated:  # after generating, the engine sleeps: its memory is back
+            assert engine._sleeping
+            free_asleep = torch.cuda.mem_get_info(devices.device)[0]
+            engine.wake()
+            assert torch.cuda.mem_get_info(devices.device)[0] < free_asleep, "waking took no memory back"
+        else:
+            assert not engine._sleeping  # vLLM's sleep mode is CUDA/ROCm only
+        new = RankState.from_full("actor.gen", model, one, 0, 0, policy, _weights(1), None, devices.device)
+        state.buffers[BufferKind.PARAM].copy_(new.buffers[BufferKind.PARAM])  # a trainer's update
+        engine.rebind(state)
+        assert engine.sync_s > 0
+        after = agrees("synced")
+        assert not torch.equal(before, after), "the weight sync changed nothing"
+        engine.close()
+        groups.destroy()
+    finally:
+        abort_world()
