@@ -240,7 +240,7 @@ def test_resume_continues_from_the_latest_checkpoint(tmp_path: Path) -> None:
         ("name: x\nworkload: ppo-tiny\nmodel: tiny-llama\nworkers: 64\n", "exceeds the 8 GPUs"),
         (
             "name: x\nworkload: ppo-tiny\nmodel: tiny-llama\nengines: {actor.gen: warp}\n",
-            "engines.actor.gen: engine: expected one of torch_native, got 'warp'",
+            "engines.actor.gen: engine: expected one of torch_native, vllm, got 'warp'",
         ),
         (
             "name: x\nworkload: grpo-tiny\nmodel: tiny-llama\nengines: {critic.train: torch_native}\n",
