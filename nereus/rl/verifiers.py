@@ -9,8 +9,20 @@ emits a digit about 2% of the time (10 of 512 ids), has something to climb:
 * 0.1: another numeral as long as the answer (for a one-digit answer: a wrong digit first)
 * 0:   anything else
 
-``exact_match`` is the unshaped 1/0. Verifiers are looked up by name (a workload with
-``reward_model: false`` names one); an unknown name is a ``ConfigError``.
+``exact_match`` is the unshaped 1/0; ``exact`` the same with surrounding whitespace ignored. For
+real data sets (answer extraction and normal forms in ``nereus.rl.math_answers``), 1.0 or 0:
+
+* ``gsm8k``: the number after the response's last ``####`` (or, with no marker, its last number)
+  equals the answer's (a number, or a full GSM8K solution ending ``#### <number>``)
+* ``math`` (alias ``boxed``): the response's last ``\\boxed{...}`` equals the answer (itself boxed
+  or plain) under the MATH normal form, or as numbers within a relative 1e-6; no box scores 0
+
+Verifiers are looked up by name (a workload with ``reward_model: false`` names one); an unknown
+name is a ``ConfigError``. A data set that mixes sources names ``by_source``: ``get_verifier``
+accepts the name (so a config naming it validates) and returns ``by_source``, a placeholder that
+raises ``ConfigError`` when called. Score it with ``score_by_source``, which routes each row to
+``verifier_for_source`` of the row's verl ``data_source``; a caller dispatches on
+``verifier is by_source``.
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ import torch
 from torch import Tensor
 
 from nereus.errors import ConfigError
+from nereus.rl.math_answers import gsm8k_ground_truth, gsm8k_number, last_boxed, math_equal
 
 Verifier = Callable[[str, str], float]
 """``verifier(response_text, answer) -> reward``"""
@@ -57,11 +70,81 @@ def no_verifier(response_text: str, answer: str) -> float:
     return 0.0
 
 
+def exact(response_text: str, answer: str) -> float:
+    """1.0 if the response is the answer once both are stripped of surrounding whitespace, else 0."""
+    return CORRECT if response_text.strip() == answer.strip() else 0.0
+
+
+def gsm8k(response_text: str, answer: str) -> float:
+    """1.0 if the response's GSM8K number (after its last ``####``, else its last number) equals
+    the answer's, else 0 (also when the answer holds no number)."""
+    want = gsm8k_ground_truth(answer)
+    return CORRECT if want is not None and gsm8k_number(response_text) == want else 0.0
+
+
+def boxed_math(response_text: str, answer: str) -> float:
+    """1.0 if the response's last box holds the answer (the answer's last box, or the whole answer
+    if it has none) under ``math_equal``, else 0 (also when the response has no closed box)."""
+    got = last_boxed(response_text)
+    if got is None:
+        return 0.0
+    want = last_boxed(answer)
+    return CORRECT if math_equal(got, answer if want is None else want) else 0.0
+
+
+def by_source(response_text: str, answer: str) -> float:
+    """The ``by_source`` placeholder: a row's verifier depends on its data source, which this
+    signature lacks, so calling it is an error naming ``score_by_source``."""
+    raise ConfigError(
+        "verifier 'by_source' needs each row's data_source: "
+        "score with score_by_source(texts, answers, sources)"
+    )
+
+
 VERIFIERS: Mapping[str, Verifier] = {
     "exact_answer": exact_answer,
     "exact_match": exact_match,
+    "exact": exact,
+    "gsm8k": gsm8k,
+    "math": boxed_math,
+    "boxed": boxed_math,
+    "by_source": by_source,
     "none": no_verifier,
 }
+
+SOURCES: Mapping[str, Verifier] = {
+    "openai/gsm8k": gsm8k,
+    "gsm8k": gsm8k,
+    "DigitalLearningGmbH/MATH-lighteval": boxed_math,
+    "lighteval/MATH": boxed_math,
+    "HuggingFaceH4/MATH-500": boxed_math,
+    "math": boxed_math,
+    "math_dapo": boxed_math,
+    "numina_aops_forum": boxed_math,
+    "numina_synthetic_math": boxed_math,
+    "numina_amc_aime": boxed_math,
+    "numina_synthetic_amc": boxed_math,
+    "numina_cn_k12": boxed_math,
+    "numina_olympiads": boxed_math,
+}
+"""verl ``data_source`` values and their verifiers; ``verifier_for_source`` also matches by pattern."""
+
+
+def verifier_for_source(data_source: str) -> Verifier:
+    """The verifier of a verl ``data_source``: one of ``SOURCES``, else by the lower-cased name:
+    containing ``gsm8k`` → ``gsm8k``; containing ``math`` or starting ``aime`` or ``numina_`` →
+    ``math``. Any other source is a ``ConfigError``."""
+    if (verifier := SOURCES.get(data_source)) is not None:
+        return verifier
+    name = data_source.lower()
+    if "gsm8k" in name:
+        return gsm8k
+    if "math" in name or name.startswith(("aime", "numina_")):
+        return boxed_math
+    raise ConfigError(
+        f"unknown data_source {data_source!r} (known: {', '.join(SOURCES)}; or a name containing "
+        "'gsm8k' or 'math', or starting with 'aime' or 'numina_')"
+    )
 
 
 def get_verifier(name: str) -> Verifier:
@@ -78,4 +161,16 @@ def score(verifier: Verifier, responses: Sequence[str], answers: Sequence[str]) 
         raise ValueError(f"{len(responses)} responses for {len(answers)} answers")
     return torch.tensor(
         [verifier(r, a) for r, a in zip(responses, answers, strict=True)], dtype=torch.float32
+    )
+
+
+def score_by_source(responses: Sequence[str], answers: Sequence[str], sources: Sequence[str]) -> Tensor:
+    """Rewards (B,) fp32, each row scored by ``verifier_for_source`` of its ``data_source``; every
+    source is resolved (an unknown one is a ``ConfigError``) before any row is scored."""
+    if not len(responses) == len(answers) == len(sources):
+        raise ValueError(f"{len(responses)} responses, {len(answers)} answers and {len(sources)} sources")
+    verifiers = {source: verifier_for_source(source) for source in dict.fromkeys(sources)}
+    return torch.tensor(
+        [verifiers[s](r, a) for r, a, s in zip(responses, answers, sources, strict=True)],
+        dtype=torch.float32,
     )

@@ -1,0 +1,238 @@
+"""Final answers in model text (pure: stdlib only): the number a GSM8K solution ends with, the last
+``\\boxed{}`` of a MATH solution, and when two MATH answers are the same.
+
+GSM8K (``gsm8k_number``): the number after the last ``####``, or (flexible extraction, as verl's
+and lm-eval's "flexible-extract") the last number in the text when there is no marker. A number
+may carry a sign, a ``$``, thousands commas and decimals; ``1,234``, ``$1234`` and ``1234.`` are
+the same, and numbers compare by exact value (``3.50 == 3.5``, ``-0 == 0``).
+
+MATH (``last_boxed``, ``normalize_math``, ``math_equal``): the content of the last ``\\boxed{...}``
+or ``\\fbox{...}`` with nested braces balanced. Two answers are equal when their normal forms are
+the same string, or when both are numbers (an integer, a decimal, ``\\frac{a}{b}`` or ``a/b``)
+within a relative 1e-6. The normal form follows Hendrycks et al.'s MATH ``strip_string``, in order:
+
+* ``\\\\frac`` (a doubled backslash before a command name) → ``\\frac``
+* ``\\$``, ``$``, ``\\left``, ``\\right``, ``\\displaystyle``, degree signs (``^\\circ``,
+  ``^{\\circ}``, ``°``) and percent signs (``\\%``, ``%``) removed; ``\\dfrac``, ``\\tfrac`` → ``\\frac``
+* ``\\text{...}`` (``\\mbox``, ``\\mathrm``, ...) after a value is a unit and dropped when its content
+  starts with a space or the value ends in a digit (``5\\text{ cm}`` → ``5``); any other is reduced to
+  its content (``\\text{(A)}`` → ``(A)``)
+* spacing (``\\!``, ``\\,``, ``\\;``, ``\\quad``, ``~``, ...) and all whitespace removed
+* a short variable on the left of the only ``=`` removed (``x = 3`` → ``3``)
+* ``\\frac12`` → ``\\frac{1}{2}``, ``\\sqrt2`` → ``\\sqrt{2}`` (TeX's one-token arguments braced)
+* ``{,}`` → ``,``; thousands commas in a lone number dropped (``10,000`` → ``10000``)
+* a trailing ``.`` dropped; ``.5`` → ``0.5``; trailing decimal zeros dropped (``3.50`` → ``3.5``,
+  ``2.0`` → ``2``)
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+GSM8K_MARKER = "####"
+REL_TOL = Fraction(1, 10**6)
+
+# ------------------------------------------------------------------ GSM8K numbers
+_NUMBER = re.compile(r"[-+\u2212]?\$?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)")
+
+
+def numbers(text: str) -> list[str]:
+    """The numbers in ``text`` as written, in order. A sign is an operator, not part of the number,
+    after a digit or closing bracket (spaces between) or right after a letter: ``10 -4`` and ``x-4``
+    hold 4, ``is -4`` holds -4."""
+    found = []
+    for m in _NUMBER.finditer(text):
+        s, j = m.group(), m.start() - 1
+        while j >= 0 and text[j].isspace():
+            j -= 1
+        operator = j >= 0 and (text[j].isdigit() or text[j] in ")]}")
+        if j == m.start() - 1 >= 0:  # nothing between: right after a letter is an operator too
+            operator = operator or text[j].isalpha() or text[j] == "_"
+        if s[0] in "-+\u2212" and operator:
+            s = s[1:]
+        found.append(s)
+    return found
+
+
+def to_number(text: str) -> Fraction | None:
+    """The value of one number written with optional sign, ``$``, thousands commas, decimals and a
+    trailing period (``" -$1,234.50. "`` → -1234.5), or None if ``text`` is not one."""
+    s = text.strip().replace("\u2212", "-").replace("$", "").replace(",", "").rstrip(".")
+    s = s.removeprefix("+")
+    if re.fullmatch(r"-?(?:\d+(?:\.\d*)?|\.\d+)", s) is None:
+        return None
+    return Fraction(s)
+
+
+def gsm8k_number(text: str, flexible: bool = True) -> Fraction | None:
+    """The first number after the last ``####`` in ``text``; with no marker, the last number in
+    ``text`` if ``flexible``, else None. None also when the marker is followed by no number."""
+    _, marker, tail = text.rpartition(GSM8K_MARKER)
+    if marker:
+        after = numbers(tail)
+        return to_number(after[0]) if after else None
+    found = numbers(text) if flexible else []
+    return to_number(found[-1]) if found else None
+
+
+def gsm8k_ground_truth(answer: str) -> Fraction | None:
+    """A GSM8K answer: a number, or a full solution ending ``#### <number>`` (the number after the
+    last marker counts); None if there is no number."""
+    found = numbers(answer.rpartition(GSM8K_MARKER)[2])
+    return to_number(found[0]) if found else None
+
+
+# ------------------------------------------------------------------ boxes and braces
+_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+
+
+def closing_brace(text: str, open_at: int) -> int | None:
+    """The index of the ``}`` matching the ``{`` at ``open_at``, or None if it is never closed.
+    Escaped braces (``\\{``, ``\\}``) do not count."""
+    depth, i = 0, open_at
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+        i += 1
+    return None
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` or ``\\fbox{...}`` in ``text`` (``\\boxed 5``, TeX's
+    one-token form, gives ``5``); None if there is no box or the last one is never closed."""
+    boxes = list(_BOX.finditer(text))
+    if not boxes:
+        return None
+    start = boxes[-1].end()
+    rest = text[start:].lstrip()
+    if rest.startswith("{"):
+        open_at = len(text) - len(rest)
+        close = closing_brace(text, open_at)
+        return None if close is None else text[open_at + 1 : close]
+    token = re.match(r"\s+([^\s$]+)", text[start:])
+    return token.group(1) if token else None
+
+
+# ------------------------------------------------------------------ MATH normal form
+_TEXT = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|mbox|mathrm|mathbf|mathit)\s*\{")
+_UNIT_TAIL = re.compile(r"\s*(?:\^\{?\d\}?)?\s*\.?\s*")  # what may follow a unit: a power, a period
+_REMOVED = re.compile(
+    r"\\\$|\$|\\(?:left|right|displaystyle)(?![A-Za-z])|\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|°|\\%|%"
+)
+_SPACING = re.compile(r"\\(?:qquad|quad)(?![A-Za-z])|\\[!,;: ]|~|\s+")
+_VARIABLE = re.compile(r"[A-Za-z](?:_\{?\w+\}?)?|\\[A-Za-z]+")
+_BRACED_COMMAND = re.compile(r"\\(frac|sqrt)(?![A-Za-z])")
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_TRAILING_ZEROS = re.compile(r"(\d)\.(\d*[1-9])?0+(?!\d)")
+
+
+def _unwrap_text(s: str) -> str:
+    """Drop a unit's ``\\text{...}`` after a value; reduce every other one to its content."""
+    pos = 0
+    while (m := _TEXT.search(s, pos)) is not None:
+        close = closing_brace(s, m.end() - 1)
+        if close is None:
+            return s
+        content, before, after = s[m.end() : close], s[: m.start()].rstrip(), s[close + 1 :]
+        is_unit = bool(before) and (content.startswith(" ") or before[-1].isdigit())
+        if is_unit and _UNIT_TAIL.fullmatch(after):
+            return before
+        s, pos = s[: m.start()] + content + after, m.start()
+    return s
+
+
+def _argument(s: str, at: int) -> tuple[str, int] | None:
+    """One TeX argument of a command at ``s[at:]`` (whitespace already removed): a braced group
+    (its content, normalised in turn), a command name or one character; and where it ends."""
+    if at >= len(s) or s[at] in "}^_":
+        return None
+    if s[at] == "{":
+        close = closing_brace(s, at)
+        return None if close is None else (_brace_arguments(s[at + 1 : close]), close + 1)
+    command = re.match(r"\\(?:[A-Za-z]+|.)", s[at:])
+    token = command.group() if command else s[at]
+    return token, at + len(token)
+
+
+def _brace_arguments(s: str) -> str:
+    """``\\frac12`` → ``\\frac{1}{2}``, ``\\sqrt2`` → ``\\sqrt{2}`` (also inside braced arguments)."""
+    out, pos = [], 0
+    while (m := _BRACED_COMMAND.search(s, pos)) is not None:
+        out.append(s[pos : m.end()])
+        at = m.end()
+        if m.group(1) == "sqrt" and s.startswith("[", at):  # \sqrt[3]{x}: the index stays
+            end = s.find("]", at)
+            at = len(s) if end < 0 else end + 1
+            out.append(s[m.end() : at])
+        for _ in range(2 if m.group(1) == "frac" else 1):
+            arg = _argument(s, at)
+            if arg is None:
+                break
+            out.append("{" + arg[0] + "}")
+            at = arg[1]
+        pos = at
+    out.append(s[pos:])
+    return "".join(out)
+
+
+def _trim_zeros(m: re.Match[str]) -> str:
+    return m.group(1) + ("." + m.group(2) if m.group(2) else "")
+
+
+def normalize_math(answer: str) -> str:
+    """``answer``'s normal form (module docstring): equal forms are the same answer."""
+    s = re.sub(r"\\\\(?=[A-Za-z])", r"\\", answer)
+    s = _REMOVED.sub("", s)
+    s = re.sub(r"\\[dt]frac(?![A-Za-z])", r"\\frac", s)
+    s = _unwrap_text(s)
+    s = _SPACING.sub("", s)
+    if s.count("=") == 1:
+        lhs, rhs = s.split("=")
+        if _VARIABLE.fullmatch(lhs):
+            s = rhs
+    s = _brace_arguments(s)
+    s = s.replace("{,}", ",").rstrip(".")
+    if _THOUSANDS.fullmatch(s):
+        s = s.replace(",", "")
+    s = re.sub(r"(?<!\d)\.(?=\d)", "0.", s)
+    return _TRAILING_ZEROS.sub(_trim_zeros, s)
+
+
+_DECIMAL = r"-?\d+(?:\.\d+)?"
+_FRACTION = re.compile(rf"(-?)\\frac\{{({_DECIMAL})\}}\{{({_DECIMAL})\}}|({_DECIMAL})/({_DECIMAL})")
+
+
+def math_number(normal: str) -> Fraction | None:
+    """The value of a normal form that is a number: an integer or decimal, ``\\frac{a}{b}`` (with an
+    optional sign before it) or ``a/b``; None otherwise (and for a zero denominator)."""
+    if re.fullmatch(_DECIMAL, normal):
+        return Fraction(normal)
+    m = _FRACTION.fullmatch(normal)
+    if m is None:
+        return None
+    sign, num, den = (m.group(1), m.group(2), m.group(3)) if m.group(2) else ("", m.group(4), m.group(5))
+    if Fraction(den) == 0:
+        return None
+    value = Fraction(num) / Fraction(den)
+    return -value if sign else value
+
+
+def math_equal(got: str, want: str) -> bool:
+    """Whether two MATH answers (box contents or plain text) are the same: equal normal forms, or
+    numbers within a relative ``REL_TOL``. An empty answer equals nothing."""
+    a, b = normalize_math(got), normalize_math(want)
+    if not a or not b:
+        return False
+    if a == b:
+        return True
+    x, y = math_number(a), math_number(b)
+    return x is not None and y is not None and abs(x - y) <= REL_TOL * max(abs(x), abs(y))

@@ -1,0 +1,309 @@
+"""Rule-based math verifiers: GSM8K number extraction (marker and flexible), MATH boxes and their
+normal form, whitespace-insensitive exact match, routing by verl data_source, and the existing
+``exact_answer``/``exact_match`` unchanged."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+import torch
+
+from nereus.errors import ConfigError
+from nereus.rl.math_answers import (
+    gsm8k_ground_truth,
+    gsm8k_number,
+    last_boxed,
+    math_equal,
+    math_number,
+    normalize_math,
+    numbers,
+)
+from nereus.rl.verifiers import (
+    VERIFIERS,
+    boxed_math,
+    by_source,
+    exact,
+    exact_answer,
+    exact_match,
+    get_verifier,
+    gsm8k,
+    score,
+    score_by_source,
+    verifier_for_source,
+)
+
+pytestmark = pytest.mark.pure
+
+GSM8K_SOLUTION = (
+    "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+    "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"
+)
+
+
+# ------------------------------------------------------------------ GSM8K
+@pytest.mark.parametrize(
+    ("response", "answer"),
+    [
+        ("#### 1,234", "1234"),  # thousands commas
+        ("#### 1234", "1,234"),
+        ("The total is $1,234.", "1234"),  # $ and a sentence's period
+        ("#### $18", "18"),
+        ("#### 3.50", "3.5"),  # decimals by value
+        ("It costs 3.5 dollars", "3.50"),
+        ("#### -0", "0"),
+        ("#### +7", "7"),
+        ("The answer is -3.", "-3"),  # a negative number
+        ("#### −12", "-12"),  # a Unicode minus
+        ("#### 72", GSM8K_SOLUTION),  # the ground truth's number follows its last ####
+        ("First 10, then 20. So 72", GSM8K_SOLUTION),  # flexible: the last number
+        ("10 - 4 = 6", "6"),  # a binary minus is not a sign
+        ("Answer:\n#### 42\nBecause 6*7 is 42 and 2 more is 44", "42"),  # the marker beats the last number
+        ("#### 5 #### 42", "42"),  # the last marker counts
+    ],
+)
+def test_gsm8k_right_answers(response: str, answer: str) -> None:
+    assert gsm8k(response, answer) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("response", "answer"),
+    [
+        ("#### 12", "1234"),
+        ("#### 3.51", "3.5"),
+        ("#### 3", "-3"),  # the sign matters
+        ("The answer is 3.", "-3"),
+        ("10 - 4", "-4"),  # a binary minus: the last number is 4
+        ("#### 42 ... no wait, 41", "41"),  # the number after the marker counts, not the last
+        ("#### the answer", "42"),  # a marker followed by no number
+        ("I do not know", "42"),  # no number at all
+        ("", "42"),
+        ("#### 42", "no number here"),  # an answer without a number matches nothing
+        ("#### 4,2", "42"),  # 4,2 is not a grouped number: the first is 4
+        ("#### 5 #### 42", "5"),
+    ],
+)
+def test_gsm8k_wrong_answers_score_zero(response: str, answer: str) -> None:
+    assert gsm8k(response, answer) == 0.0
+
+
+def test_gsm8k_extraction() -> None:
+    assert gsm8k_number("so 3 apples and $1,234.50 in all.") == Fraction("1234.5")
+    assert gsm8k_number("#### 7 then 9") == 7
+    assert gsm8k_number("only 9", flexible=False) is None
+    assert gsm8k_number("#### 9", flexible=False) == 9
+    assert gsm8k_ground_truth(GSM8K_SOLUTION) == 72
+    assert gsm8k_ground_truth(" 1,000 ") == 1000
+    assert numbers("x is -3, 10 -4, x-5, (2)-6, =-7") == ["-3", "10", "4", "5", "2", "6", "-7"]
+
+
+# ------------------------------------------------------------------ MATH boxes
+@pytest.mark.parametrize(
+    ("text", "content"),
+    [
+        (r"so $\boxed{\frac{1}{2}}$.", r"\frac{1}{2}"),
+        (r"\boxed{\sqrt{\frac{1}{2}}}", r"\sqrt{\frac{1}{2}}"),  # nested braces
+        (r"\boxed{1} or rather \boxed{2}", "2"),  # the last box counts
+        (r"\fbox{3}", "3"),
+        (r"\boxed {4}", "4"),
+        (r"$\boxed 5$", "5"),  # TeX's one-token argument
+        (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),  # escaped braces do not close the box
+        (r"\boxed{}", ""),
+    ],
+)
+def test_last_boxed(text: str, content: str) -> None:
+    assert last_boxed(text) == content
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["no box", r"\boxed{\frac{1}{2}", r"\boxed{1} then \boxed{2", r"\boxed", r"\boxed{\}", r"\boxedx{1}"],
+)
+def test_missing_or_unclosed_last_box(text: str) -> None:
+    assert last_boxed(text) is None
+    assert boxed_math(text, "1") == 0.0
+    assert boxed_math(text, "2") == 0.0
+
+
+# ------------------------------------------------------------------ MATH normal form
+@pytest.mark.parametrize(
+    ("got", "want"),
+    [
+        (r"\frac{1}{2}", r"\frac12"),
+        (r"\frac{1}{2}", "1/2"),
+        (r"\frac{1}{2}", "0.5"),
+        ("0.5", ".5"),
+        (r"\dfrac{1}{2}", r"\frac{1}{2}"),
+        (r"\tfrac{3}{4}", "0.75"),
+        (r"\sqrt{\frac{1}{2}}", r"\sqrt{\frac12}"),
+        (r"\sqrt2", r"\sqrt{2}"),
+        (r"\frac{\frac12}{3}", r"\frac{\frac{1}{2}}{3}"),
+        (r"5\text{ cm}", "5"),  # a unit is dropped
+        (r"5 \text{cm}^2", "5"),
+        (r"\frac{3}{4}\text{ inches}", "0.75"),
+        (r"\text{(A)}", "(A)"),  # a non-unit \text is its content
+        (r"\textbf{Monday}", "Monday"),
+        (r"\left( 1, 2 \right)", "(1,2)"),
+        (r"30^\circ", "30"),
+        (r"30^{\circ}", "30"),
+        ("30°", "30"),
+        (r"50\%", "50"),
+        (r"\$18", "18"),
+        ("x = 3", "3"),
+        (r"\theta = \frac{\pi}{2}", r"\frac{\pi}{2}"),
+        ("3.0", "3"),
+        ("3.50", "3.5"),
+        ("-0", "0"),
+        (r"10,\!000", "10000"),
+        ("1,234", "1234"),
+        ("5.", "5"),
+        (r"-\frac{1}{2}", "-0.5"),
+        (r"\frac{-1}{2}", "-1/2"),
+        (r"\\frac{1}{2}", r"\frac{1}{2}"),  # a doubled backslash
+        ("0.3333333", r"\frac{1}{3}"),  # numbers within a relative 1e-6
+    ],
+)
+def test_math_equal_answers(got: str, want: str) -> None:
+    assert math_equal(got, want)
+    assert math_equal(want, got)
+
+
+@pytest.mark.parametrize(
+    ("got", "want"),
+    [
+        (r"\frac{1}{2}", r"\frac{1}{3}"),
+        (r"\frac{1}{2}", "-0.5"),
+        ("0.333", r"\frac{1}{3}"),  # outside the tolerance
+        (r"\sqrt{2}", "2"),
+        ("(1,2)", "(2,1)"),
+        ("1,2", "12"),  # not a grouped number: a list
+        (r"x\text{-axis}", "x"),  # not a unit: the value does not end in a digit
+        ("2x+3", "2x+4"),
+        ("", ""),  # an empty answer equals nothing
+        (r"\frac{1}{0}", r"\frac{2}{0}"),  # no number: string comparison
+    ],
+)
+def test_math_different_answers(got: str, want: str) -> None:
+    assert not math_equal(got, want)
+
+
+def test_math_normal_form_and_numbers() -> None:
+    assert normalize_math(r"\left( \dfrac12, 10{,}000 \right)") == r"(\frac{1}{2},10,000)"
+    assert normalize_math(r"a \rightarrow b") == r"a\rightarrowb"  # \right removed only as a word
+    assert normalize_math(r"\sqrt[3]{8}") == r"\sqrt[3]{8}"
+    assert normalize_math("3.050") == "3.05"
+    assert math_number(r"\frac{3}{4}") == Fraction(3, 4)
+    assert math_number("-7/2") == Fraction(-7, 2)
+    assert math_number(r"\frac{1}{0}") is None
+    assert math_number(r"\sqrt{2}") is None
+
+
+@pytest.mark.parametrize(
+    ("response", "answer", "reward"),
+    [
+        (r"Thus $\boxed{\frac{1}{2}}$.", "0.5", 1.0),
+        (r"\boxed{\dfrac{1}{2}}", r"The answer is $\boxed{\frac12}$.", 1.0),  # a boxed ground truth
+        (r"\boxed{\frac{1}{3}} no, \boxed{\frac{1}{2}}", r"\frac{1}{2}", 1.0),  # the last box counts
+        (r"\boxed{\frac{1}{2}} no, \boxed{\frac{1}{3}}", r"\frac{1}{2}", 0.0),
+        (r"\boxed{x = 3}", "3", 1.0),
+        (r"\boxed{12\text{ cm}}", r"12 \text{ cm}", 1.0),
+        (r"\boxed{\left( 1, 2 \right)}", "(1,2)", 1.0),
+        (r"\boxed{90^\circ}", "90", 1.0),
+        ("The answer is 1/2.", "1/2", 0.0),  # no box
+        (r"\boxed{\frac{1}{2}", "1/2", 0.0),  # unclosed
+        (r"\boxed{}", "", 0.0),
+    ],
+)
+def test_boxed_math_verifier(response: str, answer: str, reward: float) -> None:
+    assert boxed_math(response, answer) == reward
+
+
+# ------------------------------------------------------------------ exact, registry, routing
+def test_exact_ignores_surrounding_whitespace_only() -> None:
+    assert exact(" 42\n", "42") == 1.0
+    assert exact("42", "\t42 ") == 1.0
+    assert exact("4 2", "42") == 0.0
+    assert exact("42.", "42") == 0.0
+    assert exact_match(" 42", "42") == 0.0  # exact_match stays strict
+
+
+def test_existing_verifiers_are_unchanged() -> None:
+    assert [exact_answer(r, "12") for r in ("12", "123", "13", "1", "-1", "1x", " 12")] == [
+        1.0,
+        0.5,
+        0.1,
+        0.0,
+        0.1,
+        0.0,
+        0.0,
+    ]
+    assert [exact_match(r, "7") for r in ("7", "7x", "3", "")] == [1.0, 0.0, 0.0, 0.0]
+    assert get_verifier("exact_answer") is exact_answer
+    assert get_verifier("exact_match") is exact_match
+    assert get_verifier("none")("7", "7") == 0.0
+    got = score(exact_answer, ["1", "2", "1x", "?"], ["1", "1", "1", "1"])
+    assert torch.equal(got, torch.tensor([1.0, 0.1, 0.5, 0.0]))
+
+
+def test_registry_names_and_error() -> None:
+    assert get_verifier("gsm8k") is gsm8k
+    assert get_verifier("math") is boxed_math
+    assert get_verifier("boxed") is boxed_math
+    assert get_verifier("exact") is exact
+    assert get_verifier("by_source") is by_source
+    allowed = "boxed, by_source, exact, exact_answer, exact_match, gsm8k, math, none"
+    assert ", ".join(sorted(VERIFIERS)) == allowed
+    with pytest.raises(ConfigError, match=rf"^unknown verifier 'regex' \(allowed: {allowed}\)$"):
+        get_verifier("regex")
+
+
+def test_by_source_placeholder_names_score_by_source() -> None:
+    with pytest.raises(ConfigError, match=r"score_by_source\(texts, answers, sources\)"):
+        by_source("1", "1")
+    with pytest.raises(ConfigError, match="score_by_source"):
+        score(get_verifier("by_source"), ["1"], ["1"])
+
+
+@pytest.mark.parametrize(
+    ("source", "verifier"),
+    [
+        ("openai/gsm8k", gsm8k),
+        ("gsm8k", gsm8k),
+        ("my-gsm8k-train", gsm8k),
+        ("DigitalLearningGmbH/MATH-lighteval", boxed_math),
+        ("lighteval/MATH", boxed_math),
+        ("HuggingFaceH4/MATH-500", boxed_math),
+        ("math", boxed_math),
+        ("math_dapo", boxed_math),
+        ("numina_synthetic_math", boxed_math),
+        ("numina_cn_k12", boxed_math),
+        ("aime2024", boxed_math),
+        ("MyOrg/Hard-Math", boxed_math),
+    ],
+)
+def test_verifier_for_source(source: str, verifier: object) -> None:
+    assert verifier_for_source(source) is verifier
+
+
+def test_unknown_source_is_a_one_line_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"unknown data_source 'hellaswag' \(known: openai/gsm8k, ") as e:
+        verifier_for_source("hellaswag")
+    assert "\n" not in str(e.value)
+    assert "HuggingFaceH4/MATH-500" in str(e.value)
+
+
+def test_score_by_source_routes_each_row() -> None:
+    texts = ["#### 1,234", r"\boxed{\frac12}", "The answer is 1234", r"\boxed{0.5}", "0.5"]
+    answers = ["1234", "0.5", "1234", "0.5", "0.5"]
+    sources = ["openai/gsm8k", "lighteval/MATH", "lighteval/MATH", "gsm8k", "math"]
+    got = score_by_source(texts, answers, sources)
+    assert got.dtype == torch.float32
+    # gsm8k reads numbers without a box; math needs one
+    assert got.tolist() == [1.0, 1.0, 0.0, 1.0, 0.0]
+
+
+def test_score_by_source_checks_every_source_and_length_first() -> None:
+    with pytest.raises(ConfigError, match="unknown data_source 'squad'"):
+        score_by_source(["#### 1", "#### 2"], ["1", "2"], ["gsm8k", "squad"])
+    with pytest.raises(ValueError, match="2 responses, 2 answers and 1 sources"):
+        score_by_source(["1", "2"], ["1", "2"], ["gsm8k"])
