@@ -136,19 +136,12 @@ def algorithm_step(
     r = worker.generate(plan, prompt_ids, prompt_valid, list(sample_ids), params)
     if after_generate is not None:
         after_generate()
-    verifier = get_verifier(spec.verifier)
     answers = [s.record.answer for s in samples for _ in range(g)]
-    texts = [tok.decode(x) for x in responses(r)]
-    scores = score(verifier, texts, answers)
+    scores, rm = sequence_rewards(worker, plan, setup, r, answers)
     mask = r.mask.float()
     metrics: dict[str, float] = {}
-    if any(
-        ms.name == "reward.inf" for ms in worker.workflow.model_stages
-    ):  # the reward model scores each response's last token
-        values = worker.infer(plan, "reward.inf", r)
-        rm = values.gather(1, last_tokens(r).unsqueeze(1)).squeeze(1)
+    if rm is not None:
         metrics["rm_score"] = float(rm.mean())
-        scores = scores + spec.reward_coef * rm
     old = worker.infer(plan, "actor.inf", r)
     ref = worker.infer(plan, "ref.inf", r)
     kl = kl_penalty(old, ref, "k1") * mask
@@ -173,8 +166,8 @@ def algorithm_step(
             )
             gids, gvalid, gsid = collate(samples, tok, 1)
             base = worker.generate(plan, gids, gvalid, list(gsid), greedy)
-            btexts = [tok.decode(x) for x in responses(base)]
-            baseline = score(verifier, btexts, [s.record.answer for s in samples]).repeat_interleave(g)
+            baseline, _ = sequence_rewards(worker, plan, setup, base, [s.record.answer for s in samples])
+            baseline = baseline.repeat_interleave(g)  # scored exactly as the samples are
             fields["advantages"] = remax_advantages(scores, baseline, r.mask)
         fields["ref_logprobs"] = ref
         policy = lambda n: PolicyLoss(rl.clip_eps, n, rl.kl_coef)  # noqa: E731
@@ -183,6 +176,21 @@ def algorithm_step(
     metrics["accuracy"] = float((scores >= 1.0).float().mean())
     metrics["kl"] = float(kl.sum() / mask.sum().clamp(min=1))
     return r, scores, metrics
+
+
+def sequence_rewards(
+    worker: Worker, plan: Plan, setup: JobSetup, r: Rollouts, answers: list[str]
+) -> tuple[Tensor, Tensor | None]:
+    """Each rollout's reward: the verifier's score of its decoded response and, in a workload
+    with a reward model, ``reward_coef`` × the model's score of its last token (also returned,
+    else None). Every rollout a step scores (ReMax's greedy baseline too) is scored by this."""
+    verifier = get_verifier(setup.spec.verifier)
+    scores = score(verifier, [setup.tokenizer.decode(x) for x in responses(r)], answers)
+    if not any(ms.name == "reward.inf" for ms in worker.workflow.model_stages):
+        return scores, None
+    values = worker.infer(plan, "reward.inf", r)
+    rm = values.gather(1, last_tokens(r).unsqueeze(1)).squeeze(1)
+    return scores + setup.spec.reward_coef * rm, rm
 
 
 def last_tokens(r: Rollouts) -> Tensor:

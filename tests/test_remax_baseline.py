@@ -1,0 +1,71 @@
+"""ReMax's greedy baseline is scored exactly as the sampled responses are: with a reward model,
+``reward_coef`` × the model's score of the baseline's last token joins the verifier's score.
+
+One ``algorithm_step`` of a ReMax workload with a reward model, on a stand-in worker that records
+what the step asks of it: sampling returns one token, greedy decoding another, and the reward
+model scores the greedy token 2.0 and the sampled one 0.0 (the verifier scores both 0). The
+advantage of every sampled token is then r(sampled) − r(greedy) = 0 − 2·coef; before the fix the
+baseline was the verifier's alone and the advantage 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from nereus.backends.protocol import SamplingParams
+from nereus.plan.layout import Plan
+from nereus.runtime.experiment import ExperimentSpec
+from nereus.runtime.job import JobSetup, algorithm_step
+from nereus.runtime.rollout import Rollouts, assemble
+
+pytestmark = pytest.mark.pure
+
+SAMPLED, GREEDY = 40, 41  # the one token each kind of decoding returns
+COEF = 0.5
+
+
+class StandIn:
+    """The worker's interface as ``algorithm_step`` uses it, with fixed outputs."""
+
+    def __init__(self, setup: JobSetup) -> None:
+        self.workflow = setup.workload.workflow()
+        self.trained: dict[str, Mapping[str, Tensor]] = {}
+
+    def generate(
+        self, plan: Plan, ids: Tensor, valid: Tensor, sample_ids: list[int], params: SamplingParams
+    ) -> Rollouts:
+        token = GREEDY if params.greedy else SAMPLED
+        rows = ids.shape[0]
+        parts = [(0, torch.full((rows, 1), token), torch.ones(rows, 1, dtype=torch.long))]
+        return assemble(ids, valid, parts, sample_ids, params.pad_token_id)
+
+    def infer(self, plan: Plan, name: str, r: Rollouts) -> Tensor:
+        if name != "reward.inf":
+            return torch.zeros(r.ids.shape)
+        return torch.where(r.ids == GREEDY, 2.0, 0.0) * r.mask  # a response's token scored where it is
+
+    def train(self, plan: Plan, name: str, r: Rollouts, fields: Mapping[str, Tensor], loss: Any) -> float:
+        self.trained[name] = dict(fields)
+        return 0.0
+
+
+def test_the_greedy_baseline_is_scored_by_the_reward_model_too(tmp_path: Path) -> None:
+    spec = ExperimentSpec(name="remax-rm", workload="remax-tiny", model="tiny-llama", reward_coef=COEF)
+    setup = JobSetup.build(spec, tmp_path)
+    setup = dataclasses.replace(setup, workload=dataclasses.replace(setup.workload, reward_model=True))
+    assert any(ms.name == "reward.inf" for ms in setup.workload.workflow().model_stages)
+    worker = StandIn(setup)
+    r, scores, metrics = algorithm_step(worker, None, setup, step=0, max_new=1)  # type: ignore[arg-type]
+    assert torch.equal(scores, torch.zeros(r.rows))  # the samples: verifier 0, reward model 0
+    adv = worker.trained["actor.train"]["advantages"]
+    on = r.mask.bool()
+    assert torch.allclose(adv[on], torch.full_like(adv[on], -2.0 * COEF)), adv[on]
+    assert bool((adv[~on] == 0).all())
+    assert metrics["rm_score"] == 0.0
