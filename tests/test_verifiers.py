@@ -228,15 +228,8 @@ def test_exact_ignores_surrounding_whitespace_only() -> None:
 
 
 def test_existing_verifiers_are_unchanged() -> None:
-    assert [exact_answer(r, "12") for r in ("12", "123", "13", "1", "-1", "1x", " 12")] == [
-        1.0,
-        0.5,
-        0.1,
-        0.0,
-        0.1,
-        0.0,
-        0.0,
-    ]
+    """(``exact_answer``'s shaping is tested in ``test_rl_data.py``.)"""
+    assert exact_answer(" 12", "12") == 0.0  # no whitespace stripping, unlike ``exact``
     assert [exact_match(r, "7") for r in ("7", "7x", "3", "")] == [1.0, 0.0, 0.0, 0.0]
     assert get_verifier("exact_answer") is exact_answer
     assert get_verifier("exact_match") is exact_match
