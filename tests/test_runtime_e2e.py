@@ -246,6 +246,10 @@ def test_resume_continues_from_the_latest_checkpoint(tmp_path: Path) -> None:
             "name: x\nworkload: grpo-tiny\nmodel: tiny-llama\nengines: {critic.train: torch_native}\n",
             "engines.critic.train: not a model-stage of grpo-tiny",
         ),
+        (
+            "name: x\nworkload: grpo-tiny\nmodel: tiny-llama\ntokenizer: /no/such/folder\n",
+            "tokenizer: /no/such/folder holds no Hugging Face tokenizer",
+        ),
     ],
 )
 def test_bad_experiment_exits_2(tmp_path: Path, text: str, message: str) -> None:
@@ -315,3 +319,42 @@ def test_a_gpu_that_turns_unhealthy_is_a_gpu_loss(tmp_path: Path, untouched: Pat
     b = load_file(str(untouched / "hf" / "actor" / "model.safetensors"))
     for name in a:
         assert torch.allclose(a[name], b[name], atol=2e-4, rtol=0), name
+
+
+@pytest.mark.timeout(300)
+def test_a_job_from_a_users_model_folder_and_verl_data(tmp_path: Path) -> None:
+    """GRPO as a user brings it: ``model:`` a Hugging Face folder (config.json, safetensors, a BPE
+    tokenizer with its chat template), a verl-layout Parquet file (chat messages, ground truths,
+    data sources) scored by each row's source. The actor starts from the folder's weights."""
+    import transformers
+
+    from tests.test_hf_tokenizer import build
+    from tests.test_rl_layouts import VERL, write_parquet
+
+    folder = tmp_path / "tiny-user-llama"
+    config = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    build(folder)  # the tokenizer next to the weights, as on the hub
+    rows = [{**r, "data_source": "openai/gsm8k" if i % 2 else "math"} for i, r in enumerate(VERL * 4)]
+    rows = [{**r, "extra_info": {"index": i}} for i, r in enumerate(rows)]
+    data = write_parquet(rows, tmp_path / "train.parquet")
+    exp = tmp_path / "hf.yaml"
+    exp.write_text(
+        f"name: hf\nworkload: grpo-tiny\nmodel: {folder}\nworkers: 4\nsteps: 2\nseed: 1\n"
+        f"data: {{train: {data}, layout: verl}}\nverifier: by_source\nmax_new_tokens: 3\n"
+    )
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "nereus.cli", "run", str(exp), "--out", str(out)],
+        capture_output=True, text=True, timeout=280, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = metrics(out)
+    assert [r["step"] for r in got] == [0, 1]
+    assert all(0 < float(r["seq_len_mean"]) <= 3 for r in got)  # type: ignore[arg-type]
+    exported = load_file(str(out / "hf" / "actor" / "model.safetensors"))
+    assert exported["model.embed_tokens.weight"].shape == (320, 64)

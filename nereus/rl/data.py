@@ -26,8 +26,9 @@ import torch
 from torch import Tensor
 
 from nereus.errors import ConfigError
+from nereus.rl.layouts import RecordLayout
 from nereus.rl.tasks import TaskRecord
-from nereus.rl.tokenizer import CharTokenizer
+from nereus.rl.tokenizer import Tokenizer
 from nereus.state.emu import sample_range
 
 FIELDS = ("prompt", "answer", "id")
@@ -52,9 +53,7 @@ class Sample:
             )
 
 
-def _check(
-    raw: object, where: str, tokenizer: CharTokenizer, max_prompt_len: int, default_id: str
-) -> TaskRecord:
+def _check(raw: object, where: str, tokenizer: Tokenizer, max_prompt_len: int, default_id: str) -> TaskRecord:
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a JSON object with fields {', '.join(FIELDS)}")
     for key in raw:
@@ -68,23 +67,45 @@ def _check(
             raise ConfigError(f"{where}: field {key!r}: expected a string, got {value!r}")
         if not value:
             raise ConfigError(f"{where}: field {key!r}: must not be empty")
-        bad = tokenizer.unknown(value)
-        if bad is not None:
-            raise ConfigError(
-                f"{where}: field {key!r}: character {bad!r} is not in the tokenizer's alphabet "
-                f"(allowed: {tokenizer.alphabet!r})"
-            )
     rid = raw.get("id")
     if rid is None:  # absent, or null (as a Parquet column without a value)
         rid = default_id
     if isinstance(rid, bool) or not isinstance(rid, str | int):
         raise ConfigError(f"{where}: field 'id': expected a string or an integer, got {rid!r}")
-    tokens = len(tokenizer.encode(raw["prompt"]))
+    return TaskRecord(raw["prompt"], raw["answer"], str(rid))
+
+
+def prompt_ids(tokenizer: Tokenizer, record: TaskRecord) -> list[int]:
+    """A record's prompt ids: its chat messages through the tokenizer's template, else its text."""
+    if not record.messages:
+        return tokenizer.encode(record.prompt)
+    encode_messages = getattr(tokenizer, "encode_messages", None)
+    if encode_messages is None:
+        raise ConfigError(
+            "chat-message prompts need a Hugging Face tokenizer with a chat template (tokenizer: DIR)"
+        )
+    ids: list[int] = encode_messages([{"role": r, "content": c} for r, c in record.messages])
+    return ids
+
+
+def _fits(record: TaskRecord, where: str, tokenizer: Tokenizer, max_prompt_len: int) -> None:
+    texts = [
+        ("prompt", record.prompt),
+        ("answer", record.answer),
+        *(("prompt", c) for _, c in record.messages),
+    ]
+    for key, text in texts:
+        bad = tokenizer.unknown(text)
+        if bad is not None:
+            raise ConfigError(
+                f"{where}: field {key!r}: character {bad!r} is not in the tokenizer's alphabet "
+                f"(allowed: {getattr(tokenizer, 'alphabet', '')!r})"
+            )
+    tokens = len(prompt_ids(tokenizer, record))
     if tokens > max_prompt_len:
         raise ConfigError(
             f"{where}: field 'prompt': {tokens} tokens (with bos) exceed max_prompt_len {max_prompt_len}"
         )
-    return TaskRecord(raw["prompt"], raw["answer"], str(rid))
 
 
 def _rows(path: Path) -> list[tuple[str, int, object]]:
@@ -139,9 +160,12 @@ class PromptDataset:
             raise ValueError(f"seed must be non-negative, got {self.seed}")
 
     @classmethod
-    def load(cls, path: Path, tokenizer: CharTokenizer, max_prompt_len: int, seed: int = 0) -> PromptDataset:
-        """Read and validate ``path`` (``.jsonl`` or ``.parquet``); ids (default: the line or row
-        number) must be unique."""
+    def load(
+        cls, path: Path, tokenizer: Tokenizer, max_prompt_len: int, seed: int = 0,
+        layout: RecordLayout | None = None,
+    ) -> PromptDataset:  # fmt: skip
+        """Read and validate ``path`` (``.jsonl`` or ``.parquet``) in ``layout`` (default: ours);
+        ids (default: the line or row number) must be unique."""
         path = Path(path)
         if max_prompt_len <= 0:
             raise ValueError(f"max_prompt_len must be positive, got {max_prompt_len}")
@@ -154,7 +178,11 @@ class PromptDataset:
         records: list[TaskRecord] = []
         seen: dict[str, str] = {}
         for where, number, raw in _rows(path):
-            r = _check(raw, where, tokenizer, max_prompt_len, str(number))
+            if layout is None or layout.name == "nereus":
+                r = _check(raw, where, tokenizer, max_prompt_len, str(number))
+            else:
+                r = layout.record(raw, where, str(number))
+            _fits(r, where, tokenizer, max_prompt_len)
             if r.id in seen:
                 raise ConfigError(f"{where}: field 'id': {r.id!r} repeats the id of {seen[r.id]}")
             seen[r.id] = where
@@ -192,7 +220,7 @@ class PromptDataset:
 
 def collate(
     samples: Sequence[Sample],
-    tokenizer: CharTokenizer,
+    tokenizer: Tokenizer,
     samples_per_prompt: int = 1,
     pad_to: int | None = None,
 ) -> tuple[Tensor, Tensor, list[int]]:
@@ -206,7 +234,7 @@ def collate(
         raise ValueError("collate needs at least one sample")
     if samples_per_prompt <= 0:
         raise ValueError(f"samples_per_prompt must be positive, got {samples_per_prompt}")
-    encoded = [tokenizer.encode(s.record.prompt) for s in samples]
+    encoded = [prompt_ids(tokenizer, s.record) for s in samples]
     longest = max(map(len, encoded))
     width = longest if pad_to is None else pad_to
     if width < longest:

@@ -39,14 +39,18 @@ class TaskKind(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class TaskRecord:
-    """One prompt and the answer a verifier checks a response against."""
+    """One prompt and the answer a verifier checks a response against; a chat data set's prompt
+    is its ``messages`` ((role, content) pairs, ``prompt`` then the last user turn) and its
+    ``source`` the verl ``data_source`` that picks its verifier."""
 
     prompt: str
     answer: str
     id: str = ""
+    messages: tuple[tuple[str, str], ...] = ()
+    source: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("prompt", "answer", "id"):
+        for name in ("prompt", "answer", "id", "source"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"task {name} must be a string, got {getattr(self, name)!r}")
         if not self.prompt:

@@ -1,4 +1,7 @@
-"""A deterministic character-level tokenizer for the bundled tasks (``nereus.rl.tasks``).
+"""Tokenizers: the ``Tokenizer`` protocol the runtime and the data speak, a deterministic
+character-level tokenizer for the bundled tasks (``nereus.rl.tasks``), and ``tokenizer_of``, which
+picks a job's (a Hugging Face tokenizer, ``nereus.rl.hf_tokenizer``, when the experiment names or
+brings one).
 
 Ids 0, 1, 2 are pad, bos and eos; character ``c`` of the alphabet has id ``3 + alphabet.index(c)``.
 The whole vocabulary (53 ids) fits the tiny models' 512, so a randomly initialised model trains on
@@ -10,6 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from nereus.rl.hf_tokenizer import HfTokenizer
 
 PAD_ID = 0
 BOS_ID = 1
@@ -17,6 +24,40 @@ EOS_ID = 2
 SPECIAL = 3  # ids below this are special tokens
 ALPHABET = "0123456789+-*= abcdefghijklmnopqrstuvwxyz.,:;?!()'"
 UNKNOWN = "\ufffd"  # what an id beyond the alphabet decodes to
+
+
+class Tokenizer(Protocol):
+    """What a job needs of a tokenizer: prompt ids, response text up to eos, the special ids."""
+
+    @property
+    def pad_id(self) -> int: ...
+
+    @property
+    def eos_id(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+    def unknown(self, text: str) -> str | None:
+        """The first character ``encode`` would refuse, or None."""
+        ...
+
+
+def tokenizer_of(named: str, actor_init: str) -> CharTokenizer | HfTokenizer:
+    """A job's tokenizer: the Hugging Face tokenizer in folder ``named`` (the experiment's
+    ``tokenizer:``), else the one in the actor's ``init`` folder if it has one, else the
+    character-level tokenizer of the bundled tasks."""
+    from nereus.rl.hf_tokenizer import HfTokenizer, has_tokenizer
+
+    if named:
+        return HfTokenizer(named)
+    if actor_init and has_tokenizer(actor_init):
+        return HfTokenizer(actor_init)
+    return CharTokenizer()
 
 
 @dataclass(frozen=True, slots=True)

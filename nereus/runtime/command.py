@@ -77,6 +77,7 @@ def preflight(spec: Any, folder: Path, resume: bool, force: bool = False, local:
     one ``ConfigError`` (exit 2) naming the cause. ``local``: ``nereus run``'s checks of the
     output folder and of a plan for ``spec.workers`` (a launched job's world is SLURM's)."""
     from nereus.control.controller import policy_config
+    from nereus.rl.hf_tokenizer import check_folder
     from nereus.rl.tokenizer import CharTokenizer
     from nereus.runtime.engines import engines_of, job_models
     from nereus.spec import load_cluster, load_model, load_workload
@@ -101,14 +102,15 @@ def preflight(spec: Any, folder: Path, resume: bool, force: bool = False, local:
         raise ConfigError(
             f"workers: {spec.workers} exceeds the {cluster.total_gpus} GPUs of cluster {cluster.name}"
         )
-    tok = CharTokenizer()
-    if tok.vocab_size > model.vocab_size:
+    if not spec.tokenizer and not spec.weights_of("actor") and CharTokenizer().vocab_size > model.vocab_size:
         raise ConfigError(
             f"model: {model.name}'s vocabulary ({model.vocab_size}) is smaller than the tokenizer's"
         )
+    if spec.tokenizer:
+        check_folder(spec.tokenizer)
     policy_config(spec.policy)
     for role in ("actor", "reward", "critic"):
-        path = spec.init.path(role)
+        path = spec.weights_of(role)
         if path and not (Path(path) / "config.json").is_file():
             raise ConfigError(f"init.{role}: {path} is not a Hugging Face checkpoint folder (no config.json)")
     if local:
@@ -193,18 +195,30 @@ def torch_checks(spec: Any) -> None:
     from nereus.backends import hf
     from nereus.plan.layout import Layout
     from nereus.rl.data import PromptDataset
-    from nereus.rl.tokenizer import CharTokenizer
-    from nereus.rl.verifiers import get_verifier
+    from nereus.rl.tokenizer import tokenizer_of
+    from nereus.rl.verifiers import get_verifier, verifier_for_source
     from nereus.spec import load_model, load_workload
     from nereus.spec.model import Head
     from nereus.state.geometry import shards
 
     workload, model = load_workload(spec.workload), load_model(spec.model)
-    if spec.dataset:
-        PromptDataset.load(Path(spec.dataset), CharTokenizer(), workload.max_prompt_len)
+    tok = tokenizer_of(spec.tokenizer, spec.weights_of("actor"))
+    if tok.vocab_size > model.vocab_size:
+        raise ConfigError(
+            f"tokenizer: {tok.vocab_size} ids do not fit {model.name}'s vocabulary of {model.vocab_size}"
+        )
+    if spec.data is not None:
+        data = PromptDataset.load(
+            Path(spec.data.train), tok, workload.max_prompt_len, 0, spec.data.record_layout()
+        )
+        if spec.verifier == "by_source":
+            for source in sorted({r.source for r in data.records}):
+                verifier_for_source(source)
+    elif spec.dataset:
+        PromptDataset.load(Path(spec.dataset), tok, workload.max_prompt_len)
     get_verifier(spec.verifier)
     for role, head in (("actor", Head.LM), ("reward", Head.VALUE), ("critic", Head.VALUE)):
-        path = spec.init.path(role)
+        path = spec.weights_of(role)
         if not path:
             continue
         folder, wanted = Path(path), model.with_head(head)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from nereus.backends.registry import check_engine, default_engine
 from nereus.errors import ConfigError
+from nereus.rl.layouts import RecordLayout
 from nereus.spec.files import brief
 from nereus.spec.model import ModelSpec
 from nereus.spec.schema import load_spec, require_at_most, require_finite, require_positive
@@ -43,6 +44,30 @@ class TaskSpec:
         require_positive(self, "n")
         require_at_most(self, 10_000_000, "n")
         generate_tasks(self.kind, 0, self.seed, self.difficulty, self.length)  # validates the rest
+
+
+@dataclass(frozen=True, slots=True)
+class DataSpec:
+    """A prompt data set as users bring it (``nereus.rl.layouts``): ``train`` a JSONL or Parquet
+    file, ``layout`` verl (chat messages, ``reward_model.ground_truth``, ``data_source``), qa
+    (``{question, answer}`` through ``template``) or nereus (``{prompt, answer, id}``), and the
+    column names where they differ from the layout's."""
+
+    train: str
+    layout: str = "verl"
+    template: str = "{question}"
+    prompt_key: str = "prompt"
+    question_key: str = "question"
+    answer_key: str = ""
+    source_key: str = "data_source"
+
+    def __post_init__(self) -> None:
+        self.record_layout()  # validates layout and template
+
+    def record_layout(self) -> RecordLayout:
+        return RecordLayout(
+            self.layout, self.prompt_key, self.question_key, self.answer_key, self.source_key, self.template
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,9 +167,14 @@ class ExperimentSpec:
     policy: str = "nereus"
     task: TaskSpec = field(default_factory=TaskSpec)
     dataset: str = ""  # a JSONL/Parquet prompt file instead of the generated task
+    data: DataSpec | None = None  # a data set in a user's layout (verl, qa) instead
     verifier: str = "exact_answer"  # or "none": the reward model alone scores
     reward_coef: float = 1.0  # the reward model's score's weight (workloads with reward_model: true)
     init: InitSpec = field(default_factory=InitSpec)
+    # A Hugging Face tokenizer's folder (tokenizer.json / tokenizer_config.json with its chat
+    # template); default: the actor's init folder when it has one, else the bundled tasks'
+    # character-level tokenizer.
+    tokenizer: str = ""
     max_new_tokens: int = 8
     rl: RlSpec = field(default_factory=RlSpec)
     drift: tuple[DriftEvent, ...] = ()
@@ -176,6 +206,10 @@ class ExperimentSpec:
                 check_engine(engine, name.split(".")[1])
             except ConfigError as exc:
                 raise ValueError(f"engines.{name}: {exc}") from None
+        if self.dataset and self.data is not None:
+            raise ValueError(
+                "dataset and data: name one prompt file (data: in verl or qa layout, or dataset:)"
+            )
         if self.seed < 0 or self.checkpoint_every < 0:
             raise ValueError("seed and checkpoint_every must be non-negative")
         pool = set(range(self.workers))
@@ -205,6 +239,17 @@ class ExperimentSpec:
             raise
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{path}: {exc}") from None
+
+    def weights_of(self, role: str) -> str:
+        """The Hugging Face folder ``role`` starts from: its ``init:`` folder, else the ``model:``
+        folder when it holds weights (a value head then starts at zero), else none."""
+        named = self.init.path(role)
+        if named:
+            return named
+        folder = Path(self.model)
+        if folder.is_dir() and any(folder.glob("*.safetensors")):
+            return str(folder)
+        return ""
 
     def engine_of(self, model_stage: str, model: ModelSpec | None = None) -> str:
         """The engine that runs ``model_stage`` (of ``model``): the one named, else the default."""

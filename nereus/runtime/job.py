@@ -24,10 +24,11 @@ from nereus.plan.problem import PlanningProblem, SearchSpace, SeqStats
 from nereus.plan.search import search
 from nereus.rl.advantages import gae, grpo_advantages, remax_advantages, token_rewards
 from nereus.rl.data import PromptDataset, collate
+from nereus.rl.hf_tokenizer import HfTokenizer
 from nereus.rl.losses import PolicyLoss, ValueLoss, kl_penalty
-from nereus.rl.tasks import generate_tasks, write_jsonl
-from nereus.rl.tokenizer import CharTokenizer
-from nereus.rl.verifiers import get_verifier, score
+from nereus.rl.tasks import TaskRecord, generate_tasks, write_jsonl
+from nereus.rl.tokenizer import CharTokenizer, tokenizer_of
+from nereus.rl.verifiers import by_source, get_verifier, score, score_by_source
 from nereus.runtime.engines import engines_of, job_models, space_of
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.rollout import Rollouts, responses
@@ -45,7 +46,7 @@ class JobSetup:
     workload: WorkloadSpec
     models: dict[Role, ModelSpec]
     dataset: PromptDataset
-    tokenizer: CharTokenizer
+    tokenizer: CharTokenizer | HfTokenizer
     cluster: ClusterSpec  # the spec's, with what the leader's node measured where they differ
     engines: dict[str, str] = dataclasses.field(default_factory=dict)  # model-stage → engine
 
@@ -62,19 +63,20 @@ class JobSetup:
         workload = load_workload(spec.workload)
         actor = load_model(spec.model)
         models = job_models(actor)
-        tok = CharTokenizer()
+        tok = tokenizer_of(spec.tokenizer, spec.weights_of("actor"))
         if tok.vocab_size > actor.vocab_size:
             raise ValueError(
                 f"{actor.name}: vocabulary {actor.vocab_size} is smaller than the tokenizer's "
                 f"{tok.vocab_size}"
             )
-        if spec.dataset:
-            path = Path(spec.dataset)
+        layout = spec.data.record_layout() if spec.data is not None else None
+        if spec.data is not None or spec.dataset:
+            path = Path(spec.data.train if spec.data is not None else spec.dataset)
         else:
             path = out / "tasks.jsonl"
             t = spec.task
             write_jsonl(generate_tasks(t.kind, t.n, t.seed, t.difficulty, t.length), path)
-        dataset = PromptDataset.load(path, tok, workload.max_prompt_len, spec.seed)
+        dataset = PromptDataset.load(path, tok, workload.max_prompt_len, spec.seed, layout)
         return cls(
             spec,
             workload,
@@ -136,8 +138,7 @@ def algorithm_step(
     r = worker.generate(plan, prompt_ids, prompt_valid, list(sample_ids), params)
     if after_generate is not None:
         after_generate()
-    answers = [s.record.answer for s in samples for _ in range(g)]
-    scores, rm = sequence_rewards(worker, plan, setup, r, answers)
+    scores, rm = sequence_rewards(worker, plan, setup, r, [s.record for s in samples for _ in range(g)])
     mask = r.mask.float()
     metrics: dict[str, float] = {}
     if rm is not None:
@@ -166,7 +167,7 @@ def algorithm_step(
             )
             gids, gvalid, gsid = collate(samples, tok, 1)
             base = worker.generate(plan, gids, gvalid, list(gsid), greedy)
-            baseline, _ = sequence_rewards(worker, plan, setup, base, [s.record.answer for s in samples])
+            baseline, _ = sequence_rewards(worker, plan, setup, base, [s.record for s in samples])
             baseline = baseline.repeat_interleave(g)  # scored exactly as the samples are
             fields["advantages"] = remax_advantages(scores, baseline, r.mask)
         fields["ref_logprobs"] = ref
@@ -179,13 +180,18 @@ def algorithm_step(
 
 
 def sequence_rewards(
-    worker: Worker, plan: Plan, setup: JobSetup, r: Rollouts, answers: list[str]
+    worker: Worker, plan: Plan, setup: JobSetup, r: Rollouts, records: list[TaskRecord]
 ) -> tuple[Tensor, Tensor | None]:
-    """Each rollout's reward: the verifier's score of its decoded response and, in a workload
-    with a reward model, ``reward_coef`` × the model's score of its last token (also returned,
-    else None). Every rollout a step scores (ReMax's greedy baseline too) is scored by this."""
+    """Each rollout's reward (row i answers ``records[i]``): the verifier's score of its decoded
+    response (``by_source``: the verifier of the record's data source) and, in a workload with a
+    reward model, ``reward_coef`` × the model's score of its last token (also returned, else
+    None). Every rollout a step scores (ReMax's greedy baseline too) is scored by this."""
     verifier = get_verifier(setup.spec.verifier)
-    scores = score(verifier, [setup.tokenizer.decode(x) for x in responses(r)], answers)
+    texts, answers = [setup.tokenizer.decode(x) for x in responses(r)], [x.answer for x in records]
+    if verifier is by_source:
+        scores = score_by_source(texts, answers, [x.source for x in records])
+    else:
+        scores = score(verifier, texts, answers)
     if not any(ms.name == "reward.inf" for ms in worker.workflow.model_stages):
         return scores, None
     values = worker.infer(plan, "reward.inf", r)

@@ -419,7 +419,7 @@ def _first_state(worker: Worker, plan: Plan, resume_from: Path | None, spec: Exp
     worker.init_state(plan)
     worker.bind(plan)
     for name, engine in worker.engines.items():
-        path = spec.init.path(worker.workflow.get(name).role.value)
+        path = spec.weights_of(worker.workflow.get(name).role.value)
         if path:
             engine.load_hf(Path(path))
     return 0

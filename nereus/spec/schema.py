@@ -161,6 +161,9 @@ def _fail(source: str, key: str, tp: Any, value: Any) -> ConfigError:
 def _convert(value: Any, tp: Any, source: str, key: str) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is not None and len(args) == 1:  # an optional value: its own errors, precisely
+            return _convert(value, args[0], source, key)
         for arg in typing.get_args(tp):
             try:
                 return _convert(value, arg, source, key)

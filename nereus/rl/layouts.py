@@ -1,0 +1,124 @@
+"""How a dataset's rows become task records: the column layouts users bring.
+
+* ``nereus`` (``dataset: FILE``): ``{"prompt": str, "answer": str, "id": str | int | null}``.
+* ``verl`` (verl's RL data sets, e.g. its GSM8K and MATH preprocessors): ``prompt`` a list of
+  ``{"role", "content"}`` chat messages, ``reward_model: {"ground_truth", "style"}``,
+  ``data_source`` (which verifier scores the row under ``verifier: by_source``) and an optional
+  ``extra_info`` (its ``index`` is the record's id).
+* ``qa``: ``{"question", "answer"}``, the prompt made of the question by ``template`` (for
+  example ``"{question} Let's think step by step and output the final answer after ####."``).
+
+Column names are the ``DataSpec``'s; a row that does not fit is one ``ConfigError`` naming the
+file, the row and the column. Pure (no torch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from nereus.errors import ConfigError
+from nereus.rl.tasks import TaskRecord
+
+LAYOUTS = ("nereus", "verl", "qa")
+
+
+@dataclass(frozen=True, slots=True)
+class RecordLayout:
+    """Which columns hold what (defaults: each layout's usual names)."""
+
+    name: str = "nereus"
+    prompt_key: str = "prompt"  # nereus: the prompt text; verl: the chat messages
+    question_key: str = "question"  # qa
+    answer_key: str = ""  # nereus, qa: "answer"; verl: "reward_model.ground_truth"
+    source_key: str = "data_source"  # verl
+    template: str = "{question}"  # qa
+
+    def __post_init__(self) -> None:
+        if self.name not in LAYOUTS:
+            raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {self.name!r}")
+        if "{question}" not in self.template:
+            raise ValueError(f"template must contain {{question}}, got {self.template!r}")
+        try:
+            self.template.format(question="")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(
+                f"template {self.template!r}: only {{question}} may be substituted ({exc})"
+            ) from None
+
+    @property
+    def answer(self) -> str:
+        if self.answer_key:
+            return self.answer_key
+        return "reward_model.ground_truth" if self.name == "verl" else "answer"
+
+    def record(self, raw: object, where: str, default_id: str) -> TaskRecord:
+        """The task record of one row (``default_id``: its line or row number)."""
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{where}: expected an object with the {self.name} layout's columns")
+        if self.name == "verl":
+            messages = _messages(_column(raw, self.prompt_key, where), f"{where}: column {self.prompt_key!r}")
+            source = _column(raw, self.source_key, where) if self.source_key in raw else ""
+            if not isinstance(source, str):
+                raise ConfigError(f"{where}: column {self.source_key!r}: expected a string, got {source!r}")
+            extra = raw.get("extra_info")
+            rid = extra.get("index") if isinstance(extra, Mapping) else None
+            prompt = next((c for r, c in reversed(messages) if r == "user"), messages[-1][1])
+            return _task(prompt, _text(_column(raw, self.answer, where), where, self.answer), rid, default_id,
+                         where, messages, source)  # fmt: skip
+        if self.name == "qa":
+            question = _text(_column(raw, self.question_key, where), where, self.question_key)
+            answer = _text(_column(raw, self.answer, where), where, self.answer)
+            return _task(self.template.format(question=question), answer, raw.get("id"), default_id, where)
+        prompt = _text(_column(raw, self.prompt_key, where), where, self.prompt_key)
+        return _task(prompt, _text(_column(raw, self.answer, where), where, self.answer), raw.get("id"),
+                     default_id, where)  # fmt: skip
+
+
+def _column(raw: Mapping[str, Any], key: str, where: str) -> Any:
+    """The value at ``key`` (dots go into nested objects: ``reward_model.ground_truth``)."""
+    value: Any = raw
+    for part in key.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            raise ConfigError(f"{where}: missing column {key!r}")
+        value = value[part]
+    return value
+
+
+def _text(value: Any, where: str, key: str) -> str:
+    """A string column (a number in a ground-truth column reads as its text)."""
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ConfigError(f"{where}: column {key!r}: expected a string, got {value!r}")
+    text = str(value)
+    if not text.strip():
+        raise ConfigError(f"{where}: column {key!r}: must not be empty")
+    return text
+
+
+def _messages(value: Any, where: str) -> tuple[tuple[str, str], ...]:
+    if isinstance(value, str) or not isinstance(value, list | tuple) or not value:
+        raise ConfigError(f"{where}: expected a non-empty list of {{role, content}} messages")
+    out = []
+    for i, m in enumerate(value):
+        if (
+            not isinstance(m, Mapping)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
+            raise ConfigError(f"{where}: message {i}: expected {{role: str, content: str}}, got {m!r}")
+        out.append((m["role"], m["content"]))
+    return tuple(out)
+
+
+def _task(
+    prompt: str, answer: str, rid: object, default_id: str, where: str,
+    messages: tuple[tuple[str, str], ...] = (), source: str = "",
+) -> TaskRecord:  # fmt: skip
+    if rid is None:
+        rid = default_id
+    if isinstance(rid, bool) or not isinstance(rid, str | int):
+        raise ConfigError(f"{where}: id: expected a string or an integer, got {rid!r}")
+    if not prompt:
+        raise ConfigError(f"{where}: the prompt is empty")
+    return TaskRecord(prompt, answer, str(rid), messages, source)

@@ -1,0 +1,140 @@
+"""Data sets in the layouts users bring (``nereus.rl.layouts``): verl's (chat messages,
+``reward_model.ground_truth``, ``data_source``, ``extra_info.index``) in Parquet and JSONL, a
+``{question, answer}`` layout through a template, configurable columns, and a one-line error
+naming the file, the row and the column for rows that do not fit. Chat prompts need a tokenizer
+with a chat template; the experiment file's ``data:`` key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nereus.errors import ConfigError
+from nereus.rl.data import PromptDataset, collate, prompt_ids
+from nereus.rl.hf_tokenizer import HfTokenizer
+from nereus.rl.layouts import RecordLayout
+from nereus.rl.tokenizer import CharTokenizer
+from nereus.runtime.experiment import DataSpec, ExperimentSpec
+from tests.test_hf_tokenizer import build
+
+pq = pytest.importorskip("pyarrow.parquet")
+pa = pytest.importorskip("pyarrow")
+
+pytestmark = pytest.mark.pure
+
+VERL = [
+    {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": f"Natalia sold {n} clips."}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(2 * n)},
+        "extra_info": {"split": "train", "index": n},
+    }
+    for n in range(5)
+]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> HfTokenizer:
+    return HfTokenizer(str(build(tmp_path_factory.mktemp("tok"))))
+
+
+def write_parquet(rows: list[dict[str, object]], path: Path) -> Path:
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_a_verl_parquet_file(tok: HfTokenizer, tmp_path: Path) -> None:
+    data = PromptDataset.load(
+        write_parquet(VERL, tmp_path / "train.parquet"), tok, 64, 0, RecordLayout("verl")
+    )
+    r = data.records[3]
+    assert r.messages == (("user", "Natalia sold 3 clips."),)
+    assert (r.prompt, r.answer, r.id, r.source) == (r.messages[0][1], "6", "3", "openai/gsm8k")
+    want = tok.encode_messages([{"role": "user", "content": r.prompt}])
+    assert prompt_ids(tok, r) == want == tok.encode(r.prompt)  # a one-turn chat is the templated text
+    _ids, valid, _ = collate(data.samples(0, 5), tok)
+    assert int(valid.sum(1).max()) == max(len(prompt_ids(tok, x)) for x in data.records)
+
+
+def test_verl_in_jsonl_with_a_system_turn_and_other_columns(tok: HfTokenizer, tmp_path: Path) -> None:
+    rows = [
+        {
+            "src": "math",
+            "chat": [{"role": "system", "content": "Box it."}, {"role": "user", "content": "1+1?"}],
+            "gt": {"answer": "\\boxed{2}"},
+        }
+    ]
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps(rows[0]) + "\n")
+    layout = RecordLayout("verl", prompt_key="chat", answer_key="gt.answer", source_key="src")
+    r = PromptDataset.load(path, tok, 64, 0, layout).records[0]
+    assert (r.prompt, r.answer, r.source, r.id) == ("1+1?", "\\boxed{2}", "math", "1")
+    assert len(r.messages) == 2 and prompt_ids(tok, r) != tok.encode("1+1?")
+
+
+def test_the_qa_layout_through_a_template(tmp_path: Path) -> None:
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps({"question": f"{n}+1", "answer": n + 1}) + "\n" for n in range(3)))
+    layout = RecordLayout("qa", template="what is {question}?")
+    data = PromptDataset.load(path, CharTokenizer(), 32, 0, layout)
+    assert [(r.prompt, r.answer) for r in data.records] == [(f"what is {n}+1?", str(n + 1)) for n in range(3)]
+    with pytest.raises(ValueError, match="must contain"):
+        RecordLayout("qa", template="no question")
+    with pytest.raises(ValueError, match="layout: expected one of nereus, verl, qa"):
+        RecordLayout("alpaca")
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({**VERL[0], "prompt": "plain text"}, "column 'prompt': expected a non-empty list"),
+        ({**VERL[0], "prompt": [{"role": "user"}]}, "message 0: expected {role: str, content: str}"),
+        (
+            {k: v for k, v in VERL[0].items() if k != "reward_model"},
+            "missing column 'reward_model.ground_truth'",
+        ),
+        (
+            {**VERL[0], "reward_model": {"ground_truth": ""}},
+            "column 'reward_model.ground_truth': must not be",
+        ),
+        ({**VERL[0], "data_source": 7}, "column 'data_source': expected a string"),
+        ({**VERL[0], "extra_info": {"index": [1]}}, "id: expected a string or an integer"),
+    ],
+)
+def test_a_row_that_does_not_fit_names_file_row_and_column(
+    tok: HfTokenizer, tmp_path: Path, row: dict[str, object], message: str
+) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(VERL[1]) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:2: ") as info:
+        PromptDataset.load(path, tok, 64, 0, RecordLayout("verl"))
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_chat_prompts_need_a_chat_template(tmp_path: Path) -> None:
+    row = {"prompt": [{"role": "user", "content": "what is 1+1?"}], "reward_model": {"ground_truth": "2"}}
+    path = write_parquet([row], tmp_path / "train.parquet")
+    with pytest.raises(ConfigError, match="chat-message prompts need a Hugging Face tokenizer"):
+        PromptDataset.load(path, CharTokenizer(), 64, 0, RecordLayout("verl"))
+
+
+def test_the_experiment_names_its_data(tmp_path: Path) -> None:
+    exp = tmp_path / "e.yaml"
+    exp.write_text(
+        "name: e\nworkload: grpo-tiny\nmodel: tiny-llama\nverifier: by_source\n"
+        "data: {train: t.parquet, layout: qa, template: 'Q: {question}', answer_key: label}\n"
+    )
+    spec = ExperimentSpec.load(exp)
+    assert spec.data == DataSpec("t.parquet", "qa", "Q: {question}", answer_key="label")
+    assert spec.data.record_layout().answer == "label"
+    exp.write_text(
+        "name: e\nworkload: grpo-tiny\nmodel: tiny-llama\ndataset: a.jsonl\ndata: {train: b.jsonl}\n"
+    )
+    with pytest.raises(ConfigError, match="dataset and data: name one prompt file"):
+        ExperimentSpec.load(exp)
+    exp.write_text("name: e\nworkload: grpo-tiny\nmodel: tiny-llama\ndata: {train: t, colour: 1}\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'data\.colour' \(allowed: answer_key, layout"):
+        ExperimentSpec.load(exp)
