@@ -202,6 +202,7 @@ def test_describe_and_list(capsys: pytest.CaptureFixture[str]) -> None:
         "qwen3-32b",
         "tiny-llama",
         "tiny-llama-h32",
+        "tiny-qwen2",
         "tiny-qwen3",
     ]
     _, out, _ = run(["list", "algos"], capsys)

@@ -190,9 +190,9 @@ PHASES: list[tuple[Layout, tuple[tuple[int, ...], ...]]] = [
 ]
 
 
-def _transition_worker(rank: int, store: str, out: str) -> None:
+def _transition_worker(rank: int, store: str, out: str, model_name: str) -> None:
     _init(rank, store)
-    model = load_model("tiny-llama")
+    model = load_model(model_name)
     links = LinkModel(load_cluster("local-cpu"), Efficiencies())
     try:
         # the reference: every step on one rank, no transitions
@@ -256,8 +256,9 @@ def _transition_worker(rank: int, store: str, out: str) -> None:
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-def test_training_continues_identically_across_extend_split_and_merge(tmp_path: Path) -> None:
-    mp.spawn(_transition_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD)
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])  # Qwen2: q/k/v biases move with their heads
+def test_training_continues_identically_across_extend_split_and_merge(tmp_path: Path, model: str) -> None:
+    mp.spawn(_transition_worker, args=(str(tmp_path / "store"), str(tmp_path), model), nprocs=WORLD)
     ref = torch.load(tmp_path / "reference.pt", weights_only=False)
     got = torch.load(tmp_path / "moved.pt", weights_only=False)
     assert got["updates"] == ref["updates"] == len(PHASES)
