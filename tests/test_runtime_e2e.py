@@ -58,6 +58,14 @@ def nereus_run(
     return out, proc
 
 
+def cli_run(exp: Path, out: Path, timeout: int) -> subprocess.CompletedProcess[str]:
+    """``nereus run EXP --out OUT`` in a child process."""
+    return subprocess.run(
+        [sys.executable, "-m", "nereus.cli", "run", str(exp), "--out", str(out)],
+        capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+
+
 def metrics(out: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -194,10 +202,7 @@ def test_reward_model_stage_scores_from_hugging_face_weights(tmp_path: Path) -> 
         + f"verifier: none\ninit: {{actor: {actor}, reward: {rm}}}\n"
     )
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "nereus.cli", "run", str(exp), "--out", str(out)],
-        capture_output=True, text=True, timeout=240, check=False,
-    )  # fmt: skip
+    proc = cli_run(exp, out, 240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(out)
     assert all("reward.inf" in r["plan"] for r in rows)  # type: ignore[operator]
@@ -348,10 +353,7 @@ def test_a_job_from_a_users_model_folder_and_verl_data(tmp_path: Path) -> None:
         f"data: {{train: {data}, layout: verl}}\nverifier: by_source\nmax_new_tokens: 3\n"
     )
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "nereus.cli", "run", str(exp), "--out", str(out)],
-        capture_output=True, text=True, timeout=280, check=False,
-    )  # fmt: skip
+    proc = cli_run(exp, out, 280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = metrics(out)
     assert [r["step"] for r in got] == [0, 1]
