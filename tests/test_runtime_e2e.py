@@ -327,22 +327,30 @@ def test_a_gpu_that_turns_unhealthy_is_a_gpu_loss(tmp_path: Path, untouched: Pat
 
 
 @pytest.mark.timeout(300)
-def test_a_job_from_a_users_model_folder_and_verl_data(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_a_job_from_a_users_model_folder_and_verl_data(tmp_path: Path, family: str) -> None:
     """GRPO as a user brings it: ``model:`` a Hugging Face folder (config.json, safetensors, a BPE
-    tokenizer with its chat template), a verl-layout Parquet file (chat messages, ground truths,
-    data sources) scored by each row's source. The actor starts from the folder's weights."""
+    tokenizer with its chat template) of Llama, Qwen2 (q/k/v biases) or Qwen3 (QK-norm, a tied
+    head), a verl-layout Parquet file (chat messages, ground truths, data sources) scored by each
+    row's source. The actor starts from the folder's weights."""
     import transformers
 
     from tests.test_hf_tokenizer import build
     from tests.test_rl_layouts import VERL, write_parquet
 
-    folder = tmp_path / "tiny-user-llama"
-    config = transformers.LlamaConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-    )  # fmt: skip
+    folder = tmp_path / f"tiny-user-{family}"
+    shape = {
+        "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+    }  # fmt: skip
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, False),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, False),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, True),
+    }
+    config_cls, model_cls, tied = classes[family]
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    model_cls(config_cls(**shape, tie_word_embeddings=tied)).save_pretrained(folder)
     build(folder)  # the tokenizer next to the weights, as on the hub
     rows = [{**r, "data_source": "openai/gsm8k" if i % 2 else "math"} for i, r in enumerate(VERL * 4)]
     rows = [{**r, "extra_info": {"index": i}} for i, r in enumerate(rows)]
