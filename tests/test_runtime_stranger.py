@@ -35,18 +35,29 @@ def _stranger(out: Path, stop: threading.Event, seen: dict[str, int]) -> None:
         time.sleep(0.02)
     if stop.is_set():
         return
-    doc = json.loads(path.read_text())
-    store = TCPStore(doc["host"], doc["port"], None, False, timeout=timedelta(seconds=10))
-    mine = SignedStore(store, secrets.token_bytes(32))  # a key of its own, not the job's
+    secret = secrets.token_bytes(32)  # a key of its own, not the job's
+
+    def connect() -> tuple[TCPStore, SignedStore]:
+        doc = json.loads(path.read_text())
+        store = TCPStore(doc["host"], doc["port"], None, False, timeout=timedelta(seconds=10))
+        return store, SignedStore(store, secret)
 
     def body() -> dict[str, object]:
         return {"ticket": secrets.token_hex(16), "time": time.time(), "host": "x", "pid": 1, "gpu": 0}
 
+    connection: tuple[TCPStore, SignedStore] | None = None
     tick = 0
     while not stop.is_set():
         tick += 1
-        with contextlib.suppress(Exception):  # the job's store goes away when the job ends
+        try:
+            connection = connection or connect()
+            store, mine = connection
             _steal(store, mine, seen)
+        except Exception:  # a dropped connection (a loaded machine): connect again, as an attacker would
+            connection = None
+            time.sleep(0.05)
+            continue
+        with contextlib.suppress(Exception):  # the job's store goes away when the job ends
             if tick % 25:  # the floods every 50 ms; the queue is watched every 2 ms
                 time.sleep(0.002)
                 continue
