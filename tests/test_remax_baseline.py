@@ -6,6 +6,9 @@ what the step asks of it: sampling returns one token, greedy decoding another, a
 model scores the greedy token 2.0 and the sampled one 0.0 (the verifier scores both 0). The
 advantage of every sampled token is then r(sampled) − r(greedy) = 0 − 2·coef; before the fix the
 baseline was the verifier's alone and the advantage 0.
+
+Also of the step's setup: a worker's generation engines hold the longest response the experiment
+asks for (a drift may raise ``max_new_tokens`` past the workload's ``max_response_len``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from torch import Tensor
 
 from nereus.backends.protocol import SamplingParams
+from nereus.devices import CPU, Devices
 from nereus.plan.layout import Plan
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.job import JobSetup, algorithm_step
@@ -69,3 +73,23 @@ def test_the_greedy_baseline_is_scored_by_the_reward_model_too(tmp_path: Path) -
     assert torch.allclose(adv[on], torch.full_like(adv[on], -2.0 * COEF)), adv[on]
     assert bool((adv[~on] == 0).all())
     assert metrics["rm_score"] == 0.0
+
+
+def test_a_generation_engine_holds_the_longest_response_asked_for(tmp_path: Path) -> None:
+    """vLLM's max_model_len: the workload's longest prompt plus the longest response the
+    experiment asks for at any step (drift included), never shorter than the workload's."""
+    from nereus.runtime.experiment import DriftEvent
+    from nereus.runtime.job import make_worker
+
+    spec = ExperimentSpec(
+        name="long", workload="ppo-tiny", model="tiny-llama", max_new_tokens=4,
+        drift=(DriftEvent(step=2, max_new_tokens=40),),
+    )  # fmt: skip
+    assert spec.longest_response() == 40
+    setup = JobSetup.build(spec, tmp_path)
+    worker = make_worker(0, setup, Devices(CPU), tmp_path)
+    assert worker.longest_response == 40 > setup.workload.max_response_len
+    short = make_worker(
+        0, JobSetup.build(dataclasses.replace(spec, drift=()), tmp_path), Devices(CPU), tmp_path
+    )
+    assert short.longest_response == setup.workload.max_response_len

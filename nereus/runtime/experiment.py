@@ -271,6 +271,10 @@ class ExperimentSpec:
                 limit = e.max_new_tokens
         return limit
 
+    def longest_response(self) -> int:
+        """The largest ``max_new_tokens`` the job will ask for (drift included)."""
+        return max([self.max_new_tokens, *(e.max_new_tokens for e in self.drift)])
+
     def lost_at(self, step: int) -> tuple[int, ...]:
         """Workers that leave at the boundary before ``step``."""
         return tuple(sorted(w for e in self.drift if e.step == step for w in e.lose))

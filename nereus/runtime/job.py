@@ -106,8 +106,9 @@ def make_worker(gpu: int, setup: JobSetup, devices: Devices, workdir: Path | Non
         ),
     }
     return Worker(
-        gpu, setup.workload, setup.models, setup.cluster, optim, spec.seed, setup.engine_of, devices, workdir
-    )
+        gpu, setup.workload, setup.models, setup.cluster, optim, spec.seed, setup.engine_of, devices, workdir,
+        spec.longest_response(),
+    )  # fmt: skip
 
 
 def restart_plan(setup: JobSetup, problem: PlanningProblem, max_new: int) -> Plan:

@@ -112,7 +112,7 @@ class Worker:
     def __init__(
         self, gpu: int, workload: WorkloadSpec, models: Mapping[Role, ModelSpec], cluster: ClusterSpec,
         optim: Mapping[Role, AdamWConfig], seed: int, engines: Callable[[str], str],
-        devices: Devices | None = None, workdir: Path | None = None,
+        devices: Devices | None = None, workdir: Path | None = None, longest_response: int = 0,
     ) -> None:  # fmt: skip
         self.gpu = gpu
         self.devices = devices or Devices(CPU)
@@ -127,6 +127,8 @@ class Worker:
         self.seed = seed
         self.engine_of = engines  # model-stage → engine name in the registry
         self.workdir = workdir  # the run's folder for engines' files (vLLM's caches and sockets)
+        # the longest response a generation engine must hold: the workload's, or a longer one asked for
+        self.longest_response = max(longest_response, workload.max_response_len)
         self.generation: dict[str, GenerationStats] = {}  # this step's, per generating model-stage
         self.rebuilds = 0.0  # seconds engines spent being built since the last look (``take_rebuilds``)
         self.holder = StateHolder(gpu, self.device)
@@ -210,7 +212,7 @@ class Worker:
         }
         w = self.workload
         return EngineOptions(
-            max_num_seqs=c.micro_batch, max_model_len=w.max_prompt_len + w.max_response_len,
+            max_num_seqs=c.micro_batch, max_model_len=w.max_prompt_len + self.longest_response,
             workdir=self.workdir, sleep=self.devices.accelerated and bool(trainers & set(c.gpus)),
         )  # fmt: skip
 
