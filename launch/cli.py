@@ -20,10 +20,11 @@ from rich.console import Console
 from rich.table import Table
 
 from launch import monitor, submit
-from launch.inputs import one_line, shown
+from launch.inputs import shown
 from launch.jobdir import find_job, read_record
 from launch.render import DEFAULT_RESTARTS, LAUNCHERS, MAX_RESTARTS
 from nereus.errors import NereusError
+from nereus.spec.files import one_line
 
 DEFAULT_ROOT = Path("jobs")
 

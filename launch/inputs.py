@@ -17,8 +17,6 @@ from nereus.errors import ConfigError
 from nereus.spec.schema import load_yaml
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-# Escaped in error lines: the control characters, C1 controls and Unicode's line separators.
-_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def has_control(text: str) -> bool:
@@ -40,11 +38,6 @@ def check_text(field: str, value: str) -> None:
     """A ``ConfigError`` naming ``field`` when ``value`` holds a control character."""
     if has_control(value):
         raise ConfigError(control_error(field, value))
-
-
-def one_line(text: str) -> str:
-    """``text`` with control characters and line separators escaped as Python writes them (``\\n``)."""
-    return _UNPRINTABLE.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def check_file(path: Path, what: str) -> None:
