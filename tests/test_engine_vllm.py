@@ -201,9 +201,7 @@ def test_after_a_weight_sync_greedy_follows_the_new_weights(results: dict[str, A
 def test_sampling_is_keyed_by_sample_id_not_by_batch(results: dict[str, Any]) -> None:
     r0 = results["ranks"][0]
     assert r0["sampled/batch"] == r0["sampled/alone"]
-    assert (
-        r0["sampled/other_seed"][2] != r0["sampled/batch"] or r0["sampled/other_seed"] != r0["llama/synced"]
-    )
+    assert r0["sampled/other_seed"][2] != r0["sampled/batch"]  # another seed, other draws
 
 
 @pytest.mark.timeout(TIMEOUT_S)
