@@ -23,8 +23,12 @@ def _git(*args: str) -> str:
 
 
 def git_sha() -> str:
+    """The commit measured, ``-dirty`` when code or configs differ from it (the results folder,
+    which the benchmarks themselves rewrite, does not count)."""
     try:
-        dirty = _git("status", "--porcelain", "--untracked-files=no")
+        dirty = _git(
+            "status", "--porcelain", "--untracked-files=no", "--", ":/", ":(exclude,top)benchmarks/results"
+        )
         return _git("rev-parse", "--short", "HEAD") + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
