@@ -101,6 +101,7 @@ class VllmEngine:
         root = self._workdir()
         folder = setup.model_folder(root, state)
         os.environ.update(setup.environment(root))
+        setup.quiet_known_noise()
         opts = self.options
         max_len = opts.max_model_len or state.model.max_position_embeddings
         device = state.buffers[BufferKind.PARAM].device

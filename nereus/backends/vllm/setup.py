@@ -10,7 +10,9 @@ usage statistics are off. Edge module (files, environment).
 from __future__ import annotations
 
 import json
+import logging
 import os
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -57,7 +59,9 @@ def model_folder(root: Path, state: RankState) -> Path:
 
 def environment(root: Path) -> dict[str, str]:
     """vLLM's process-wide settings: in-process engine core, no usage statistics, its sockets
-    and caches under ``root``, no OpenMP thread binding (the worker owns its threads)."""
+    and caches under ``root``, no OpenMP thread binding (the worker owns its threads), and only
+    its errors logged (each engine build would otherwise print its performance hints on every
+    rank; ``VLLM_LOGGING_LEVEL=WARNING`` shows them)."""
     for sub in ("rpc", "cache"):
         (root / sub).mkdir(parents=True, exist_ok=True, mode=0o700)
     return {
@@ -67,9 +71,54 @@ def environment(root: Path) -> dict[str, str]:
         "VLLM_RPC_BASE_PATH": str(root / "rpc"),
         "VLLM_CACHE_ROOT": str(root / "cache"),
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
         "TOKENIZERS_PARALLELISM": "false",
     }
+
+
+class _KnownNoise(logging.Filter):
+    """Drops vLLM warnings that say nothing about this engine:
+
+    * "<Layer>: Failed to load weights" for rotary embeddings, whose only loadable tensor is the
+      cos/sin cache vLLM computes itself: every weight reload names them although no checkpoint
+      holds them, and vLLM puts them back;
+    * "Chat template warmup failed" with the traceback of "Tokenizer not available": the engine
+      is built without a tokenizer (``skip_tokenizer_init``; prompts arrive as token ids), and
+      "Using None for EOS token id" for the same reason (stop ids come with each request);
+    * "CPU backend doesn't allow to use `torch.set_num_threads`": vLLM's own warm-up calls it
+      while its CPU worker holds the function; the worker's threads are restored after the build
+      (``world.replica_world``)."""
+
+    QUIET = (
+        "Using None for EOS token id because tokenizer is not initialized",
+        "CPU backend doesn't allow to use `torch.set_num_threads`",
+    )
+    ROTARY = ("RotaryEmbedding", "Llama3RotaryEmbedding", "MRotaryEmbedding", "YaRNScalingRotaryEmbedding")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.endswith(": Failed to load weights"):
+            return not message.startswith(self.ROTARY)
+        if message.startswith("Chat template warmup failed") and record.exc_info:
+            return "Tokenizer not available" not in str(record.exc_info[1])
+        return not message.startswith(self.QUIET)
+
+
+NOISY_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.renderers.base",
+    "vllm.v1.worker.cpu_worker",
+)
+
+
+def quiet_known_noise() -> None:
+    """Install the filter once on each of vLLM's noisy loggers (its other warnings stay), and
+    ignore the deprecation of ``torch.distributed.reduce_op`` its import trips over."""
+    warnings.filterwarnings("ignore", r"`torch\.distributed\.reduce_op` is deprecated", FutureWarning)
+    for name in NOISY_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _KnownNoise) for f in logger.filters):
+            logger.addFilter(_KnownNoise())
 
 
 @contextmanager
