@@ -3,7 +3,8 @@ GPU, their CPU twins (``tests/test_device_twins.py``) with the CPU.
 
 - a transition executed on the device in a world of one (a weight sync's restore: the trainer's
   state becomes the generation copy, every byte checked);
-- the boundary snapshot: taken, the trainer changed, restored exactly, twice;
+- the boundary snapshots: two taken, the trainer changed after each, each restored exactly,
+  twice; the older dropped once they settle;
 - a model-stage's peak memory (the allocator's on a GPU; none on the CPU);
 - an out-of-memory error inside a model-stage's work, named after it (a real one on a GPU under a
   small memory fraction; the same exception type raised from inside the stage on the CPU);
@@ -24,11 +25,11 @@ import torch.distributed as dist
 
 from nereus.devices import Devices, StageMemory, StageOutOfMemoryError, abort_world, init_world
 from nereus.plan.calibration import Efficiencies
-from nereus.plan.layout import Layout
+from nereus.plan.layout import Candidate, Layout, Plan
 from nereus.runtime.health import HealthCheck, unhealthy_members
 from nereus.runtime.snapshot import Snapshot
-from nereus.spec import load_cluster, load_model
-from nereus.spec.workload import Precision, Stage
+from nereus.spec import load_cluster, load_model, load_workload
+from nereus.spec.workload import STAGE_ORDER, Precision, Stage
 from nereus.state.buffers import BufferKind, StatePolicy
 from nereus.state.geometry import shards
 from nereus.state.holder import RankState, StateHolder
@@ -78,19 +79,44 @@ def check_transition_in_a_world_of_one(devices: Devices, tmp: Path) -> None:
         abort_world()
 
 
+def small_plan(workload: str = "grpo") -> Plan:
+    """A plan that tags the snapshots: the first model-stage of every stage on GPU 0, concurrent
+    ones on GPUs 1, 2, … (one GPU each)."""
+    wf = load_workload(workload).workflow()
+    cands = [
+        Candidate(ms.name, Layout(1, 1), 1, (i,))
+        for stage in STAGE_ORDER
+        for i, ms in enumerate(wf.by_stage(stage))
+    ]
+    return Plan(wf, tuple(cands), tuple(range(max(c.gpus[0] for c in cands) + 1)))
+
+
 def check_snapshot(devices: Devices) -> None:
     kept = trainer(devices)
+    plan = small_plan()
     snap = Snapshot(devices.device)
-    snap.take({"actor.train": kept}, {"actor.train"})
+    first = snap.take(3, 7, plan, {"actor.train": kept}, {"actor.train"})
     snap.fence()
     original = {k: b.clone() for k, b in kept.buffers.items()}
     for b in kept.buffers.values():
         b.add_(1)  # the step changes the trainer in place
-    for _ in range(2):  # a second failure finds the snapshot intact
-        back = snap.restore()["actor.train"]
-        assert back.device == devices.device
-        assert all(torch.equal(back.buffers[k], original[k]) for k in original)
-        back.buffers[BufferKind.PARAM].add_(1)
+    second = snap.take(3, 8, plan, {"actor.train": kept}, {"actor.train"})  # the next boundary
+    snap.fence()
+    for b in kept.buffers.values():
+        b.add_(1)
+    assert snap.marks() == (first, second) and snap.steps() == (7, 8)
+    for _ in range(2):  # a second failure finds each snapshot intact
+        for mark, plus in ((first, 0), (second, 1)):
+            back = snap.restore(mark)["actor.train"]
+            assert back.device == devices.device
+            assert all(torch.equal(back.buffers[k], original[k] + plus) for k in original)
+            back.buffers[BufferKind.PARAM].add_(1)
+    snap.settle()  # every rank took the second: the first is gone
+    assert snap.marks() == (second,)
+    with pytest.raises(LookupError, match=r"no snapshot \(3, 0\)"):
+        snap.restore(first)
+    back = snap.back_to(second)["actor.train"]
+    assert all(torch.equal(back.buffers[k], original[k] + 1) for k in original)
 
 
 def check_stage_memory(devices: Devices) -> None:

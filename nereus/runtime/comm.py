@@ -96,6 +96,12 @@ def reduce_max(x: float) -> float:
     return float(t)
 
 
+def barrier() -> None:
+    """Return once every rank of the world got here: an all-reduce of a CPU tensor, so over the
+    control backend (gloo) in a GPU world too; no rank gets through before all arrived."""
+    dist.all_reduce(torch.zeros(1, dtype=torch.int64))
+
+
 def from_rank(x: float, src: int) -> float:
     """A value rank ``src`` knows (a model-stage's loss agrees on all its ranks), on every rank."""
     t = torch.tensor([x], dtype=torch.float64)

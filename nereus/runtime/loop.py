@@ -15,12 +15,14 @@ boundary:
    ``Restart`` (the latest checkpoint onto a new plan);
 4. the leader writes the step's metrics.
 
-A collective that fails mid-step (a peer died) is caught on every survivor: it rolls the step back
-to the boundary snapshot, the survivors form the next generation, the controller replans urgently
-from the intact units (or the job restarts from its checkpoint when the last copy of some state
-was lost), and the step runs again — so training stays exactly on track. A stop signal (SLURM's
-preemption: SIGUSR2, SIGTERM; ``nereus run`` also stops on SIGINT) is acted on at the next
-boundary: checkpoint, then stop as ``preempted`` (after the last step the job just finishes).
+A collective that fails mid-step (a peer died) is caught on every survivor: the survivors form the
+next generation, agree on the boundary snapshot they all hold (a peer that dies at a boundary can
+leave them one snapshot apart: ``snapshot.py``) and roll back to it, step counter and plan
+included; the controller replans urgently from the intact units (or the job restarts from its
+checkpoint when the last copy of some state was lost), and the step runs again — so training
+stays exactly on track. A stop signal (SLURM's preemption: SIGUSR2, SIGTERM; ``nereus run`` also
+stops on SIGINT) is acted on at the next boundary: checkpoint, then stop as ``preempted`` (after
+the last step the job just finishes).
 Edge module (torch.distributed, processes).
 """
 
@@ -41,7 +43,7 @@ from nereus.control.telemetry import Telemetry
 from nereus.devices import StageOutOfMemoryError
 from nereus.plan.layout import Plan
 from nereus.runtime import checkpoint as ckpt
-from nereus.runtime.comm import broadcast, reduce_max
+from nereus.runtime.comm import all_gather, barrier, broadcast, reduce_max
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.job import JobSetup, algorithm_step, initial_plan, make_worker
 from nereus.runtime.leader import Leader, measured_cluster
@@ -50,6 +52,7 @@ from nereus.runtime.metrics import StepRecord, drop_rows_after
 from nereus.runtime.monitor import StepResult, gather_reports, step_record, telemetry
 from nereus.runtime.pool import Change
 from nereus.runtime.preemption import Preemption
+from nereus.runtime.snapshot import Mark, agreed
 from nereus.runtime.worker import Worker
 from nereus.telemetry import read_node
 
@@ -93,7 +96,6 @@ class JobLoop:
         self.first_step = step  # scripted kills apply from the step this process started at
         self.pending = pending  # a boundary to finish first (a newcomer enters at one)
         self.lost: tuple[int, ...] | None = None  # GPUs lost in a failed step: recover first
-        self.snapshot_plan = plan  # what a failed step rolls back to
         self.telemetry: Telemetry | None = None  # the latest step's, what the controller observes
         self.moved: list[TransitionRecord] = []  # a recovery's, reported with the next step
         self.ooms_at, self.oom_tries = -1, 0  # out-of-memory recoveries of one step, so far
@@ -146,7 +148,7 @@ class JobLoop:
             self.worker.close()
 
     def _run(self) -> Outcome:
-        while self.step < self.spec.steps:
+        while self.step < self.spec.steps or self.lost is not None:  # a failure rolls the step back
             failed, outcome, oom = False, None, ""
             try:
                 outcome = self._advance()
@@ -173,7 +175,7 @@ class JobLoop:
         return self._step()
 
     def _step(self) -> Outcome | None:
-        step, self.snapshot_plan = self.step, self.plan
+        step = self.step
         result = self._rl_step(step)
         t_ckpt = time.perf_counter()
         saved = self._checkpoint_if_due(step)
@@ -190,9 +192,12 @@ class JobLoop:
         return self._finish_boundary(Boundary(step + 1, record, t_monitor, t_ckpt, change, member_s))
 
     def _rl_step(self, step: int) -> StepResult:
-        """The algorithm and the weight sync on the plan (a scripted kill strikes after generation)."""
+        """The boundary snapshot, then the algorithm and the weight sync on the plan (a scripted
+        kill strikes after generation)."""
         worker, spec = self.worker, self.spec
-        worker.take_snapshot()
+        worker.take_snapshot(self.m.generation, step, self.plan)
+        barrier()  # through it, every rank has taken this snapshot: none goes back further
+        worker.snapshot.settle()
         t0 = time.perf_counter()
         worker.times.seconds.clear()
         worker.optimes.clear()
@@ -344,21 +349,41 @@ class JobLoop:
     # ------------------------------------------------------------------ failures
     def _survive(self, oom: str = "") -> None:
         """A peer died, or ``oom`` ran out of memory here: let go of every group, form the next
-        generation with the survivors, roll back to the boundary."""
+        generation with the survivors; ``_recover`` rolls back to the boundary (its collectives
+        can fail too, so it runs where a failure is caught)."""
         before = self.m.members
         self.worker.release()
         survivors = self.m.recover(oom=oom)
         self.m.form(survivors, self.m.generation + 1)
         self.worker.set_world(survivors)
-        self.worker.rollback()
-        self.plan = self.snapshot_plan
         self.lost = tuple(g for g in before if g not in survivors)
 
+    def _roll_back(self) -> None:
+        """Every survivor back to the newest boundary snapshot all of them hold: the oldest of
+        their newest (``agreed``; a newcomer without one does not count). The step counter and
+        the plan go back with the state, so the step runs again on the plan it ran on, and its
+        metrics row is written again. The leader (which always holds the snapshot) says which
+        step and plan that is, so a newcomer without it learns them too."""
+        newest: list[tuple[int, int] | None] = all_gather(
+            self.worker.snapshot.newest(), tuple[int, int] | None
+        )
+        mark = agreed(Mark(*m) if m is not None else None for m in newest)
+        if mark is None:  # no survivor kept one (no step ran yet): nothing to go back to
+            self.worker.rollback(None)
+            return
+        here: tuple[int, Plan] | None = (
+            self.worker.snapshot.boundary(mark) if self.leader is not None else None
+        )
+        step, plan = broadcast(here, tuple[int, Plan])
+        self.worker.rollback(mark, plan)
+        self.plan, self.step = plan, step
+
     def _recover(self, lost: tuple[int, ...]) -> None:
-        """Survivors rolled back to the boundary before the step: the urgent replan from intact
+        """Survivors roll back to the boundary before the step, then the urgent replan from intact
         units (weight copies are rebuilt by a weight sync after it), or the restart from the
         latest checkpoint."""
         t0 = time.perf_counter()
+        self._roll_back()
         rebuilt = frozenset(self.worker.receivers())
         oom = next(iter(self.m.oom.values()), "")  # every member learnt it from the leader
         if oom:

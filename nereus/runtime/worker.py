@@ -47,7 +47,7 @@ from nereus.runtime.comm import from_rank, gather_parts
 from nereus.runtime.health import HealthCheck
 from nereus.runtime.optimes import OpTime, decode_s, gemm_s, train_times
 from nereus.runtime.rollout import Rollouts, assemble, micro_count, placed, split_rows
-from nereus.runtime.snapshot import Snapshot
+from nereus.runtime.snapshot import Mark, Snapshot
 from nereus.spec import ClusterSpec
 from nereus.spec.model import ModelSpec
 from nereus.spec.workload import STAGE_ORDER, Role, Stage, WorkloadSpec
@@ -138,7 +138,7 @@ class Worker:
         self.optimes: list[OpTime] = []  # this step's op-class timings (for calibration)
         self.memory = StageMemory(self.devices)  # this step's peak memory per model-stage (GPU)
         self.fault: Callable[[str], None] | None = None  # a scripted fault at a stage's start
-        self.snapshot = Snapshot(self.device)  # the sources' units at the last step boundary
+        self.snapshot = Snapshot(self.device)  # the sources' units at the last step boundaries
         self.health = HealthCheck.of(self.devices)  # its GPU's health, for the boundary report
         self.set_world(tuple(range(dist.get_world_size())) if dist.is_initialized() else (gpu,))
 
@@ -280,16 +280,30 @@ class Worker:
         seconds, self.rebuilds = self.rebuilds, 0.0
         return seconds
 
-    def take_snapshot(self) -> None:
-        """Keep this rank's sources at a step boundary: a step that fails part-way (a peer died,
-        a stage ran out of memory) is rolled back to it and run again, so no rank keeps half a
-        step or half a transition."""
-        self.snapshot.take(self.holder.by_stage(), self.sources())
+    def take_snapshot(self, generation: int, step: int, plan: Plan) -> Mark:
+        """Keep this rank's sources at the boundary before ``step`` on ``plan`` (in world generation
+        ``generation``): a step that fails part-way (a peer died, a stage ran out of memory) is
+        rolled back to it and run again, so no rank keeps half a step or half a transition. The
+        snapshot before stays until ``snapshot.settle()``."""
+        return self.snapshot.take(generation, step, plan, self.holder.by_stage(), self.sources())
 
-    def rollback(self) -> None:
-        """Back to the last boundary: the snapshot's sources; weight copies are dropped (the next
-        weight sync restores them)."""
-        self.holder.units = self.snapshot.restore()
+    def rollback(self, mark: Mark | None, plan: Plan | None = None) -> None:
+        """Back to the boundary the survivors agreed on (``mark``, before a step on ``plan``): the
+        snapshot's sources, newer snapshots forgotten; weight copies are dropped (the next weight
+        sync restores them). ``None``: no survivor kept any snapshot, nothing to go back to."""
+        if mark is None:
+            self.holder.units = {}
+            self.engines = {}
+            return
+        units = self.snapshot.back_to(mark)
+        if plan is not None and not self.snapshot.marks():  # it joined after the boundary: nothing held
+            placed_here = sorted(n for n in self.sources() if self.gpu in plan.candidate(n).gpus)
+            if placed_here:
+                raise RuntimeError(
+                    f"GPU {self.gpu}: no snapshot {tuple(mark)} to roll back to, yet its plan puts "
+                    f"{', '.join(placed_here)} here"
+                )
+        self.holder.units = units
         self.engines = {}
 
     def transition(self, tr: Transition) -> float:
