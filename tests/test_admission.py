@@ -212,6 +212,33 @@ def test_dag_estimator_prices_the_transition_dag(plan: Plan) -> None:
     assert not gone.feasible and "no intact replica" in gone.reason
 
 
+def test_rebuilds_a_reformed_world_pays_anyway_are_not_charged(plan: Plan) -> None:
+    """A worker joined: the world re-forms and every engine is rebuilt whatever the decision, so a
+    transition there costs its DAG alone, and its measured moving seconds (not the rebuilds) are
+    what the fit learns from."""
+    import dataclasses
+
+    problem = make_problem(gpus=32)
+    target = search(dataclasses.replace(problem, anchor=plan)).plan
+    e = DagEstimator()
+    e.weights[1:] = (20.0, 5.0, 1.0)  # learnt: rebuilding engines is what transitions cost here
+    full, sunk = e.estimate(problem, plan, target), e.estimate(problem, plan, target, sunk=True)
+    assert full.features[1:] != (0.0, 0.0, 0.0) and full.seconds > sunk.seconds
+    assert sunk.sunk and sunk.features == (full.features[0], 0.0, 0.0, 0.0)
+    assert sunk.seconds == pytest.approx(full.features[0])
+
+    c = _controller(plan, policy_config("nereus"))
+    c.estimator = e
+    c.observe(t(0, 2048, tuple(range(16))))
+    d = c.observe(dataclasses.replace(t(1, 2048, tuple(range(32))), reformed=True))
+    assert d is not None and d.transition is not None and d.transition.sunk
+    assert d.to_json()["sunk_rebuilds"] is True
+    assert d.verdict is Verdict.ADMIT, d.reason  # the 16 new GPUs pay back the moving seconds
+    before = e.weights.copy()
+    c.moved(d.action, 30.0, moving_s=float(d.transition.features[0]))  # 30 s, mostly rebuilds
+    assert e.weights[0] == pytest.approx(before[0], rel=0.05)  # the DAG's weight kept its scale
+
+
 def test_an_admitted_decision_moves_along_the_transition_it_priced(plan: Plan) -> None:
     """Admission returns the transition it priced: the action carries that very DAG."""
     static = _controller(plan, policy_config("static"))

@@ -125,6 +125,8 @@ class Decision:
             "l_tran_s": self.l_tran_s,
             "payback_steps": self.payback_steps,
             "horizon_steps": self.horizon_steps,
+            # the world re-forms at this boundary: engine rebuilds are not the transition's cost
+            "sunk_rebuilds": self.transition is not None and self.transition.sunk,
         }
 
 

@@ -214,22 +214,27 @@ class Controller:
             return []
         return [Trigger(TriggerKind.DEFERRED, ",".join(signals), h, payback, h)]
 
-    def transition_done(self, measured_s: float) -> None:
-        """The admitted transition finished in ``measured_s``; its target is now the plan."""
+    def transition_done(self, measured_s: float, moving_s: float | None = None) -> None:
+        """The admitted transition finished in ``measured_s`` (``moving_s`` of it moving state,
+        the rest rebuilding and regrouping); its target is now the plan. A transition priced with
+        sunk rebuilds (the world re-formed) refines L_tran from its moving seconds alone."""
         if self.state is not State.TRANSITIONING or self.pending is None or self.pending.target is None:
             raise RuntimeError("transition_done() without an admitted transition")
-        if self.pending.transition is not None:
-            self.estimator.observe(self.pending.transition, measured_s)
+        est = self.pending.transition
+        if est is not None:
+            sunk = est.sunk and moving_s is not None
+            self.estimator.observe(est, moving_s if sunk and moving_s is not None else measured_s)
         self.plan = self.pending.target
         self.state, self.pending = State.STEADY, None
 
-    def moved(self, action: Move, measured_s: float) -> None:
-        """The job ran ``action`` in ``measured_s``: an admitted transition (its measured time
-        refines L_tran), or a drain the launcher asked for (adopted as it is)."""
+    def moved(self, action: Move, measured_s: float, moving_s: float | None = None) -> None:
+        """The job ran ``action`` in ``measured_s`` (``moving_s`` of it moving state): an admitted
+        transition (its measured time refines L_tran), or a drain the launcher asked for (adopted
+        as it is)."""
         if action.drain:
             self.adopt(action.target)
         else:
-            self.transition_done(measured_s)
+            self.transition_done(measured_s, moving_s)
 
     def drain(self, pool: Sequence[int], seq: SeqStats, reason: str = "") -> Action:
         """A move off the GPUs outside ``pool`` while they still hold their state (a shrink the
@@ -277,7 +282,9 @@ class Controller:
         if options and options[0].plan.candidates == self.plan.candidates and not oom:
             return replace(base, reason="the current plan is the planner's target")
         options = [o for o in options if o.plan.candidates != self.plan.candidates]
-        estimates = [self.estimator.estimate(problem, self.plan, o.plan, lost, rebuilt) for o in options]
+        estimates = [
+            self.estimator.estimate(problem, self.plan, o.plan, lost, rebuilt, t.reformed) for o in options
+        ]
         index, reason = admit(self.config.rule, current, options, estimates, h, urgent)
         if index is None and urgent:  # also try smaller micro-batches and recomputation
             widened = [
@@ -285,7 +292,10 @@ class Controller:
                 for o in self._options(self.problem(t.pool, seq, SearchSpace.urgent()), "urgent")
                 if not (oom and o.plan.candidates == self.plan.candidates)
             ]
-            more = [self.estimator.estimate(problem, self.plan, o.plan, lost, rebuilt) for o in widened]
+            more = [
+                self.estimator.estimate(problem, self.plan, o.plan, lost, rebuilt, t.reformed)
+                for o in widened
+            ]
             index, why = admit(self.config.rule, current, widened, more, h, True)
             if index is None:
                 best = next(iter(options or widened), None)

@@ -30,6 +30,10 @@ class Telemetry:
     measurements: tuple[Measurement, ...] = ()
     oom: bool = False  # the step ran out of memory (and was lost)
     oom_stage: str = ""  # the model-stage whose work ran out, when known
+    # The job's world re-forms at this boundary (a worker joined or left): every model-stage's
+    # groups and engines are rebuilt whatever the controller decides, so a transition is charged
+    # only for what it adds (moving state), not for those rebuilds.
+    reformed: bool = False
 
     def __post_init__(self) -> None:
         if self.step < 0:

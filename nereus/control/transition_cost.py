@@ -9,7 +9,10 @@ list schedule's makespan (bytes over links, shared-link contention, communicator
 Transitions also pay costs bytes do not explain: rebuilding an engine for a new layout,
 re-forming process groups. The estimate is w · (DAG makespan, generation rebuilds, other
 rebuilds, regroups), w fitted by recursive least squares from measured transitions, starting
-from the pure DAG model w = (1, 0, 0, 0).
+from the pure DAG model w = (1, 0, 0, 0). At a boundary where the job's world re-forms anyway (a
+worker joined or left), every engine and group is rebuilt whether the plan changes or not: those
+costs are sunk, the features count the DAG alone (``sunk``), and the fit learns from the DAG's
+measured seconds only.
 """
 
 from __future__ import annotations
@@ -39,12 +42,13 @@ class TransitionEstimate:
     # what the fitted cost model multiplies: (DAG makespan s, generation rebuilds, other rebuilds, regroups)
     features: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     transition: Transition | None = None  # what was priced: the DAG and schedule a move runs
+    sunk: bool = False  # rebuilds and regroups happen anyway (the world re-forms): not charged
 
 
 class TransitionEstimator(Protocol):
     def estimate(
         self, problem: PlanningProblem, current: Plan, target: Plan, lost: frozenset[int] = frozenset(),
-        skip: frozenset[str] = frozenset(),
+        skip: frozenset[str] = frozenset(), sunk: bool = False,
     ) -> TransitionEstimate: ...  # fmt: skip
 
     def observe(self, estimate: TransitionEstimate, measured_s: float) -> None: ...
@@ -70,10 +74,11 @@ class DagEstimator:
 
     def estimate(
         self, problem: PlanningProblem, current: Plan, target: Plan, lost: frozenset[int] = frozenset(),
-        skip: frozenset[str] = frozenset(),
+        skip: frozenset[str] = frozenset(), sunk: bool = False,
     ) -> TransitionEstimate:  # fmt: skip
         """``skip``: model-stages left out of the transition (weight copies that a weight sync
-        rebuilds after it, when a failed step's rollback dropped them)."""
+        rebuilds after it, when a failed step's rollback dropped them). ``sunk``: the world
+        re-forms at this boundary, so rebuilds and regroups are not the transition's to pay."""
         try:
             tr = plan_transition(problem, current, target, lost, skip)
         except NoSourceError as exc:
@@ -94,11 +99,11 @@ class DagEstimator:
         gen = sum(1 for n in resharded if target.workflow.get(n).stage is Stage.GEN)
         features = (
             tr.l_tran_s,
-            float(gen),
-            float(len(resharded) - gen),
-            float(len(changed) - len(resharded)),
+            0.0 if sunk else float(gen),
+            0.0 if sunk else float(len(resharded) - gen),
+            0.0 if sunk else float(len(changed) - len(resharded)),
         )
         seconds = float(np.dot(self.weights, features))
         return TransitionEstimate(
-            seconds, peak, True, "", changed, resharded, float(tr.moved_bytes), done, features, tr
+            seconds, peak, True, "", changed, resharded, float(tr.moved_bytes), done, features, tr, sunk
         )

@@ -280,7 +280,8 @@ class JobLoop:
     def _decide(self, b: Boundary) -> Action:
         """The leader: a drain's move, else the controller's action on the step's telemetry."""
         assert self.leader is not None and self.telemetry is not None, "a boundary before any step"
-        tel = replace(self.telemetry, time_s=self.leader.clock(), pool=self.m.members)
+        reformed = b.change is not None and b.change.reforms
+        tel = replace(self.telemetry, time_s=self.leader.clock(), pool=self.m.members, reformed=reformed)
         if b.change is not None and b.change.draining:
             return self.leader.drain(tel, b.change.draining)
         if b.step < self.spec.steps:
@@ -313,6 +314,7 @@ class JobLoop:
         rebuilds the estimate charges for."""
         started = time.perf_counter()
         self.worker.transition(action.transition)
+        moving_s = reduce_max(time.perf_counter() - started)
         self.worker.take_rebuilds()
         self.worker.bind(action.target)
         rebuild_s = reduce_max(self.worker.take_rebuilds())
@@ -320,7 +322,7 @@ class JobLoop:
         record = TransitionRecord.move(action, seconds, self.plan, rebuild_s)
         self.plan = action.target
         if self.leader is not None:
-            self.leader.controller.moved(action, seconds)
+            self.leader.controller.moved(action, seconds, moving_s)
         return record
 
     def _restart(self, action: Restart) -> TransitionRecord:
