@@ -322,6 +322,10 @@ def _run(args: argparse.Namespace, out: Console) -> int:
         return end.code  # the leader printed the one line
     if end.code != 0:
         raise NereusError(f"the job's leader (GPU 0) failed with exit code {end.code}; see above")
+    from nereus.runtime.report import read_metrics, summary
+
+    for line in summary(read_metrics(folder / "metrics.jsonl")):
+        out.print(line, soft_wrap=True)
     out.print(f"wrote {folder / 'metrics.jsonl'} and {folder / 'report.png'}")
     return 0
 

@@ -165,7 +165,7 @@ class Leader:
         if not decisions or decisions[-1].step != step:
             return record
         d = decisions[-1].to_json()
-        return record.with_decision({k: d[k] for k in ("verdict", "triggers", "reason")})
+        return record.with_decision({k: d[k] for k in DECISION_KEYS})
 
     def write(self, record: StepRecord, moved: list[TransitionRecord], plan: Plan) -> None:
         self.metrics.write(record.with_transitions([t.to_json() for t in moved]), plan)
@@ -175,6 +175,14 @@ class Leader:
         for req in self.m.pending_joins():
             self.m.refuse(req, "the job has finished")
         self.metrics.close()
+
+
+DECISION_KEYS = (
+    "verdict", "urgent", "triggers", "reason", "target_label", "current_latency_s", "target_latency_s",
+    "delta_s", "l_tran_s", "payback_steps", "horizon_steps", "sunk_rebuilds",
+)  # fmt: skip
+"""What a step's metrics row keeps of the controller's decision: the verdict and why, and the
+numbers admission weighed (predicted step latencies, ΔL, L_tran, payback and horizon in steps)."""
 
 
 def _free(taken: set[int]) -> int:

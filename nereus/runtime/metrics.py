@@ -128,6 +128,18 @@ def drop_rows_after(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
+def describe_decision(d: dict[str, Any]) -> str:
+    """One line for a replan: what fired, the verdict and why, and the numbers admission weighed
+    where it weighed any (ΔL per step and L_tran; the reason gives the payback against γ·H)."""
+    line = f"replan ({', '.join(d['triggers'])}): {d['verdict']}: {d['reason']}"
+    numbers = []
+    if d.get("delta_s") is not None:
+        numbers.append(f"ΔL {d['delta_s']:.3g} s/step")
+    if d.get("l_tran_s") is not None:
+        numbers.append(f"L_tran {d['l_tran_s']:.3g} s")
+    return line + (f" ({', '.join(numbers)})" if numbers else "")
+
+
 class MetricsWriter:
     def __init__(self, out: Path, spec: ExperimentSpec, console: Console | None = None) -> None:
         self.out = Path(out)
@@ -171,8 +183,6 @@ class MetricsWriter:
                     self.tb.add_scalar(key, value, r.step)
             self.tb.add_scalar("transition_s", sum(t["seconds"] for t in r.transitions), r.step)
         moved = ", ".join(f"{t['kind']} {t['seconds']:.2f}s" for t in r.transitions) or "-"
-        if r.decision is not None and not r.transitions:
-            moved = f"- (replanned: {r.decision['verdict']}, {r.decision['reason'][:70]})"
         layouts = " ".join(f"{short(k)}:{v.split(' @')[0]}" for k, v in r.plan.items())
         self.console.print(
             f"step {r.step:>3} │ reward {r.reward:5.2f} acc {r.accuracy:4.2f} │ kl {r.kl:7.4f} │ "
@@ -180,6 +190,8 @@ class MetricsWriter:
             f"transitions: {moved}",
             soft_wrap=True,
         )
+        if r.decision is not None:
+            self.console.print(f"         └ {describe_decision(r.decision)}", soft_wrap=True)
 
     def close(self) -> None:
         self.file.close()

@@ -1,4 +1,7 @@
-"""``report.png`` from ``metrics.jsonl``: reward, step time, response length, plan timeline."""
+"""What a run shows from ``metrics.jsonl`` alone: ``report.png`` (reward, step time, response
+length, plan timeline) and ``summary``, the lines ``nereus run`` ends with (how the reward moved,
+and for every transition the controller admitted because it pays back, the payback it predicted
+against the one the measured step times give)."""
 
 from __future__ import annotations
 
@@ -6,9 +9,59 @@ import json
 from pathlib import Path
 from typing import Any
 
+WINDOW = 3  # steps averaged at each end of the reward curve, and around a transition
+
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def measured_payback(rows: list[dict[str, Any]], i: int, sunk: bool) -> str:
+    """The measured side of the move at the boundary after ``rows[i]``: its seconds (joining
+    workers not counted; ``sunk``: less the engine rebuilds a re-formed world needs whatever the
+    plan, as admission priced it), against the median step time of the ``WINDOW`` steps up to it
+    and of all steps after."""
+    moves = [t for t in rows[i]["transitions"] if t["kind"] != "membership"]
+    moved = sum(t["seconds"] for t in moves)
+    charged = moved - sum(t.get("rebuild_s", 0.0) for t in moves) if sunk else moved
+    cost = f"moved in {moved:.2f} s"
+    if sunk:
+        cost += f" ({moved - charged:.2f} s of it rebuilding engines the re-formed world needed anyway)"
+    before = [r["step_time_s"] for r in rows[max(0, i - WINDOW + 1) : i + 1]]
+    after = [r["step_time_s"] for r in rows[i + 1 :]]
+    if not after:
+        return f"{cost}, at the last step: nothing after it to measure"
+    b, a = sorted(before)[len(before) // 2], sorted(after)[len(after) // 2]
+    line = f"{cost}; median step {b:.2f} s before, {a:.2f} s after"
+    if a >= b:
+        return f"{line}: no measured gain (not paid back on this machine)"
+    steps = charged / (b - a)
+    verdict = "paid back" if steps <= len(after) else "not yet paid back"
+    return f"{line}: measured payback {steps:.3g} steps, {verdict} within the {len(after)} steps left"
+
+
+def summary(rows: list[dict[str, Any]]) -> list[str]:
+    """The reward's first and last ``WINDOW``-step means, then one line per admitted transition
+    that had to pay back (not an urgent one): predicted ΔL, L_tran and payback, and measured."""
+    if not rows:
+        return []
+    n = min(WINDOW, len(rows))
+    first, last = _mean([r["reward"] for r in rows[:n]]), _mean([r["reward"] for r in rows[-n:]])
+    lines = [f"reward: {first:.2f} (first {n} steps) → {last:.2f} (last {n}), {last - first:+.2f}"]
+    for i, r in enumerate(rows):
+        d = r.get("decision")
+        if not d or d["verdict"] != "admit" or d.get("urgent", True) or d.get("payback_steps") is None:
+            continue
+        lines.append(
+            f"step {r['step']}: admitted ({', '.join(d['triggers'])}), "
+            f"predicted ΔL {d['delta_s']:.3g} s/step, L_tran {d['l_tran_s']:.3g} s: {d['reason']}; "
+            f"measured: {measured_payback(rows, i, bool(d.get('sunk_rebuilds')))}"
+        )
+    return lines
 
 
 def write_report(metrics: Path, out: Path, title: str) -> None:
