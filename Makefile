@@ -32,12 +32,20 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/pip install -q -e '.[dev,scip]'
 	touch $(STAMP)
 
-# The main job: a tiny PPO run on 4 local worker processes that loses and regains a worker and
-# grows its responses; the controller replans and the state moves (runs/ppo-tiny/: metrics.jsonl,
-# TensorBoard events, report.png, checkpoints, the actor in HF format). runs/ppo-tiny is this
-# target's own folder, so each `make run` replaces the previous one (--force).
-run: install
-	$(BIN)/nereus run configs/experiments/ppo-tiny.yaml --force
+# The main job (configs/experiments/main.yaml): GRPO on 4 local worker processes, from a model
+# folder, tokenizer and verl data set the project builds as a user would bring them
+# (build/main-job: a BPE trained on configs/data/corpus.txt, random weights, a parquet file of a
+# task with checkable answers). A worker leaves and later rejoins; the controller replans, and
+# admits moving the state back onto the regained worker once the move pays back. runs/main is
+# this target's own folder, replaced by each `make run` (--force).
+MAIN_ASSETS := build/main-job
+
+$(MAIN_ASSETS)/.built: $(STAMP) nereus/rl/assets.py nereus/rl/tasks.py configs/data/corpus.txt configs/models/tiny-llama-h32.yaml
+	$(BIN)/python -m nereus.rl.assets $(MAIN_ASSETS)
+	touch $@
+
+run: install $(MAIN_ASSETS)/.built
+	$(BIN)/nereus run configs/experiments/main.yaml --force
 
 test: install
 	$(BIN)/python -m pytest -q
