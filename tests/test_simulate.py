@@ -99,6 +99,30 @@ def test_nereus_never_runs_out_of_memory_on_the_shipped_traces(trace: Path) -> N
     assert len([r for r in s.records if not r.lost]) == 24
 
 
+@pytest.mark.parametrize("policy", ["static", "nereus", "always", "periodic:3"])
+def test_every_policys_dp_follows_the_pool(policy: str, tmp_path: Path) -> None:
+    """The pool grows 8 → 32 GPUs while responses grow, so no plan fits without recomputation: no
+    policy may answer a replan with "no option" (static kept dp 1-2 on 32 GPUs that way), and at the
+    end each trainer spans its share of the 32 GPUs (actor and critic train side by side: 16 each;
+    static and periodic hold TP/PP, so DP follows)."""
+    trace = write_trace(tmp_path, [4, 4, 7, 9, 16, 16, 16, 16, 16, 16, 16, 16])  # 2 GPUs per instance
+    supply = GpuSupply(SpotTrace.load(trace), 2, 32, 8, speedup=5.0, seed=11)
+    model, cluster = load_model("llama-3.1-8b"), load_cluster("a100-64gb-hdr100")
+    curve = SeqCurve.growth(1147.5, 3722, 25)
+    scenario = Scenario(load_workload("ppo"), {r: model for r in Role}, cluster, supply, curve, 24, 11)
+    s = simulate(scenario, policy)
+    decisions = [r.decision for r in s.records if r.decision]
+    assert decisions and all(d["reason"] != "no option" for d in decisions), [d["reason"] for d in decisions]
+    last = s.records[-1]
+    assert last.gpus == 32
+
+    def spans(layout: str) -> int:
+        tp, pp, dp = (int(part[2:]) for part in layout.split(" ", maxsplit=1)[0].split("·"))
+        return tp * pp * dp
+
+    assert spans(last.plan["actor.train"]) >= 16 and spans(last.plan["critic.train"]) >= 16, last.plan
+
+
 def test_gamma_zero_admits_only_urgent_transitions() -> None:
     s = simulate(_scenario(SHIPPED[0]), "nereus", gamma=0.0)
     admitted = [r.decision for r in s.records if r.decision and r.decision["verdict"] == "admit"]

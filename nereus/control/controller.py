@@ -279,6 +279,9 @@ class Controller:
         h = horizon([f for f in fired if not f.urgent]) if not urgent else 1.0
         base = Decision(t.step, t.time_s, tuple(fired), urgent, Verdict.KEEP, "", current, horizon_steps=h)
         options = self._options(problem)
+        if not options:  # nothing fits without recomputation or smaller micro-batches: the plan
+            # running now may use them (an urgent replan found it there), and so may its successor
+            options = self._options(self.problem(t.pool, seq, SearchSpace.urgent()), "widened")
         if options and options[0].plan.candidates == self.plan.candidates and not oom:
             return replace(base, reason="the current plan is the planner's target")
         options = [o for o in options if o.plan.candidates != self.plan.candidates]
