@@ -1,4 +1,4 @@
-"""``nereus``: the command line (plan, transition, simulate, run, describe, list).
+"""``nereus``: the command line (plan, price, transition, simulate, run, describe, list).
 
 Bad input exits 2, no feasible plan exits 3.
 """
@@ -21,9 +21,10 @@ from rich.table import Table
 from nereus import __version__
 from nereus import describe as describe_command
 from nereus.errors import ConfigError, NereusError
+from nereus.plan import price_command
 from nereus.plan.calibration import CalibrationStore
 from nereus.plan.exhaustive import ExhaustiveTooLargeError, all_plans, exhaustive
-from nereus.plan.layout import is_power_of_two
+from nereus.plan.layout import Layout, is_power_of_two
 from nereus.plan.problem import DEFAULT_HEADROOM, PlanningProblem, SearchSpace, SeqStats
 from nereus.plan.report import gpu_ranges, plan_json, stage_reports
 from nereus.plan.search import SearchResult
@@ -41,7 +42,7 @@ from nereus.spec import (
 )
 from nereus.spec.cluster import GIB
 from nereus.spec.files import brief, one_line, shorten
-from nereus.spec.workload import MAX_TOKENS
+from nereus.spec.workload import MAX_TOKENS, WorkloadSpec
 from nereus.telemetry import read_node
 from nereus.transition import command as transition_command
 from nereus.transition.command import MAX_GPUS, MAX_TP
@@ -129,6 +130,10 @@ def _parser() -> Parser:
     plan.add_argument(
         "--anchor", type=Path, help="running plan (nereus plan --json): keep its unchanged replicas in place"
     )
+    plan.add_argument(
+        "--fix", action="append", default=[], metavar="MODEL_STAGE=tpT,ppP,dpD[,mbB]",
+        help="hold a model-stage's layout (e.g. your verl setup's) and search the rest; repeatable",
+    )  # fmt: skip
 
     desc = sub.add_parser("describe", help="derived facts of a model or a cluster; this node's GPUs")
     desc.add_argument("kind", choices=["model", "cluster", "node"])
@@ -136,6 +141,7 @@ def _parser() -> Parser:
     desc.add_argument("--seq-len", type=_count(MAX_TOKENS), help="count attention FLOPs at this length")
     desc.add_argument("--json", action="store_true")
 
+    price_command.add_parser(sub)
     transition_command.add_parser(sub)
     simulate_command.add_parser(sub)
     run_command.add_parser(sub)
@@ -182,6 +188,14 @@ def _problem(args: argparse.Namespace) -> PlanningProblem:
     space = SearchSpace.urgent() if args.urgent else SearchSpace()
     if args.max_tp:
         space = dataclasses.replace(space, max_tp=args.max_tp)
+    fixes = [parse_fix(text, workload) for text in getattr(args, "fix", None) or ()]
+    if fixes:
+        if len({name for name, *_ in fixes}) != len(fixes):
+            raise ConfigError("--fix: a model-stage is named twice")
+        space = dataclasses.replace(
+            space.holding({name: layout for name, layout, _, _ in fixes}),
+            fixed_shapes=tuple((name, dp, micro) for name, _, dp, micro in fixes),
+        )
     prompt = args.prompt_len or workload.prompt_len
     kwargs: dict[str, Any] = {}
     if calibration is not None:
@@ -200,6 +214,34 @@ def _problem(args: argparse.Namespace) -> PlanningProblem:
     except ValueError as exc:
         origin = getattr(args, "origin", None)
         raise ConfigError(f"{origin}: {exc}" if origin else str(exc)) from None
+
+
+_FIX = re.compile(r"([a-z]+\.[a-z]+)=tp(\d+),pp(\d+),dp(\d+)(?:,mb(\d+))?")
+
+
+def parse_fix(text: str, workload: WorkloadSpec) -> tuple[str, Layout, int, int]:
+    """``MODEL_STAGE=tpT,ppP,dpD[,mbB]`` → (model-stage, layout, dp, micro-batch or 0)."""
+    m = _FIX.fullmatch(text.strip())
+    if m is None:
+        raise ConfigError(
+            f"--fix: expected MODEL_STAGE=tpT,ppP,dpD[,mbB] (e.g. actor.train=tp4,pp1,dp2), got {brief(text)}"
+        )
+    name = m.group(1)
+    allowed = [ms.name for ms in workload.workflow().model_stages]
+    if name not in allowed:
+        raise ConfigError(
+            f"--fix: {workload.name} has no model-stage {brief(name)} (allowed: {', '.join(allowed)})"
+        )
+    tp, pp, dp = (int(m.group(i)) for i in (2, 3, 4))
+    micro = int(m.group(5) or 0)
+    for what, value in (("tp", tp), ("pp", pp)):
+        if value < 1 or not is_power_of_two(value) or value > MAX_TP:
+            raise ConfigError(f"--fix {name}: {what} must be a power of two in [1, {MAX_TP}], got {value}")
+    if not 1 <= dp <= MAX_GPUS or micro > 1 << 24:
+        raise ConfigError(
+            f"--fix {name}: dp must be in [1, {MAX_GPUS}] and mb at most {1 << 24}, got dp {dp}, mb {micro}"
+        )
+    return name, Layout(tp, pp), dp, micro
 
 
 def _plan(args: argparse.Namespace, out: Console) -> int:
@@ -367,6 +409,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _plan(args, out)
         if args.command == "describe":
             return describe_command.run(args, out, read_node)
+        if args.command == "price":
+            return price_command.run(args, out)
         if args.command == "simulate":
             return simulate_command.run(args, out)
         if args.command == "transition":

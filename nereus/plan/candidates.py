@@ -146,6 +146,9 @@ def _shape_options(
     """(dp, micro_batch) rows for one layout, each distinct in what a replica does."""
     w = problem.workload
     max_dp = problem.gpus // layout.size
+    held = problem.space.fixed_shape(model_stage.name)
+    if held is not None:  # a user's layout, as it is (nereus plan --fix): no other shape
+        return _held(problem, model_stage, held, max_dp)
     if model_stage.stage is Stage.TRAIN:
         pairs: list[tuple[int, int]] = []
         for d in range(1, max_dp + 1):
@@ -174,6 +177,33 @@ def _shape_options(
     fresh = np.concatenate([np.ones((len(dp), 1), bool), eff[:, 1:] != eff[:, :-1]], axis=1)
     rows, cols = np.nonzero(fresh)
     return dp[rows], eff[rows, cols]
+
+
+def _held(
+    problem: PlanningProblem, model_stage: ModelStage, held: tuple[int, int], max_dp: int
+) -> tuple[IntArray, IntArray]:
+    """The one (dp, micro-batch) row of a held shape, or none where it cannot run: more replicas
+    than GPUs or sequences, a trainer whose global batch does not split evenly. Micro-batch 0
+    takes the workload's (for a trainer, the largest that divides a replica's share)."""
+    dp, micro = held
+    w = problem.workload
+    none = np.zeros(0, dtype=np.int64)
+    if dp > max_dp:
+        return none, none
+    if model_stage.stage is Stage.TRAIN:
+        if w.global_batch % dp:
+            return none, none
+        batch = w.global_batch // dp
+        micro = micro or max(b for b in range(1, min(w.micro_batch, batch) + 1) if batch % b == 0)
+        if batch % micro:
+            return none, none
+    else:
+        n = w.sequences(model_stage)
+        if dp > n:
+            return none, none
+        cap = w.inference_micro_batch if model_stage.stage is Stage.INF else w.max_num_seqs
+        micro = min(micro or cap, -(-n // dp))
+    return np.array([dp], dtype=np.int64), np.array([micro], dtype=np.int64)
 
 
 def candidate_table(cost: CostModel, model_stage: ModelStage) -> CandidateTable:

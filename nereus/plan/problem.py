@@ -53,6 +53,8 @@ class SearchSpace:
     fixed_layouts: tuple[tuple[str, Layout], ...] = ()
     # model-stages whose engine does not pipeline (vLLM's generation here): pp = 1 only
     flat: tuple[str, ...] = ()
+    # model-stages whose DP degree (and micro-batch, when not 0) are held too (``nereus plan --fix``)
+    fixed_shapes: tuple[tuple[str, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.recompute:
@@ -62,6 +64,11 @@ class SearchSpace:
         names = [n for n, _ in self.fixed_layouts]
         if len(set(names)) != len(names):
             raise ValueError("fixed_layouts names a model-stage twice")
+        shaped = [n for n, _, _ in self.fixed_shapes]
+        if len(set(shaped)) != len(shaped):
+            raise ValueError("fixed_shapes names a model-stage twice")
+        if any(dp < 1 or micro < 0 for _, dp, micro in self.fixed_shapes):
+            raise ValueError("fixed_shapes: dp must be positive and micro-batch non-negative")
 
     @classmethod
     def urgent(cls) -> SearchSpace:
@@ -73,6 +80,10 @@ class SearchSpace:
 
     def fixed_layout(self, model_stage: str) -> Layout | None:
         return dict(self.fixed_layouts).get(model_stage)
+
+    def fixed_shape(self, model_stage: str) -> tuple[int, int] | None:
+        """The (dp, micro-batch) held for ``model_stage`` (micro-batch 0: free), if any."""
+        return next(((dp, mb) for n, dp, mb in self.fixed_shapes if n == model_stage), None)
 
     def holding(self, layouts: Mapping[str, Layout]) -> SearchSpace:
         """The same space with these model-stages' layouts held fixed (DP and GPUs still free)."""

@@ -1,0 +1,209 @@
+"""``nereus price``: the cost model's latency and memory of one model-stage in a layout the user
+names, so a verl or NeMo-RL setup can be priced against the planner's choice.
+
+The query is a stage (``gen``, ``inf`` or ``train``), a layout (tp, pp, dp) and the work: ``N``
+sequences of a mean prompt and response length (the p95 response sizes memory). Training prices
+one pass over the N sequences with an optimizer step every ``global_batch`` sequences and
+per-replica micro-batches of ``micro_batch``; inference runs micro-batches of ``micro_batch``;
+generation decodes up to ``concurrency`` sequences at once per replica. The model-stage priced is
+the actor's (``actor.gen``, ``actor.train``) or, for inference, the reference model's
+(``ref.inf``, no weight sync): the stage's own work, without the step's weight synchronisation.
+Pure (no torch, no processes).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from nereus.errors import ConfigError
+from nereus.plan.calibration import Efficiencies
+from nereus.plan.candidates import Shape, estimate
+from nereus.plan.cost import CostModel, LatencyTerms
+from nereus.plan.layout import Layout, is_power_of_two
+from nereus.plan.problem import DEFAULT_HEADROOM, PlanningProblem, SeqStats
+from nereus.spec.cluster import GIB, ClusterSpec
+from nereus.spec.model import ModelSpec
+from nereus.spec.workload import Algorithm, Precision, Recompute, Role, Stage, WorkloadSpec
+
+PRICED = {Stage.GEN: "actor.gen", Stage.INF: "ref.inf", Stage.TRAIN: "actor.train"}
+MAX_SEQUENCES = 1 << 24
+MAX_TOKENS = 1 << 24
+
+
+@dataclass(frozen=True, slots=True)
+class PriceQuery:
+    """One model-stage's work in one layout; messages name the command's flags."""
+
+    stage: Stage
+    tp: int
+    pp: int
+    dp: int
+    sequences: int
+    prompt_len: int
+    seq_len: int
+    seq_len_p95: int = 0  # 0: seq_len
+    micro_batch: int = 0  # train/inf; 0: the largest that divides a replica's share (train), 16 (inf)
+    global_batch: int = 0  # train; 0: all N sequences in one optimizer step
+    recompute: Recompute = Recompute.NONE
+    concurrency: int = 0  # gen; 0: every sequence of a replica at once
+    precision: Precision = Precision.BF16_MIXED
+
+    def __post_init__(self) -> None:
+        for flag, value in (("tp", self.tp), ("pp", self.pp)):
+            if not (isinstance(value, int) and value >= 1 and is_power_of_two(value)):
+                raise ConfigError(f"--{flag}: expected a power of two ≥ 1, got {value!r}")
+        for flag, value, most in (
+            ("dp", self.dp, 1 << 16),
+            ("sequences", self.sequences, MAX_SEQUENCES),
+            ("prompt-len", self.prompt_len, MAX_TOKENS),
+            ("seq-len", self.seq_len, MAX_TOKENS),
+        ):
+            if not (isinstance(value, int) and 1 <= value <= most):
+                raise ConfigError(f"--{flag}: expected an integer in [1, {most}], got {value!r}")
+        for flag, value in (
+            ("seq-len-p95", self.seq_len_p95),
+            ("micro-batch", self.micro_batch),
+            ("global-batch", self.global_batch),
+            ("concurrency", self.concurrency),
+        ):
+            if not (isinstance(value, int) and 0 <= value <= MAX_SEQUENCES * 64):
+                raise ConfigError(f"--{flag}: expected a positive integer, got {value!r}")
+        if self.seq_len_p95 and self.seq_len_p95 < self.seq_len:
+            raise ConfigError(f"--seq-len-p95 {self.seq_len_p95} must be at least --seq-len {self.seq_len}")
+        if self.dp > self.sequences:
+            raise ConfigError(f"--dp {self.dp}: more replicas than --sequences {self.sequences}")
+        if self.stage is not Stage.TRAIN:
+            if self.global_batch or self.recompute is not Recompute.NONE:
+                raise ConfigError(
+                    f"--global-batch and --recompute price training; --stage is {self.stage.value}"
+                )
+            if self.concurrency and self.stage is not Stage.GEN:
+                raise ConfigError("--concurrency prices generation (sequences decoded at once per replica)")
+            return
+        if self.concurrency:
+            raise ConfigError("--concurrency prices generation; --stage is train")
+        batch = self.global_batch or self.sequences
+        if self.sequences % batch or batch % self.dp:
+            raise ConfigError(
+                f"--global-batch {batch}: must divide --sequences {self.sequences} and be a multiple of "
+                f"--dp {self.dp} (each replica takes an equal share of every optimizer step)"
+            )
+        if self.micro_batch and (batch // self.dp) % self.micro_batch:
+            raise ConfigError(
+                f"--micro-batch {self.micro_batch}: must divide a replica's share of the global batch "
+                f"({batch // self.dp} = {batch} / dp {self.dp})"
+            )
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.tp, self.pp)
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def shape(self) -> Shape:
+        return Shape(self.layout, self.dp, self._micro(), self.recompute)
+
+    def _micro(self) -> int:
+        if self.stage is Stage.GEN:
+            return self.concurrency or math.ceil(self.sequences / self.dp)
+        if self.stage is Stage.INF:
+            return self.micro_batch or 16
+        share = (self.global_batch or self.sequences) // self.dp
+        return self.micro_batch or max(b for b in range(1, min(share, 8) + 1) if share % b == 0)
+
+    def workload(self) -> WorkloadSpec:
+        """The workload whose model-stage ``PRICED[stage]`` is exactly this work."""
+        micro = self._micro()
+        return WorkloadSpec(
+            name="price", algorithm=Algorithm.PPO, prompts_per_step=self.sequences, samples_per_prompt=1,
+            prompt_len=self.prompt_len, max_prompt_len=max(self.prompt_len, 1),
+            max_response_len=max(self.seq_len_p95, self.seq_len),
+            global_batch=self.global_batch or self.sequences,
+            micro_batch=micro if self.stage is Stage.TRAIN else 1,
+            inference_micro_batch=micro if self.stage is Stage.INF else 1,
+            max_num_seqs=micro if self.stage is Stage.GEN else 1, epochs=1, precision=self.precision,
+            recompute=self.recompute, reward_model=False,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Price:
+    """The verdict: seconds (total and per op class), peak bytes per GPU against the capacity."""
+
+    model_stage: str
+    shape: Shape
+    latency_s: float
+    by_class: dict[str, float]
+    by_term: dict[str, float]
+    peak_bytes: float
+    limit_bytes: float  # capacity after headroom, less the runtime reserve
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.limit_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "latency_s": self.latency_s,
+            "peak_mem_gib": self.peak_bytes / GIB,
+            "fits": self.fits,
+            "by_class": self.by_class,
+            "model_stage": self.model_stage,
+            "shape": str(self.shape),
+            "gpus": self.shape.num_gpus,
+            "limit_gib": self.limit_bytes / GIB,
+            "by_term": self.by_term,
+        }
+
+
+def _seconds(terms: LatencyTerms) -> tuple[float, dict[str, float], dict[str, float]]:
+    own = {name: part for name, part in terms.parts.items() if name != "weight_sync"}
+    by_term = {name: float(np.sum(part.total)) for name, part in own.items()}
+    by_class: dict[str, float] = {}
+    for part in own.values():
+        for op, seconds in part.by_class.items():
+            by_class[op.value] = by_class.get(op.value, 0.0) + float(np.sum(seconds))
+    return sum(by_term.values()), by_class, by_term
+
+
+def price(
+    model: ModelSpec, cluster: ClusterSpec, query: PriceQuery, efficiencies: Efficiencies | None = None,
+    headroom: float = DEFAULT_HEADROOM,
+) -> Price:  # fmt: skip
+    """The cost model's price of ``query`` on ``cluster`` (``efficiencies``: calibrated ones)."""
+    if query.tp > cluster.gpus_per_node:
+        raise ConfigError(
+            f"--tp {query.tp} exceeds the {cluster.gpus_per_node} GPUs of a node of {cluster.name} "
+            "(tensor parallelism stays inside a node)"
+        )
+    if model.num_attention_heads % query.tp:
+        raise ConfigError(
+            f"--tp {query.tp} must divide the model's {model.num_attention_heads} attention heads"
+        )
+    if query.pp > model.num_hidden_layers:
+        raise ConfigError(f"--pp {query.pp} exceeds the model's {model.num_hidden_layers} layers")
+    if query.gpus > cluster.total_gpus:
+        raise ConfigError(
+            f"--tp × --pp × --dp = {query.gpus} GPUs exceeds cluster {cluster.name} ({cluster.total_gpus})"
+        )
+    seq = SeqStats(query.prompt_len, query.seq_len, query.seq_len_p95 or query.seq_len)
+    extra: dict[str, Any] = {} if efficiencies is None else {"efficiencies": efficiencies}
+    try:
+        problem = PlanningProblem(
+            query.workload(), dict.fromkeys(Role, model), cluster, tuple(range(query.gpus)), seq,
+            headroom=headroom, **extra,
+        )  # fmt: skip
+    except ValueError as exc:  # what the query's own checks did not name
+        raise ConfigError(str(exc)) from None
+    model_stage = problem.workflow.get(PRICED[query.stage])
+    est = estimate(CostModel(problem), model_stage, query.shape())
+    total, by_class, by_term = _seconds(est.latency)
+    peak = est.persistent_bytes + est.active_bytes
+    limit = problem.capacity_bytes - problem.reserved_bytes
+    return Price(model_stage.name, est.shape, total, by_class, by_term, peak, limit)

@@ -1,0 +1,86 @@
+"""``nereus price``: the command line of ``nereus.plan.price`` (no torch; a login node runs it).
+
+Prints the latency of one model-stage in the named layout (total, per term and per op class) and
+its peak memory per GPU against the capacity; ``--json`` prints ``{"latency_s", "peak_mem_gib",
+"fits", "by_class", ...}``. Exit 0 when it fits, 3 (with the same output) when it does not, 2 on
+bad input (one line naming the flag).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from nereus.errors import ConfigError
+from nereus.plan.calibration import CalibrationStore
+from nereus.plan.price import Price, PriceQuery, price
+from nereus.spec import load_cluster, load_model
+from nereus.spec.workload import Precision, Recompute, Stage
+
+NOT_FITTING = 3
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("price", help="latency and memory of one model-stage in a layout you name")
+    p.add_argument("--model", required=True, help="shipped name, our YAML, or HF config.json/dir")
+    p.add_argument("--cluster", required=True, help="shipped name or a cluster YAML")
+    p.add_argument("--stage", required=True, choices=[s.value for s in Stage])
+    for flag in ("tp", "pp", "dp"):
+        p.add_argument(f"--{flag}", required=True, type=int)
+    p.add_argument("--sequences", required=True, type=int, help="sequences the stage processes")
+    p.add_argument("--prompt-len", required=True, type=int, help="mean prompt tokens")
+    p.add_argument("--seq-len", required=True, type=int, help="mean response tokens")
+    p.add_argument("--seq-len-p95", type=int, default=0, help="p95 response tokens (memory)")
+    p.add_argument("--micro-batch", type=int, default=0, help="per-replica micro-batch (train, inf)")
+    p.add_argument("--global-batch", type=int, default=0, help="train: sequences per optimizer step")
+    p.add_argument("--recompute", choices=[r.value for r in Recompute], default=Recompute.NONE.value)
+    p.add_argument("--concurrency", type=int, default=0, help="gen: sequences decoded at once per replica")
+    p.add_argument("--precision", choices=[x.value for x in Precision], default=Precision.BF16_MIXED.value)
+    p.add_argument("--calibration", type=Path, help="calibration JSON (efficiencies per op class)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+
+
+def run(args: argparse.Namespace, out: Console) -> int:
+    model, cluster = load_model(args.model), load_cluster(args.cluster)
+    query = PriceQuery(
+        Stage(args.stage), args.tp, args.pp, args.dp, args.sequences, args.prompt_len, args.seq_len,
+        args.seq_len_p95, args.micro_batch, args.global_batch, Recompute(args.recompute), args.concurrency,
+        Precision(args.precision),
+    )  # fmt: skip
+    efficiencies = None
+    if args.calibration:
+        try:
+            efficiencies = CalibrationStore.load(args.calibration, cluster.name, strict=True).efficiencies()
+        except ConfigError as exc:
+            raise ConfigError(f"--calibration {str(exc).removeprefix('calibration file ')}") from None
+    result = price(model, cluster, query, efficiencies)
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        _print(result, model.name, cluster.name, out)
+    return 0 if result.fits else NOT_FITTING
+
+
+def _print(p: Price, model: str, cluster: str, out: Console) -> None:
+    gib = 1 << 30
+    out.print(f"{p.model_stage} of {model} on {cluster}: {p.shape} ({p.shape.num_gpus} GPUs)")
+    table = Table("term", "seconds", "op class", "seconds")
+    terms = [(k, v) for k, v in p.by_term.items() if v > 0]
+    classes = [(k, v) for k, v in p.by_class.items() if v > 0]
+    for i in range(max(len(terms), len(classes))):
+        t = terms[i] if i < len(terms) else ("", None)
+        c = classes[i] if i < len(classes) else ("", None)
+        table.add_row(
+            t[0], "" if t[1] is None else f"{t[1]:.3f}", c[0], "" if c[1] is None else f"{c[1]:.3f}"
+        )
+    out.print(table)
+    verdict = "fits" if p.fits else "does NOT fit"
+    out.print(
+        f"latency {p.latency_s:.3f} s · peak {p.peak_bytes / gib:.1f} GiB per GPU of "
+        f"{p.limit_bytes / gib:.1f} GiB usable: {verdict}"
+    )

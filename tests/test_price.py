@@ -1,0 +1,157 @@
+"""``nereus price`` and ``nereus plan --fix``: pricing a layout a user names (issue 19).
+
+Checked: the price of a shape is the planner's own estimate of it (same model, same numbers, the
+weight sync left out); ``--json`` gives latency, peak memory, fit and seconds per op class that add
+up; a layout that does not fit exits 3 with the same output; bad flags exit 2 naming the flag;
+``--fix`` holds the named layouts (tp, pp, dp, micro-batch) and searches the rest, exits 2 on a bad
+spec and 3 when the held layout cannot run.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nereus.cli import main
+from nereus.plan.candidates import Shape, estimate
+from nereus.plan.cost import CostModel
+from nereus.plan.layout import Layout
+from nereus.plan.price import PriceQuery, price
+from nereus.plan.problem import PlanningProblem, SeqStats
+from nereus.spec import Role, load_cluster, load_model, load_workload
+from nereus.spec.workload import Stage
+
+pytestmark = pytest.mark.pure
+
+MODEL, CLUSTER = "llama-3.1-8b", "h100-ib"
+BASE = ["price", "--model", MODEL, "--cluster", CLUSTER]
+
+
+@pytest.mark.parametrize(
+    ("stage", "name", "shape", "extra"),
+    [
+        (Stage.TRAIN, "actor.train", Shape(Layout(4, 1), 2, 4), {"global_batch": 128, "micro_batch": 4}),
+        (Stage.INF, "ref.inf", Shape(Layout(2, 1), 4, 16), {"micro_batch": 16}),
+        (Stage.GEN, "actor.gen", Shape(Layout(2, 1), 8, 64), {"concurrency": 64}),
+    ],
+)
+def test_a_price_is_the_planners_estimate_of_that_shape(
+    stage: Stage, name: str, shape: Shape, extra: dict[str, int]
+) -> None:
+    model, cluster, workload = load_model(MODEL), load_cluster(CLUSTER), load_workload("ppo")
+    seq = SeqStats(workload.prompt_len, 2048, 3072)
+    problem = PlanningProblem(workload, dict.fromkeys(Role, model), cluster, tuple(range(32)), seq)
+    ms = problem.workflow.get(name)
+    planner = estimate(CostModel(problem), ms, shape)
+    want = sum(float(v) for k, v in planner.latency.terms.items() if k != "weight_sync")
+    query = PriceQuery(
+        stage, shape.layout.tp, shape.layout.pp, shape.dp, 512, workload.prompt_len, 2048, 3072, **extra
+    )
+    got = price(model, cluster, query)
+    assert got.model_stage == name and got.shape == shape
+    assert got.latency_s == pytest.approx(want, rel=1e-9)
+    assert got.peak_bytes == pytest.approx(planner.persistent_bytes + planner.active_bytes, rel=1e-9)
+    assert sum(got.by_class.values()) == pytest.approx(got.latency_s)
+    assert sum(got.by_term.values()) == pytest.approx(got.latency_s)
+
+
+def test_json_fit_and_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--stage", "train", "--tp", "4", "--pp", "1", "--sequences", "256", "--prompt-len", "512",
+             "--seq-len", "2048", "--global-batch", "128", "--micro-batch", "4", "--json"]  # fmt: skip
+    assert main([*BASE, *flags, "--dp", "2", "--recompute", "full"]) == 0
+    fits = json.loads(capsys.readouterr().out)
+    assert {"latency_s", "peak_mem_gib", "fits", "by_class"} <= set(fits) and fits["fits"] is True
+    assert main([*BASE, *flags, "--dp", "2"]) == 3  # without recomputation the activations do not fit
+    tight = json.loads(capsys.readouterr().out)
+    assert tight["fits"] is False and tight["peak_mem_gib"] > tight["limit_gib"] > fits["peak_mem_gib"]
+    assert tight["latency_s"] < fits["latency_s"]  # recomputation costs time
+    assert main([*BASE, *flags[:-1], "--dp", "2", "--recompute", "full"]) == 0
+    text = capsys.readouterr().out
+    assert "actor.train of llama-3.1-8b on h100-ib: tp4·pp1·dp2 mb4" in text and ": fits" in text
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--tp", "3"], "--tp: expected a power of two"),
+        (["--dp", "0"], "--dp: expected an integer in [1, "),
+        (["--tp", "16"], "--tp 16 exceeds the 8 GPUs of a node"),
+        (["--pp", "64"], "--pp 64 exceeds the model's 32 layers"),
+        (["--seq-len-p95", "100"], "--seq-len-p95 100 must be at least --seq-len 2048"),
+        (["--global-batch", "100"], "--global-batch 100: must divide --sequences 256"),
+        (["--micro-batch", "3"], "--micro-batch 3: must divide a replica's share"),
+        (["--concurrency", "8"], "--concurrency prices generation"),
+        (["--stage", "gen", "--global-batch", "8"], "--global-batch and --recompute price training"),
+        (["--dp", "64"], "= 256 GPUs exceeds cluster h100-ib (128)"),
+        (["--stage", "fly"], "argument --stage: invalid choice"),
+        (["--sequences", "x"], "argument --sequences: invalid int value"),
+        (["--calibration", "/nonexistent.json"], "--calibration"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_flag(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = {"--stage": "train", "--tp": "4", "--pp": "1", "--dp": "2", "--sequences": "256",
+            "--prompt-len": "512", "--seq-len": "2048"}  # fmt: skip
+    for flag, value in zip(flags[::2], flags[1::2], strict=True):
+        base[flag] = value
+    with pytest.raises(SystemExit) if "argument" in message else _NoRaise():
+        code = main([*BASE, *(x for kv in base.items() for x in kv)])
+        assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+class _NoRaise:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
+PLAN = [
+    "plan",
+    "--model",
+    MODEL,
+    "--algo",
+    "ppo",
+    "--cluster",
+    CLUSTER,
+    "--gpus",
+    "32",
+    "--seq-len",
+    "2048",
+    "--json",
+]
+
+
+def test_fix_holds_the_named_layouts_and_searches_the_rest(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(PLAN) == 0
+    free = json.loads(capsys.readouterr().out)
+    assert main([*PLAN, "--fix", "actor.train=tp4,pp1,dp2,mb2", "--fix", "actor.gen=tp2,pp1,dp8"]) == 0
+    held = json.loads(capsys.readouterr().out)
+    stages = {s["name"]: s for s in held["stages"]}
+    train, gen = stages["actor.train"], stages["actor.gen"]
+    assert (train["tp"], train["pp"], train["dp"], train["micro_batch"]) == (4, 1, 2, 2)
+    assert (gen["tp"], gen["pp"], gen["dp"]) == (2, 1, 8)
+    assert held["step_latency_s"] >= free["step_latency_s"]  # the free search is at least as good
+
+
+@pytest.mark.parametrize(
+    ("fix", "code", "message"),
+    [
+        ("actor.trian=tp4,pp1,dp2", 2, "ppo has no model-stage 'actor.trian' (allowed: actor.gen"),
+        ("actor.train=tp3,pp1,dp2", 2, "--fix actor.train: tp must be a power of two"),
+        ("actor.train=4,1,2", 2, "--fix: expected MODEL_STAGE=tpT,ppP,dpD[,mbB]"),
+        ("actor.train=tp8,pp1,dp8", 3, "actor.train"),  # 64 GPUs of a 32-GPU pool
+        ("actor.train=tp4,pp1,dp3", 3, "actor.train"),  # 3 replicas cannot split a global batch of 128
+    ],
+)
+def test_bad_or_impossible_fixes(
+    fix: str, code: int, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*PLAN, "--fix", fix]) == code
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
