@@ -238,8 +238,8 @@ CHOICES = "(choose from 'models', 'clusters', 'algos', 'traces')"
         ([], "nereus: error: the following arguments are required: command (see nereus --help)"),
         (
             ["fly"],
-            "nereus: error: argument command: invalid choice: 'fly' (choose from 'plan', 'describe', 'price', "
-            "'transition', 'simulate', 'run', 'node', 'list') (see nereus --help)",
+            "nereus: error: argument command: invalid choice: 'fly' (choose from 'plan', 'describe', "
+            "'price', 'transition', 'simulate', 'run', 'node', 'list') (see nereus --help)",
         ),
         (
             ["plan"],

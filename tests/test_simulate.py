@@ -123,6 +123,19 @@ def test_every_policys_dp_follows_the_pool(policy: str, tmp_path: Path) -> None:
     assert spans(last.plan["actor.train"]) >= 16 and spans(last.plan["critic.train"]) >= 16, last.plan
 
 
+def test_reference_policies_oracle_and_static_best() -> None:
+    """The oracle replans every step with its moves and restarts free; static-best is the fastest
+    of static runs started on the static policy's layouts or any the oracle used."""
+    scenario = _scenario(SHIPPED[0], steps=12, seed=5)
+    oracle = simulate(scenario, "oracle")
+    moves = [t for r in oracle.records for t in r.transitions]
+    assert moves and all(t.seconds == 0.0 for t in moves) and all(r.restart_s == 0.0 for r in oracle.records)
+    assert oracle.replans >= 11  # a replan at every boundary
+    static, best = simulate(scenario, "static"), simulate(scenario, "static-best")
+    assert best.policy == "static-best" and best.total_s <= static.total_s
+    assert all(not r.tp_pp_change for r in best.records)  # it holds its layouts, as static does
+
+
 def test_gamma_zero_admits_only_urgent_transitions() -> None:
     s = simulate(_scenario(SHIPPED[0]), "nereus", gamma=0.0)
     admitted = [r.decision for r in s.records if r.decision and r.decision["verdict"] == "admit"]

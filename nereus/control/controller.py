@@ -62,12 +62,14 @@ class ControllerConfig:
             raise ValueError("period and fallback_tolerance must be non-negative")
 
 
-POLICIES = ("nereus", "static", "always", "periodic:K")
+POLICIES = ("nereus", "static", "always", "periodic:K", "oracle")
 
 
 def policy_config(name: str, gamma: float = 0.5) -> ControllerConfig:
     """The controller configuration of a named policy (``nereus``, ``static``, ``always``,
-    ``periodic:K``); all share the urgent path and the planner, they differ in admission."""
+    ``periodic:K``, ``oracle``); all share the urgent path and the planner, they differ in
+    admission. ``oracle`` replans every step and adopts the planner's best plan each time: with the
+    simulator's free transitions it bounds what any admission rule can gain."""
     if name == "nereus":
         return ControllerConfig(rule=Rule(Profit.PAYBACK, gamma))
     if name == "always":
@@ -76,6 +78,8 @@ def policy_config(name: str, gamma: float = 0.5) -> ControllerConfig:
         return ControllerConfig(
             rule=Rule(Profit.SWITCH, gamma), replan_on=frozenset({TriggerKind.POOL}), hold_layouts=True
         )
+    if name == "oracle":
+        return ControllerConfig(rule=Rule(Profit.SWITCH, gamma), period=1)
     if name.startswith("periodic:"):
         try:
             k = int(name.split(":", 1)[1])

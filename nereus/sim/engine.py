@@ -20,15 +20,15 @@ from nereus.control.admission import Decision, Verdict
 from nereus.control.controller import Controller, policy_config
 from nereus.control.telemetry import Telemetry
 from nereus.errors import InfeasibleError
-from nereus.plan.calibration import CalibrationStore, Efficiencies
+from nereus.plan.calibration import CalibrationStore, Efficiencies, Measurement
 from nereus.plan.evaluate import price, shapes_of
-from nereus.plan.layout import Plan
+from nereus.plan.layout import Layout, Plan
 from nereus.plan.overlap import step_latency
 from nereus.plan.problem import PlanningProblem, SearchSpace, SeqStats
 from nereus.plan.search import search
 from nereus.sim.seqcurve import SeqCurve
 from nereus.sim.trace import GpuSupply
-from nereus.sim.truth import Episode, Hardware
+from nereus.sim.truth import TRUE_EFFICIENCY, TRUE_MEMORY_FACTOR, Episode, Hardware
 from nereus.spec.cluster import ClusterSpec
 from nereus.spec.model import ModelSpec
 from nereus.spec.workload import Role, WorkloadSpec
@@ -151,21 +151,39 @@ def _describe(plan: Plan) -> dict[str, str]:
 class _Run:
     """One policy's replay."""
 
-    def __init__(self, scenario: Scenario, policy: str, gamma: float) -> None:
+    def __init__(
+        self, scenario: Scenario, policy: str, gamma: float, hold: Mapping[str, Layout] | None = None
+    ) -> None:
         self.s = scenario
         self.hw = Hardware(scenario.seed, scenario.noise, scenario.episodes)
         self.config = policy_config(policy, gamma)
+        self.free = policy == "oracle"  # its moves and restarts cost nothing: a bound, not a policy
+        self.hold = dict(hold or {})  # static-best: the layouts a static run starts with
         self.t = 0.0
         self.controller: Controller | None = None
+        self.layouts_seen: list[dict[str, Layout]] = []  # every plan's layouts, in order
 
     def pool(self) -> tuple[int, ...]:
         return self.s.supply.pool_at(self.t)
 
     def _problem(self, pool: tuple[int, ...], seq: SeqStats) -> PlanningProblem:
-        """The controller's view of the job (the first plan, before it exists: priors)."""
+        """The controller's view of the job (the first plan, before it exists: priors; the
+        oracle's: the truth's base efficiencies)."""
         if self.controller is not None:
             return self.controller.problem(pool, seq)
-        return PlanningProblem(self.s.workload, self.s.models, self.s.cluster, pool, seq)
+        problem = PlanningProblem(self.s.workload, self.s.models, self.s.cluster, pool, seq)
+        return replace(problem, efficiencies=self._calibration().efficiencies()) if self.free else problem
+
+    def _calibration(self) -> CalibrationStore:
+        """An empty store; the oracle's knows the truth's base efficiency of every op class and
+        its memory factor per stage (not its shape effects, episodes or noise)."""
+        store = CalibrationStore(self.s.cluster.name)
+        if self.free:
+            store.update(Measurement(op, eff, 1.0) for op, eff in TRUE_EFFICIENCY.items() for _ in range(8))
+            for stage, factor in TRUE_MEMORY_FACTOR.items():
+                for _ in range(8):
+                    store.update_memory(stage, 1.0, factor)
+        return store
 
     def restart_cost(self, plan: Plan, seq: SeqStats) -> float:
         """Relaunch plus reading every model-stage's state from the checkpoint."""
@@ -182,7 +200,9 @@ class _Run:
             if pool:
                 problem = self._problem(pool, seq)
                 # a restart may pick new layouts, and recompute or shrink micro-batches if it must
-                for space in (problem.space, SearchSpace(), SearchSpace.urgent()):
+                held = [problem.space.holding(self.hold), SearchSpace.urgent().holding(self.hold)]
+                for space in (*(held if self.hold and self.controller is None else ()), problem.space,
+                              SearchSpace(), SearchSpace.urgent()):  # fmt: skip
                     try:
                         return search(replace(problem, space=space)).plan, waited
                     except InfeasibleError:
@@ -208,7 +228,7 @@ class _Run:
                 self.s.cluster,
                 plan,
                 self.config,
-                CalibrationStore(self.s.cluster.name),
+                self._calibration(),
             )
         ctl = self.controller
         pool = self.pool()  # what the boundary sees; changes after it surface at the next one
@@ -219,7 +239,7 @@ class _Run:
             before = ctl.plan
             match decision.action:
                 case Move() as move:
-                    seconds = self._transition_truth(decision, move)
+                    seconds = 0.0 if self.free else self._transition_truth(decision, move)
                     self.t += seconds
                     ctl.moved(move, seconds)
                     moved.append(TransitionRecord.move(move, seconds, before))
@@ -231,6 +251,9 @@ class _Run:
                 case Keep():
                     pass
         plan = ctl.plan
+        layouts = {c.model_stage: c.layout for c in plan.candidates}
+        if not self.layouts_seen or self.layouts_seen[-1] != layouts:
+            self.layouts_seen.append(layouts)
         problem = replace(ctl.problem(pool, seq), efficiencies=Efficiencies.unit())
         ideal = price(problem, shapes_of(plan))  # seconds per op class at peak, raw memory
         times, measurements, peaks = {}, [], {}
@@ -242,7 +265,7 @@ class _Run:
         step_s = step_latency(plan.workflow, self.s.workload.mode, times)
         oom = self._oom(plan, peaks, ideal.resident)
         restart_s = 0.0
-        if oom:  # the step is lost: the job crashes and restarts from its checkpoint
+        if oom and not self.free:  # the step is lost: the job crashes and restarts from its checkpoint
             restart_s = self.restart_cost(plan, seq)
             self.t += restart_s
         self.t += step_s
@@ -302,7 +325,7 @@ class _Run:
         if target is None:
             target, waited = self.wait_for_plan(seq)
             pool = target.pool
-        seconds = self.restart_cost(target, seq)
+        seconds = 0.0 if self.free else self.restart_cost(target, seq)
         self.t += seconds
         record = TransitionRecord.restart(seconds, reason, checkpoint, ctl.plan, target)
         ctl.restarted(target)
@@ -324,9 +347,29 @@ class _Run:
         return False
 
 
+STATIC_BEST = "static-best"
+
+
 def simulate(scenario: Scenario, policy: str, gamma: float = 0.5) -> Summary:
-    """Replay ``scenario`` under ``policy``; the per-step records are in ``Summary.records``."""
-    run = _Run(scenario, policy, gamma)
+    """Replay ``scenario`` under ``policy``; the per-step records are in ``Summary.records``.
+
+    Two reference policies. ``oracle`` adopts the planner's best plan every step, planned with the
+    truth's base efficiencies and memory factors (not its shape effects or noise), with moves and
+    restarts free (lost steps still count). ``static-best`` is the static policy (TP/PP held, DP
+    follows the pool) started on the layouts that turn out best in hindsight: the static policy's
+    own first layouts and each distinct set of layouts the oracle used are tried, and the fastest
+    run is reported."""
+    if policy == STATIC_BEST:
+        oracle = _Run(scenario, "oracle", gamma)
+        _replay(oracle, scenario, "oracle")
+        tries = [_replay(_Run(scenario, "static", gamma), scenario, "static")]
+        for hold in oracle.layouts_seen:
+            tries.append(_replay(_Run(scenario, "static", gamma, hold), scenario, "static"))
+        return replace(min(tries, key=lambda s: s.total_s), policy=STATIC_BEST)
+    return _replay(_Run(scenario, policy, gamma), scenario, policy)
+
+
+def _replay(run: _Run, scenario: Scenario, policy: str) -> Summary:
     records: list[StepRecord] = []
     prev: Telemetry | None = None
     k = 0
@@ -344,7 +387,7 @@ def simulate(scenario: Scenario, policy: str, gamma: float = 0.5) -> Summary:
         policy,
         total / scenario.steps,
         total,
-        sum(1 for r in records if r.transition_s > 0),
+        sum(1 for r in records if any(t.kind is RecordKind.MOVE for t in r.transitions)),
         sum(1 for r in records if r.tp_pp_change),
         sum(1 for r in records if r.oom),
         sum(1 for r in records if r.preempted),
