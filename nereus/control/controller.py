@@ -69,7 +69,8 @@ def policy_config(name: str, gamma: float = 0.5) -> ControllerConfig:
     """The controller configuration of a named policy (``nereus``, ``static``, ``always``,
     ``periodic:K``, ``oracle``); all share the urgent path and the planner, they differ in
     admission. ``oracle`` replans every step and adopts the planner's best plan each time: with the
-    simulator's free transitions it bounds what any admission rule can gain."""
+    simulator's free transitions it is the reference for what admission could gain (a bound only
+    as far as the planner's model matches the hardware)."""
     if name == "nereus":
         return ControllerConfig(rule=Rule(Profit.PAYBACK, gamma))
     if name == "always":
