@@ -114,3 +114,16 @@ def test_bad_arguments_are_one_line_errors(
     err = capsys.readouterr().err
     assert err.startswith("nereus assets: error: ") and message in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_a_trimmed_install_is_a_one_line_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def missing(*args: object) -> int:
+        raise ModuleNotFoundError("No module named 'tokenizers'")
+
+    monkeypatch.setattr(assets, "build_tokenizer", missing)
+    assert assets.main([str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "needs transformers, tokenizers and pyarrow" in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing half-built left behind

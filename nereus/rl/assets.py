@@ -194,6 +194,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"nereus assets: error: {exc}", file=sys.stderr)
         return 2
+    except ImportError as exc:  # a trimmed install: the builders need the Hugging Face stack
+        print(
+            f"nereus assets: error: building needs transformers, tokenizers and pyarrow "
+            f"(pip install transformers tokenizers pyarrow): {exc}",
+            file=sys.stderr,
+        )
+        return 2
     print(f"model and tokenizer: {assets.model}\ndata set: {assets.train}")
     return 0
 
