@@ -31,6 +31,7 @@ from nereus.spec.workload import Algorithm, Precision, Recompute, Role, Stage, W
 
 PRICED = {Stage.GEN: "actor.gen", Stage.INF: "ref.inf", Stage.TRAIN: "actor.train"}
 MAX_SEQUENCES = 1 << 24
+DEFAULTS = WorkloadSpec(name="defaults", algorithm=Algorithm.PPO)  # micro-batches when not named
 MAX_TOKENS = 1 << 24
 
 
@@ -46,7 +47,7 @@ class PriceQuery:
     prompt_len: int
     seq_len: int
     seq_len_p95: int = 0  # 0: seq_len
-    micro_batch: int = 0  # train/inf; 0: the largest that divides a replica's share (train), 16 (inf)
+    micro_batch: int = 0  # train/inf; 0: WorkloadSpec's default (train: largest up to it dividing a share)
     global_batch: int = 0  # train; 0: all N sequences in one optimizer step
     recompute: Recompute = Recompute.NONE
     concurrency: int = 0  # gen; 0: every sequence of a replica at once
@@ -64,14 +65,14 @@ class PriceQuery:
         ):
             if not (isinstance(value, int) and 1 <= value <= most):
                 raise ConfigError(f"--{flag}: expected an integer in [1, {most}], got {value!r}")
-        for flag, value in (
-            ("seq-len-p95", self.seq_len_p95),
-            ("micro-batch", self.micro_batch),
-            ("global-batch", self.global_batch),
-            ("concurrency", self.concurrency),
+        for flag, value, most in (
+            ("seq-len-p95", self.seq_len_p95, MAX_TOKENS),
+            ("micro-batch", self.micro_batch, MAX_SEQUENCES),
+            ("global-batch", self.global_batch, MAX_SEQUENCES),
+            ("concurrency", self.concurrency, MAX_SEQUENCES),
         ):
-            if not (isinstance(value, int) and 0 <= value <= MAX_SEQUENCES * 64):
-                raise ConfigError(f"--{flag}: expected a positive integer, got {value!r}")
+            if not (isinstance(value, int) and 0 <= value <= most):
+                raise ConfigError(f"--{flag}: expected an integer in [1, {most}], got {value!r}")
         if self.seq_len_p95 and self.seq_len_p95 < self.seq_len:
             raise ConfigError(f"--seq-len-p95 {self.seq_len_p95} must be at least --seq-len {self.seq_len}")
         if self.dp > self.sequences:
@@ -113,9 +114,10 @@ class PriceQuery:
         if self.stage is Stage.GEN:
             return self.concurrency or math.ceil(self.sequences / self.dp)
         if self.stage is Stage.INF:
-            return self.micro_batch or 16
+            return self.micro_batch or DEFAULTS.inference_micro_batch
         share = (self.global_batch or self.sequences) // self.dp
-        return self.micro_batch or max(b for b in range(1, min(share, 8) + 1) if share % b == 0)
+        cap = min(share, DEFAULTS.micro_batch)
+        return self.micro_batch or max(b for b in range(1, cap + 1) if share % b == 0)
 
     def workload(self) -> WorkloadSpec:
         """The workload whose model-stage ``PRICED[stage]`` is exactly this work."""
