@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from nereus.errors import ConfigError
+from nereus.rl.assets import CHAT_TEMPLATE
 from nereus.rl.data import PromptDataset, collate
 from nereus.rl.hf_tokenizer import HfTokenizer, has_tokenizer
 from nereus.rl.tokenizer import CharTokenizer, tokenizer_of
@@ -27,10 +28,7 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.pure
 
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+TEMPLATE = CHAT_TEMPLATE  # ChatML, as the main job's tokenizer has
 TEXT = [
     "What is 12 plus 30? The answer is 42.",
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",

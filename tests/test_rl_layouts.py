@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from nereus.errors import ConfigError
+from nereus.rl.assets import write_parquet
 from nereus.rl.data import PromptDataset, collate, prompt_ids
 from nereus.rl.hf_tokenizer import HfTokenizer
 from nereus.rl.layouts import RecordLayout
@@ -39,11 +40,6 @@ VERL = [
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory: pytest.TempPathFactory) -> HfTokenizer:
     return HfTokenizer(str(build(tmp_path_factory.mktemp("tok"))))
-
-
-def write_parquet(rows: list[dict[str, object]], path: Path) -> Path:
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
 
 
 def test_a_verl_parquet_file(tok: HfTokenizer, tmp_path: Path) -> None:

@@ -335,8 +335,9 @@ def test_a_job_from_a_users_model_folder_and_verl_data(tmp_path: Path, family: s
     row's source. The actor starts from the folder's weights."""
     import transformers
 
+    from nereus.rl.assets import write_parquet
     from tests.test_hf_tokenizer import build
-    from tests.test_rl_layouts import VERL, write_parquet
+    from tests.test_rl_layouts import VERL
 
     folder = tmp_path / f"tiny-user-{family}"
     shape = {

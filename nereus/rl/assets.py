@@ -146,10 +146,12 @@ def verl_rows(records: Sequence[TaskRecord], source: str = SOURCE) -> list[dict[
     ]
 
 
-def write_parquet(rows: Sequence[dict[str, object]], path: Path) -> None:
+def write_parquet(rows: Sequence[dict[str, object]], path: Path) -> Path:
+    """``rows`` as a Parquet file at ``path`` (pyarrow infers the schema); returns ``path``."""
     pa = importlib.import_module("pyarrow")
     pq = importlib.import_module("pyarrow.parquet")
     pq.write_table(pa.Table.from_pylist(list(rows)), path)
+    return path
 
 
 def build(out: Path, spec: AssetSpec = AssetSpec()) -> Assets:
