@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import socket
 
 from nereus.plan.layout import Candidate, Layout, Plan
 from nereus.plan.problem import PlanningProblem, SearchSpace, SeqStats
@@ -53,3 +54,10 @@ def random_plan(rng: random.Random, problem: PlanningProblem, degrees: tuple[int
             dp = rng.randint(1, len(mine) // (tp * pp))
             cands.append(Candidate(ms.name, Layout(tp, pp), dp, tuple(mine[: tp * pp * dp])))
     return Plan(wf, tuple(cands), problem.pool)
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on now (for a test's rendezvous store)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

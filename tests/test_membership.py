@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from nereus.runtime.membership import JOIN_QUEUE, JoinRefusedError, Membership, Rendezvous
 from nereus.runtime.signed import BoundedLog, SignedStore
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.dist
 
@@ -181,11 +182,8 @@ def _member(gpu: int, port: int, out: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_survivors_re_form_the_world_in_place_after_a_member_dies(tmp_path: Path) -> None:
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_member, args=(g, port, str(tmp_path))) for g in range(3)]
     for p in procs:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from nereus.runtime.comm import barrier
 from nereus.runtime.membership import Membership, Rendezvous
 from nereus.state.buffers import BufferKind
 from tests.device_checks import small_plan
+from tests.helpers import free_port
 from tests.rollback_helpers import StandInWorker, moved_plan, stand_in_loop, trainer_at, update
 
 pytestmark = pytest.mark.dist
@@ -91,9 +91,7 @@ def _rank(gpu: int, port: int, out: str) -> None:
 
 @pytest.mark.timeout(150)
 def test_survivors_one_snapshot_apart_agree_on_the_step_to_run_again(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank, args=(g, port, str(tmp_path))) for g in GPUS]
     for p in procs:
