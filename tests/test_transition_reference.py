@@ -1,0 +1,46 @@
+"""The transition planner decides exactly what the per-unit planner of 25fbcc4 decided.
+
+Every case of ``tests/golden/transition_reference.json`` (the benchmark's pairs at 32…1,024
+GCDs, seeded random drifts with and without lost GPUs, random plan pairs under tight memory) is
+re-planned; the DAG (nodes, edges, commit order, peak, units), the schedule (every start and
+finish, makespan, critical path) and refusals must be the same, value for value.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.transition_cases import GOLDEN, run_case
+
+pytestmark = pytest.mark.pure
+
+CASES: list[dict[str, Any]] = json.loads(GOLDEN.read_text())
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_the_plan_is_the_per_unit_reference(case: dict[str, Any]) -> None:
+    assert run_case(case) == case["expect"]
+
+
+def test_the_cases_cover_restores_refusals_and_the_largest_pool() -> None:
+    from nereus.transition import plan_transition
+    from tests.transition_cases import plan_of, problem_of
+
+    restores = 0
+    for case in CASES:
+        if "lost" not in case or "error" in case["expect"]:
+            continue
+        problem = problem_of(case)
+        tr = plan_transition(
+            problem,
+            plan_of(case["current"], problem),
+            plan_of(case["target"], problem),
+            frozenset(case["lost"]),
+        )
+        restores += sum(1 for n in tr.dag.nodes if n.source)
+    assert restores > 0
+    assert any(c["expect"].get("feasible") is False for c in CASES)
+    assert max(c["expect"].get("nodes", 0) for c in CASES) >= 1500
