@@ -206,6 +206,6 @@ def price(
     model_stage = problem.workflow.get(PRICED[query.stage])
     est = estimate(CostModel(problem), model_stage, query.shape())
     total, by_class, by_term = _seconds(est.latency)
-    peak = est.persistent_bytes + est.active_bytes
+    peak = est.active_bytes  # the stage's own peak: active already holds its persistent state
     limit = problem.capacity_bytes - problem.reserved_bytes
     return Price(model_stage.name, est.shape, total, by_class, by_term, peak, limit)
