@@ -137,3 +137,11 @@ def test_e2e_local_benchmark_quick(tmp_path: Path) -> None:
             assert run["transitions"] >= 1  # the drift loses a worker: something had to move
     assert doc["ratios"]["nereus/static"]["accounted_s"]["median"] > 0
     assert (tmp_path / "e2e_local.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(240)
+def test_fidelity_benchmark_quick(tmp_path: Path) -> None:
+    doc = run_quick("fidelity.py", tmp_path)
+    assert {"benchmark", "git_sha", "summary", "calibration", "verdict"} <= set(doc)
+    assert {r["subset"] for r in doc["results"]} == {"calibration", "evaluation"}
+    assert (tmp_path / "fidelity.png").stat().st_size > 0

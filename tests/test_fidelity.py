@@ -1,0 +1,108 @@
+"""The fidelity benchmark's data and its fit (benchmarks/fidelity.py, nereus/plan/fit.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from nereus.plan.calibration import CalibrationStore, Efficiencies
+from nereus.plan.fit import Point, attribute, fit_efficiencies
+from nereus.plan.opclass import OpClass
+from nereus.spec import load_cluster, load_model
+
+pytestmark = pytest.mark.pure
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _bench() -> ModuleType:
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("fidelity", BENCH / "fidelity.py")
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["fidelity"] = mod  # dataclasses look their module up while the class is made
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+FID = _bench()
+
+
+@pytest.mark.parametrize("dataset", FID.DATASETS)
+def test_published_rows_are_complete_sourced_and_priceable(dataset: str) -> None:
+    rows = FID.load(dataset)
+    assert rows and len({r["id"] for r in rows}) == len(rows)
+    for r in rows:
+        assert r["source"].startswith("https://") and r["note"]
+        model, cluster = load_model(r["model"]), load_cluster(r["cluster"])
+        assert int(r["gpus"]) <= cluster.total_gpus and float(r["measured"]) > 0
+        assert model.num_hidden_layers > 0
+        layout = (r["tp"], r["pp"], r["dp"]) if "dp" in r else (r["train_tp"], r["train_pp"], "1")
+        if "dp" in r:
+            assert int(layout[0]) * int(layout[1]) * int(layout[2]) == int(r["gpus"])
+
+
+@pytest.mark.parametrize("dataset", FID.DATASETS)
+def test_split_is_disjoint_alternating_and_deterministic(dataset: str) -> None:
+    rows = FID.load(dataset)
+    first, again = FID.split(rows), FID.split(FID.load(dataset))
+    assert first == again and set(first) <= {"calibration", "evaluation"}
+    assert first[0] == "calibration" and all(a != b for a, b in itertools.pairwise(first))
+
+
+def test_benchmark_prices_a_few_points(tmp_path: Path) -> None:
+    result = FID.run(FID.DATA, 2)
+    points = result["points"]
+    assert {p["dataset"] for p in points} == set(FID.DATASETS)
+    for p in points:
+        for when in ("before", "after"):
+            assert p[when]["predicted"] > 0 and abs(p[when]["err_pct"]) < 1e4
+    summary = result["summary"]["after"]["calibration"]["all"]
+    assert summary["n"] == 3 and summary["mape_pct"] >= 0
+    FID.plot(result, tmp_path)
+    assert (tmp_path / "fidelity.png").stat().st_size > 0
+
+
+def test_a_bad_row_names_file_row_and_column(tmp_path: Path) -> None:
+    text = (FID.DATA / "published_rl.csv").read_text().splitlines()
+    header, row = text[0], text[1]
+    (tmp_path / "published_rl.csv").write_text(header + "\n" + row.replace("h100-ib,", ",", 1) + "\n")
+    with pytest.raises(ValueError, match=r"row 2: empty or missing \['cluster'\]"):
+        FID.load("rl", tmp_path)
+
+
+TRUE = {OpClass.GEMM: 0.6, OpClass.MEMORY: 0.8, OpClass.ALLREDUCE_INTRA: 0.7}
+
+
+def _points() -> list[Point]:
+    shapes = [(3, 1, 0.5), (1, 4, 0.2), (2, 2, 1), (5, 0.5, 0.1), (0.5, 3, 2), (1, 1, 1)]
+    ideal = [{OpClass.GEMM: g, OpClass.MEMORY: m, OpClass.ALLREDUCE_INTRA: c} for g, m, c in shapes]
+    return [Point(i, sum(v / TRUE[op] for op, v in i.items())) for i in ideal]
+
+
+def test_fit_recovers_known_efficiencies() -> None:
+    fit = fit_efficiencies(_points(), ridge=1e-9)
+    for op, eta in TRUE.items():
+        assert fit.eta[op] == pytest.approx(eta, rel=1e-4)
+    assert max(abs(r) for r in fit.residuals) < 1e-6
+
+
+def test_fit_keeps_eta_in_range_and_feeds_the_store() -> None:
+    too_fast = [Point({OpClass.GEMM: 1.0, OpClass.MEMORY: 1.0}, 1.0)]  # faster than peak
+    fit = fit_efficiencies(too_fast)
+    assert all(0.01 <= v <= 1.0 for v in fit.eta.values())
+    store = CalibrationStore("x")
+    store.update(attribute(_points(), fit_efficiencies(_points(), ridge=1e-9).eta))
+    eff: Efficiencies = store.efficiencies()
+    for op, eta in TRUE.items():
+        assert eff[op] == pytest.approx(eta, rel=1e-3)
+    with pytest.raises(ValueError):
+        fit_efficiencies([])
