@@ -18,7 +18,7 @@ from nereus.plan.cost import Cost, CostModel, LatencyTerms
 from nereus.plan.layout import Layout
 from nereus.plan.memory import MemoryTerms
 from nereus.plan.problem import PlanningProblem
-from nereus.plan.replica import FloatArray, IntArray
+from nereus.plan.replica import FloatArray, IntArray, ReplicaFacts
 from nereus.spec.workload import ModelStage, Recompute, Stage
 
 
@@ -206,10 +206,35 @@ def _held(
     return np.array([dp], dtype=np.int64), np.array([micro], dtype=np.int64)
 
 
-def candidate_table(cost: CostModel, model_stage: ModelStage) -> CandidateTable:
-    """Every shape of ``model_stage`` with its latency and memory (no feasibility or dominance)."""
-    problem = cost.problem
-    recomputes = problem.space.recompute if model_stage.stage is Stage.TRAIN else (Recompute.NONE,)
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """The shapes of one model-stage before pricing (one recomputation option): what a replan of
+    the same job on the same pool size enumerates again, so the planner cache keeps it."""
+
+    layouts: tuple[Layout, ...]
+    layout_index: IntArray
+    dp: IntArray
+    micro_batch: IntArray
+    gpus: IntArray
+    replicas: ReplicaFacts  # per row
+
+    def take(self, index: IntArray) -> Rows:
+        return Rows(
+            self.layouts,
+            self.layout_index[index],
+            self.dp[index],
+            self.micro_batch[index],
+            self.gpus[index],
+            self.replicas.take(index),
+        )
+
+
+def recomputes_of(problem: PlanningProblem, model_stage: ModelStage) -> tuple[Recompute, ...]:
+    return tuple(problem.space.recompute) if model_stage.stage is Stage.TRAIN else (Recompute.NONE,)
+
+
+def enumerate_rows(problem: PlanningProblem, model_stage: ModelStage) -> Rows:
+    """Every (layout, dp, micro-batch) row of ``model_stage`` on this pool, unpriced."""
     lays = tuple(layouts(problem, model_stage))
     parts = [_shape_options(problem, model_stage, lay) for lay in lays]
     layout_index = np.concatenate(
@@ -217,21 +242,46 @@ def candidate_table(cost: CostModel, model_stage: ModelStage) -> CandidateTable:
     )
     dp = np.concatenate([d for d, _ in parts] or [np.zeros(0, np.int64)])
     micro = np.concatenate([m for _, m in parts] or [np.zeros(0, np.int64)])
-    columns: list[tuple[IntArray, ...]] = []
-    values: list[tuple[FloatArray, ...]] = []
-    for r, recompute in enumerate(recomputes):
-        terms, mem = cost.evaluate_rows(model_stage, lays, layout_index, dp, micro, recompute)
-        size = np.array([lay.size for lay in lays], dtype=np.int64)[layout_index] if lays else dp
-        columns.append((layout_index, dp, micro, np.full(len(dp), r, dtype=np.int64), dp * size))
-        values.append(
-            tuple(
-                np.broadcast_to(v, dp.shape).astype(np.float64)
-                for v in (terms.total, mem.persistent, mem.active)
-            )
+    size = np.array([lay.size for lay in lays], dtype=np.int64)[layout_index] if lays else dp
+    replicas = ReplicaFacts.of(problem.model_of(model_stage), lays).take(layout_index)
+    return Rows(lays, layout_index, dp, micro, dp * size, replicas)
+
+
+def price_rows(
+    cost: CostModel, model_stage: ModelStage, rows: Rows, recomputes: tuple[Recompute, ...]
+) -> CandidateTable:
+    """The candidate table of ``rows`` under ``cost``: one block of rows per recomputation option."""
+    n = len(rows.dp)
+    lats: list[FloatArray] = []
+    pers: list[FloatArray] = []
+    acts: list[FloatArray] = []
+    for recompute in recomputes:
+        terms, mem = cost.evaluate_rows(
+            model_stage, rows.layouts, rows.layout_index, rows.dp, rows.micro_batch, recompute, rows.replicas
         )
-    cols = [np.concatenate([c[k] for c in columns]) for k in range(5)]
-    vals = [np.concatenate([v[k] for v in values]) for k in range(3)]
-    return CandidateTable(model_stage, lays, tuple(recomputes), *cols, *vals)
+        for out, v in zip((lats, pers, acts), (terms.total, mem.persistent, mem.active), strict=True):
+            out.append(np.broadcast_to(v, (n,)).astype(np.float64))
+    k = len(recomputes)
+    return CandidateTable(
+        model_stage,
+        rows.layouts,
+        recomputes,
+        np.tile(rows.layout_index, k),
+        np.tile(rows.dp, k),
+        np.tile(rows.micro_batch, k),
+        np.repeat(np.arange(k, dtype=np.int64), n),
+        np.tile(rows.gpus, k),
+        np.concatenate(lats),
+        np.concatenate(pers),
+        np.concatenate(acts),
+    )
+
+
+def candidate_table(cost: CostModel, model_stage: ModelStage) -> CandidateTable:
+    """Every shape of ``model_stage`` with its latency and memory (no feasibility or dominance)."""
+    problem = cost.problem
+    rows = enumerate_rows(problem, model_stage)
+    return price_rows(cost, model_stage, rows, recomputes_of(problem, model_stage))
 
 
 def estimate(cost: CostModel, model_stage: ModelStage, shape: Shape) -> Estimate:

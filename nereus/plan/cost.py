@@ -163,10 +163,12 @@ class CostModel:
         dp: IntArray,
         micro_batch: IntArray,
         recompute: Recompute = Recompute.NONE,
+        replicas: ReplicaFacts | None = None,
     ) -> tuple[LatencyTerms, MemoryTerms]:
-        """Latency terms and per-GPU memory of rows (layouts[layout_index[i]], dp[i], micro_batch[i])."""
+        """Latency terms and per-GPU memory of rows (layouts[layout_index[i]], dp[i], micro_batch[i]);
+        ``replicas``: the rows' layout facts when the caller already has them."""
         model = self.problem.model_of(model_stage)
-        rep = ReplicaFacts.of(model, layouts).take(layout_index)
+        rep = replicas if replicas is not None else ReplicaFacts.of(model, layouts).take(layout_index)
         dpf = dp.astype(np.float64)
         micro = micro_batch.astype(np.float64)
         n = self.problem.workload.sequences(model_stage)
