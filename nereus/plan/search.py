@@ -30,13 +30,15 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
 from types import MappingProxyType
 
 import numpy as np
 
 from nereus.errors import InfeasibleError
+from nereus.plan.cache import PlanCache
 from nereus.plan.candidates import CandidateTable, Estimate, Shape, candidate_table, estimate
 from nereus.plan.cost import CostModel
 from nereus.plan.frontier import frontier
@@ -45,7 +47,7 @@ from nereus.plan.overlap import step_latency
 from nereus.plan.placement import place
 from nereus.plan.problem import PlanningProblem
 from nereus.spec.cluster import GIB
-from nereus.spec.workload import ExecutionMode, Stage, Workflow
+from nereus.spec.workload import ExecutionMode, ModelStage, Stage, Workflow
 
 INF = math.inf
 
@@ -64,14 +66,20 @@ class StageSolver:
     def __init__(self, tables: Sequence[CandidateTable]) -> None:
         self.tables = list(tables)  # each sorted by latency (``frontier`` output)
         self._memo: dict[tuple[float, float, int], StageChoice | None] = {}
+        # active caps between two consecutive values the candidates take admit the same
+        # candidates: a call is keyed by the largest value at or under its cap (fewer distinct calls)
+        self._actives = np.unique(np.concatenate([t.active for t in self.tables]))
 
     def resident_levels(self) -> list[float]:
         return sorted({float(v) for t in self.tables for v in t.persistent})
 
     def solve(self, x: float, y: float, budget: int) -> StageChoice | None:
-        key = (x, y, budget)
+        i = int(np.searchsorted(self._actives, y, side="right"))
+        if i == 0:
+            return None
+        key = (x, float(self._actives[i - 1]), budget)
         if key not in self._memo:
-            self._memo[key] = self._solve(x, y, budget)
+            self._memo[key] = self._solve(*key)
         return self._memo[key]
 
     def _solve(self, x: float, y: float, budget: int) -> StageChoice | None:
@@ -203,7 +211,7 @@ def binding_constraint(problem: PlanningProblem, tables: dict[str, CandidateTabl
     if worst > 0:
         return (
             f"{worst_name} needs ≥ {t.active[i] / GIB + problem.reserved_bytes / GIB:.1f} GiB per GPU "
-            f"at tp·pp ≤ {max(lay.size for lay in t.layouts)} ({t.shape(i)}); capacity "
+            f"at tp·pp ≤ {int((t.gpus // t.dp).max())} ({t.shape(i)}); capacity "
             f"{cap:.1f} GiB after {problem.headroom:.0%} headroom on {problem.cluster.name}"
         )
     wf = problem.workflow
@@ -232,44 +240,109 @@ def finish(
     solver: str,
     cost: CostModel | None = None,
     phases: dict[str, float] | None = None,
+    estimates: Callable[[ModelStage, Shape], Estimate] | None = None,
 ) -> SearchResult:
-    """Place the chosen shapes on GPUs and price each model-stage in full (any solver's last step)."""
+    """Place the chosen shapes on GPUs and price each model-stage in full (any solver's last step).
+    ``estimates``: where the breakdown of a shape comes from (a cache), else ``cost``."""
     placing = time.perf_counter()
-    cost = cost or CostModel(problem)
     wf = problem.workflow
     plan = place(
         wf, problem.workload.mode, shapes, problem.pool, problem.cluster.gpus_per_node, problem.anchor
     )
-    estimates = tuple(estimate(cost, ms, shapes[ms.name]) for ms in wf.model_stages)
-    step = step_latency(wf, problem.workload.mode, {e.model_stage: e.latency_s for e in estimates})
+    if estimates is None:
+        model = cost or CostModel(problem)
+        estimates = partial(estimate, model)
+    found = tuple(estimates(ms, shapes[ms.name]) for ms in wf.model_stages)
+    step = step_latency(wf, problem.workload.mode, {e.model_stage: e.latency_s for e in found})
     done = time.perf_counter()
     timings = {**(phases or {}), "placement_ms": (done - placing) * 1e3}
-    return SearchResult(plan, estimates, step, (done - started) * 1e3, solver, MappingProxyType(timings))
+    return SearchResult(plan, found, step, (done - started) * 1e3, solver, MappingProxyType(timings))
 
 
-def search(problem: PlanningProblem) -> SearchResult:
-    """The fastest feasible plan (frontier + exact program). Raises ``InfeasibleError``."""
+def search(problem: PlanningProblem, cache: PlanCache | None = None) -> SearchResult:
+    """The fastest feasible plan (frontier + exact program). Raises ``InfeasibleError``.
+
+    ``cache``: what earlier searches of the same job left (``PlanCache``); the result is the same
+    with or without it. Without one the search runs cold."""
     started = time.perf_counter()
-    cost = CostModel(problem)
-    tables = build_tables(cost)
-    priced = time.perf_counter()
+    cache = cache if cache is not None else PlanCache(keep=1, results=0)
+    wf = cache.bind(problem)
+    result_key = cache.result_key(problem)
+    hit = cache.result(result_key)
+    if isinstance(hit, str):
+        raise InfeasibleError(hit)
+    if isinstance(hit, SearchResult):
+        elapsed = (time.perf_counter() - started) * 1e3
+        zero = dict.fromkeys(PHASES, 0.0)
+        return replace(hit, search_ms=elapsed, timings=MappingProxyType({**zero, "cached_ms": elapsed}))
+    try:
+        result = _search(problem, cache, wf, started)
+    except InfeasibleError as exc:
+        cache.store_result(result_key, str(exc))
+        raise
+    cache.store_result(result_key, result)
+    return result
+
+
+PHASES = ("pricing_ms", "frontier_ms", "program_ms", "placement_ms")
+
+
+def _search(problem: PlanningProblem, cache: PlanCache, wf: Workflow, started: float) -> SearchResult:
+    priced = cache.priced(cache.price_key(problem))
+    models: list[CostModel] = []
+
+    def cost() -> CostModel:
+        if not models:
+            models.append(CostModel(problem))
+        return models[0]
+
     limit = problem.capacity_bytes - problem.reserved_bytes
-    fronts = {name: frontier(t, limit) for name, t in tables.items()}
+    space = problem.space
+    fixed = {name for name, _, _ in space.fixed_shapes}
+    fronts: dict[str, CandidateTable] = {}
+    pricing = -cache.pricing_s
+    for ms in wf.model_stages:
+        if ms.name in fixed:  # a held shape (``nereus plan --fix``): priced on its own
+            t0 = time.perf_counter()
+            table = candidate_table(cost(), ms)
+            pricing += time.perf_counter() - t0
+            fronts[ms.name] = frontier(table, limit)
+        else:
+            fronts[ms.name] = cache.frontier(problem, priced, cost, ms, space.fixed_layout(ms.name), limit)
+    pricing += cache.pricing_s
     pruned = time.perf_counter()
+
+    def tables() -> dict[str, CandidateTable]:
+        return {
+            ms.name: candidate_table(cost(), ms)
+            if ms.name in fixed
+            else cache.table(problem, priced, cost, ms, space.fixed_layout(ms.name))
+            for ms in wf.model_stages
+        }
+
     if any(len(f) == 0 for f in fronts.values()):
-        raise InfeasibleError(binding_constraint(problem, tables))
-    if problem.workload.mode is ExecutionMode.SYNC:
-        shapes = _program_sync(problem, fronts, limit)
-    else:
-        shapes = _program_async(problem, fronts, limit)
+        raise InfeasibleError(binding_constraint(problem, tables()))
+
+    def program() -> dict[str, Shape] | None:
+        if problem.workload.mode is ExecutionMode.SYNC:
+            return _program_sync(problem, wf, fronts, limit)
+        return _program_async(problem, wf, fronts, limit)
+
+    key = (problem.gpus, space.fixed_layouts, space.fixed_shapes)
+    shapes = cache.memo(priced.programs, key, program)
     if shapes is None:
-        raise InfeasibleError(binding_constraint(problem, tables))
+        raise InfeasibleError(binding_constraint(problem, tables()))
+    programmed = time.perf_counter()
     phases = {
-        "pricing_ms": (pruned - started) * 1e3 - (pruned - priced) * 1e3,
-        "frontier_ms": (pruned - priced) * 1e3,
-        "program_ms": (time.perf_counter() - pruned) * 1e3,
+        "pricing_ms": pricing * 1e3,  # pricing happens inside the first frontier of each table
+        "frontier_ms": (pruned - started) * 1e3 - pricing * 1e3,
+        "program_ms": (programmed - pruned) * 1e3,
     }
-    return finish(problem, shapes, started, "dp", cost, phases)
+
+    def breakdown(ms: ModelStage, shape: Shape) -> Estimate:
+        return cache.memo(priced.estimates, (ms.name, shape), lambda: estimate(cost(), ms, shape))
+
+    return finish(problem, shapes, started, "dp", None, phases, breakdown)
 
 
 def _solver_for(fronts: dict[str, CandidateTable], wf: Workflow, stage: Stage) -> StageSolver:
@@ -283,10 +356,9 @@ def _record(
 
 
 def _program_sync(
-    problem: PlanningProblem, fronts: dict[str, CandidateTable], limit: float
+    problem: PlanningProblem, wf: Workflow, fronts: dict[str, CandidateTable], limit: float
 ) -> dict[str, Shape] | None:
     """Sync mode: every stage shares the pool; min Σ_s L_s."""
-    wf = problem.workflow
     coupled = solve_coupled([_solver_for(fronts, wf, s) for s in wf.stages], problem.gpus, limit)
     if coupled is None:
         return None
@@ -297,11 +369,10 @@ def _program_sync(
 
 
 def _program_async(
-    problem: PlanningProblem, fronts: dict[str, CandidateTable], limit: float
+    problem: PlanningProblem, wf: Workflow, fronts: dict[str, CandidateTable], limit: float
 ) -> dict[str, Shape] | None:
     """Async mode: generation on its own GPUs, inference and training share the rest;
     min max(L_gen, L_inf + L_train) over every split of the pool."""
-    wf = problem.workflow
     gens = wf.by_stage(Stage.GEN)
     if len(gens) != 1:
         raise InfeasibleError("async mode needs exactly one generation model-stage")
