@@ -18,6 +18,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from functools import partial
 
 from nereus.control.action import Action, Keep, Move
 from nereus.control.admission import Decision, Option, Profit, Rule, Verdict, admit, payback_steps
@@ -25,6 +26,7 @@ from nereus.control.telemetry import Telemetry
 from nereus.control.transition_cost import DagEstimator, TransitionEstimator
 from nereus.control.triggers import Trigger, TriggerKind, TriggerMonitor, horizon
 from nereus.errors import ConfigError, InfeasibleError
+from nereus.plan.cache import PlanCache
 from nereus.plan.calibration import CalibrationStore
 from nereus.plan.evaluate import price, shapes_of
 from nereus.plan.layout import Layout, Plan
@@ -117,7 +119,8 @@ class Controller:
         self.plan = plan
         self.config = config or ControllerConfig()
         self.calibration = calibration or CalibrationStore(cluster.name)
-        self.planner = planner
+        self.plan_cache = PlanCache()  # what replans of this job reuse (issue 21)
+        self.planner = partial(search, cache=self.plan_cache) if planner is search else planner
         self.estimator = estimator or DagEstimator()
         self.headroom = headroom
         self.state = State.STEADY
