@@ -11,6 +11,11 @@ Frontier-style ``mi250x-slingshot`` cluster from 8 to 1,024 GCDs. For every size
 * scip: the same problem as a MIP (``nereus.plan.scip``), under a time limit; dp and scip are run
   alternately (A B A B) so machine noise hits both.
 
+* replans: what the planner costs inside the controller (``Controller._options``: the target and
+  its held-layout alternatives), warm (the controller's ``PlanCache``) against cold (no cache), per
+  kind of change since the last replan: none, the lengths, the calibration, the pool. ``warm`` of a
+  change is that replan's first search (the target); ``options`` the whole replan.
+
 Also the peak Python/NumPy memory of one dp search (tracemalloc). Writes
 ``benchmarks/results/planner.json`` and ``planner.png``.
 """
@@ -21,13 +26,20 @@ import argparse
 import statistics
 import time
 import tracemalloc
+from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from common import RESULTS, write
 
+from nereus.control.controller import Controller
+from nereus.plan.calibration import Efficiencies
 from nereus.plan.cost import CostModel
 from nereus.plan.exhaustive import ExhaustiveTooLargeError, exhaustive
+from nereus.plan.opclass import PRIOR_EFFICIENCY
 from nereus.plan.problem import PlanningProblem, SeqStats
 from nereus.plan.scip import available as scip_available
 from nereus.plan.scip import solve_scip
@@ -106,6 +118,45 @@ def measure(gpus: int, repeats: int, run_exhaustive: bool, scip_limit_s: float |
     return row
 
 
+def _timed(fn: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    fn()
+    return (time.perf_counter() - started) * 1e3
+
+
+def measure_replans(gpus: int, repeats: int) -> dict[str, Any]:
+    """Median ms of one replan's planner work, warm (cached) and cold, after each kind of change."""
+    p = problem(gpus)
+    plan = search(p).plan
+    warm = Controller(p.workload, p.models, p.cluster, plan)
+    cold = Controller(p.workload, p.models, p.cluster, plan, planner=partial(search, cache=None))
+    node = p.cluster.gpus_per_node
+    out: dict[str, Any] = {"gpus": gpus}
+    times: dict[str, dict[str, list[float]]] = {}
+    for i in range(repeats):
+        for what in ("target", "options"):  # each measured on a change of its own
+            k = 2 * i + (what == "options")
+            before = replace(p, seq=SeqStats(256, 2048 * (1.0 + 0.01 * k), 2048 * (1.0 + 0.01 * k)))
+            longer = SeqStats(256, 2048 * (1.3 + 0.01 * k), 2048 * (1.3 + 0.01 * k))
+            eta = {op: v * (0.9 - 0.01 * k) for op, v in PRIOR_EFFICIENCY.items()}
+            cases = {
+                "repeat": before,
+                "length": replace(before, seq=longer),
+                "calibration": replace(before, efficiencies=Efficiencies(MappingProxyType(eta))),
+                "pool": replace(before, pool=tuple(g for g in p.pool if g // node != k % (gpus // node))),
+            }
+            for name, q in cases.items():
+                for label, c in (("warm", warm), ("cold", cold)):
+                    c._options(c.problem(before.pool, before.seq))  # the replan before: its prices cached
+                    t = replace(c.problem(q.pool, q.seq), efficiencies=q.efficiencies)
+                    run = c._options if what == "options" else c.planner
+                    row = times.setdefault(name, {})
+                    row.setdefault(f"{label}_{what}_ms", []).append(_timed(lambda r=run, t=t: r(t)))
+    for name, row in times.items():
+        out[name] = {k: median(v) for k, v in row.items()}
+    return out
+
+
 def plot(rows: list[dict[str, Any]], out: Path) -> None:
     import matplotlib
 
@@ -154,6 +205,25 @@ def main() -> None:
             + (f"  scip {row['scip']['seconds']:7.2f} s" if "scip" in row else ""),
             flush=True,
         )
+    replans = [
+        measure_replans(g, 3 if args.quick else 7) for g in (32, 1024) if args.quick is False or g <= 32
+    ]
+    for r in replans:
+        print(
+            f"{r['gpus']:5d} GPUs  replan target warm/cold ms: "
+            + "  ".join(
+                f"{k} {v['warm_target_ms']:.3f}/{v['cold_target_ms']:.2f}"
+                for k, v in r.items()
+                if k != "gpus"
+            )
+            + "\n            replan options warm/cold ms: "
+            + "  ".join(
+                f"{k} {v['warm_options_ms']:.3f}/{v['cold_options_ms']:.2f}"
+                for k, v in r.items()
+                if k != "gpus"
+            ),
+            flush=True,
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     plot(rows, args.out)
     summary = {
@@ -166,8 +236,10 @@ def main() -> None:
             (r["gpus"] for r in rows if "seconds" in r.get("exhaustive", {})), default=None
         ),
         "max_dp_peak_mb": max(r["dp_peak_mb"] for r in rows),
+        "replan_warm_target_ms_at_32": {k: v["warm_target_ms"] for k, v in replans[0].items() if k != "gpus"},
+        "replan_cold_target_ms_at_32": {k: v["cold_target_ms"] for k, v in replans[0].items() if k != "gpus"},
     }
-    extra = {"summary": summary, "mode": "quick" if args.quick else "full"}
+    extra = {"summary": summary, "replans": replans, "mode": "quick" if args.quick else "full"}
     path = write("planner", TARGETS, rows, extra, out=args.out)
     print(f"wrote {path} and {args.out / 'planner.png'}")
 
