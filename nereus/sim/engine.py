@@ -1,4 +1,4 @@
-"""Replay a run step by step: supply from a trace, lengths from a curve, truth from ``Hardware``.
+"""Replay a run step by step: supply from a trace, lengths from a curve, truth from ``nereus.sim.truth``.
 
 At every step boundary the controller sees the previous step's telemetry with the pool of *now*,
 may admit a transition (its true duration is charged) or ask for a restart (a checkpoint reload
@@ -7,6 +7,12 @@ true per-model-stage times; it runs out of memory when any GPU's true peak (its 
 footprint plus the idle state of other stages on that GPU) exceeds the GPU's memory, in which
 case the step is lost and the job restarts from its checkpoint. Wall time includes transitions,
 restarts and time spent waiting for GPUs, as in the paper's step latency.
+
+The truth (``nereus.sim.truth``) is written apart from the planner, with its own functional forms
+fitted to published measurements; the planner learns it only through telemetry: per model-stage,
+the truth's seconds per op class paired with the planner's ideal seconds of the class
+(``nereus.sim.observe``). Peaks are the truth's own, and the out-of-memory check adds the truth's
+idle-resident bytes of co-located model-stages of other stages.
 """
 
 from __future__ import annotations
@@ -26,12 +32,13 @@ from nereus.plan.layout import Layout, Plan
 from nereus.plan.overlap import step_latency
 from nereus.plan.problem import PlanningProblem, SearchSpace, SeqStats
 from nereus.plan.search import search
+from nereus.sim.observe import pair, quiet_truth
 from nereus.sim.seqcurve import SeqCurve
 from nereus.sim.trace import GpuSupply
-from nereus.sim.truth import TRUE_EFFICIENCY, TRUE_MEMORY_FACTOR, Episode, Hardware
+from nereus.sim.truth import Episode, Hardware, StageResult
 from nereus.spec.cluster import ClusterSpec
 from nereus.spec.model import ModelSpec
-from nereus.spec.workload import Role, WorkloadSpec
+from nereus.spec.workload import Role, Stage, WorkloadSpec
 
 
 class SimulationError(InfeasibleError):
@@ -162,28 +169,59 @@ class _Run:
         self.t = 0.0
         self.controller: Controller | None = None
         self.layouts_seen: list[dict[str, Layout]] = []  # every plan's layouts, in order
+        self._seed: list[tuple[Measurement, ...]] | None = None  # the oracle's probe of the truth
+        self._seed_memory: list[tuple[Stage, float, float]] = []
 
     def pool(self) -> tuple[int, ...]:
         return self.s.supply.pool_at(self.t)
 
     def _problem(self, pool: tuple[int, ...], seq: SeqStats) -> PlanningProblem:
         """The controller's view of the job (the first plan, before it exists: priors; the
-        oracle's: the truth's base efficiencies)."""
+        oracle's: calibrated from its probe of the truth, see ``_calibration``)."""
         if self.controller is not None:
             return self.controller.problem(pool, seq)
         problem = PlanningProblem(self.s.workload, self.s.models, self.s.cluster, pool, seq)
-        return replace(problem, efficiencies=self._calibration().efficiencies()) if self.free else problem
+        return (
+            replace(problem, efficiencies=self._calibration(problem).efficiencies()) if self.free else problem
+        )
 
-    def _calibration(self) -> CalibrationStore:
-        """An empty store; the oracle's knows the truth's base efficiency of every op class and
-        its memory factor per stage (not its shape effects, episodes or noise)."""
+    def _calibration(self, problem: PlanningProblem | None = None) -> CalibrationStore:
+        """An empty store, except the oracle's. The oracle probes the truth once, before its
+        first step: it plans under the priors (``problem``), runs that plan on the quiet truth
+        (no noise, no episodes) and seeds its calibration with the truth's seconds per op class
+        against the planner's ideal ones, and the truth's peak per stage against the planner's
+        raw one. So it knows the truth's per-class ratios at one plan and step-0 lengths (not how
+        they change with shape, lengths or episodes); after that it learns from telemetry as
+        every policy does."""
         store = CalibrationStore(self.s.cluster.name)
-        if self.free:
-            store.update(Measurement(op, eff, 1.0) for op, eff in TRUE_EFFICIENCY.items() for _ in range(8))
-            for stage, factor in TRUE_MEMORY_FACTOR.items():
-                for _ in range(8):
-                    store.update_memory(stage, 1.0, factor)
+        if not self.free:
+            return store
+        if self._seed is None and problem is not None and problem.pool:
+            self._probe(problem)
+        for ms in self._seed or []:
+            for _ in range(8):
+                store.update(ms)
+        for stage, raw, measured in self._seed_memory:
+            for _ in range(8):
+                store.update_memory(stage, raw, measured)
         return store
+
+    def _probe(self, problem: PlanningProblem) -> None:
+        try:
+            plan = search(problem).plan
+        except InfeasibleError:
+            return  # nothing runs on this pool: no probe, priors
+        ideal = price(replace(problem, efficiencies=Efficiencies.unit()), shapes_of(plan))
+        quiet = self._quiet(plan, problem.seq)
+        self._seed = [tuple(pair(ideal.by_class[n], r.seconds)) for n, r in quiet.items()]
+        self._seed_memory = [
+            (plan.workflow.get(n).stage, ideal.active[n], r.peak_bytes)
+            for n, r in quiet.items()
+            if ideal.active[n] > 0
+        ]
+
+    def _quiet(self, plan: Plan, seq: SeqStats) -> dict[str, StageResult]:
+        return quiet_truth(self.s.workload, self.s.models, self.s.cluster, plan, seq)
 
     def restart_cost(self, plan: Plan, seq: SeqStats) -> float:
         """Relaunch plus reading every model-stage's state from the checkpoint."""
@@ -255,15 +293,16 @@ class _Run:
         if not self.layouts_seen or self.layouts_seen[-1] != layouts:
             self.layouts_seen.append(layouts)
         problem = replace(ctl.problem(pool, seq), efficiencies=Efficiencies.unit())
-        ideal = price(problem, shapes_of(plan))  # seconds per op class at peak, raw memory
+        ideal = price(problem, shapes_of(plan))  # the planner's seconds per op class at peak
+        quiet = self._quiet(plan, seq)  # the truth's, on a quiet machine
         times, measurements, peaks = {}, [], {}
         for c in plan.candidates:
-            stage = plan.stage_of(c)
-            times[c.model_stage], ms = self.hw.run(ideal.by_class[c.model_stage], c.layout, k)
-            measurements.extend(ms)
-            peaks[c.model_stage] = self.hw.peak(ideal.active[c.model_stage], stage)
+            measured = self.hw.run(quiet[c.model_stage].seconds, k)  # episodes and noise on top
+            times[c.model_stage] = sum(measured.values())
+            measurements.extend(pair(ideal.by_class[c.model_stage], measured))
+            peaks[c.model_stage] = self.hw.peak(quiet[c.model_stage].peak_bytes)
         step_s = step_latency(plan.workflow, self.s.workload.mode, times)
-        oom = self._oom(plan, peaks, ideal.resident)
+        oom = self._oom(plan, peaks, {n: r.resident_bytes for n, r in quiet.items()})
         restart_s = 0.0
         if oom and not self.free:  # the step is lost: the job crashes and restarts from its checkpoint
             restart_s = self.restart_cost(plan, seq)
@@ -353,9 +392,10 @@ STATIC_BEST = "static-best"
 def simulate(scenario: Scenario, policy: str, gamma: float = 0.5) -> Summary:
     """Replay ``scenario`` under ``policy``; the per-step records are in ``Summary.records``.
 
-    Two reference policies. ``oracle`` adopts the planner's best plan every step, planned with the
-    truth's base efficiencies and memory factors (not its shape effects or noise), with moves and
-    restarts free (lost steps still count). ``static-best`` is the static policy (TP/PP held, DP
+    Two reference policies. ``oracle`` adopts the planner's best plan every step, with moves and
+    restarts free (lost steps still count); its calibration starts from a probe of the quiet truth
+    on its first plan (``_Run._calibration``) and then learns from telemetry like any policy.
+    ``static-best`` is the static policy (TP/PP held, DP
     follows the pool) started on the layouts that turn out best in hindsight: the static policy's
     own first layouts and each distinct set of layouts the oracle used are tried, and the fastest
     run is reported."""

@@ -1,0 +1,83 @@
+"""What the simulator observes of the truth, and how it becomes the planner's telemetry.
+
+``quiet_truth`` runs every model-stage of a plan on the truth (``nereus.sim.truth``) on a quiet
+machine; ``pair`` turns one model-stage's true seconds per op class into calibration
+measurements against the planner's ideal seconds of the same class. A class the truth charges but
+the planner has no ideal time for on that model-stage is folded into the closest class the planner
+has there: the same collective on the other link, else the planner's largest collective class;
+compute classes into gemm, else memory, else attention. So no measured second is dropped; a class
+the planner prices but the truth does not charge yields no measurement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from nereus.plan.calibration import Measurement
+from nereus.plan.layout import Plan
+from nereus.plan.opclass import OpClass
+from nereus.plan.problem import SeqStats
+from nereus.sim.truth import Lengths, Placement, StageResult, run_stage
+from nereus.spec.cluster import ClusterSpec
+from nereus.spec.model import ModelSpec
+from nereus.spec.workload import Role, Stage, WorkloadSpec
+
+
+def _closest(name: str, planner: Mapping[str, float]) -> str | None:
+    """The planner's op class (of one model-stage) that a truth class without a planner
+    counterpart is folded into."""
+    kind, _, link = name.partition(".")
+    if link:
+        other = f"{kind}.{'intra' if link == 'inter' else 'inter'}"
+        if other in planner:
+            return other
+        collectives = [n for n in planner if "." in n]
+        if collectives:
+            return max(collectives, key=lambda n: planner[n])
+    for n in ("gemm", "memory", "attention"):
+        if n in planner:
+            return n
+    return max(planner, key=lambda n: planner[n]) if planner else None
+
+
+def pair(ideal: Mapping[OpClass, float], measured: Mapping[str, float]) -> list[Measurement]:
+    """Measurements of one model-stage: the planner's ideal seconds of each class against the
+    truth's measured seconds of that class (classes only the truth has folded in)."""
+    planner = {op.value: t for op, t in ideal.items() if t > 0}
+    folded: dict[str, float] = {}
+    for name, t in measured.items():
+        target = name if name in planner else _closest(name, planner)
+        if target is not None and t > 0:
+            folded[target] = folded.get(target, 0.0) + t
+    return [Measurement(OpClass(n), planner[n], t) for n, t in folded.items()]
+
+
+def quiet_truth(
+    w: WorkloadSpec, models: Mapping[Role, ModelSpec], cluster: ClusterSpec, plan: Plan, seq: SeqStats
+) -> dict[str, StageResult]:
+    """The truth of every model-stage of ``plan`` on a quiet machine. Generation engines size
+    their KV pool to what their fullest GPU has free beside the idle state of co-located
+    model-stages of other stages."""
+    lengths = Lengths(seq.prompt_len, seq.response_len, seq.response_p95)
+    stage_of = {c.model_stage: plan.stage_of(c) for c in plan.candidates}
+    on_gpu: dict[int, list[str]] = {}
+    for c in plan.candidates:
+        for g in c.gpus:
+            on_gpu.setdefault(g, []).append(c.model_stage)
+    out: dict[str, StageResult] = {}
+    for c in sorted(plan.candidates, key=lambda c: stage_of[c.model_stage] is Stage.GEN):
+        ms = plan.workflow.get(c.model_stage)
+        model = models[ms.role].with_head(ms.head)
+        where = Placement.of(
+            c.layout.tp, c.layout.pp, c.dp, c.gpus, cluster.gpus_per_node, c.micro_batch, c.recompute
+        )
+        free = None
+        if ms.stage is Stage.GEN:
+            idle = max(
+                sum(out[o].resident_bytes for o in on_gpu[g] if o in out and stage_of[o] is not Stage.GEN)
+                for g in c.gpus
+            )
+            free = cluster.gpu_memory_bytes - cluster.runtime_reserved_gib * 2**30 - idle
+        syncs = plan.workflow.sync_source(ms.name) is not None
+        out[ms.name] = run_stage(model, w, cluster, ms.stage, where, w.sequences(ms), lengths, free, syncs)
+    return out

@@ -1,0 +1,104 @@
+"""Per-step noise, episodes (congestion, throttling) and the true cost of transitions.
+
+The structural truth (``stage.py``, ``decode.py``) says what a model-stage costs on a quiet
+machine; ``Hardware`` applies what a real cluster adds on top: seeded log-normal jitter per op
+class, episodes that slow a scope of op classes over a range of steps, a small jitter on memory
+peaks, and transitions slower than their bandwidth estimate plus fixed engine rebuild and
+regroup costs (which the planner's transition estimate does not model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from nereus.errors import ConfigError
+from nereus.spec.files import brief, shorten
+from nereus.spec.workload import Stage
+
+TRANSITION_BIAS = 1.15  # state moves take this much longer than the bandwidth estimate
+# Fixed costs a transition pays beyond moving bytes: rebuilding an engine for a new layout
+# (generation: vLLM weights reload + CUDA-graph capture; others: module re-init) and re-forming
+# process groups when only DP changes.
+REBUILD_S = {Stage.GEN: 30.0, Stage.INF: 8.0, Stage.TRAIN: 8.0}
+REGROUP_S = 2.0
+COMPUTE_CLASSES = frozenset({"gemm", "attention", "memory"})
+SCOPES = ("inter", "intra", "compute", "all")
+
+
+@dataclass(frozen=True, slots=True)
+class Episode:
+    """Steps [start, end) during which op classes in ``scope`` run at ``factor`` of their speed."""
+
+    start: int
+    end: int
+    scope: str
+    factor: float
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end:
+            raise ValueError(f"episode steps must satisfy 0 ≤ start < end, got {self.start}-{self.end}")
+        if self.scope not in SCOPES:
+            raise ValueError(f"episode scope must be one of {', '.join(SCOPES)}, got {brief(self.scope)}")
+        if not 0 < self.factor <= 1:
+            raise ValueError(f"episode factor must be in (0, 1], got {self.factor}")
+
+    @classmethod
+    def parse(cls, text: str) -> Episode:
+        """``START-END:SCOPE:FACTOR``, e.g. ``100-140:inter:0.5`` (congested network)."""
+        try:
+            steps, scope, factor = text.split(":")
+            start, end = steps.split("-")
+            return cls(int(start), int(end), scope, float(factor))
+        except ValueError as exc:
+            raise ConfigError(
+                f"--episode {brief(text)}: expected START-END:SCOPE:FACTOR with SCOPE one of "
+                f"{', '.join(SCOPES)} ({shorten(str(exc))})"
+            ) from None
+
+    def covers(self, op: str, step: int) -> bool:
+        """Whether op class ``op`` (its name, e.g. ``allreduce.inter``) is slowed at ``step``."""
+        if not self.start <= step < self.end:
+            return False
+        if self.scope == "all":
+            return True
+        if self.scope == "compute":
+            return op in COMPUTE_CLASSES
+        return op.endswith("." + self.scope)
+
+
+class Hardware:
+    """Seeded noise, episodes and transition truth on top of the structural truth."""
+
+    def __init__(self, seed: int, noise: float = 0.03, episodes: Sequence[Episode] = ()) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.noise = noise
+        self.episodes = tuple(episodes)
+
+    def _jitter(self) -> float:
+        return float(self.rng.lognormal(0.0, self.noise)) if self.noise > 0 else 1.0
+
+    def slowdown(self, op: str, step: int) -> float:
+        factor = 1.0
+        for ep in self.episodes:
+            if ep.covers(op, step):
+                factor *= ep.factor
+        return factor
+
+    def run(self, quiet_s: Mapping[str, float], step: int) -> dict[str, float]:
+        """Measured seconds per op class at ``step``: the quiet-machine truth, slowed by the
+        episodes covering it and jittered."""
+        return {op: t / self.slowdown(op, step) * self._jitter() for op, t in quiet_s.items() if t > 0}
+
+    def peak(self, true_bytes: float) -> float:
+        """A measured peak: the true footprint with a little run-to-run variation."""
+        return true_bytes * min(1.02, self._jitter())
+
+    def transition(self, estimated_s: float, rebuilt: Sequence[Stage], regrouped: int) -> float:
+        """True seconds of a transition whose state moves take ``estimated_s`` by the bandwidth
+        model: a little slower in truth, plus engine rebuilds for re-laid-out model-stages and
+        group re-formation for model-stages that only changed DP."""
+        fixed = sum(REBUILD_S[s] for s in rebuilt) + REGROUP_S * regrouped
+        return (estimated_s * TRANSITION_BIAS + fixed) * self._jitter()
