@@ -17,6 +17,7 @@ idle-resident bytes of co-located model-stages of other stages.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -397,14 +398,17 @@ def simulate(scenario: Scenario, policy: str, gamma: float = 0.5) -> Summary:
     on its first plan (``_Run._calibration``) and then learns from telemetry like any policy.
     ``static-best`` is the static policy (TP/PP held, DP
     follows the pool) started on the layouts that turn out best in hindsight: the static policy's
-    own first layouts and each distinct set of layouts the oracle used are tried, and the fastest
-    run is reported."""
+    own first layouts and each distinct set of layouts the oracle used are tried (a set the job
+    cannot hold through the trace, one whose steps keep failing, is dropped), and the fastest run
+    is reported."""
     if policy == STATIC_BEST:
         oracle = _Run(scenario, "oracle", gamma)
         _replay(oracle, scenario, "oracle")
         tries = [_replay(_Run(scenario, "static", gamma), scenario, "static")]
         for hold in oracle.layouts_seen:
-            tries.append(_replay(_Run(scenario, "static", gamma, hold), scenario, "static"))
+            # layouts the job cannot hold (say, out of memory on a smaller pool) are no candidate
+            with contextlib.suppress(SimulationError):
+                tries.append(_replay(_Run(scenario, "static", gamma, hold), scenario, "static"))
         return replace(min(tries, key=lambda s: s.total_s), policy=STATIC_BEST)
     return _replay(_Run(scenario, policy, gamma), scenario, policy)
 
