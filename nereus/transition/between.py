@@ -15,8 +15,7 @@ from nereus.plan.layout import Plan
 from nereus.plan.problem import PlanningProblem
 from nereus.spec.workload import STAGE_ORDER
 from nereus.state.buffers import StatePolicy
-from nereus.state.emu import replicas
-from nereus.state.sources import STORAGE, intact_units, state_source
+from nereus.state.sources import STORAGE, state_source
 from nereus.transition.build import plan_dag
 from nereus.transition.dag import TransitionDag
 from nereus.transition.links import LinkModel
@@ -54,7 +53,14 @@ def stage_moves(
     moves = []
     for ms in target.workflow.model_stages:
         old, new = current.candidate(ms.name), target.candidate(ms.name)
-        intact = intact_units(old, lost)
+        size = old.layout.size
+        # the replicas' GPU lists straight from the candidates (``intact_units`` and
+        # ``replicas`` without EMUs that ``StageMove.between`` would build again)
+        intact = [
+            gpus
+            for gpus in (old.gpus[r * size : (r + 1) * size] for r in range(old.dp))
+            if not lost or lost.isdisjoint(gpus)
+        ]
         restore_from = ""
         restore_gpus: tuple[int, ...] = ()
         if not intact:
@@ -74,9 +80,9 @@ def stage_moves(
                 problem.model_of(ms),
                 StatePolicy.of(ms.stage, problem.workload.precision),
                 old.layout,
-                [u.gpus for u in intact],
+                intact,
                 new.layout,
-                [u.gpus for u in replicas(new)],
+                [new.gpus[r * new.layout.size : (r + 1) * new.layout.size] for r in range(new.dp)],
                 restore_from,
                 restore_gpus,
             )

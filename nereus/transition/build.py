@@ -26,21 +26,21 @@ from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
 
 from nereus.spec.cluster import GIB
-from nereus.state.buffers import rank_buffers
 from nereus.state.emu import Emu
 from nereus.transition.dag import Edge, EdgeKind, Node, Primitive, TransitionDag
 from nereus.transition.links import LinkModel
 from nereus.transition.local import local_dag
 from nereus.transition.move import StageMove
-from nereus.transition.schedule import Schedule, best_schedule, lower_bound
+from nereus.transition.primitives import geometry
+from nereus.transition.schedule import Prepared, Schedule, best_schedule, lower_bound
 
 
 def initial_bytes(moves: Sequence[StageMove]) -> dict[int, int]:
     """State bytes every GPU holds before the transition (intact units of every model-stage)."""
     held: dict[int, int] = defaultdict(int)
     for m in moves:
-        lay = m.current_layout
-        per_rank = [rank_buffers(m.model, lay, t, p, m.policy).nbytes() for t, p in lay.positions()]
+        lay, held_of = m.current_layout, geometry(m.model, m.policy).held
+        per_rank = [held_of(lay, t, p) for t, p in lay.positions()]
         for u in m.current:
             for g, b in zip(u.gpus, per_rank, strict=True):
                 held[g] += b
@@ -126,8 +126,9 @@ def plan_dag(
     best: tuple[TransitionDag, Schedule | None] | None = None
     for order in CommitOrder:
         dag = locals_.commit(stage_rank, order)
-        bound = lower_bound(dag) if dag.feasible else 0.0
-        sched = best_schedule(dag, bound=bound) if dag.feasible else None
+        prep = Prepared(dag) if dag.feasible else None
+        bound = lower_bound(dag, prep) if dag.feasible else 0.0
+        sched = best_schedule(dag, bound=bound, prep=prep) if dag.feasible else None
         if sched is not None and (
             best is None or best[1] is None or sched.makespan < best[1].makespan - 1e-12
         ):
@@ -194,15 +195,20 @@ class _Ledger:
                 return g, missing
         return -1, 0
 
-    def finish(self, i: int) -> None:
-        self.ancestry(i)
+    def finish(self, i: int, fresh: bool = False) -> None:
+        """Commit ``i``; ``fresh``: its ancestry is already complete (``run`` computed it and
+        ``add_edge`` kept it up to date), so it is not ORed together again."""
+        if not fresh:
+            self.ancestry(i)
         self.ef[i] = max((self.ef[p] for p in self.preds[i]), default=0.0) + self.nodes[i].est_s
         self.committed[i] = True
         self.order.append(i)
-        for g, b in self.nodes[i].acquire:
+        acquire = self.nodes[i].acquire
+        for g, b in acquire:
             self.acquired[g] += b
-        for g, _ in self.nodes[i].acquire:
-            self.peak[g] = max(self.peak[g], self.level(i, g, 0))
+        for g, _ in acquire:
+            level = self.level(i, g, 0)
+            self.peak[g] = max(self.peak[g], level)
         for s in self.succs[i]:
             self.waiting[s] -= 1
             if self.waiting[s] == 0:
@@ -263,7 +269,7 @@ class _Ledger:
             if missing > 0:
                 blocked.append(i)
                 continue
-            self.finish(i)
+            self.finish(i, fresh=True)
             for b in blocked:
                 heapq.heappush(self.heap, (self.key(b), b))
             blocked.clear()
@@ -297,18 +303,14 @@ def _commit(
     preds: list[list[int]] = [[] for _ in nodes]
     for e in edges:
         preds[e.dst].append(e.src)
+    static = [
+        (classes[n.primitive], stage_rank.get(n.model_stage, 0), order_of.get(n.model_stage, 0), i)
+        for i, n in enumerate(nodes)
+    ]
     for _ in range(MAX_PROMOTIONS + 1):
 
         def key(i: int) -> tuple[int, ...]:
-            n = nodes[i]
-            first = -promoted[i] if i in promoted else 0
-            return (
-                first,
-                classes[n.primitive],
-                stage_rank.get(n.model_stage, 0),
-                order_of.get(n.model_stage, 0),
-                i,
-            )
+            return (-promoted.get(i, 0), *static[i])
 
         ledger = _Ledger(nodes, [*edges, *deferred], init, cap, key)
         why = ledger.run()

@@ -36,6 +36,8 @@ class LinkModel(Links):
     ) -> None:
         super().__init__(cluster, efficiencies)
         self.setup_s = setup_s
+        self._seconds: dict[tuple[object, ...], float] = {}
+        self._links: dict[tuple[int, int], Link] = {}
 
     def rate(self, primitive: Primitive, link: Link | None) -> float:
         """Bytes per second into one GPU (link None: shared storage, the node's read bandwidth)."""
@@ -69,6 +71,26 @@ class LinkModel(Links):
             if ideal <= 0 or measured <= 0 or link is None:
                 continue
             out.append(Measurement(OpClass.of(collective_of(n.primitive), link), ideal, measured))
+        return out
+
+    def link(self, a: int, b: int) -> Link:
+        """The link between GPUs ``a`` and ``b`` (memoised per pair)."""
+        out = self._links.get((a, b))
+        if out is None:
+            out = self._links[a, b] = super().link(a, b)
+        return out
+
+    def node_seconds(
+        self, primitive: Primitive, flows: tuple[Flow, ...], hops: int = 1, local_bytes: int = 0
+    ) -> float:
+        """``seconds``, memoised on what it depends on when every flow goes into its own GPU (a
+        node's flows do: one per rank of a unit): the (bytes, link) of each flow, in order."""
+        if len({f.dst for f in flows}) != len(flows):
+            return self.seconds(primitive, flows, hops, local_bytes)
+        key = (primitive, hops, local_bytes, *[(f.bytes, f.link) for f in flows])
+        out = self._seconds.get(key)
+        if out is None:
+            out = self._seconds[key] = self.seconds(primitive, flows, hops, local_bytes)
         return out
 
     def seconds(

@@ -196,17 +196,22 @@ class _Reshape:
         """Materialise each split unit's kept sub-units and the free ones that feed a copy."""
         n_free, used = len(self.free_units), set(self.picks.values())
         make = self.make
+        kept_of: dict[int, list[tuple[int, int, tuple[int, ...]]]] = {}
+        for j, (si, owner, gpus) in enumerate(self.kept_units):
+            kept_of.setdefault(owner, []).append((j, si, gpus))
+        free_of: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+        for j, (owner, gpus) in enumerate(self.free_units):
+            if j in used:
+                free_of.setdefault(owner, []).append((j, gpus))
         for ui in self._taking_part():
             subunits: list[tuple[int, Emu]] = []
-            for j, (si, owner, gpus) in enumerate(self.kept_units):
-                if owner == ui:
-                    unit = self.currents[ui] if self.k == 1 else make.unit(f"u{ui}.k{si}", self.sub, gpus)
-                    subunits.append((n_free + j, unit))
-                    self.slot_units[si] = unit
-            for j, (owner, gpus) in enumerate(self.free_units):
-                if owner == ui and j in used:
-                    unit = self.currents[ui] if self.k == 1 else make.unit(f"u{ui}.f{j}", self.sub, gpus)
-                    subunits.append((j, unit))
+            for j, si, gpus in kept_of.get(ui, ()):
+                unit = self.currents[ui] if self.k == 1 else make.unit(f"u{ui}.k{si}", self.sub, gpus)
+                subunits.append((n_free + j, unit))
+                self.slot_units[si] = unit
+            for j, gpus in free_of.get(ui, ()):
+                unit = self.currents[ui] if self.k == 1 else make.unit(f"u{ui}.f{j}", self.sub, gpus)
+                subunits.append((j, unit))
             if self.k > 1 and not subunits:
                 self.unused.add(ui)  # split for nothing after all: it is destroyed whole instead
                 continue
@@ -248,11 +253,8 @@ class _Reshape:
             for ui in range(n_cur)
             if k > 1 and (ui not in self.split_units or ui in self.unused)
         ]
-        idle += [
-            self.currents[ui]
-            for j, (ui, _) in enumerate(self.free_units)
-            if k == 1 and j not in self.picks.values()
-        ]
+        picked = set(self.picks.values())
+        idle += [self.currents[ui] for j, (ui, _) in enumerate(self.free_units) if k == 1 and j not in picked]
         for u in idle:
             d = make.destroy(u)
             for n in sorted({n for g in u.gpus for n in self.onto.get(g, ())}):

@@ -15,15 +15,61 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from nereus.plan.layout import Layout
-from nereus.state.buffers import rank_buffers
+from nereus.spec.model import ModelSpec
+from nereus.state.buffers import StatePolicy, rank_buffers
 from nereus.state.emu import Emu
 from nereus.state.geometry import rank_numel, shared_numel
 from nereus.state.sources import STORAGE
 from nereus.transition.dag import Edge, EdgeKind, Flow, Node, Primitive
 from nereus.transition.links import LinkModel
 from nereus.transition.move import StageMove
+
+
+class Geometry:
+    """One model's shard geometry in bytes under one state policy, memoised: held, payload and
+    missing bytes per rank are pure functions of (layout, rank), so one table per (model, policy)
+    lives for the process (admission prices many targets of the same models)."""
+
+    def __init__(self, model: ModelSpec, policy: StatePolicy) -> None:
+        self.model, self.policy, self.bpe = model, policy, policy.bytes_per_element
+        self._held: dict[tuple[Layout, int, int], int] = {}
+        self._payload: dict[tuple[Layout, int, int], int] = {}
+        self._missing: dict[tuple[Layout, int, int, Layout, int, int], int] = {}
+
+    def held(self, layout: Layout, t: int, p: int) -> int:
+        """Bytes rank (t, p)'s buffers occupy (what memory holds)."""
+        key = (layout, t, p)
+        out = self._held.get(key)
+        if out is None:
+            out = self._held[key] = rank_buffers(self.model, layout, t, p, self.policy).nbytes()
+        return out
+
+    def payload(self, layout: Layout, t: int, p: int) -> int:
+        """Bytes of rank (t, p)'s shard that cross a link when it is copied whole."""
+        key = (layout, t, p)
+        out = self._payload.get(key)
+        if out is None:
+            out = self._payload[key] = rank_numel(self.model, layout, t, p) * self.bpe
+        return out
+
+    def missing(self, have: Layout, ht: int, hp: int, need: Layout, nt: int, np_: int) -> int:
+        """Bytes rank (nt, np_) of ``need`` lacks when the GPU holds rank (ht, hp) of ``have``."""
+        key = (have, ht, hp, need, nt, np_)
+        out = self._missing.get(key)
+        if out is None:
+            model = self.model
+            lack = rank_numel(model, need, nt, np_) - shared_numel(model, have, ht, hp, need, nt, np_)
+            out = self._missing[key] = lack * self.bpe
+        return out
+
+
+@lru_cache(maxsize=64)
+def geometry(model: ModelSpec, policy: StatePolicy) -> Geometry:
+    """The process's memo of ``model``'s geometry under ``policy``."""
+    return Geometry(model, policy)
 
 
 @dataclass(slots=True)
@@ -44,22 +90,11 @@ class NodeMaker:
         self.next_id = next_id
         self.out = LocalDag()
         self.bpe = move.policy.bytes_per_element
-        self._held: dict[tuple[Layout, int, int], int] = {}
+        self.geo = geo = geometry(move.model, move.policy)
+        self.held, self.payload, self.missing = geo.held, geo.payload, geo.missing
         self._tables: dict[Layout, tuple[list[int], list[int]]] = {}
-        self._missing: dict[tuple[Layout, int, int, Layout, int, int], int] = {}
 
     # -------------------------------------------------------------- geometry in bytes
-    def held(self, layout: Layout, t: int, p: int) -> int:
-        """Bytes a rank's buffers occupy (what memory holds)."""
-        key = (layout, t, p)
-        if key not in self._held:
-            self._held[key] = rank_buffers(self.m.model, layout, t, p, self.m.policy).nbytes()
-        return self._held[key]
-
-    def payload(self, layout: Layout, t: int, p: int) -> int:
-        """Bytes of a rank's shard that cross a link when it is copied whole."""
-        return rank_numel(self.m.model, layout, t, p) * self.bpe
-
     def table(self, layout: Layout) -> tuple[list[int], list[int]]:
         """(payload bytes, held bytes) of every rank of ``layout``, in rank order."""
         if layout not in self._tables:
@@ -69,15 +104,6 @@ class NodeMaker:
                 [self.held(layout, t, p) for t, p in pos],
             )
         return self._tables[layout]
-
-    def missing(self, have: Layout, ht: int, hp: int, need: Layout, nt: int, np_: int) -> int:
-        """Bytes rank (nt, np_) of ``need`` lacks when the GPU holds rank (ht, hp) of ``have``."""
-        key = (have, ht, hp, need, nt, np_)
-        if key not in self._missing:
-            model = self.m.model
-            lack = rank_numel(model, need, nt, np_) - shared_numel(model, have, ht, hp, need, nt, np_)
-            self._missing[key] = lack * self.bpe
-        return self._missing[key]
 
     # -------------------------------------------------------------- bookkeeping
     def unit(self, uid: str, layout: Layout, gpus: tuple[int, ...]) -> Emu:
@@ -128,7 +154,7 @@ class NodeMaker:
         return self.add(
             Node(
                 id=self.next_id(), primitive=Primitive.SPLIT, model_stage=self.m.name, gpus=u.gpus,
-                bytes=moved, est_s=self.links.seconds(Primitive.SPLIT, flows, hops=kt * kp - 1),
+                bytes=moved, est_s=self.links.node_seconds(Primitive.SPLIT, tuple(flows), hops=kt * kp - 1),
                 inputs=(u.id,), outputs=tuple(s.id for s in subunits), frees=(u.id,),
                 acquire=tuple(acquire), release=tuple(release), flows=tuple(flows),
                 sends=u.gpus, recvs=tuple(recvs),
@@ -146,7 +172,7 @@ class NodeMaker:
             Node(
                 id=self.next_id(), primitive=Primitive.EXTEND, model_stage=self.m.name,
                 gpus=src.gpus + dst.gpus, bytes=sum(f.bytes for f in flows),
-                est_s=self.links.seconds(Primitive.EXTEND, flows), inputs=(src.id,), outputs=(dst.id,),
+                est_s=self.links.node_seconds(Primitive.EXTEND, flows), inputs=(src.id,), outputs=(dst.id,),
                 acquire=tuple(zip(dst.gpus, held, strict=True)), flows=flows, sends=src.gpus, recvs=dst.gpus,
             )
         )  # fmt: skip
@@ -155,17 +181,18 @@ class NodeMaker:
         """An Extend into ``dst`` from the weight-sync source's GPUs or from shared storage."""
         storage = self.m.restore_from == STORAGE
         src_nodes = {self.links.node_of(g) for g in self.m.restore_gpus}
-        acquire, flows = [], []
+        acquire, flowing = [], []
         for b, t, p in dst.ranks():
             acquire.append((b, self.held(dst.layout, t, p)))
             near = self.links.node_of(b) in src_nodes
             link = None if storage else self.links.link(b, b) if near else self.links.link(b, -1)
-            flows.append(Flow(b, self.payload(dst.layout, t, p), link))
+            flowing.append(Flow(b, self.payload(dst.layout, t, p), link))
+        flows = tuple(flowing)
         return self.add(
             Node(
                 id=self.next_id(), primitive=Primitive.EXTEND, model_stage=self.m.name, gpus=dst.gpus,
-                bytes=sum(f.bytes for f in flows), est_s=self.links.seconds(Primitive.EXTEND, flows),
-                outputs=(dst.id,), acquire=tuple(acquire), flows=tuple(flows),
+                bytes=sum(f.bytes for f in flows), est_s=self.links.node_seconds(Primitive.EXTEND, flows),
+                outputs=(dst.id,), acquire=tuple(acquire), flows=flows,
                 sends=() if storage else self.m.restore_gpus, recvs=dst.gpus, source=self.m.restore_from,
             )
         )  # fmt: skip
@@ -187,7 +214,7 @@ class NodeMaker:
             moved += recv
             local = max(local, self.payload(new, t, p) - recv)
         ports = v.gpus if moved else ()
-        est = self.links.seconds(Primitive.MERGE, flows, hops=len(v.gpus) - 1, local_bytes=local)
+        est = self.links.node_seconds(Primitive.MERGE, tuple(flows), hops=len(v.gpus) - 1, local_bytes=local)
         return self.add(
             Node(
                 id=self.next_id(), primitive=Primitive.MERGE, model_stage=self.m.name, gpus=v.gpus,
@@ -212,7 +239,7 @@ class NodeMaker:
             moved += recv
             local = max(local, self.payload(lay, t, p) - recv)
         ports = target.gpus if moved else ()
-        est = self.links.seconds(Primitive.MERGE, flows, hops=kt * kp - 1, local_bytes=local)
+        est = self.links.node_seconds(Primitive.MERGE, tuple(flows), hops=kt * kp - 1, local_bytes=local)
         return self.add(
             Node(
                 id=self.next_id(), primitive=Primitive.MERGE, model_stage=self.m.name, gpus=target.gpus,

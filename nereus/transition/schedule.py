@@ -31,12 +31,37 @@ class Schedule:
         return tuple(sorted(range(len(self.start)), key=lambda i: (self.start[i], i)))
 
 
-def tail_priority(dag: TransitionDag, durations: Sequence[float] | None = None) -> tuple[int, ...]:
+class Prepared:
+    """What every list schedule of one DAG reads, built once: predecessors (edge order),
+    distinct successors, waiting counts and GPU ports as ints (2·GPU, 2·GPU + 1 = send, receive).
+    ``best_schedule`` shares one between its passes."""
+
+    __slots__ = ("dag", "ports", "preds", "succs", "waiting")
+
+    def __init__(self, dag: TransitionDag) -> None:
+        self.dag = dag
+        nodes = dag.nodes
+        self.preds = dag.preds()
+        self.succs: list[list[int]] = [[] for _ in nodes]
+        self.waiting: list[int] = []
+        for i, ps in enumerate(self.preds):
+            distinct = set(ps)
+            self.waiting.append(len(distinct))
+            for p in distinct:
+                self.succs[p].append(i)
+        self.ports = [tuple(2 * g for g in nd.sends) + tuple(2 * g + 1 for g in nd.recvs) for nd in nodes]
+
+
+def _prepared(dag: TransitionDag, prep: Prepared | None) -> Prepared:
+    return prep if prep is not None and prep.dag is dag else Prepared(dag)
+
+
+def tail_priority(
+    dag: TransitionDag, durations: Sequence[float] | None = None, prep: Prepared | None = None
+) -> tuple[int, ...]:
     """Nodes by longest remaining path to the end (ties: commit order)."""
     dur = [float(x) for x in durations] if durations is not None else [nd.est_s for nd in dag.nodes]
-    succs: list[list[int]] = [[] for _ in dag.nodes]
-    for e in dag.edges:
-        succs[e.src].append(e.dst)
+    succs = _prepared(dag, prep).succs
     tail = [0.0] * len(dag.nodes)
     for i in reversed(dag.order):
         tail[i] = dur[i] + max((tail[s] for s in succs[i]), default=0.0)
@@ -44,7 +69,7 @@ def tail_priority(dag: TransitionDag, durations: Sequence[float] | None = None) 
     return tuple(sorted(rank, key=lambda i: (-tail[i], rank[i])))
 
 
-def lower_bound(dag: TransitionDag) -> float:
+def lower_bound(dag: TransitionDag, prep: Prepared | None = None) -> float:
     """No schedule of ``dag``'s nodes is shorter: the longest path through its local edges, or
     the busiest port's total work (resource edges are choices, so they do not count)."""
     preds: list[list[int]] = [[] for _ in dag.nodes]
@@ -54,15 +79,18 @@ def lower_bound(dag: TransitionDag) -> float:
     finish = [0.0] * len(dag.nodes)
     for i in dag.order if len(dag.order) == len(dag.nodes) else range(len(dag.nodes)):
         finish[i] = max((finish[p] for p in preds[i]), default=0.0) + dag.nodes[i].est_s
-    work: dict[tuple[int, int], float] = {}
-    for nd in dag.nodes:
-        for port in nd.ports:
+    work: dict[int, float] = {}
+    for nd, ports in zip(dag.nodes, _prepared(dag, prep).ports, strict=True):
+        for port in ports:
             work[port] = work.get(port, 0.0) + nd.est_s
     return max(max(finish, default=0.0), max(work.values(), default=0.0))
 
 
 def best_schedule(
-    dag: TransitionDag, durations: Sequence[float] | None = None, bound: float | None = None
+    dag: TransitionDag,
+    durations: Sequence[float] | None = None,
+    bound: float | None = None,
+    prep: Prepared | None = None,
 ) -> Schedule:
     """The shorter of the commit-order and the longest-remaining-path list schedules.
 
@@ -70,10 +98,11 @@ def best_schedule(
     short copies that gate the critical path. The second pass is skipped when the first already
     meets ``bound`` (a lower bound on the makespan, see ``lower_bound``).
     """
-    commit = list_schedule(dag, durations)
+    prep = _prepared(dag, prep)
+    commit = list_schedule(dag, durations, prep=prep)
     if len(dag.order) != len(dag.nodes) or (bound is not None and commit.makespan <= bound * (1 + 1e-9)):
         return commit
-    tail = list_schedule(dag, durations, tail_priority(dag, durations), "critical-path")
+    tail = list_schedule(dag, durations, tail_priority(dag, durations, prep), "critical-path", prep)
     return tail if tail.makespan < commit.makespan - 1e-12 else commit
 
 
@@ -82,6 +111,7 @@ def list_schedule(
     durations: Sequence[float] | None = None,
     priority: Sequence[int] | None = None,
     label: str = "commit",
+    prep: Prepared | None = None,
 ) -> Schedule:
     """Schedule every node of ``dag`` (durations default to each node's ``est_s``).
 
@@ -92,18 +122,14 @@ def list_schedule(
     if not n:
         return Schedule((), (), 0.0, (), label)
     dur = [float(x) for x in durations] if durations is not None else [nd.est_s for nd in nodes]
-    preds = dag.preds()
-    succs: list[list[int]] = [[] for _ in range(n)]
-    for i, ps in enumerate(preds):
-        for p in set(ps):
-            succs[p].append(i)
-    waiting = [len(set(ps)) for ps in preds]
+    prep = _prepared(dag, prep)
+    preds, succs, ports = prep.preds, prep.succs, prep.ports
+    waiting = list(prep.waiting)
     order = priority if priority is not None else dag.order
     rank = {node: r for r, node in enumerate(order)} if len(order) == n else {i: i for i in range(n)}
-    ports = [nd.ports for nd in nodes]
-    busy: set[tuple[int, int]] = set()
-    last_user: dict[tuple[int, int], int] = {}
-    parked: dict[tuple[int, int], list[int]] = {}  # ready nodes waiting for a busy port
+    busy: set[int] = set()
+    last_user: dict[int, int] = {}
+    parked: dict[int, list[int]] = {}  # ready nodes waiting for a busy port
     start = [0.0] * n
     finish = [0.0] * n
     why = [-1] * n
@@ -111,36 +137,50 @@ def list_schedule(
     heapq.heapify(candidates)
     running: list[tuple[float, int]] = []
     now, done = 0.0, 0
+    pop, push = heapq.heappop, heapq.heappush
     while done < n:
         while candidates:
-            _, i = heapq.heappop(candidates)
-            blocked = next((port for port in ports[i] if port in busy), None)
-            if blocked is not None:
+            _, i = pop(candidates)
+            mine = ports[i]
+            blocked = -1
+            for port in mine:
+                if port in busy:
+                    blocked = port
+                    break
+            if blocked >= 0:
                 parked.setdefault(blocked, []).append(i)
                 continue
             start[i] = now
-            finish[i] = now + dur[i]
-            causes = list(preds[i]) + [last_user[port] for port in ports[i] if port in last_user]
-            if causes:
-                why[i] = max(causes, key=finish.__getitem__)
-            for port in ports[i]:
+            end = finish[i] = now + dur[i]
+            # what made i wait: the first of its predecessors, then its ports' last users, to
+            # finish last
+            cause, latest = -1, 0.0
+            for p in preds[i]:
+                if cause < 0 or finish[p] > latest:
+                    cause, latest = p, finish[p]
+            for port in mine:
+                u = last_user.get(port, -1)
+                if u >= 0 and (cause < 0 or finish[u] > latest):
+                    cause, latest = u, finish[u]
+            why[i] = cause
+            for port in mine:
                 busy.add(port)
                 last_user[port] = i
-            heapq.heappush(running, (finish[i], i))
+            push(running, (end, i))
         if not running:
             raise RuntimeError("transition DAG has a cycle or an unreachable node")
         now = running[0][0]
         while running and running[0][0] <= now:
-            _, i = heapq.heappop(running)
+            _, i = pop(running)
             done += 1
             for port in ports[i]:
                 busy.discard(port)
                 for j in parked.pop(port, ()):
-                    heapq.heappush(candidates, (rank[j], j))
+                    push(candidates, (rank[j], j))
             for s in succs[i]:
                 waiting[s] -= 1
                 if waiting[s] == 0:
-                    heapq.heappush(candidates, (rank[s], s))
+                    push(candidates, (rank[s], s))
     end = max(range(n), key=finish.__getitem__)
     path = [end]
     while why[path[-1]] >= 0:
