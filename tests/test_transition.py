@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -397,3 +398,28 @@ def test_measured_transitions_calibrate_the_transfer_classes() -> None:
     again = build_dag([move], {"actor.train": 2}, tuned, 80 * GIB)
     new = next(n for n in again.nodes if n.primitive is Primitive.EXTEND)
     assert new.est_s == pytest.approx(2 * ideal + tuned.setup_s, rel=1e-3)
+
+
+def test_transition_json_reports_the_planning_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``nereus transition --json`` reports ``plan_ms``, measured inside the command; the table
+    says it too."""
+    import json
+
+    from nereus.cli import main
+
+    plan = ["plan", "--model", "llama-3.1-8b", "--algo", "ppo", "--cluster", "a100-64gb-hdr100", "--json"]
+    paths = []
+    for name, extra in (
+        ("a", ["--gpus", "16", "--seq-len", "2048"]),
+        ("b", ["--gpus", "32", "--seq-len", "2048"]),
+    ):
+        assert main([*plan, *extra]) == 0
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(capsys.readouterr().out)
+    assert main(["transition", "--from", str(paths[0]), "--to", str(paths[1]), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert isinstance(doc["plan_ms"], float) and 0 < doc["plan_ms"] < 60_000
+    assert main(["transition", "--from", str(paths[0]), "--to", str(paths[1])]) == 0
+    assert "planned in" in capsys.readouterr().out

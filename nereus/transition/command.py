@@ -3,7 +3,8 @@
 Plans are what ``nereus plan --json`` prints; their ``problem`` section names the model, workload
 and cluster, so the transition is priced with the same models the planner used. Bad input (plans
 for different models or clusters, GPU ids beyond the pool, concurrent model-stages sharing GPUs)
-exits 2; a target that cannot be reached in place exits 3 with the reason.
+exits 2; a target that cannot be reached in place exits 3 with the reason. ``--json`` reports
+``plan_ms``, the wall time of planning the transition (moves, DAG, schedule) inside the command.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -235,13 +237,15 @@ def run(
     if reused:
         lost_gpus = shorten(gpu_ranges(tuple(reused)))
         raise ConfigError(f"--lost: the target plan {args.target} places state on lost GPUs {lost_gpus}")
+    started = time.perf_counter()
     try:
         tr = plan_transition(problem, current, target, lost)
     except NoSourceError as exc:
         raise InfeasibleError(str(exc)) from None
+    plan_ms = (time.perf_counter() - started) * 1e3
     if not tr.feasible:
         raise InfeasibleError(f"target is not reachable in place: {tr.dag.reason}")
-    doc = transition_json(tr)
+    doc = transition_json(tr, plan_ms)
     if args.json:
         print(json.dumps(doc))
         return 0
@@ -249,7 +253,9 @@ def run(
     return 0
 
 
-def transition_json(tr: Transition) -> dict[str, Any]:
+def transition_json(tr: Transition, plan_ms: float | None = None) -> dict[str, Any]:
+    """The DAG, its schedule and L_tran; ``plan_ms``: wall time ``plan_transition`` took (moves,
+    DAG, schedule), measured by the caller."""
     assert tr.schedule is not None
     doc = tr.dag.to_json()
     doc["critical_path"] = list(tr.schedule.critical_path)
@@ -259,6 +265,8 @@ def transition_json(tr: Transition) -> dict[str, Any]:
     doc["peak_gib"] = max(tr.dag.peak.values(), default=0) / GIB
     for n, start in zip(doc["nodes"], tr.schedule.start, strict=True):
         n["start_s"] = start
+    if plan_ms is not None:
+        doc["plan_ms"] = plan_ms
     return doc
 
 
@@ -291,4 +299,5 @@ def _print(tr: Transition, doc: dict[str, Any], out: Console) -> None:
         f"L_tran [bold]{tr.l_tran_s:.3f} s[/] · critical path {path} · "
         f"{len(dag.nodes)} nodes, {len(dag.edges)} edges ({dag.resource_edges} resource, ʳ) · "
         f"{tr.moved_bytes / GIB:.2f} GiB moved · peak {doc['peak_gib']:.2f} GiB per GPU"
+        + (f" · planned in {doc['plan_ms']:.2f} ms" if "plan_ms" in doc else "")
     )
