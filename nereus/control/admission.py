@@ -6,7 +6,9 @@ cheaper transitions — and the first that passes is admitted:
 * feasible: the target plan fits (the planner guarantees it) and so does its transition (memory
   while state moves, an intact copy of every model-stage: ``TransitionEstimator``);
 * profitable (opportunistic triggers only): ΔL = L(S) − L(S*) > 0 and L_tran / ΔL ≤ γ · H, with
-  H the smallest horizon of the signals that fired. Urgent triggers waive profitability.
+  H the smallest horizon of the signals that fired. Urgent triggers waive profitability. Where
+  GPUs can be revoked, each L includes the restart the plan risks per step (``risk``): a plan that
+  leaves a trainer's last copy on revocable GPUs is slower by its expected restart seconds.
 
 ``Rule`` also expresses the baselines the simulator compares: ``any-gain`` admits any ΔL > 0
 (DynaRL-style) and ``switch`` admits whatever differs (a periodic policy). If nothing passes, an
@@ -69,6 +71,12 @@ class Option:
     label: str  # "target", "hold-layouts", "hold:<stage>", "urgent"
     plan: Plan
     step_latency_s: float
+    risk_s: float = 0.0  # expected restart seconds per step (nereus.control.risk)
+
+    @property
+    def expected_s(self) -> float:
+        """Step latency with the restart it risks."""
+        return self.step_latency_s + self.risk_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +98,8 @@ class Decision:
     payback_steps: float | None = None
     horizon_steps: float | None = None
     transition: TransitionEstimate | None = None
+    current_risk_s: float = 0.0  # expected restart seconds per step of the current plan
+    target_risk_s: float = 0.0  # … and of the target
 
     @property
     def action(self) -> Action:
@@ -125,6 +135,8 @@ class Decision:
             "l_tran_s": self.l_tran_s,
             "payback_steps": self.payback_steps,
             "horizon_steps": self.horizon_steps,
+            "current_risk_s": self.current_risk_s,
+            "target_risk_s": self.target_risk_s,
             # the world re-forms at this boundary: engine rebuilds are not the transition's cost
             "sunk_rebuilds": self.transition is not None and self.transition.sunk,
         }
@@ -138,7 +150,8 @@ def admit(
     horizon: float,
     urgent: bool,
 ) -> tuple[int | None, str]:
-    """Index of the first admissible option (or None) and the reasons, one per option tried."""
+    """Index of the first admissible option (or None) and the reasons, one per option tried.
+    ``current_latency_s`` and each option's ``expected_s`` include the restart they risk."""
     reasons = []
     for i, (opt, est) in enumerate(zip(options, estimates, strict=True)):
         if not est.feasible:
@@ -146,7 +159,7 @@ def admit(
             continue
         if urgent or current_latency_s is None:
             return i, f"{opt.label}: urgent, profitability waived"
-        delta = current_latency_s - opt.step_latency_s
+        delta = current_latency_s - opt.expected_s
         ok, why = rule.pays_back(delta, est.seconds, horizon)
         if ok:
             return i, f"{opt.label}: {why}"

@@ -22,6 +22,7 @@ from functools import partial
 
 from nereus.control.action import Action, Keep, Move
 from nereus.control.admission import Decision, Option, Profit, Rule, Verdict, admit, payback_steps
+from nereus.control.risk import restart_risk_s
 from nereus.control.telemetry import Telemetry
 from nereus.control.transition_cost import DagEstimator, TransitionEstimator
 from nereus.control.triggers import Trigger, TriggerKind, TriggerMonitor, horizon
@@ -33,6 +34,7 @@ from nereus.plan.layout import Layout, Plan
 from nereus.plan.problem import DEFAULT_HEADROOM, PlanningProblem, SearchSpace, SeqStats
 from nereus.plan.search import SearchResult, search
 from nereus.spec.cluster import ClusterSpec
+from nereus.spec.domains import FailureDomains
 from nereus.spec.model import ModelSpec
 from nereus.spec.workload import Role, Stage, WorkloadSpec
 
@@ -58,10 +60,11 @@ class ControllerConfig:
     # which triggers start a replan (urgent ones always do)
     replan_on: frozenset[TriggerKind] = frozenset(TriggerKind)
     hold_layouts: bool = False  # static policy: TP/PP fixed to the first plan's, DP follows the pool
+    restart_s: float = 120.0  # a checkpoint restart's seconds, for the restart risk admission prices
 
     def __post_init__(self) -> None:
-        if self.period < 0 or self.fallback_tolerance < 0:
-            raise ValueError("period and fallback_tolerance must be non-negative")
+        if self.period < 0 or self.fallback_tolerance < 0 or not self.restart_s >= 0:
+            raise ValueError("period, fallback_tolerance and restart_s must be non-negative")
 
 
 POLICIES = ("nereus", "static", "always", "periodic:K", "oracle")
@@ -111,8 +114,11 @@ class Controller:
         estimator: TransitionEstimator | None = None,
         headroom: float = DEFAULT_HEADROOM,
         space: SearchSpace | None = None,
+        domains: FailureDomains | None = None,
     ) -> None:
         self.workload = workload
+        # reserved and revocable GPUs (None: the cluster's YAML marks none revocable)
+        self.domains = domains if domains is not None else cluster.failure_domains()
         self.space = space or SearchSpace()  # the job's engine limits every replan keeps
         self.models = dict(models)
         self.cluster = cluster
@@ -150,6 +156,7 @@ class Controller:
             base,
             self.headroom,
             anchor=self.plan,
+            domains=self.domains,
         )
 
     def _seq(self, t: Telemetry, ahead: float = 1.0) -> SeqStats:
@@ -284,8 +291,20 @@ class Controller:
             if not cost.over_capacity(problem):
                 current = cost.step_latency_s
         urgent = urgent or current is None
+        risk = 0.0 if current is None else self._risk(self.plan, current)
+        expected = None if current is None else current + risk  # with the restart it risks
         h = horizon([f for f in fired if not f.urgent]) if not urgent else 1.0
-        base = Decision(t.step, t.time_s, tuple(fired), urgent, Verdict.KEEP, "", current, horizon_steps=h)
+        base = Decision(
+            t.step,
+            t.time_s,
+            tuple(fired),
+            urgent,
+            Verdict.KEEP,
+            "",
+            current,
+            horizon_steps=h,
+            current_risk_s=risk,
+        )
         options = self._options(problem)
         if not options:  # nothing fits without recomputation or smaller micro-batches: the plan
             # running now may use them (an urgent replan found it there), and so may its successor
@@ -296,7 +315,7 @@ class Controller:
         estimates = [
             self.estimator.estimate(problem, self.plan, o.plan, lost, rebuilt, t.reformed) for o in options
         ]
-        index, reason = admit(self.config.rule, current, options, estimates, h, urgent)
+        index, reason = admit(self.config.rule, expected, options, estimates, h, urgent)
         if index is None and urgent:  # also try smaller micro-batches and recomputation
             widened = [
                 o
@@ -307,7 +326,7 @@ class Controller:
                 self.estimator.estimate(problem, self.plan, o.plan, lost, rebuilt, t.reformed)
                 for o in widened
             ]
-            index, why = admit(self.config.rule, current, widened, more, h, True)
+            index, why = admit(self.config.rule, expected, widened, more, h, True)
             if index is None:
                 best = next(iter(options or widened), None)
                 return replace(
@@ -321,13 +340,13 @@ class Controller:
             options, estimates, reason = widened, more, why
         if index is None:
             gains = [
-                payback_steps(current - o.step_latency_s, e.seconds)
+                payback_steps(expected - o.expected_s, e.seconds)
                 for o, e in zip(options, estimates, strict=True)
-                if e.feasible and current is not None and current > o.step_latency_s
+                if e.feasible and expected is not None and expected > o.expected_s
             ]
             return replace(base, reason=reason, payback_steps=min(gains) if gains else None)
         chosen, est = options[index], estimates[index]
-        delta = None if current is None else current - chosen.step_latency_s
+        delta = None if expected is None else expected - chosen.expected_s
         return replace(
             base,
             verdict=Verdict.ADMIT,
@@ -335,6 +354,7 @@ class Controller:
             target=chosen.plan,
             target_label=chosen.label,
             target_latency_s=chosen.step_latency_s,
+            target_risk_s=chosen.risk_s,
             delta_s=delta,
             l_tran_s=est.seconds,
             payback_steps=payback_steps(delta, est.seconds) if delta is not None else None,
@@ -384,4 +404,8 @@ class Controller:
             result = self.planner(problem)
         except InfeasibleError:
             return None
-        return Option(label, result.plan, result.step_latency_s)
+        latency = result.step_latency_s
+        return Option(label, result.plan, latency, self._risk(result.plan, latency))
+
+    def _risk(self, plan: Plan, step_s: float) -> float:
+        return restart_risk_s(plan, self.domains, step_s, self.config.restart_s)

@@ -7,6 +7,12 @@ larger than a node), so every TP group and every replica that fits in a node sta
 the assumption the cost model's link choice makes. Within a stage, model-stages are visited in
 workflow order, so the actor's model-stages land on the same GPUs across stages and its weight
 sync stays local.
+
+With failure domains (``FailureDomains``: reserved GPUs and revocable instances), placement is
+reserved-first for trainers: one replica of every training model-stage — the only state that
+cannot be restored from storage or a weight sync — goes on reserved GPUs when one fits there
+(the running plan's replica if it already is, else the best-fitting reserved node), so a
+revocation never takes a trainer's last copy. The other replicas are placed as above.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from nereus.errors import InfeasibleError
 from nereus.plan.candidates import Shape
 from nereus.plan.layout import Candidate, Plan
+from nereus.spec.domains import FailureDomains
 from nereus.spec.workload import ExecutionMode, ModelStage, Stage, Workflow
 
 
@@ -48,6 +55,29 @@ class _FreeGpus:
             node = self.buckets[free][0]
             taken.extend(self._pop(node, min(count - len(taken), free)))
         return tuple(sorted(taken))
+
+    def take_within(self, count: int, allowed: frozenset[int]) -> tuple[int, ...] | None:
+        """Take ``count`` free GPUs all in ``allowed`` — one node's when ``count`` fits in a node
+        (best fit), else the fewest nodes — or nothing (None) when ``allowed`` lacks them."""
+        usable = {n: [g for g in free if g in allowed] for n, free in self.nodes.items()}
+        usable = {n: gs for n, gs in usable.items() if gs}
+        chosen: list[int] = []
+        if count <= self.gpn:
+            fits = [n for n, gs in usable.items() if len(gs) >= count]
+            if not fits:
+                return None
+            node = min(fits, key=lambda n: (len(usable[n]), n))
+            chosen = usable[node][:count]
+        else:
+            for node in sorted(usable, key=lambda n: (-len(usable[n]), n)):
+                chosen.extend(usable[node][: count - len(chosen)])
+                if len(chosen) == count:
+                    break
+            if len(chosen) < count:
+                return None
+        taken = self.take_exactly(chosen)
+        assert taken
+        return tuple(sorted(chosen))
 
     def take_exactly(self, gpus: Sequence[int]) -> bool:
         """Take these GPUs if every one is free; otherwise take nothing."""
@@ -83,13 +113,16 @@ def _place_group(
     shapes: Mapping[str, Shape],
     free: _FreeGpus,
     anchor: Plan | None,
+    domains: FailureDomains | None = None,
 ) -> list[Candidate]:
     owned: dict[str, list[tuple[int, ...]]] = {ms.name: [] for ms in model_stages}
+    if domains is not None:
+        owned.update(_reserved_first(model_stages, shapes, free, anchor, domains))
     todo: list[str] = []
     for ms in model_stages:
-        kept = _anchored(ms.name, shapes[ms.name], free, anchor)
+        kept = _anchored(ms.name, shapes[ms.name], free, anchor, shapes[ms.name].dp - len(owned[ms.name]))
         owned[ms.name].extend(kept)
-        todo.extend([ms.name] * (shapes[ms.name].dp - len(kept)))
+        todo.extend([ms.name] * (shapes[ms.name].dp - len(owned[ms.name])))
     todo.sort(key=lambda name: -shapes[name].layout.size)  # stable: workflow order kept
     for name in todo:
         owned[name].append(free.take(shapes[name].layout.size))
@@ -106,9 +139,32 @@ def _place_group(
     ]
 
 
-def _anchored(name: str, shape: Shape, free: _FreeGpus, anchor: Plan | None) -> list[tuple[int, ...]]:
-    """Replicas of ``name`` that can stay exactly where the running plan has them (same layout,
-    GPUs still free): they keep their shards and nothing moves for them."""
+def _reserved_first(
+    model_stages: Sequence[ModelStage],
+    shapes: Mapping[str, Shape],
+    free: _FreeGpus,
+    anchor: Plan | None,
+    domains: FailureDomains,
+) -> dict[str, list[tuple[int, ...]]]:
+    """One replica of each trainer on reserved GPUs where it fits: first every trainer whose
+    running replica already sits on reserved GPUs keeps it, then the others take the best-fitting
+    reserved GPUs still free (largest replicas first)."""
+    trainers = [ms.name for ms in model_stages if ms.stage is Stage.TRAIN and shapes[ms.name].dp > 0]
+    placed: dict[str, list[tuple[int, ...]]] = {}
+    for name in trainers:
+        for gpus in _anchor_replicas(name, shapes[name], anchor):
+            if domains.on_reserved(gpus) and free.take_exactly(gpus):
+                placed[name] = [gpus]
+                break
+    for name in sorted((n for n in trainers if n not in placed), key=lambda n: -shapes[n].layout.size):
+        got = free.take_within(shapes[name].layout.size, domains.reserved)
+        if got is not None:
+            placed[name] = [got]
+    return placed
+
+
+def _anchor_replicas(name: str, shape: Shape, anchor: Plan | None) -> list[tuple[int, ...]]:
+    """The running plan's replicas of ``name`` if they have ``shape``'s layout, else none."""
     if anchor is None:
         return []
     try:
@@ -117,11 +173,18 @@ def _anchored(name: str, shape: Shape, free: _FreeGpus, anchor: Plan | None) -> 
         return []
     if before.layout != shape.layout:
         return []
+    return [before.replica_gpus(r) for r in range(before.dp)]
+
+
+def _anchored(
+    name: str, shape: Shape, free: _FreeGpus, anchor: Plan | None, want: int
+) -> list[tuple[int, ...]]:
+    """Up to ``want`` replicas of ``name`` that can stay exactly where the running plan has them
+    (same layout, GPUs still free): they keep their shards and nothing moves for them."""
     kept: list[tuple[int, ...]] = []
-    for r in range(before.dp):
-        if len(kept) == shape.dp:
+    for gpus in _anchor_replicas(name, shape, anchor):
+        if len(kept) >= want:
             break
-        gpus = before.replica_gpus(r)
         if free.take_exactly(gpus):
             kept.append(gpus)
     return kept
@@ -134,25 +197,28 @@ def place(
     pool: Sequence[int],
     gpus_per_node: int,
     anchor: Plan | None = None,
+    domains: FailureDomains | None = None,
 ) -> Plan:
     """A Plan giving every model-stage of ``workflow`` its shape on GPUs from ``pool``.
 
     With an ``anchor`` (the running plan), replicas whose layout is unchanged stay on their GPUs
-    when those are still available, so a transition moves only what must move.
+    when those are still available, so a transition moves only what must move. With
+    ``domains``, one replica of every trainer goes on reserved GPUs where it fits.
     """
     candidates: dict[str, Candidate] = {}
     if mode is ExecutionMode.ASYNC:
         free = _FreeGpus(pool, gpus_per_node)
-        gen = _place_group(workflow.by_stage(Stage.GEN), shapes, free, anchor)
+        gen = _place_group(workflow.by_stage(Stage.GEN), shapes, free, anchor, domains)
         rest = [g for n in free.nodes.values() for g in n]
         candidates.update({c.model_stage: c for c in gen})
         groups = [workflow.by_stage(Stage.INF), workflow.by_stage(Stage.TRAIN)]
         for group in groups:
-            placed = _place_group(group, shapes, _FreeGpus(rest, gpus_per_node), anchor)
+            placed = _place_group(group, shapes, _FreeGpus(rest, gpus_per_node), anchor, domains)
             candidates.update({c.model_stage: c for c in placed})
     else:
         for stage in workflow.stages:
-            placed = _place_group(workflow.by_stage(stage), shapes, _FreeGpus(pool, gpus_per_node), anchor)
+            free = _FreeGpus(pool, gpus_per_node)
+            placed = _place_group(workflow.by_stage(stage), shapes, free, anchor, domains)
             candidates.update({c.model_stage: c for c in placed})
     ordered = tuple(candidates[m.name] for m in workflow.model_stages)
     return Plan(workflow, ordered, tuple(pool), mode)

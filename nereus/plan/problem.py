@@ -9,6 +9,7 @@ from types import MappingProxyType
 from nereus.plan.calibration import Efficiencies
 from nereus.plan.layout import Layout, Plan
 from nereus.spec.cluster import GIB, ClusterSpec
+from nereus.spec.domains import FailureDomains
 from nereus.spec.model import ModelSpec
 from nereus.spec.workload import ModelStage, Recompute, Role, Workflow, WorkloadSpec
 
@@ -103,6 +104,8 @@ class PlanningProblem:
     space: SearchSpace = field(default_factory=SearchSpace)
     headroom: float = DEFAULT_HEADROOM
     anchor: Plan | None = None  # the running plan: placement keeps its unchanged replicas in place
+    # reserved and revocable GPUs: placement keeps a copy of every trainer on reserved ones
+    domains: FailureDomains | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", MappingProxyType(dict(self.models)))

@@ -247,7 +247,13 @@ def finish(
     placing = time.perf_counter()
     wf = problem.workflow
     plan = place(
-        wf, problem.workload.mode, shapes, problem.pool, problem.cluster.gpus_per_node, problem.anchor
+        wf,
+        problem.workload.mode,
+        shapes,
+        problem.pool,
+        problem.cluster.gpus_per_node,
+        problem.anchor,
+        problem.domains,
     )
     if estimates is None:
         model = cost or CostModel(problem)

@@ -164,7 +164,9 @@ class _Run:
     ) -> None:
         self.s = scenario
         self.hw = Hardware(scenario.seed, scenario.noise, scenario.episodes)
-        self.config = policy_config(policy, gamma)
+        # every policy knows the reserved floor and the trace's revocation rate, and what a restart costs
+        self.config = replace(policy_config(policy, gamma), restart_s=scenario.restart_s)
+        self.domains = scenario.supply.domains()
         self.free = policy == "oracle"  # its moves and restarts cost nothing: a bound, not a policy
         self.hold = dict(hold or {})  # static-best: the layouts a static run starts with
         self.t = 0.0
@@ -181,7 +183,9 @@ class _Run:
         oracle's: calibrated from its probe of the truth, see ``_calibration``)."""
         if self.controller is not None:
             return self.controller.problem(pool, seq)
-        problem = PlanningProblem(self.s.workload, self.s.models, self.s.cluster, pool, seq)
+        problem = PlanningProblem(
+            self.s.workload, self.s.models, self.s.cluster, pool, seq, domains=self.domains
+        )
         return (
             replace(problem, efficiencies=self._calibration(problem).efficiencies()) if self.free else problem
         )
@@ -268,6 +272,7 @@ class _Run:
                 plan,
                 self.config,
                 self._calibration(),
+                domains=self.domains,
             )
         ctl = self.controller
         pool = self.pool()  # what the boundary sees; changes after it surface at the next one

@@ -7,12 +7,14 @@ Format (``shared/data/traces/spot/*.json``): ``{"metadata": {"gap_seconds": 300}
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from nereus.errors import ConfigError
+from nereus.spec.domains import FailureDomains
 from nereus.spec.files import MAX_DATA_BYTES, brief, load_json
 
 MIN_GAP_S, MAX_GAP_S = 1e-3, 1e9  # seconds per tick
@@ -100,7 +102,7 @@ class GpuSupply:
     def _instances(self, tick: int) -> tuple[int, ...]:
         g = self.gpus_per_instance
         total = self.max_gpus // g
-        reserved = min(total, -(-self.min_gpus // g))
+        reserved = self.reserved_instances
         held: set[int] = set(range(reserved))
         while len(self._ticks) <= tick - self.offset_ticks:
             k = self.offset_ticks + len(self._ticks)
@@ -117,6 +119,26 @@ class GpuSupply:
                 held.update(rng.sample(free, want - len(held)))
             self._ticks.append(tuple(sorted(held)))
         return self._ticks[tick - self.offset_ticks]
+
+    @property
+    def reserved_instances(self) -> int:
+        return min(self.max_gpus // self.gpus_per_instance, -(-self.min_gpus // self.gpus_per_instance))
+
+    def revocations_per_hour(self) -> float:
+        """Revocations per revocable instance per simulated hour, estimated from the whole trace
+        as a planner would from its history: instances lost between ticks over the instance-hours
+        held beyond the reserved floor (counts clamped to the pool's [reserved, max] instances)."""
+        total = self.max_gpus // self.gpus_per_instance
+        floor = self.reserved_instances
+        held = [min(total, max(floor, c)) - floor for c in self.trace.counts]
+        lost = sum(max(0, a - b) for a, b in itertools.pairwise(held))
+        hours = sum(held[:-1]) * self.trace.gap_seconds / self.speedup / 3600.0
+        return lost / hours if hours > 0 else 0.0
+
+    def domains(self) -> FailureDomains:
+        """The reserved floor's GPUs and the trace's revocation rate, as the planner knows them."""
+        reserved = frozenset(range(self.reserved_instances * self.gpus_per_instance))
+        return FailureDomains(reserved, self.gpus_per_instance, self.revocations_per_hour())
 
     def pool_at(self, time_s: float) -> tuple[int, ...]:
         g = self.gpus_per_instance

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from enum import StrEnum, auto
 from pathlib import Path
 
+from nereus.spec.domains import FailureDomains
 from nereus.spec.schema import coerce_enums, load_spec, require_at_most, require_finite, require_positive
 
 GIB = 1024**3
@@ -56,6 +57,10 @@ class ClusterSpec:
     inter_node_latency_us: float = 15.0
     runtime_reserved_gib: float = 1.0  # driver context, collective buffers, allocator slack
     storage_read_gbs: float = 2.0  # checkpoint / weight reads from shared storage, per node, GB/s
+    # failure domains: nodes [0, reserved_nodes) are held for the whole job, later nodes may be
+    # revoked (spot / preemptible), each at revocations_per_node_hour; None: nothing is revoked
+    reserved_nodes: int | None = None
+    revocations_per_node_hour: float = 0.0
 
     def __post_init__(self) -> None:
         coerce_enums(self, vendor=Vendor, collective_library=CollectiveLibrary)
@@ -88,6 +93,13 @@ class ClusterSpec:
         for name in ("intra_node_latency_us", "inter_node_latency_us", "runtime_reserved_gib"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
+        if self.reserved_nodes is not None and not 0 <= self.reserved_nodes <= self.nodes:
+            raise ValueError(f"reserved_nodes must be in [0, nodes={self.nodes}], got {self.reserved_nodes}")
+        require_finite(self, "revocations_per_node_hour")
+        require_at_most(self, MAX_RATE, "revocations_per_node_hour")
+        if self.revocations_per_node_hour < 0:
+            rate = self.revocations_per_node_hour
+            raise ValueError(f"revocations_per_node_hour must be non-negative, got {rate}")
         if self.runtime_reserved_gib >= self.gpu_memory_gib:
             raise ValueError("runtime_reserved_gib must be below gpu_memory_gib")
         expected = _LIBRARY_OF[self.vendor]
@@ -112,6 +124,14 @@ class ClusterSpec:
     @property
     def peak_flops(self) -> float:
         return self.peak_bf16_tflops * 1e12
+
+    def failure_domains(self) -> FailureDomains | None:
+        """Reserved and revocable nodes as the YAML marks them; None when nothing is revocable."""
+        if self.reserved_nodes is None:
+            return None
+        return FailureDomains.from_nodes(
+            self.reserved_nodes, self.gpus_per_node, self.total_gpus, self.revocations_per_node_hour
+        )
 
     def node_of(self, gpu: int) -> int:
         """GPU ids are global: node ``k`` holds ``[k·gpus_per_node, (k+1)·gpus_per_node)``."""

@@ -1,0 +1,36 @@
+"""The restart a plan risks: expected seconds per step lost to revocations (issue 19).
+
+A trainer's optimizer state exists only on its replicas. If every replica of some trainer loses
+a GPU within one step, nothing can move in place at the next boundary: the job restarts from its
+checkpoint. Under ``FailureDomains`` (independent Poisson revocations per revocable instance) the
+expected cost per step of a plan is
+
+    R(S) = (1 − Π_trainers (1 − Π_replicas P(replica loses a GPU within L(S)))) · restart_s
+
+which is 0 when each trainer keeps a replica on reserved GPUs — what reserved-first placement
+gives whenever a replica fits there. Admission adds R to each plan's predicted step latency, so a
+faster plan that leaves a trainer exposed pays for its risk.
+"""
+
+from __future__ import annotations
+
+from nereus.plan.layout import Plan
+from nereus.spec.domains import FailureDomains
+from nereus.spec.workload import Stage
+
+
+def last_copy_loss(plan: Plan, domains: FailureDomains, seconds: float) -> float:
+    """Probability that some trainer of ``plan`` loses every replica within ``seconds``."""
+    survive = 1.0
+    for c in plan.candidates:
+        if plan.stage_of(c) is Stage.TRAIN:
+            replicas = [c.replica_gpus(r) for r in range(c.dp)]
+            survive *= 1.0 - domains.all_lost_probability(replicas, seconds)
+    return 1.0 - survive
+
+
+def restart_risk_s(plan: Plan, domains: FailureDomains | None, step_s: float, restart_s: float) -> float:
+    """Expected restart seconds per step of ``plan`` (steps of ``step_s``, restarts of ``restart_s``)."""
+    if domains is None or domains.revocations_per_hour <= 0:
+        return 0.0
+    return last_copy_loss(plan, domains, step_s) * restart_s

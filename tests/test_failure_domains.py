@@ -1,0 +1,134 @@
+"""Failure domains: reserved and revocable GPUs, reserved-first placement of trainers, and the
+restart risk admission prices (issue 19)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from nereus.control.admission import Option, Profit, Rule, admit
+from nereus.control.risk import last_copy_loss, restart_risk_s
+from nereus.control.transition_cost import TransitionEstimate
+from nereus.errors import ConfigError
+from nereus.plan.layout import Plan
+from nereus.plan.problem import PlanningProblem
+from nereus.plan.search import search
+from nereus.sim import GpuSupply, SpotTrace
+from nereus.spec import Stage, load_cluster
+from nereus.spec.domains import FailureDomains
+from tests.helpers import make_problem
+
+pytestmark = pytest.mark.pure
+
+
+def _trainer_replicas(plan: Plan) -> dict[str, list[tuple[int, ...]]]:
+    return {
+        c.model_stage: [c.replica_gpus(r) for r in range(c.dp)]
+        for c in plan.candidates
+        if plan.stage_of(c) is Stage.TRAIN
+    }
+
+
+def _with(problem: PlanningProblem, domains: FailureDomains | None, **kw: object) -> PlanningProblem:
+    return dataclasses.replace(problem, domains=domains, **kw)  # type: ignore[arg-type]
+
+
+def test_domains_validate_and_price_losses() -> None:
+    d = FailureDomains(frozenset(range(4)), 2, 3.0)
+    assert d.on_reserved((0, 3)) and not d.on_reserved((3, 4))
+    assert d.revocable_instances((0, 4, 5, 7)) == {2, 3}
+    assert d.loss_probability((0, 1), 3600.0) == 0.0  # reserved GPUs are never revoked
+    assert d.loss_probability((4, 5), 3600.0) == pytest.approx(1 - math.exp(-3.0))
+    assert d.loss_probability((4, 6), 3600.0) == pytest.approx(1 - math.exp(-6.0))  # two instances
+    # both replicas must fail; one on reserved GPUs never does
+    assert d.all_lost_probability([(4, 5), (6, 7)], 600.0) == pytest.approx((1 - math.exp(-0.5)) ** 2)
+    assert d.all_lost_probability([(4, 5), (0, 1)], 600.0) == 0.0
+    assert FailureDomains(frozenset(), 2, 0.0).loss_probability((4,), 1e6) == 0.0  # rate unknown
+    for bad in ({"gpus_per_instance": 0}, {"revocations_per_hour": -1.0}, {"revocations_per_hour": math.nan}):
+        with pytest.raises(ValueError):
+            FailureDomains(**{"reserved": frozenset(), "gpus_per_instance": 2, **bad})  # type: ignore[arg-type]
+
+
+def test_cluster_yaml_marks_reserved_nodes(tmp_path: Path) -> None:
+    a100 = load_cluster("a100-64gb-hdr100")
+    assert a100.failure_domains() is None  # nothing revocable unless the YAML says so
+    marked = dataclasses.replace(a100, reserved_nodes=2, revocations_per_node_hour=0.5)
+    d = marked.failure_domains()
+    assert d is not None and d.reserved == frozenset(range(8)) and d.gpus_per_instance == 4
+    with pytest.raises(ValueError, match="reserved_nodes must be in"):
+        dataclasses.replace(a100, reserved_nodes=a100.nodes + 1)
+    with pytest.raises(ValueError, match="revocations_per_node_hour"):
+        dataclasses.replace(a100, revocations_per_node_hour=-1.0)
+    src = Path("configs/clusters/a100-64gb-hdr100.yaml").read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(src + "\nreserved_nodes: many\n")
+    with pytest.raises(ConfigError, match="reserved_nodes"):
+        type(a100).from_yaml(bad)
+
+
+def test_placement_puts_a_replica_of_every_trainer_on_reserved_gpus() -> None:
+    problem = make_problem("llama-125m", gpus=32, response=1024)  # trainers: 4 replicas of 4 GPUs
+    reserved = frozenset(range(24, 32))  # the last two nodes: not where best fit starts
+    domains = FailureDomains(reserved, 4, 2.0)
+    bare = _trainer_replicas(search(problem).plan)
+    assert not all(any(set(r) <= reserved for r in reps) for reps in bare.values())  # not by luck
+    plan = search(_with(problem, domains)).plan
+    trainers = _trainer_replicas(plan)
+    assert trainers and all(any(set(r) <= reserved for r in reps) for reps in trainers.values()), trainers
+    # the same shapes as without domains: placement changes where, never what
+    assert {c.model_stage: (c.layout, c.dp) for c in plan.candidates} == {
+        c.model_stage: (c.layout, c.dp) for c in search(problem).plan.candidates
+    }
+    assert restart_risk_s(plan, domains, 100.0, 120.0) == 0.0
+
+
+def test_placement_keeps_the_running_reserved_replica_and_falls_back_when_none_fits() -> None:
+    problem = make_problem("llama-125m", gpus=32, response=1024)
+    domains = FailureDomains(frozenset(range(24, 32)), 4, 2.0)
+    running = search(_with(problem, domains)).plan
+    again = search(_with(problem, domains, anchor=running)).plan
+    for name, reps in _trainer_replicas(running).items():
+        on_reserved = [r for r in reps if set(r) <= domains.reserved]
+        assert set(on_reserved) <= set(_trainer_replicas(again)[name])  # nothing moved for it
+    tiny = FailureDomains(frozenset({31}), 4, 2.0)  # no trainer replica fits on one GPU
+    plan = search(_with(problem, tiny)).plan
+    sizes = [len(r) for reps in _trainer_replicas(plan).values() for r in reps]
+    assert min(sizes) > 1 and restart_risk_s(plan, tiny, 100.0, 120.0) > 0.0
+
+
+def test_restart_risk_grows_with_exposure() -> None:
+    problem = make_problem(gpus=32, response=1024)
+    plan = search(problem).plan  # placed without domains
+    everything_revocable = FailureDomains(frozenset(), 4, 2.0)
+    short, long = (restart_risk_s(plan, everything_revocable, s, 120.0) for s in (10.0, 1000.0))
+    assert 0.0 < short < long < 120.0
+    assert last_copy_loss(plan, FailureDomains(frozenset(range(32)), 4, 2.0), 1e9) == 0.0
+    assert restart_risk_s(plan, None, 1000.0, 120.0) == 0.0
+
+
+def test_admission_weighs_the_restart_a_faster_plan_risks() -> None:
+    plan = search(make_problem(gpus=16, response=1024)).plan
+    est = TransitionEstimate(1.0, 0.0, True)
+    rule = Rule(Profit.ANY_GAIN)
+    exposed = Option("target", plan, 90.0, risk_s=15.0)  # 10 s faster, 15 s of expected restarts
+    index, reason = admit(rule, 100.0, [exposed], [est], 10.0, urgent=False)
+    assert index is None and "no gain" in reason
+    safe = Option("target", plan, 90.0, risk_s=0.0)
+    assert admit(rule, 100.0, [safe], [est], 10.0, urgent=False)[0] == 0
+
+
+def test_supply_knows_its_reserved_floor_and_revocation_rate(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"metadata": {"gap_seconds": 300}, "data": [4, 4, 2, 2, 4, 4]}))
+    supply = GpuSupply(SpotTrace.load(path), gpus_per_instance=2, max_gpus=8, min_gpus=2)
+    d = supply.domains()
+    assert d.reserved == frozenset({0, 1}) and d.gpus_per_instance == 2
+    # revocable instances held per tick: 3 3 1 1 3 3 → 2 revoked over 11 instance-ticks of 300 s
+    assert d.revocations_per_hour == pytest.approx(2 / (11 * 300 / 3600))
+    faster = dataclasses.replace(supply, speedup=4.0)  # trace time runs 4× faster: 4× the rate
+    assert faster.domains().revocations_per_hour == pytest.approx(4 * d.revocations_per_hour)
+    assert all(g in supply.pool_at(t) for t in (0.0, 700.0, 1e6) for g in d.reserved)
