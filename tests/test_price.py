@@ -58,7 +58,7 @@ def test_a_price_is_the_planners_estimate_of_that_shape(
 
 def test_json_fit_and_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
     flags = ["--stage", "train", "--tp", "4", "--pp", "1", "--sequences", "256", "--prompt-len", "512",
-             "--seq-len", "2048", "--global-batch", "128", "--micro-batch", "4", "--json"]  # fmt: skip
+             "--seq-len", "2048", "--global-batch", "128", "--micro-batch", "16", "--json"]  # fmt: skip
     assert main([*BASE, *flags, "--dp", "2", "--recompute", "full"]) == 0
     fits = json.loads(capsys.readouterr().out)
     assert {"latency_s", "peak_mem_gib", "fits", "by_class"} <= set(fits) and fits["fits"] is True
@@ -68,7 +68,7 @@ def test_json_fit_and_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
     assert tight["latency_s"] < fits["latency_s"]  # recomputation costs time
     assert main([*BASE, *flags[:-1], "--dp", "2", "--recompute", "full"]) == 0
     text = capsys.readouterr().out
-    assert "actor.train of llama-3.1-8b on h100-ib: tp4·pp1·dp2 mb4" in text and ": fits" in text
+    assert "actor.train of llama-3.1-8b on h100-ib: tp4·pp1·dp2 mb16" in text and ": fits" in text
 
 
 @pytest.mark.parametrize(
