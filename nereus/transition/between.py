@@ -53,14 +53,9 @@ def stage_moves(
     moves = []
     for ms in target.workflow.model_stages:
         old, new = current.candidate(ms.name), target.candidate(ms.name)
-        size = old.layout.size
-        # the replicas' GPU lists straight from the candidates (``intact_units`` and
-        # ``replicas`` without EMUs that ``StageMove.between`` would build again)
-        intact = [
-            gpus
-            for gpus in (old.gpus[r * size : (r + 1) * size] for r in range(old.dp))
-            if not lost or lost.isdisjoint(gpus)
-        ]
+        # the replicas' GPU lists straight from the candidates: ``intact_units`` and ``replicas``
+        # would build EMUs that ``StageMove.between`` builds again under their DAG names
+        intact = [gpus for gpus in map(old.replica_gpus, range(old.dp)) if not lost or lost.isdisjoint(gpus)]
         restore_from = ""
         restore_gpus: tuple[int, ...] = ()
         if not intact:
@@ -82,7 +77,7 @@ def stage_moves(
                 old.layout,
                 intact,
                 new.layout,
-                [new.gpus[r * new.layout.size : (r + 1) * new.layout.size] for r in range(new.dp)],
+                [new.replica_gpus(r) for r in range(new.dp)],
                 restore_from,
                 restore_gpus,
             )
