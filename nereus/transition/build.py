@@ -166,6 +166,11 @@ class _Ledger:
             for g, b in node.release:
                 if b > 0:
                     self.releasers[g].append((node.id, b))
+        # each GPU's releases as one bitset: a level whose ancestors release nothing there is one AND
+        self.rmask = {g: sum({1 << x for x, _ in rel}) for g, rel in self.releasers.items()}
+        # a node acquires each of its GPUs once (so the levels ``over`` finds are its peaks)
+        self.distinct = [len({g for g, _ in nd.acquire}) == len(nd.acquire) for nd in nodes]
+        self.fitted: list[int] = []  # the levels of the last ``over`` that found room everywhere
         self.heap = [(key(i), i) for i in range(n) if self.waiting[i] == 0]
         heapq.heapify(self.heap)
         self.committed = [False] * n
@@ -183,21 +188,26 @@ class _Ledger:
             self.anc[i] |= self.anc[p] | (1 << p)
 
     def level(self, i: int, g: int, extra: int) -> int:
-        a = self.anc[i]
-        released = sum(b for x, b in self.releasers[g] if a >> x & 1)
+        hit = self.anc[i] & self.rmask.get(g, 0)
+        released = sum(b for x, b in self.releasers[g] if hit >> x & 1) if hit else 0
         return self.init.get(g, 0) + self.acquired[g] + extra - released
 
     def over(self, i: int) -> tuple[int, int]:
-        """(GPU, bytes missing) of the first acquisition of i that does not fit, or (−1, 0)."""
+        """(GPU, bytes missing) of the first acquisition of i that does not fit, or (−1, 0) and
+        the levels it would reach in ``fitted``."""
+        levels = []
         for g, b in self.nodes[i].acquire:
-            missing = self.level(i, g, b) - self.cap[g]
-            if missing > 0:
-                return g, missing
+            level = self.level(i, g, b)
+            if level > self.cap[g]:
+                return g, level - self.cap[g]
+            levels.append(level)
+        self.fitted = levels
         return -1, 0
 
-    def finish(self, i: int, fresh: bool = False) -> None:
+    def finish(self, i: int, fresh: bool = False, levels: list[int] | None = None) -> None:
         """Commit ``i``; ``fresh``: its ancestry is already complete (``run`` computed it and
-        ``add_edge`` kept it up to date), so it is not ORed together again."""
+        ``add_edge`` kept it up to date), so it is not ORed together again; ``levels``: what
+        ``over`` just found for its acquisitions, nothing committed since (they are its peaks)."""
         if not fresh:
             self.ancestry(i)
         self.ef[i] = max((self.ef[p] for p in self.preds[i]), default=0.0) + self.nodes[i].est_s
@@ -206,8 +216,9 @@ class _Ledger:
         acquire = self.nodes[i].acquire
         for g, b in acquire:
             self.acquired[g] += b
-        for g, _ in acquire:
-            level = self.level(i, g, 0)
+        if levels is None or not self.distinct[i]:
+            levels = [self.level(i, g, 0) for g, _ in acquire]
+        for (g, _), level in zip(acquire, levels, strict=True):
             self.peak[g] = max(self.peak[g], level)
         for s in self.succs[i]:
             self.waiting[s] -= 1
@@ -269,7 +280,7 @@ class _Ledger:
             if missing > 0:
                 blocked.append(i)
                 continue
-            self.finish(i, fresh=True)
+            self.finish(i, fresh=True, levels=self.fitted)
             for b in blocked:
                 heapq.heappush(self.heap, (self.key(b), b))
             blocked.clear()
