@@ -38,6 +38,8 @@ class Geometry:
         self._held: dict[tuple[Layout, int, int], int] = {}
         self._payload: dict[tuple[Layout, int, int], int] = {}
         self._missing: dict[tuple[Layout, int, int, Layout, int, int], int] = {}
+        self._merge: dict[tuple[Layout, Layout], MergeRows] = {}
+        self._split: dict[tuple[Layout, Layout], tuple[tuple[int, int, int, int, int], ...]] = {}
 
     def held(self, layout: Layout, t: int, p: int) -> int:
         """Bytes rank (t, p)'s buffers occupy (what memory holds)."""
@@ -64,6 +66,47 @@ class Geometry:
             lack = rank_numel(model, need, nt, np_) - shared_numel(model, have, ht, hp, need, nt, np_)
             out = self._missing[key] = lack * self.bpe
         return out
+
+    def merge_rows(self, sub: Layout, lay: Layout) -> MergeRows:
+        """Per rank of ``lay`` (rank order) what a Merge from ``sub`` slots moves and holds."""
+        key = (sub, lay)
+        out = self._merge.get(key)
+        if out is None:
+            kt, kp = lay.tp // sub.tp, lay.pp // sub.pp
+            recv, acquire, release, local = [], [], [], 0
+            for t, p in lay.positions():
+                st, sp = t // kt, p // kp  # the slot's rank that holds this position's rows
+                r = self.missing(sub, st, sp, lay, t, p)
+                recv.append(r)
+                acquire.append(self.held(lay, t, p) + r)
+                release.append(self.held(sub, st, sp) + r)
+                local = max(local, self.payload(lay, t, p) - r)
+            out = self._merge[key] = MergeRows(tuple(recv), tuple(acquire), tuple(release), local)
+        return out
+
+    def split_rows(self, old: Layout, sub: Layout) -> tuple[tuple[int, int, int, int, int], ...]:
+        """Per rank of ``old`` (rank order): (t, p, held, bytes it receives, bytes it acquires)
+        when it keeps the ``sub`` rank (t // kt, p // kp) of a Split."""
+        key = (old, sub)
+        out = self._split.get(key)
+        if out is None:
+            kt, kp = old.tp // sub.tp, old.pp // sub.pp
+            out = self._split[key] = tuple(
+                (t, p, self.held(old, t, p), self.missing(old, t, p, sub, t // kt, p // kp),
+                 self.held(sub, t // kt, p // kp))
+                for t, p in old.positions()
+            )  # fmt: skip
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class MergeRows:
+    """A Merge's bytes per target rank: received, acquired, released; the largest local copy."""
+
+    recv: tuple[int, ...]
+    acquire: tuple[int, ...]
+    release: tuple[int, ...]
+    local: int
 
 
 @lru_cache(maxsize=64)
@@ -137,17 +180,20 @@ class NodeMaker:
         """All-gather the T_sub shard in every group; GPUs of no sub-unit only send, then free."""
         kt, kp = u.layout.tp // sub.tp, u.layout.pp // sub.pp
         keeps = {g for s in subunits for g in s.gpus}
+        rows = self.geo.split_rows(u.layout, sub)
+        index = {g: i for i, g in enumerate(u.gpus)}
         acquire, release, flows, recvs = [], [], [], []
         moved = 0
         for (tq, pq), members in groups.items():
             link = self.links.group_link(members)
             for g in members:
-                t, p = u.position(g)
-                release.append((g, self.held(u.layout, t, p)))
+                t, p, held, recv, takes = rows[index[g]]
+                release.append((g, held))
                 if g not in keeps:
                     continue  # its sub-unit is not needed: it contributes its shard and frees it
-                recv = self.missing(u.layout, t, p, sub, tq, pq)
-                acquire.append((g, self.held(sub, tq, pq)))
+                if (t // kt, p // kp) != (tq, pq):  # a group other than its own sub-rank's
+                    recv, takes = self.missing(u.layout, t, p, sub, tq, pq), self.held(sub, tq, pq)
+                acquire.append((g, takes))
                 flows.append(Flow(g, recv, link))
                 recvs.append(g)
                 moved += recv
@@ -205,8 +251,9 @@ class NodeMaker:
         acquire, release, flows = [], [], []
         moved, local = 0, 0
         link = self.links.group_link(v.gpus)
+        where = {g: (t, p) for g, t, p in u.ranks()}
         for g, t, p in v.ranks():
-            ot, op = u.position(g)
+            ot, op = where[g]
             recv = self.missing(old, ot, op, new, t, p)
             acquire.append((g, self.held(new, t, p)))
             release.append((g, self.held(old, ot, op)))
@@ -227,24 +274,19 @@ class NodeMaker:
     def merge(self, slots: Sequence[Emu], target: Emu) -> int:
         sub, lay = slots[0].layout, target.layout
         kt, kp = lay.tp // sub.tp, lay.pp // sub.pp
-        acquire, release, flows = [], [], []
-        moved, local = 0, 0
-        link = self.links.group_link(target.gpus)
-        for g, t, p in target.ranks():
-            st, sp = t // kt, p // kp  # the slot's rank that holds this position's rows
-            recv = self.missing(sub, st, sp, lay, t, p)
-            acquire.append((g, self.held(lay, t, p) + recv))
-            release.append((g, self.held(sub, st, sp) + recv))
-            flows.append(Flow(g, recv, link))
-            moved += recv
-            local = max(local, self.payload(lay, t, p) - recv)
-        ports = target.gpus if moved else ()
-        est = self.links.node_seconds(Primitive.MERGE, tuple(flows), hops=kt * kp - 1, local_bytes=local)
+        rows = self.geo.merge_rows(sub, lay)
+        gpus = target.gpus
+        link = self.links.group_link(gpus)
+        flows = tuple(Flow(g, r, link) for g, r in zip(gpus, rows.recv, strict=True))
+        moved = sum(rows.recv)
+        ports = gpus if moved else ()
+        est = self.links.node_seconds(Primitive.MERGE, flows, hops=kt * kp - 1, local_bytes=rows.local)
         return self.add(
             Node(
-                id=self.next_id(), primitive=Primitive.MERGE, model_stage=self.m.name, gpus=target.gpus,
+                id=self.next_id(), primitive=Primitive.MERGE, model_stage=self.m.name, gpus=gpus,
                 bytes=moved, est_s=est,
                 inputs=tuple(s.id for s in slots), outputs=(target.id,), frees=tuple(s.id for s in slots),
-                acquire=tuple(acquire), release=tuple(release), flows=tuple(flows), sends=ports, recvs=ports,
+                acquire=tuple(zip(gpus, rows.acquire, strict=True)),
+                release=tuple(zip(gpus, rows.release, strict=True)), flows=flows, sends=ports, recvs=ports,
             )
         )  # fmt: skip
