@@ -10,11 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from nereus.control.admission import Option, Profit, Rule, admit
+from nereus.control.admission import Decision, Option, Profit, Rule, Verdict, admit, restart_instead
 from nereus.control.risk import last_copy_loss, restart_risk_s
 from nereus.control.transition_cost import TransitionEstimate
 from nereus.errors import ConfigError
-from nereus.plan.layout import Plan
+from nereus.plan.candidates import Shape
+from nereus.plan.evaluate import shapes_of
+from nereus.plan.layout import Layout, Plan
+from nereus.plan.placement import place
 from nereus.plan.problem import PlanningProblem
 from nereus.plan.search import search
 from nereus.sim import GpuSupply, SpotTrace
@@ -132,3 +135,57 @@ def test_supply_knows_its_reserved_floor_and_revocation_rate(tmp_path: Path) -> 
     faster = dataclasses.replace(supply, speedup=4.0)  # trace time runs 4× faster: 4× the rate
     assert faster.domains().revocations_per_hour == pytest.approx(4 * d.revocations_per_hour)
     assert all(g in supply.pool_at(t) for t in (0.0, 700.0, 1e6) for g in d.reserved)
+
+
+def test_when_reserved_gpus_hold_one_trainer_the_most_exposed_gets_them() -> None:
+    """8 reserved GPUs, two trainers of 8-GPU replicas: the critic with one replica (lost with any
+    of its instances) gets them, not the actor with two (both must be lost) — even when the
+    actor's replica already sits there."""
+    problem = make_problem("llama-125m", gpus=32, response=1024)
+    shapes = shapes_of(search(problem).plan)
+    shapes["actor.train"] = Shape(Layout(4, 2), 2, shapes["actor.train"].micro_batch)
+    shapes["critic.train"] = Shape(Layout(4, 2), 1, shapes["critic.train"].micro_batch)
+    domains = FailureDomains(frozenset(range(8)), 2, 1.0)
+    wf, mode = problem.workflow, problem.workload.mode
+    plan = place(wf, mode, shapes, problem.pool, 4, domains=domains)
+    assert set(plan.candidate("critic.train").gpus) == set(range(8))
+    held = place(wf, mode, {**shapes, "critic.train": Shape(Layout(4, 2), 1, 1)}, problem.pool, 4)
+    running = place(wf, mode, shapes, problem.pool, 4, anchor=held)  # actor's replica 0 on GPUs 0-7
+    assert running.candidate("actor.train").replica_gpus(0) == tuple(range(8))
+    again = place(wf, mode, shapes, problem.pool, 4, anchor=running, domains=domains)
+    assert set(again.candidate("critic.train").gpus) == set(range(8))
+    assert restart_risk_s(again, domains, 60.0, 100.0) < restart_risk_s(running, domains, 60.0, 100.0)
+
+
+def test_a_restart_is_admitted_when_nothing_moves_in_place_and_it_pays_back() -> None:
+    plan = search(make_problem(gpus=16, response=1024)).plan
+    base = Decision(3, 0.0, (), False, Verdict.KEEP, "", 150.0)
+    target = Option("target", plan, 100.0)
+    payback = Rule(Profit.PAYBACK, 0.5)
+    got = restart_instead(payback, base, target, "no source", 150.0, 100.0, horizon=4.0)
+    assert got is not None and got.verdict is Verdict.RESTART and got.target is plan
+    assert got.payback_steps == pytest.approx(2.0) and got.l_tran_s == 100.0 and "no source" in got.reason
+    assert restart_instead(payback, base, target, "no source", 150.0, 100.0, horizon=3.0) is None
+    # a switch policy restarts only towards a faster plan
+    assert restart_instead(Rule(Profit.SWITCH), base, target, "x", 90.0, 10.0, horizon=1.0) is None
+
+
+def test_correlated_revocations_take_replicas_together(tmp_path: Path) -> None:
+    """Spot capacity goes in bursts: an event taking every revocable instance loses all replicas
+    at once, however many there are; one taking a single instance never loses two replicas."""
+    replicas = [(4, 5), (6, 7)]  # two replicas on two revocable instances of 2 GPUs
+    burst = FailureDomains(frozenset(range(4)), 2, 0.0, 2.0, (1.0,))
+    assert burst.correlated and burst.at_risk
+    assert burst.all_lost_probability(replicas, 1800.0, held=2) == pytest.approx(1 - math.exp(-1.0))
+    single = FailureDomains(frozenset(range(4)), 2, 0.0, 2.0, (0.5,))  # one of the two per event
+    assert single.all_lost_probability(replicas, 1800.0, held=2) == 0.0
+    assert single.all_lost_probability([(4, 5)], 1800.0, held=2) == pytest.approx(1 - math.exp(-0.5))
+    assert burst.all_lost_probability([(0, 1), (4, 5)], 1800.0, held=2) == 0.0  # one on reserved
+    with pytest.raises(ValueError, match="event_fractions"):
+        FailureDomains(frozenset(), 2, 0.0, 1.0, (0.0,))
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"metadata": {"gap_seconds": 300}, "data": [4, 4, 2, 2, 4, 4]}))
+    supply = GpuSupply(SpotTrace.load(path), gpus_per_instance=2, max_gpus=8, min_gpus=2)
+    events, fractions = supply.revocation_events()  # revocable held 3 3 1 1 3 3: one drop, 2 of 3
+    assert fractions == pytest.approx((2 / 3,)) and events == pytest.approx(1 / (5 * 300 / 3600))
+    assert supply.domains().event_fractions == fractions

@@ -12,14 +12,16 @@ cheaper transitions — and the first that passes is admitted:
 
 ``Rule`` also expresses the baselines the simulator compares: ``any-gain`` admits any ΔL > 0
 (DynaRL-style) and ``switch`` admits whatever differs (a periodic policy). If nothing passes, an
-opportunistic replan keeps the current plan; an urgent one asks for checkpoint and restart.
+opportunistic replan keeps the current plan — unless no option can move in place at all and a
+checkpoint restart onto the target pays back under the same rule (``restart_instead``: the
+restart's seconds are its L_tran); an urgent one asks for checkpoint and restart.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
@@ -169,3 +171,33 @@ def admit(
 
 def payback_steps(delta_s: float, l_tran_s: float) -> float:
     return l_tran_s / delta_s if delta_s > 0 else math.inf
+
+
+def restart_instead(
+    rule: Rule,
+    base: Decision,
+    best: Option,
+    why_not: str,
+    expected_s: float,
+    restart_s: float,
+    horizon: float,
+) -> Decision | None:
+    """No option can move in place (``why_not``), yet ``best`` is faster than the running plan
+    (``expected_s``, its restart risk included): a checkpoint restart onto it is one more way
+    there, admitted by the same rule with the restart's ``restart_s`` as L_tran."""
+    delta = expected_s - best.expected_s
+    ok, why = rule.pays_back(delta, restart_s, horizon)
+    if not ok or delta <= 0:
+        return None
+    return replace(
+        base,
+        verdict=Verdict.RESTART,
+        reason=f"{best.label}: no transition in place ({why_not}); a restart pays: {why}",
+        target=best.plan,
+        target_label=best.label,
+        target_latency_s=best.step_latency_s,
+        delta_s=delta,
+        l_tran_s=restart_s,
+        payback_steps=payback_steps(delta, restart_s),
+        target_risk_s=best.risk_s,
+    )

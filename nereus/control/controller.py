@@ -21,8 +21,17 @@ from enum import StrEnum
 from functools import partial
 
 from nereus.control.action import Action, Keep, Move
-from nereus.control.admission import Decision, Option, Profit, Rule, Verdict, admit, payback_steps
-from nereus.control.risk import restart_risk_s
+from nereus.control.admission import (
+    Decision,
+    Option,
+    Profit,
+    Rule,
+    Verdict,
+    admit,
+    payback_steps,
+    restart_instead,
+)
+from nereus.control.risk import last_copy_loss, restart_seconds
 from nereus.control.telemetry import Telemetry
 from nereus.control.transition_cost import DagEstimator, TransitionEstimator
 from nereus.control.triggers import Trigger, TriggerKind, TriggerMonitor, horizon
@@ -60,7 +69,7 @@ class ControllerConfig:
     # which triggers start a replan (urgent ones always do)
     replan_on: frozenset[TriggerKind] = frozenset(TriggerKind)
     hold_layouts: bool = False  # static policy: TP/PP fixed to the first plan's, DP follows the pool
-    restart_s: float = 120.0  # a checkpoint restart's seconds, for the restart risk admission prices
+    restart_s: float = 120.0  # a restart's relaunch seconds (reading the checkpoint comes on top)
 
     def __post_init__(self) -> None:
         if self.period < 0 or self.fallback_tolerance < 0 or not self.restart_s >= 0:
@@ -291,7 +300,7 @@ class Controller:
             if not cost.over_capacity(problem):
                 current = cost.step_latency_s
         urgent = urgent or current is None
-        risk = 0.0 if current is None else self._risk(self.plan, current)
+        risk = 0.0 if current is None else self._risk(self.plan, current, problem)
         expected = None if current is None else current + risk  # with the restart it risks
         h = horizon([f for f in fired if not f.urgent]) if not urgent else 1.0
         base = Decision(
@@ -339,6 +348,12 @@ class Controller:
                 )
             options, estimates, reason = widened, more, why
         if index is None:
+            if expected is not None and options and not any(e.feasible for e in estimates):
+                best, why_not = options[0], estimates[0].reason  # nothing moves in place
+                seconds = self._restart_s(best.plan, problem)
+                restart = restart_instead(self.config.rule, base, best, why_not, expected, seconds, h)
+                if restart is not None:
+                    return restart
             gains = [
                 payback_steps(expected - o.expected_s, e.seconds)
                 for o, e in zip(options, estimates, strict=True)
@@ -405,7 +420,15 @@ class Controller:
         except InfeasibleError:
             return None
         latency = result.step_latency_s
-        return Option(label, result.plan, latency, self._risk(result.plan, latency))
+        return Option(label, result.plan, latency, self._risk(result.plan, latency, problem))
 
-    def _risk(self, plan: Plan, step_s: float) -> float:
-        return restart_risk_s(plan, self.domains, step_s, self.config.restart_s)
+    def _risk(self, plan: Plan, step_s: float, problem: PlanningProblem) -> float:
+        """Expected restart seconds per step: a trainer losing every replica within a step."""
+        if self.domains is None or not self.domains.at_risk:
+            return 0.0
+        p = last_copy_loss(plan, self.domains, step_s)
+        return p * self._restart_s(plan, problem) if p > 0 else 0.0
+
+    def _restart_s(self, plan: Plan, problem: PlanningProblem) -> float:
+        resident = price(problem, shapes_of(plan)).resident
+        return restart_seconds(plan, resident, self.cluster, self.config.restart_s)

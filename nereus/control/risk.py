@@ -14,23 +14,38 @@ faster plan that leaves a trainer exposed pays for its risk.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from nereus.plan.layout import Plan
+from nereus.spec.cluster import ClusterSpec
 from nereus.spec.domains import FailureDomains
 from nereus.spec.workload import Stage
 
 
 def last_copy_loss(plan: Plan, domains: FailureDomains, seconds: float) -> float:
     """Probability that some trainer of ``plan`` loses every replica within ``seconds``."""
+    held = len(domains.revocable_instances(plan.pool))
     survive = 1.0
     for c in plan.candidates:
         if plan.stage_of(c) is Stage.TRAIN:
             replicas = [c.replica_gpus(r) for r in range(c.dp)]
-            survive *= 1.0 - domains.all_lost_probability(replicas, seconds)
+            survive *= 1.0 - domains.all_lost_probability(replicas, seconds, held)
     return 1.0 - survive
 
 
 def restart_risk_s(plan: Plan, domains: FailureDomains | None, step_s: float, restart_s: float) -> float:
     """Expected restart seconds per step of ``plan`` (steps of ``step_s``, restarts of ``restart_s``)."""
-    if domains is None or domains.revocations_per_hour <= 0:
+    if domains is None or not domains.at_risk:
         return 0.0
-    return last_copy_loss(plan, domains, step_s) * restart_s
+    p = last_copy_loss(plan, domains, step_s)
+    return p * restart_s if p > 0 else 0.0
+
+
+def restart_seconds(
+    plan: Plan, resident: Mapping[str, float], cluster: ClusterSpec, relaunch_s: float
+) -> float:
+    """A checkpoint restart onto ``plan``: relaunch, then every model-stage's state (``resident``
+    bytes per GPU) read from shared storage, each node of the plan reading its share."""
+    state = sum(resident[c.model_stage] * c.num_gpus for c in plan.candidates)
+    nodes = max(1, len({cluster.node_of(g) for c in plan.candidates for g in c.gpus}))
+    return relaunch_s + state / (cluster.storage_read_gbs * 1e9 * nodes)

@@ -18,6 +18,8 @@ revocation never takes a trainer's last copy. The other replicas are placed as a
 from __future__ import annotations
 
 import bisect
+import itertools
+import math
 from collections.abc import Mapping, Sequence
 
 from nereus.errors import InfeasibleError
@@ -25,6 +27,9 @@ from nereus.plan.candidates import Shape
 from nereus.plan.layout import Candidate, Plan
 from nereus.spec.domains import FailureDomains
 from nereus.spec.workload import ExecutionMode, ModelStage, Stage, Workflow
+
+MAX_ORDERS = 720  # orders of trainers tried for the reserved GPUs (6 trainers; RL jobs have 1–2)
+STEP_LOSS = 0.01  # ranking horizon for exposure: each revocable instance lost with this probability
 
 
 class _FreeGpus:
@@ -146,21 +151,43 @@ def _reserved_first(
     anchor: Plan | None,
     domains: FailureDomains,
 ) -> dict[str, list[tuple[int, ...]]]:
-    """One replica of each trainer on reserved GPUs where it fits: first every trainer whose
-    running replica already sits on reserved GPUs keeps it, then the others take the best-fitting
-    reserved GPUs still free (largest replicas first)."""
+    """One replica of each trainer on reserved GPUs where it fits. When the reserved GPUs cannot
+    hold one of every trainer, the trainers that get one are those that leave the job least
+    exposed: a trainer left out risks losing all its replicas, each spread over at least
+    ⌈size / instance⌉ revocable instances, so few large replicas are the first to protect. Ties
+    keep the most running replicas where they are. Each trainer takes its running replica if that
+    already sits on reserved GPUs, else the best-fitting reserved GPUs still free."""
     trainers = [ms.name for ms in model_stages if ms.stage is Stage.TRAIN and shapes[ms.name].dp > 0]
-    placed: dict[str, list[tuple[int, ...]]] = {}
-    for name in trainers:
-        for gpus in _anchor_replicas(name, shapes[name], anchor):
-            if domains.on_reserved(gpus) and free.take_exactly(gpus):
-                placed[name] = [gpus]
-                break
-    for name in sorted((n for n in trainers if n not in placed), key=lambda n: -shapes[n].layout.size):
-        got = free.take_within(shapes[name].layout.size, domains.reserved)
-        if got is not None:
-            placed[name] = [got]
-    return placed
+    if not trainers:
+        return {}
+    reserved_free = [g for gpus in free.nodes.values() for g in gpus if g in domains.reserved]
+    best: tuple[tuple[float, int], dict[str, tuple[int, ...]]] | None = None
+    for order in itertools.islice(itertools.permutations(trainers), MAX_ORDERS):
+        trial, got, kept = _FreeGpus(reserved_free, free.gpn), {}, 0
+        for name in order:
+            running = _anchor_replicas(name, shapes[name], anchor)
+            on_reserved = next((r for r in running if domains.on_reserved(r) and trial.take_exactly(r)), None)
+            if on_reserved is not None:
+                got[name], kept = on_reserved, kept + 1
+            elif (gpus := trial.take_within(shapes[name].layout.size, domains.reserved)) is not None:
+                got[name] = gpus
+        exposed = [_exposure(shapes[n], domains.gpus_per_instance) for n in trainers if n not in got]
+        score = (1.0 - math.prod(1.0 - p for p in exposed), -kept)
+        if best is None or score < best[0]:
+            best = (score, got)
+    assert best is not None
+    for gpus in best[1].values():
+        taken = free.take_exactly(gpus)
+        assert taken
+    return {name: [gpus] for name, gpus in best[1].items()}
+
+
+def _exposure(shape: Shape, gpus_per_instance: int) -> float:
+    """How likely a trainer of ``shape`` with no reserved replica is to lose them all, each
+    replica on the fewest revocable instances it can span, over a horizon in which one instance
+    is lost with probability ``STEP_LOSS`` (the regime of one step): a ranking, not a price."""
+    instances = -(-shape.layout.size // gpus_per_instance)
+    return (-math.expm1(-STEP_LOSS * instances)) ** shape.dp
 
 
 def _anchor_replicas(name: str, shape: Shape, anchor: Plan | None) -> list[tuple[int, ...]]:

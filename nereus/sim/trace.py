@@ -124,21 +124,36 @@ class GpuSupply:
     def reserved_instances(self) -> int:
         return min(self.max_gpus // self.gpus_per_instance, -(-self.min_gpus // self.gpus_per_instance))
 
+    def _held_revocable(self) -> list[int]:
+        """Revocable instances held per tick (counts clamped to the pool's [reserved, max])."""
+        total, floor = self.max_gpus // self.gpus_per_instance, self.reserved_instances
+        return [min(total, max(floor, c)) - floor for c in self.trace.counts]
+
     def revocations_per_hour(self) -> float:
         """Revocations per revocable instance per simulated hour, estimated from the whole trace
         as a planner would from its history: instances lost between ticks over the instance-hours
-        held beyond the reserved floor (counts clamped to the pool's [reserved, max] instances)."""
-        total = self.max_gpus // self.gpus_per_instance
-        floor = self.reserved_instances
-        held = [min(total, max(floor, c)) - floor for c in self.trace.counts]
+        held beyond the reserved floor."""
+        held = self._held_revocable()
         lost = sum(max(0, a - b) for a, b in itertools.pairwise(held))
         hours = sum(held[:-1]) * self.trace.gap_seconds / self.speedup / 3600.0
         return lost / hours if hours > 0 else 0.0
 
+    def revocation_events(self) -> tuple[float, tuple[float, ...]]:
+        """Revocation events per simulated hour while revocable instances are held, and the
+        share of them each event took: drops in the trace come in bursts, not one by one."""
+        held = self._held_revocable()
+        fractions = tuple((a - b) / a for a, b in itertools.pairwise(held) if b < a)
+        hours = sum(1 for a in held[:-1] if a > 0) * self.trace.gap_seconds / self.speedup / 3600.0
+        return (len(fractions) / hours if hours > 0 else 0.0), fractions
+
     def domains(self) -> FailureDomains:
-        """The reserved floor's GPUs and the trace's revocation rate, as the planner knows them."""
+        """The reserved floor's GPUs and the trace's revocation history, as the planner knows
+        them: the correlated model (events and their sizes), with the per-instance rate too."""
         reserved = frozenset(range(self.reserved_instances * self.gpus_per_instance))
-        return FailureDomains(reserved, self.gpus_per_instance, self.revocations_per_hour())
+        events, fractions = self.revocation_events()
+        return FailureDomains(
+            reserved, self.gpus_per_instance, self.revocations_per_hour(), events, fractions
+        )
 
     def pool_at(self, time_s: float) -> tuple[int, ...]:
         g = self.gpus_per_instance

@@ -2,9 +2,12 @@
 
 Shared clusters mix GPUs the job holds for its whole allocation (*reserved*: on-demand instances,
 a SLURM reservation) with GPUs that may be revoked at any time (*revocable*: spot instances,
-preemptible partitions). Revocations take whole instances (an instance's GPUs go together) and
-arrive, for planning purposes, as independent Poisson events at ``revocations_per_hour`` per
-revocable instance. Two things follow (issue 19, paper-notes §2.9):
+preemptible partitions). Revocations take whole instances (an instance's GPUs go together). Two
+models of when: independent Poisson revocations at ``revocations_per_hour`` per revocable
+instance, or — what spot traces show, a capacity crunch taking many instances at once —
+revocation *events* at ``events_per_hour``, each taking a fraction of the revocable instances
+held, drawn from ``event_fractions`` (the trace's history), the instances chosen at random. Two
+things follow (issue 19, paper-notes §2.9):
 
 * placement keeps at least one replica of every trainer's state on reserved GPUs when it fits,
   so a revocation never takes a trainer's last copy and the job moves in place instead of
@@ -17,7 +20,9 @@ Pure: no clocks, no I/O; GPU ids are the cluster's global ids.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -34,6 +39,8 @@ class FailureDomains:
     reserved: frozenset[int]
     gpus_per_instance: int
     revocations_per_hour: float = 0.0
+    events_per_hour: float = 0.0  # correlated model (used when event_fractions is not empty)
+    event_fractions: tuple[float, ...] = ()  # share of the revocable instances each event took
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "reserved", frozenset(self.reserved))
@@ -44,6 +51,21 @@ class FailureDomains:
             raise ValueError(f"revocations_per_hour must be in [0, {MAX_RATE_PER_HOUR:g}], got {rate}")
         if any(g < 0 for g in self.reserved):
             raise ValueError("reserved GPU ids must be non-negative")
+        object.__setattr__(self, "event_fractions", tuple(float(f) for f in self.event_fractions))
+        events = self.events_per_hour
+        if not (math.isfinite(events) and 0.0 <= events <= MAX_RATE_PER_HOUR):
+            raise ValueError(f"events_per_hour must be in [0, {MAX_RATE_PER_HOUR:g}], got {events}")
+        if any(not 0.0 < f <= 1.0 for f in self.event_fractions):
+            raise ValueError("event_fractions must lie in (0, 1]")
+
+    @property
+    def correlated(self) -> bool:
+        return bool(self.event_fractions)
+
+    @property
+    def at_risk(self) -> bool:
+        """Revocations are expected at all (a known, non-zero rate)."""
+        return (self.events_per_hour if self.correlated else self.revocations_per_hour) > 0
 
     def on_reserved(self, gpus: Iterable[int]) -> bool:
         """Every GPU of ``gpus`` is reserved."""
@@ -60,17 +82,31 @@ class FailureDomains:
             return 0.0
         return -math.expm1(-self.revocations_per_hour * exposed * seconds / 3600.0)
 
-    def all_lost_probability(self, replicas: Iterable[Iterable[int]], seconds: float) -> float:
-        """Probability that every one of ``replicas`` loses a GPU within ``seconds``. Replicas on
-        disjoint instances fail independently; replicas sharing an instance fail together, so
-        they are counted per distinct set of instances (an upper bound when sets overlap)."""
+    def all_lost_probability(self, replicas: Iterable[Iterable[int]], seconds: float, held: int = 0) -> float:
+        """Probability that every one of ``replicas`` loses a GPU within ``seconds``, with
+        ``held`` revocable instances in the pool (the correlated model draws from them). Replicas
+        sharing an instance fail together, so they count per distinct set of instances (an
+        upper bound when sets overlap)."""
         groups = {self.revocable_instances(r) for r in replicas}
-        if not groups or frozenset() in groups:
+        if not groups or frozenset() in groups or seconds <= 0:
             return 0.0
+        if self.correlated:
+            return self._event_loss([len(g) for g in groups], seconds, max(held, *map(len, groups)))
         p = 1.0
         for instances in groups:
             p *= -math.expm1(-self.revocations_per_hour * len(instances) * max(seconds, 0.0) / 3600.0)
         return p
+
+    def _event_loss(self, sizes: list[int], seconds: float, held: int) -> float:
+        """Events at ``events_per_hour``, each revoking ⌈f · held⌉ random instances (f from the
+        history); replicas on disjoint sets of ``sizes`` instances are all lost in an event when
+        each has an instance drawn (inclusion–exclusion over the replicas, exact)."""
+        per_event = 0.0
+        for f in self.event_fractions:
+            k = min(held, max(1, math.ceil(f * held - 1e-9)))
+            per_event += _all_drawn(held, sizes, k)
+        per_event /= len(self.event_fractions)
+        return -math.expm1(-self.events_per_hour * seconds / 3600.0 * per_event)
 
     @classmethod
     def from_nodes(
@@ -79,3 +115,19 @@ class FailureDomains:
         """Nodes ``[0, reserved_nodes)`` reserved, every later node a revocable instance."""
         reserved = frozenset(range(min(total_gpus, reserved_nodes * gpus_per_node)))
         return cls(reserved, gpus_per_node, revocations_per_hour)
+
+
+def _all_drawn(total: int, sizes: list[int], drawn: int) -> float:
+    """Probability that ``drawn`` of ``total`` instances, chosen at random, hit every one of the
+    disjoint sets of ``sizes`` instances: Σ_S (−1)^|S| C(total − Σ_S m, drawn) / C(total, drawn),
+    summed per distinct size (replicas of one layout share it), in exact integers."""
+    counts = Counter(sizes)
+    kinds = sorted(counts)
+    hits = 0
+    for picks in itertools.product(*(range(counts[m] + 1) for m in kinds)):
+        marked = sum(j * m for j, m in zip(picks, kinds, strict=True))
+        if marked > total:
+            continue
+        ways = math.prod(math.comb(counts[m], j) for j, m in zip(picks, kinds, strict=True))
+        hits += (-1) ** sum(picks) * ways * math.comb(total - marked, drawn)
+    return max(0.0, hits / math.comb(total, drawn))
