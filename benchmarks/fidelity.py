@@ -24,6 +24,11 @@ Rules, fixed before any error was looked at:
   (engines batch as many sequences as their KV cache holds). RL: gen (vLLM, ``gen_tp``, the rest
   DP) + ``inf_passes`` inference passes + train (``train_tp``·``train_pp``, DP the rest) over the
   step's sequences; weight refit is not priced (``nereus price`` leaves weight sync out).
+* **Engines.** Priced as the published engine behaves, which is not always as ours does
+  (``PriceQuery.overlap_dp_sync`` / ``paged_kv``): torchtitan (FSDP) and NeMo RL's trainers
+  overlap the DP gradient reduction with backward; NeMo RL's vLLM keeps a paged KV pool and
+  preempts; TensorRT-LLM's default capacity policy GUARANTEED_NO_EVICT admits a request only when
+  its prompt + max output tokens are free, i.e. full-length reservation, as ``_gen`` prices it.
 * **Split.** Within each dataset, rows in file order (grouped by source, then as the source's
   table lists them): even positions (0, 2, …) calibrate, odd positions evaluate.
 * **Before**: the planner's priors (``PRIOR_EFFICIENCY``). **After**: per cluster (the planner
@@ -108,12 +113,13 @@ def _sum(parts: list[tuple[Price, float]]) -> tuple[float, dict[str, float]]:
 
 
 def _gen(
-    model: Any, cluster: Any, tp: int, dp: int, n: int, prompt: int, resp: int, eff: Efficiencies
-) -> Price:
+    model: Any, cluster: Any, tp: int, dp: int, n: int, prompt: int, resp: int, eff: Efficiencies,
+    paged: bool = False,
+) -> Price:  # fmt: skip
     """Generation at the largest power-of-two concurrency whose memory fits (see the docstring)."""
     conc = 1 << int(math.log2(min(math.ceil(n / dp), MAX_CONCURRENCY)))
     while True:
-        q = PriceQuery(Stage.GEN, tp, 1, dp, n, prompt, resp, concurrency=conc)
+        q = PriceQuery(Stage.GEN, tp, 1, dp, n, prompt, resp, concurrency=conc, paged_kv=paged)
         p = price(model, cluster, q, eff)
         if p.fits or conc == 1:
             return p
@@ -127,7 +133,7 @@ def price_row(dataset: str, row: dict[str, str], eff: Efficiencies) -> Priced:
         seq = i["seq_len"]
         q = PriceQuery(Stage.TRAIN, i["tp"], i["pp"], i["dp"], i["global_batch"], 1, seq - 1,
                        micro_batch=i["micro_batch"], global_batch=i["global_batch"],
-                       recompute=Recompute(row["recompute"]))  # fmt: skip
+                       recompute=Recompute(row["recompute"]), overlap_dp_sync=True)  # fmt: skip
         seconds, by_class = _sum([(price(model, cluster, q, eff), 1.0)])
         tokens_per_gpu = i["global_batch"] * seq / i["gpus"]
         return Priced(seconds, by_class, lambda x: tokens_per_gpu / x)
@@ -139,10 +145,11 @@ def price_row(dataset: str, row: dict[str, str], eff: Efficiencies) -> Priced:
     n, prompt, resp = i["sequences"], i["prompt_len"], i["response_len"]
     tp, pp = i["train_tp"], i["train_pp"]
     dp = i["gpus"] // (tp * pp)
-    gen = _gen(model, cluster, i["gen_tp"], i["gpus"] // i["gen_tp"], n, prompt, resp, eff)
+    gen = _gen(model, cluster, i["gen_tp"], i["gpus"] // i["gen_tp"], n, prompt, resp, eff, paged=True)
     inf = PriceQuery(Stage.INF, tp, pp, dp, n, prompt, resp, micro_batch=i["logprob_batch"])
     train = PriceQuery(Stage.TRAIN, tp, pp, dp, n, prompt, resp, micro_batch=i["micro_batch"],
-                       global_batch=i["global_batch"], recompute=Recompute(row["recompute"]))  # fmt: skip
+                       global_batch=i["global_batch"], recompute=Recompute(row["recompute"]),
+                       overlap_dp_sync=True)  # fmt: skip
     seconds, by_class = _sum(
         [(gen, 1.0), (price(model, cluster, inf, eff), float(i["inf_passes"])),
          (price(model, cluster, train, eff), 1.0)]

@@ -143,7 +143,7 @@ class PlanCache:
     def price_key(self, problem: PlanningProblem) -> PriceKey:
         s = problem.space
         return (problem.seq, self._efficiency_key(problem.efficiencies), s.recompute, s.shrink_micro_batch,
-                problem.max_tp, s.flat)  # fmt: skip
+                problem.max_tp, s.flat, s.overlap_dp_sync, s.paged_kv)  # fmt: skip
 
     def result_key(self, problem: PlanningProblem) -> Hashable | None:
         """Every non-job field of ``problem``; None when one cannot be hashed (no result memo)."""

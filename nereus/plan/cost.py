@@ -16,6 +16,15 @@ Sources, one line each where used:
   time): Kwon et al. 2023 (vLLM) §2, Williams et al. 2009.
 * Adam step: ~30 B of HBM traffic per parameter (read grad, master, m, v; write master, m, v,
   bf16 param).
+* DP gradient sync (``_dp_sync``): our torch_native trainer all-reduces one flat gradient buffer
+  after the last backward (``backends/torch_native/training.flat_grad``): serial. Engines that
+  overlap (``SearchSpace.overlap_dp_sync``) all-reduce buckets as backward fills them, during the
+  last micro-batch's backward only (gradient accumulation skips the sync before it): PyTorch DDP
+  (``bucket_cap_mb`` = 25 MiB, buckets in reverse parameter order, "overlapping computation with
+  communication", DDP notes), Megatron-Core ``DistributedDataParallelConfig.overlap_grad_reduce``
+  (bucket_size max(4e7, 1e6·dp) parameters), FSDP (per-unit reduce-scatter during backward).
+* Paged KV (``SearchSpace.paged_kv``): pool at mean occupancy, recompute preemption priced as
+  prefill (``memory.kv_pool_tokens``, ``memory.preempted_tokens``; vLLM docs "Preemption").
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ from nereus.plan.memory import (
     generation_memory,
     inference_memory,
     kv_bytes_per_token_rank,
+    kv_pool_tokens,
+    preempted_tokens,
     trainer_memory,
 )
 from nereus.plan.opclass import Collective, Link, OpClass
@@ -46,6 +57,10 @@ from nereus.spec.model import ModelSpec
 from nereus.spec.workload import ModelStage, Recompute, Stage
 
 ADAM_BYTES_PER_PARAM = 30.0
+# Megatron-Core's default bucket: max(4e7, 1e6·dp) parameters ("larger DP sizes need larger
+# buckets to ensure collectives do not become latency-bound"); PyTorch DDP's is 25 MiB
+BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK = 4e7, 1e6
+GRAD_BYTES = 4.0  # fp32 gradients in the all-reduce (ours; Megatron's grad_reduce_in_fp32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,12 +187,14 @@ class CostModel:
         dpf = dp.astype(np.float64)
         micro = micro_batch.astype(np.float64)
         n = self.problem.workload.sequences(model_stage)
+        space = self.problem.space
         if model_stage.stage is Stage.GEN:
-            terms, mem = self._generation(model, rep, dpf, micro, n)
+            terms, mem = self._generation(model, rep, dpf, micro, n, model_stage.name in space.paged_kv)
         elif model_stage.stage is Stage.INF:
             terms, mem = self._inference(model, rep, dpf, micro, n)
         else:
-            terms, mem = self._training(model, rep, dpf, micro, recompute)
+            overlap = model_stage.name in space.overlap_dp_sync
+            terms, mem = self._training(model, rep, dpf, micro, recompute, overlap)
         if self.problem.workflow.sync_source(model_stage.name) is not None:
             terms["weight_sync"] = self._weight_sync(rep)
         return LatencyTerms(MappingProxyType(terms)), mem
@@ -213,9 +230,37 @@ class CostModel:
             rep.pp > 1, 1.0, 0.0
         )
 
+    def _dp_sync(
+        self, rep: ReplicaFacts, dp: FloatArray, grad_bytes: FloatArray, backward: Cost | None
+    ) -> Cost:
+        """The DP gradient all-reduce a step waits for. Serial (``backward`` None): one all-reduce
+        of the whole buffer after backward. Overlapped: n equal buckets of at most
+        ``GRAD_BUCKET_BYTES``, bucket k ready at k/n of the last micro-batch's backward T_b and
+        reduced in order on one stream, each taking c (its own ring hops included); the stream
+        ends at max_k(k·T_b/n + (n − k + 1)·c), so the exposed time is
+        max(c, n·c − T_b·(n − 1)/n): the last bucket alone when backward hides the rest, else
+        what backward cannot hide. Attributed to the all-reduce's op class."""
+        span = rep.size * dp
+        if backward is None:
+            return collective(self.links, Collective.ALLREDUCE, span, dp, grad_bytes)
+        bucket_bytes = np.maximum(BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK * dp) * GRAD_BYTES
+        buckets = np.maximum(np.ceil(grad_bytes / bucket_bytes), 1.0)
+        per_bucket = collective(self.links, Collective.ALLREDUCE, span, dp, grad_bytes / buckets)
+        c = per_bucket.total
+        total = buckets * c
+        exposed = np.maximum(c, total - backward.total * (buckets - 1.0) / buckets)
+        share: FloatArray = buckets * np.where(total > 0, exposed / np.where(total > 0, total, 1.0), 0.0)
+        return per_bucket * share
+
     # ------------------------------------------------------------ training
     def _training(
-        self, model: ModelSpec, rep: ReplicaFacts, dp: FloatArray, b: FloatArray, recompute: Recompute
+        self,
+        model: ModelSpec,
+        rep: ReplicaFacts,
+        dp: FloatArray,
+        b: FloatArray,
+        recompute: Recompute,
+        overlap: bool = False,
     ) -> tuple[dict[str, Cost], MemoryTerms]:
         w = self.problem.workload
         seq = self.problem.seq
@@ -233,7 +278,12 @@ class CostModel:
         t_pp = self._p2p(rep, p2p) * 2.0
         slot = t_compute + t_tp + t_pp
         params_gpu = np.maximum(rep.params_first, rep.params_last)
-        dp_sync = collective(self.links, Collective.ALLREDUCE, rep.size * dp, dp, params_gpu * 4.0)
+        # backward of one micro-batch (recomputed forward included): what an overlapping engine
+        # hides its last buckets behind
+        backward = (
+            self._compute((gemm_mult - 1.0) * fwd_gemm, (attn_mult - 1.0) * fwd_attn) if overlap else None
+        )
+        dp_sync = self._dp_sync(rep, dp, params_gpu * GRAD_BYTES, backward)
         updates = w.updates_per_step
         per_step = updates * accum  # micro-batch slots per step (before the bubble)
         terms = {
@@ -297,7 +347,13 @@ class CostModel:
 
     # ------------------------------------------------------------ generation
     def _generation(
-        self, model: ModelSpec, rep: ReplicaFacts, dp: FloatArray, concurrency: FloatArray, n: int
+        self,
+        model: ModelSpec,
+        rep: ReplicaFacts,
+        dp: FloatArray,
+        concurrency: FloatArray,
+        n: int,
+        paged: bool = False,
     ) -> tuple[dict[str, Cost], MemoryTerms]:
         w = self.problem.workload
         seq = self.problem.seq
@@ -328,13 +384,20 @@ class CostModel:
             _attn_flops(model, rep, per_group * ctx),
         )
         slots = steps * rep.pp
+        pool = kv_pool_tokens(conc, prompt, seq.response_len, seq.max_len, paged)
         terms = {
             "prefill": prefill,
             "decode": Cost.slower(t_mem, t_cmp) * slots,
             "tp_comm": prefill_tp + self._tp(rep, per_group * h * ACT_BYTES) * (2.0 * layers * slots),
             "pp_comm": self._p2p(rep, per_group * h * ACT_BYTES) * slots,
         }
+        if paged:  # recompute preemption: the preempted sequences' tokens are prefilled again
+            redo, redo_len = preempted_tokens(conc, pool, prompt, seq.response_len)
+            terms["preemption"] = self._compute(
+                gemm_per_token * redo, _attn_flops(model, rep, redo * (redo_len + 1.0) / 2.0)
+            )
         mem = generation_memory(
-            model, rep, conc, prompt, seq.max_len, w.precision, self.problem.efficiencies.memory(Stage.GEN)
-        )
+            model, rep, conc, prompt, seq.max_len, w.precision, self.problem.efficiencies.memory(Stage.GEN),
+            pool_tokens=pool,
+        )  # fmt: skip
         return terms, mem

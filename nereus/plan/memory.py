@@ -9,8 +9,13 @@ Sources, one line each where used:
 * Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation", Tab. 2 and §4, with
   the per-layer tensors re-derived for GQA attention and a SwiGLU MLP (see ``_layer_act_elems``).
 * 1F1B keeps ``pp − p`` micro-batches in flight on stage p: Narayanan et al. 2021, §2.2.
-* KV cache: 2 (K, V) × layers × KV heads × head_dim × 2 B per token (PagedAttention allocates
-  only the tokens in use: Kwon et al. 2023).
+* KV cache: 2 (K, V) × layers × KV heads × head_dim × 2 B per token. How much a replica holds is
+  its engine's policy (``kv_pool_tokens``): reserved at full length for every concurrent sequence
+  (our vLLM engine: ``backends/vllm/setup.kv_cache_bytes`` gives vLLM max_num_seqs ×
+  max_model_len tokens; TensorRT-LLM's default GUARANTEED_NO_EVICT admits a request only when
+  prompt + max output tokens are free), or a paged pool for the mean occupancy (PagedAttention
+  allocates blocks as sequences grow, Kwon et al. 2023 §4.2; vLLM's scheduler preempts when the
+  pool runs out: ``vllm/v1/core/sched/scheduler.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ ACT_BYTES = 2  # bf16 activations
 KV_BYTES = 2  # bf16 KV cache
 LOGIT_BYTES = 4  # fp32 logits for log-probs / cross-entropy: Korthikanti et al. 2022, App. (4sbv/t)
 PREFILL_CHUNK_TOKENS = 8192  # vLLM's default max_num_batched_tokens (chunked prefill)
+KV_BLOCK_TOKENS = 16  # vLLM's default block_size on GPUs (CacheConfig.block_size)
 
 # (weights, optimizer state, gradients) bytes per parameter of a trainer
 _TRAIN_BYTES = {
@@ -185,6 +191,54 @@ def inference_memory(
     return _worst(first, last, correction)
 
 
+def _blocks(tokens: FloatArray | float) -> FloatArray:
+    result: FloatArray = np.ceil(np.asarray(tokens, dtype=np.float64) / KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+    return result
+
+
+def kv_pool_tokens(
+    concurrency: FloatArray, prompt_len: float, response_len: float, max_len: float, paged: bool
+) -> FloatArray:
+    """Tokens of KV cache a generation replica holds per rank for ``concurrency`` sequences.
+
+    Reserved (``paged=False``): every sequence at the longest length, ``max_len`` (prompt + p95
+    response) — what our vLLM engine is given, so it never preempts. Paged: whole blocks for the
+    mean occupancy of a sequence over its generation, prompt + half the mean response, per
+    concurrent sequence; never less than one sequence of ``max_len`` (vLLM refuses a
+    max_model_len its pool cannot hold), so the p95 sequence still fits. A paged pool may run
+    out when the batch's sequences grow together: ``preempted_tokens`` prices the recomputation.
+    """
+    conc = np.asarray(concurrency, dtype=np.float64)
+    if not paged:
+        return conc * max_len
+    return np.maximum(conc * _blocks(prompt_len + response_len / 2.0), _blocks(max_len))
+
+
+def preempted_tokens(
+    concurrency: FloatArray, pool_tokens: FloatArray, prompt_len: float, response_len: float
+) -> tuple[FloatArray, FloatArray]:
+    """(tokens recomputed, their mean length) when ``concurrency`` sequences that start together
+    grow in a pool of ``pool_tokens`` (vLLM's recompute preemption: when a running sequence needs
+    a block and none is free, the newest running sequence is preempted, its blocks freed, and it
+    is prefilled again, prompt and generated tokens, when it resumes).
+
+    Lockstep growth: with c sequences at length x each the pool holds K/x of them, so from
+    x = a = K/c to x = b = prompt + response the running set shrinks as K/x and the sequences
+    preempted at length x number K/x² dx: recomputed tokens ∫ₐᵇ x · K/x² dx = c · a · ln(b/a),
+    over c(1 − a/b) sequences. Only the first wave starts in lockstep; its preemptions and
+    completions stagger the later ones, which then sit near the mean occupancy (not priced).
+    """
+    conc = np.asarray(concurrency, dtype=np.float64)
+    a = np.asarray(pool_tokens, dtype=np.float64) / np.maximum(conc, 1.0)
+    b = prompt_len + response_len
+    over = b > a
+    ratio = np.where(over, b / np.minimum(a, b), 1.0)
+    tokens: FloatArray = np.where(over, conc * a * np.log(ratio), 0.0)
+    count = np.where(over, conc * (1.0 - a / b), 0.0)
+    mean_len: FloatArray = np.where(count > 0, tokens / np.maximum(count, 1e-300), 0.0)
+    return tokens, mean_len
+
+
 def generation_memory(
     model: ModelSpec,
     rep: ReplicaFacts,
@@ -193,8 +247,10 @@ def generation_memory(
     max_len: float,
     precision: Precision,
     correction: float = 1.0,
+    pool_tokens: FloatArray | None = None,
 ) -> MemoryTerms:
-    """A generation replica holding ``concurrency`` sequences of up to ``max_len`` tokens in KV."""
+    """A generation replica with ``concurrency`` sequences in flight and a KV pool of
+    ``pool_tokens`` tokens (default: every sequence reserved at ``max_len``, ``kv_pool_tokens``)."""
     weight_b = _WEIGHT_BYTES[precision]
     conc = np.asarray(concurrency, dtype=np.float64)
     prefill_tokens = np.minimum(conc * prompt_len, PREFILL_CHUNK_TOKENS)
@@ -202,8 +258,10 @@ def generation_memory(
     logits = _logit_bytes(model, rep.tp, conc)
     zero = np.zeros_like(working)
 
+    pool = conc * max_len if pool_tokens is None else np.asarray(pool_tokens, dtype=np.float64)
+
     def stage(params: FloatArray, layers: FloatArray, acts: FloatArray) -> _Terms:
-        kv = conc * max_len * kv_bytes_per_token_rank(model, rep.kv_heads, layers)
+        kv = pool * kv_bytes_per_token_rank(model, rep.kv_heads, layers)
         return (params * weight_b, zero, zero, acts, kv)
 
     first = stage(rep.params_first, rep.layers_first, working + np.where(rep.single_stage, logits, 0.0))

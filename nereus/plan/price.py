@@ -5,7 +5,10 @@ The query is a stage (``gen``, ``inf`` or ``train``), a layout (tp, pp, dp) and 
 sequences of a mean prompt and response length (the p95 response sizes memory). Training prices
 one pass over the N sequences with an optimizer step every ``global_batch`` sequences and
 per-replica micro-batches of ``micro_batch``; inference runs micro-batches of ``micro_batch``;
-generation decodes up to ``concurrency`` sequences at once per replica. The model-stage priced is
+generation decodes up to ``concurrency`` sequences at once per replica. The engine's behaviour is
+ours unless named: ``overlap_dp_sync`` prices a trainer that overlaps its DP gradient all-reduce
+with backward (Megatron, DDP, FSDP), ``paged_kv`` a generation engine with a paged KV pool at mean
+occupancy that preempts when it fills (vLLM). The model-stage priced is
 the actor's (``actor.gen``, ``actor.train``) or, for inference, the reference model's
 (``ref.inf``, no weight sync): the stage's own work, without the step's weight synchronisation.
 Pure (no torch, no processes).
@@ -24,7 +27,7 @@ from nereus.plan.calibration import Efficiencies
 from nereus.plan.candidates import Shape, estimate
 from nereus.plan.cost import CostModel, LatencyTerms
 from nereus.plan.layout import Layout, is_power_of_two
-from nereus.plan.problem import DEFAULT_HEADROOM, PlanningProblem, SeqStats
+from nereus.plan.problem import DEFAULT_HEADROOM, PlanningProblem, SearchSpace, SeqStats
 from nereus.spec.cluster import GIB, ClusterSpec
 from nereus.spec.model import ModelSpec
 from nereus.spec.workload import Algorithm, Precision, Recompute, Role, Stage, WorkloadSpec
@@ -52,6 +55,8 @@ class PriceQuery:
     recompute: Recompute = Recompute.NONE
     concurrency: int = 0  # gen; 0: every sequence of a replica at once
     precision: Precision = Precision.BF16_MIXED
+    overlap_dp_sync: bool = False  # train: the engine overlaps the DP all-reduce with backward
+    paged_kv: bool = False  # gen: the engine's KV pool is paged at mean occupancy (preempts)
 
     def __post_init__(self) -> None:
         for flag, value in (("tp", self.tp), ("pp", self.pp)):
@@ -77,6 +82,10 @@ class PriceQuery:
             raise ConfigError(f"--seq-len-p95 {self.seq_len_p95} must be at least --seq-len {self.seq_len}")
         if self.dp > self.sequences:
             raise ConfigError(f"--dp {self.dp}: more replicas than --sequences {self.sequences}")
+        if self.overlap_dp_sync and self.stage is not Stage.TRAIN:
+            raise ConfigError(f"--overlap-dp-sync prices training; --stage is {self.stage.value}")
+        if self.paged_kv and self.stage is not Stage.GEN:
+            raise ConfigError(f"--paged-kv prices generation; --stage is {self.stage.value}")
         if self.stage is not Stage.TRAIN:
             if self.global_batch or self.recompute is not Recompute.NONE:
                 raise ConfigError(
@@ -132,6 +141,13 @@ class PriceQuery:
             max_num_seqs=micro if self.stage is Stage.GEN else 1, epochs=1, precision=self.precision,
             recompute=self.recompute, reward_model=False,
         )  # fmt: skip
+
+    def space(self) -> SearchSpace:
+        """The engine properties the query names, on the priced model-stage."""
+        name = PRICED[self.stage]
+        return SearchSpace(
+            overlap_dp_sync=(name,) if self.overlap_dp_sync else (), paged_kv=(name,) if self.paged_kv else ()
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +215,7 @@ def price(
     try:
         problem = PlanningProblem(
             query.workload(), dict.fromkeys(Role, model), cluster, tuple(range(query.gpus)), seq,
-            headroom=headroom, **extra,
+            space=query.space(), headroom=headroom, **extra,
         )  # fmt: skip
     except ValueError as exc:  # what the query's own checks did not name
         raise ConfigError(str(exc)) from None

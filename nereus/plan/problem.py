@@ -56,6 +56,12 @@ class SearchSpace:
     flat: tuple[str, ...] = ()
     # model-stages whose DP degree (and micro-batch, when not 0) are held too (``nereus plan --fix``)
     fixed_shapes: tuple[tuple[str, int, int], ...] = ()
+    # model-stages whose engine overlaps the DP gradient all-reduce with backward compute
+    # (Megatron overlap_grad_reduce, PyTorch DDP buckets, FSDP); torch_native reduces after backward
+    overlap_dp_sync: tuple[str, ...] = ()
+    # model-stages whose engine sizes a paged KV pool for the mean occupancy and preempts when it
+    # fills (vLLM given a KV budget); our vLLM engine reserves max_num_seqs × max_model_len
+    paged_kv: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.recompute:
@@ -76,8 +82,16 @@ class SearchSpace:
         return cls(recompute=tuple(Recompute), shrink_micro_batch=True)
 
     def keeping(self, other: SearchSpace) -> SearchSpace:
-        """This space with ``other``'s engine limits (``flat``): what any space of a job keeps."""
-        return self if self.flat == other.flat else replace(self, flat=other.flat)
+        """This space with ``other``'s engine properties (``flat``, ``overlap_dp_sync``,
+        ``paged_kv``): what any space of a job keeps."""
+        same = (self.flat, self.overlap_dp_sync, self.paged_kv) == (
+            other.flat,
+            other.overlap_dp_sync,
+            other.paged_kv,
+        )
+        if same:
+            return self
+        return replace(self, flat=other.flat, overlap_dp_sync=other.overlap_dp_sync, paged_kv=other.paged_kv)
 
     def fixed_layout(self, model_stage: str) -> Layout | None:
         return dict(self.fixed_layouts).get(model_stage)
