@@ -155,3 +155,16 @@ def test_bad_or_impossible_fixes(
     assert main([*PLAN, "--fix", fix]) == code
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+def test_engine_flags_price_overlap_and_paged_kv(capsys: pytest.CaptureFixture[str]) -> None:
+    train = ["--stage", "train", "--tp", "4", "--pp", "1", "--dp", "8", "--sequences", "256",
+             "--prompt-len", "512", "--seq-len", "2048", "--global-batch", "128", "--micro-batch", "4",
+             "--recompute", "full", "--json"]  # fmt: skip
+    assert main([*BASE, *train]) == 0
+    serial = json.loads(capsys.readouterr().out)
+    assert main([*BASE, *train, "--overlap-dp-sync"]) == 0
+    overlapped = json.loads(capsys.readouterr().out)
+    assert overlapped["by_term"]["dp_sync"] < serial["by_term"]["dp_sync"]
+    assert main([*BASE, *train, "--paged-kv"]) == 2  # a generation engine's property
+    assert "--paged-kv prices generation" in capsys.readouterr().err

@@ -41,6 +41,16 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--recompute", choices=[r.value for r in Recompute], default=Recompute.NONE.value)
     p.add_argument("--concurrency", type=int, default=0, help="gen: sequences decoded at once per replica")
     p.add_argument("--precision", choices=[x.value for x in Precision], default=Precision.BF16_MIXED.value)
+    p.add_argument(
+        "--overlap-dp-sync",
+        action="store_true",
+        help="train: price an engine that overlaps the DP all-reduce with backward (Megatron, DDP, FSDP)",
+    )
+    p.add_argument(
+        "--paged-kv",
+        action="store_true",
+        help="gen: price an engine with a paged KV pool at mean occupancy (vLLM-style preemption)",
+    )
     p.add_argument("--calibration", type=Path, help="calibration JSON (efficiencies per op class)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
@@ -50,7 +60,7 @@ def run(args: argparse.Namespace, out: Console) -> int:
     query = PriceQuery(
         Stage(args.stage), args.tp, args.pp, args.dp, args.sequences, args.prompt_len, args.seq_len,
         args.seq_len_p95, args.micro_batch, args.global_batch, Recompute(args.recompute), args.concurrency,
-        Precision(args.precision),
+        Precision(args.precision), overlap_dp_sync=args.overlap_dp_sync, paged_kv=args.paged_kv,
     )  # fmt: skip
     efficiencies = None
     if args.calibration:
