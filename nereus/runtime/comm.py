@@ -5,6 +5,11 @@ against the type the receiver expects (``codec.py``): the sender's bytes are bro
 gathered as uint8 tensors, never pickled, so a peer can send only values of the expected types.
 Tensors (rollouts, scores) travel as tensors. Numbers every rank must agree on (a slowest rank's
 seconds, a loss one rank knows) travel as one float64 tensor.
+
+A message travels in one fixed-size slot of ``SLOT`` bytes — its length (8 bytes) and its first
+bytes — so a small one (an action, a pool change, a rank's report) costs one collective; only
+the rest of a larger one (the job's setup, a plan) follows in a second. ``gather`` brings every
+rank's message to one rank only (the leader's telemetry: nobody else reads it).
 """
 
 from __future__ import annotations
@@ -18,40 +23,102 @@ from torch import Tensor
 
 from nereus.runtime.codec import MAX_BYTES, MessageError, decode, encode
 
+SLOT = 4096  # bytes of a message's first collective: its length, then its first bytes
+HEAD = 8  # the length: a little-endian int64
+ROOM = SLOT - HEAD  # a message's bytes that fit in its slot
+
 
 def _bytes(data: bytes) -> Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
 
 
+def _slot(data: bytes) -> Tensor:
+    """``data``'s length and its first ``ROOM`` bytes in one ``SLOT``-byte tensor."""
+    slot = torch.zeros(SLOT, dtype=torch.uint8)
+    first = data[:ROOM]
+    slot[:HEAD] = _bytes(len(data).to_bytes(HEAD, "little"))
+    slot[HEAD : HEAD + len(first)] = _bytes(first)
+    return slot
+
+
+def _length(slot: Tensor, who: str) -> int:
+    n = int.from_bytes(slot[:HEAD].numpy().tobytes(), "little", signed=True)
+    if not 0 < n <= MAX_BYTES:
+        raise MessageError(f"{who} announced a message of {n} bytes")
+    return n
+
+
+def _first(slot: Tensor, n: int) -> bytes:
+    return slot[HEAD : HEAD + min(n, ROOM)].numpy().tobytes()
+
+
 def broadcast(obj: object, tp: Any, src: int = 0) -> Any:
-    """``obj`` (of type ``tp``) from rank ``src`` on every rank; the others pass None."""
+    """``obj`` (of type ``tp``) from rank ``src`` on every rank; the others pass None. One
+    collective for a message of up to ``ROOM`` bytes, two for a larger one."""
     mine = dist.get_rank() == src
     data = encode(obj) if mine else b""
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    dist.broadcast(size, src=src)
-    n = int(size)
-    if not 0 < n <= MAX_BYTES:
-        raise MessageError(f"rank {src} announced a message of {n} bytes")
-    buf = _bytes(data) if mine else torch.empty(n, dtype=torch.uint8)
-    dist.broadcast(buf, src=src)
-    return obj if mine else decode(buf.numpy().tobytes(), tp)
+    slot = _slot(data) if mine else torch.empty(SLOT, dtype=torch.uint8)
+    dist.broadcast(slot, src=src)
+    n = _length(slot, f"rank {src}")
+    rest = _bytes(data[ROOM:]) if mine else torch.empty(max(0, n - ROOM), dtype=torch.uint8)
+    if n > ROOM:
+        dist.broadcast(rest, src=src)
+    return obj if mine else decode(_first(slot, n) + rest.numpy().tobytes(), tp)
 
 
 def all_gather(obj: object, tp: Any) -> list[Any]:
-    """Every rank's ``obj`` (of type ``tp``), in rank order."""
+    """Every rank's ``obj`` (of type ``tp``), in rank order. One collective when every message
+    fits in ``ROOM`` bytes; otherwise a second carries the rest of the larger ones."""
     data = encode(obj)
     world, me = dist.get_world_size(), dist.get_rank()
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64))
-    lengths = [int(s) for s in sizes]
-    if not all(0 < n <= MAX_BYTES for n in lengths):
-        raise MessageError(f"message sizes {lengths} out of range")
-    width = max(lengths)
-    buf = torch.zeros(width, dtype=torch.uint8)
-    buf[: len(data)] = _bytes(data)
-    bufs = [torch.empty(width, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(bufs, buf)
-    return [obj if r == me else decode(bufs[r][: lengths[r]].numpy().tobytes(), tp) for r in range(world)]
+    slots = [torch.empty(SLOT, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(slots, _slot(data))
+    lengths = [_length(s, f"rank {r}") for r, s in enumerate(slots)]
+    width = max(lengths) - ROOM
+    rests = [torch.zeros(0, dtype=torch.uint8) for _ in range(world)]
+    if width > 0:
+        buf = torch.zeros(width, dtype=torch.uint8)
+        tail = data[ROOM:]
+        buf[: len(tail)] = _bytes(tail)
+        rests = [torch.empty(width, dtype=torch.uint8) for _ in range(world)]
+        dist.all_gather(rests, buf)
+    return [
+        obj if r == me else decode(_first(slots[r], n) + rests[r][: max(0, n - ROOM)].numpy().tobytes(), tp)
+        for r, n in enumerate(lengths)
+    ]
+
+
+def gather(obj: object, tp: Any, dst: int = 0) -> list[Any] | None:
+    """Every rank's ``obj`` (of type ``tp``) on rank ``dst``, in rank order; None elsewhere
+    (``dst`` keeps its own ``obj`` as it is: it is neither encoded nor sent)."""
+    me = dist.get_rank()
+    got = gather_bytes(encode(obj) if me != dst else b"", dst)
+    return None if got is None else [obj if r == me else decode(data, tp) for r, data in enumerate(got)]
+
+
+def gather_bytes(data: bytes, dst: int = 0) -> list[bytes] | None:
+    """Every rank's ``data`` on rank ``dst``, in rank order (``dst``'s own as it is); None
+    elsewhere. One collective; a rank whose ``data`` is longer than ``ROOM`` bytes sends the rest
+    to ``dst`` alone."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    slots = [torch.empty(SLOT, dtype=torch.uint8) for _ in range(world)] if me == dst else None
+    dist.gather(_slot(data) if me != dst else torch.zeros(SLOT, dtype=torch.uint8), slots, dst=dst)
+    if me != dst:
+        if len(data) > ROOM:
+            dist.send(_bytes(data[ROOM:]), dst=dst)
+        return None
+    assert slots is not None
+    out: list[bytes] = []
+    for r, slot in enumerate(slots):
+        if r == me:
+            out.append(data)
+            continue
+        n = _length(slot, f"rank {r}")
+        rest = torch.empty(max(0, n - ROOM), dtype=torch.uint8)
+        if n > ROOM:
+            dist.recv(rest, src=r)
+        out.append(_first(slot, n) + rest.numpy().tobytes())
+    return out
 
 
 def gather_parts(
@@ -87,6 +154,17 @@ def gather_parts(
             tensors = [columns[i][r][: a * b].reshape(a, b) for i, (a, b) in enumerate(shapes[r])]
             out.append((int(h[1]), tensors))
     return out
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """A collective failed because a peer is gone (gloo closes the connection; NCCL reports a
+    backend error), as opposed to a bug in this process."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("Connection closed", "Connection reset", "Broken pipe", "Timed out", "timed out")
+    )
 
 
 def reduce_max(x: float) -> float:
