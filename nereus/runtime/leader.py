@@ -24,6 +24,7 @@ from nereus.runtime.health import describe, unhealthy_members
 from nereus.runtime.job import JobSetup, restart_plan
 from nereus.runtime.membership import JoinRequest, Membership
 from nereus.runtime.metrics import MetricsWriter, StepRecord
+from nereus.runtime.monitor import Notice, RankReport
 from nereus.runtime.pool import Change, drain_gpus, read_shrink_requests
 from nereus.spec import ClusterSpec
 from nereus.telemetry import NodeInventory, reconcile
@@ -50,6 +51,30 @@ class Leader:
         self.started = time.perf_counter()  # the controller's clock
 
     # ------------------------------------------------------------------ the action
+    def notice(self, step: int, reports: Sequence[RankReport], tel: Telemetry) -> tuple[Notice, float]:
+        """What every rank learns after step ``step`` (``reports``: every rank's, ``tel``: the
+        step's telemetry): stop, or the pool change, or (none) the boundary's action; and when the
+        pool change began (what its membership seconds count from)."""
+        nxt = step + 1
+        if any(r.preempted for r in reports) and nxt < self.spec.steps:
+            return Notice(preempted=True), time.perf_counter()
+        started = time.perf_counter()
+        change = self.pool_change(nxt, [r.health for r in reports]) if nxt < self.spec.steps else None
+        if change is not None:
+            return Notice(change=change), started
+        return Notice(action=self.action(tel, nxt, None)), started
+
+    def action(self, tel: Telemetry, step: int, change: Change | None) -> Action:
+        """The action at the boundary before ``step`` after ``change``: a drain's move, else the
+        controller's action on ``tel`` (the last step's telemetry) with the clock and pool of now."""
+        reformed = change is not None and change.reforms
+        tel = replace(tel, time_s=self.clock(), pool=self.m.members, reformed=reformed)
+        if change is not None and change.draining:
+            return self.drain(tel, change.draining)
+        if step < self.spec.steps:
+            return self.decide(tel, self.spec.max_new_tokens_at(step))
+        return Keep()
+
     def decide(self, tel: Telemetry, max_new: int, rebuilt: frozenset[str] = frozenset()) -> Action:
         """The controller's action on ``tel``; a restart goes to the plan ``restart_plan`` picks."""
         decision = self.controller.observe(tel, rebuilt)

@@ -3,8 +3,8 @@
 Every step runs the RL algorithm (``job.algorithm_step``) and the weight sync; then, at the step
 boundary:
 
-1. the monitor gathers every rank's report once (stage seconds, held bytes, op-class timings, a
-   pending preemption) into the controller's telemetry and the leader's step record;
+1. the monitor gathers every rank's report once, on the leader (stage seconds, held bytes,
+   op-class timings, a pending preemption), into the controller's telemetry and its step record;
 2. **pool change**: the leader (GPU 0, which hosts the store and the controller) decides who is in
    the next generation — scripted losses, newcomers whose signed join requests it accepted (a
    ``grow`` job, or a scripted gain in local mode), nodes drained for shrink requests — and every
@@ -14,6 +14,10 @@ boundary:
    member executes it: ``Keep``, ``Move`` (the priced transition, then engines re-bind) or
    ``Restart`` (the latest checkpoint onto a new plan);
 4. the leader writes the step's metrics.
+
+Every rank learns 1–3 from one broadcast, the leader's ``Notice``: a stop, or the pool change
+(the action follows in the next generation), or — no change, the common case — the action: a
+quiet boundary is two collectives, the gather and that broadcast.
 
 A collective that fails mid-step (a peer died) is caught on every survivor: the survivors form the
 next generation, agree on the boundary snapshot they all hold (a peer that dies at a boundary can
@@ -36,20 +40,19 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from nereus.control.action import Action, Keep, Move, Outcome, RecordKind, Restart, TransitionRecord
 from nereus.control.telemetry import Telemetry
 from nereus.devices import StageOutOfMemoryError
 from nereus.plan.layout import Plan
 from nereus.runtime import checkpoint as ckpt
-from nereus.runtime.comm import all_gather, barrier, broadcast, reduce_max
+from nereus.runtime.comm import all_gather, barrier, broadcast, is_peer_failure, reduce_max
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.job import JobSetup, algorithm_step, initial_plan, make_worker
 from nereus.runtime.leader import Leader, measured_cluster
 from nereus.runtime.membership import Membership
 from nereus.runtime.metrics import StepRecord, drop_rows_after
-from nereus.runtime.monitor import StepResult, gather_reports, step_record, telemetry
+from nereus.runtime.monitor import Notice, StepResult, gather_reports, step_record, telemetry
 from nereus.runtime.pool import Change
 from nereus.runtime.preemption import Preemption
 from nereus.runtime.snapshot import Mark, agreed
@@ -57,17 +60,6 @@ from nereus.runtime.worker import Worker
 from nereus.telemetry import read_node
 
 MAX_OOM_TRIES = 3  # a step that runs out of memory after this many urgent replans fails the job
-
-
-def is_peer_failure(exc: BaseException) -> bool:
-    """A collective failed because a peer is gone (gloo closes the connection; NCCL reports a
-    backend error), as opposed to a bug in this process."""
-    if isinstance(exc, dist.DistError):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(
-        s in text for s in ("Connection closed", "Connection reset", "Broken pipe", "Timed out", "timed out")
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +72,7 @@ class Boundary:
     t_ckpt: float = 0.0
     change: Change | None = None
     member_s: float = 0.0  # the pool change: waiting for newcomers, re-forming the world
+    action: Action | None = None  # the action, when the notice carried it (no pool change)
 
 
 class JobLoop:
@@ -180,16 +173,23 @@ class JobLoop:
         t_ckpt = time.perf_counter()
         saved = self._checkpoint_if_due(step)
         t_monitor = time.perf_counter()
-        reports = gather_reports(self.worker, self.preemption.requested)
-        record = step_record(result, reports, self.plan) if self.leader is not None else None
-        if any(r.preempted for r in reports) and step + 1 < self.spec.steps:
+        reports = gather_reports(self.worker, self.preemption.requested)  # on the leader only
+        record, notice, started = None, None, time.perf_counter()
+        if self.leader is not None:
+            assert reports is not None
+            record = step_record(result, reports, self.plan)
+            self.telemetry = telemetry(result, reports, self.m.members, 0.0, self.spec.calibrate)
+            assert self.telemetry is not None
+            notice, started = self.leader.notice(step, reports, self.telemetry)
+        notice = broadcast(notice, Notice)
+        if notice.preempted:
             return self._preempted(step, saved, record)
-        self.telemetry = telemetry(result, reports, self.m.members, 0.0, self.spec.calibrate)
-        change, member_s = self._pool_change(step + 1, [r.health for r in reports])
+        change, member_s = self._pool_change(notice.change, started)
         if change is not None and self.m.gpu in change.leaving:
             self.m.close()
             return Outcome.LEFT
-        return self._finish_boundary(Boundary(step + 1, record, t_monitor, t_ckpt, change, member_s))
+        b = Boundary(step + 1, record, t_monitor, t_ckpt, change, member_s, notice.action)
+        return self._finish_boundary(b)
 
     def _rl_step(self, step: int) -> StepResult:
         """The boundary snapshot, then the algorithm and the weight sync on the plan (a scripted
@@ -237,16 +237,10 @@ class JobLoop:
         return Outcome.PREEMPTED
 
     # ------------------------------------------------------------------ the boundary
-    def _pool_change(self, nxt: int, health: list[str]) -> tuple[Change | None, float]:
-        """The leader decides who is in the generation from step ``nxt`` (``health``: every rank's
-        GPU health report); every member learns it, and the world re-forms when someone leaves or
-        joins (newcomers then get the job's state)."""
-        if nxt >= self.spec.steps:
-            return None, 0.0
-        started = time.perf_counter()
-        change: Change | None = broadcast(
-            self.leader.pool_change(nxt, health) if self.leader is not None else None, Change | None
-        )
+    def _pool_change(self, change: Change | None, started: float) -> tuple[Change | None, float]:
+        """The pool change the leader decided (from ``started``), which every member learnt from
+        its notice: the world re-forms when someone leaves or joins (newcomers then get the job's
+        state). Returns it and its seconds."""
         if change is None:
             return None, 0.0
         if change.reforms and self.m.gpu not in change.leaving:
@@ -256,8 +250,13 @@ class JobLoop:
         return change, time.perf_counter() - started
 
     def _finish_boundary(self, b: Boundary) -> Outcome | None:
-        """Every member runs the boundary's action; the leader writes the step's metrics."""
-        action: Action = broadcast(self._decide(b) if self.leader is not None else None, Action)
+        """Every member runs the boundary's action (the notice's, or decided and broadcast in the
+        new generation); the leader writes the step's metrics."""
+        if b.action is None and b.change is not None and b.change.joining:
+            started = time.perf_counter()  # newcomers build their engines: joining, not monitoring
+            barrier()
+            b = replace(b, member_s=b.member_s + time.perf_counter() - started)
+        action: Action = b.action if b.action is not None else broadcast(self._decide(b), Action)
         record = self._record(b)
         moved, self.moved = self.moved, []
         change = b.change
@@ -277,16 +276,12 @@ class JobLoop:
             self.leader.write(record, moved, self.plan)
         return None
 
-    def _decide(self, b: Boundary) -> Action:
-        """The leader: a drain's move, else the controller's action on the step's telemetry."""
-        assert self.leader is not None and self.telemetry is not None, "a boundary before any step"
-        reformed = b.change is not None and b.change.reforms
-        tel = replace(self.telemetry, time_s=self.leader.clock(), pool=self.m.members, reformed=reformed)
-        if b.change is not None and b.change.draining:
-            return self.leader.drain(tel, b.change.draining)
-        if b.step < self.spec.steps:
-            return self.leader.decide(tel, self.spec.max_new_tokens_at(b.step))
-        return Keep()
+    def _decide(self, b: Boundary) -> Action | None:
+        """The leader: the boundary's action (``Leader.action``); None elsewhere."""
+        if self.leader is None:
+            return None
+        assert self.telemetry is not None, "a boundary before any step"
+        return self.leader.action(self.telemetry, b.step, b.change)
 
     def _record(self, b: Boundary) -> StepRecord | None:
         """The leader's step record with its decision and overheads (a join is not monitoring)."""

@@ -50,7 +50,12 @@ class StepRecord:
     stage_times: dict[str, float]
     transitions: list[dict[str, Any]] = field(default_factory=list)
     decision: dict[str, Any] | None = None  # the controller's replan at this step's boundary, if any
-    monitor_s: float = 0.0  # gathering telemetry, the controller's decision, broadcasting it
+    # the leader's seconds from the step's end (after its checkpoint) until every rank has the
+    # boundary's action: the reports' gather, telemetry and record, the controller's decision (a
+    # replan's planner included), the broadcasts. Not in it: a pool change — deciding it,
+    # re-forming the world, waiting for newcomers to build their engines — which is the
+    # membership transition's seconds
+    monitor_s: float = 0.0
     checkpoint_s: float = 0.0
     efficiency: dict[str, float] = field(default_factory=dict)  # achieved, per op class (η = ideal/measured)
     memory_gib: dict[str, dict[str, float]] = field(default_factory=dict)  # peak allocated/reserved (GPU)
