@@ -126,11 +126,17 @@ def test_trainer_bytes_per_parameter_and_1f1b_in_flight() -> None:
 
 
 def test_full_recompute_saves_memory() -> None:
-    m = load_model("llama-3.1-8b")
+    """Layer activations shrink more than 5× (a critic: no LM-head logits); the loss's fp32
+    logits and their gradient are not recomputed, so with an LM head they stay."""
     args = (np.asarray(4.0), np.asarray(16.0), 4096, Precision.BF16_MIXED)
-    none = trainer_memory(m, ReplicaFacts.of(m, [Layout(2, 2)]), *args, Recompute.NONE, True, True)
-    full = trainer_memory(m, ReplicaFacts.of(m, [Layout(2, 2)]), *args, Recompute.FULL, True, True)
+    critic = load_model("llama-3.1-8b").with_head(Head.VALUE)
+    none = trainer_memory(critic, ReplicaFacts.of(critic, [Layout(2, 2)]), *args, Recompute.NONE, True, True)
+    full = trainer_memory(critic, ReplicaFacts.of(critic, [Layout(2, 2)]), *args, Recompute.FULL, True, True)
     assert one(full.activations) < one(none.activations) / 5
+    actor = load_model("llama-3.1-8b")
+    logits = 2 * 4 * 4096 * (actor.vocab_size / 2) * 4  # 2 copies · mb 4 · 4,096 tokens · vocab/tp · fp32
+    full = trainer_memory(actor, ReplicaFacts.of(actor, [Layout(2, 2)]), *args, Recompute.FULL, True, True)
+    assert one(full.activations) >= logits
 
 
 def test_kv_cache_and_generation() -> None:

@@ -32,6 +32,9 @@ from nereus.spec.workload import Precision, Recompute, Stage
 ACT_BYTES = 2  # bf16 activations
 KV_BYTES = 2  # bf16 KV cache
 LOGIT_BYTES = 4  # fp32 logits for log-probs / cross-entropy: Korthikanti et al. 2022, App. (4sbv/t)
+# training holds the loss's fp32 logits and, when backward starts, their gradient of the same size
+# (log_softmax's backward allocates it; PyTorch keeps both until the LM head's backward runs)
+TRAIN_LOGIT_COPIES = 2.0
 PREFILL_CHUNK_TOKENS = 8192  # vLLM's default max_num_batched_tokens (chunked prefill)
 KV_BLOCK_TOKENS = 16  # vLLM's default block_size on GPUs (CacheConfig.block_size)
 
@@ -153,7 +156,7 @@ def trainer_memory(
         if recompute is Recompute.FULL
         else np.zeros_like(layer_act)
     )  # a fully recomputed layer rebuilds its activations during backward
-    logits = _logit_bytes(model, rep.tp, tokens)
+    logits = TRAIN_LOGIT_COPIES * _logit_bytes(model, rep.tp, tokens)
     in_flight = np.minimum(rep.pp, grad_accum)
     acts_first = in_flight * rep.layers_first * layer_act + working + np.where(rep.single_stage, logits, 0.0)
     acts_last = rep.layers_last * layer_act + working + logits
