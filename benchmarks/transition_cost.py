@@ -12,6 +12,8 @@ Methods, measured side by side in the same processes (alternating, median of rep
 * ``nereus``: the transition DAG run by ``nereus.transition.execute.Executor``;
 * ``raw``: the very messages nereus sent (same pairs, same sizes, node by node), as bare
   ``batch_isend_irecv`` without planning or packing: the wire's speed for these bytes;
+* with ``--compare-packed``, also ``packed``: the executor with ``zero_copy=False`` (every piece
+  packed into one message per provider, as before issue 21), and ``raw_packed``: its messages bare;
 * ``dcp``: the checkpoint boundary (MCP/UCP-style): ``torch.distributed.checkpoint`` save under
   the old layout, then load with resharding under the new one;
 * ``restart``: that load in freshly started processes (process start, ``import torch``,
@@ -189,12 +191,15 @@ def _load(move: StageMove, rank: int, ckpt: str) -> float:
 
 
 def _worker(
-    rank: int, world: int, sc: dict[str, Any], model: str, repeats: int, store: str, out: str
-) -> None:
+    rank: int, world: int, sc: dict[str, Any], model: str, repeats: int, store: str, out: str,
+    packed: bool = False,
+) -> None:  # fmt: skip
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     move = _move(sc, model)
     dag = build_dag([move], {STAGE: 2}, LinkModel(load_cluster("local-cpu"), Efficiencies()), 2**42)
     times: dict[str, list[float]] = {"nereus": [], "raw": [], "dcp_save": [], "dcp_load": [], "naive": []}
+    if packed:
+        times |= {"packed": [], "raw_packed": []}
     sent = 0
     messages: list[tuple[int, int, int, int]] = []
     ckpt = str(Path(out) / "ckpt")
@@ -207,6 +212,12 @@ def _worker(
         dist.all_gather_object(gathered, messages)
         all_messages = [m for ms in gathered for m in ms]
         times["raw"].append(_timed(lambda msgs=all_messages: _raw(msgs, rank)))
+        if packed:  # the packed path and its own messages, alternating with the zero-copy one
+            ex = Executor(dag, [move], _initial(move, rank), {g: g for g in range(world)}, zero_copy=False)
+            times["packed"].append(_timed(lambda ex=ex: ex.run()))
+            dist.all_gather_object(gathered, ex.messages)
+            msgs_packed = [m for ms in gathered for m in ms]
+            times["raw_packed"].append(_timed(lambda msgs=msgs_packed: _raw(msgs, rank)))
         holder = _initial(move, rank)
         times["naive"].append(_timed(lambda h=holder: _naive(move, h, rank)))
         save, load = _dcp(move, _initial(move, rank), rank, world, f"{ckpt}{r}")
@@ -239,11 +250,14 @@ def _restart_worker(
     dist.destroy_process_group()
 
 
-def run_scenario(sc: dict[str, Any], model: str, repeats: int) -> dict[str, Any]:
+def run_scenario(sc: dict[str, Any], model: str, repeats: int, packed: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         world = sc["world"]
         mp.spawn(
-            _worker, args=(world, sc, model, repeats, str(Path(tmp) / "store"), tmp), nprocs=world, join=True
+            _worker,
+            args=(world, sc, model, repeats, str(Path(tmp) / "store"), tmp, packed),
+            nprocs=world,
+            join=True,
         )
         doc = json.loads(Path(tmp, "result.json").read_text())
         launched = time.time()  # a restart: fresh processes load the last checkpoint
@@ -258,7 +272,8 @@ def run_scenario(sc: dict[str, Any], model: str, repeats: int) -> dict[str, Any]
     med = {k: statistics.median(v) for k, v in doc["times"].items()}
     med["dcp"] = med["dcp_save"] + med["dcp_load"]
     med["restart"] = med["dcp_save"] + restart
-    return {
+    extra = {"packed_raw_ratio": med["packed"] / med["raw_packed"]} if packed else {}
+    return extra | {
         "scenario": sc["name"],
         "processes": world,
         "state_gib_per_replica": doc["state_bytes_per_replica"] / 2**30,
@@ -302,13 +317,26 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny model, two scenarios, one repeat")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--compare-packed", action="store_true", help="also time the packed path (before issue 21)"
+    )
+    ap.add_argument("--only", default="", help="run only the scenarios whose name contains this")
     args = ap.parse_args()
     model = "tiny-llama" if args.quick else "llama-125m"
     repeats = 1 if args.quick else args.repeats
     rows = []
     for sc in scenarios(args.quick):
-        row = run_scenario(sc, model, repeats)
+        if args.only not in sc["name"]:
+            continue
+        row = run_scenario(sc, model, repeats, args.compare_packed)
         s = row["seconds"]
+        if args.compare_packed:
+            print(
+                f"{row['scenario']:<22} packed {s['packed']:.2f}s  raw(packed msgs) {s['raw_packed']:.2f}s  "
+                f"| ×raw {row['packed_raw_ratio']:.2f}   zero-copy ×raw(packed msgs) "
+                f"{s['nereus'] / s['raw_packed']:.2f}",
+                flush=True,
+            )
         print(
             f"{row['scenario']:<22} nereus {s['nereus']:.2f}s  raw {s['raw']:.2f}s  naive {s['naive']:.2f}s  "
             f"dcp {s['dcp']:.2f}s  restart {s['restart']:.2f}s  | ×raw {row['raw_ratio']:.2f}  "

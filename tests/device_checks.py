@@ -9,12 +9,16 @@ GPU, their CPU twins (``tests/test_device_twins.py``) with the CPU.
 - an out-of-memory error inside a model-stage's work, named after it (a real one on a GPU under a
   small memory fraction; the same exception type raised from inside the stage on the CPU);
 - a worker's health check: its own GPU's inventory, decoded as the leader decodes it (nothing on
-  the CPU, or where no management library is installed).
+  the CPU, or where no management library is installed);
+- a zero-copy reshard (tp2·pp2 → tp4 on 4 ranks, tp2 → pp2 on 2) against the same messages sent
+  bare (NCCL with one GPU per rank, gloo on the CPU): byte for byte the packed path's state, and
+  its waves' time against the bare messages' time (issue 21).
 """
 
 from __future__ import annotations
 
 import json
+import time
 import zlib
 from datetime import timedelta
 from pathlib import Path
@@ -22,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from nereus.devices import Devices, StageMemory, StageOutOfMemoryError, abort_world, init_world
 from nereus.plan.calibration import Efficiencies
@@ -174,3 +179,106 @@ def check_health(devices: Devices) -> None:
         assert check.report() == ""  # not due again yet
     finally:
         check.close()
+
+
+# ------------------------------------------------------------------ a reshard against bare messages
+def _reshard_move(world: int, model: str) -> StageMove:
+    policy = StatePolicy.of(Stage.TRAIN, Precision.FP32)
+    a, b = (Layout(2, 2), Layout(4, 1)) if world == 4 else (Layout(2, 1), Layout(1, 2))
+    gpus = (tuple(range(world)),)
+    return StageMove.between("actor.train", load_model(model), policy, a, gpus, b, gpus)
+
+
+def _bare(messages: list[tuple[int, int, int, int]], rank: int, device: torch.device) -> None:
+    """The same messages, node by node, as bare sends and receives of fresh byte tensors."""
+    for node in sorted({m[0] for m in messages}):
+        ops = [
+            dist.P2POp(
+                dist.isend if src == rank else dist.irecv,
+                torch.empty(n, dtype=torch.uint8, device=device),
+                dst if src == rank else src,
+                tag=node,
+            )
+            for _, src, dst, n in (m for m in messages if m[0] == node)
+            if rank in (src, dst)
+        ]
+        for w in dist.batch_isend_irecv(ops) if ops else []:
+            w.wait()
+
+
+def _reshard_worker(rank: int, world: int, backend: str, model: str, repeats: int, tmp: str) -> None:
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    try:
+        move = _reshard_move(world, model)
+        links = LinkModel(load_cluster("local-cpu"), Efficiencies())
+        dag = build_dag([move], {"actor.train": 2}, links, 2**42)
+
+        def start() -> StateHolder:
+            holder = StateHolder(rank, device)
+            t, p = move.current[0].position(rank)
+            rs = RankState.empty(
+                "actor.train", move.model, move.current_layout, t, p, move.policy, None, device
+            )
+            for j, buf in enumerate(rs.buffers.values()):  # distinct content per rank, kind, element
+                buf.copy_((torch.arange(buf.numel(), device=device) * 7 + rank * 13 + j) % 1021)
+            holder.units["actor.train"] = rs
+            return holder
+
+        def timed(fn):  # type: ignore[no-untyped-def]
+            sync()
+            dist.barrier()
+            t0 = time.perf_counter()
+            out = fn()
+            sync()
+            dist.barrier()
+            return time.perf_counter() - t0, out
+
+        times: dict[str, list[float]] = {"nereus": [], "waves": [], "raw": [], "packed": []}
+        for r in range(repeats + 1):  # the first round warms up (communicators, staging)
+            zc = Executor(dag, [move], start(), {g: g for g in range(world)})
+            run_s, _ = timed(zc.run)
+            got = zc.holder.by_stage()["actor.train"]
+            gathered: list[object] = [None] * world
+            dist.all_gather_object(gathered, zc.messages)
+            messages = [m for ms in gathered for m in ms]  # type: ignore[attr-defined]
+            raw_s, _ = timed(lambda msgs=messages: _bare(msgs, rank, device))
+            packed = Executor(dag, [move], start(), {g: g for g in range(world)}, zero_copy=False)
+            packed_s, _ = timed(packed.run)
+            want = packed.holder.by_stage()["actor.train"]
+            for k, buf in want.buffers.items():
+                assert torch.equal(got.buffers[k], buf), f"rank {rank} {k.value}: zero-copy != packed"
+            assert got.state == want.state
+            if r:
+                waves = torch.tensor([sum(zc.wave_seconds)], dtype=torch.float64, device=device)
+                dist.all_reduce(waves, op=dist.ReduceOp.MAX)
+                times["nereus"].append(run_s)
+                times["waves"].append(float(waves.item()))
+                times["raw"].append(raw_s)
+                times["packed"].append(packed_s)
+        if rank == 0:
+            med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+            doc = {"seconds": med, "bytes": sum(m[3] for m in messages), "messages": len(messages)}
+            Path(tmp, "result.json").write_text(json.dumps(doc))
+    finally:
+        dist.destroy_process_group()
+
+
+def check_reshard_against_raw(
+    backend: str, tmp: Path, world: int, model: str, repeats: int
+) -> dict[str, object]:
+    """Spawn ``world`` ranks (one GPU each under NCCL) that reshard one trainer replica of ``model``
+    (fp32 Adam) zero-copy, check it against the packed path byte for byte, and time it against its
+    messages sent bare. Returns the medians and ``ratio``: the waves' time (the transition less
+    its process group's setup) over the bare messages'; ``bus_gbps``: bytes over the waves' time."""
+    mp.spawn(_reshard_worker, args=(world, backend, model, repeats, str(tmp)), nprocs=world, join=True)
+    doc = json.loads((tmp / "result.json").read_text())
+    s = doc["seconds"]
+    doc["ratio"] = s["waves"] / s["raw"]
+    doc["run_ratio"] = s["nereus"] / s["raw"]
+    doc["packed_ratio"] = s["packed"] / s["raw"]
+    doc["bus_gbps"] = doc["bytes"] / s["waves"] / 1e9
+    return doc

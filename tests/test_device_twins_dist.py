@@ -1,7 +1,7 @@
-"""The CPU twins of the GPU runner's transition on the device (``tests/gpu/test_runtime_gpu.py``)
-and vLLM checks (``tests/gpu/test_vllm_gpu.py``): the same functions (``tests/device_checks.py``,
-``tests/vllm_checks.py``) in one-rank gloo worlds, the transition's formed in this process, the
-vLLM engine's in a spawned one."""
+"""The CPU twins of the GPU runner's transition on the device, zero-copy reshard
+(``tests/gpu/test_runtime_gpu.py``) and vLLM checks (``tests/gpu/test_vllm_gpu.py``): the same
+functions (``tests/device_checks.py``, ``tests/vllm_checks.py``) in gloo worlds, the transition's
+formed in this process (one rank), the reshard's and the vLLM engine's in spawned ones."""
 
 from __future__ import annotations
 
@@ -27,3 +27,11 @@ def test_a_transition_in_a_world_of_one_on_the_cpu(tmp_path: Path) -> None:
 def test_the_vllm_engine_on_the_cpu(tmp_path: Path) -> None:
     """Generation against the torch-native engine, a weight sync, no sleep on the CPU."""
     vllm_checks.run_isolated(vllm_checks.check_vllm_engine, "cpu", str(tmp_path))
+
+
+@pytest.mark.timeout(240)
+def test_a_zero_copy_reshard_against_bare_messages_on_the_cpu(tmp_path: Path) -> None:
+    """The twin of the GPU runner's zero-copy reshard, on gloo: the same bytes as the packed path;
+    times are reported, not held to a bound (two shared cores are too noisy for one)."""
+    got = checks.check_reshard_against_raw("gloo", tmp_path, 4, "tiny-llama", repeats=1)
+    assert got["ratio"] > 0 and got["messages"], got

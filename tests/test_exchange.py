@@ -6,12 +6,13 @@ import itertools
 
 import numpy as np
 import pytest
+import torch
 
 from nereus.plan.layout import Layout
 from nereus.spec import load_model
 from nereus.spec.workload import Precision, Stage
 from nereus.state.buffers import StatePolicy, rank_buffers
-from nereus.transition.exchange import plan_pieces
+from nereus.transition.exchange import chunks, plan_pieces, view_at
 
 pytestmark = pytest.mark.pure
 
@@ -59,3 +60,44 @@ def test_nothing_to_provide_names_the_slot() -> None:
     policy = StatePolicy.of(Stage.INF, Precision.FP32)
     with pytest.raises(ValueError, match="no provider holds"):
         plan_pieces(model, policy, (Layout(1, 1), 0, 0), ((Layout(1, 2), 0, 0),))
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
+def test_chunks_read_and_write_in_place_exactly_where_torch_views_are_contiguous(model: str) -> None:
+    """``view_at`` agrees with torch on every piece of every re-layout (contiguous, and where);
+    ``chunks`` keeps the pieces in order, and an in-place side of a chunk is one range of the flat
+    buffer holding its pieces back to back."""
+    m = load_model(model)
+    policy = StatePolicy.of(Stage.TRAIN, Precision.FP32)
+    staged = in_place = 0
+    for need, have in itertools.product(LAYOUTS, LAYOUTS):
+        if m.num_attention_heads % max(need.tp, have.tp) or max(need.pp, have.pp) > m.num_hidden_layers:
+            continue
+        providers = tuple((have, *at) for at in have.positions())
+        for nt, np_ in need.positions():
+            pieces = plan_pieces(m, policy, (need, nt, np_), providers)
+            for k in {pc.provider for pc in pieces}:
+                mine = tuple(pc for pc in pieces if pc.provider == k)
+                out = chunks(mine)
+                assert tuple(pc for c in out for pc in c.pieces) == mine
+                for c in out:
+                    assert c.numel == sum(pc.numel for pc in c.pieces)
+                    for side in ("src", "dst"):
+                        at = getattr(c, side)
+                        staged += at is None
+                        in_place += at is not None
+                        off = 0
+                        for pc in c.pieces:
+                            slot = getattr(pc, side)
+                            flat = torch.arange(slot.offset + slot.numel)
+                            view = flat[slot.offset :].view(slot.shape)
+                            view = view.narrow(pc.dim, pc.lo - slot.region[pc.dim][0], pc.hi - pc.lo)
+                            where = view_at(slot, pc.dim, pc.lo, pc.hi)
+                            assert (where is not None) == view.is_contiguous(), (slot.name, pc)
+                            if where is not None:
+                                assert where == view.storage_offset()
+                                assert at is not None and where == at + off  # back to back
+                            else:
+                                assert at is None
+                            off += pc.numel
+    assert staged and in_place

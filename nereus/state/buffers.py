@@ -25,6 +25,7 @@ from nereus.spec.workload import Precision, Stage
 from nereus.state.geometry import Region, shards
 
 ALIGN_BYTES = 128
+STAGING_ALIGN = 64  # bytes: a region of a transition's staging buffer starts aligned for any dtype
 
 
 class Dtype(StrEnum):
@@ -125,3 +126,8 @@ def rank_buffers(model: ModelSpec, layout: Layout, t: int, p: int, policy: State
         slots.append(Slot(s.name, s.source, s.region, s.shape, offset, s.numel))
         offset += -(-s.numel // align) * align
     return RankBuffers(tuple(slots), offset, policy)
+
+
+def staged(nbytes: int) -> int:
+    """``nbytes`` rounded up to a whole number of staging regions (``STAGING_ALIGN``)."""
+    return -(-nbytes // STAGING_ALIGN) * STAGING_ALIGN

@@ -82,6 +82,21 @@ class RankState:
         bufs = {k: torch.empty(n, dtype=TORCH_DTYPE[d], device=device) for k, d in policy.kinds}
         return cls(model_stage, model, layout, t, p, policy, bufs, LogicalState())
 
+    def zero_padding(self) -> None:
+        """Zero the alignment padding between and after the slots (what ``empty`` leaves zero), for
+        buffers made ``uninitialised`` whose every slot is then written."""
+        rb = self.layout_of()
+        gaps, end = [], 0
+        for s in sorted(rb.slots, key=lambda s: s.offset):
+            if s.offset > end:
+                gaps.append((end, s.offset))
+            end = max(end, s.offset + s.numel)
+        if rb.numel > end:
+            gaps.append((end, rb.numel))
+        for buf in self.buffers.values():
+            for lo, hi in gaps:
+                buf[lo:hi].zero_()
+
     @classmethod
     def from_full(
         cls, model_stage: str, model: ModelSpec, layout: Layout, t: int, p: int, policy: StatePolicy,

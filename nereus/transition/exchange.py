@@ -5,8 +5,10 @@ layouts of the same model. For every slot it needs, the plan takes each piece fr
 provider (in preference order, the receiver itself first) that holds it, so nothing is sent
 twice and nothing already resident is sent at all. Geometry regions differ from the full tensor
 in at most one dimension (heads, rows or columns), so coverage is interval arithmetic on that
-dimension. Each provider packs all its pieces for one receiver, of every buffer kind, into one
-message; the receiver unpacks them into its flat buffers.
+dimension. ``chunks`` groups a provider's pieces for one receiver into messages: a piece whose
+slice is contiguous on a side (cut along its leading dimension, or whole) is read or written in
+place there; the others go through a staging buffer on that side only. ``execute.pack`` and
+``unpack`` keep the older form, every piece of every kind in one packed message.
 """
 
 from __future__ import annotations
@@ -110,4 +112,56 @@ def plan_pieces(
                 break
         if todo is None or todo:
             raise ValueError(f"no provider holds all of {slot.name} {slot.region} (missing {todo})")
+    return tuple(out)
+
+
+# ------------------------------------------------------------------ zero-copy messages
+def view_at(slot: Slot, dim: int, lo: int, hi: int) -> int | None:
+    """Element offset of the view of ``slot``'s [lo, hi) along ``dim`` in the flat buffer when that
+    view is contiguous (a cut along the leading non-trivial dimension, or the whole extent), else
+    None. Pure geometry: both ends of a message compute both sides' answers alike."""
+    start = slot.region[dim][0]
+    outer = 1
+    for n in slot.shape[:dim]:
+        outer *= n
+    if outer != 1 and hi - lo != slot.shape[dim]:
+        return None
+    inner = 1
+    for n in slot.shape[dim + 1 :]:
+        inner *= n
+    return slot.offset + (lo - start) * inner
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One message of a transfer (per buffer kind): consecutive pieces that each side reads or
+    writes in place — one contiguous range of its flat buffer (``src``/``dst`` its element
+    offset) — or copies through its staging buffer (None), piece after piece."""
+
+    pieces: tuple[Piece, ...]
+    numel: int
+    src: int | None
+    dst: int | None
+
+
+def _joins(at: int | None, numel: int, nxt: int | None) -> bool:
+    if at is None or nxt is None:
+        return at is None and nxt is None
+    return nxt == at + numel
+
+
+def chunks(pieces: tuple[Piece, ...]) -> tuple[Chunk, ...]:
+    """Group ``pieces`` (in message order) into the fewest messages that copy nothing a side can
+    read or write in place: a piece joins the previous chunk when, on each side, both are in
+    place and adjacent, or both are staged."""
+    out: list[Chunk] = []
+    for pc in pieces:
+        src = view_at(pc.src, pc.dim, pc.lo, pc.hi)
+        dst = view_at(pc.dst, pc.dim, pc.lo, pc.hi)
+        if out:
+            c = out[-1]
+            if _joins(c.src, c.numel, src) and _joins(c.dst, c.numel, dst):
+                out[-1] = Chunk((*c.pieces, pc), c.numel + pc.numel, c.src, c.dst)
+                continue
+        out.append(Chunk((pc,), pc.numel, src, dst))
     return tuple(out)

@@ -10,6 +10,11 @@ A Destroy drops its unit; a restore from storage reads the rank through ``storag
 the waves in one order and a wave only waits on its own participants, so the walk cannot
 deadlock; memory follows the DAG's ledger, which holds for every execution that respects its edges.
 
+Zero-copy by default (``zero_copy=False`` keeps the older packed messages, bit for bit the same
+result): a provider sends the slices that are contiguous in its flat buffers as they are, and the
+receiver receives straight into the slices of its new buffers that are contiguous there; the rest
+passes through ``Staging``, one byte buffer per peer that later waves and transitions reuse.
+
 gloo on CPU, NCCL/RCCL on GPU, the same code. The transition's process group is created at the
 start and destroyed at the end, with a short timeout: a peer that dies surfaces as an error
 naming the node and the rank instead of a hang.
@@ -30,10 +35,12 @@ from nereus.state.buffers import BufferKind, Slot
 from nereus.state.emu import LogicalState
 from nereus.state.holder import RankState, StateHolder
 from nereus.state.sources import STORAGE
+from nereus.state.staging import Staging, pool
 from nereus.transition.dag import Node, Primitive, TransitionDag
-from nereus.transition.exchange import Piece
+from nereus.transition.exchange import Chunk, Piece
 from nereus.transition.move import StageMove
 from nereus.transition.wire import (
+    CHUNK,
     HEADER,
     PACKED,
     STATE,
@@ -42,6 +49,7 @@ from nereus.transition.wire import (
     Transfer,
     WirePlan,
     kinds_of,
+    staged_bytes,
     tag,
     takes_part,
     waves,
@@ -75,11 +83,16 @@ class Executor:
         states: Mapping[str, LogicalState] | None = None,
         storage: Storage | None = None,
         timeout_s: float = 60.0,
+        zero_copy: bool = True,
+        staging: Staging | None = None,
     ) -> None:
         if not dag.feasible:
             raise TransitionError(f"the transition is infeasible: {dag.reason}")
         self.dag, self.holder = dag, holder
-        self.wire = WirePlan(dag, moves)
+        self.wire = WirePlan(dag, moves, zero_copy)
+        self.zero_copy = zero_copy
+        # where pieces that are not contiguous on this side pass: reused across transitions
+        self.staging = staging if staging is not None else pool(holder.device)
         self.moves = self.wire.moves
         self.rank = holder.rank
         self.gpu_of_rank = dict(gpu_of_rank)
@@ -91,6 +104,7 @@ class Executor:
         self.sent = self.received = 0
         self.messages: list[tuple[int, int, int, int]] = []  # (node, from rank, to rank, bytes) sent
         self.node_seconds: dict[int, float] = {}  # wall time of each node this rank took part in
+        self.wave_seconds: list[float] = []  # wall time of each wave this rank took part in
 
     # -------------------------------------------------------------- bookkeeping
     def _adopt(self) -> None:
@@ -150,6 +164,8 @@ class Executor:
         try:
             ops: list[dist.P2POp] = []
             finishes = []
+            if self.zero_copy:
+                self.staging.prepare(self._staging_need(mine))
             for node in mine:
                 if on_node:
                     on_node(node, "start")
@@ -164,6 +180,7 @@ class Executor:
             peers = sorted({self.rank_of_gpu[g] for n in mine for g in (*n.gpus, *n.sends)} - {self.rank})
             raise TransitionError(f"rank {self.rank}: {what} with ranks {peers} failed: {exc}") from exc
         elapsed = time.perf_counter() - started
+        self.wave_seconds.append(elapsed)
         for node in mine:
             self.node_seconds[node.id] = elapsed
             if on_node:
@@ -195,6 +212,24 @@ class Executor:
         return finish
 
     # -------------------------------------------------------------- sending
+    def _staging_need(self, mine: list[Node]) -> dict[int, int]:
+        """Staging bytes this rank's zero-copy messages of a wave need, per peer rank."""
+        need: dict[int, int] = {}
+        for node in mine:
+            if node.primitive is Primitive.DESTROY or node.source == STORAGE:
+                continue
+            receiver, provider = self.wire.policies(node)
+            kinds = kinds_of(receiver)
+            part = self.wire.part(node, self.gpu)
+            xs = [(x, True) for x in part.sends]
+            xs += [(x, False) for x in part.receive.transfers] if part.receive else []
+            for x, sending in xs:
+                if x.carry is Carry.PACKED:
+                    peer = self.rank_of_gpu[x.dst if sending else x.src]
+                    n = staged_bytes(x, kinds, provider if sending else receiver, sending)
+                    need[peer] = need.get(peer, 0) + n
+        return need
+
     def _send(self, x: Transfer, group: dist.ProcessGroup, ops: list[dist.P2POp]) -> None:
         src, dst = self.holder.units[x.src_unit], self.rank_of_gpu[x.dst]
         kinds = kinds_of(self.moves[self.dag.nodes[x.node].model_stage].policy)
@@ -205,6 +240,21 @@ class Executor:
             tensors = [src.buffers[k] for k in kinds]
             for j, buf in enumerate(tensors):
                 ops.append(dist.P2POp(dist.isend, buf, dst, group, tag(x.node, j)))
+        elif self.zero_copy:  # the state, then each chunk in place or through staging
+            tensors = [state_tensor(src.state, src.device)]
+            ops.append(dist.P2POp(dist.isend, tensors[0], dst, group, tag(x.node, STATE)))
+            i = CHUNK
+            for k in kinds:
+                buf = src.buffers[k]
+                for c in x.chunks:
+                    if c.src is not None:
+                        msg = buf[c.src : c.src + c.numel]
+                    else:
+                        msg = self.staging.take(dst, c.numel, buf.dtype)
+                        gather(c, buf, msg)
+                    ops.append(dist.P2POp(dist.isend, msg, dst, group, tag(x.node, i)))
+                    tensors.append(msg)
+                    i += 1
         else:
             tensors = [pack(x.pieces, src.buffers, kinds, src.state)]
             ops.append(dist.P2POp(dist.isend, tensors[0], dst, group, tag(x.node, PACKED)))
@@ -236,23 +286,52 @@ class Executor:
                 return new
 
             return copied
-        new = RankState.empty(node.model_stage, move.model, r.layout, r.t, r.p, move.policy, None, device)
+        if self.zero_copy:  # every slot is written below: only the padding needs zeros
+            new = RankState.uninitialised(
+                node.model_stage, move.model, r.layout, r.t, r.p, move.policy, device
+            )
+            new.zero_padding()
+        else:
+            new = RankState.empty(node.model_stage, move.model, r.layout, r.t, r.p, move.policy, None, device)
         states: list[LogicalState] = []
         inbox: list[tuple[torch.Tensor, Transfer]] = []
+        headers: list[torch.Tensor] = []
+        staged: list[tuple[Chunk, torch.Tensor, torch.Tensor]] = []  # (chunk, region, buffer)
         for x in r.transfers:
             if x.carry is Carry.LOCAL:  # resident: a local copy, nothing sent
                 held = self.holder.units[x.src_unit]
                 copy_local(x.pieces, held.buffers, new.buffers, kinds)
                 states.append(held.state)
                 continue
+            peer = self.rank_of_gpu[x.src]
+            if self.zero_copy:  # the state, then each chunk in place or into staging
+                headers.append(torch.empty(4, dtype=torch.int64, device=device))
+                ops.append(dist.P2POp(dist.irecv, headers[-1], peer, group, tag(node.id, STATE)))
+                self.received += HEADER
+                i = CHUNK
+                for k in kinds:
+                    buf = new.buffers[k]
+                    for c in x.chunks:
+                        if c.dst is not None:
+                            msg = buf[c.dst : c.dst + c.numel]
+                        else:
+                            msg = self.staging.take(peer, c.numel, buf.dtype)
+                            staged.append((c, msg, buf))
+                        ops.append(dist.P2POp(dist.irecv, msg, peer, group, tag(node.id, i)))
+                        self.received += msg.numel() * msg.element_size()
+                        i += 1
+                continue
             size = HEADER + sum(pc.numel * new.buffers[k].element_size() for pc in x.pieces for k in kinds)
-            buf = torch.empty(size, dtype=torch.uint8, device=device)
-            ops.append(dist.P2POp(dist.irecv, buf, self.rank_of_gpu[x.src], group, tag(node.id, PACKED)))
-            inbox.append((buf, x))
+            packed = torch.empty(size, dtype=torch.uint8, device=device)
+            ops.append(dist.P2POp(dist.irecv, packed, peer, group, tag(node.id, PACKED)))
+            inbox.append((packed, x))
             self.received += size
 
         def assembled() -> RankState:
+            for c, msg, buf in staged:
+                scatter(c, msg, buf)
             got = states + [unpack(buf, x.pieces, new.buffers, kinds) for buf, x in inbox]
+            got += [LogicalState(*h.tolist()) for h in headers]
             if node.model_stage in self.states:
                 got.append(self.states[node.model_stage])
             if len(set(got)) > 1:
@@ -308,6 +387,24 @@ def pack(
             msg[at : at + n].view(buf.dtype).view(src.shape).copy_(src)
             at += n
     return msg
+
+
+def gather(c: Chunk, buf: torch.Tensor, msg: torch.Tensor) -> None:
+    """Copy a staged chunk's pieces of ``buf`` one after another into ``msg`` (the sender's side)."""
+    at = 0
+    for pc in c.pieces:
+        src = _piece_view(buf, pc, pc.src)
+        msg[at : at + pc.numel].view(src.shape).copy_(src)
+        at += pc.numel
+
+
+def scatter(c: Chunk, msg: torch.Tensor, buf: torch.Tensor) -> None:
+    """Copy a staged chunk out of ``msg`` into its pieces of ``buf`` (the receiver's side)."""
+    at = 0
+    for pc in c.pieces:
+        dst = _piece_view(buf, pc, pc.dst)
+        dst.copy_(msg[at : at + pc.numel].view(dst.shape))
+        at += pc.numel
 
 
 def copy_local(

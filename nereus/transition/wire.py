@@ -10,10 +10,14 @@ receiver copies locally, any other sends one message:
 
 - **whole**: a rank-aligned copy of a rank with the same layout, position and buffers sends its
   flat buffers as they are (one message per buffer kind, widest first) and its logical state;
-- **packed**: otherwise, a 32-byte header with the logical state, then every piece of every kind.
+- **packed**: otherwise, zero-copy (the default): a 32-byte header with the logical state, then
+  one message per ``exchange.Chunk`` per buffer kind — each side reads or writes the slices that
+  are contiguous in its flat buffers in place, and stages only the others; or, with
+  ``zero_copy=False``, the header and every piece of every kind packed into one message.
 
-Tags are ``node.id · 8 + j``: j = buffer kind index (whole), ``PACKED`` or ``STATE``; a node never
-has two messages between one pair of GPUs, so tags are unique within a wave. ``RankPart`` is one
+Tags are ``node.id · TAGS_PER_NODE + j``: j = buffer kind index (whole), ``PACKED``, ``STATE``, or
+``CHUNK`` + the message's index within its transfer; a node has one transfer between a pair of GPUs,
+so tags are unique within a wave. ``RankPart`` is one
 GPU's share of a node — what it sends, what it receives, what it copies — and is all the
 executor needs; ``waves`` groups nodes that may run at once. Sizes are computed from each side's
 own dtypes, so a test can check that every receive has exactly one matching send of its size.
@@ -26,17 +30,18 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from nereus.plan.layout import Layout
-from nereus.state.buffers import BufferKind, StatePolicy, rank_buffers
+from nereus.state.buffers import BufferKind, StatePolicy, rank_buffers, staged
 from nereus.state.emu import Emu
 from nereus.state.sources import STORAGE
 from nereus.transition.dag import Node, Primitive, TransitionDag
-from nereus.transition.exchange import Piece, plan_pieces
+from nereus.transition.exchange import Chunk, Piece, chunks, plan_pieces
 from nereus.transition.move import StageMove
 
 HEADER = 32  # the logical state (updates, version, minibatch, seed) as four int64
-TAGS_PER_NODE = 8
+TAGS_PER_NODE = 1 << 15  # gloo tags are int32: room for 65536 nodes
 PACKED = 6  # tag slot of a packed message
-STATE = 7  # tag slot of a whole copy's logical state
+STATE = 7  # tag slot of the logical state (a whole copy's, a zero-copy transfer's header)
+CHUNK = 8  # tag slot of a zero-copy transfer's first chunk message
 
 
 class Carry(StrEnum):
@@ -66,6 +71,7 @@ class Transfer:
     src_unit: str
     carry: Carry
     pieces: tuple[Piece, ...]  # PACKED and LOCAL: what is copied, in order; WHOLE: everything
+    chunks: tuple[Chunk, ...] = ()  # PACKED: the pieces as zero-copy messages (one per kind each)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +116,9 @@ def unit_table(dag: TransitionDag, moves: Sequence[StageMove]) -> dict[str, Emu]
 class WirePlan:
     """The messages of a whole transition, node by node (computed once per node, on demand)."""
 
-    def __init__(self, dag: TransitionDag, moves: Sequence[StageMove]) -> None:
+    def __init__(self, dag: TransitionDag, moves: Sequence[StageMove], zero_copy: bool = True) -> None:
         self.dag = dag
+        self.zero_copy = zero_copy
         self.moves = {m.name: m for m in moves}
         self.units = unit_table(dag, moves)
         self._receives: dict[int, dict[int, Receive]] = {}
@@ -179,6 +186,7 @@ class WirePlan:
                         offer[k][1],
                         Carry.LOCAL if offer[k][0] == gpu else Carry.PACKED,
                         tuple(part),
+                        () if offer[k][0] == gpu else chunks(tuple(part)),
                     )
                     for k, part in sorted(by_provider.items())
                 )
@@ -206,6 +214,14 @@ class WirePlan:
         width = dict(policy.kinds)
         receiver = self.moves[self._node(x).model_stage].policy
         kinds = kinds_of(receiver)
+        if x.carry is Carry.PACKED and self.zero_copy:
+            sizes = [c.numel * width[k].itemsize for k in kinds for c in x.chunks]
+            if len(sizes) > TAGS_PER_NODE - CHUNK:
+                raise ValueError(f"node {x.node}: {len(sizes)} messages from GPU {x.src} to {x.dst}")
+            return (
+                Message(x.node, x.src, x.dst, tag(x.node, STATE), HEADER),
+                *(Message(x.node, x.src, x.dst, tag(x.node, CHUNK + i), n) for i, n in enumerate(sizes)),
+            )
         if x.carry is Carry.PACKED:
             size = HEADER + sum(pc.numel * width[k].itemsize for k in kinds for pc in x.pieces)
             return (Message(x.node, x.src, x.dst, tag(x.node, PACKED), size),)
@@ -223,6 +239,18 @@ class WirePlan:
 
 def tag(node: int, slot: int) -> int:
     return node * TAGS_PER_NODE + slot
+
+
+def staged_bytes(x: Transfer, kinds: Sequence[BufferKind], policy: StatePolicy, sending: bool) -> int:
+    """Bytes of staging buffer ``x`` needs on its sending (or receiving) side, zero-copy: the
+    chunks that side cannot read or write in place, each region rounded by ``buffers.staged``."""
+    width = dict(policy.kinds)
+    total = 0
+    for k in kinds:
+        for c in x.chunks:
+            if (c.src if sending else c.dst) is None:
+                total += staged(c.numel * width[k].itemsize)
+    return total
 
 
 def takes_part(node: Node, gpu: int) -> bool:

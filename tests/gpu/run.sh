@@ -7,7 +7,8 @@
 # Prints one line per check and a final `N passed, N failed, N skipped` line; exits non-zero when a
 # check failed. Every check has a CPU twin that runs the same code in `make test`
 # (tests/test_device_twins*.py, tests/test_engine_*.py, tests/test_inventory*.py). On a CPU machine
-# every check skips and says why. Results (JUnit XML, the engine benchmark) go to $OUT.
+# every check skips and says why. Results (JUnit XML, the engine benchmark) go to $OUT. The zero-copy
+# reshard against the same messages sent bare over NCCL (issue 21) needs 2 GPUs (4 for tp2·pp2→tp4).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
