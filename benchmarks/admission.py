@@ -5,7 +5,13 @@ PPO Llama-3.1-8B, responses growing like the paper's trace 1 (mean 1,147 → 3,7
 steps, p95 12% above), GPU supply from both shipped AWS spot traces (random revocations, seeded):
 
 * ``a100-8-32``: a100-64gb-hdr100, 2 GPUs per instance, 8 reserved, at most 32 (paper-notes §4.7);
-* ``mi250x-256`` and ``mi250x-1024``: mi250x-slingshot, 16 / 64 GCDs per instance.
+* ``mi250x-256`` and ``mi250x-1024``: mi250x-slingshot, 16 / 64 GCDs per instance;
+* ``a100-8-32-async`` and ``mi250x-256-async``: the same supply and lengths, asynchronous GRPO
+  (8 samples per prompt, as many sequences per step as the PPO scenario): generation on GPUs of
+  its own runs one batch ahead of inference and training (one-step off-policy). The simulator's
+  truth models the overlap, the staleness wait, the weight sync that ends each step and the
+  rollouts a crash drops (``nereus.sim.truth.asynchrony``); the planner prices async plans with
+  its own max(L_gen, L_inf + L_train). Quick mode runs them without the references.
 
 Trace time runs faster than simulated time so that the pool changes every few steps, as in the
 paper (≈ 860 s steps on 300 s ticks with a change every ~11 ticks); larger pools process more
@@ -33,10 +39,13 @@ from common import RESULTS, write
 from nereus.sim import GpuSupply, Scenario, SeqCurve, SpotTrace, simulate
 from nereus.spec import Role, load_cluster, load_model, load_workload, names
 from nereus.spec.registry import trace_path
+from nereus.spec.workload import ExecutionMode
 
 TRACES = [trace_path(name) for name in names("traces")]  # the AWS spot traces shipped in configs/traces
 POLICIES = ("nereus", "static", "always", "periodic:3", "static-best", "oracle")
 GAMMAS = (0.0, 0.25, 0.5, 0.75, 1.0)
+QUICK_ASYNC = ("nereus", "static", "always", "periodic:3")  # quick mode: no references (static-best is slow)
+ASYNC_KEYS = ("mean_overlap_s", "mean_gen_wait_s", "mean_train_wait_s", "mean_sync_s", "mean_staleness")
 TARGETS = {
     "nereus_vs_static": "≥ 25% lower mean step time (paper −27.7%)",
     "nereus_vs_always": "≥ 5% lower (paper −8.3%)",
@@ -46,18 +55,25 @@ TARGETS = {
     "nereus_oom_steps": 0,
 }
 SCENARIOS = {
-    # name: (cluster, GPUs per instance, min, max, trace speedup, prompts per step)
-    "a100-8-32": ("a100-64gb-hdr100", 2, 8, 32, 5.0, 512),
-    "mi250x-256": ("mi250x-slingshot", 16, 64, 256, 10.0, 4096),
-    "mi250x-1024": ("mi250x-slingshot", 64, 256, 1024, 10.0, 16384),
+    # name: (cluster, GPUs per instance, min, max, trace speedup, sequences per step, workload)
+    "a100-8-32": ("a100-64gb-hdr100", 2, 8, 32, 5.0, 512, "ppo"),
+    "mi250x-256": ("mi250x-slingshot", 16, 64, 256, 10.0, 4096, "ppo"),
+    "mi250x-1024": ("mi250x-slingshot", 64, 256, 1024, 10.0, 16384, "ppo"),
+    # asynchronous GRPO (8 samples per prompt, as many sequences per step), one-step off-policy
+    "a100-8-32-async": ("a100-64gb-hdr100", 2, 8, 32, 5.0, 512, "grpo-async"),
+    "mi250x-256-async": ("mi250x-slingshot", 16, 64, 256, 10.0, 4096, "grpo-async"),
 }
 
 
 def scenario(name: str, trace: Path, offset: int, steps: int, seed: int) -> Scenario:
-    cluster, per_instance, lo, hi, speedup, prompts = SCENARIOS[name]
+    cluster, per_instance, lo, hi, speedup, sequences, workload = SCENARIOS[name]
+    algo, _, mode = workload.partition("-")
+    w = load_workload(algo)
     model = load_model("llama-3.1-8b")
     return Scenario(
-        dataclasses.replace(load_workload("ppo"), prompts_per_step=prompts),
+        dataclasses.replace(
+            w, prompts_per_step=sequences // w.samples_per_prompt, mode=ExecutionMode(mode or "sync")
+        ),
         {r: model for r in Role},
         load_cluster(cluster),
         GpuSupply(SpotTrace.load(trace), per_instance, hi, lo, offset, speedup, seed),
@@ -67,8 +83,10 @@ def scenario(name: str, trace: Path, offset: int, steps: int, seed: int) -> Scen
     )
 
 
-def run(name: str, offsets: list[int], steps: int, sweep: bool) -> dict[str, Any]:
-    runs = [(p, 0.5) for p in POLICIES] + ([("nereus", g) for g in GAMMAS if g != 0.5] if sweep else [])
+def run(
+    name: str, offsets: list[int], steps: int, sweep: bool, policies: tuple[str, ...] = POLICIES
+) -> dict[str, Any]:
+    runs = [(p, 0.5) for p in policies] + ([("nereus", g) for g in GAMMAS if g != 0.5] if sweep else [])
     per: dict[str, list[dict[str, Any]]] = {}
     for trace in TRACES:
         for offset in offsets:
@@ -84,20 +102,24 @@ def run(name: str, offsets: list[int], steps: int, sweep: bool) -> dict[str, Any
             "tp_pp_transitions": statistics.mean(r["tp_pp_transitions"] for r in rows),
             "restarts": statistics.mean(r["restarts"] for r in rows),
             "oom_steps": sum(r["oom_steps"] for r in rows),
+            "dropped_rollouts": statistics.mean(r["dropped_rollouts"] for r in rows),
+            **{k: statistics.mean(r[k] for r in rows) for k in ASYNC_KEYS if all(k in r for r in rows)},
             "windows": rows,
         }
     ref = summary["nereus"]["mean_step_s"]
     ratios = {
         f"nereus_vs_{p.replace(':', '')}": ref / summary[p]["mean_step_s"] - 1.0
-        for p in POLICIES
+        for p in policies
         if p != "nereus"
     }
-    static, oracle = summary["static"]["mean_step_s"], summary["oracle"]["mean_step_s"]
-    shares = {
-        p: (static - summary[p]["mean_step_s"]) / (static - oracle) if static > oracle else None
-        for p in POLICIES
-        if p not in ("static", "oracle")
-    }
+    shares: dict[str, float | None] = {}
+    if "oracle" in summary:
+        static, oracle = summary["static"]["mean_step_s"], summary["oracle"]["mean_step_s"]
+        shares = {
+            p: (static - summary[p]["mean_step_s"]) / (static - oracle) if static > oracle else None
+            for p in policies
+            if p not in ("static", "oracle")
+        }
     return {"policies": summary, "nereus_relative": ratios, "share_of_oracle_gain": shares}
 
 
@@ -145,25 +167,37 @@ def plot(results: dict[str, Any], out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="one window, 12 steps, no 1,024-GPU scenario")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="one window, 12 steps, no 1,024-GPU scenario, async scenarios without the references",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
+    plan: dict[str, tuple[list[int], int, bool, tuple[str, ...]]]
     if args.quick:
-        plan = {"a100-8-32": ([0], 12, True), "mi250x-256": ([0], 12, False)}
+        plan = {
+            "a100-8-32": ([0], 12, True, POLICIES),
+            "mi250x-256": ([0], 12, False, POLICIES),
+            "a100-8-32-async": ([0], 12, False, QUICK_ASYNC),
+            "mi250x-256-async": ([0], 12, False, QUICK_ASYNC),
+        }
     else:
         plan = {
-            "a100-8-32": ([0, 800, 1600, 2400], 40, True),
-            "mi250x-256": ([0, 1200], 40, True),
-            "mi250x-1024": ([0, 1200], 30, True),
+            "a100-8-32": ([0, 800, 1600, 2400], 40, True, POLICIES),
+            "mi250x-256": ([0, 1200], 40, True, POLICIES),
+            "mi250x-1024": ([0, 1200], 30, True, POLICIES),
+            "a100-8-32-async": ([0, 800, 1600, 2400], 40, False, POLICIES),
+            "mi250x-256-async": ([0, 1200], 40, False, POLICIES),
         }
     results = {}
-    for name, (offsets, steps, sweep) in plan.items():
-        results[name] = run(name, offsets, steps, sweep)
+    for name, (offsets, steps, sweep, policies) in plan.items():
+        results[name] = run(name, offsets, steps, sweep, policies)
         rel = results[name]["nereus_relative"]
         pol = results[name]["policies"]
         print(
-            f"{name:12s} "
-            + "  ".join(f"{p} {pol[p]['mean_step_s']:.1f}s/{pol[p]['transitions']:.1f}tr" for p in POLICIES)
+            f"{name:16s} "
+            + "  ".join(f"{p} {pol[p]['mean_step_s']:.1f}s/{pol[p]['transitions']:.1f}tr" for p in policies)
             + "  |  nereus "
             + "  ".join(f"{k[10:]} {v:+.1%}" for k, v in rel.items())
             + f"  | nereus OOM {pol['nereus']['oom_steps']}",
@@ -175,10 +209,16 @@ def main() -> None:
         name: {
             **r["nereus_relative"],
             "nereus_oom_steps": r["policies"]["nereus"]["oom_steps"],
-            "oracle_vs_static": r["policies"]["oracle"]["mean_step_s"]
-            / r["policies"]["static"]["mean_step_s"]
-            - 1.0,
-            "nereus_share_of_oracle_gain": r["share_of_oracle_gain"]["nereus"],
+            **(
+                {
+                    "oracle_vs_static": r["policies"]["oracle"]["mean_step_s"]
+                    / r["policies"]["static"]["mean_step_s"]
+                    - 1.0,
+                    "nereus_share_of_oracle_gain": r["share_of_oracle_gain"]["nereus"],
+                }
+                if "oracle" in r["policies"]
+                else {}
+            ),
         }
         for name, r in results.items()
     }

@@ -17,12 +17,14 @@ from rich.table import Table
 from nereus.control.controller import policy_config
 from nereus.errors import ConfigError
 from nereus.sim.engine import STATIC_BEST, Scenario, Summary, simulate
+from nereus.sim.records import IN_FLIGHT
 from nereus.sim.seqcurve import SeqCurve
 from nereus.sim.trace import GpuSupply, SpotTrace
 from nereus.sim.truth import Episode
 from nereus.spec import Role, load_cluster, load_model, load_workload
 from nereus.spec.files import OutputFolder, brief
 from nereus.spec.registry import trace_path
+from nereus.spec.workload import ExecutionMode
 
 DEFAULT_POLICIES = "nereus,static,always,periodic:3"
 COMMAND = "simulate"
@@ -31,6 +33,7 @@ MAX_GPUS = 1 << 20
 MAX_SPEEDUP = 1e6
 MAX_NOISE = 1.0
 MAX_RUNS = 16
+MAX_STALENESS = 64
 
 
 def int_in(lo: int, hi: int) -> Callable[[str], int]:
@@ -78,6 +81,23 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--model", required=True)
     p.add_argument("--algo", required=True)
+    p.add_argument(
+        "--mode",
+        choices=[m.value for m in ExecutionMode],
+        help="sync or async (generation on GPUs of its own, a batch ahead); default: the workload's",
+    )
+    p.add_argument(
+        "--max-staleness",
+        type=int_in(0, MAX_STALENESS),
+        default=1,
+        help="async: batches generation may run ahead of training (0: none, as sync)",
+    )
+    p.add_argument(
+        "--in-flight",
+        choices=IN_FLIGHT,
+        default="drain",
+        help="async: at a transition or restart keep (drain) or drop the rollouts generated ahead",
+    )
     p.add_argument("--cluster", required=True)
     p.add_argument(
         "--policies",
@@ -146,6 +166,8 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
     cluster = load_cluster(args.cluster)
     model = load_model(args.model)
     workload = load_workload(args.algo)
+    if args.mode is not None:
+        workload = replace(workload, mode=ExecutionMode(args.mode))
     trace = SpotTrace.load(trace_path(args.trace))
     for flag, value in (("--steps", args.steps), ("--gpus-per-instance", args.gpus_per_instance)):
         if value <= 0:
@@ -182,6 +204,8 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         args.seed,
         args.noise,
         episodes,
+        max_staleness=args.max_staleness,
+        in_flight=args.in_flight,
     )
 
 
@@ -256,9 +280,18 @@ def run(args: argparse.Namespace, out: Console) -> int:
         print(json.dumps(doc))
         return 0
     table = Table(title=title, title_justify="left")
-    for col in ("policy", "mean step s", "total s", "transitions", "TP/PP", "restarts", "OOM", "preempted"):
+    pipelined = scenario.workload.mode is ExecutionMode.ASYNC
+    cols = ["policy", "mean step s", "total s", "transitions", "TP/PP", "restarts", "OOM", "preempted"]
+    for col in cols + (["overlap s", "gen wait s", "train wait s", "dropped"] if pipelined else []):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for s in summaries:
+        steps = s.pipelined or ()
+        extra = [
+            f"{sum(a.overlap_s for a in steps) / max(1, len(steps)):.1f}",
+            f"{sum(a.gen_wait_s for a in steps) / max(1, len(steps)):.1f}",
+            f"{sum(a.train_wait_s for a in steps) / max(1, len(steps)):.1f}",
+            str(s.dropped_rollouts),
+        ]
         table.add_row(
             s.policy,
             f"{s.mean_step_s:.1f}",
@@ -268,6 +301,7 @@ def run(args: argparse.Namespace, out: Console) -> int:
             str(s.restarts),
             str(s.oom_steps),
             str(s.preempted_steps),
+            *(extra if pipelined else []),
         )
     out.print(table)
     out.print(f"wrote {folder}/summary.json, steps-*.jsonl, timeline.png")

@@ -2,11 +2,15 @@
 
 At every step boundary the controller sees the previous step's telemetry with the pool of *now*,
 may admit a transition (its true duration is charged) or ask for a restart (a checkpoint reload
-is charged); then the step runs on the controller's plan. Its time is the critical path of the
-true per-model-stage times; it runs out of memory when any GPU's true peak (its model-stage's true
-footprint plus the idle state of other stages on that GPU) exceeds the GPU's memory, in which
-case the step is lost and the job restarts from its checkpoint. Wall time includes transitions,
-restarts and time spent waiting for GPUs, as in the paper's step latency.
+is charged); then the step runs on the controller's plan. Its time comes from the true
+per-model-stage times by the truth's step model (``truth.asynchrony``): synchronous, the sum of
+each stage's slowest model-stage; asynchronous, a pipeline in which generation runs up to
+``Scenario.max_staleness`` batches ahead and each step ends with a weight sync, its state carried
+from step to step (at a move or restart the rollouts generated ahead are kept or dropped as
+``Scenario.in_flight`` says; a crash drops them). It runs out of memory when any GPU's true peak
+(its model-stage's true footprint plus the idle state of other stages on that GPU) exceeds the
+GPU's memory, in which case the step is lost and the job restarts from its checkpoint. Wall time
+includes transitions, restarts and time spent waiting for GPUs, as in the paper's step latency.
 
 The truth (``nereus.sim.truth``) is written apart from the planner, with its own functional forms
 fitted to published measurements; the planner learns it only through telemetry: per model-stage,
@@ -19,8 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
 from nereus.control.action import Keep, Move, RecordKind, Restart, TransitionRecord
 from nereus.control.admission import Decision, Verdict
@@ -30,126 +33,15 @@ from nereus.errors import InfeasibleError
 from nereus.plan.calibration import CalibrationStore, Efficiencies, Measurement
 from nereus.plan.evaluate import price, shapes_of
 from nereus.plan.layout import Layout, Plan
-from nereus.plan.overlap import step_latency
 from nereus.plan.problem import PlanningProblem, SearchSpace, SeqStats
 from nereus.plan.search import search
 from nereus.sim.observe import pair, quiet_truth
-from nereus.sim.seqcurve import SeqCurve
-from nereus.sim.trace import GpuSupply
-from nereus.sim.truth import Episode, Hardware, StageResult
-from nereus.spec.cluster import ClusterSpec
-from nereus.spec.model import ModelSpec
-from nereus.spec.workload import Role, Stage, WorkloadSpec
+from nereus.sim.records import Scenario, SimulationError, StepRecord, Summary
+from nereus.sim.truth import Hardware, StageResult
+from nereus.sim.truth.asynchrony import AsyncStep, Pipeline, sync_step, weight_sync_seconds
+from nereus.spec.workload import ExecutionMode, Role, Stage
 
-
-class SimulationError(InfeasibleError):
-    """The scenario cannot run: no pool in the trace fits any plan (exit 3, like any infeasible plan)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Scenario:
-    workload: WorkloadSpec
-    models: Mapping[Role, ModelSpec]
-    cluster: ClusterSpec
-    supply: GpuSupply
-    curve: SeqCurve
-    steps: int
-    seed: int = 0
-    noise: float = 0.03
-    episodes: tuple[Episode, ...] = ()
-    restart_s: float = 120.0  # relaunch, rendezvous, warm-up after a crash or restart
-    storage_gbs: float = 2.0  # checkpoint read bandwidth per node, GB/s
-
-    def __post_init__(self) -> None:
-        if self.steps <= 0:
-            raise ValueError("steps must be positive")
-        if self.supply.max_gpus > self.cluster.total_gpus:
-            raise ValueError(
-                f"max_gpus {self.supply.max_gpus} exceeds cluster {self.cluster.name} "
-                f"({self.cluster.total_gpus} GPUs)"
-            )
-
-    def lengths(self, step: int) -> SeqStats:
-        mean, p95 = self.curve.at(step)
-        cap = float(self.workload.max_response_len)
-        mean = min(mean, cap)
-        return SeqStats(self.workload.prompt_len, mean, max(mean, min(p95, cap)))
-
-
-@dataclass(frozen=True, slots=True)
-class StepRecord:
-    step: int
-    start_s: float
-    gpus: int
-    seq_len_mean: float
-    seq_len_p95: float
-    plan: dict[str, str]
-    step_s: float
-    transition_s: float = 0.0
-    restart_s: float = 0.0
-    stalled_s: float = 0.0
-    oom: bool = False
-    tp_pp_change: bool = False
-    decision: dict[str, Any] | None = None
-    preempted: bool = False  # GPUs of the plan were revoked during the step
-    transitions: tuple[TransitionRecord, ...] = ()  # what moved at the boundary before the step
-
-    @property
-    def lost(self) -> bool:
-        """The step's work is lost (out of memory or preempted) and the step runs again."""
-        return self.oom or self.preempted
-
-    @property
-    def wall_s(self) -> float:
-        return self.step_s + self.transition_s + self.restart_s + self.stalled_s
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "start_s": self.start_s,
-            "gpus": self.gpus,
-            "seq_len_mean": self.seq_len_mean,
-            "seq_len_p95": self.seq_len_p95,
-            "plan": self.plan,
-            "step_s": self.step_s,
-            "transition_s": self.transition_s,
-            "restart_s": self.restart_s,
-            "stalled_s": self.stalled_s,
-            "wall_s": self.wall_s,
-            "oom": self.oom,
-            "tp_pp_change": self.tp_pp_change,
-            "preempted": self.preempted,
-            "decision": self.decision,
-            "transitions": [t.to_json() for t in self.transitions],
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class Summary:
-    policy: str
-    mean_step_s: float
-    total_s: float
-    transitions: int
-    tp_pp_transitions: int
-    oom_steps: int
-    preempted_steps: int
-    restarts: int
-    stalled_s: float
-    replans: int
-    records: tuple[StepRecord, ...] = field(default=(), repr=False)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "mean_step_s": self.mean_step_s,
-            "total_s": self.total_s,
-            "transitions": self.transitions,
-            "tp_pp_transitions": self.tp_pp_transitions,
-            "oom_steps": self.oom_steps,
-            "preempted_steps": self.preempted_steps,
-            "restarts": self.restarts,
-            "stalled_s": self.stalled_s,
-            "replans": self.replans,
-        }
+__all__ = ["STATIC_BEST", "Scenario", "SimulationError", "StepRecord", "Summary", "simulate"]
 
 
 def _describe(plan: Plan) -> dict[str, str]:
@@ -174,6 +66,8 @@ class _Run:
         self.layouts_seen: list[dict[str, Layout]] = []  # every plan's layouts, in order
         self._seed: list[tuple[Measurement, ...]] | None = None  # the oracle's probe of the truth
         self._seed_memory: list[tuple[Stage, float, float]] = []
+        async_mode = scenario.workload.mode is ExecutionMode.ASYNC
+        self.pipeline = Pipeline(scenario.max_staleness) if async_mode else None
 
     def pool(self) -> tuple[int, ...]:
         return self.s.supply.pool_at(self.t)
@@ -294,6 +188,7 @@ class _Run:
                     moved += [restarted] if restarted is not None else []
                 case Keep():
                     pass
+        dropped = self._flush(self.s.in_flight == "drain") if moved else 0
         plan = ctl.plan
         layouts = {c.model_stage: c.layout for c in plan.candidates}
         if not self.layouts_seen or self.layouts_seen[-1] != layouts:
@@ -301,13 +196,27 @@ class _Run:
         problem = replace(ctl.problem(pool, seq), efficiencies=Efficiencies.unit())
         ideal = price(problem, shapes_of(plan))  # the planner's seconds per op class at peak
         quiet = self._quiet(plan, seq)  # the truth's, on a quiet machine
-        times, measurements, peaks = {}, [], {}
+        sync = self._weight_sync(plan, k) if self.pipeline is not None else {}
+        times, own, measurements, peaks = {}, {}, [], {}
         for c in plan.candidates:
             measured = self.hw.run(quiet[c.model_stage].seconds, k)  # episodes and noise on top
+            own[c.model_stage] = sum(measured.values())
+            if sync and plan.stage_of(c) is Stage.GEN:  # async: the generator's telemetry has the sync
+                measured = _merged(measured, sync)
             times[c.model_stage] = sum(measured.values())
             measurements.extend(pair(ideal.by_class[c.model_stage], measured))
             peaks[c.model_stage] = self.hw.peak(quiet[c.model_stage].peak_bytes)
-        step_s = step_latency(plan.workflow, self.s.workload.mode, times)
+        wf = plan.workflow
+        pipelined: AsyncStep | None = None
+        if self.pipeline is None:
+            step_s = sync_step([times[m.name] for m in wf.by_stage(s)] for s in wf.stages)
+        else:
+            gen_s = sync_step([[own[m.name] for m in wf.by_stage(Stage.GEN)]])
+            trainer_s = sync_step(
+                [own[m.name] for m in wf.by_stage(s)] for s in wf.stages if s is not Stage.GEN
+            )
+            pipelined = self.pipeline.step(gen_s, trainer_s, sum(sync.values()))
+            step_s = pipelined.step_s
         oom = self._oom(plan, peaks, {n: r.resident_bytes for n, r in quiet.items()})
         restart_s = 0.0
         if oom and not self.free:  # the step is lost: the job crashes and restarts from its checkpoint
@@ -316,6 +225,8 @@ class _Run:
         self.t += step_s
         plan_gpus = {g for c in plan.candidates for g in c.gpus}
         preempted = not plan_gpus <= set(self.pool())  # GPUs revoked while the step ran: it is lost
+        if oom or preempted:  # the job crashed: what generation ran ahead is gone
+            dropped += self._flush(keep=False)
         record = StepRecord(
             k,
             start,
@@ -332,6 +243,8 @@ class _Run:
             decision.to_json() if decision is not None else None,
             preempted,
             tuple(moved),
+            pipelined,
+            dropped,
         )
         telemetry = Telemetry(
             k,
@@ -345,6 +258,25 @@ class _Run:
             oom,
         )
         return record, telemetry
+
+    def _weight_sync(self, plan: Plan, k: int) -> dict[str, float]:
+        """The measured seconds per op class of the async weight sync: the actor's trainer
+        broadcasts its new weights to the generation engine's GPUs."""
+        (gen,) = plan.workflow.by_stage(Stage.GEN)
+        trainer = plan.workflow.sync_source(gen.name)
+        gpus = {c.model_stage: c.gpus for c in plan.candidates}
+        if trainer is None:
+            return {}
+        model = self.s.models[Role.ACTOR]
+        return self.hw.run(weight_sync_seconds(model, self.s.cluster, gpus[trainer], gpus[gen.name]), k)
+
+    def _flush(self, keep: bool) -> int:
+        """Async, at a transition, a restart or a crash: keep or drop the rollouts generated
+        ahead. Returns the rollouts dropped."""
+        if self.pipeline is None:
+            return 0
+        (gen,) = self.s.workload.workflow().by_stage(Stage.GEN)
+        return self.pipeline.flush(keep) * self.s.workload.sequences(gen)
 
     def _transition_truth(self, decision: Decision, move: Move) -> float:
         """The true seconds of an admitted move: from the bytes it moves (not from the
@@ -393,6 +325,13 @@ class _Run:
 
 
 STATIC_BEST = "static-best"
+
+
+def _merged(a: Mapping[str, float], b: Mapping[str, float]) -> dict[str, float]:
+    out = dict(a)
+    for op, t in b.items():
+        out[op] = out.get(op, 0.0) + t
+    return out
 
 
 def simulate(scenario: Scenario, policy: str, gamma: float = 0.5) -> Summary:
@@ -444,4 +383,5 @@ def _replay(run: _Run, scenario: Scenario, policy: str) -> Summary:
         sum(r.stalled_s for r in records),
         len(decisions),
         tuple(records),
+        sum(r.dropped_rollouts for r in records),
     )

@@ -20,7 +20,7 @@ from nereus.plan.problem import SeqStats
 from nereus.sim.truth import Lengths, Placement, StageResult, run_stage
 from nereus.spec.cluster import ClusterSpec
 from nereus.spec.model import ModelSpec
-from nereus.spec.workload import Role, Stage, WorkloadSpec
+from nereus.spec.workload import ExecutionMode, Role, Stage, WorkloadSpec
 
 
 def _closest(name: str, planner: Mapping[str, float]) -> str | None:
@@ -78,6 +78,8 @@ def quiet_truth(
                 for g in c.gpus
             )
             free = cluster.gpu_memory_bytes - cluster.runtime_reserved_gib * 2**30 - idle
-        syncs = plan.workflow.sync_source(ms.name) is not None
+        # async: generation's weights arrive by the pipeline's own sync (``truth.asynchrony``)
+        own_sync = w.mode is ExecutionMode.ASYNC and ms.stage is Stage.GEN
+        syncs = plan.workflow.sync_source(ms.name) is not None and not own_sync
         out[ms.name] = run_stage(model, w, cluster, ms.stage, where, w.sequences(ms), lengths, free, syncs)
     return out
