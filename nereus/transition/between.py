@@ -96,11 +96,14 @@ def plan_transition(
     target: Plan,
     lost: frozenset[int] = frozenset(),
     skip: frozenset[str] = frozenset(),
+    grouped: bool | None = False,
 ) -> Transition:
     """The global DAG from ``current`` to ``target`` and its schedule (raises NoSourceError).
-    ``skip``: model-stages left out (weight copies a weight sync rebuilds afterwards)."""
+    ``skip``: model-stages left out (weight copies a weight sync rebuilds afterwards);
+    ``grouped``: plan identical units as groups (None: where it applies, see ``plan_dag``;
+    off by default: it saves little end to end so far, see ``group.py``)."""
     moves = tuple(m for m in stage_moves(problem, current, target, lost) if m.name not in skip)
     rank = {ms.name: STAGE_ORDER.index(ms.stage) for ms in target.workflow.model_stages}
     links = LinkModel(problem.cluster, problem.efficiencies)
-    dag, schedule = plan_dag(moves, rank, links, ledger_capacity(problem))
+    dag, schedule = plan_dag(moves, rank, links, ledger_capacity(problem), grouped)
     return Transition(dag, schedule, moves)

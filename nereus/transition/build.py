@@ -115,14 +115,28 @@ def plan_dag(
     stage_rank: Mapping[str, int],
     links: LinkModel,
     capacity: int | Mapping[int, int],
+    grouped: bool | None = False,
 ) -> tuple[TransitionDag, Schedule | None]:
     """The DAG and schedule a transition runs: splits-first, and stage-first when that may help.
+
+    ``grouped``: None plans identical units as groups where that applies (``group.py``: many
+    nodes, memory for every acquisition), True wherever memory allows, False never (the exact
+    per-unit greedy below).
 
     The second commit order is built only when the first is infeasible or its schedule lies more
     than ``SLACK`` above the lower bound (critical path of the local edges, busiest port). The
     shorter feasible schedule wins.
     """
     locals_ = _Locals(moves, links, capacity)
+    if grouped is not False:
+        from nereus.transition.group import plan_grouped
+
+        out = plan_grouped(
+            locals_.nodes, locals_.edges, locals_.units, locals_.init, locals_.cap, stage_rank,
+            locals_.order_of, (_CLASS, _RELEASE_FIRST), force=grouped is True,
+        )  # fmt: skip
+        if out is not None:
+            return out
     best: tuple[TransitionDag, Schedule | None] | None = None
     for order in CommitOrder:
         dag = locals_.commit(stage_rank, order)
