@@ -12,7 +12,9 @@ calibration change. ``PlanCache`` keeps, per job (workload, models, cluster, hea
 * frontiers: each table's feasible non-dominated candidates (also per held layout);
 * programs:  the shapes the exact program chose from those frontiers, per pool size;
 * estimates: the full breakdown of a chosen shape;
-* results:   whole searches, keyed by every field of the problem (pool ids and anchor included).
+* results:   whole searches, keyed by every field of the problem (pool ids and anchor included);
+* placements: the GPUs of chosen shapes, by shapes, pool ids, anchor and failure domains (what a
+             drift of the lengths or the calibration that keeps the shapes does not change).
 
 Pool size: a row's price does not depend on the pool, and the rows of a smaller pool are exactly
 the rows of a larger one with at most that many GPUs, in the same order. A table priced for G GPUs
@@ -44,10 +46,11 @@ from nereus.plan.candidates import (
     enumerate_rows,
     price_rows,
     recomputes_of,
+    twin_key,
 )
 from nereus.plan.cost import CostModel
 from nereus.plan.frontier import frontier
-from nereus.plan.layout import Layout
+from nereus.plan.layout import Layout, Plan
 from nereus.plan.problem import PlanningProblem
 from nereus.spec.workload import ModelStage, Workflow
 
@@ -67,6 +70,7 @@ class _Priced:
     """Everything cached under one price key; G-indexed entries hold the pool size they cover."""
 
     tables: dict[tuple[str, Hold], tuple[int, CandidateTable]] = field(default_factory=dict)
+    twins: dict[Hashable, tuple[int, CandidateTable]] = field(default_factory=dict)  # by twin key
     fronts: dict[tuple[str, Hold], tuple[int, CandidateTable]] = field(default_factory=dict)
     programs: dict[Hashable, Any] = field(default_factory=dict)
     estimates: dict[tuple[str, Shape], Estimate] = field(default_factory=dict)
@@ -117,12 +121,14 @@ class PlanCache:
         self._rows: dict[tuple[Hashable, ...], tuple[int, Rows]] = {}
         self._priced: OrderedDict[PriceKey, _Priced] = OrderedDict()
         self._results: OrderedDict[Hashable, Any] = OrderedDict()
+        self._placements: OrderedDict[Hashable, Plan] = OrderedDict()
 
     def clear(self) -> None:
         self._job, self._eff, self._workflow = None, None, None
         self._rows.clear()
         self._priced.clear()
         self._results.clear()
+        self._placements.clear()
 
     # ------------------------------------------------------------------ keys
     def bind(self, problem: PlanningProblem) -> Workflow:
@@ -215,9 +221,15 @@ class PlanCache:
         if found is None:
             rows = self.rows(problem, ms, hold)
             started = time.perf_counter()
-            found = price_rows(cost(), ms, rows, recomputes_of(problem, ms))
+            recomputes = recomputes_of(problem, ms)
+            twin_at = (twin_key(problem, ms), gpus)
+            twin = priced.twins.get(twin_at)
+            same = twin is not None and _same_rows(twin[1], rows, len(recomputes))
+            self.stats.count("twin", same)
+            found = price_rows(cost(), ms, rows, recomputes, twin[1] if same and twin is not None else None)
             self.pricing_s += time.perf_counter() - started
             priced.tables[(ms.name, hold)] = (gpus, found)
+            priced.twins.setdefault(twin_at, (gpus, found))
         return found
 
     def frontier(
@@ -236,6 +248,32 @@ class PlanCache:
             priced.fronts[(ms.name, hold)] = (problem.gpus, found)
         return found
 
+    def placement(
+        self, problem: PlanningProblem, wf: Workflow, shapes: Mapping[str, Shape], make: Callable[[], Plan]
+    ) -> Plan:
+        """The placement of ``shapes`` on this pool (``make`` when not kept): placement reads the
+        shapes, the pool, the anchor and the failure domains, not the prices, so a replan after a
+        length or calibration drift that keeps the shapes keeps their GPUs."""
+        key = (
+            problem.workload.mode,
+            tuple(shapes[m.name] for m in wf.model_stages),
+            problem.pool,
+            problem.anchor,
+            problem.domains,
+        )
+        try:
+            found = self._placements.get(key)
+        except TypeError:  # something unhashable: no memo
+            return make()
+        self.stats.count("placement", found is not None)
+        if found is None:
+            found = self._placements[key] = make()
+            while len(self._placements) > max(self.max_results, 1):
+                self._placements.popitem(last=False)
+        else:
+            self._placements.move_to_end(key)
+        return found
+
     @staticmethod
     def memo(store: dict[Any, Any], key: Hashable, make: Callable[[], T]) -> T:
         if key in store:
@@ -243,6 +281,19 @@ class PlanCache:
             return value
         value = store[key] = make()
         return value
+
+
+def _same_rows(table: CandidateTable, rows: Rows, blocks: int) -> bool:
+    """Whether ``table`` was priced whole from rows equal to ``rows`` (a twin's: same key)."""
+    n = len(rows.dp)
+    return (
+        table.source is None
+        and len(table) == n * blocks
+        and table.layouts == rows.layouts
+        and np.array_equal(table.dp[:n], rows.dp)
+        and np.array_equal(table.micro_batch[:n], rows.micro_batch)
+        and np.array_equal(table.layout_index[:n], rows.layout_index)
+    )
 
 
 def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:

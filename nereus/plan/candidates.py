@@ -11,6 +11,8 @@ micro-batch or concurrency above what a replica receives) are listed once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
 
 import numpy as np
 
@@ -63,6 +65,39 @@ class Estimate:
 
 
 @dataclass(frozen=True, slots=True)
+class RowPrices:
+    """What pricing a table computed besides its totals: per recomputation block (``rows`` rows
+    each), the latency and memory terms as arrays over the block's rows."""
+
+    blocks: tuple[tuple[LatencyTerms, MemoryTerms], ...]
+    rows: int
+    # per block, Σ of the latency terms before ``weight_sync`` (the last term, when there is one):
+    # what a twin model-stage that differs only in receiving weights starts from
+    base_totals: tuple[FloatArray, ...] = ()
+
+    def estimate(self, model_stage: str, shape: Shape, row: int) -> Estimate:
+        terms, mem = self.blocks[row // self.rows]
+        i = row % self.rows
+
+        def at(values: FloatArray) -> FloatArray:
+            v = np.asarray(values)
+            return np.asarray(float(v.flat[i if v.size > 1 else 0]))
+
+        latency = LatencyTerms(
+            {name: Cost({op: at(t) for op, t in part.by_class.items()}) for name, part in terms.parts.items()}
+        )
+        memory = MemoryTerms(
+            params=at(mem.params),
+            optimizer=at(mem.optimizer),
+            grads=at(mem.grads),
+            activations=at(mem.activations),
+            kv_cache=at(mem.kv_cache),
+            correction=mem.correction,
+        )
+        return Estimate(model_stage, shape, latency, memory)
+
+
+@dataclass(frozen=True, slots=True)
 class CandidateTable:
     """The shapes of one model-stage and their GPUs, latency and per-GPU memory, as arrays.
 
@@ -81,6 +116,8 @@ class CandidateTable:
     latency: FloatArray
     persistent: FloatArray
     active: FloatArray
+    prices: RowPrices | None = None  # every term of every row of the table this one was cut from
+    source: IntArray | None = None  # each row's position in that table (None: the same rows)
 
     def __len__(self) -> int:
         return len(self.gpus)
@@ -110,7 +147,26 @@ class CandidateTable:
             self.latency[index],
             self.persistent[index],
             self.active[index],
+            self.prices,
+            None if self.prices is None else (index if self.source is None else self.source[index]),
         )
+
+    def estimate(self, shape: Shape) -> Estimate | None:
+        """The full breakdown of ``shape`` from the terms its pricing kept (None: not a row here,
+        or no terms kept). Equal to ``estimate(cost, model_stage, shape)``: the same arithmetic,
+        element by element."""
+        if self.prices is None or shape.layout not in self.layouts or shape.recompute not in self.recomputes:
+            return None
+        hit = np.flatnonzero(
+            (self.layout_index == self.layouts.index(shape.layout))
+            & (self.dp == shape.dp)
+            & (self.micro_batch == shape.micro_batch)
+            & (self.recompute_index == self.recomputes.index(shape.recompute))
+        )
+        if hit.size == 0:
+            return None
+        row = int(hit[0]) if self.source is None else int(self.source[hit[0]])
+        return self.prices.estimate(self.model_stage.name, shape, row)
 
 
 def layouts(problem: PlanningProblem, model_stage: ModelStage) -> list[Layout]:
@@ -248,19 +304,54 @@ def enumerate_rows(problem: PlanningProblem, model_stage: ModelStage) -> Rows:
 
 
 def price_rows(
-    cost: CostModel, model_stage: ModelStage, rows: Rows, recomputes: tuple[Recompute, ...]
+    cost: CostModel,
+    model_stage: ModelStage,
+    rows: Rows,
+    recomputes: tuple[Recompute, ...],
+    twin: CandidateTable | None = None,
 ) -> CandidateTable:
-    """The candidate table of ``rows`` under ``cost``: one block of rows per recomputation option."""
+    """The candidate table of ``rows`` under ``cost``: one block of rows per recomputation option.
+
+    ``twin``: a table priced by ``cost`` from the same rows for a model-stage that differs from
+    ``model_stage`` at most in receiving weights (same model, stage kind, sequences and engine
+    options; see ``twin_key``): its terms are reused and only the weight sync is priced. The
+    totals are the same sums in the same order, so the table is identical to a fresh pricing."""
     n = len(rows.dp)
     lats: list[FloatArray] = []
     pers: list[FloatArray] = []
     acts: list[FloatArray] = []
-    for recompute in recomputes:
-        terms, mem = cost.evaluate_rows(
-            model_stage, rows.layouts, rows.layout_index, rows.dp, rows.micro_batch, recompute, rows.replicas
-        )
-        for out, v in zip((lats, pers, acts), (terms.total, mem.persistent, mem.active), strict=True):
-            out.append(np.broadcast_to(v, (n,)).astype(np.float64))
+    blocks: list[tuple[LatencyTerms, MemoryTerms]] = []
+    bases: list[FloatArray] = []
+    syncs = cost.syncs(model_stage)
+    sync: Cost | None = None
+    for k, recompute in enumerate(recomputes):
+        if twin is not None and twin.prices is not None:
+            done, mem = twin.prices.blocks[k]
+            parts = {name: c for name, c in done.parts.items() if name != "weight_sync"}
+            base = twin.prices.base_totals[k]
+            if syncs and sync is None:
+                sync = cost.weight_sync(rows.replicas)
+        else:
+            terms, mem = cost.evaluate_rows(
+                model_stage,
+                rows.layouts,
+                rows.layout_index,
+                rows.dp,
+                rows.micro_batch,
+                recompute,
+                rows.replicas,
+            )
+            parts = {name: c for name, c in terms.parts.items() if name != "weight_sync"}
+            sync = terms.parts.get("weight_sync")
+            base = sum((c.total for c in parts.values()), np.zeros(()))  # LatencyTerms.total's order
+        total = base
+        if sync is not None:
+            parts["weight_sync"] = sync
+            total = total + sync.total
+        bases.append(base)
+        blocks.append((LatencyTerms(MappingProxyType(parts)), mem))
+        for out, v in zip((lats, pers, acts), (total, mem.persistent, mem.active), strict=True):
+            out.append(_column(v, n))
     k = len(recomputes)
     return CandidateTable(
         model_stage,
@@ -274,7 +365,25 @@ def price_rows(
         np.concatenate(lats),
         np.concatenate(pers),
         np.concatenate(acts),
+        RowPrices(tuple(blocks), n, tuple(bases)),
     )
+
+
+def _column(values: FloatArray, n: int) -> FloatArray:
+    v = np.asarray(values)
+    if v.shape == (n,) and v.dtype == np.float64:
+        return v
+    return np.broadcast_to(v, (n,)).astype(np.float64)
+
+
+def twin_key(problem: PlanningProblem, model_stage: ModelStage) -> tuple[Any, ...]:
+    """What the rows and the price of ``model_stage`` read besides the job, the pool and the
+    prices: model-stages with equal keys have the same rows and the same terms but for the weight
+    sync (e.g. PPO's actor.inf and ref.inf, critic.inf and reward.inf of one model)."""
+    s, name = problem.space, model_stage.name
+    return (problem.model_of(model_stage), model_stage.stage, problem.workload.sequences(model_stage),
+            s.fixed_layout(name), s.fixed_shape(name), name in s.flat, name in s.overlap_dp_sync,
+            name in s.paged_kv, recomputes_of(problem, model_stage))  # fmt: skip
 
 
 def candidate_table(cost: CostModel, model_stage: ModelStage) -> CandidateTable:

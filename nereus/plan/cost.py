@@ -168,6 +168,7 @@ class CostModel:
     def __init__(self, problem: PlanningProblem) -> None:
         self.problem = problem
         self.links = Links(problem.cluster, problem.efficiencies)
+        self.workflow = problem.workflow  # (built anew on every ``problem.workflow``)
 
     # ------------------------------------------------------------ dispatch
     def evaluate_rows(
@@ -195,9 +196,18 @@ class CostModel:
         else:
             overlap = model_stage.name in space.overlap_dp_sync
             terms, mem = self._training(model, rep, dpf, micro, recompute, overlap)
-        if self.problem.workflow.sync_source(model_stage.name) is not None:
+        if self.syncs(model_stage):
             terms["weight_sync"] = self._weight_sync(rep)
         return LatencyTerms(MappingProxyType(terms)), mem
+
+    def syncs(self, model_stage: ModelStage) -> bool:
+        """Whether ``model_stage`` receives a trainer's weights at the step boundary (its last
+        latency term, ``weight_sync``)."""
+        return self.workflow.sync_source(model_stage.name) is not None
+
+    def weight_sync(self, replicas: ReplicaFacts) -> Cost:
+        """The ``weight_sync`` term of rows with these layout facts."""
+        return self._weight_sync(replicas)
 
     def evaluate(
         self,

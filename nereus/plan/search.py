@@ -27,6 +27,7 @@ share the rest and couple only with each other; L_step = max(L_gen, L_inf + L_tr
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import time
@@ -50,6 +51,9 @@ from nereus.spec.cluster import GIB
 from nereus.spec.workload import ExecutionMode, ModelStage, Stage, Workflow
 
 INF = math.inf
+MISSING = object()
+BOUND_BATCH = 4  # caps whose bounds one pass computes
+NEVER = 1 << 40  # GPUs of an inadmissible row: more than any budget, summable in int64
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,52 +65,91 @@ class StageChoice:
 
 
 class StageSolver:
-    """Min-max assignment of concurrent model-stages under a GPU budget and memory caps."""
+    """Min-max assignment of concurrent model-stages under a GPU budget and memory caps.
+
+    The tables' rows are merged into one latency order (stable: a table's own rows keep their
+    order), so one call is a fixed number of NumPy operations on a (tables × rows) matrix however
+    many model-stages share the stage: ``need[k, i]`` is the fewest GPUs table k needs among its
+    admissible rows up to position i (a running minimum), the answer the first position where the
+    column sum fits the budget."""
 
     def __init__(self, tables: Sequence[CandidateTable]) -> None:
         self.tables = list(tables)  # each sorted by latency (``frontier`` output)
         self._memo: dict[tuple[float, float, int], StageChoice | None] = {}
+        self._running: dict[tuple[float, int], list[float]] = {}  # one table: −running min of active
         # active caps between two consecutive values the candidates take admit the same
         # candidates: a call is keyed by the largest value at or under its cap (fewer distinct calls)
-        self._actives = np.unique(np.concatenate([t.active for t in self.tables]))
+        lat = np.concatenate([t.latency for t in self.tables])
+        order = np.argsort(lat, kind="stable")
+        self._lat = lat[order]
+        self._pers = np.concatenate([t.persistent for t in self.tables])[order]
+        self._act = np.concatenate([t.active for t in self.tables])[order]
+        self._actives: list[float] = np.unique(self._act).tolist()
+        self._levels: list[float] = np.unique(self._pers).tolist()
+        self._gpus = np.concatenate([t.gpus for t in self.tables]).astype(np.int64)[order]
+        self._local = np.concatenate([np.arange(len(t)) for t in self.tables])[order]
+        which = np.concatenate([np.full(len(t), k) for k, t in enumerate(self.tables)])[order]
+        self._big = NEVER
+        # row k: table k's GPUs where the row is table k's, else "never enough"
+        self._base = np.where(which[None, :] == np.arange(len(self.tables))[:, None], self._gpus, self._big)
 
     def resident_levels(self) -> list[float]:
-        return sorted({float(v) for t in self.tables for v in t.persistent})
+        return self._levels
 
     def solve(self, x: float, y: float, budget: int) -> StageChoice | None:
-        i = int(np.searchsorted(self._actives, y, side="right"))
+        i = bisect.bisect_right(self._actives, y)
         if i == 0:
             return None
-        key = (x, float(self._actives[i - 1]), budget)
-        if key not in self._memo:
-            self._memo[key] = self._solve(*key)
-        return self._memo[key]
+        key = (x, self._actives[i - 1], budget)
+        found = self._memo.get(key, MISSING)
+        if found is MISSING:
+            found = self._memo[key] = self._solve(*key)
+        return found  # type: ignore[return-value]
+
+    def bounds(self, xs: Sequence[float], y: float, budget: int) -> list[float]:
+        """``solve(x, y, budget).latency`` (INF: no solution) for every resident cap in ``xs``,
+        in one pass."""
+        i = bisect.bisect_right(self._actives, y)
+        if i == 0 or not len(self._lat):
+            return [INF] * len(xs)
+        common = (self._act <= self._actives[i - 1]) & (self._gpus <= budget)
+        ok = (self._pers[None, :] <= np.asarray(xs, dtype=np.float64)[:, None]) & common[None, :]
+        if len(self.tables) == 1:
+            fits = ok
+        else:
+            cells = np.where(ok[:, None, :], self._base[None, :, :], NEVER)
+            fits = np.minimum.accumulate(cells, axis=2).sum(axis=1) <= budget
+        first = fits.argmax(axis=1)
+        found = fits[np.arange(len(xs)), first]
+        latencies: list[float] = np.where(found, self._lat[first], INF).tolist()
+        return latencies
 
     def _solve(self, x: float, y: float, budget: int) -> StageChoice | None:
-        lists = []
-        for t in self.tables:
-            idx = np.flatnonzero((t.persistent <= x) & (t.active <= y) & (t.gpus <= budget))
-            if idx.size == 0:
+        if len(self.tables) == 1:  # one model-stage: its fastest admissible candidate
+            # the running minimum of active memory over rows within (x, budget) first reaches y
+            # at that candidate; one running minimum serves every y
+            lowest = self._running.get((x, budget))
+            if lowest is None:
+                within = (self._pers <= x) & (self._gpus <= budget)
+                lowest = self._running[(x, budget)] = (
+                    -np.minimum.accumulate(np.where(within, self._act, INF))
+                ).tolist()
+            i = bisect.bisect_left(lowest, -y)
+            if i == len(lowest):
                 return None
-            lists.append((t.latency[idx], np.minimum.accumulate(t.gpus[idx]), idx))
-        if len(lists) == 1:  # one model-stage: its fastest admissible candidate
-            return StageChoice(float(lists[0][0][0]), (int(lists[0][2][0]),))
-        thresholds = np.unique(np.concatenate([lat for lat, _, _ in lists]))
-        total = np.zeros(len(thresholds), dtype=np.int64)
-        for lat, need, _ in lists:  # need_M(T) at every threshold T, summed over model-stages
-            pos = np.searchsorted(lat, thresholds, side="right") - 1
-            total += np.where(pos >= 0, need[np.maximum(pos, 0)], budget + 1)
-        fits = np.flatnonzero(total <= budget)
-        if fits.size == 0:
+            return StageChoice(float(self._lat[i]), (int(self._local[i]),))
+        ok = (self._pers <= x) & (self._act <= y) & (self._gpus <= budget)
+        cells = np.where(ok, self._base, self._big)
+        need = np.minimum.accumulate(cells, axis=1)  # need_M(T) at every position, per table
+        fits = need.sum(axis=0) <= budget  # (a table with nothing admissible yet adds NEVER)
+        i = int(fits.argmax()) if len(fits) else 0
+        if not len(fits) or not fits[i]:
             return None
-        best = thresholds[fits[0]]
-        picks: list[int] = []
-        for lat, _, idx in lists:
-            p = int(np.searchsorted(lat, best, side="right"))
-            gpus = self.tables[len(picks)].gpus[idx[:p]]
-            picks.append(int(idx[int(np.argmin(gpus))]))
-        latency = max(float(t.latency[i]) for t, i in zip(self.tables, picks, strict=True))
-        return StageChoice(latency, tuple(picks))
+        end = int(np.searchsorted(self._lat, self._lat[i], side="right"))
+        # per table the fewest GPUs among its admissible rows no slower than the answer (the first)
+        chosen = cells[:, :end].argmin(axis=1)
+        picks = tuple(int(v) for v in self._local[chosen])
+        return StageChoice(float(self._lat[chosen].max()), picks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +166,9 @@ def solve_coupled(solvers: Sequence[StageSolver], budget: int, limit: float) -> 
     any solution while the others sit at their floors, until no floor moves: no feasible plan has
     a stage below its floor. Then caps are visited best-first by a lower bound: stage s at cap x
     cannot do better than solve(x, limit − Σ others' floors). The bound does not increase with x,
-    so each stage's caps in descending order are already sorted by bound, and bounds are computed
-    only for the caps the search reaches.
+    so each stage's caps in descending order are already sorted by bound; a stage's bounds come
+    from one batched pass. A visited combination stops being solved as soon as the stages solved
+    so far plus the others' bounds reach the best plan found.
     """
     levels = [s.resident_levels()[::-1] for s in solvers]  # descending: bound ascending
     if any(not lv for lv in levels):
@@ -146,12 +190,17 @@ def solve_coupled(solvers: Sequence[StageSolver], budget: int, limit: float) -> 
     floor = [lv[-1] for lv in levels]
     slack = [limit - (sum(floor) - floor[k]) for k in range(len(levels))]
 
-    def bound(k: int, i: int) -> float:
-        choice = solvers[k].solve(levels[k][i], slack[k], budget)
-        return INF if choice is None else choice.latency
+    known: list[list[float]] = [[] for _ in levels]  # bounds of each stage's first caps
 
-    start = (0,) * len(levels)
-    first = sum(bound(k, 0) for k in range(len(levels)))
+    def bound(k: int, i: int) -> float:
+        have = known[k]
+        if i >= len(have):  # the next few caps in one pass
+            have += solvers[k].bounds(levels[k][len(have) : i + BOUND_BATCH], slack[k], budget)
+        return have[i]
+
+    n = len(levels)
+    start = (0,) * n
+    first = sum(bound(k, 0) for k in range(n))
     if first == INF:
         return None
     heap = [(first, start)]
@@ -163,17 +212,23 @@ def solve_coupled(solvers: Sequence[StageSolver], budget: int, limit: float) -> 
             break
         caps = tuple(levels[k][i] for k, i in enumerate(combo))
         resident = sum(caps)
-        choices = []
+        choices: list[StageChoice] = []
         for k, solver in enumerate(solvers):
             choice = solver.solve(caps[k], limit - (resident - caps[k]), budget)
             if choice is None:
                 break
             choices.append(choice)
+            # the stages solved so far plus the bounds of the rest: a float sum no larger than the
+            # total (addition is monotone), so at or above the best this combination cannot win
+            if best is not None and k + 1 < n:
+                floor_sum = sum([c.latency for c in choices] + [known[j][combo[j]] for j in range(k + 1, n)])
+                if floor_sum >= best.latency:
+                    break
         else:
             total = sum(c.latency for c in choices)
             if best is None or total < best.latency:
                 best = CoupledChoice(total, tuple(choices), caps)
-        for k in range(len(levels)):
+        for k in range(n):
             if combo[k] + 1 < len(levels[k]):
                 nxt = (*combo[:k], combo[k] + 1, *combo[k + 1 :])
                 if nxt not in seen:
@@ -241,20 +296,19 @@ def finish(
     cost: CostModel | None = None,
     phases: dict[str, float] | None = None,
     estimates: Callable[[ModelStage, Shape], Estimate] | None = None,
+    cache: PlanCache | None = None,
 ) -> SearchResult:
     """Place the chosen shapes on GPUs and price each model-stage in full (any solver's last step).
-    ``estimates``: where the breakdown of a shape comes from (a cache), else ``cost``."""
+    ``estimates``: where the breakdown of a shape comes from (a cache), else ``cost``; ``cache``:
+    where an earlier placement of the same shapes on the same pool is kept."""
     placing = time.perf_counter()
-    wf = problem.workflow
-    plan = place(
-        wf,
-        problem.workload.mode,
-        shapes,
-        problem.pool,
-        problem.cluster.gpus_per_node,
-        problem.anchor,
-        problem.domains,
-    )
+    wf = cache.bind(problem) if cache is not None else problem.workflow
+
+    def placed() -> Plan:
+        mode, gpn = problem.workload.mode, problem.cluster.gpus_per_node
+        return place(wf, mode, shapes, problem.pool, gpn, problem.anchor, problem.domains)
+
+    plan = placed() if cache is None else cache.placement(problem, wf, shapes, placed)
     if estimates is None:
         model = cost or CostModel(problem)
         estimates = partial(estimate, model)
@@ -346,9 +400,12 @@ def _search(problem: PlanningProblem, cache: PlanCache, wf: Workflow, started: f
     }
 
     def breakdown(ms: ModelStage, shape: Shape) -> Estimate:
-        return cache.memo(priced.estimates, (ms.name, shape), lambda: estimate(cost(), ms, shape))
+        def make() -> Estimate:  # from the terms its pricing kept, else priced again
+            return fronts[ms.name].estimate(shape) or estimate(cost(), ms, shape)
 
-    return finish(problem, shapes, started, "dp", None, phases, breakdown)
+        return cache.memo(priced.estimates, (ms.name, shape), make)
+
+    return finish(problem, shapes, started, "dp", None, phases, breakdown, cache)
 
 
 def _solver_for(fronts: dict[str, CandidateTable], wf: Workflow, stage: Stage) -> StageSolver:
