@@ -51,6 +51,7 @@ from nereus.runtime.snapshot import Mark, Snapshot
 from nereus.spec import ClusterSpec
 from nereus.spec.model import ModelSpec
 from nereus.spec.workload import STAGE_ORDER, Role, Stage, WorkloadSpec
+from nereus.state import staging
 from nereus.state.buffers import BufferKind, StatePolicy
 from nereus.state.emu import LogicalState, replica_of, replicas, sample_range
 from nereus.state.geometry import shards
@@ -309,9 +310,12 @@ class Worker:
     def transition(self, tr: Transition) -> float:
         """Run a plan change's DAG (collective over the world); seconds it took."""
         started = time.perf_counter()
-        Executor(tr.dag, tr.moves, self.holder, self.gpu_of_rank).run(
-            tr.schedule.order() if tr.schedule else None
-        )
+        try:
+            Executor(tr.dag, tr.moves, self.holder, self.gpu_of_rank).run(
+                tr.schedule.order() if tr.schedule else None
+            )
+        finally:  # the DAG's ledger does not count staging: give it back before the next step runs
+            staging.release_all()
         return time.perf_counter() - started
 
     def weight_sync(self, plan: Plan) -> float:
@@ -334,7 +338,10 @@ class Worker:
         ordered = [moves[ms.name] for ms in self.workflow.model_stages if ms.name in moves]
         rank_of = {ms.name: STAGE_ORDER.index(ms.stage) for ms in self.workflow.model_stages}
         dag = build_dag(ordered, rank_of, self.links, 2**62)
-        Executor(dag, ordered, self.holder, self.gpu_of_rank).run()
+        try:
+            Executor(dag, ordered, self.holder, self.gpu_of_rank).run()
+        finally:
+            staging.release_all()
         self.holder.units = dict(self.holder.by_stage())
         for name in self.receivers():
             if name not in self.holder.units:
