@@ -37,7 +37,7 @@ from nereus.control.transition_cost import DagEstimator, TransitionEstimator
 from nereus.control.triggers import Trigger, TriggerKind, TriggerMonitor, horizon
 from nereus.errors import ConfigError, InfeasibleError
 from nereus.plan.cache import PlanCache
-from nereus.plan.calibration import CalibrationStore
+from nereus.plan.calibration import OOM_STEP, CalibrationStore
 from nereus.plan.evaluate import price, shapes_of
 from nereus.plan.layout import Layout, Plan
 from nereus.plan.problem import DEFAULT_HEADROOM, PlanningProblem, SearchSpace, SeqStats
@@ -48,6 +48,7 @@ from nereus.spec.model import ModelSpec
 from nereus.spec.workload import Role, Stage, WorkloadSpec
 
 Planner = Callable[[PlanningProblem], SearchResult]
+OOM_MIN_STEP = 1.02  # an out-of-memory error raises the stage's memory correction at least this much
 
 
 class State(StrEnum):
@@ -201,8 +202,9 @@ class Controller:
         self._calibrate(t)
         if t.oom:  # the model under-predicted that stage's memory: correct it before replanning
             stages = {self.plan.workflow.get(t.oom_stage).stage} if t.oom_stage else set(Stage)
+            steps = self._oom_steps(t)
             for stage in stages:
-                self.calibration.raise_memory_floor(stage)
+                self.calibration.raise_memory_floor(stage, steps.get(stage, OOM_STEP))
         plan_gpus = frozenset(g for c in self.plan.candidates for g in c.gpus)
         violation = False
         if plan_gpus <= frozenset(t.pool):  # the running plan at the next step's expected lengths
@@ -285,6 +287,20 @@ class Controller:
         self.plan = plan
         self.first_layouts = {c.model_stage: c.layout for c in plan.candidates}
         self.state, self.pending = State.STEADY, None
+
+    def _oom_steps(self, t: Telemetry) -> dict[Stage, float]:
+        """Per stage, the smallest correction under which the model would have predicted the
+        running plan's out-of-memory error: its predicted peak raised to the GPU's physical
+        memory less the runtime reserve (the headroom then keeps the next plan clear), at least
+        2% and at most ``OOM_STEP`` — not a fixed escalation that can leave nothing fitting."""
+        problem = self.problem(self.plan.pool, self._seq(t, ahead=0.0))
+        bound = price(problem, shapes_of(self.plan)).bound
+        physical = self.cluster.gpu_memory_bytes - problem.reserved_bytes
+        peaks: dict[Stage, float] = {}
+        for name, b in bound.items():
+            stage = self.plan.workflow.get(name).stage
+            peaks[stage] = max(peaks.get(stage, 0.0), b)
+        return {s: min(OOM_STEP, max(OOM_MIN_STEP, physical / b)) for s, b in peaks.items() if b > 0}
 
     # ------------------------------------------------------------------ replanning
     def _replan(self, t: Telemetry, fired: list[Trigger], rebuilt: frozenset[str]) -> Decision:

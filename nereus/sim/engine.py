@@ -183,7 +183,8 @@ class _Run:
                     moved.append(TransitionRecord.move(move, seconds, before))
                     tp_pp = bool(decision.transition and decision.transition.resharded)
                 case Restart(plan=target, reason=reason):
-                    pool, restarted, waited = self._restart(target, reason, pool, seq, k - 1)
+                    failed = prev is not None and prev.oom
+                    pool, restarted, waited = self._restart(target, reason, pool, seq, k - 1, failed)
                     stalled_s += waited
                     moved += [restarted] if restarted is not None else []
                 case Keep():
@@ -289,14 +290,22 @@ class _Run:
         return self.hw.transition(moving, rebuilt, regrouped)
 
     def _restart(
-        self, target: Plan | None, reason: str, pool: tuple[int, ...], seq: SeqStats, checkpoint: int
+        self,
+        target: Plan | None,
+        reason: str,
+        pool: tuple[int, ...],
+        seq: SeqStats,
+        checkpoint: int,
+        failed: bool = False,
     ) -> tuple[tuple[int, ...], TransitionRecord | None, float]:
         """Reload the checkpoint onto ``target`` (None: the best plan once the pool allows one).
-        Returns the pool, what moved, and the seconds spent waiting for GPUs."""
+        ``failed``: the running plan just ran out of memory, so it is no plan to carry on with —
+        the job waits for GPUs instead. Returns the pool, what moved, and the seconds spent
+        waiting for GPUs."""
         assert self.controller is not None
         ctl, waited = self.controller, 0.0
         running = frozenset(g for c in ctl.plan.candidates for g in c.gpus)
-        if target is None and running <= set(pool):
+        if target is None and running <= set(pool) and not failed:
             ctl.restarted(ctl.plan)  # nothing better fits: carry on with the plan as it is
             return pool, None, 0.0
         if target is None:
