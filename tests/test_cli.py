@@ -196,6 +196,8 @@ def test_describe_and_list(capsys: pytest.CaptureFixture[str]) -> None:
     _, out, _ = run(["list", "models"], capsys)
     assert out.split() == [
         "llama-125m",
+        "llama-2-13b",
+        "llama-2-70b",
         "llama-3.1-8b",
         "llama-3.3-70b",
         "qwen3-14b",
