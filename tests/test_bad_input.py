@@ -380,3 +380,13 @@ def test_hf_config_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert refused(argv, capsys) == f"{E_PLAN}hf/config.json: rms_norm_eps must be positive, got 0.0"
     write("hf/config.json", json.dumps(good))
     assert ModelSpec.from_hf_config(Path("hf/config.json")).hidden_size == 64
+
+
+def test_run_refuses_an_async_workload_it_would_run_synchronously(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    write("async.yaml", shipped("workloads", "ppo-tiny", mode="async"))
+    write("exp.yaml", "name: x\nworkload: async.yaml\nmodel: tiny-llama\nworkers: 2\nsteps: 1\n")
+    got = refused(["run", "exp.yaml", "--out", "out"], capsys)
+    assert "mode 'async' is planned" in got and "allowed here: sync" in got
+    assert not Path("out").exists()  # nothing half-written
