@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 MAX_RATE_PER_HOUR = 1e6
+MAX_TERMS = 100_000  # inclusion–exclusion terms before replicas are treated as independent
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +124,8 @@ def _all_drawn(total: int, sizes: list[int], drawn: int) -> float:
     summed per distinct size (replicas of one layout share it), in exact integers."""
     counts = Counter(sizes)
     kinds = sorted(counts)
+    if math.prod(c + 1 for c in counts.values()) > MAX_TERMS:  # many shapes: replicas independent
+        return math.prod(1.0 - _none_drawn(total, m, drawn) for m in sizes)
     hits = 0
     for picks in itertools.product(*(range(counts[m] + 1) for m in kinds)):
         marked = sum(j * m for j, m in zip(picks, kinds, strict=True))
@@ -131,3 +134,10 @@ def _all_drawn(total: int, sizes: list[int], drawn: int) -> float:
         ways = math.prod(math.comb(counts[m], j) for j, m in zip(picks, kinds, strict=True))
         hits += (-1) ** sum(picks) * ways * math.comb(total - marked, drawn)
     return max(0.0, hits / math.comb(total, drawn))
+
+
+def _none_drawn(total: int, marked: int, drawn: int) -> float:
+    """Probability that ``drawn`` of ``total`` instances, chosen at random, miss all ``marked``."""
+    if marked + drawn > total:
+        return 0.0
+    return math.comb(total - marked, drawn) / math.comb(total, drawn)
