@@ -98,39 +98,17 @@ def seconds(
     """True seconds of collective ``kind`` of ``nbytes`` per rank in ``group``."""
     if group.size <= 1 or nbytes <= 0:
         return 0.0
-    if kind == "sendrecv":
-        if group.nodes > 1:
-            return flat_seconds(
-                kind,
-                2,
-                nbytes,
-                inter_bytes_s,
-                p.coll_eff_inter,
-                p.coll_half_inter,
-                p.coll_alpha_inter_s,
-                p.coll_shape_inter,
-            )
+    if kind == "sendrecv" and group.nodes > 1:
         return flat_seconds(
-            kind,
-            2,
-            nbytes,
-            intra_bytes_s,
-            p.coll_eff_intra,
-            p.coll_half_intra,
-            p.coll_alpha_intra_s,
-            p.coll_shape_intra,
-        )
-    if group.nodes == 1:
+            kind, 2, nbytes, inter_bytes_s, p.coll_eff_inter, p.coll_half_inter, p.coll_alpha_inter_s,
+            p.coll_shape_inter,
+        )  # fmt: skip
+    if kind == "sendrecv" or group.nodes == 1:
+        ranks = 2 if kind == "sendrecv" else group.size
         return flat_seconds(
-            kind,
-            group.size,
-            nbytes,
-            intra_bytes_s,
-            p.coll_eff_intra,
-            p.coll_half_intra,
-            p.coll_alpha_intra_s,
+            kind, ranks, nbytes, intra_bytes_s, p.coll_eff_intra, p.coll_half_intra, p.coll_alpha_intra_s,
             p.coll_shape_intra,
-        )
+        )  # fmt: skip
     g, k = group.per_node, group.nodes
     inside = 0.0
     if g > 1:  # reduce-scatter (+ all-gather for all-reduce) inside the node, over NVLink
