@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from nereus.control.admission import Decision, Option, Profit, Rule, Verdict, admit, restart_instead
-from nereus.control.risk import last_copy_loss, restart_risk_s
+from nereus.control.controller import Controller
+from nereus.control.risk import last_copy_loss
 from nereus.control.transition_cost import TransitionEstimate
 from nereus.errors import ConfigError
 from nereus.plan.candidates import Shape
@@ -86,7 +87,7 @@ def test_placement_puts_a_replica_of_every_trainer_on_reserved_gpus() -> None:
     assert {c.model_stage: (c.layout, c.dp) for c in plan.candidates} == {
         c.model_stage: (c.layout, c.dp) for c in search(problem).plan.candidates
     }
-    assert restart_risk_s(plan, domains, 100.0, 120.0) == 0.0
+    assert last_copy_loss(plan, domains, 100.0) == 0.0
 
 
 def test_placement_keeps_the_running_reserved_replica_and_falls_back_when_none_fits() -> None:
@@ -100,17 +101,21 @@ def test_placement_keeps_the_running_reserved_replica_and_falls_back_when_none_f
     tiny = FailureDomains(frozenset({31}), 4, 2.0)  # no trainer replica fits on one GPU
     plan = search(_with(problem, tiny)).plan
     sizes = [len(r) for reps in _trainer_replicas(plan).values() for r in reps]
-    assert min(sizes) > 1 and restart_risk_s(plan, tiny, 100.0, 120.0) > 0.0
+    assert min(sizes) > 1 and last_copy_loss(plan, tiny, 100.0) > 0.0
 
 
 def test_restart_risk_grows_with_exposure() -> None:
     problem = make_problem(gpus=32, response=1024)
     plan = search(problem).plan  # placed without domains
     everything_revocable = FailureDomains(frozenset(), 4, 2.0)
-    short, long = (restart_risk_s(plan, everything_revocable, s, 120.0) for s in (10.0, 1000.0))
-    assert 0.0 < short < long < 120.0
+    short, long = (last_copy_loss(plan, everything_revocable, s) for s in (10.0, 1000.0))
+    assert 0.0 < short < long < 1.0
     assert last_copy_loss(plan, FailureDomains(frozenset(range(32)), 4, 2.0), 1e9) == 0.0
-    assert restart_risk_s(plan, None, 1000.0, 120.0) == 0.0
+    job = (problem.workload, problem.models, problem.cluster, plan)
+    bare = Controller(*job)  # the cluster YAML marks nothing revocable
+    assert bare.domains is None and bare._risk(plan, 1000.0, problem) == 0.0
+    exposed = Controller(*job, domains=everything_revocable)
+    assert exposed._risk(plan, 1000.0, problem) == pytest.approx(long * exposed._restart_s(plan, problem))
 
 
 def test_admission_weighs_the_restart_a_faster_plan_risks() -> None:
@@ -154,7 +159,7 @@ def test_when_reserved_gpus_hold_one_trainer_the_most_exposed_gets_them() -> Non
     assert running.candidate("actor.train").replica_gpus(0) == tuple(range(8))
     again = place(wf, mode, shapes, problem.pool, 4, anchor=running, domains=domains)
     assert set(again.candidate("critic.train").gpus) == set(range(8))
-    assert restart_risk_s(again, domains, 60.0, 100.0) < restart_risk_s(running, domains, 60.0, 100.0)
+    assert last_copy_loss(again, domains, 60.0) < last_copy_loss(running, domains, 60.0)
 
 
 def test_a_restart_is_admitted_when_nothing_moves_in_place_and_it_pays_back() -> None:

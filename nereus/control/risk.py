@@ -33,14 +33,6 @@ def last_copy_loss(plan: Plan, domains: FailureDomains, seconds: float) -> float
     return 1.0 - survive
 
 
-def restart_risk_s(plan: Plan, domains: FailureDomains | None, step_s: float, restart_s: float) -> float:
-    """Expected restart seconds per step of ``plan`` (steps of ``step_s``, restarts of ``restart_s``)."""
-    if domains is None or not domains.at_risk:
-        return 0.0
-    p = last_copy_loss(plan, domains, step_s)
-    return p * restart_s if p > 0 else 0.0
-
-
 def restart_seconds(
     plan: Plan, resident: Mapping[str, float], cluster: ClusterSpec, relaunch_s: float
 ) -> float:
