@@ -45,13 +45,13 @@ def test_domains_validate_and_price_losses() -> None:
     d = FailureDomains(frozenset(range(4)), 2, 3.0)
     assert d.on_reserved((0, 3)) and not d.on_reserved((3, 4))
     assert d.revocable_instances((0, 4, 5, 7)) == {2, 3}
-    assert d.loss_probability((0, 1), 3600.0) == 0.0  # reserved GPUs are never revoked
-    assert d.loss_probability((4, 5), 3600.0) == pytest.approx(1 - math.exp(-3.0))
-    assert d.loss_probability((4, 6), 3600.0) == pytest.approx(1 - math.exp(-6.0))  # two instances
+    assert d.all_lost_probability([(0, 1)], 3600.0) == 0.0  # reserved GPUs are never revoked
+    assert d.all_lost_probability([(4, 5)], 3600.0) == pytest.approx(1 - math.exp(-3.0))
+    assert d.all_lost_probability([(4, 6)], 3600.0) == pytest.approx(1 - math.exp(-6.0))  # two instances
     # both replicas must fail; one on reserved GPUs never does
     assert d.all_lost_probability([(4, 5), (6, 7)], 600.0) == pytest.approx((1 - math.exp(-0.5)) ** 2)
     assert d.all_lost_probability([(4, 5), (0, 1)], 600.0) == 0.0
-    assert FailureDomains(frozenset(), 2, 0.0).loss_probability((4,), 1e6) == 0.0  # rate unknown
+    assert FailureDomains(frozenset(), 2, 0.0).all_lost_probability([(4,)], 1e6) == 0.0  # rate unknown
     for bad in ({"gpus_per_instance": 0}, {"revocations_per_hour": -1.0}, {"revocations_per_hour": math.nan}):
         with pytest.raises(ValueError):
             FailureDomains(**{"reserved": frozenset(), "gpus_per_instance": 2, **bad})  # type: ignore[arg-type]

@@ -76,13 +76,6 @@ class FailureDomains:
         """The revocable instances that ``gpus`` touch."""
         return frozenset(g // self.gpus_per_instance for g in gpus if g not in self.reserved)
 
-    def loss_probability(self, gpus: Iterable[int], seconds: float) -> float:
-        """Probability that at least one instance under ``gpus`` is revoked within ``seconds``."""
-        exposed = len(self.revocable_instances(gpus))
-        if exposed == 0 or self.revocations_per_hour <= 0 or seconds <= 0:
-            return 0.0
-        return -math.expm1(-self.revocations_per_hour * exposed * seconds / 3600.0)
-
     def all_lost_probability(self, replicas: Iterable[Iterable[int]], seconds: float, held: int = 0) -> float:
         """Probability that every one of ``replicas`` loses a GPU within ``seconds``, with
         ``held`` revocable instances in the pool (the correlated model draws from them). Replicas
@@ -93,10 +86,8 @@ class FailureDomains:
             return 0.0
         if self.correlated:
             return self._event_loss([len(g) for g in groups], seconds, max(held, *map(len, groups)))
-        p = 1.0
-        for instances in groups:
-            p *= -math.expm1(-self.revocations_per_hour * len(instances) * max(seconds, 0.0) / 3600.0)
-        return p
+        hours = seconds / 3600.0  # independent: each replica lost with any of its instances
+        return math.prod(-math.expm1(-self.revocations_per_hour * len(g) * hours) for g in groups)
 
     def _event_loss(self, sizes: list[int], seconds: float, held: int) -> float:
         """Events at ``events_per_hour``, each revoking ⌈f · held⌉ random instances (f from the
