@@ -86,14 +86,7 @@ class RowPrices:
         latency = LatencyTerms(
             {name: Cost({op: at(t) for op, t in part.by_class.items()}) for name, part in terms.parts.items()}
         )
-        memory = MemoryTerms(
-            params=at(mem.params),
-            optimizer=at(mem.optimizer),
-            grads=at(mem.grads),
-            activations=at(mem.activations),
-            kv_cache=at(mem.kv_cache),
-            correction=mem.correction,
-        )
+        memory = mem.each(at)
         return Estimate(model_stage, shape, latency, memory)
 
 
@@ -408,12 +401,5 @@ def estimate(cost: CostModel, model_stage: ModelStage, shape: Shape) -> Estimate
     def first(values: FloatArray) -> FloatArray:
         return np.asarray(float(np.ravel(values)[0]))
 
-    scalar_mem = MemoryTerms(
-        params=first(mem.params),
-        optimizer=first(mem.optimizer),
-        grads=first(mem.grads),
-        activations=first(mem.activations),
-        kv_cache=first(mem.kv_cache),
-        correction=mem.correction,
-    )
+    scalar_mem = mem.each(first)
     return Estimate(model_stage.name, shape, scalar_terms, scalar_mem)

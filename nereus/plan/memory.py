@@ -20,7 +20,7 @@ Sources, one line each where used:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,6 +64,12 @@ class MemoryTerms:
     @property
     def active(self) -> FloatArray:
         return (self.persistent + self.grads + self.activations + self.kv_cache) * self.correction
+
+    def each(self, f: Callable[[FloatArray], FloatArray]) -> MemoryTerms:
+        """These terms with ``f`` applied to every byte array (e.g. one row of a table)."""
+        arrays = (self.params, self.optimizer, self.grads, self.activations, self.kv_cache)
+        p, o, g, a, kv = (f(x) for x in arrays)
+        return MemoryTerms(p, o, g, a, kv, self.correction)
 
 
 # ------------------------------------------------------------------ activations
