@@ -12,28 +12,35 @@ Rules, fixed before any error was looked at:
   torch.compile rows (same layout as the eager row, a different kernel set), asynchronous /
   off-policy RL rows (the planner prices stages, not their overlap), context parallelism and
   virtual pipelines. Mapped to the closest thing the planner models, and said so in ``note``:
-  FSDP/ZeRO-3 → plain DP (compute identical; the parameter all-gathers are not priced; memory not
-  compared), torchtitan's selective layer/op activation checkpointing → ``selective``, Megatron
+  FSDP/ZeRO-3 → DP with ``fsdp`` (gathers and reduce-scatters priced; memory not compared),
+  torchtitan's selective layer/op activation checkpointing → ``selective``, Megatron
   activation checkpointing → ``full``, a model whose checkpoint we do not ship → the shipped model
   of the same architecture (Llama 3 8B → llama-3.1-8b, Llama 3/3.1 70B → llama-3.3-70b).
 * **Pricing.** Training: one optimizer step of ``global_batch`` sequences of ``seq_len`` tokens
   (tokens/s/GPU = global_batch·seq_len / (step s · GPUs)). Generation: ``sequences`` requests of
   ``prompt_len``/``response_len`` on one engine of ``tp`` GPUs (output tokens/s = sequences ·
   response_len / s); the engines' batch size is not published, so the concurrency is the largest
-  power of two up to min(sequences, 4096) whose KV cache fits per the planner's memory model
-  (engines batch as many sequences as their KV cache holds). RL: gen (vLLM, ``gen_tp``, the rest
+  one up to min(sequences, 4096) whose KV cache fits per the planner's memory model (in-flight
+  batching admits requests while their KV fits). The first rule took the largest power of two
+  that fits; it left up to half the KV pool idle, which no engine does (changed after errors were
+  seen; ``--pow2-concurrency`` prices it that way). RL: gen (vLLM, ``gen_tp``, the rest
   DP) + ``inf_passes`` inference passes + train (``train_tp``·``train_pp``, DP the rest) over the
   step's sequences; weight refit is not priced (``nereus price`` leaves weight sync out).
 * **Engines.** Priced as the published engine behaves, which is not always as ours does
-  (``PriceQuery.overlap_dp_sync`` / ``paged_kv``): torchtitan (FSDP) and NeMo RL's trainers
-  overlap the DP gradient reduction with backward; NeMo RL's vLLM keeps a paged KV pool and
-  preempts; TensorRT-LLM's default capacity policy GUARANTEED_NO_EVICT admits a request only when
-  its prompt + max output tokens are free, i.e. full-length reservation, as ``_gen`` prices it.
+  (``PriceQuery.overlap_dp_sync`` / ``fsdp`` / ``paged_kv`` / ``kv_memory_fraction``):
+  torchtitan shards parameters (FSDP2: bf16 all-gathers behind forward and backward, fp32
+  reduce-scatters behind backward); NeMo RL's trainers overlap the DP gradient reduction with
+  backward; NeMo RL's vLLM keeps a paged KV pool and preempts; TensorRT-LLM's default capacity
+  policy GUARANTEED_NO_EVICT admits a request only when its prompt + max output tokens are free,
+  i.e. full-length reservation, as ``_gen`` prices it, and its KV cache takes 90% of the memory
+  free after the engine is loaded (``KvCacheConfig.free_gpu_memory_fraction`` = 0.9).
 * **Split.** Within each dataset, rows in file order (grouped by source, then as the source's
   table lists them): even positions (0, 2, …) calibrate, odd positions evaluate.
 * **Before**: the planner's priors (``PRIOR_EFFICIENCY``). **After**: per cluster (the planner
   keeps calibration per cluster), η per op class is fitted on that cluster's calibration points
-  only (``nereus.plan.fit``: least squares on relative error, ridge to the prior), each point's
+  only (``nereus.plan.fit``: least squares on relative error, ridge to the prior; re-linearised
+  at the fitted η for a few rounds, because overlapped communication's exposed share depends on
+  the compute's η: ``_fit``), each point's
   measured seconds are attributed to classes in proportion to the fitted prediction, fed to a
   ``CalibrationStore`` as ``Measurement``s, and its ``efficiencies()`` price every point again.
   Nothing in the planner's formulas is tuned to the data.
@@ -50,12 +57,13 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from common import RESULTS, write
 
 from nereus.plan.calibration import CalibrationStore, Efficiencies
-from nereus.plan.fit import Point, attribute, fit_efficiencies
+from nereus.plan.fit import Fit, Point, attribute, fit_efficiencies
 from nereus.plan.opclass import PRIOR_EFFICIENCY, OpClass
 from nereus.plan.price import Price, PriceQuery, price
 from nereus.spec import load_cluster, load_model
@@ -65,6 +73,8 @@ DATA = Path(__file__).resolve().parent / "data"
 DATASETS = ("training", "generation", "rl")
 TARGETS = {"calibration_mape_pct_max": 15.0}
 MAX_CONCURRENCY = 4096
+FIT_ROUNDS = 8  # fit, re-linearise at the fitted η, refit (see _fit)
+TRTLLM_KV_FRACTION = 0.9  # TensorRT-LLM KvCacheConfig.free_gpu_memory_fraction's default
 COMMON = ("id", "model", "cluster", "gpus", "measured", "unit", "source", "note")
 COLUMNS = {
     "training": (*COMMON, "tp", "pp", "dp", "micro_batch", "global_batch", "seq_len", "recompute"),
@@ -114,38 +124,54 @@ def _sum(parts: list[tuple[Price, float]]) -> tuple[float, dict[str, float]]:
 
 def _gen(
     model: Any, cluster: Any, tp: int, dp: int, n: int, prompt: int, resp: int, eff: Efficiencies,
-    paged: bool = False,
+    paged: bool = False, kv_fraction: float = 0.0, pow2: bool = False,
 ) -> Price:  # fmt: skip
-    """Generation at the largest power-of-two concurrency whose memory fits (see the docstring)."""
-    conc = 1 << int(math.log2(min(math.ceil(n / dp), MAX_CONCURRENCY)))
-    while True:
-        q = PriceQuery(Stage.GEN, tp, 1, dp, n, prompt, resp, concurrency=conc, paged_kv=paged)
-        p = price(model, cluster, q, eff)
-        if p.fits or conc == 1:
-            return p
-        conc //= 2
+    """Generation at the largest concurrency whose memory fits (see the docstring): memory grows
+    with concurrency, so bisect; ``pow2`` keeps the first rule's powers of two."""
+
+    def at(conc: int) -> Price:
+        q = PriceQuery(Stage.GEN, tp, 1, dp, n, prompt, resp, concurrency=conc, paged_kv=paged,
+                       kv_memory_fraction=kv_fraction)  # fmt: skip
+        return price(model, cluster, q, eff)
+
+    top = min(math.ceil(n / dp), MAX_CONCURRENCY)
+    if pow2:
+        conc = 1 << int(math.log2(top))
+        while not (p := at(conc)).fits and conc > 1:
+            conc //= 2
+        return p
+    if (p := at(top)).fits:
+        return p
+    lo, hi = 1, top  # at(lo) is what we return if nothing fits; at(hi) does not fit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if at(mid).fits else (lo, mid)
+    return at(lo)
 
 
-def price_row(dataset: str, row: dict[str, str], eff: Efficiencies) -> Priced:
+def price_row(dataset: str, row: dict[str, str], eff: Efficiencies, pow2: bool = False) -> Priced:
     model, cluster = load_model(row["model"]), load_cluster(row["cluster"])
     i = {k: int(v) for k, v in row.items() if v.isdigit()}  # the integer columns
     if dataset == "training":
         seq = i["seq_len"]
         q = PriceQuery(Stage.TRAIN, i["tp"], i["pp"], i["dp"], i["global_batch"], 1, seq - 1,
                        micro_batch=i["micro_batch"], global_batch=i["global_batch"],
-                       recompute=Recompute(row["recompute"]), overlap_dp_sync=True)  # fmt: skip
+                       recompute=Recompute(row["recompute"]), fsdp=True)  # fmt: skip
         seconds, by_class = _sum([(price(model, cluster, q, eff), 1.0)])
         tokens_per_gpu = i["global_batch"] * seq / i["gpus"]
         return Priced(seconds, by_class, lambda x: tokens_per_gpu / x)
     if dataset == "generation":
-        p = _gen(model, cluster, i["tp"], i["dp"], i["sequences"], i["prompt_len"], i["response_len"], eff)
+        p = _gen(model, cluster, i["tp"], i["dp"], i["sequences"], i["prompt_len"], i["response_len"], eff,
+                 kv_fraction=TRTLLM_KV_FRACTION, pow2=pow2)  # fmt: skip
         seconds, by_class = _sum([(p, 1.0)])
         tokens = i["sequences"] * i["response_len"]
         return Priced(seconds, by_class, lambda x: tokens / x)
     n, prompt, resp = i["sequences"], i["prompt_len"], i["response_len"]
     tp, pp = i["train_tp"], i["train_pp"]
     dp = i["gpus"] // (tp * pp)
-    gen = _gen(model, cluster, i["gen_tp"], i["gpus"] // i["gen_tp"], n, prompt, resp, eff, paged=True)
+    gen = _gen(
+        model, cluster, i["gen_tp"], i["gpus"] // i["gen_tp"], n, prompt, resp, eff, paged=True, pow2=pow2
+    )
     inf = PriceQuery(Stage.INF, tp, pp, dp, n, prompt, resp, micro_batch=i["logprob_batch"])
     train = PriceQuery(Stage.TRAIN, tp, pp, dp, n, prompt, resp, micro_batch=i["micro_batch"],
                        global_batch=i["global_batch"], recompute=Recompute(row["recompute"]),
@@ -164,7 +190,32 @@ def _stats(errors: list[float]) -> dict[str, Any]:
     return {"n": len(a), "mape_pct": sum(a) / len(a), "max_abs_err_pct": max(a)}
 
 
-def run(data: Path, limit: int | None) -> dict[str, Any]:
+def _fit(
+    points: list[dict[str, Any]], rounds: int = FIT_ROUNDS, pow2: bool = False
+) -> tuple[Fit, list[Point]]:
+    """η per op class from one cluster's calibration points, linearised where it lands: a
+    point's class-k seconds are ideal_k / η_k only where nothing overlaps; where communication
+    hides behind compute (overlapped DP sync, FSDP gathers), what stays exposed depends on the
+    compute's own η. So each round prices the points at the current η, takes ideal_k = seconds_k ·
+    η_k there (what the class would take at η = 1 at that operating point), refits, and repeats
+    (the first round is the plain fit at η = 1, starting from the priors)."""
+    eta: dict[OpClass, float] = dict(PRIOR_EFFICIENCY)
+    fit: Fit | None = None
+    calib: list[Point] = []
+    for r in range(rounds):
+        eff = Efficiencies.unit() if r == 0 else Efficiencies(eta=MappingProxyType(eta))
+        calib = []
+        for pt in points:
+            priced = price_row(pt["dataset"], pt["row"], eff, pow2)
+            ideal = {OpClass(k): v * eff[OpClass(k)] for k, v in priced.by_class.items() if v > 0}
+            calib.append(Point(ideal, pt["measured_s"]))
+        fit = fit_efficiencies(calib)
+        eta.update(fit.eta)
+    assert fit is not None
+    return fit, calib
+
+
+def run(data: Path, limit: int | None, pow2: bool = False) -> dict[str, Any]:
     points: list[dict[str, Any]] = []
     for dataset in DATASETS:
         rows = load(dataset, data)
@@ -172,17 +223,17 @@ def run(data: Path, limit: int | None) -> dict[str, Any]:
             points.append({"dataset": dataset, "row": row, "subset": subset})
     prior, unit = Efficiencies(), Efficiencies.unit()
     for pt in points:
-        before, ideal = price_row(pt["dataset"], pt["row"], prior), price_row(pt["dataset"], pt["row"], unit)
+        before = price_row(pt["dataset"], pt["row"], prior, pow2)
+        ideal = price_row(pt["dataset"], pt["row"], unit, pow2)
         pt["measured"] = float(pt["row"]["measured"])
         pt["measured_s"] = before.to_unit(pt["measured"])  # the published figure as step seconds
         pt["ideal"] = {OpClass(k): v for k, v in ideal.by_class.items() if v > 0}
         pt["before"] = before.to_unit(before.seconds)
     calibrations: dict[str, Any] = {}
     for cluster in sorted({pt["row"]["cluster"] for pt in points}):
-        calib = [Point(pt["ideal"], pt["measured_s"]) for pt in points
-                 if pt["row"]["cluster"] == cluster and pt["subset"] == "calibration"]  # fmt: skip
+        mine = [pt for pt in points if pt["row"]["cluster"] == cluster and pt["subset"] == "calibration"]
         store = CalibrationStore(cluster)
-        fit = fit_efficiencies(calib) if calib else None
+        fit, calib = _fit(mine, pow2=pow2) if mine else (None, [])
         if fit is not None:
             store.update(attribute(calib, {**PRIOR_EFFICIENCY, **fit.eta}))
         eff = store.efficiencies()
@@ -193,9 +244,11 @@ def run(data: Path, limit: int | None) -> dict[str, Any]:
             "eff": eff,
         }
     for pt in points:
-        after = price_row(pt["dataset"], pt["row"], calibrations[pt["row"]["cluster"]]["eff"])
+        after = price_row(pt["dataset"], pt["row"], calibrations[pt["row"]["cluster"]]["eff"], pow2)
         pt["after"] = after.to_unit(after.seconds)
-    return _report(points, calibrations)
+    rules = {"concurrency": "largest power of two that fits" if pow2 else "largest that fits",
+             "fit_rounds": FIT_ROUNDS, "trtllm_kv_memory_fraction": TRTLLM_KV_FRACTION}  # fmt: skip
+    return {**_report(points, calibrations), "rules": rules}
 
 
 def _report(points: list[dict[str, Any]], calibrations: dict[str, Any]) -> dict[str, Any]:
@@ -269,8 +322,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the first 4 rows of each dataset only")
     ap.add_argument("--data", type=Path, default=DATA, help="folder of published_*.csv")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument(
+        "--pow2-concurrency",
+        action="store_true",
+        help="generation at the largest power-of-two concurrency that fits (the first rule)",
+    )
     args = ap.parse_args()
-    result = run(args.data, 4 if args.quick else None)
+    result = run(args.data, 4 if args.quick else None, args.pow2_concurrency)
     extra = {k: v for k, v in result.items() if k != "points"}
     path = write("fidelity", TARGETS, result["points"], extra=extra, out=args.out)
     plot(result, args.out)

@@ -168,3 +168,46 @@ def test_engine_flags_price_overlap_and_paged_kv(capsys: pytest.CaptureFixture[s
     assert overlapped["by_term"]["dp_sync"] < serial["by_term"]["dp_sync"]
     assert main([*BASE, *train, "--paged-kv"]) == 2  # a generation engine's property
     assert "--paged-kv prices generation" in capsys.readouterr().err
+
+
+def test_fsdp_prices_gathers_and_reduce_scatters_behind_compute(capsys: pytest.CaptureFixture[str]) -> None:
+    train = ["--stage", "train", "--tp", "1", "--pp", "1", "--dp", "64", "--sequences", "64",
+             "--prompt-len", "1", "--seq-len", "8191", "--global-batch", "64", "--micro-batch", "1",
+             "--recompute", "selective", "--json"]  # fmt: skip
+    a100 = ["price", "--model", MODEL, "--cluster", "a100-80gb-dgx"]
+    assert main([*a100, *train]) == 3  # 8B unsharded does not fit (--fsdp memory is not sharded)
+    serial = json.loads(capsys.readouterr().out)
+    assert main([*a100, *train, "--fsdp"]) == 3
+    fsdp = json.loads(capsys.readouterr().out)
+    assert 0 < fsdp["by_term"]["dp_sync"] < serial["by_term"]["dp_sync"]
+    assert (
+        fsdp["by_class"]["allgather.inter"] > 0 and fsdp["by_term"]["compute"] == serial["by_term"]["compute"]
+    )
+    assert main([*BASE, "--stage", "gen", "--tp", "1", "--pp", "1", "--dp", "1", "--sequences", "8",
+                 "--prompt-len", "8", "--seq-len", "8", "--fsdp"]) == 2  # fmt: skip
+    assert "--fsdp prices training" in capsys.readouterr().err
+
+
+def test_kv_memory_fraction_sizes_the_engines_kv_from_free_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    model, cluster = load_model("llama-3.3-70b"), load_cluster("a100-80gb-dgx")
+    q = PriceQuery(Stage.GEN, 2, 1, 1, 3000, 128, 2048, concurrency=24)
+    own = price(model, cluster, q)
+    assert not own.fits  # the planner's 10% headroom leaves ~4 GiB of KV at TP2
+    trt = price(model, cluster, PriceQuery(Stage.GEN, 2, 1, 1, 3000, 128, 2048, concurrency=24,
+                                           kv_memory_fraction=0.9))  # fmt: skip
+    assert trt.fits and trt.peak_bytes == own.peak_bytes and trt.latency_s == own.latency_s
+    problem = PlanningProblem(
+        q.workload(), dict.fromkeys(Role, model), cluster, (0, 1), SeqStats(128, 2048, 2048), space=q.space()
+    )
+    est = estimate(CostModel(problem), problem.workflow.get("actor.gen"), q.shape())
+    rest = own.peak_bytes - float(est.memory.kv_cache)
+    reserve = cluster.runtime_reserved_gib * (1 << 30)
+    assert trt.limit_bytes == pytest.approx(rest + 0.9 * (cluster.gpu_memory_bytes - reserve - rest))
+    gen = ["--stage", "gen", "--tp", "1", "--pp", "1", "--dp", "1", "--sequences", "8", "--prompt-len", "8",
+           "--seq-len", "8"]  # fmt: skip
+    assert main([*BASE, *gen, "--kv-memory-fraction", "1.5"]) == 2
+    assert "--kv-memory-fraction: expected a number in [0, 1]" in capsys.readouterr().err
+    train = ["--stage", "train", "--tp", "1", "--pp", "1", "--dp", "1", "--sequences", "8",
+             "--prompt-len", "8", "--seq-len", "8", "--kv-memory-fraction", "0.9"]  # fmt: skip
+    assert main([*BASE, *train]) == 2
+    assert "--kv-memory-fraction prices generation" in capsys.readouterr().err

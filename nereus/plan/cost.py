@@ -23,6 +23,9 @@ Sources, one line each where used:
   (``bucket_cap_mb`` = 25 MiB, buckets in reverse parameter order, "overlapping computation with
   communication", DDP notes), Megatron-Core ``DistributedDataParallelConfig.overlap_grad_reduce``
   (bucket_size max(4e7, 1e6·dp) parameters), FSDP (per-unit reduce-scatter during backward).
+* FSDP / ZeRO-3 (``CostModel.fsdp``, ``nereus price --fsdp`` only): per layer, bf16 parameter
+  all-gathers before forward and backward, fp32 gradient reduce-scatters after backward, each
+  prefetched behind the neighbouring layer's compute (PyTorch FSDP2 docs; Zhao et al. 2023 §3.3).
 * Paged KV (``SearchSpace.paged_kv``): pool at mean occupancy, recompute preemption priced as
   prefill (``memory.kv_pool_tokens``, ``memory.preempted_tokens``; vLLM docs "Preemption").
 """
@@ -129,6 +132,19 @@ def collective(links: Links, kind: Collective, span: FloatArray | float, ranks: 
     )
 
 
+def _exposed(per_bucket: Cost, buckets: FloatArray, behind: Cost) -> Cost:
+    """What ``buckets`` equal transfers of ``per_bucket`` each leave exposed when bucket k is
+    ready at k/n of a compute phase of ``behind`` seconds and they run in order on one stream:
+    the stream ends at max_k(k·T/n + (n − k + 1)·c), so max(c, n·c − T·(n − 1)/n) is exposed (the
+    last bucket alone when compute hides the rest, else what compute cannot hide). Attributed to
+    the transfers' op classes in proportion."""
+    c = per_bucket.total
+    total = buckets * c
+    exposed = np.maximum(c, total - behind.total * (buckets - 1.0) / buckets)
+    share: FloatArray = buckets * np.where(total > 0, exposed / np.where(total > 0, total, 1.0), 0.0)
+    return per_bucket * share
+
+
 def compute(
     cluster: ClusterSpec, eff: Efficiencies, gemm_flops: FloatArray | float, attn_flops: FloatArray | float
 ) -> Cost:
@@ -165,8 +181,11 @@ def _attn_flops(model: ModelSpec, rep: ReplicaFacts, tokens_times_ctx: FloatArra
 class CostModel:
     """Latency and memory of every candidate shape of a planning problem."""
 
-    def __init__(self, problem: PlanningProblem) -> None:
+    def __init__(self, problem: PlanningProblem, fsdp: frozenset[str] = frozenset()) -> None:
         self.problem = problem
+        # model-stages whose trainer shards its parameters (FSDP, ZeRO-3): priced for
+        # ``nereus price --fsdp`` only; the search plans our own engines, which do not shard
+        self.fsdp = fsdp
         self.links = Links(problem.cluster, problem.efficiencies)
         self.workflow = problem.workflow  # (built anew on every ``problem.workflow``)
 
@@ -195,7 +214,8 @@ class CostModel:
             terms, mem = self._inference(model, rep, dpf, micro, n)
         else:
             overlap = model_stage.name in space.overlap_dp_sync
-            terms, mem = self._training(model, rep, dpf, micro, recompute, overlap)
+            fsdp = model_stage.name in self.fsdp
+            terms, mem = self._training(model, rep, dpf, micro, recompute, overlap or fsdp, fsdp)
         if self.syncs(model_stage):
             terms["weight_sync"] = self._weight_sync(rep)
         return LatencyTerms(MappingProxyType(terms)), mem
@@ -245,22 +265,31 @@ class CostModel:
     ) -> Cost:
         """The DP gradient all-reduce a step waits for. Serial (``backward`` None): one all-reduce
         of the whole buffer after backward. Overlapped: n equal buckets of at most
-        ``GRAD_BUCKET_BYTES``, bucket k ready at k/n of the last micro-batch's backward T_b and
-        reduced in order on one stream, each taking c (its own ring hops included); the stream
-        ends at max_k(k·T_b/n + (n − k + 1)·c), so the exposed time is
-        max(c, n·c − T_b·(n − 1)/n): the last bucket alone when backward hides the rest, else
-        what backward cannot hide. Attributed to the all-reduce's op class."""
+        ``GRAD_BUCKET_BYTES``, reduced in order behind the last micro-batch's backward
+        (``_exposed``). Attributed to the all-reduce's op class."""
         span = rep.size * dp
         if backward is None:
             return collective(self.links, Collective.ALLREDUCE, span, dp, grad_bytes)
         bucket_bytes = np.maximum(BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK * dp) * GRAD_BYTES
         buckets = np.maximum(np.ceil(grad_bytes / bucket_bytes), 1.0)
         per_bucket = collective(self.links, Collective.ALLREDUCE, span, dp, grad_bytes / buckets)
-        c = per_bucket.total
-        total = buckets * c
-        exposed = np.maximum(c, total - backward.total * (buckets - 1.0) / buckets)
-        share: FloatArray = buckets * np.where(total > 0, exposed / np.where(total > 0, total, 1.0), 0.0)
-        return per_bucket * share
+        return _exposed(per_bucket, buckets, backward)
+
+    def _fsdp_sync(
+        self, rep: ReplicaFacts, dp: FloatArray, params: FloatArray, forward: Cost, backward: Cost
+    ) -> Cost:
+        """Per micro-batch, the communication an FSDP (ZeRO-3) trainer waits for: each layer's bf16
+        parameters all-gathered before its forward and again before its backward, and its fp32
+        gradients reduce-scattered after it (FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16,
+        reduce_dtype=fp32)``, torchtitan's default; a reduce-scatter is the first half of a ring
+        all-reduce, so it is priced and calibrated as half an all-reduce). Per layer (a bucket),
+        prefetched one layer ahead: the forward's all-gathers hide behind forward compute, the
+        backward's all-gathers and reduce-scatters behind backward compute; the first layer's
+        gather and the last's reduce-scatter never hide (``_exposed``)."""
+        span, layers = rep.size * dp, np.maximum(rep.layers_first, 1.0)
+        gather = collective(self.links, Collective.ALLGATHER, span, dp, params * ACT_BYTES / layers)
+        scatter = collective(self.links, Collective.ALLREDUCE, span, dp, params * GRAD_BYTES / layers) * 0.5
+        return _exposed(gather, layers, forward) + _exposed(gather + scatter, layers, backward)
 
     # ------------------------------------------------------------ training
     def _training(
@@ -271,6 +300,7 @@ class CostModel:
         b: FloatArray,
         recompute: Recompute,
         overlap: bool = False,
+        fsdp: bool = False,
     ) -> tuple[dict[str, Cost], MemoryTerms]:
         w = self.problem.workload
         seq = self.problem.seq
@@ -293,15 +323,19 @@ class CostModel:
         backward = (
             self._compute((gemm_mult - 1.0) * fwd_gemm, (attn_mult - 1.0) * fwd_attn) if overlap else None
         )
-        dp_sync = self._dp_sync(rep, dp, params_gpu * GRAD_BYTES, backward)
         updates = w.updates_per_step
         per_step = updates * accum  # micro-batch slots per step (before the bubble)
+        if fsdp and backward is not None:  # every micro-batch gathers and reduce-scatters
+            forward = self._compute(fwd_gemm, fwd_attn)
+            dp_sync = self._fsdp_sync(rep, dp, params_gpu, forward, backward) * per_step
+        else:
+            dp_sync = self._dp_sync(rep, dp, params_gpu * GRAD_BYTES, backward) * updates
         terms = {
             "compute": t_compute * per_step,
             "tp_comm": t_tp * per_step,
             "pp_comm": t_pp * per_step,
             "bubble": slot * (updates * (rep.pp - 1.0)),
-            "dp_sync": dp_sync * updates,
+            "dp_sync": dp_sync,
             "optimizer": memory_bound(self.links, params_gpu * ADAM_BYTES_PER_PARAM) * updates,
         }
         mem = trainer_memory(

@@ -8,7 +8,12 @@ per-replica micro-batches of ``micro_batch``; inference runs micro-batches of ``
 generation decodes up to ``concurrency`` sequences at once per replica. The engine's behaviour is
 ours unless named: ``overlap_dp_sync`` prices a trainer that overlaps its DP gradient all-reduce
 with backward (Megatron, DDP, FSDP), ``paged_kv`` a generation engine with a paged KV pool at mean
-occupancy that preempts when it fills (vLLM). The model-stage priced is
+occupancy that preempts when it fills (vLLM), ``kv_memory_fraction`` f a generation engine that
+sizes its KV cache as f of the GPU memory left free once weights, working activations and the
+runtime reserve are allocated, instead of the planner's 10% headroom on the whole GPU
+(TensorRT-LLM's ``KvCacheConfig.free_gpu_memory_fraction``, default 0.9), ``fsdp`` a trainer that
+shards its parameters and gathers them layer by layer behind compute (FSDP, ZeRO-3:
+``CostModel._fsdp_sync``; its memory is still priced unsharded, an upper bound). The model-stage priced is
 the actor's (``actor.gen``, ``actor.train``) or, for inference, the reference model's
 (``ref.inf``, no weight sync): the stage's own work, without the step's weight synchronisation.
 Pure (no torch, no processes).
@@ -57,6 +62,8 @@ class PriceQuery:
     precision: Precision = Precision.BF16_MIXED
     overlap_dp_sync: bool = False  # train: the engine overlaps the DP all-reduce with backward
     paged_kv: bool = False  # gen: the engine's KV pool is paged at mean occupancy (preempts)
+    kv_memory_fraction: float = 0.0  # gen: KV may take this share of the memory free after weights
+    fsdp: bool = False  # train: the engine shards parameters (FSDP): gathers overlap compute
 
     def __post_init__(self) -> None:
         for flag, value in (("tp", self.tp), ("pp", self.pp)):
@@ -86,6 +93,14 @@ class PriceQuery:
             raise ConfigError(f"--overlap-dp-sync prices training; --stage is {self.stage.value}")
         if self.paged_kv and self.stage is not Stage.GEN:
             raise ConfigError(f"--paged-kv prices generation; --stage is {self.stage.value}")
+        if not (isinstance(self.kv_memory_fraction, int | float) and 0.0 <= self.kv_memory_fraction <= 1.0):
+            raise ConfigError(
+                f"--kv-memory-fraction: expected a number in [0, 1], got {self.kv_memory_fraction!r}"
+            )
+        if self.fsdp and self.stage is not Stage.TRAIN:
+            raise ConfigError(f"--fsdp prices training; --stage is {self.stage.value}")
+        if self.kv_memory_fraction and self.stage is not Stage.GEN:
+            raise ConfigError(f"--kv-memory-fraction prices generation; --stage is {self.stage.value}")
         if self.stage is not Stage.TRAIN:
             if self.global_batch or self.recompute is not Recompute.NONE:
                 raise ConfigError(
@@ -160,7 +175,7 @@ class Price:
     by_class: dict[str, float]
     by_term: dict[str, float]
     peak_bytes: float
-    limit_bytes: float  # capacity after headroom, less the runtime reserve
+    limit_bytes: float  # capacity after headroom, less the runtime reserve (or the engine's KV budget)
 
     @property
     def fits(self) -> bool:
@@ -220,8 +235,13 @@ def price(
     except ValueError as exc:  # what the query's own checks did not name
         raise ConfigError(str(exc)) from None
     model_stage = problem.workflow.get(PRICED[query.stage])
-    est = estimate(CostModel(problem), model_stage, query.shape())
+    fsdp = frozenset({model_stage.name}) if query.fsdp else frozenset()
+    est = estimate(CostModel(problem, fsdp), model_stage, query.shape())
     total, by_class, by_term = _seconds(est.latency)
     peak = est.active_bytes  # the stage's own peak: active already holds its persistent state
     limit = problem.capacity_bytes - problem.reserved_bytes
+    if query.kv_memory_fraction:  # the engine's own KV budget: f of what weights etc. leave free
+        kv = float(est.memory.kv_cache) * est.memory.correction
+        rest = peak - kv
+        limit = rest + query.kv_memory_fraction * (cluster.gpu_memory_bytes - problem.reserved_bytes - rest)
     return Price(model_stage.name, est.shape, total, by_class, by_term, peak, limit)

@@ -51,6 +51,19 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="gen: price an engine with a paged KV pool at mean occupancy (vLLM-style preemption)",
     )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="train: price an engine that shards parameters and gathers them behind compute (FSDP, "
+        "ZeRO-3; memory still priced unsharded)",
+    )
+    p.add_argument(
+        "--kv-memory-fraction",
+        type=float,
+        default=0.0,
+        help="gen: the engine's KV cache takes this share of the memory free after weights "
+        "(TensorRT-LLM free_gpu_memory_fraction; default: the planner's headroom)",
+    )
     p.add_argument("--calibration", type=Path, help="calibration JSON (efficiencies per op class)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
@@ -61,6 +74,7 @@ def run(args: argparse.Namespace, out: Console) -> int:
         Stage(args.stage), args.tp, args.pp, args.dp, args.sequences, args.prompt_len, args.seq_len,
         args.seq_len_p95, args.micro_batch, args.global_batch, Recompute(args.recompute), args.concurrency,
         Precision(args.precision), overlap_dp_sync=args.overlap_dp_sync, paged_kv=args.paged_kv,
+        kv_memory_fraction=args.kv_memory_fraction, fsdp=args.fsdp,
     )  # fmt: skip
     efficiencies = None
     if args.calibration:
