@@ -40,7 +40,12 @@ from nereus.transition.execute import Executor
 pytestmark = pytest.mark.dist
 
 WORLD = 4
-TIMEOUT_S = 240
+TIMEOUT_S = 480  # the first test waits for the one world that runs every test's job
+LAYOUTS = {
+    "tiny-qwen3": [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (4, 1, 1)],
+    "tiny-llama": [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (1, 4, 1)],
+}
+MOVED = ("tiny-llama", "tiny-qwen2")  # Qwen2: q/k/v biases move with their heads
 ROWS, SEQ, PROMPT = 4, 12, 5
 OPTIM = AdamWConfig(lr=1e-2, weight_decay=0.1, eps=1e-5, max_grad_norm=1.0)
 POLICY = StatePolicy.of(Stage.TRAIN, Precision.FP32)
@@ -93,46 +98,37 @@ def _engine(model: ModelSpec, grid: Grid, groups: Groups, rank: int) -> TorchNat
 
 
 # ------------------------------------------------------------------ one batch, every layout
-def _layouts_worker(
-    rank: int, store: str, model_name: str, layouts: list[tuple[int, int, int]], out: str
-) -> None:
-    _init(rank, store)
+def _layouts_job(rank: int, model_name: str, layouts: list[tuple[int, int, int]], out: str) -> None:
     model = load_model(model_name)
     prompts = TokenBatch(batch(model, 0).ids[:, :PROMPT], batch(model, 0).valid[:, :PROMPT])
-    try:
-        for tp, pp, dp in layouts:
-            grid = Grid.single(Layout(tp, pp), dp)
-            groups = Groups.build(grid, model, rank)
-            if rank in grid.ranks:
-                c = grid.coord(rank)
-                eng = _engine(model, grid, groups, rank)
-                result: dict[str, Any] = {"logprobs": eng.forward(batch(model, 0), micro_batches=2)}
-                stats = [
-                    eng.train_step(rows_of(batch(model, s), dp, c.dp), loss_fn, micro_batches=2)
-                    for s in (0, 1)
-                ]
-                result["loss"] = [s.loss for s in stats]
-                result["grad_norm"] = [s.grad_norm for s in stats]
-                mine = list(range(c.dp * ROWS // dp, (c.dp + 1) * ROWS // dp))
-                sub = TokenBatch(prompts.ids[mine], prompts.valid[mine])
-                greedy = eng.generate(sub, mine, SamplingParams(6, greedy=True))
-                sampled = eng.generate(sub, mine, SamplingParams(6, temperature=0.8, top_p=0.9, seed=7))
-                result["greedy"], result["sampled"], result["rows"] = greedy.tokens, sampled.tokens, mine
-                result["updates"] = eng.state.state.updates
-                for kind in KINDS:
-                    result[kind.value] = eng.full_state(kind)
-                critic = _engine(model.with_head(Head.VALUE), grid, groups, rank)
-                result["values"] = critic.forward(batch(model, 0), micro_batches=2)
-                result["critic_loss"] = critic.train_step(
-                    rows_of(batch(model, 0), dp, c.dp), value_loss, 2
-                ).loss
-                result["critic"] = critic.full_state()
-                if rank == grid.rank_at(c.dp, 0, 0):
-                    torch.save(result, Path(out) / f"tp{tp}pp{pp}dp{dp}-{c.dp}.pt")
-            dist.barrier()
-            groups.destroy()
-    finally:
-        dist.destroy_process_group()
+    for tp, pp, dp in layouts:
+        grid = Grid.single(Layout(tp, pp), dp)
+        groups = Groups.build(grid, model, rank)
+        if rank in grid.ranks:
+            c = grid.coord(rank)
+            eng = _engine(model, grid, groups, rank)
+            result: dict[str, Any] = {"logprobs": eng.forward(batch(model, 0), micro_batches=2)}
+            stats = [
+                eng.train_step(rows_of(batch(model, s), dp, c.dp), loss_fn, micro_batches=2) for s in (0, 1)
+            ]
+            result["loss"] = [s.loss for s in stats]
+            result["grad_norm"] = [s.grad_norm for s in stats]
+            mine = list(range(c.dp * ROWS // dp, (c.dp + 1) * ROWS // dp))
+            sub = TokenBatch(prompts.ids[mine], prompts.valid[mine])
+            greedy = eng.generate(sub, mine, SamplingParams(6, greedy=True))
+            sampled = eng.generate(sub, mine, SamplingParams(6, temperature=0.8, top_p=0.9, seed=7))
+            result["greedy"], result["sampled"], result["rows"] = greedy.tokens, sampled.tokens, mine
+            result["updates"] = eng.state.state.updates
+            for kind in KINDS:
+                result[kind.value] = eng.full_state(kind)
+            critic = _engine(model.with_head(Head.VALUE), grid, groups, rank)
+            result["values"] = critic.forward(batch(model, 0), micro_batches=2)
+            result["critic_loss"] = critic.train_step(rows_of(batch(model, 0), dp, c.dp), value_loss, 2).loss
+            result["critic"] = critic.full_state()
+            if rank == grid.rank_at(c.dp, 0, 0):
+                torch.save(result, Path(out) / f"tp{tp}pp{pp}dp{dp}-{c.dp}.pt")
+        dist.barrier()
+        groups.destroy()
 
 
 def _load(out: Path, tp: int, pp: int, dp: int) -> dict[str, Any]:
@@ -152,23 +148,15 @@ def _assert_same_state(got: dict[str, Any], ref: dict[str, Any], what: str) -> N
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize(
-    ("model", "layouts"),
-    [
-        ("tiny-qwen3", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (4, 1, 1)]),
-        ("tiny-llama", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (1, 4, 1)]),
-    ],
-)
-def test_every_layout_computes_the_same_step(
-    tmp_path: Path, model: str, layouts: list[tuple[int, int, int]]
-) -> None:
+@pytest.mark.parametrize("model", list(LAYOUTS))
+def test_every_layout_computes_the_same_step(results: Path, model: str) -> None:
     """tiny-qwen3: tied embeddings, QK-norm, tp 4 > 2 KV heads (replicated heads); tiny-llama: an
     untied head and pp 4 (one layer per stage)."""
-    mp.spawn(_layouts_worker, args=(str(tmp_path / "store"), model, layouts, str(tmp_path)), nprocs=WORLD)
-    ref = _load(tmp_path, 1, 1, 1)
+    layouts, out = LAYOUTS[model], results / f"layouts-{model}"
+    ref = _load(out, 1, 1, 1)
     assert ref["updates"] == 2
     for tp, pp, dp in layouts[1:]:
-        got, what = _load(tmp_path, tp, pp, dp), f"{model} tp{tp} pp{pp} dp{dp}"
+        got, what = _load(out, tp, pp, dp), f"{model} tp{tp} pp{pp} dp{dp}"
         assert (got["logprobs"] - ref["logprobs"]).abs().max().item() <= 2e-5, what
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5), what
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), what
@@ -190,77 +178,88 @@ PHASES: list[tuple[Layout, tuple[tuple[int, ...], ...]]] = [
 ]
 
 
-def _transition_worker(rank: int, store: str, out: str, model_name: str) -> None:
-    _init(rank, store)
+def _transition_job(rank: int, out: str, model_name: str) -> None:
     model = load_model(model_name)
     links = LinkModel(load_cluster("local-cpu"), Efficiencies())
-    try:
-        # the reference: every step on one rank, no transitions
-        grid = Grid.single(Layout(1, 1))
+    # the reference: every step on one rank, no transitions
+    grid = Grid.single(Layout(1, 1))
+    groups = Groups.build(grid, model, rank)
+    if rank == 0:
+        eng = _engine(model, grid, groups, rank)
+        losses = [eng.train_step(batch(model, s), loss_fn, micro_batches=2).loss for s in range(len(PHASES))]
+        ref = {kind.value: eng.full_state(kind) for kind in KINDS}
+        torch.save({"loss": losses, **ref, "updates": eng.state.state.updates}, Path(out) / "reference.pt")
+    dist.barrier()
+    # the same steps, with the state moved between them
+    holder = StateHolder(rank)
+    engine: TorchNativeEngine | None = None
+    groups = Groups(grid, rank, grid.coord(0))  # nothing to destroy yet
+    losses = []
+    for step, (layout, units) in enumerate(PHASES):
+        if step:
+            prev_layout, prev_units = PHASES[step - 1]
+            moves = [StageMove.between("actor.train", model, POLICY, prev_layout, prev_units, layout, units)]
+            dag = build_dag(moves, {"actor.train": 0}, links, 2**40)
+            Executor(dag, moves, holder, {r: r for r in range(WORLD)}).run()
+        grid = Grid(layout, tuple(r for u in units for r in u))
+        groups.destroy()
         groups = Groups.build(grid, model, rank)
-        if rank == 0:
-            eng = _engine(model, grid, groups, rank)
-            losses = [
-                eng.train_step(batch(model, s), loss_fn, micro_batches=2).loss for s in range(len(PHASES))
-            ]
-            ref = {kind.value: eng.full_state(kind) for kind in KINDS}
-            torch.save(
-                {"loss": losses, **ref, "updates": eng.state.state.updates}, Path(out) / "reference.pt"
-            )
-        dist.barrier()
-        # the same steps, with the state moved between them
-        holder = StateHolder(rank)
-        engine: TorchNativeEngine | None = None
-        groups = Groups(grid, rank, grid.coord(0))  # nothing to destroy yet
-        losses = []
-        for step, (layout, units) in enumerate(PHASES):
-            if step:
-                prev_layout, prev_units = PHASES[step - 1]
-                moves = [
-                    StageMove.between("actor.train", model, POLICY, prev_layout, prev_units, layout, units)
-                ]
-                dag = build_dag(moves, {"actor.train": 0}, links, 2**40)
-                Executor(dag, moves, holder, {r: r for r in range(WORLD)}).run()
-            grid = Grid(layout, tuple(r for u in units for r in u))
-            groups.destroy()
-            groups = Groups.build(grid, model, rank)
-            if rank in grid.ranks:
-                if step == 0:
-                    engine = _engine(model, grid, groups, rank)
-                    holder.units["actor.train"] = engine.state
+        if rank in grid.ranks:
+            if step == 0:
+                engine = _engine(model, grid, groups, rank)
+                holder.units["actor.train"] = engine.state
+            else:
+                rs = holder.by_stage()["actor.train"]
+                if engine is None:
+                    engine = TorchNativeEngine(rs, groups, OPTIM)
                 else:
-                    rs = holder.by_stage()["actor.train"]
-                    if engine is None:
-                        engine = TorchNativeEngine(rs, groups, OPTIM)
-                    else:
-                        engine.rebind(rs, groups)
-                c = grid.coord(rank)
-                assert engine is not None
-                micro = min(2, ROWS // grid.dp)
-                losses.append(
-                    engine.train_step(rows_of(batch(model, step), grid.dp, c.dp), loss_fn, micro).loss
-                )
-            dist.barrier()
-        if rank == 0 and engine is not None:
-            state = {kind.value: engine.full_state(kind) for kind in KINDS}
-            torch.save(
-                {"loss": losses, **state, "updates": engine.state.state.updates}, Path(out) / "moved.pt"
-            )
-        else:
-            for kind in KINDS:
-                if engine is not None:
-                    engine.full_state(kind)
+                    engine.rebind(rs, groups)
+            c = grid.coord(rank)
+            assert engine is not None
+            micro = min(2, ROWS // grid.dp)
+            losses.append(engine.train_step(rows_of(batch(model, step), grid.dp, c.dp), loss_fn, micro).loss)
         dist.barrier()
+    if rank == 0 and engine is not None:
+        state = {kind.value: engine.full_state(kind) for kind in KINDS}
+        torch.save({"loss": losses, **state, "updates": engine.state.state.updates}, Path(out) / "moved.pt")
+    else:
+        for kind in KINDS:
+            if engine is not None:
+                engine.full_state(kind)
+    dist.barrier()
+
+
+# ------------------------------------------------------------------ one world for every test
+
+
+def _worker(rank: int, store: str, root: str) -> None:
+    """Every test's job in one spawned world (a world per test cost four spawns of four
+    processes): ``<root>/layouts-<model>`` and ``<root>/moved-<model>`` hold their results."""
+    _init(rank, store)
+    try:
+        for model, layouts in LAYOUTS.items():
+            _layouts_job(rank, model, layouts, str(Path(root) / f"layouts-{model}"))
+        for model in MOVED:
+            _transition_job(rank, str(Path(root) / f"moved-{model}"), model)
     finally:
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("parallel")
+    for name in [*(f"layouts-{m}" for m in LAYOUTS), *(f"moved-{m}" for m in MOVED)]:
+        (root / name).mkdir()
+    mp.spawn(_worker, args=(str(root / "store"), str(root)), nprocs=WORLD)
+    return root
+
+
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])  # Qwen2: q/k/v biases move with their heads
-def test_training_continues_identically_across_extend_split_and_merge(tmp_path: Path, model: str) -> None:
-    mp.spawn(_transition_worker, args=(str(tmp_path / "store"), str(tmp_path), model), nprocs=WORLD)
-    ref = torch.load(tmp_path / "reference.pt", weights_only=False)
-    got = torch.load(tmp_path / "moved.pt", weights_only=False)
+@pytest.mark.parametrize("model", MOVED)
+def test_training_continues_identically_across_extend_split_and_merge(results: Path, model: str) -> None:
+    out = results / f"moved-{model}"
+    ref = torch.load(out / "reference.pt", weights_only=False)
+    got = torch.load(out / "moved.pt", weights_only=False)
     assert got["updates"] == ref["updates"] == len(PHASES)
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
     _assert_same_state(got, ref, "after Extend, Split and Merge")
