@@ -17,6 +17,8 @@ pool shrinks (100% → 75%, the leaving GPUs still readable). For every pair:
   greedy / SCIP − 1 (and greedy / bound − 1, what the greedy can at most be off); SCIP's schedule
   is re-checked (precedence, ports, memory). When the builder finds the DAG infeasible, SCIP is
   run on a serial horizon to tell a true infeasibility from one the greedy builder missed;
+* the opt-in grouped planner (``plan_transition(..., grouped=None)``): its end-to-end time and
+  how much longer its schedule is than the per-unit greedy's (None where it does not apply);
 * a diagnostic: the list schedule with commit-order priority alone (same DAG, same ticks), to
   show what the second, longest-remaining-path pass of ``best_schedule`` gains.
 
@@ -129,6 +131,14 @@ def measure(gpus: int, drift: str, repeats: int, scip_limit_s: float | None, slo
         "greedy_schedule_ms": median_ms(lambda: best_schedule(dag), repeats),
         "greedy_makespan_s": tr.l_tran_s if dag.feasible else None,
     }
+    # the opt-in grouped planner (``group.py``) side by side: its time and how much longer its plan runs
+    grouped = plan_transition(p, current, target, grouped=None)
+    applies = grouped.schedule is not None and grouped.schedule.priority.startswith("grouped")
+    row["grouped_applies"] = applies
+    row["grouped_plan_ms"] = median_ms(lambda: plan_transition(p, current, target, grouped=None), repeats)
+    row["grouped_makespan_vs_greedy"] = (
+        grouped.l_tran_s / tr.l_tran_s - 1.0 if applies and dag.feasible and tr.l_tran_s > 0 else None
+    )
     if not dag.nodes or scip_limit_s is None:
         return row
     init = initial_bytes(tr.moves)
@@ -177,6 +187,10 @@ def per_scale(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "greedy_plan_cpu_ms_median": median([r["greedy_plan_cpu_ms"] for r in mine]),
                 "greedy_dag_schedule_ms_median": median([r["greedy_dag_schedule_ms"] for r in mine]),
                 "greedy_schedule_ms_median": median([r["greedy_schedule_ms"] for r in mine]),
+                "grouped_plan_ms_median": median([r["grouped_plan_ms"] for r in mine]),
+                "grouped_makespan_vs_greedy_max": max(
+                    (g for r in mine if (g := r["grouped_makespan_vs_greedy"]) is not None), default=None
+                ),
                 "gap_max": max(gaps, default=None),
                 "gap_mean": statistics.fmean(gaps) if gaps else None,
                 "scip_status": [r["scip"]["status"] for r in mine if "scip" in r],
@@ -199,6 +213,7 @@ def plot(rows: list[dict[str, Any]], scales: list[dict[str, Any]], out: Path) ->
         gpus, [s["greedy_dag_schedule_ms_median"] for s in scales], "s--", label="build_dag + best_schedule"
     )
     ax.plot(gpus, [s["greedy_schedule_ms_median"] for s in scales], "^:", label="best_schedule")
+    ax.plot(gpus, [s["grouped_plan_ms_median"] for s in scales], "d-.", label="grouped (opt-in), end to end")
     sc = [(s["gpus"], s["scip_seconds_max"] * 1e3) for s in scales if s["scip_seconds_max"] is not None]
     if sc:
         ax.plot(*zip(*sc, strict=True), "kx-", label="SCIP RCPSP (slowest pair)")
@@ -268,6 +283,7 @@ def main() -> None:
         "greedy_ms_at_1024_max": at_1024["greedy_plan_ms_max"] if at_1024 else None,
         "greedy_cpu_ms_at_1024": at_1024["greedy_plan_cpu_ms_median"] if at_1024 else None,
         "dag_schedule_ms_at_1024": at_1024["greedy_dag_schedule_ms_median"] if at_1024 else None,
+        "grouped_ms_at_1024": at_1024["grouped_plan_ms_median"] if at_1024 else None,
         "gap_vs_scip_max": max(gaps, default=None),
         "gap_vs_scip_mean": statistics.fmean(gaps) if gaps else None,
         "pairs_within_gap_target": sum(g <= GAP_VS_SCIP for g in gaps),

@@ -333,11 +333,8 @@ def _commit(
         for i, n in enumerate(nodes)
     ]
     for _ in range(MAX_PROMOTIONS + 1):
-
-        def key(i: int) -> tuple[int, ...]:
-            return (-promoted.get(i, 0), *static[i])
-
-        ledger = _Ledger(nodes, [*edges, *deferred], init, cap, key)
+        keys = [(-promoted.get(i, 0), *k) for i, k in enumerate(static)]  # each node's, once per attempt
+        ledger = _Ledger(nodes, [*edges, *deferred], init, cap, keys.__getitem__)
         why = ledger.run()
         if not why:
             break

@@ -37,7 +37,6 @@ class LinkModel(Links):
         super().__init__(cluster, efficiencies)
         self.setup_s = setup_s
         self._seconds: dict[tuple[object, ...], float] = {}
-        self._links: dict[tuple[int, int], Link] = {}
 
     def rate(self, primitive: Primitive, link: Link | None) -> float:
         """Bytes per second into one GPU (link None: shared storage, the node's read bandwidth)."""
@@ -74,18 +73,32 @@ class LinkModel(Links):
         return out
 
     def link(self, a: int, b: int) -> Link:
-        """The link between GPUs ``a`` and ``b`` (memoised per pair)."""
-        out = self._links.get((a, b))
-        if out is None:
-            out = self._links[a, b] = super().link(a, b)
-        return out
+        """The link between GPUs ``a`` and ``b`` (``Links.link`` inlined: the planner asks per rank)."""
+        gpn = self.gpus_per_node
+        return Link.INTRA if a // gpn == b // gpn else Link.INTER
+
+    def group_link(self, gpus: Iterable[int]) -> Link:
+        """The slowest link a group of GPUs crosses: nodes are GPU-id ranges (``node_of`` is
+        ``gpu // gpus_per_node``), so the group stays on one node when its smallest and largest
+        GPU do."""
+        seq = gpus if isinstance(gpus, tuple | list) else tuple(gpus)
+        if not seq:
+            return Link.INTRA
+        gpn = self.gpus_per_node
+        return Link.INTRA if min(seq) // gpn == max(seq) // gpn else Link.INTER
 
     def node_seconds(
-        self, primitive: Primitive, flows: tuple[Flow, ...], hops: int = 1, local_bytes: int = 0
+        self,
+        primitive: Primitive,
+        flows: tuple[Flow, ...],
+        hops: int = 1,
+        local_bytes: int = 0,
+        distinct: bool = False,
     ) -> float:
         """``seconds``, memoised on what it depends on when every flow goes into its own GPU (a
-        node's flows do: one per rank of a unit): the (bytes, link) of each flow, in order."""
-        if len({f.dst for f in flows}) != len(flows):
+        node's flows do: one per rank of a unit): the (bytes, link) of each flow, in order.
+        ``distinct``: the caller knows the flows' GPUs differ (one flow per GPU of a unit)."""
+        if not distinct and len({f.dst for f in flows}) != len(flows):
             return self.seconds(primitive, flows, hops, local_bytes)
         key = (primitive, hops, local_bytes, *[(f.bytes, f.link) for f in flows])
         out = self._seconds.get(key)

@@ -99,13 +99,18 @@ class _Reshape:
         self.currents = [make.touch(u) for u in m.current]
         self.targets = list(m.target)
         self.sub_pos = sub.positions()
+        self._group_at: list[tuple[tuple[int, int], list[int]]] | None = None
         self.groups = [self._groups(u) for u in self.currents]
-        # slot (jt, jp) of target unit v owns target positions (t'·mt + jt, p'·mp + jp)
+        # slot (jt, jp) of target unit v owns target positions (t'·mt + jt, p'·mp + jp): the rank
+        # indices (p'·mp + jp)·tp* + t'·mt + jt of every unit (``Layout.index``), once
+        mt, mp, ttp = self.mt, self.mp, tgt.tp
+        at = [
+            [(pq * mp + jp) * ttp + tq * mt + jt for tq, pq in self.sub_pos]
+            for jp in range(mp)
+            for jt in range(mt)
+        ]
         self.slots: list[Slot] = [
-            (vi, tuple(v.gpu(tq * self.mt + jt, pq * self.mp + jp) for tq, pq in self.sub_pos))
-            for vi, v in enumerate(self.targets)
-            for jp in range(self.mp)
-            for jt in range(self.mt)
+            (vi, tuple([v.gpus[x] for x in where])) for vi, v in enumerate(self.targets) for where in at
         ]
         self.kept: dict[int, list[int]] = {}  # current unit → slots carved from it in place
         self.unmatched: list[int] = []  # slots an Extend fills
@@ -123,11 +128,14 @@ class _Reshape:
 
     def _groups(self, u: Emu) -> dict[tuple[int, int], list[int]]:
         """The Split's all-gather groups of ``u``: the k old positions that make sub-rank q."""
-        kt, kp = self.kt, self.kp
-        return {
-            (tq, pq): [u.gpu(tq * kt + bt, pq * kp + bp) for bp in range(kp) for bt in range(kt)]
-            for tq, pq in self.sub_pos
-        }
+        if self._group_at is None:  # rank indices (``Layout.index``) of every group, once per move
+            kt, kp, tp = self.kt, self.kp, u.layout.tp
+            self._group_at = [
+                ((tq, pq), [(pq * kp + bp) * tp + tq * kt + bt for bp in range(kp) for bt in range(kt)])
+                for tq, pq in self.sub_pos
+            ]
+        gpus = u.gpus
+        return {q: [gpus[x] for x in where] for q, where in self._group_at}
 
     def build(self) -> None:
         self.match_slots()
@@ -155,10 +163,11 @@ class _Reshape:
         if self.k == 1:
             return
         self.split_units = set(self.kept)
-        waiting = {self.links.node_of(g) for si in self.unmatched for g in self.slots[si][1]}
+        gpn = self.links.gpus_per_node
+        waiting = {g // gpn for si in self.unmatched for g in self.slots[si][1]}
         nearest = sorted(
             range(len(self.currents)),
-            key=lambda i: -sum(self.links.node_of(g) in waiting for g in self.currents[i].gpus),
+            key=lambda i: -sum(g // gpn in waiting for g in self.currents[i].gpus),
         )
         carved = sum(map(len, self.kept.values()))
         for ui in nearest:
@@ -297,10 +306,11 @@ class SourceChooser:
         self.load = [0] * len(sources)
         self.all: list[tuple[int, int]] = [(0, i) for i in range(len(sources))]
         self.by_node: dict[int, list[tuple[int, int]]] = {}
+        self.gpn = gpn = links.gpus_per_node  # nodes are GPU-id ranges: one node iff min and max share it
         for i, gpus in enumerate(sources):
-            nodes = {links.node_of(g) for g in gpus}
-            if len(nodes) == 1:
-                self.by_node.setdefault(nodes.pop(), []).append((0, i))
+            first = min(gpus) // gpn
+            if first == max(gpus) // gpn:
+                self.by_node.setdefault(first, []).append((0, i))
 
     def _best(self, heap: list[tuple[int, int]]) -> tuple[int, int] | None:
         while heap and heap[0][0] != self.load[heap[0][1]]:
@@ -311,8 +321,8 @@ class SourceChooser:
     def take(self, gpus: tuple[int, ...]) -> int:
         if not self.all:
             raise ValueError("no source unit to extend from")
-        nodes = {self.links.node_of(g) for g in gpus}
-        local = self._best(self.by_node.get(next(iter(nodes)), [])) if len(nodes) == 1 else None
+        first = min(gpus) // self.gpn
+        local = self._best(self.by_node.get(first, [])) if first == max(gpus) // self.gpn else None
         best = self._best(self.all)
         assert best is not None
         pick = best[1]

@@ -22,9 +22,28 @@ def sub_layout(a: Layout, b: Layout) -> Layout:
     return Layout(min(a.tp, b.tp), min(a.pp, b.pp))
 
 
+_new, _set = object.__new__, object.__setattr__
+_NO_STATE = Emu.__dataclass_fields__["state"].default
+
+
+def emu(model_stage: str, layout: Layout, gpus: tuple[int, ...], uid: str) -> Emu:
+    """``Emu(model_stage, layout, gpus, id=uid)``, the same value and the same checks, without the
+    frozen dataclass's field-by-field ``__init__`` (the planner makes thousands at 1,024 GPUs)."""
+    if len(gpus) != layout.size or len(set(gpus)) != len(gpus):
+        return Emu(model_stage, layout, gpus, id=uid)  # raises, with the message
+    u: Emu = _new(Emu)
+    _set(u, "model_stage", model_stage)
+    _set(u, "layout", layout)
+    _set(u, "gpus", gpus)
+    _set(u, "state", _NO_STATE)
+    _set(u, "id", uid)
+    return u
+
+
 def units(name: str, layout: Layout, gpus: Sequence[Sequence[int]], prefix: str) -> tuple[Emu, ...]:
     """EMUs of ``name`` on the GPU lists ``gpus`` (one per replica), named ``<name>/<prefix><i>``."""
-    return tuple(Emu(name, layout, tuple(g), id=f"{name}/{prefix}{i}") for i, g in enumerate(gpus))
+    stem = f"{name}/{prefix}"
+    return tuple(emu(name, layout, tuple(g), stem + str(i)) for i, g in enumerate(gpus))
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +69,9 @@ class StageMove:
             ("current", self.current_layout, self.current, "u"),
             ("target", self.target_layout, self.target, "v"),
         ):
+            stem = f"{self.name}/{prefix}"
             for i, u in enumerate(us):
-                if u.model_stage != self.name or u.layout != layout or u.id != f"{self.name}/{prefix}{i}":
+                if u.model_stage != self.name or u.layout != layout or u.id != stem + str(i):
                     raise ValueError(
                         f"{self.name}: {side} unit {i} must be {self.name}/{prefix}{i} of {layout}, "
                         f"got {u.id or '(unnamed)'} of {u.model_stage} {u.layout}"

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from nereus.plan.layout import Layout
+from nereus.plan.opclass import Link
 from nereus.spec.model import ModelSpec
 from nereus.state.buffers import StatePolicy, rank_buffers
 from nereus.state.emu import Emu
@@ -25,7 +26,9 @@ from nereus.state.geometry import rank_numel, shared_numel
 from nereus.state.sources import STORAGE
 from nereus.transition.dag import Edge, EdgeKind, Flow, Node, Primitive
 from nereus.transition.links import LinkModel
-from nereus.transition.move import StageMove
+from nereus.transition.move import StageMove, emu
+
+_INTRA, _INTER = Link.INTRA, Link.INTER
 
 
 class Geometry:
@@ -151,7 +154,7 @@ class NodeMaker:
     # -------------------------------------------------------------- bookkeeping
     def unit(self, uid: str, layout: Layout, gpus: tuple[int, ...]) -> Emu:
         """A unit of this model-stage named ``<model-stage>/<uid>``, recorded in the DAG."""
-        return self.touch(Emu(self.m.name, layout, gpus, id=f"{self.m.name}/{uid}"))
+        return self.touch(emu(self.m.name, layout, gpus, f"{self.m.name}/{uid}"))
 
     def touch(self, u: Emu) -> Emu:
         self.out.units[u.id] = u
@@ -200,7 +203,8 @@ class NodeMaker:
         return self.add(
             Node(
                 id=self.next_id(), primitive=Primitive.SPLIT, model_stage=self.m.name, gpus=u.gpus,
-                bytes=moved, est_s=self.links.node_seconds(Primitive.SPLIT, tuple(flows), hops=kt * kp - 1),
+                bytes=moved,
+                est_s=self.links.node_seconds(Primitive.SPLIT, tuple(flows), kt * kp - 1, distinct=True),
                 inputs=(u.id,), outputs=tuple(s.id for s in subunits), frees=(u.id,),
                 acquire=tuple(acquire), release=tuple(release), flows=tuple(flows),
                 sends=u.gpus, recvs=tuple(recvs),
@@ -209,17 +213,19 @@ class NodeMaker:
 
     def extend(self, src: Emu, dst: Emu) -> int:
         payload, held = self.table(dst.layout)
+        gpn = self.links.gpus_per_node
         # a position whose source and destination are one GPU is a local copy: nothing crosses a link
         flows = tuple(
-            Flow(b, 0 if a == b else n, self.links.link(a, b))
+            Flow(b, 0 if a == b else n, _INTRA if a // gpn == b // gpn else _INTER)
             for a, b, n in zip(src.gpus, dst.gpus, payload, strict=True)
         )
         return self.add(
             Node(
                 id=self.next_id(), primitive=Primitive.EXTEND, model_stage=self.m.name,
                 gpus=src.gpus + dst.gpus, bytes=sum(f.bytes for f in flows),
-                est_s=self.links.node_seconds(Primitive.EXTEND, flows), inputs=(src.id,), outputs=(dst.id,),
-                acquire=tuple(zip(dst.gpus, held, strict=True)), flows=flows, sends=src.gpus, recvs=dst.gpus,
+                est_s=self.links.node_seconds(Primitive.EXTEND, flows, distinct=True),
+                inputs=(src.id,), outputs=(dst.id,), acquire=tuple(zip(dst.gpus, held, strict=True)),
+                flows=flows, sends=src.gpus, recvs=dst.gpus,
             )
         )  # fmt: skip
 
@@ -237,7 +243,8 @@ class NodeMaker:
         return self.add(
             Node(
                 id=self.next_id(), primitive=Primitive.EXTEND, model_stage=self.m.name, gpus=dst.gpus,
-                bytes=sum(f.bytes for f in flows), est_s=self.links.node_seconds(Primitive.EXTEND, flows),
+                bytes=sum(f.bytes for f in flows),
+                est_s=self.links.node_seconds(Primitive.EXTEND, flows, distinct=True),
                 outputs=(dst.id,), acquire=tuple(acquire), flows=flows,
                 sends=() if storage else self.m.restore_gpus, recvs=dst.gpus, source=self.m.restore_from,
             )
@@ -261,7 +268,7 @@ class NodeMaker:
             moved += recv
             local = max(local, self.payload(new, t, p) - recv)
         ports = v.gpus if moved else ()
-        est = self.links.node_seconds(Primitive.MERGE, tuple(flows), hops=len(v.gpus) - 1, local_bytes=local)
+        est = self.links.node_seconds(Primitive.MERGE, tuple(flows), len(v.gpus) - 1, local, distinct=True)
         return self.add(
             Node(
                 id=self.next_id(), primitive=Primitive.MERGE, model_stage=self.m.name, gpus=v.gpus,
@@ -280,7 +287,7 @@ class NodeMaker:
         flows = tuple(Flow(g, r, link) for g, r in zip(gpus, rows.recv, strict=True))
         moved = sum(rows.recv)
         ports = gpus if moved else ()
-        est = self.links.node_seconds(Primitive.MERGE, flows, hops=kt * kp - 1, local_bytes=rows.local)
+        est = self.links.node_seconds(Primitive.MERGE, flows, kt * kp - 1, rows.local, distinct=True)
         return self.add(
             Node(
                 id=self.next_id(), primitive=Primitive.MERGE, model_stage=self.m.name, gpus=gpus,

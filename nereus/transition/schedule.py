@@ -49,7 +49,7 @@ class Prepared:
             self.waiting.append(len(distinct))
             for p in distinct:
                 self.succs[p].append(i)
-        self.ports = [tuple(2 * g for g in nd.sends) + tuple(2 * g + 1 for g in nd.recvs) for nd in nodes]
+        self.ports = [tuple([2 * g for g in nd.sends] + [2 * g + 1 for g in nd.recvs]) for nd in nodes]
 
 
 def _prepared(dag: TransitionDag, prep: Prepared | None) -> Prepared:
