@@ -70,30 +70,37 @@ def holder_for(rank: int, tr: Transition, plan: Plan, when: str) -> StateHolder:
     return holder
 
 
-def _worker(rank: int, store: str, trials: list[tuple[Transition, Plan, Plan]], out: str) -> None:
+def _worker(rank: int, store: str, cases: dict[str, list[tuple[Transition, Plan, Plan]]], out: str) -> None:
+    """Every case's trials in one world (a world per case cost a spawn of four processes each);
+    ``<out>/<case>/ok<rank>`` once a case's trials all passed on this rank."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
-        for k, (tr, a, b) in enumerate(trials):
-            holder = holder_for(rank, tr, a, "start")
-            before = {n: rs.state for n, rs in holder.by_stage().items()}
-            ex = Executor(tr.dag, tr.moves, holder, {r: r for r in range(WORLD)})
-            ex.run(tr.schedule.order() if tr.schedule else None)
-            want = holder_for(rank, tr, b, "end")
-            got = holder.by_stage()
-            assert set(got) == set(want.units), (k, rank, sorted(got), sorted(want.units))
-            for name, exp in want.units.items():
-                rs = got[name]
-                assert (rs.layout, rs.t, rs.p) == (exp.layout, exp.t, exp.p), (k, name)
-                for kind, buf in exp.buffers.items():
-                    assert torch.equal(rs.buffers[kind], buf), f"trial {k} rank {rank} {name} {kind.value}"
-                if name in before:
-                    assert rs.state == before[name], (k, name)
-                else:
-                    assert rs.state == LogicalState(updates=7, version=7, minibatch=21, seed=3), (k, name)
-            dist.barrier()
-        Path(out, f"ok{rank}").write_text("ok")
+        for case, trials in cases.items():
+            _trials_on(rank, trials)
+            Path(out, case, f"ok{rank}").write_text("ok")
     finally:
         dist.destroy_process_group()
+
+
+def _trials_on(rank: int, trials: list[tuple[Transition, Plan, Plan]]) -> None:
+    for k, (tr, a, b) in enumerate(trials):
+        holder = holder_for(rank, tr, a, "start")
+        before = {n: rs.state for n, rs in holder.by_stage().items()}
+        ex = Executor(tr.dag, tr.moves, holder, {r: r for r in range(WORLD)})
+        ex.run(tr.schedule.order() if tr.schedule else None)
+        want = holder_for(rank, tr, b, "end")
+        got = holder.by_stage()
+        assert set(got) == set(want.units), (k, rank, sorted(got), sorted(want.units))
+        for name, exp in want.units.items():
+            rs = got[name]
+            assert (rs.layout, rs.t, rs.p) == (exp.layout, exp.t, exp.p), (k, name)
+            for kind, buf in exp.buffers.items():
+                assert torch.equal(rs.buffers[kind], buf), f"trial {k} rank {rank} {name} {kind.value}"
+            if name in before:
+                assert rs.state == before[name], (k, name)
+            else:
+                assert rs.state == LogicalState(updates=7, version=7, minibatch=21, seed=3), (k, name)
+        dist.barrier()
 
 
 def _trials(n: int, seed: int, model: str, precision: Precision) -> list[tuple[Transition, Plan, Plan]]:
@@ -108,16 +115,26 @@ def _trials(n: int, seed: int, model: str, precision: Precision) -> list[tuple[T
     return out
 
 
-@pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize(
-    ("model", "precision"), [("tiny-llama", Precision.FP32), ("tiny-qwen3", Precision.BF16_MIXED)]
-)
-def test_random_transitions_move_state_bit_for_bit(tmp_path: Path, model: str, precision: Precision) -> None:
-    """Random plan pairs of a PPO job on 4 ranks: every rank's parameters and optimizer state end
-    up equal to the target layout's slices of the same full tensors, logical state preserved."""
-    trials = _trials(10, 1, model, precision)
-    mp.spawn(_worker, args=(str(tmp_path / "store"), trials, str(tmp_path)), nprocs=WORLD, join=True)
-    assert all((tmp_path / f"ok{r}").exists() for r in range(WORLD))
+CASES = {"tiny-llama": Precision.FP32, "tiny-qwen3": Precision.BF16_MIXED}
+
+
+@pytest.fixture(scope="module")
+def moved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("moved")
+    cases = {model: _trials(10, 1, model, precision) for model, precision in CASES.items()}
+    for model in cases:
+        (root / model).mkdir()
+    mp.spawn(_worker, args=(str(root / "store"), cases, str(root)), nprocs=WORLD, join=True)
+    return root
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)  # the first test waits for the one world that runs both cases
+@pytest.mark.parametrize("model", list(CASES))
+def test_random_transitions_move_state_bit_for_bit(moved: Path, model: str) -> None:
+    """Random plan pairs of a PPO job on 4 ranks (tiny-llama in fp32, tiny-qwen3 in bf16 mixed
+    precision): every rank's parameters and optimizer state end up equal to the target layout's
+    slices of the same full tensors, logical state preserved."""
+    assert all((moved / model / f"ok{r}").exists() for r in range(WORLD))
 
 
 # ------------------------------------------------------------------ a rank dies mid-transition
