@@ -55,6 +55,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+import e2e_async
 from common import RESULTS, git_sha, write
 
 from nereus.spec import load_workload
@@ -368,7 +369,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--async-only", action="store_true", help="only async vs sync GRPO (e2e_async.py)")
+    ap.add_argument("--no-async", action="store_true", help="skip async vs sync GRPO")
     args = ap.parse_args()
+    if args.async_only:
+        return async_vs_sync(args.out, args.repeats or e2e_async.REPEATS, args.steps or e2e_async.STEPS)
     cfg = QUICK if args.quick else FULL
     steps = args.steps or int(cfg["steps"])
     repeats = args.repeats or int(cfg["repeats"])
@@ -457,12 +462,31 @@ def main() -> None:
         "compare policies by the side-by-side ratios",
     }
     args.out.mkdir(parents=True, exist_ok=True)
+    if not (args.quick or args.no_async):
+        extra["async_vs_sync"] = async_vs_sync(args.out, repeats, e2e_async.STEPS)
     write("e2e_local", TARGETS, per_policy, extra, args.out)
     plot(per_policy, drift, args.out)
     print(
         f"wrote {args.out / 'e2e_local.json'} and {args.out / 'e2e_local.png'} "
         f"({extra['seconds']['total']:.0f}s)"
     )
+
+
+def async_vs_sync(out: Path, repeats: int, steps: int) -> dict[str, Any]:
+    """``e2e_async.py``'s comparison on a fresh code snapshot; writes ``e2e_async.json`` / ``.png``."""
+    with tempfile.TemporaryDirectory(prefix="nereus-e2e-async-code-") as tmp:
+        result = e2e_async.compare(snapshot(Path(tmp)), repeats, steps)
+    out.mkdir(parents=True, exist_ok=True)
+    write("e2e_async", e2e_async.TARGETS, result, {"code": {"git_sha": git_sha()}}, out)
+    e2e_async.plot(result, out / "e2e_async.png")
+    m, r = result["medians"], result["ratios"]
+    print(
+        f"async vs sync: median step {m['async']['median_step_s']:.3f} s "
+        f"vs {m['sync']['median_step_s']:.3f} s "
+        f"(×{r['step_time_async_over_sync']:.3f}), tokens/s ×{r['tokens_per_s_async_over_sync']:.3f}, "
+        f"overlap {m['async']['overlap_share']:.1%} of step time"
+    )
+    return {"medians": m, "ratios": r}
 
 
 if __name__ == "__main__":

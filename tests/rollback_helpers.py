@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from nereus.devices import CPU, Devices
@@ -14,6 +15,7 @@ from nereus.runtime.loop import JobLoop
 from nereus.runtime.membership import Membership
 from nereus.runtime.snapshot import Snapshot
 from nereus.runtime.worker import Worker
+from nereus.spec.workload import ExecutionMode
 from nereus.state.emu import LogicalState
 from nereus.state.holder import RankState
 from tests.device_checks import trainer
@@ -62,6 +64,7 @@ class StandInWorker:
         self.holder = StandInHolder(units)
         self.snapshot = Snapshot(CPU)
         self.engines: dict[str, Any] = {"actor.gen": object()}
+        self.pending: dict[int, Any] = {}  # async RL's batches generated ahead (none: a sync job)
 
     def sources(self) -> frozenset[str]:
         return SOURCES
@@ -80,7 +83,7 @@ def stand_in_loop(
         m,  # type: ignore[arg-type]
         None,  # type: ignore[arg-type]
         Path("unused"),
-        None,  # type: ignore[arg-type]
+        SimpleNamespace(workload=SimpleNamespace(mode=ExecutionMode.SYNC)),  # type: ignore[arg-type]
         worker,  # type: ignore[arg-type]
         plan,
         step,

@@ -382,11 +382,19 @@ def test_hf_config_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert ModelSpec.from_hf_config(Path("hf/config.json")).hidden_size == 64
 
 
-def test_run_refuses_an_async_workload_it_would_run_synchronously(
-    capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("max_staleness", "-1", "max_staleness must be 0…16, got -1"),
+        ("max_staleness", "1.5", "key 'max_staleness': expected int, got 1.5"),
+        ("in_flight", "keep", "key 'in_flight': expected one of drain|drop, got 'keep'"),
+    ],
+)
+def test_run_refuses_a_bad_async_setting(
+    key: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    write("async.yaml", shipped("workloads", "ppo-tiny", mode="async"))
+    write("async.yaml", shipped("workloads", "grpo-tiny", mode="async", **{key: value}))
     write("exp.yaml", "name: x\nworkload: async.yaml\nmodel: tiny-llama\nworkers: 2\nsteps: 1\n")
     got = refused(["run", "exp.yaml", "--out", "out"], capsys)
-    assert "mode 'async' is planned" in got and "allowed here: sync" in got
+    assert message in got and "async.yaml" in got, got
     assert not Path("out").exists()  # nothing half-written

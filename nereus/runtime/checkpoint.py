@@ -4,8 +4,9 @@ What is saved: every model-stage that nothing else can rebuild — the trainers 
 master weights, Adam moments) and the frozen ones without a weight-sync source (reference,
 reward model) — as DTensors on each model-stage's (dp, pp, tp) mesh (``nereus.state.checkpoint``),
 plus ``meta.json`` (the step, the model and workload the job trains, every saved model-stage's
-logical state, the plan). Generation and inference stages are restored from their trainers by a
-weight sync after loading.
+logical state, the plan) and, in an asynchronous job, ``pending.bin``: the batches generated
+ahead of training (``pending.py``), so a resume neither repeats nor skips samples. Generation
+and inference stages are restored from their trainers by a weight sync after loading.
 
 A checkpoint is written to a hidden temporary folder, signed (``nereus.runtime.signing``: a
 manifest of every file's SHA-256 and an HMAC with the job's key) and renamed when every rank has
@@ -35,8 +36,9 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from nereus.errors import ConfigError
 from nereus.plan.layout import Plan
-from nereus.runtime import signing
+from nereus.runtime import pending, signing
 from nereus.runtime.comm import all_gather, broadcast
+from nereus.runtime.rollout import Batch
 from nereus.runtime.worker import Worker
 from nereus.spec.workload import Role
 from nereus.state.checkpoint import kv_mesh, layout_mesh, to_dtensors
@@ -44,6 +46,7 @@ from nereus.state.emu import LogicalState, replicas
 from nereus.state.holder import RankState
 
 LATEST = signing.LATEST
+PENDING = "pending.bin"  # async RL: the batches generated ahead (``pending.py``)
 DCP_METADATA = ".metadata"
 _KEY: dict[str, bytes] = {}  # "key": this process's checkpoint key
 
@@ -103,6 +106,9 @@ def save(worker: Worker, plan: Plan, step: int, folder: Path, keep: int = 2) -> 
     if dist.get_rank() == 0:
         logical = {n: s for part in states for n, s in part.items() if n in saved_stages(worker)}
         meta = {"step": step, **identity(worker), "logical_state": logical, "plan": _plan_json(plan)}
+        if worker.pending:  # async: the batches generated ahead, which the next steps train on
+            (tmp / PENDING).write_bytes(pending.pack(worker.pending))
+            meta["pending"] = sorted(worker.pending)
         (tmp / signing.META).write_text(json.dumps(meta, indent=1) + "\n")
         signing.sign(tmp, key)
         shutil.rmtree(final, ignore_errors=True)
@@ -205,7 +211,25 @@ def load(worker: Worker, plan: Plan, path: Path) -> int:
                 worker.policy_of(name), LogicalState(**logical[name]), worker.device,
             )  # fmt: skip
     dcp_load(_state_dict(worker, plan), storage_reader=VerifiedReader(manifest))
+    worker.pending = _pending(manifest, step)
     return step
+
+
+def _pending(manifest: signing.Manifest, step: int) -> dict[int, Batch]:
+    """The checkpoint's batches generated ahead (async RL; none in a synchronous job's)."""
+    if PENDING not in manifest.files:
+        return {}
+    try:
+        batches = pending.unpack(manifest.read(PENDING))
+    except ValueError as exc:
+        raise ConfigError(f"{manifest.path}/{PENDING}: {exc}") from None
+    early = sorted(b for b in batches if b <= step)
+    if early:
+        raise ConfigError(
+            f"{manifest.path}/{PENDING}: a batch of step {early[0]}, which the checkpoint's step {step} "
+            "had trained"
+        )
+    return batches
 
 
 def _plan_json(plan: Plan) -> dict[str, Any]:

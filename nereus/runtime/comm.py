@@ -66,6 +66,19 @@ def broadcast(obj: object, tp: Any, src: int = 0) -> Any:
     return obj if mine else decode(_first(slot, n) + rest.numpy().tobytes(), tp)
 
 
+def broadcast_bytes(data: bytes, src: int = 0) -> bytes:
+    """Rank ``src``'s ``data`` on every rank (the others pass b""): tensors and other binary
+    payloads whose reader checks them (``pending.unpack``); one collective up to ``ROOM`` bytes."""
+    mine = dist.get_rank() == src
+    slot = _slot(data) if mine else torch.empty(SLOT, dtype=torch.uint8)
+    dist.broadcast(slot, src=src)
+    n = _length(slot, f"rank {src}")
+    rest = _bytes(data[ROOM:]) if mine else torch.empty(max(0, n - ROOM), dtype=torch.uint8)
+    if n > ROOM:
+        dist.broadcast(rest, src=src)
+    return data if mine else _first(slot, n) + rest.numpy().tobytes()
+
+
 def all_gather(obj: object, tp: Any) -> list[Any]:
     """Every rank's ``obj`` (of type ``tp``), in rank order. One collective when every message
     fits in ``ROOM`` bytes; otherwise a second carries the rest of the larger ones."""
@@ -122,11 +135,12 @@ def gather_bytes(data: bytes, dst: int = 0) -> list[bytes] | None:
 
 
 def gather_parts(
-    part: tuple[int, Sequence[Tensor]] | None, dtypes: Sequence[torch.dtype]
+    part: tuple[int, Sequence[Tensor]] | None, dtypes: Sequence[torch.dtype], group: Any = None
 ) -> list[tuple[int, list[Tensor]]]:
     """Every rank's part — a first row and 2-D tensors of ``dtypes`` — for the ranks that have
-    one, in rank order (the replicas' results, gathered as tensors)."""
-    k, world = len(dtypes), dist.get_world_size()
+    one, in rank order (the replicas' results, gathered as tensors), over ``group`` (the world
+    by default)."""
+    k, world = len(dtypes), dist.get_world_size(group)
     header = torch.zeros(2 + 2 * k, dtype=torch.int64)
     if part is not None:
         start, tensors = part
@@ -136,7 +150,7 @@ def gather_parts(
                 raise ValueError(f"gather_parts: tensor {i} has {t.dim()} dimensions, expected 2")
             header[2 + 2 * i], header[3 + 2 * i] = t.shape
     headers = [torch.zeros_like(header) for _ in range(world)]
-    dist.all_gather(headers, header)
+    dist.all_gather(headers, header, group=group)
     shapes = [[(int(h[2 + 2 * i]), int(h[3 + 2 * i])) for i in range(k)] for h in headers]
     columns: list[list[Tensor]] = []
     for i, dtype in enumerate(dtypes):
@@ -146,7 +160,7 @@ def gather_parts(
             t = part[1][i].to(dtype).reshape(-1)
             flat[: t.numel()] = t
         got = [torch.empty(width, dtype=dtype) for _ in range(world)]
-        dist.all_gather(got, flat)
+        dist.all_gather(got, flat, group=group)
         columns.append(got)
     out = []
     for r, h in enumerate(headers):
@@ -180,8 +194,9 @@ def barrier() -> None:
     dist.all_reduce(torch.zeros(1, dtype=torch.int64))
 
 
-def from_rank(x: float, src: int) -> float:
-    """A value rank ``src`` knows (a model-stage's loss agrees on all its ranks), on every rank."""
+def from_rank(x: float, src: int, group: Any = None) -> float:
+    """A value world rank ``src`` knows (a model-stage's loss agrees on all its ranks), on every
+    rank of ``group`` (the world by default)."""
     t = torch.tensor([x], dtype=torch.float64)
-    dist.broadcast(t, src=src)
+    dist.broadcast(t, src=src, group=group)
     return float(t)

@@ -80,14 +80,9 @@ def preflight(spec: Any, folder: Path, resume: bool, force: bool = False, local:
     from nereus.rl.hf_tokenizer import check_folder
     from nereus.rl.tokenizer import CharTokenizer
     from nereus.runtime.engines import engines_of, job_models
-    from nereus.spec import ExecutionMode, load_cluster, load_model, load_workload
+    from nereus.spec import load_cluster, load_model, load_workload
 
     workload = load_workload(spec.workload)
-    if workload.mode is not ExecutionMode.SYNC:  # never run an async job silently as a sync one
-        raise ConfigError(
-            f"workload {workload.name}: mode {workload.mode.value!r} is planned (nereus plan) and simulated "
-            f"(nereus simulate --mode async) but nereus run does not execute it yet; allowed here: sync"
-        )
     stages = [ms.name for ms in workload.workflow().model_stages]
     for name in spec.engines:
         if name not in stages:

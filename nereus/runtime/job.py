@@ -23,7 +23,7 @@ from nereus.plan.layout import Plan
 from nereus.plan.problem import PlanningProblem, SearchSpace, SeqStats
 from nereus.plan.search import search
 from nereus.rl.advantages import gae, grpo_advantages, remax_advantages, token_rewards
-from nereus.rl.data import PromptDataset, collate
+from nereus.rl.data import PromptDataset, Sample, collate
 from nereus.rl.hf_tokenizer import HfTokenizer
 from nereus.rl.losses import PolicyLoss, ValueLoss, kl_penalty
 from nereus.rl.tasks import TaskRecord, generate_tasks, write_jsonl
@@ -31,7 +31,7 @@ from nereus.rl.tokenizer import CharTokenizer, tokenizer_of
 from nereus.rl.verifiers import by_source, get_verifier, score, score_by_source
 from nereus.runtime.engines import engines_of, job_models, space_of
 from nereus.runtime.experiment import ExperimentSpec
-from nereus.runtime.rollout import Rollouts, responses
+from nereus.runtime.rollout import Batch, Rollouts, responses
 from nereus.runtime.worker import Worker
 from nereus.spec import ClusterSpec, load_cluster, load_model, load_workload
 from nereus.spec.model import ModelSpec
@@ -105,10 +105,12 @@ def make_worker(gpu: int, setup: JobSetup, devices: Devices, workdir: Path | Non
             lr=rl.critic_lr, weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm
         ),
     }
-    return Worker(
+    worker = Worker(
         gpu, setup.workload, setup.models, setup.cluster, optim, spec.seed, setup.engine_of, devices, workdir,
         spec.longest_response(),
     )  # fmt: skip
+    worker.weights_of = spec.weights_of
+    return worker
 
 
 def restart_plan(setup: JobSetup, problem: PlanningProblem, max_new: int) -> Plan:
@@ -121,30 +123,74 @@ def restart_plan(setup: JobSetup, problem: PlanningProblem, max_new: int) -> Pla
         return initial_plan(setup, problem.pool, max_new)
 
 
+def sampling(setup: JobSetup, max_new: int, greedy: bool = False) -> SamplingParams:
+    """The experiment's sampling of a step's responses (``greedy``: ReMax's baseline)."""
+    rl, tok = setup.spec.rl, setup.tokenizer
+    if greedy:
+        return SamplingParams(max_new, greedy=True, stop_token_ids=(tok.eos_id,), pad_token_id=tok.pad_id)
+    return SamplingParams(
+        max_new, temperature=rl.temperature, top_p=rl.top_p, stop_token_ids=(tok.eos_id,),
+        pad_token_id=tok.pad_id, seed=setup.spec.seed,
+    )  # fmt: skip
+
+
+def step_samples(setup: JobSetup, step: int) -> list[Sample]:
+    """The prompts step ``step`` trains on (the data set's order: a resume neither repeats nor skips)."""
+    w = setup.workload
+    return setup.dataset.samples(step * w.prompts_per_step, w.prompts_per_step)
+
+
+def prompts_of(setup: JobSetup, step: int, per_prompt: int) -> tuple[Tensor, Tensor, list[int]]:
+    """Step ``step``'s prompts, each ``per_prompt`` times: ids, valid mask, sample ids."""
+    ids, valid, sample_ids = collate(step_samples(setup, step), setup.tokenizer, per_prompt)
+    return ids, valid, list(sample_ids)
+
+
+def generate_batch(
+    worker: Worker, plan: Plan, setup: JobSetup, step: int, max_new: int
+) -> tuple[Rollouts, Rollouts | None]:
+    """Step ``step``'s rollouts (and ReMax's greedy baseline rollouts), on every worker."""
+    w = setup.workload
+    r = worker.generate(plan, *prompts_of(setup, step, w.samples_per_prompt), sampling(setup, max_new))
+    if w.algorithm is not Algorithm.REMAX:
+        return r, None
+    return r, worker.generate(plan, *prompts_of(setup, step, 1), sampling(setup, max_new, greedy=True))
+
+
+def behaviour(
+    worker: Worker, plan: Plan, step: int, version: int, r: Rollouts, base: Rollouts | None
+) -> Batch:
+    """The batch of ``r`` with the generating policy's log-probs, from actor.inf while it still
+    holds version ``version`` (the weights that generated ``r``)."""
+    return Batch(step, version, r, worker.infer(plan, "actor.inf", r), base)
+
+
 def algorithm_step(
     worker: Worker, plan: Plan, setup: JobSetup, step: int, max_new: int,
     after_generate: Callable[[], None] | None = None,
 ) -> tuple[Rollouts, Tensor, dict[str, float]]:  # fmt: skip
-    """One RL step on every worker; returns rollouts, scores and the step's metrics.
+    """One synchronous RL step on every worker; returns rollouts, scores and the step's metrics.
     ``after_generate``: a hook (a scripted kill in the middle of the step)."""
-    spec, w, tok = setup.spec, setup.workload, setup.tokenizer
-    rl = spec.rl
-    g = w.samples_per_prompt
-    samples = setup.dataset.samples(step * w.prompts_per_step, w.prompts_per_step)
-    prompt_ids, prompt_valid, sample_ids = collate(samples, tok, g)
-    params = SamplingParams(
-        max_new, temperature=rl.temperature, top_p=rl.top_p, stop_token_ids=(tok.eos_id,),
-        pad_token_id=tok.pad_id, seed=spec.seed,
-    )  # fmt: skip
-    r = worker.generate(plan, prompt_ids, prompt_valid, list(sample_ids), params)
+    r, base = generate_batch(worker, plan, setup, step, max_new)
     if after_generate is not None:
         after_generate()
+    scores, metrics = learn(worker, plan, setup, behaviour(worker, plan, step, step, r, base))
+    return r, scores, metrics
+
+
+def learn(worker: Worker, plan: Plan, setup: JobSetup, batch: Batch) -> tuple[Tensor, dict[str, float]]:
+    """Rewards, inference and training on ``batch`` (on the workers that hold its model-stages,
+    exchanging over ``worker.exchange``); returns the scores and the step's metrics. The
+    behaviour policy's log-probs are PPO's old log-probs and the KL penalty's policy side."""
+    spec, w = setup.spec, setup.workload
+    rl, g, r = spec.rl, w.samples_per_prompt, batch.rollouts
+    samples = step_samples(setup, batch.step)
     scores, rm = sequence_rewards(worker, plan, setup, r, [s.record for s in samples for _ in range(g)])
     mask = r.mask.float()
     metrics: dict[str, float] = {}
     if rm is not None:
         metrics["rm_score"] = float(rm.mean())
-    old = worker.infer(plan, "actor.inf", r)
+    old = batch.behaviour
     ref = worker.infer(plan, "ref.inf", r)
     kl = kl_penalty(old, ref, "k1") * mask
     fields: dict[str, Tensor] = {"old_logprobs": old, "mask": mask}
@@ -163,12 +209,9 @@ def algorithm_step(
         if algo is Algorithm.GRPO:
             fields["advantages"] = grpo_advantages(scores, g, r.mask)
         else:  # ReMax: the greedy rollout of each prompt is the baseline
-            greedy = SamplingParams(
-                max_new, greedy=True, stop_token_ids=(tok.eos_id,), pad_token_id=tok.pad_id
-            )
-            gids, gvalid, gsid = collate(samples, tok, 1)
-            base = worker.generate(plan, gids, gvalid, list(gsid), greedy)
-            baseline, _ = sequence_rewards(worker, plan, setup, base, [s.record for s in samples])
+            if batch.baseline is None:
+                raise ValueError(f"step {batch.step}: a ReMax batch without its greedy baseline rollouts")
+            baseline, _ = sequence_rewards(worker, plan, setup, batch.baseline, [s.record for s in samples])
             baseline = baseline.repeat_interleave(g)  # scored exactly as the samples are
             fields["advantages"] = remax_advantages(scores, baseline, r.mask)
         fields["ref_logprobs"] = ref
@@ -177,7 +220,7 @@ def algorithm_step(
     metrics["reward"] = float(scores.mean())
     metrics["accuracy"] = float((scores >= 1.0).float().mean())
     metrics["kl"] = float(kl.sum() / mask.sum().clamp(min=1))
-    return r, scores, metrics
+    return scores, metrics
 
 
 def sequence_rewards(

@@ -46,6 +46,7 @@ from nereus.control.telemetry import Telemetry
 from nereus.devices import StageOutOfMemoryError
 from nereus.plan.layout import Plan
 from nereus.runtime import checkpoint as ckpt
+from nereus.runtime.asynchrony import async_step
 from nereus.runtime.comm import all_gather, barrier, broadcast, is_peer_failure, reduce_max
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.job import JobSetup, algorithm_step, initial_plan, make_worker
@@ -53,10 +54,12 @@ from nereus.runtime.leader import Leader, measured_cluster
 from nereus.runtime.membership import Membership
 from nereus.runtime.metrics import StepRecord, drop_rows_after
 from nereus.runtime.monitor import Notice, StepResult, gather_reports, step_record, telemetry
+from nereus.runtime.pending import share as share_pending
 from nereus.runtime.pool import Change
 from nereus.runtime.preemption import Preemption
 from nereus.runtime.snapshot import Mark, agreed
 from nereus.runtime.worker import Worker
+from nereus.spec.workload import ExecutionMode, InFlight
 from nereus.telemetry import read_node
 
 MAX_OOM_TRIES = 3  # a step that runs out of memory after this many urgent replans fails the job
@@ -94,6 +97,7 @@ class JobLoop:
         self.ooms_at, self.oom_tries = -1, 0  # out-of-memory recoveries of one step, so far
         self.faulted: set[int] = set()  # steps whose scripted fault has struck
         self.preemption = preemption or Preemption()
+        self.dropped = 0  # async: batches generated ahead that a transition dropped, since the last record
 
     # ------------------------------------------------------------------ the two ways in
     @classmethod
@@ -127,8 +131,10 @@ class JobLoop:
         setup, plan, change = received
         worker = make_worker(m.gpu, setup, m.devices, out)
         worker.set_world(m.members)
-        pending = Boundary(change.step, None, change=change)
-        return cls(m, spec, out, setup, worker, plan, change.step, pending=pending, preemption=preemption)
+        if setup.workload.mode is ExecutionMode.ASYNC:
+            worker.pending = share_pending(None)
+        b = Boundary(change.step, None, change=change)
+        return cls(m, spec, out, setup, worker, plan, change.step, pending=b, preemption=preemption)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> Outcome:
@@ -212,6 +218,15 @@ class JobLoop:
         if oom is not None and step not in self.faulted:  # a scripted out-of-memory error, once
             self.faulted.add(step)
             worker.fault = _out_of_memory_in(oom)
+        if self.setup.workload.mode is ExecutionMode.ASYNC:
+            res = async_step(worker, self.plan, self.setup, step, spec.max_new_tokens_at, hook)
+            sync_s = worker.weight_sync(self.plan)
+            info = {
+                "staleness": float(res.batch.staleness), "version": float(res.batch.version),
+                "generated": float(len(res.generated)), "ahead": float(len(worker.pending)),
+                **res.overlap.as_dict(),
+            }  # fmt: skip
+            return StepResult(step, res.batch.rollouts, res.metrics, time.perf_counter() - t0, sync_s, info)
         rollouts, _, metrics = algorithm_step(
             worker, self.plan, self.setup, step, spec.max_new_tokens_at(step), hook
         )
@@ -247,6 +262,8 @@ class JobLoop:
             self.m.form(change.members, change.generation)
             self.worker.set_world(change.members)
             broadcast((self.setup, self.plan, change), tuple[JobSetup, Plan, Change])
+            if self.setup.workload.mode is ExecutionMode.ASYNC:  # the batches generated ahead, too
+                self.worker.pending = share_pending(self.worker.pending if self.m.leader else None)
         return change, time.perf_counter() - started
 
     def _finish_boundary(self, b: Boundary) -> Outcome | None:
@@ -273,7 +290,10 @@ class JobLoop:
             self._reform(change.after_drain)
             moved.append(TransitionRecord.membership(0.0, self.m.generation, change.draining, ()))
         if self.leader is not None and record is not None:
+            if record.asynchrony is not None:
+                record = replace(record, asynchrony={**record.asynchrony, "dropped": float(self.dropped)})
             self.leader.write(record, moved, self.plan)
+        self.dropped = 0
         return None
 
     def _decide(self, b: Boundary) -> Action | None:
@@ -292,7 +312,19 @@ class JobLoop:
 
     def _act(self, action: Action, rebind: bool) -> list[TransitionRecord]:
         """Every member runs ``action`` (``rebind``: the world re-formed, so a kept plan needs new
-        groups). Returns what moved."""
+        groups). Returns what moved. An async job's batches generated ahead stay (``drain``) or
+        are dropped (``drop``: the new plan generates them again) when the plan moves or restarts."""
+        w = self.setup.workload
+        if w.in_flight is InFlight.DROP and isinstance(action, Move | Restart) and self.worker.pending:
+            self.dropped += len(self.worker.pending)
+            self.worker.pending = {}
+        moved = self._action(action, rebind)
+        if w.in_flight is InFlight.DROP and isinstance(action, Restart) and self.worker.pending:
+            self.dropped += len(self.worker.pending)  # the checkpoint's, generated by the old plan
+            self.worker.pending = {}
+        return moved
+
+    def _action(self, action: Action, rebind: bool) -> list[TransitionRecord]:
         match action:
             case Move():
                 return [self._move(action)]
@@ -373,6 +405,8 @@ class JobLoop:
         )
         step, plan = broadcast(here, tuple[int, Plan])
         self.worker.rollback(mark, plan)
+        if self.setup.workload.mode is ExecutionMode.ASYNC:  # a newcomer holds no snapshot's batches
+            self.worker.pending = share_pending(self.worker.pending if self.leader is not None else None)
         self.plan, self.step = plan, step
 
     def _recover(self, lost: tuple[int, ...]) -> None:

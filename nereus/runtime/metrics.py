@@ -61,6 +61,10 @@ class StepRecord:
     memory_gib: dict[str, dict[str, float]] = field(default_factory=dict)  # peak allocated/reserved (GPU)
     # per generating model-stage: tokens, engine steps, peak KV share, preemptions
     generation: dict[str, dict[str, float]] = field(default_factory=dict)
+    # async RL: the trained batch's staleness and version, batches generated this step and held
+    # ahead, the seconds generation and training overlapped and each side waited, batches dropped
+    # by a transition at this boundary (``nereus.runtime.asynchrony``); None in a synchronous job
+    asynchrony: dict[str, float] | None = None
 
     @classmethod
     def of(
@@ -187,6 +191,8 @@ class MetricsWriter:
                 if value is not None:
                     self.tb.add_scalar(key, value, r.step)
             self.tb.add_scalar("transition_s", sum(t["seconds"] for t in r.transitions), r.step)
+            for key, value in (r.asynchrony or {}).items():
+                self.tb.add_scalar(f"async/{key}", value, r.step)
         moved = ", ".join(f"{t['kind']} {t['seconds']:.2f}s" for t in r.transitions) or "-"
         layouts = " ".join(f"{short(k)}:{v.split(' @')[0]}" for k, v in r.plan.items())
         self.console.print(
@@ -195,6 +201,14 @@ class MetricsWriter:
             f"transitions: {moved}",
             soft_wrap=True,
         )
+        if r.asynchrony is not None:
+            a = r.asynchrony
+            self.console.print(
+                f"         └ async: staleness {a['staleness']:.0f}, overlap {a['overlap_s']:.2f}s, "
+                f"waits gen {a['gen_wait_s']:.2f}s train {a['train_wait_s']:.2f}s, "
+                f"{a['ahead']:.0f} ahead" + (f", {a['dropped']:.0f} dropped" if a.get("dropped") else ""),
+                soft_wrap=True,
+            )
         if r.decision is not None:
             self.console.print(f"         └ {describe_decision(r.decision)}", soft_wrap=True)
 

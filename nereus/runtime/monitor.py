@@ -19,7 +19,7 @@ import math
 import sys
 from array import array
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from nereus.backends.protocol import GenerationStats
 from nereus.control.action import Action
@@ -72,6 +72,7 @@ class StepResult:
     metrics: Mapping[str, float]
     seconds: float  # the algorithm and the weight sync
     sync_s: float
+    asynchrony: Mapping[str, float] | None = None  # async: staleness, overlap, waits (``asynchrony.py``)
 
 
 def gather_reports(worker: Worker, preempt: bool) -> list[RankReport] | None:
@@ -203,6 +204,8 @@ def step_record(result: StepResult, reports: Sequence[RankReport], plan: Plan) -
         stage_times(reports),
     )  # fmt: skip
     record = record.with_efficiency(efficiencies(ops)).with_memory(memory_gib(reports))
+    if result.asynchrony is not None:
+        record = replace(record, asynchrony=dict(result.asynchrony))
     return record.with_generation(generation(reports))
 
 

@@ -37,6 +37,35 @@ class Rollouts:
         return TokenBatch(self.ids[cut], self.valid[cut], {k: v[cut] for k, v in fields.items()})
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class Batch:
+    """A step's generated batch, before training on it: its rollouts (and ReMax's greedy baseline
+    rollouts), the policy version that generated them (the number of steps trained before) and
+    that policy's per-token log-probs of them (the behaviour policy: PPO's ratio and the KL
+    penalty use them). Synchronous RL generates batch k with version k; asynchronous RL generates
+    it up to ``max_staleness`` versions earlier."""
+
+    step: int
+    version: int
+    rollouts: Rollouts
+    behaviour: Tensor  # (B, P + N) log-probs under version ``version``
+    baseline: Rollouts | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.version <= self.step:
+            raise ValueError(f"batch of step {self.step}: version {self.version} must be 0…{self.step}")
+        if tuple(self.behaviour.shape) != tuple(self.rollouts.ids.shape):
+            raise ValueError(
+                f"batch of step {self.step}: behaviour log-probs {tuple(self.behaviour.shape)} must "
+                f"match its rollouts {tuple(self.rollouts.ids.shape)}"
+            )
+
+    @property
+    def staleness(self) -> int:
+        """Policy versions between the generating policy and the one trained on it."""
+        return self.step - self.version
+
+
 def assemble(
     prompt_ids: Tensor, prompt_valid: Tensor, parts: Sequence[tuple[int, Tensor, Tensor]],
     sample_ids: Sequence[int], pad_id: int,

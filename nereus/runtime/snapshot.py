@@ -21,13 +21,14 @@ step. Edge module (torch).
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from nereus.devices import CPU
 from nereus.plan.layout import Plan
+from nereus.runtime.rollout import Batch
 from nereus.state.holder import RankState
 
 KEPT = 2  # snapshots kept at most: the newest and, until it settles, the one before
@@ -61,6 +62,7 @@ class Kept:
     plan: Plan  # the plan that step runs on
     units: dict[str, RankState]
     done: torch.cuda.Event | None = None  # a GPU's copy to pinned host memory has finished
+    pending: dict[int, Batch] = field(default_factory=dict)  # async: the batches generated ahead
 
 
 class Snapshot:
@@ -85,12 +87,18 @@ class Snapshot:
         k = self._find(mark)
         return k.step, k.plan
 
+    def pending(self, mark: Mark) -> dict[int, Batch]:
+        """The batches generated ahead (async RL) at snapshot ``mark``'s boundary (immutable: shared)."""
+        return dict(self._find(mark).pending)
+
     def take(
-        self, generation: int, step: int, plan: Plan, units: Mapping[str, RankState], sources: Collection[str]
-    ) -> Mark:
+        self, generation: int, step: int, plan: Plan, units: Mapping[str, RankState],
+        sources: Collection[str], pending: Mapping[int, Batch] | None = None,
+    ) -> Mark:  # fmt: skip
         """Keep ``units`` of model-stages in ``sources`` as they are now, before ``step`` on
-        ``plan`` in world generation ``generation``, as the newest snapshot; the one before stays
-        until ``settle``. Returns its mark."""
+        ``plan`` in world generation ``generation``, as the newest snapshot (with ``pending``, the
+        batches generated ahead: immutable, kept as they are); the one before stays until
+        ``settle``. Returns its mark."""
         last = self.newest()
         mark = Mark(generation, last.seq + 1 if last is not None and last.generation == generation else 0)
         if last is not None and mark <= last:
@@ -110,6 +118,7 @@ class Snapshot:
                 done = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 done.record(self._stream)
             entry = Kept(mark, step, plan, copied, done)
+        entry.pending = dict(pending or {})
         self._kept = [*self._kept[-(KEPT - 1) :], entry]
         return mark
 

@@ -14,10 +14,8 @@ the Backend protocol. Edge module (torch.distributed).
 from __future__ import annotations
 
 import time
-import zlib
 from collections.abc import Callable, Mapping
 from contextlib import suppress
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -31,7 +29,6 @@ from nereus.backends.protocol import (
     Backend,
     EngineOptions,
     GenerationStats,
-    Grid,
     Groups,
     LossFn,
     SamplingParams,
@@ -46,64 +43,20 @@ from nereus.plan.opclass import OpClass
 from nereus.runtime.comm import from_rank, gather_parts
 from nereus.runtime.health import HealthCheck
 from nereus.runtime.optimes import OpTime, decode_s, gemm_s, train_times
-from nereus.runtime.rollout import Rollouts, assemble, micro_count, placed, split_rows
+from nereus.runtime.place import Place, StageTimes, grid_of
+from nereus.runtime.rollout import Batch, Rollouts, assemble, micro_count, placed, split_rows
 from nereus.runtime.snapshot import Mark, Snapshot
+from nereus.runtime.weights import fresh, stored
 from nereus.spec import ClusterSpec
 from nereus.spec.model import ModelSpec
-from nereus.spec.workload import STAGE_ORDER, Role, Stage, WorkloadSpec
+from nereus.spec.workload import STAGE_ORDER, ExecutionMode, Role, Stage, WorkloadSpec
 from nereus.state import staging
 from nereus.state.buffers import BufferKind, StatePolicy
 from nereus.state.emu import LogicalState, replica_of, replicas, sample_range
-from nereus.state.geometry import shards
 from nereus.state.holder import RankState, StateHolder
 from nereus.transition import LinkModel, StageMove, build_dag
 from nereus.transition.between import Transition
 from nereus.transition.execute import Executor
-
-ROLE_SEED = {Role.ACTOR: 1, Role.REF: 1, Role.CRITIC: 2, Role.REWARD: 3}  # the reference starts as the actor
-
-
-def grid_of(c: Candidate, rank_of: Mapping[int, int] | None = None) -> Grid:
-    """The candidate's grid over world ranks (``rank_of``: GPU id → rank; identity by default)."""
-    gpus = [g for u in replicas(c) for g in u.gpus]
-    return Grid(c.layout, tuple(rank_of[g] for g in gpus) if rank_of is not None else tuple(gpus))
-
-
-def init_tensor(model: ModelSpec, seed: int, kind: BufferKind, name: str) -> Tensor:
-    """A fresh model's tensor: N(0, 0.02²) matrices, unit norms, zero biases and Adam moments."""
-    shape = {s.source: s.full_shape for s in shards(model, Layout(1, 1), 0, 0)}[name]
-    if kind in (BufferKind.EXP_AVG, BufferKind.EXP_AVG_SQ):
-        return torch.zeros(shape)
-    if name.endswith("norm.weight"):
-        return torch.ones(shape)
-    if len(shape) == 1:
-        return torch.zeros(shape)
-    g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
-    return torch.randn(shape, generator=g) * 0.02
-
-
-@dataclass(slots=True)
-class StageTimes:
-    """Seconds each model-stage's work took on this rank during a step."""
-
-    seconds: dict[str, float] = field(default_factory=dict)
-
-    def add(self, name: str, s: float) -> None:
-        self.seconds[name] = self.seconds.get(name, 0.0) + s
-
-
-@dataclass(frozen=True, slots=True)
-class Place:
-    """Where this worker's GPU sits in a model-stage's plan: DP rank, TP rank, pipeline stage."""
-
-    dp: int
-    t: int
-    p: int
-
-    @property
-    def reports(self) -> bool:
-        """The replica's first rank, which reports its results to the world."""
-        return self.t == 0 and self.p == 0
 
 
 class Worker:
@@ -141,6 +94,11 @@ class Worker:
         self.fault: Callable[[str], None] | None = None  # a scripted fault at a stage's start
         self.snapshot = Snapshot(self.device)  # the sources' units at the last step boundaries
         self.health = HealthCheck.of(self.devices)  # its GPU's health, for the boundary report
+        self.weights_of: Callable[[str], str] = lambda role: ""  # role → its Hugging Face folder, if any
+        self.exchange: Any = None  # the group inference and training results travel in (None: the world)
+        self.train_side: Any = None  # async: the group of every rank but generation's (None: the world)
+        self.train_side_member = True  # async: this rank holds some model-stage other than actor.gen
+        self.pending: dict[int, Batch] = {}  # async: batches generated ahead, by the step that trains on them
         self.set_world(tuple(range(dist.get_world_size())) if dist.is_initialized() else (gpu,))
 
     def set_world(self, members: tuple[int, ...]) -> None:
@@ -155,6 +113,7 @@ class Worker:
         destroying the world closes this process's connections."""
         self.groups = {}
         self.engines = {}
+        self.train_side, self.train_side_member = None, True
 
     @property
     def rank(self) -> int:
@@ -187,15 +146,21 @@ class Worker:
             if place is None:
                 continue
             model, policy = self.model_of(c.model_stage), self.policy_of(c.model_stage)
-            seed = ROLE_SEED[self.workflow.get(c.model_stage).role]
-
-            def full(kind: BufferKind, name: str, _m: ModelSpec = model, _s: int = seed) -> Tensor:
-                return init_tensor(_m, _s, BufferKind.PARAM if kind is BufferKind.MASTER else kind, name)
-
+            full = fresh(model, self.workflow.get(c.model_stage).role)
             self.holder.units[c.model_stage] = RankState.from_full(
                 c.model_stage, model, c.layout, place.t, place.p, policy, full, LogicalState(seed=self.seed),
                 self.device,
             )  # fmt: skip
+
+    def from_storage(self, name: str, layout: Layout, t: int, p: int) -> RankState:
+        """Frozen model-stage ``name``'s rank (t, p) of ``layout`` from its copy on shared storage:
+        the weights it started from (a transition restores it so when its last replica was lost)."""
+        model, role = self.model_of(name), self.workflow.get(name).role
+        full = stored(model, role, self.weights_of(role.value))
+        policy = self.policy_of(name)
+        return RankState.from_full(
+            name, model, layout, t, p, policy, full, LogicalState(seed=self.seed), self.device
+        )
 
     def options(self, plan: Plan, name: str) -> EngineOptions:
         """What ``plan`` tells the engine of ``name``: a generation replica's concurrency (its
@@ -232,12 +197,15 @@ class Worker:
         dist.barrier()  # every worker is done with the old groups before any tears them down
         for g in self.groups.values():
             g.destroy()
-        self.groups = {}
+        if self.train_side is not None:
+            dist.destroy_process_group(self.train_side)
+        self.groups, self.train_side = {}, None
         dist.barrier()  # and has torn them down before any connects new ones
         for ms in self.workflow.model_stages:
             self.groups[ms.name] = Groups.build(
                 grid_of(plan.candidate(ms.name), self.rank_of), self.model_of(ms.name), self.rank
             )
+        self._train_side(plan)
         held = dict(self.holder.by_stage())
         self.holder.units = dict(held)
         engines: dict[str, Backend] = {}
@@ -252,6 +220,20 @@ class Worker:
         for name in set(self.engines) - set(engines):  # an engine whose units left this GPU
             self.engines[name].close()
         self.engines = engines
+
+    def _train_side(self, plan: Plan) -> None:
+        """Async RL: the group of the ranks that hold any model-stage but actor.gen, in which
+        inference and training exchange while generation runs apart (collective over the world;
+        the world itself when it is every rank)."""
+        self.train_side, self.train_side_member = None, True
+        if self.workload.mode is not ExecutionMode.ASYNC:
+            return
+        ranks = sorted(
+            {self.rank_of[g] for c in plan.candidates if c.model_stage != "actor.gen" for g in c.gpus}
+        )
+        self.train_side_member = self.rank in ranks
+        if len(ranks) < len(self.rank_of):
+            self.train_side = dist.new_group(ranks)
 
     def close(self) -> None:
         """Shut every engine down (the job is over for this worker); the units stay."""
@@ -286,7 +268,8 @@ class Worker:
         ``generation``): a step that fails part-way (a peer died, a stage ran out of memory) is
         rolled back to it and run again, so no rank keeps half a step or half a transition. The
         snapshot before stays until ``snapshot.settle()``."""
-        return self.snapshot.take(generation, step, plan, self.holder.by_stage(), self.sources())
+        units, sources = self.holder.by_stage(), self.sources()
+        return self.snapshot.take(generation, step, plan, units, sources, self.pending)
 
     def rollback(self, mark: Mark | None, plan: Plan | None = None) -> None:
         """Back to the boundary the survivors agreed on (``mark``, before a step on ``plan``): the
@@ -295,8 +278,10 @@ class Worker:
         if mark is None:
             self.holder.units = {}
             self.engines = {}
+            self.pending = {}
             return
         units = self.snapshot.back_to(mark)
+        self.pending = self.snapshot.pending(mark) if self.snapshot.marks() else {}
         if plan is not None and not self.snapshot.marks():  # it joined after the boundary: nothing held
             placed_here = sorted(n for n in self.sources() if self.gpu in plan.candidate(n).gpus)
             if placed_here:
@@ -311,7 +296,7 @@ class Worker:
         """Run a plan change's DAG (collective over the world); seconds it took."""
         started = time.perf_counter()
         try:
-            Executor(tr.dag, tr.moves, self.holder, self.gpu_of_rank).run(
+            Executor(tr.dag, tr.moves, self.holder, self.gpu_of_rank, storage=self.from_storage).run(
                 tr.schedule.order() if tr.schedule else None
             )
         finally:  # the DAG's ledger does not count staging: give it back before the next step runs
@@ -368,26 +353,40 @@ class Worker:
         self, plan: Plan, prompt_ids: Tensor, prompt_valid: Tensor, sample_ids: list[int],
         params: SamplingParams, name: str = "actor.gen",
     ) -> Rollouts:  # fmt: skip
+        """Every replica's share of the rows, assembled on every worker (collective over the world)."""
+        part = self.generate_part(plan, prompt_ids, prompt_valid, sample_ids, params, name)
+        return self.collect(part, prompt_ids, prompt_valid, sample_ids, params.pad_token_id)
+
+    def generate_part(
+        self, plan: Plan, prompt_ids: Tensor, prompt_valid: Tensor, sample_ids: list[int],
+        params: SamplingParams, name: str = "actor.gen",
+    ) -> tuple[int, list[Tensor]] | None:  # fmt: skip
+        """This rank's replica's share of the rows (no collective): its first row, tokens and
+        valid mask when this rank reports its replica; None otherwise."""
         c = plan.candidate(name)
         place = self.place(c)
-        part: tuple[int, list[Tensor]] | None = None
-        if name in self.engines and place is not None:
-            eng = self.engines[name]
-            rows = split_rows(prompt_ids.shape[0], c.dp, place.dp)
-            batch = TokenBatch(prompt_ids[rows.start : rows.stop], prompt_valid[rows.start : rows.stop])
-            started = time.perf_counter()
-            out = self._timed(name, lambda: eng.generate(batch, sample_ids[rows.start : rows.stop], params))
-            if place.reports:  # a replica's statistics, once
-                self.generation[name] = self.generation.get(name, GenerationStats()).plus(out.stats)
-            width = dict(self.policy_of(name).kinds)[BufferKind.PARAM].itemsize
-            ideal = decode_s(self.model_of(name), c.layout, int(out.tokens.shape[1]), width, self.cluster)
-            self.optimes.append(OpTime(name, OpClass.MEMORY, ideal, time.perf_counter() - started))
-            if place.reports:
-                part = (rows.start, [out.tokens, out.valid])
+        if name not in self.engines or place is None:
+            return None
+        eng = self.engines[name]
+        rows = split_rows(prompt_ids.shape[0], c.dp, place.dp)
+        batch = TokenBatch(prompt_ids[rows.start : rows.stop], prompt_valid[rows.start : rows.stop])
+        started = time.perf_counter()
+        out = self._timed(name, lambda: eng.generate(batch, sample_ids[rows.start : rows.stop], params))
+        if place.reports:  # a replica's statistics, once
+            self.generation[name] = self.generation.get(name, GenerationStats()).plus(out.stats)
+        width = dict(self.policy_of(name).kinds)[BufferKind.PARAM].itemsize
+        ideal = decode_s(self.model_of(name), c.layout, int(out.tokens.shape[1]), width, self.cluster)
+        self.optimes.append(OpTime(name, OpClass.MEMORY, ideal, time.perf_counter() - started))
+        return (rows.start, [out.tokens, out.valid]) if place.reports else None
+
+    @staticmethod
+    def collect(
+        part: tuple[int, list[Tensor]] | None, prompt_ids: Tensor, prompt_valid: Tensor,
+        sample_ids: list[int], pad_id: int,
+    ) -> Rollouts:  # fmt: skip
+        """The replicas' parts gathered into the rollouts, on every worker (collective over the world)."""
         parts = gather_parts(part, (torch.long, torch.long))
-        return assemble(
-            prompt_ids, prompt_valid, [(s, t, v) for s, (t, v) in parts], sample_ids, params.pad_token_id
-        )
+        return assemble(prompt_ids, prompt_valid, [(s, t, v) for s, (t, v) in parts], sample_ids, pad_id)
 
     def infer(self, plan: Plan, name: str, r: Rollouts) -> Tensor:
         """Per-token log-probs (or values) of ``name`` over the whole batch, on every worker."""
@@ -405,7 +404,7 @@ class Worker:
             self.optimes.append(OpTime(name, OpClass.GEMM, ideal, time.perf_counter() - started))
             if place.reports:
                 part = (rows.start, [out])
-        parts = gather_parts(part, (torch.float32,))
+        parts = gather_parts(part, (torch.float32,), self.exchange)
         return placed([(s, out) for s, (out,) in parts], r.rows, r.ids.shape[1])
 
     def train(
@@ -441,4 +440,4 @@ class Worker:
                     stats.dp_allreduce_bytes, dp_gpus, self.cluster,
                 )  # fmt: skip
                 total += stats.loss
-        return from_rank(total, self.rank_of[c.gpus[0]])
+        return from_rank(total, self.rank_of[c.gpus[0]], self.exchange)

@@ -23,6 +23,7 @@ from nereus.spec.schema import coerce_enums, load_spec, require_at_most, require
 
 MAX_TOKENS = 1 << 24  # a prompt or response length beyond any context window
 MAX_SEQUENCES = 1 << 24  # sequences per step, per batch
+MAX_STALENESS = 16  # async: batches generated ahead of training, at most
 
 
 class Algorithm(StrEnum):
@@ -61,6 +62,13 @@ class Precision(StrEnum):
 class ExecutionMode(StrEnum):
     SYNC = "sync"  # gen, inf, train one after another on a shared pool
     ASYNC = "async"  # gen on its own GPUs, overlapping inf+train; a step = one weight sync
+
+
+class InFlight(StrEnum):
+    """Async: what a transition or restart does with the batches generated ahead of training."""
+
+    DRAIN = "drain"  # keep them: they are trained on under the versions that generated them
+    DROP = "drop"  # drop them: they are generated again by the new plan's engines
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,9 +195,22 @@ class WorkloadSpec:
     flash_attention: bool = True
     reward_model: bool = True  # False: rule-based verifier, no reward.inf model-stage
     models: dict[str, str] = field(default_factory=dict)  # role → model; absent roles: the job's
+    # async: how many policy versions a trained batch may lag the trainer (0: generation waits for
+    # every sync, as synchronous RL does), and the fate of batches generated ahead at a transition
+    max_staleness: int = 1
+    in_flight: InFlight = InFlight.DRAIN
 
     def __post_init__(self) -> None:
-        coerce_enums(self, algorithm=Algorithm, mode=ExecutionMode, precision=Precision, recompute=Recompute)
+        coerce_enums(
+            self, algorithm=Algorithm, mode=ExecutionMode, precision=Precision, recompute=Recompute,
+            in_flight=InFlight,
+        )  # fmt: skip
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int):
+            raise ValueError(
+                f"max_staleness must be a whole number 0…{MAX_STALENESS}, got {brief(self.max_staleness)}"
+            )
+        if not 0 <= self.max_staleness <= MAX_STALENESS:
+            raise ValueError(f"max_staleness must be 0…{MAX_STALENESS}, got {self.max_staleness}")
         require_positive(
             self,
             "prompts_per_step",
