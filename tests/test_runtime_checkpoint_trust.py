@@ -57,17 +57,11 @@ def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
     }
 
 
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished 2-step run with checkpoints after steps 0 and 1."""
-    tmp = tmp_path_factory.mktemp("trust")
-    out = tmp / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "nereus.cli", "run", str(experiment(tmp, 2)), "--out", str(out)],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
+@pytest.fixture
+def finished(finished_ppo_run: Path) -> Path:
+    """A finished 2-step run with checkpoints after steps 0 and 1 (``experiment(tmp, 2)``, run
+    once per session by ``conftest.finished_ppo_run``); every test changes only a copy."""
+    return finished_ppo_run
 
 
 def latest(out: Path) -> Path:

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,10 +80,8 @@ def untouched(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.timeout(400)
-def test_adaptive_run_equals_the_static_run(tmp_path: Path, untouched: Path) -> None:
-    moved, proc = nereus_run(tmp_path, "moved", 6, drift=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    still = untouched
+def test_adaptive_run_equals_the_static_run(drifted_ppo_run: Path, untouched: Path) -> None:
+    moved, still = drifted_ppo_run, untouched  # the drifted run: nereus_run(..., 6, drift=True)
 
     rows = metrics(moved)
     assert [r["step"] for r in rows] == list(range(6))
@@ -173,7 +172,7 @@ def test_shrink_drains_a_worker_in_place_and_preemption_resumes_on_track(
 def _hf_checkpoint(folder: Path, head: str, seed: int, head_scale: float = 1.0) -> Path:
     from nereus.backends import hf
     from nereus.plan.layout import Layout
-    from nereus.runtime.worker import init_tensor
+    from nereus.runtime.weights import init_tensor
     from nereus.spec import load_model
     from nereus.spec.model import Head
     from nereus.state.buffers import BufferKind
@@ -219,9 +218,11 @@ def test_reward_model_stage_scores_from_hugging_face_weights(tmp_path: Path) -> 
 
 
 @pytest.mark.timeout(300)
-def test_resume_continues_from_the_latest_checkpoint(tmp_path: Path) -> None:
-    out, proc = nereus_run(tmp_path, "resume", 3, drift=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_resume_continues_from_the_latest_checkpoint(tmp_path: Path, finished_ppo_run: Path) -> None:
+    """A finished 2-step run of the same job (``conftest.finished_ppo_run``: ``BASE`` with 2 steps;
+    a copy of it) resumed with 5 steps runs steps 2-4."""
+    shutil.copytree(finished_ppo_run, tmp_path / "runs" / "resume", symlinks=True)
+    assert [r["step"] for r in metrics(tmp_path / "runs" / "resume")] == [0, 1]
     out, proc = nereus_run(tmp_path, "resume", 5, False, "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in metrics(out)] == [0, 1, 2, 3, 4]

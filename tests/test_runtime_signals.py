@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -114,6 +115,19 @@ def stop_after(
     return proc, stdout, stderr
 
 
+@pytest.fixture(scope="module")
+def sigint_to_the_group(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, int, str, str]:
+    """A 7-step run (checkpoint every 3) stopped by SIGINT to its process group once 2 rows are
+    written: (experiment, out, exit code, stdout, stderr). The stop test checks how it stopped;
+    the resume test resumes a copy of it (one run serves both)."""
+    tmp = tmp_path_factory.mktemp("sigint")
+    exp, out = experiment(tmp, "again", steps=7, every=3), tmp / "out"
+    proc, stdout, stderr = stop_after(exp, out, 2, signal.SIGINT, True)
+    assert proc.returncode is not None
+    assert not group_left(proc.pid)
+    return exp, out, proc.returncode, stdout, stderr
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("signum", "group"),
@@ -128,30 +142,40 @@ def stop_after(
     ids=["SIGINT-group", "SIGINT-supervisor", "SIGTERM-supervisor", "SIGTERM-group", "SIGUSR2-group",
          "SIGUSR2-supervisor"],
 )  # fmt: skip
-def test_a_stop_signal_checkpoints_and_exits_with_its_code(tmp_path: Path, signum: int, group: bool) -> None:
-    out = tmp_path / "out"
-    exp = experiment(tmp_path, "stop", steps=30, every=5)
-    proc, stdout, stderr = stop_after(exp, out, 2, signum, group)
+def test_a_stop_signal_checkpoints_and_exits_with_its_code(
+    tmp_path: Path, signum: int, group: bool, request: pytest.FixtureRequest
+) -> None:
+    if (signum, group) == (signal.SIGINT, True):  # the run test_a_resume_after_sigint resumes
+        _, out, code, stdout, stderr = request.getfixturevalue("sigint_to_the_group")
+        total = 7
+    else:
+        out, total = tmp_path / "out", 30
+        proc, stdout, stderr = stop_after(
+            experiment(tmp_path, "stop", steps=total, every=5), out, 2, signum, group
+        )
+        code = proc.returncode
+        assert not group_left(proc.pid)
     name = signal.Signals(signum).name
-    assert proc.returncode == CODES[signum], stderr[-3000:]
+    assert code == CODES[signum], stderr[-3000:]
     assert "Traceback" not in stderr + stdout, stderr[-3000:]
     last = steps(out)[-1]
-    assert 2 <= last < 29 and steps(out) == list(range(last + 1))
+    assert 2 <= last < total - 1 and steps(out) == list(range(last + 1))
     assert stderr.splitlines() == [
         f"nereus run: stopped by {name} after step {last}, with a checkpoint; resume with --resume"
     ]
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{last:06d}"
     final = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert final["transitions"][-1]["kind"] == "preempted"
-    assert not group_left(proc.pid)
 
 
 @pytest.mark.timeout(150)
-def test_a_resume_after_sigint_writes_one_row_per_step(tmp_path: Path) -> None:
+def test_a_resume_after_sigint_writes_one_row_per_step(
+    tmp_path: Path, sigint_to_the_group: tuple[Path, Path, int, str, str]
+) -> None:
+    exp, stopped, code, _, stderr = sigint_to_the_group
+    assert code == 130, stderr[-3000:]
     out = tmp_path / "out"
-    exp = experiment(tmp_path, "again", steps=7, every=3)
-    proc, _, stderr = stop_after(exp, out, 2, signal.SIGINT, True)
-    assert proc.returncode == 130, stderr[-3000:]
+    shutil.copytree(stopped, out, symlinks=True)
     assert len(steps(out)) < 7
     done = run(exp, out, "--resume")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -175,11 +199,13 @@ def test_a_resume_after_a_kill_drops_the_rows_after_the_checkpoint(tmp_path: Pat
 
 
 @pytest.mark.timeout(150)
-def test_a_used_folder_needs_force(tmp_path: Path) -> None:
+def test_a_used_folder_needs_force(tmp_path: Path, finished_ppo_run: Path) -> None:
+    """The used folder: a copy of a finished 2-step run of this job (``conftest.finished_ppo_run``,
+    ``BASE`` with 2 steps, every 1)."""
     out = tmp_path / "out"
     exp = experiment(tmp_path, "twice", steps=2)
-    first = run(exp, out)
-    assert first.returncode == 0, first.stderr[-3000:]
+    shutil.copytree(finished_ppo_run, out, symlinks=True)
+    assert steps(out) == [0, 1]
     (out / "notes.txt").write_text("mine")
     before = {
         str(p.relative_to(out)): (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()
