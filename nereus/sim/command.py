@@ -24,7 +24,7 @@ from nereus.sim.truth import Episode
 from nereus.spec import Role, load_cluster, load_model, load_workload
 from nereus.spec.files import OutputFolder, brief
 from nereus.spec.registry import trace_path
-from nereus.spec.workload import ExecutionMode
+from nereus.spec.workload import MAX_STALENESS, ExecutionMode
 
 DEFAULT_POLICIES = "nereus,static,always,periodic:3"
 COMMAND = "simulate"
@@ -33,7 +33,6 @@ MAX_GPUS = 1 << 20
 MAX_SPEEDUP = 1e6
 MAX_NOISE = 1.0
 MAX_RUNS = 16
-MAX_STALENESS = 64
 
 
 def int_in(lo: int, hi: int) -> Callable[[str], int]:
@@ -89,14 +88,16 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--max-staleness",
         type=int_in(0, MAX_STALENESS),
-        default=1,
-        help="async: batches generation may run ahead of training (0: none, as sync)",
+        default=None,
+        help="async: batches generation may run ahead of training (0: none, as sync); "
+        "default: the workload's",
     )
     p.add_argument(
         "--in-flight",
         choices=IN_FLIGHT,
-        default="drain",
-        help="async: at a transition or restart keep (drain) or drop the rollouts generated ahead",
+        default=None,
+        help="async: at a transition or restart keep (drain) or drop the rollouts generated ahead; "
+        "default: the workload's",
     )
     p.add_argument("--cluster", required=True)
     p.add_argument(
@@ -204,8 +205,8 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         args.seed,
         args.noise,
         episodes,
-        max_staleness=args.max_staleness,
-        in_flight=args.in_flight,
+        max_staleness=workload.max_staleness if args.max_staleness is None else args.max_staleness,
+        in_flight=workload.in_flight.value if args.in_flight is None else args.in_flight,
     )
 
 
