@@ -80,16 +80,50 @@ def submitted(proc: subprocess.CompletedProcess[str]) -> tuple[str, Path]:
     return m.group(1), Path(m.group(2))
 
 
-def reference(tmp: Path, name: str, steps: int, every: int) -> dict[str, torch.Tensor]:
-    exp = tmp / f"{name}-ref.yaml"
-    exp.write_text(EXPERIMENT.format(name=name, steps=steps, every=every))
-    out = tmp / f"{name}-ref"
-    proc = subprocess.run(
-        [sys.executable, "-m", "nereus.cli", "run", str(exp), "--out", str(out)],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return load_file(str(out / "hf" / "actor" / "model.safetensors"))
+_running: list[subprocess.Popen[bytes]] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_reference_left() -> Iterator[None]:
+    """A reference a failed test started and never waited for ends with the module."""
+    yield
+    for proc in _running:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the run and its workers
+            proc.wait()
+
+
+class Reference:
+    """The same experiment run untouched (``nereus run``, 4 local workers). A test starts it in the
+    background once its SLURM job is past the events it checks (the job's remaining steps and
+    SLURM's requeue hold leave the cores idle part of the time), and waits for it at the end."""
+
+    def __init__(self, tmp: Path, name: str, steps: int, every: int) -> None:
+        self.exp, self.out = tmp / f"{name}-ref.yaml", tmp / f"{name}-ref"
+        self.err = tmp / f"{name}-ref.err"
+        self.exp.write_text(EXPERIMENT.format(name=name, steps=steps, every=every))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Reference:
+        if self.proc is None:
+            with self.err.open("wb") as err:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "nereus.cli", "run", str(self.exp), "--out", str(self.out)],
+                    stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+                )  # fmt: skip
+            _running.append(self.proc)
+        return self
+
+    def actor(self) -> dict[str, torch.Tensor]:
+        proc = self.start().proc
+        assert proc is not None
+        try:
+            proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.returncode == 0, self.err.read_text()[-3000:]
+        return load_file(str(self.out / "hf" / "actor" / "model.safetensors"))
 
 
 def assert_same_actor(job: Path, ref: dict[str, torch.Tensor]) -> None:
@@ -109,6 +143,7 @@ def test_grow_stranger_and_node_down_keep_training_on_track(
     steps, every = 30, 4
     exp = tmp_path / "elastic.yaml"
     exp.write_text(EXPERIMENT.format(name="elastic", steps=steps, every=every))
+    ref = Reference(tmp_path, "elastic", steps, every)
     jobid, job = submitted(
         launch(
             slurm_cluster, "submit", str(exp), "--site", "local", "--nodes", "2", "--jobs-root", str(tmp_path)
@@ -149,6 +184,7 @@ def test_grow_stranger_and_node_down_keep_training_on_track(
             return any(t.get("kind") == "recovered" for r in rows(job) for t in r["transitions"])  # type: ignore[union-attr]
 
         wait_for("the survivors to recover", recovered, 180, job)
+        ref.start()  # past the events: the reference runs alongside the job's last steps
         slurm_cluster.wait_state(jobid, {"COMPLETED"}, timeout=240)
     finally:
         slurm_cluster.node_resume(node)
@@ -162,7 +198,7 @@ def test_grow_stranger_and_node_down_keep_training_on_track(
     kinds = [t["kind"] for r in done for t in r["transitions"]]  # type: ignore[union-attr]
     assert any("extend" in k for k in kinds), kinds  # onto the newcomers
     assert "recovered" in kinds, kinds  # then in place from intact units, or from the checkpoint
-    assert_same_actor(job, reference(tmp_path, "elastic", steps, every))
+    assert_same_actor(job, ref.actor())
 
 
 @pytest.mark.timeout(420)
@@ -183,11 +219,12 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm_cluster: SlurmCluster
         120,
         job,
     )
+    ref = Reference(tmp_path, "preempted", steps, every).start()  # alongside the requeue and resume
     slurm_cluster.wait_state(jobid, {"COMPLETED"}, timeout=300)
     assert int(slurm_cluster.job(jobid).get("Restarts", "0")) >= 1
     done = rows(job)
     assert [r["step"] for r in done][-1] == steps - 1
-    assert_same_actor(job, reference(tmp_path, "preempted", steps, every))
+    assert_same_actor(job, ref.actor())
 
 
 @pytest.mark.timeout(180)
@@ -225,15 +262,17 @@ def test_bootstrap_takes_ranks_from_mpi_under_srun(slurm_cluster: SlurmCluster) 
 
 # ------------------------------------------------------------------ --launcher torchrun
 TORCHRUN_STEPS, TORCHRUN_EVERY = 60, 4
-_references: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+_references: dict[tuple[int, int], Reference] = {}
+_actors: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
 
-def torchrun_reference(tmp: Path) -> dict[str, torch.Tensor]:
-    """The untouched run of the torchrun jobs' experiment (computed once for the three tests)."""
+def torchrun_reference(tmp: Path) -> Reference:
+    """The untouched run of the torchrun jobs' experiment (run once for the three tests; the
+    first test to get past its events starts it)."""
     key = (TORCHRUN_STEPS, TORCHRUN_EVERY)
     if key not in _references:
-        _references[key] = reference(tmp, "torchrun", *key)
-    return _references[key]
+        _references[key] = Reference(tmp, "torchrun", *key)
+    return _references[key].start()
 
 
 def _proc(pid: int, what: str) -> bytes:
@@ -305,9 +344,13 @@ def transitions(job: Path, kind: str) -> list[dict[str, object]]:
 
 
 def finished(cluster: SlurmCluster, jobid: str, job: Path, tmp: Path) -> None:
+    ref = torchrun_reference(tmp)  # started now at the latest: alongside the job's last steps
     cluster.wait_state(jobid, {"COMPLETED"}, timeout=300)
     assert [r["step"] for r in rows(job)][-1] == TORCHRUN_STEPS - 1
-    assert_same_actor(job, torchrun_reference(tmp))
+    key = (TORCHRUN_STEPS, TORCHRUN_EVERY)
+    if key not in _actors:
+        _actors[key] = ref.actor()
+    assert_same_actor(job, _actors[key])
 
 
 @pytest.mark.timeout(420)
@@ -327,6 +370,7 @@ def test_torchrun_restarts_a_killed_worker_which_rejoins(
     assert again == agent and restarted != worker and env["TORCHELASTIC_RESTART_COUNT"] == "1"
     log = (job / "run" / "membership.log").read_text()
     assert "lost GPUs [2]" in log and "as GPU 2" in log, log
+    torchrun_reference(tmp_path)  # past the events: alongside the job's last steps
     finished(slurm_cluster, jobid, job, tmp_path)
     assert slurm_cluster.job(jobid).get("Restarts", "0") == "0"  # in place: never requeued
     assert transitions(job, "recovered")
@@ -340,6 +384,7 @@ def test_torchrun_leader_killed_requeues_and_resumes(
     _, leader, _ = torchrun_worker(job, 0)
     os.kill(leader, signal.SIGKILL)  # GPU 0: the job's store and controller die with it
     wait_for("the requeue", lambda: int(slurm_cluster.job(jobid).get("Restarts", "0")) >= 1, 120, job)
+    torchrun_reference(tmp_path)  # alongside the requeue hold and the resume
     finished(slurm_cluster, jobid, job, tmp_path)
     err = "".join(p.read_text() for p in (job / "logs").glob(f"{jobid}_0_log.err"))
     assert "the job's store died with the leader: requeueing the job" in err
@@ -352,5 +397,6 @@ def test_torchrun_preemption_checkpoints_and_requeues(
     jobid, job = torchrun_job("torchrun-preempted")
     slurm_cluster.run("scancel", "--signal=USR2", jobid)  # every agent passes it on to its worker
     wait_for("the preemption checkpoint", lambda: bool(transitions(job, "preempted")), 120, job)
+    torchrun_reference(tmp_path)  # alongside the requeue hold and the resume
     finished(slurm_cluster, jobid, job, tmp_path)
     assert int(slurm_cluster.job(jobid).get("Restarts", "0")) >= 1
