@@ -1,4 +1,9 @@
-"""Every benchmark runs in --quick mode and writes its JSON (architecture §5 smoke test)."""
+"""Every benchmark runs in --quick mode and writes its JSON (architecture §5 smoke test).
+
+The benchmarks that run in one process (the planner's, admission, coordination, the DAG schedule,
+fidelity: one busy core each) run two at a time, once per module, and their tests check what
+each wrote; the ones that start processes of their own run alone, in their tests.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,43 +21,71 @@ pytestmark = pytest.mark.e2e
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def run_quick(script: str, out: Path) -> dict[str, object]:
-    proc = subprocess.run(
+def _run(script: str, out: Path) -> subprocess.CompletedProcess[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(
         [sys.executable, str(BENCH / script), "--quick", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=230,
         check=False,
     )
+
+
+def _doc(script: str, out: Path, proc: subprocess.CompletedProcess[str]) -> dict[str, object]:
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc: dict[str, object] = json.loads((out / script.replace(".py", ".json")).read_text())
     return doc
 
 
-@pytest.mark.timeout(240)
-def test_planner_benchmark_quick(tmp_path: Path) -> None:
-    doc = run_quick("planner.py", tmp_path)
+def run_quick(script: str, out: Path) -> dict[str, object]:
+    return _doc(script, out, _run(script, out))
+
+
+Runs = dict[str, tuple[Path, Future[subprocess.CompletedProcess[str]]]]  # script -> (its folder, its run)
+ONE_PROCESS = ("planner.py", "admission.py", "coordination.py", "dag_schedule.py", "fidelity.py")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """Each single-process benchmark's ``--quick`` run, two at a time (two cores): its folder and
+    its process."""
+    root = tmp_path_factory.mktemp("bench")
+    folders = {script: root / script.removesuffix(".py") for script in ONE_PROCESS}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = {script: pool.submit(_run, script, folder) for script, folder in folders.items()}
+        return {script: (folders[script], run) for script, run in runs.items()}
+
+
+def quick_doc(runs: Runs, script: str) -> tuple[dict[str, object], Path]:
+    out, run = runs[script]
+    return _doc(script, out, run.result()), out  # a run that timed out fails its own test only
+
+
+@pytest.mark.timeout(480)  # the first of these waits for all five runs
+def test_planner_benchmark_quick(one_process: Runs) -> None:
+    doc, out = quick_doc(one_process, "planner.py")
     assert {"benchmark", "git_sha", "date", "command", "machine", "targets", "results"} <= set(doc)
     rows = {r["gpus"]: r for r in doc["results"]}
     assert sorted(rows) == [8, 16, 32, 64, 128]
     for gpus in (8, 16, 32):
         assert rows[gpus]["exhaustive"]["gap"] == pytest.approx(0.0, abs=1e-9)
-    assert (tmp_path / "planner.png").stat().st_size > 0
+    assert (out / "planner.png").stat().st_size > 0
 
 
-@pytest.mark.timeout(240)
-def test_admission_benchmark_quick(tmp_path: Path) -> None:
-    doc = run_quick("admission.py", tmp_path)
+@pytest.mark.timeout(480)
+def test_admission_benchmark_quick(one_process: Runs) -> None:
+    doc, out = quick_doc(one_process, "admission.py")
     for scenario in doc["results"].values():
         policies = scenario["policies"]
         assert {"nereus", "static", "always", "periodic:3"} <= set(policies)
         assert policies["nereus"]["oom_steps"] == 0
-    assert (tmp_path / "admission.png").stat().st_size > 0
+    assert (out / "admission.png").stat().st_size > 0
 
 
-@pytest.mark.timeout(240)
-def test_coordination_benchmark_quick(tmp_path: Path) -> None:
-    doc = run_quick("coordination.py", tmp_path)
+@pytest.mark.timeout(480)
+def test_coordination_benchmark_quick(one_process: Runs) -> None:
+    doc, out = quick_doc(one_process, "coordination.py")
     summary = doc["summary"]
     assert isinstance(summary, dict) and set(summary) == {"SM-CS", "CM-SS", "CM-CS"}
     for s in summary.values():
@@ -60,12 +94,12 @@ def test_coordination_benchmark_quick(tmp_path: Path) -> None:
         assert s["nereus_deadlocks"] == 0 and s["builder_misses"] == 0
         assert s["nereus_success"] == 1.0
         assert 0.0 <= s["baseline_success"] <= 1.0 and 0.0 <= s["make_before_break_success"] <= 1.0
-    assert (tmp_path / "coordination.png").stat().st_size > 0
+    assert (out / "coordination.png").stat().st_size > 0
 
 
-@pytest.mark.timeout(240)
-def test_dag_schedule_benchmark_quick(tmp_path: Path) -> None:
-    doc = run_quick("dag_schedule.py", tmp_path)
+@pytest.mark.timeout(480)
+def test_dag_schedule_benchmark_quick(one_process: Runs) -> None:
+    doc, out = quick_doc(one_process, "dag_schedule.py")
     assert {"benchmark", "git_sha", "date", "command", "machine", "targets", "results", "summary"} <= set(doc)
     rows = doc["results"]
     assert isinstance(rows, list)
@@ -75,7 +109,7 @@ def test_dag_schedule_benchmark_quick(tmp_path: Path) -> None:
         if "scip" in r:  # pyscipopt installed
             assert r["scip"]["valid"] is not False
             assert r["scip"]["makespan_ticks"] <= r["greedy_ticks"]
-    assert (tmp_path / "dag_schedule.png").stat().st_size > 0
+    assert (out / "dag_schedule.png").stat().st_size > 0
 
 
 @pytest.mark.timeout(240)
@@ -139,9 +173,9 @@ def test_e2e_local_benchmark_quick(tmp_path: Path) -> None:
     assert (tmp_path / "e2e_local.png").stat().st_size > 0
 
 
-@pytest.mark.timeout(240)
-def test_fidelity_benchmark_quick(tmp_path: Path) -> None:
-    doc = run_quick("fidelity.py", tmp_path)
+@pytest.mark.timeout(480)
+def test_fidelity_benchmark_quick(one_process: Runs) -> None:
+    doc, out = quick_doc(one_process, "fidelity.py")
     assert {"benchmark", "git_sha", "summary", "calibration", "verdict"} <= set(doc)
     assert {r["subset"] for r in doc["results"]} == {"calibration", "evaluation"}
-    assert (tmp_path / "fidelity.png").stat().st_size > 0
+    assert (out / "fidelity.png").stat().st_size > 0
