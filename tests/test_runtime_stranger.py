@@ -93,11 +93,9 @@ def _steal(store: TCPStore, mine: SignedStore, seen: dict[str, int]) -> None:
 
 
 @pytest.mark.timeout(400)
-def test_a_stranger_cannot_change_a_running_job(tmp_path: Path) -> None:
-    for sub in ("calm", "attacked"):
-        (tmp_path / sub).mkdir()
-    calm, proc = nereus_run(tmp_path / "calm", "calm", 6, drift=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_a_stranger_cannot_change_a_running_job(tmp_path: Path, drifted_ppo_run: Path) -> None:
+    calm = drifted_ppo_run  # the same experiment, unattacked: nereus_run(..., 6, drift=True)
+    (tmp_path / "attacked").mkdir()
     stop, seen = threading.Event(), {}
     out = tmp_path / "attacked" / "runs" / "attacked"
     attacker = threading.Thread(target=_stranger, args=(out, stop, seen), daemon=True)
