@@ -92,8 +92,9 @@ def t(step: int, length: float, pool: tuple[int, ...], **kw: object) -> Telemetr
     return Telemetry(step, 100.0 * step, length, length, pool, **kw)  # type: ignore[arg-type]
 
 
-def test_controller_steady_until_a_trigger(plan: Plan) -> None:
-    ctl = _controller(plan)
+def test_controller_steady_until_a_trigger() -> None:
+    # a plan with some memory margin: the 2K plan fills its GPUs, so growth alone would fire MEMORY
+    ctl = _controller(search(make_problem(gpus=16, response=2304)).plan)
     pool = tuple(range(16))
     assert ctl.observe(t(0, 2048, pool)) is None
     assert ctl.observe(t(1, 2100, pool)) is None and ctl.state is State.STEADY

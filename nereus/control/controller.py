@@ -446,5 +446,5 @@ class Controller:
         return p * self._restart_s(plan, problem) if p > 0 else 0.0
 
     def _restart_s(self, plan: Plan, problem: PlanningProblem) -> float:
-        resident = price(problem, shapes_of(plan)).resident
-        return restart_seconds(plan, resident, self.cluster, self.config.restart_s)
+        state = price(problem, shapes_of(plan)).checkpoint
+        return restart_seconds(plan, state, self.cluster, self.config.restart_s)

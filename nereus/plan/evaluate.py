@@ -9,7 +9,7 @@ are compared on equal terms.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -33,6 +33,7 @@ class PlanCost:
     active: Mapping[str, float]  # bytes per GPU while running
     bound: Mapping[str, float]  # active + co-resident idle state of other stages (no reserve)
     by_class: Mapping[str, Mapping[OpClass, float]]  # seconds per op class, per model-stage
+    checkpoint: Mapping[str, float] = field(default_factory=dict)  # bytes per GPU a restart reads back
 
     def over_capacity(self, problem: PlanningProblem) -> list[str]:
         """Model-stages whose bound exceeds capacity after headroom and the runtime reserve."""
@@ -48,19 +49,20 @@ def price(problem: PlanningProblem, shapes: Mapping[str, Shape]) -> PlanCost:
     """Latency and memory of the plan ``shapes`` (one per model-stage) under ``problem``."""
     cost = CostModel(problem)
     wf = problem.workflow
-    latency, resident, active, by_class = {}, {}, {}, {}
+    latency, resident, active, by_class, checkpoint = {}, {}, {}, {}, {}
     for m in wf.model_stages:
         s = shapes[m.name]
         terms, mem = cost.evaluate(m, s.layout, np.array([s.dp]), np.array([s.micro_batch]), s.recompute)
         latency[m.name] = float(terms.total[0])
         resident[m.name] = float(mem.persistent[0])
+        checkpoint[m.name] = float(mem.checkpoint[0])
         active[m.name] = float(mem.active[0])
         by_class[m.name] = {op: float(t[0]) for op, t in terms.by_class.items() if float(t[0]) > 0}
     mode = problem.workload.mode
     bound = coresident_bounds(
         {m.name: m.stage for m in wf.model_stages}, resident, active, mode is ExecutionMode.ASYNC
     )
-    return PlanCost(step_latency(wf, mode, latency), latency, resident, active, bound, by_class)
+    return PlanCost(step_latency(wf, mode, latency), latency, resident, active, bound, by_class, checkpoint)
 
 
 def fits_pool(problem: PlanningProblem, shapes: Mapping[str, Shape]) -> bool:

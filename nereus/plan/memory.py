@@ -6,6 +6,10 @@ see ``replica.py``), as arrays over candidate rows.
 Sources, one line each where used:
 * Mixed-precision bytes per parameter: Megatron-LM distributed-optimizer guide (bf16 param 2,
   fp32 grad 4, fp32 master 4, Adam m and v 4 + 4 = 18 B without a distributed optimizer).
+* The fp32 gradient buffer stays allocated between steps: Megatron-LM's DistributedDataParallel
+  keeps one contiguous main-grad buffer for the model's lifetime (``megatron/core/distributed/
+  param_and_grad_buffer.py``; zeroed, not freed, after each optimizer step), so a trainer's idle
+  state on a GPU it shares with generation and inference is weights + optimizer + gradients.
 * Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation", Tab. 2 and §4, with
   the per-layer tensors re-derived for GQA attention and a SwiGLU MLP (see ``_layer_act_elems``).
 * 1F1B keeps ``pp − p`` micro-batches in flight on stage p: Narayanan et al. 2021, §2.2.
@@ -48,7 +52,9 @@ _WEIGHT_BYTES = {Precision.BF16_MIXED: 2.0, Precision.FP32: 4.0}
 
 @dataclass(frozen=True, slots=True)
 class MemoryTerms:
-    """Bytes on the most loaded GPU of one replica. ``persistent`` stays while the stage is idle."""
+    """Bytes on the most loaded GPU of one replica. ``persistent`` stays while the stage is idle
+    (weights, optimizer state and the gradient buffer); ``checkpoint`` is what a checkpoint holds
+    and a restart reads back (weights and optimizer state)."""
 
     params: FloatArray
     optimizer: FloatArray
@@ -58,12 +64,16 @@ class MemoryTerms:
     correction: float = 1.0  # calibrated factor on the active footprint (paper §2.5)
 
     @property
-    def persistent(self) -> FloatArray:
+    def checkpoint(self) -> FloatArray:
         return self.params + self.optimizer
 
     @property
+    def persistent(self) -> FloatArray:
+        return self.params + self.optimizer + self.grads
+
+    @property
     def active(self) -> FloatArray:
-        return (self.persistent + self.grads + self.activations + self.kv_cache) * self.correction
+        return (self.persistent + self.activations + self.kv_cache) * self.correction
 
     def each(self, f: Callable[[FloatArray], FloatArray]) -> MemoryTerms:
         """These terms with ``f`` applied to every byte array (e.g. one row of a table)."""

@@ -125,7 +125,7 @@ class _Run:
     def restart_cost(self, plan: Plan, seq: SeqStats) -> float:
         """Relaunch plus reading every model-stage's state from the checkpoint."""
         cost = price(self._problem(plan.pool, seq), shapes_of(plan))
-        state = sum(cost.resident[c.model_stage] * c.num_gpus for c in plan.candidates)
+        state = sum(cost.checkpoint[c.model_stage] * c.num_gpus for c in plan.candidates)
         nodes = max(1, len({g // self.s.cluster.gpus_per_node for c in plan.candidates for g in c.gpus}))
         return self.s.restart_s + state / (self.s.storage_gbs * 1e9 * nodes)
 
