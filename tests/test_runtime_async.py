@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +30,7 @@ from safetensors.torch import load_file
 from nereus.runtime.asynchrony import Overlap, SideReport, ahead
 from nereus.runtime.pending import pack, unpack
 from nereus.runtime.rollout import Batch, Rollouts
+from tests.preempt import stop_after_rows
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 WORKLOAD = (CONFIGS / "workloads" / "grpo-tiny.yaml").read_text()
@@ -233,15 +232,8 @@ def test_a_killed_worker_then_a_preemption_and_resume_end_as_the_untouched_run(
     kill = "drift:\n  - {step: 2, kill: [2]}\n"
     exp = experiment(tmp_path, "killed", workload(tmp_path, "async"), 6, extra=kill)
     cmd = [sys.executable, "-m", "nereus.cli", "run", str(exp), "--out", str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and proc.poll() is None:
-        if (out / "metrics.jsonl").is_file() and len(rows(out)) >= 4:
-            proc.send_signal(signal.SIGUSR2)
-            break
-        time.sleep(0.1)
-    _, err = proc.communicate(timeout=240)
-    assert proc.returncode == 144, err[-3000:]
+    code, err = stop_after_rows(cmd, out / "metrics.jsonl", 4)
+    assert code == 144, err[-3000:]
     assert next(t["kind"] for t in rows(out)[2]["transitions"]) == "recovered"  # type: ignore[index]
     latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
     last = int(rows(out)[-1]["step"])  # type: ignore[call-overload]

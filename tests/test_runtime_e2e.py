@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from tests.preempt import stop_after_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -140,15 +140,8 @@ def test_shrink_drains_a_worker_in_place_and_preemption_resumes_on_track(
     exp = tmp_path / "drained.yaml"
     exp.write_text(BASE.format(name="drained", steps=6))
     cmd = [sys.executable, "-m", "nereus.cli", "run", str(exp), "--out", str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and proc.poll() is None:
-        if (out / "metrics.jsonl").is_file() and len(metrics(out)) >= 2:
-            proc.send_signal(signal.SIGUSR2)
-            break
-        time.sleep(0.1)
-    _, err = proc.communicate(timeout=240)
-    assert proc.returncode == 144, err[-3000:]  # stopped by SIGUSR2: submitit's requeue code
+    code, err = stop_after_rows(cmd, out / "metrics.jsonl", 2)
+    assert code == 144, err[-3000:]  # stopped by SIGUSR2: submitit's requeue code
     rows = metrics(out)
     assert err.splitlines() == [
         f"nereus run: stopped by SIGUSR2 after step {rows[-1]['step']}, with a checkpoint; "

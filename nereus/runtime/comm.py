@@ -56,14 +56,8 @@ def broadcast(obj: object, tp: Any, src: int = 0) -> Any:
     """``obj`` (of type ``tp``) from rank ``src`` on every rank; the others pass None. One
     collective for a message of up to ``ROOM`` bytes, two for a larger one."""
     mine = dist.get_rank() == src
-    data = encode(obj) if mine else b""
-    slot = _slot(data) if mine else torch.empty(SLOT, dtype=torch.uint8)
-    dist.broadcast(slot, src=src)
-    n = _length(slot, f"rank {src}")
-    rest = _bytes(data[ROOM:]) if mine else torch.empty(max(0, n - ROOM), dtype=torch.uint8)
-    if n > ROOM:
-        dist.broadcast(rest, src=src)
-    return obj if mine else decode(_first(slot, n) + rest.numpy().tobytes(), tp)
+    data = broadcast_bytes(encode(obj) if mine else b"", src)
+    return obj if mine else decode(data, tp)
 
 
 def broadcast_bytes(data: bytes, src: int = 0) -> bytes:
