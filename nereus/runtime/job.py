@@ -29,6 +29,7 @@ from nereus.rl.losses import PolicyLoss, ValueLoss, kl_penalty
 from nereus.rl.tasks import TaskRecord, generate_tasks, write_jsonl
 from nereus.rl.tokenizer import CharTokenizer, tokenizer_of
 from nereus.rl.verifiers import by_source, get_verifier, score, score_by_source
+from nereus.runtime import checkpoint as ckpt
 from nereus.runtime.engines import engines_of, job_models, space_of
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.rollout import Batch, Rollouts, responses
@@ -248,3 +249,20 @@ def last_tokens(r: Rollouts) -> Tensor:
     positions = torch.arange(r.ids.shape[1]).expand_as(r.mask)
     last = torch.where(r.mask.bool(), positions, torch.zeros_like(positions)).amax(1)
     return torch.where(r.mask.sum(1) == 0, torch.full_like(last, r.prompt_len - 1), last)
+
+
+def first_state(worker: Worker, plan: Plan, resume_from: Path | None, spec: ExperimentSpec) -> int:
+    """The checkpoint's state (then the weight copies from their trainers), or fresh weights and
+    the Hugging Face checkpoints the experiment starts from; engines bound. Returns the first step."""
+    if resume_from is not None:
+        step = ckpt.load(worker, plan, resume_from) + 1
+        worker.bind(plan)
+        worker.weight_sync(plan)
+        return step
+    worker.init_state(plan)
+    worker.bind(plan)
+    for name, engine in worker.engines.items():
+        path = spec.weights_of(worker.workflow.get(name).role.value)
+        if path:
+            engine.load_hf(Path(path))
+    return 0
