@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from torch import Tensor
+
 from nereus.plan.layout import Plan
 from nereus.runtime.comm import gather
 from nereus.runtime.job import JobSetup, behaviour, generate_batch, learn, prompts_of, sampling
@@ -38,6 +40,8 @@ from nereus.runtime.worker import Worker
 from nereus.spec.workload import Algorithm
 
 Span = tuple[float, float]  # seconds from the step's start on this rank: (began, ended)
+Part = tuple[int, list[Tensor]] | None  # a replica's first row and its tokens and valid mask
+Parts = tuple[Part, Part]  # a batch's rollouts and ReMax's greedy ones, this rank's share
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +152,7 @@ def async_step(
     batch = worker.pending.pop(step)
     todo = ahead(step, w.max_staleness, setup.spec.steps - 1, worker.pending)
     on_gen = worker.place(plan.candidate("actor.gen")) is not None
-    parts: dict[int, tuple[object, object]] = {}
+    parts: dict[int, Parts] = {}
     if on_gen and todo:
         t = time.perf_counter() - began
         for b in todo:
@@ -178,9 +182,7 @@ def async_step(
     return result
 
 
-def _generate_part(
-    worker: Worker, plan: Plan, setup: JobSetup, step: int, max_new: int
-) -> tuple[object, object]:
+def _generate_part(worker: Worker, plan: Plan, setup: JobSetup, step: int, max_new: int) -> Parts:
     """This rank's share of batch ``step``'s rollouts (and ReMax's greedy ones), not yet gathered."""
     w = setup.workload
     params = sampling(setup, max_new)
@@ -193,14 +195,14 @@ def _generate_part(
 
 
 def _collect(
-    worker: Worker, setup: JobSetup, step: int, parts: tuple[object, object] | None
+    worker: Worker, setup: JobSetup, step: int, parts: Parts | None
 ) -> tuple[Rollouts, Rollouts | None]:
     """Batch ``step``'s rollouts from the generation replicas' parts, on every worker (collective)."""
     w, tok = setup.workload, setup.tokenizer
     part, greedy = parts if parts is not None else (None, None)
     ids, valid, sample_ids = prompts_of(setup, step, w.samples_per_prompt)
-    r = worker.collect(part, ids, valid, sample_ids, tok.pad_id)  # type: ignore[arg-type]
+    r = worker.collect(part, ids, valid, sample_ids, tok.pad_id)
     if w.algorithm is not Algorithm.REMAX:
         return r, None
     gids, gvalid, gsid = prompts_of(setup, step, 1)
-    return r, worker.collect(greedy, gids, gvalid, gsid, tok.pad_id)  # type: ignore[arg-type]
+    return r, worker.collect(greedy, gids, gvalid, gsid, tok.pad_id)
