@@ -155,6 +155,38 @@ def test_a_batch_is_never_newer_than_its_step() -> None:
         Batch(2, 1, r, torch.zeros(2, 4))
 
 
+@pytest.mark.pure
+def test_e2e_async_summarises_a_run_from_its_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``e2e_async.py``'s figures from a run's metrics rows (its runs start processes; e2e_local's
+    full mode runs them): the first step is left out of the median, tokens/s and the overlap
+    share are over the whole run, and the plot is written."""
+    monkeypatch.syspath_prepend(str(CONFIGS.parent / "benchmarks"))
+    import e2e_async
+
+    def row(step_s: float, overlap: float | None) -> dict[str, object]:
+        a = None if overlap is None else {
+            "overlap_s": overlap, "gen_wait_s": 0.1, "train_wait_s": 0.0, "staleness": 1.0,
+        }  # fmt: skip
+        return {"step_time_s": step_s, "seq_len_mean": 2.0, "reward": 0.5, "plan": {}, "asynchrony": a}
+
+    load = {"before": [1.0], "after": [1.0]}
+    sync = e2e_async.summarise({"rows": [row(3.0, None), row(1.0, None), row(2.0, None)], "wall_s": 9.0,
+                                "load_average": load}, sequences=10)  # fmt: skip
+    asyn = e2e_async.summarise({"rows": [row(3.0, 0.0), row(0.5, 0.25), row(1.5, 0.25)], "wall_s": 8.0,
+                                "load_average": load}, sequences=10)  # fmt: skip
+    assert sync["median_step_s"] == 1.5 and "overlap_share" not in sync
+    assert sync["tokens_per_s"] == pytest.approx(60 / 6.0)
+    assert asyn["median_step_s"] == 1.0 and asyn["overlap_share"] == pytest.approx(0.5 / 5.0)
+    assert asyn["gen_wait_s"] == pytest.approx(0.3) and asyn["staleness"] == [1.0]
+    keys = ("median_step_s", "tokens_per_s", "overlap_share", "overlap_s", "gen_wait_s", "train_wait_s")
+    result = {
+        "steps": 3,
+        "medians": {"sync": sync, "async": {k: asyn[k] for k in keys}},
+    }
+    e2e_async.plot(result, tmp_path / "e2e_async.png")
+    assert (tmp_path / "e2e_async.png").stat().st_size > 0
+
+
 # ------------------------------------------------------------------ end to end
 
 
