@@ -4,7 +4,9 @@ Every worker runs the same step (SPMD) on the plan it was given: for each model-
 workflow order it takes part only if the plan put one of the stage's EMUs on its GPU. Stages
 run in the workflow's order (gen → inf → train); model-stages of one stage sit on disjoint GPUs
 and so run concurrently. Rollouts and per-token scores are exchanged over the world group after
-each stage; every worker then derives the same advantages. Weight syncs (actor.train ⇒ actor.gen,
+each stage (in an async job, inference and training exchange in the training side's group,
+``train_side``, while generation runs apart: ``asynchrony.py``); every worker then derives the
+same advantages. Weight syncs (actor.train ⇒ actor.gen,
 actor.inf; critic.train ⇒ critic.inf) and plan changes are transition DAGs run by the executor,
 after which the engines re-bind to the moved buffers. Engines come from the registry
 (``nereus.backends.registry``, one engine name per model-stage) and are spoken to only through
