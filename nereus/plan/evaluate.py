@@ -9,7 +9,7 @@ are compared on equal terms.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,7 +33,7 @@ class PlanCost:
     active: Mapping[str, float]  # bytes per GPU while running
     bound: Mapping[str, float]  # active + co-resident idle state of other stages (no reserve)
     by_class: Mapping[str, Mapping[OpClass, float]]  # seconds per op class, per model-stage
-    checkpoint: Mapping[str, float] = field(default_factory=dict)  # bytes per GPU a restart reads back
+    checkpoint: Mapping[str, float]  # bytes per GPU a restart reads back (weights, optimizer state)
 
     def over_capacity(self, problem: PlanningProblem) -> list[str]:
         """Model-stages whose bound exceeds capacity after headroom and the runtime reserve."""
