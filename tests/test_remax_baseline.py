@@ -42,13 +42,19 @@ class StandIn:
         self.workflow = setup.workload.workflow()
         self.trained: dict[str, Mapping[str, Tensor]] = {}
 
-    def generate(
+    def generate_part(
         self, plan: Plan, ids: Tensor, valid: Tensor, sample_ids: list[int], params: SamplingParams
-    ) -> Rollouts:
+    ) -> tuple[int, list[Tensor]]:
         token = GREEDY if params.greedy else SAMPLED
         rows = ids.shape[0]
-        parts = [(0, torch.full((rows, 1), token), torch.ones(rows, 1, dtype=torch.long))]
-        return assemble(ids, valid, parts, sample_ids, params.pad_token_id)
+        return 0, [torch.full((rows, 1), token), torch.ones(rows, 1, dtype=torch.long)]
+
+    @staticmethod
+    def collect(
+        part: tuple[int, list[Tensor]], ids: Tensor, valid: Tensor, sample_ids: list[int], pad_id: int
+    ) -> Rollouts:
+        start, (tokens, ok) = part
+        return assemble(ids, valid, [(start, tokens, ok)], sample_ids, pad_id)
 
     def infer(self, plan: Plan, name: str, r: Rollouts) -> Tensor:
         if name != "reward.inf":

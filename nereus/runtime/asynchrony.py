@@ -30,18 +30,21 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from torch import Tensor
-
 from nereus.plan.layout import Plan
 from nereus.runtime.comm import gather
-from nereus.runtime.job import JobSetup, behaviour, generate_batch, learn, prompts_of, sampling
-from nereus.runtime.rollout import Batch, Rollouts
+from nereus.runtime.job import (
+    JobSetup,
+    Parts,
+    behaviour,
+    collect_batch,
+    generate_batch,
+    generate_parts,
+    learn,
+)
+from nereus.runtime.rollout import Batch
 from nereus.runtime.worker import Worker
-from nereus.spec.workload import Algorithm
 
 Span = tuple[float, float]  # seconds from the step's start on this rank: (began, ended)
-Part = tuple[int, list[Tensor]] | None  # a replica's first row and its tokens and valid mask
-Parts = tuple[Part, Part]  # a batch's rollouts and ReMax's greedy ones, this rank's share
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +159,7 @@ def async_step(
     if on_gen and todo:
         t = time.perf_counter() - began
         for b in todo:
-            parts[b] = _generate_part(worker, plan, setup, b, max_new(b))
+            parts[b] = generate_parts(worker, plan, setup, b, max_new(b))
         gen_spans.append((t, time.perf_counter() - began))
     if after_generate is not None:
         after_generate()
@@ -171,7 +174,7 @@ def async_step(
         train_spans.append((t, time.perf_counter() - began))
     arrived = time.perf_counter() - began
     for b in todo:  # the boundary: every worker gathers the new batches and their behaviour log-probs
-        r, base = _collect(worker, setup, b, parts.get(b))
+        r, base = collect_batch(worker, setup, b, parts.get(b))
         worker.pending[b] = behaviour(worker, plan, b, step, r, base)
     mine = SideReport(tuple(gen_spans), tuple(train_spans), arrived, metrics)
     reports = gather(mine, SideReport)
@@ -180,29 +183,3 @@ def async_step(
         result.metrics = next((r.metrics for r in reports if r.metrics is not None), {})
         result.overlap = Overlap.of(reports)
     return result
-
-
-def _generate_part(worker: Worker, plan: Plan, setup: JobSetup, step: int, max_new: int) -> Parts:
-    """This rank's share of batch ``step``'s rollouts (and ReMax's greedy ones), not yet gathered."""
-    w = setup.workload
-    params = sampling(setup, max_new)
-    part = worker.generate_part(plan, *prompts_of(setup, step, w.samples_per_prompt), params)
-    greedy = None
-    if w.algorithm is Algorithm.REMAX:
-        params = sampling(setup, max_new, greedy=True)
-        greedy = worker.generate_part(plan, *prompts_of(setup, step, 1), params)
-    return part, greedy
-
-
-def _collect(
-    worker: Worker, setup: JobSetup, step: int, parts: Parts | None
-) -> tuple[Rollouts, Rollouts | None]:
-    """Batch ``step``'s rollouts from the generation replicas' parts, on every worker (collective)."""
-    w, tok = setup.workload, setup.tokenizer
-    part, greedy = parts if parts is not None else (None, None)
-    ids, valid, sample_ids = prompts_of(setup, step, w.samples_per_prompt)
-    r = worker.collect(part, ids, valid, sample_ids, tok.pad_id)
-    if w.algorithm is not Algorithm.REMAX:
-        return r, None
-    gids, gvalid, gsid = prompts_of(setup, step, 1)
-    return r, worker.collect(greedy, gids, gvalid, gsid, tok.pad_id)

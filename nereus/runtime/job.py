@@ -96,6 +96,10 @@ def initial_plan(setup: JobSetup, pool: tuple[int, ...], max_new: int) -> Plan:
     return search(problem).plan
 
 
+Part = tuple[int, list[Tensor]] | None  # a replica's first row and its tokens and valid mask
+Parts = tuple[Part, Part]  # a batch's rollouts and ReMax's greedy ones: this rank's share
+
+
 def make_worker(gpu: int, setup: JobSetup, devices: Devices, workdir: Path | None = None) -> Worker:
     """This process's worker: the setup's models, AdamW per trainer role, engines per model-stage."""
     spec = setup.spec
@@ -151,11 +155,33 @@ def generate_batch(
     worker: Worker, plan: Plan, setup: JobSetup, step: int, max_new: int
 ) -> tuple[Rollouts, Rollouts | None]:
     """Step ``step``'s rollouts (and ReMax's greedy baseline rollouts), on every worker."""
+    return collect_batch(worker, setup, step, generate_parts(worker, plan, setup, step, max_new))
+
+
+def generate_parts(worker: Worker, plan: Plan, setup: JobSetup, step: int, max_new: int) -> Parts:
+    """This rank's share of batch ``step``'s rollouts (and ReMax's greedy ones), not yet gathered."""
     w = setup.workload
-    r = worker.generate(plan, *prompts_of(setup, step, w.samples_per_prompt), sampling(setup, max_new))
+    params = sampling(setup, max_new)
+    part = worker.generate_part(plan, *prompts_of(setup, step, w.samples_per_prompt), params)
+    greedy = None
+    if w.algorithm is Algorithm.REMAX:
+        params = sampling(setup, max_new, greedy=True)
+        greedy = worker.generate_part(plan, *prompts_of(setup, step, 1), params)
+    return part, greedy
+
+
+def collect_batch(
+    worker: Worker, setup: JobSetup, step: int, parts: Parts | None
+) -> tuple[Rollouts, Rollouts | None]:
+    """Batch ``step``'s rollouts from the generation replicas' parts, on every worker (collective)."""
+    w, tok = setup.workload, setup.tokenizer
+    part, greedy = parts if parts is not None else (None, None)
+    ids, valid, sample_ids = prompts_of(setup, step, w.samples_per_prompt)
+    r = worker.collect(part, ids, valid, sample_ids, tok.pad_id)
     if w.algorithm is not Algorithm.REMAX:
         return r, None
-    return r, worker.generate(plan, *prompts_of(setup, step, 1), sampling(setup, max_new, greedy=True))
+    gids, gvalid, gsid = prompts_of(setup, step, 1)
+    return r, worker.collect(greedy, gids, gvalid, gsid, tok.pad_id)
 
 
 def behaviour(

@@ -351,14 +351,6 @@ class Worker:
         self.times.add(name, time.perf_counter() - started)
         return out
 
-    def generate(
-        self, plan: Plan, prompt_ids: Tensor, prompt_valid: Tensor, sample_ids: list[int],
-        params: SamplingParams, name: str = "actor.gen",
-    ) -> Rollouts:  # fmt: skip
-        """Every replica's share of the rows, assembled on every worker (collective over the world)."""
-        part = self.generate_part(plan, prompt_ids, prompt_valid, sample_ids, params, name)
-        return self.collect(part, prompt_ids, prompt_valid, sample_ids, params.pad_token_id)
-
     def generate_part(
         self, plan: Plan, prompt_ids: Tensor, prompt_valid: Tensor, sample_ids: list[int],
         params: SamplingParams, name: str = "actor.gen",
