@@ -33,11 +33,12 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS, STEPS, REPEATS = 4, 10, 3
+PROMPTS, SAMPLES = 8, 4  # per step: the generated sequences are their product
 WORKLOAD = """algorithm: grpo
 mode: {mode}
 max_staleness: 1
-prompts_per_step: 8
-samples_per_prompt: 4
+prompts_per_step: {prompts}
+samples_per_prompt: {samples}
 prompt_len: 8
 max_prompt_len: 32
 max_response_len: 16
@@ -70,7 +71,7 @@ TARGETS = {
 def run_once(mode: str, tmp: Path, tag: str, code: Path, steps: int) -> dict[str, Any]:
     """One ``nereus run`` in ``mode`` on the code snapshot ``code``: its rows, wall time, load."""
     wl = tmp / f"{tag}-workload.yaml"
-    wl.write_text(WORKLOAD.format(mode=mode))
+    wl.write_text(WORKLOAD.format(mode=mode, prompts=PROMPTS, samples=SAMPLES))
     exp = tmp / f"{tag}.yaml"
     exp.write_text(EXPERIMENT.format(name=tag, workload=wl, workers=WORKERS, steps=steps))
     out = tmp / tag
@@ -116,7 +117,7 @@ def summarise(run: dict[str, Any], sequences: int) -> dict[str, Any]:
 
 def compare(code: Path, repeats: int = REPEATS, steps: int = STEPS) -> dict[str, Any]:
     """Alternating sync and async runs on ``code``; per-mode medians and per-pair ratios."""
-    sequences = 8 * 4
+    sequences = PROMPTS * SAMPLES
     runs: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
     with tempfile.TemporaryDirectory(prefix="nereus-e2e-async-") as d:
         tmp = Path(d)
