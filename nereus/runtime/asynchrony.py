@@ -35,6 +35,7 @@ from nereus.runtime.comm import gather
 from nereus.runtime.job import (
     JobSetup,
     Parts,
+    batch_prompts,
     behaviour,
     collect_batch,
     generate_batch,
@@ -155,11 +156,12 @@ def async_step(
     batch = worker.pending.pop(step)
     todo = ahead(step, w.max_staleness, setup.spec.steps - 1, worker.pending)
     on_gen = worker.place(plan.candidate("actor.gen")) is not None
+    prompts = {b: batch_prompts(setup, b) for b in todo}  # every rank gathers them at the boundary
     parts: dict[int, Parts] = {}
     if on_gen and todo:
         t = time.perf_counter() - began
         for b in todo:
-            parts[b] = generate_parts(worker, plan, setup, b, max_new(b))
+            parts[b] = generate_parts(worker, plan, setup, prompts[b], max_new(b))
         gen_spans.append((t, time.perf_counter() - began))
     if after_generate is not None:
         after_generate()
@@ -174,7 +176,7 @@ def async_step(
         train_spans.append((t, time.perf_counter() - began))
     arrived = time.perf_counter() - began
     for b in todo:  # the boundary: every worker gathers the new batches and their behaviour log-probs
-        r, base = collect_batch(worker, setup, b, parts.get(b))
+        r, base = collect_batch(worker, setup, prompts[b], parts.get(b))
         worker.pending[b] = behaviour(worker, plan, b, step, r, base)
     mine = SideReport(tuple(gen_spans), tuple(train_spans), arrived, metrics)
     reports = gather(mine, SideReport)

@@ -98,6 +98,8 @@ def initial_plan(setup: JobSetup, pool: tuple[int, ...], max_new: int) -> Plan:
 
 Part = tuple[int, list[Tensor]] | None  # a replica's first row and its tokens and valid mask
 Parts = tuple[Part, Part]  # a batch's rollouts and ReMax's greedy ones: this rank's share
+Prompts = tuple[Tensor, Tensor, list[int]]  # prompt ids, their valid mask, one sample id per row
+BatchPrompts = tuple[Prompts, Prompts | None]  # the sampled rows' and (ReMax) the greedy rows'
 
 
 def make_worker(gpu: int, setup: JobSetup, devices: Devices, workdir: Path | None = None) -> Worker:
@@ -145,7 +147,7 @@ def step_samples(setup: JobSetup, step: int) -> list[Sample]:
     return setup.dataset.samples(step * w.prompts_per_step, w.prompts_per_step)
 
 
-def prompts_of(setup: JobSetup, step: int, per_prompt: int) -> tuple[Tensor, Tensor, list[int]]:
+def prompts_of(setup: JobSetup, step: int, per_prompt: int) -> Prompts:
     """Step ``step``'s prompts, each ``per_prompt`` times: ids, valid mask, sample ids."""
     ids, valid, sample_ids = collate(step_samples(setup, step), setup.tokenizer, per_prompt)
     return ids, valid, list(sample_ids)
@@ -155,33 +157,35 @@ def generate_batch(
     worker: Worker, plan: Plan, setup: JobSetup, step: int, max_new: int
 ) -> tuple[Rollouts, Rollouts | None]:
     """Step ``step``'s rollouts (and ReMax's greedy baseline rollouts), on every worker."""
-    return collect_batch(worker, setup, step, generate_parts(worker, plan, setup, step, max_new))
+    prompts = batch_prompts(setup, step)
+    return collect_batch(worker, setup, prompts, generate_parts(worker, plan, setup, prompts, max_new))
 
 
-def generate_parts(worker: Worker, plan: Plan, setup: JobSetup, step: int, max_new: int) -> Parts:
-    """This rank's share of batch ``step``'s rollouts (and ReMax's greedy ones), not yet gathered."""
+def batch_prompts(setup: JobSetup, step: int) -> BatchPrompts:
+    """Step ``step``'s prompts, tokenised once: each ``samples_per_prompt`` times, and (ReMax)
+    once each for the greedy baseline."""
     w = setup.workload
-    params = sampling(setup, max_new)
-    part = worker.generate_part(plan, *prompts_of(setup, step, w.samples_per_prompt), params)
-    greedy = None
-    if w.algorithm is Algorithm.REMAX:
-        params = sampling(setup, max_new, greedy=True)
-        greedy = worker.generate_part(plan, *prompts_of(setup, step, 1), params)
-    return part, greedy
+    greedy = prompts_of(setup, step, 1) if w.algorithm is Algorithm.REMAX else None
+    return prompts_of(setup, step, w.samples_per_prompt), greedy
+
+
+def generate_parts(worker: Worker, plan: Plan, setup: JobSetup, prompts: BatchPrompts, max_new: int) -> Parts:
+    """This rank's share of a batch's rollouts (and ReMax's greedy ones), not yet gathered."""
+    sampled, greedy = prompts
+    part = worker.generate_part(plan, *sampled, sampling(setup, max_new))
+    if greedy is None:
+        return part, None
+    return part, worker.generate_part(plan, *greedy, sampling(setup, max_new, greedy=True))
 
 
 def collect_batch(
-    worker: Worker, setup: JobSetup, step: int, parts: Parts | None
+    worker: Worker, setup: JobSetup, prompts: BatchPrompts, parts: Parts | None
 ) -> tuple[Rollouts, Rollouts | None]:
-    """Batch ``step``'s rollouts from the generation replicas' parts, on every worker (collective)."""
-    w, tok = setup.workload, setup.tokenizer
-    part, greedy = parts if parts is not None else (None, None)
-    ids, valid, sample_ids = prompts_of(setup, step, w.samples_per_prompt)
-    r = worker.collect(part, ids, valid, sample_ids, tok.pad_id)
-    if w.algorithm is not Algorithm.REMAX:
-        return r, None
-    gids, gvalid, gsid = prompts_of(setup, step, 1)
-    return r, worker.collect(greedy, gids, gvalid, gsid, tok.pad_id)
+    """A batch's rollouts from the generation replicas' parts, on every worker (collective)."""
+    pad = setup.tokenizer.pad_id
+    (sampled, greedy), (part, greedy_part) = prompts, parts if parts is not None else (None, None)
+    r = worker.collect(part, *sampled, pad)
+    return r, (worker.collect(greedy_part, *greedy, pad) if greedy is not None else None)
 
 
 def behaviour(
