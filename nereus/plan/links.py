@@ -69,12 +69,19 @@ class Links:
         return gpu // self.gpus_per_node
 
     def link(self, a: int, b: int) -> Link:
-        """The link between GPUs ``a`` and ``b``."""
-        return Link.INTRA if self.node_of(a) == self.node_of(b) else Link.INTER
+        """The link between GPUs ``a`` and ``b`` (``node_of`` inlined: transition planning asks
+        per rank)."""
+        gpn = self.gpus_per_node
+        return Link.INTRA if a // gpn == b // gpn else Link.INTER
 
     def group_link(self, gpus: Iterable[int]) -> Link:
-        """The slowest link a group of GPUs crosses."""
-        return Link.INTRA if len({self.node_of(g) for g in gpus}) <= 1 else Link.INTER
+        """The slowest link a group of GPUs crosses: nodes are GPU-id ranges (``node_of``), so
+        the group stays on one node when its smallest and largest GPU do."""
+        seq = gpus if isinstance(gpus, tuple | list) else tuple(gpus)
+        if not seq:
+            return Link.INTRA
+        gpn = self.gpus_per_node
+        return Link.INTRA if min(seq) // gpn == max(seq) // gpn else Link.INTER
 
     def link_for(self, span: int) -> Link:
         """The slowest link a group of ``span`` consecutive, node-aligned GPUs crosses."""

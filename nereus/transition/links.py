@@ -72,21 +72,6 @@ class LinkModel(Links):
             out.append(Measurement(OpClass.of(collective_of(n.primitive), link), ideal, measured))
         return out
 
-    def link(self, a: int, b: int) -> Link:
-        """The link between GPUs ``a`` and ``b`` (``Links.link`` inlined: the planner asks per rank)."""
-        gpn = self.gpus_per_node
-        return Link.INTRA if a // gpn == b // gpn else Link.INTER
-
-    def group_link(self, gpus: Iterable[int]) -> Link:
-        """The slowest link a group of GPUs crosses: nodes are GPU-id ranges (``node_of`` is
-        ``gpu // gpus_per_node``), so the group stays on one node when its smallest and largest
-        GPU do."""
-        seq = gpus if isinstance(gpus, tuple | list) else tuple(gpus)
-        if not seq:
-            return Link.INTRA
-        gpn = self.gpus_per_node
-        return Link.INTRA if min(seq) // gpn == max(seq) // gpn else Link.INTER
-
     def node_seconds(
         self,
         primitive: Primitive,
