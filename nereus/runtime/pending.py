@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from nereus.runtime.comm import broadcast_bytes
 from nereus.runtime.rollout import Batch, Rollouts
 
 FORMAT = "nereus-pending/1"
@@ -79,8 +80,6 @@ def unpack(data: bytes) -> dict[int, Batch]:
 
 def share(pending: Mapping[int, Batch] | None, src: int = 0) -> dict[int, Batch]:
     """Rank ``src``'s pending batches on every rank (the others pass None; collective)."""
-    from nereus.runtime.comm import broadcast_bytes
-
     return unpack(broadcast_bytes(pack(pending) if pending is not None else b"", src))
 
 
