@@ -44,6 +44,11 @@ Rules, fixed before any error was looked at:
   measured seconds are attributed to classes in proportion to the fitted prediction, fed to a
   ``CalibrationStore`` as ``Measurement``s, and its ``efficiencies()`` price every point again.
   Nothing in the planner's formulas is tuned to the data.
+* **After, by shape** (``after_shape``): the same attributed measurements, each carrying the shape
+  of its class's work in that point (``nereus price``'s tracked shapes: GEMM FLOPs of one layer per
+  GPU per micro-batch, a collective's bytes and ranks per node; seconds-weighted over the point's
+  stages), so the store also fits η per class as a curve of size (``nereus.plan.shapefit``) and
+  prices every point at its own shape. Same split, same data, same class fit.
 
 Target: MAPE ≤ 15% on the calibration points after calibration; evaluation errors are reported.
 Writes ``benchmarks/results/fidelity.json`` and ``fidelity.png``.
@@ -62,7 +67,7 @@ from typing import Any
 
 from common import RESULTS, write
 
-from nereus.plan.calibration import CalibrationStore, Efficiencies
+from nereus.plan.calibration import CalibrationStore, Efficiencies, Measurement
 from nereus.plan.fit import Fit, Point, attribute, fit_efficiencies
 from nereus.plan.opclass import PRIOR_EFFICIENCY, OpClass
 from nereus.plan.price import Price, PriceQuery, price
@@ -82,6 +87,7 @@ COLUMNS = {
     "rl": (*COMMON, "gen_tp", "train_tp", "train_pp", "sequences", "prompt_len", "response_len",
            "global_batch", "micro_batch", "logprob_batch", "recompute", "inf_passes"),
 }  # fmt: skip
+WHEN = ("before", "after", "after_shape")  # priors; class-wide η; η by shape
 UNITS = {"training": "tokens/s/GPU", "generation": "output tokens/s", "rl": "s/step"}
 
 
@@ -111,15 +117,30 @@ class Priced:
     seconds: float
     by_class: dict[str, float]
     to_unit: Callable[[float], float]  # seconds → the published unit (and back: it is an involution)
+    shapes: dict[str, tuple[float, float]]  # per class: (size, ranks per node) of its work, 0: none
 
 
-def _sum(parts: list[tuple[Price, float]]) -> tuple[float, dict[str, float]]:
+def _sum(parts: list[tuple[Price, float]]) -> tuple[float, dict[str, float], dict[str, tuple[float, float]]]:
+    """Total seconds, seconds per class, and per class the seconds-weighted geometric mean of the
+    parts' shapes (``Price.shapes``)."""
     total, by_class = 0.0, dict[str, float]()
+    logs: dict[str, list[float]] = {}
     for p, times in parts:
         total += p.latency_s * times
         for op, s in p.by_class.items():
             by_class[op] = by_class.get(op, 0.0) + s * times
-    return total, by_class
+            size, group = p.shapes.get(op, (0.0, 0.0))
+            acc = logs.setdefault(op, [0.0, 0.0, 0.0, 0.0])  # Σt, Σt·ln size, Σt·ln group, sized?
+            acc[0] += s * times
+            acc[1] += s * times * math.log(size) if size > 0 else 0.0
+            acc[2] += s * times * math.log(group) if group > 0 else 0.0
+            acc[3] = max(acc[3], float(size > 0) + float(group > 0))
+    shapes = {
+        op: (math.exp(a[1] / a[0]) if a[3] >= 1 else 0.0, math.exp(a[2] / a[0]) if a[3] >= 2 else 0.0)
+        for op, a in logs.items()
+        if a[0] > 0
+    }
+    return total, by_class, shapes
 
 
 def _gen(
@@ -132,7 +153,7 @@ def _gen(
     def at(conc: int) -> Price:
         q = PriceQuery(Stage.GEN, tp, 1, dp, n, prompt, resp, concurrency=conc, paged_kv=paged,
                        kv_memory_fraction=kv_fraction)  # fmt: skip
-        return price(model, cluster, q, eff)
+        return price(model, cluster, q, eff, track=True)
 
     top = min(math.ceil(n / dp), MAX_CONCURRENCY)
     if pow2:
@@ -157,15 +178,15 @@ def price_row(dataset: str, row: dict[str, str], eff: Efficiencies, pow2: bool =
         q = PriceQuery(Stage.TRAIN, i["tp"], i["pp"], i["dp"], i["global_batch"], 1, seq - 1,
                        micro_batch=i["micro_batch"], global_batch=i["global_batch"],
                        recompute=Recompute(row["recompute"]), fsdp=True)  # fmt: skip
-        seconds, by_class = _sum([(price(model, cluster, q, eff), 1.0)])
+        seconds, by_class, shapes = _sum([(price(model, cluster, q, eff, track=True), 1.0)])
         tokens_per_gpu = i["global_batch"] * seq / i["gpus"]
-        return Priced(seconds, by_class, lambda x: tokens_per_gpu / x)
+        return Priced(seconds, by_class, lambda x: tokens_per_gpu / x, shapes)
     if dataset == "generation":
         p = _gen(model, cluster, i["tp"], i["dp"], i["sequences"], i["prompt_len"], i["response_len"], eff,
                  kv_fraction=TRTLLM_KV_FRACTION, pow2=pow2)  # fmt: skip
-        seconds, by_class = _sum([(p, 1.0)])
+        seconds, by_class, shapes = _sum([(p, 1.0)])
         tokens = i["sequences"] * i["response_len"]
-        return Priced(seconds, by_class, lambda x: tokens / x)
+        return Priced(seconds, by_class, lambda x: tokens / x, shapes)
     n, prompt, resp = i["sequences"], i["prompt_len"], i["response_len"]
     tp, pp = i["train_tp"], i["train_pp"]
     dp = i["gpus"] // (tp * pp)
@@ -176,11 +197,11 @@ def price_row(dataset: str, row: dict[str, str], eff: Efficiencies, pow2: bool =
     train = PriceQuery(Stage.TRAIN, tp, pp, dp, n, prompt, resp, micro_batch=i["micro_batch"],
                        global_batch=i["global_batch"], recompute=Recompute(row["recompute"]),
                        overlap_dp_sync=True)  # fmt: skip
-    seconds, by_class = _sum(
-        [(gen, 1.0), (price(model, cluster, inf, eff), float(i["inf_passes"])),
-         (price(model, cluster, train, eff), 1.0)]
+    seconds, by_class, shapes = _sum(
+        [(gen, 1.0), (price(model, cluster, inf, eff, track=True), float(i["inf_passes"])),
+         (price(model, cluster, train, eff, track=True), 1.0)]
     )  # fmt: skip
-    return Priced(seconds, by_class, lambda x: x)
+    return Priced(seconds, by_class, lambda x: x, shapes)
 
 
 def _stats(errors: list[float]) -> dict[str, Any]:
@@ -228,24 +249,41 @@ def run(data: Path, limit: int | None, pow2: bool = False) -> dict[str, Any]:
         pt["measured"] = float(pt["row"]["measured"])
         pt["measured_s"] = before.to_unit(pt["measured"])  # the published figure as step seconds
         pt["ideal"] = {OpClass(k): v for k, v in ideal.by_class.items() if v > 0}
+        pt["shapes"] = {OpClass(k): v for k, v in ideal.shapes.items()}
         pt["before"] = before.to_unit(before.seconds)
     calibrations: dict[str, Any] = {}
     for cluster in sorted({pt["row"]["cluster"] for pt in points}):
         mine = [pt for pt in points if pt["row"]["cluster"] == cluster and pt["subset"] == "calibration"]
-        store = CalibrationStore(cluster)
+        store, shaped = CalibrationStore(cluster), CalibrationStore(cluster)
         fit, calib = _fit(mine, pow2=pow2) if mine else (None, [])
         if fit is not None:
-            store.update(attribute(calib, {**PRIOR_EFFICIENCY, **fit.eta}))
-        eff = store.efficiencies()
+            eta = {**PRIOR_EFFICIENCY, **fit.eta}
+            store.update(attribute(calib, eta))
+            for p, pt in zip(calib, mine, strict=True):  # the same measurements, with their shapes
+                shaped.update(
+                    Measurement(
+                        m.op_class, m.ideal_s, m.measured_s, *pt["shapes"].get(m.op_class, (0.0, 0.0))
+                    )
+                    for m in attribute([p], eta)
+                )
+        eff, eff_shape = store.efficiencies(), shaped.efficiencies()
         calibrations[cluster] = {
             "points": len(calib),
             "fitted_eta": {op.value: v for op, v in (fit.eta.items() if fit else ())},
             "store_eta": {op.value: eff[op] for op in OpClass if store.sample_count(op)},
+            "shape_curves": {
+                op.value: {"ln_size_knots": c.knots, "ln_eta": c.values, "group_slope": c.group_slope}
+                for op, c in eff_shape.curves.items()
+            },
             "eff": eff,
+            "eff_shape": eff_shape,
         }
     for pt in points:
-        after = price_row(pt["dataset"], pt["row"], calibrations[pt["row"]["cluster"]]["eff"], pow2)
+        cal = calibrations[pt["row"]["cluster"]]
+        after = price_row(pt["dataset"], pt["row"], cal["eff"], pow2)
         pt["after"] = after.to_unit(after.seconds)
+        by_shape = price_row(pt["dataset"], pt["row"], cal["eff_shape"], pow2)
+        pt["after_shape"] = by_shape.to_unit(by_shape.seconds)
     rules = {"concurrency": "largest power of two that fits" if pow2 else "largest that fits",
              "fit_rounds": FIT_ROUNDS, "trtllm_kv_memory_fraction": TRTLLM_KV_FRACTION}  # fmt: skip
     return {**_report(points, calibrations), "rules": rules}
@@ -262,21 +300,27 @@ def _report(points: list[dict[str, Any]], calibrations: dict[str, Any]) -> dict[
             "unit": pt["row"]["unit"], "measured": m,
             "before": {"predicted": pt["before"], "err_pct": 100 * (pt["before"] / m - 1)},
             "after": {"predicted": pt["after"], "err_pct": 100 * (pt["after"] / m - 1)},
+            "after_shape": {"predicted": pt["after_shape"], "err_pct": 100 * (pt["after_shape"] / m - 1)},
             "ideal_s_by_class": {k.value: v for k, v in pt["ideal"].items()},
             "source": pt["row"]["source"],
         })  # fmt: skip
-    for when in ("before", "after"):
+    for when in WHEN:
         for subset in ("calibration", "evaluation"):
             for dataset in (*DATASETS, "all"):
                 errs = [r[when]["err_pct"] for r in rows
                         if r["subset"] == subset and dataset in ("all", r["dataset"])]  # fmt: skip
                 summary.setdefault(when, {}).setdefault(subset, {})[dataset] = _stats(errs)
     calib_mape = summary["after"]["calibration"]["all"].get("mape_pct", math.inf)
-    clusters = {c: {k: v for k, v in d.items() if k != "eff"} for c, d in calibrations.items()}
+    shape_mape = summary["after_shape"]["calibration"]["all"].get("mape_pct", math.inf)
+    clusters = {c: {k: v for k, v in d.items() if not k.startswith("eff")} for c, d in calibrations.items()}
     return {
         "points": rows, "summary": summary, "calibration": clusters,
         "verdict": {"calibration_mape_pct_after": calib_mape,
-                    "met": calib_mape <= TARGETS["calibration_mape_pct_max"]},
+                    "met": calib_mape <= TARGETS["calibration_mape_pct_max"],
+                    "calibration_mape_pct_after_shape": shape_mape,
+                    "evaluation_mape_pct_after": summary["after"]["evaluation"]["all"].get("mape_pct"),
+                    "evaluation_mape_pct_after_shape":
+                        summary["after_shape"]["evaluation"]["all"].get("mape_pct")},
     }  # fmt: skip
 
 
@@ -287,18 +331,14 @@ def plot(result: dict[str, Any], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     colors = {"training": "tab:blue", "generation": "tab:orange", "rl": "tab:green"}
-    fig, axes = plt.subplots(1, 2, figsize=(11, 5), sharex=True, sharey=True)
-    for ax, when in zip(axes, ("before", "after"), strict=True):
+    fig, axes = plt.subplots(1, len(WHEN), figsize=(5.5 * len(WHEN), 5), sharex=True, sharey=True)
+    for ax, when in zip(axes, WHEN, strict=True):
         for r in result["points"]:
             marker = "o" if r["subset"] == "calibration" else "^"
             face = colors[r["dataset"]] if r["subset"] == "calibration" else "none"
             ax.scatter(r["measured"], r[when]["predicted"], marker=marker, facecolors=face,
                        edgecolors=colors[r["dataset"]], s=36)  # fmt: skip
-        values = [
-            v
-            for r in result["points"]
-            for v in (r["measured"], r["before"]["predicted"], r["after"]["predicted"])
-        ]
+        values = [v for r in result["points"] for v in (r["measured"], *(r[w]["predicted"] for w in WHEN))]
         lo, hi = min(values) / 1.5, max(values) * 1.5
         ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
         ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="published (its unit)")
@@ -332,7 +372,7 @@ def main() -> None:
     extra = {k: v for k, v in result.items() if k != "points"}
     path = write("fidelity", TARGETS, result["points"], extra=extra, out=args.out)
     plot(result, args.out)
-    for when in ("before", "after"):
+    for when in WHEN:
         for subset, by in result["summary"][when].items():
             cells = "  ".join(f"{d} {s['mape_pct']:.1f}%/{s['max_abs_err_pct']:.1f}% (n={s['n']})"
                               for d, s in by.items() if s["n"])  # fmt: skip

@@ -62,7 +62,11 @@ Hold = Layout | None  # a model-stage's held layout, or None: free
 
 def efficiency_key(eff: Efficiencies) -> tuple[Hashable, ...]:
     """Every value a price reads from calibration, as a hashable key."""
-    return (tuple(sorted(eff.eta.items())), tuple(sorted(eff.memory_correction.items())))
+    return (
+        tuple(sorted(eff.eta.items())),
+        tuple(sorted(eff.memory_correction.items())),
+        tuple(sorted(eff.curves.items())),
+    )
 
 
 @dataclass(slots=True)

@@ -10,6 +10,15 @@ latest samples (ideal seconds at η = 1, measured seconds); samples whose ratio 
 over the rest, clipped to [0.01, 1]. Memory: per stage, the ratio measured/predicted peak; the
 correction is the median plus two scaled MADs (an upper estimate, so feasibility stays
 conservative), clipped to [0.5, 4].
+
+By shape (``nereus.plan.shapefit``): a measurement may carry the size of the work it timed and,
+for collectives, the ranks per node of its group. The store keeps the latest ``SHAPE_WINDOW`` sized
+samples per class beside the window above and fits each class's η as a curve of size (and
+group); the cost model prices each candidate at its own size (``Efficiencies.at``). Without sized
+samples a class has no curve and every price is the class-wide η's, exactly as before.
+
+File format 2 adds the sized samples (``shaped``: [ideal_s, measured_s, size, group] per sample);
+format 1 files still load (no sized samples).
 """
 
 from __future__ import annotations
@@ -25,12 +34,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+import numpy as np
+
 from nereus.errors import ConfigError
 from nereus.plan.opclass import PRIOR_EFFICIENCY, OpClass
+from nereus.plan.replica import FloatArray
+from nereus.plan.shapefit import ShapeCurve, fit_curve
 from nereus.spec.files import brief, load_json, shorten
 from nereus.spec.workload import Stage
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)  # format 1: no sized samples
+SHAPE_WINDOW = 512  # sized samples kept per op class (the curve needs more than one plan's shapes)
 MAD_SCALE = 1.4826  # MAD → standard deviation for normal data
 RELATIVE_FLOOR = 0.05
 MEMORY_CAP = 4.0  # the largest memory correction (the model is not that wrong)
@@ -39,15 +54,23 @@ OOM_STEP = 1.25  # an out-of-memory error raises a stage's memory correction by 
 
 @dataclass(frozen=True, slots=True)
 class Measurement:
-    """One timed operation: what it would take at η = 1, and what it took."""
+    """One timed operation: what it would take at η = 1, and what it took; ``size``: the size
+    of the work (``nereus.plan.shapefit``; 0 when unknown), ``group``: a collective's ranks per
+    node (0 when unknown or not a collective)."""
 
     op_class: OpClass
     ideal_s: float
     measured_s: float
+    size: float = 0.0
+    group: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.ideal_s > 0 and self.measured_s > 0):
             raise ValueError(f"{self.op_class}: ideal_s and measured_s must be positive")
+        if not (
+            math.isfinite(self.size) and self.size >= 0 and math.isfinite(self.group) and self.group >= 0
+        ):
+            raise ValueError(f"{self.op_class}: size and group must be finite and non-negative")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +81,7 @@ class Efficiencies:
     memory_correction: Mapping[Stage, float] = field(
         default_factory=lambda: MappingProxyType({s: 1.0 for s in Stage})
     )
+    curves: Mapping[OpClass, ShapeCurve] = field(default_factory=lambda: MappingProxyType({}))
 
     def __post_init__(self) -> None:
         missing = set(OpClass) - set(self.eta)
@@ -72,6 +96,22 @@ class Efficiencies:
 
     def __getitem__(self, op: OpClass) -> float:
         return self.eta[op]
+
+    def at(
+        self, op: OpClass, size: FloatArray | float, group: FloatArray | float | None = None
+    ) -> FloatArray | float:
+        """η of ``op`` at each row's size (and group): the class's curve where it has one (rows of
+        size ≤ 0 take the class-wide η), else the class-wide η itself (the same float, so prices
+        without curves are bit for bit what they were)."""
+        curve = self.curves.get(op)
+        if curve is None:
+            return self.eta[op]
+        sized = np.asarray(size, dtype=np.float64)
+        return np.where(sized > 0, curve.eta(sized, group), self.eta[op])
+
+    def shaped(self, *ops: OpClass) -> bool:
+        """Whether any of ``ops`` is priced by a curve."""
+        return any(op in self.curves for op in ops)
 
     @classmethod
     def unit(cls) -> Efficiencies:
@@ -103,6 +143,7 @@ class CalibrationStore:
         self.cluster = cluster
         self.window = window
         self._samples: dict[OpClass, deque[tuple[float, float]]] = {}
+        self._shaped: dict[OpClass, deque[tuple[float, float, float, float]]] = {}
         self._memory: dict[Stage, deque[float]] = {}
         self._floor: dict[Stage, float] = {}  # lower bounds from out-of-memory errors (not persisted)
 
@@ -111,6 +152,9 @@ class CalibrationStore:
         for m in measurements:
             bucket = self._samples.setdefault(m.op_class, deque(maxlen=self.window))
             bucket.append((m.ideal_s, m.measured_s))
+            if m.size > 0:
+                shaped = self._shaped.setdefault(m.op_class, deque(maxlen=SHAPE_WINDOW))
+                shaped.append((m.ideal_s, m.measured_s, m.size, m.group))
 
     def raise_memory_floor(self, stage: Stage, step: float = OOM_STEP) -> float:
         """A stage ran out of memory: its correction is at least ``step`` times what it was (the
@@ -146,10 +190,17 @@ class CalibrationStore:
         mad = statistics.median(abs(r - med) for r in kept) * MAD_SCALE
         return max(floor, min(MEMORY_CAP, max(0.5, med + 2 * mad)))
 
+    def curve(self, op: OpClass) -> ShapeCurve | None:
+        """η of ``op`` by size, fitted from its sized samples (None: too few, or one size)."""
+        shaped = self._shaped.get(op)
+        return fit_curve(list(shaped), self.efficiency(op)) if shaped else None
+
     def efficiencies(self) -> Efficiencies:
+        curves = {op: c for op in self._shaped if (c := self.curve(op)) is not None}
         return Efficiencies(
             eta=MappingProxyType({op: self.efficiency(op) for op in OpClass}),
             memory_correction=MappingProxyType({s: self.memory_factor(s) for s in Stage}),
+            curves=MappingProxyType(curves),
         )
 
     def sample_count(self, op: OpClass) -> int:
@@ -161,6 +212,7 @@ class CalibrationStore:
             "window": self.window,
             "samples": {op.value: [list(p) for p in s] for op, s in self._samples.items()},
             "memory": {st.value: list(r) for st, r in self._memory.items()},
+            "shaped": {op.value: [list(p) for p in s] for op, s in self._shaped.items()},
         }
 
     def save(self, path: Path) -> None:
@@ -168,6 +220,7 @@ class CalibrationStore:
         doc: dict[str, object] = {"format": FORMAT_VERSION, "clusters": {}}
         if path.exists():
             doc = _read(path)
+            doc["format"] = FORMAT_VERSION  # a format-1 file's entries are valid format 2
         clusters = doc["clusters"]
         assert isinstance(clusters, dict)
         clusters[self.cluster] = self._to_json()
@@ -196,16 +249,20 @@ class CalibrationStore:
         if data is None:
             return cls(cluster)
         key = f"{path}: key 'clusters.{cluster}"
-        if not isinstance(data, dict) or set(data) != {"window", "samples", "memory"}:
+        if (
+            not isinstance(data, dict)
+            or not {"window", "samples", "memory"} <= set(data)
+            or not set(data) <= {"window", "samples", "memory", "shaped"}
+        ):
             raise ConfigError(
-                f"{key}': malformed calibration (expected a mapping of window, samples, memory)"
+                f"{key}': malformed calibration (expected a mapping of window, samples, memory[, shaped])"
             )
         window = data["window"]
         if not _integer(window) or not 1 <= window <= MAX_WINDOW:
             raise ConfigError(f"{key}.window': expected an integer in [1, {MAX_WINDOW}], got {brief(window)}")
         store = cls(cluster, window=window)
-        for field_, kind, width in (("samples", OpClass, 2), ("memory", Stage, 1)):
-            entries = data[field_]
+        for field_, kind, width in (("samples", OpClass, 2), ("memory", Stage, 1), ("shaped", OpClass, 4)):
+            entries = data.get(field_, {})
             allowed = ", ".join(k.value for k in kind)
             if not isinstance(entries, dict):
                 raise ConfigError(f"{key}.{field_}': expected a mapping of {allowed}, got {brief(entries)}")
@@ -213,13 +270,20 @@ class CalibrationStore:
                 where = f"{key}.{field_}.{shorten(str(name), 30)}'"
                 if name not in {k.value for k in kind}:
                     raise ConfigError(f"{where}: malformed calibration (allowed: {allowed})")
-                what = "[ideal_s, measured_s] pairs" if width == 2 else "ratios"
+                what = {
+                    1: "ratios",
+                    2: "[ideal_s, measured_s] pairs",
+                    4: "[ideal_s, measured_s, size, group] lists",
+                }[width]
                 if not isinstance(values, list) or not all(_sample(v, width) for v in values):
                     raise ConfigError(
                         f"{where}: expected a list of {what} (numbers in [{SAMPLE_MIN:g}, {SAMPLE_MAX:g}])"
                     )
                 if width == 2:
                     store.update(Measurement(OpClass(name), float(i), float(m)) for i, m in values)
+                elif width == 4:
+                    shaped = store._shaped.setdefault(OpClass(name), deque(maxlen=SHAPE_WINDOW))
+                    shaped.extend((float(i), float(m), float(s), float(g)) for i, m, s, g in values)
                 else:
                     bucket = store._memory.setdefault(Stage(name), deque(maxlen=store.window))
                     bucket.extend(float(r) for r in values)
@@ -244,16 +308,24 @@ def _number(value: object) -> bool:
 
 
 def _sample(value: object, width: int) -> bool:
-    """A memory ratio (``width`` 1) or an [ideal_s, measured_s] pair (``width`` 2), in range."""
+    """A memory ratio (``width`` 1), an [ideal_s, measured_s] pair (``width`` 2) or an [ideal_s,
+    measured_s, size, group] list (``width`` 4: size and group may also be 0, unknown), in range."""
     if width == 1:
         return _number(value)
-    return isinstance(value, list) and len(value) == 2 and all(_number(v) for v in value)
+    if not isinstance(value, list) or len(value) != width:
+        return False
+    return all(_number(v) for v in value[:2]) and all(_number(v) or _zero(v) for v in value[2:])
+
+
+def _zero(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == 0
 
 
 def _read(path: Path) -> dict[str, object]:
     doc = load_json(path, "calibration file")
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT_VERSION:
-        raise ConfigError(f"{path}: key 'format': expected {FORMAT_VERSION}")
+    if not isinstance(doc, dict) or doc.get("format") not in READABLE_FORMATS:
+        got = brief(doc.get("format")) if isinstance(doc, dict) else "not a mapping"
+        raise ConfigError(f"{path}: key 'format': expected 1 or 2 (this Nereus reads both), got {got}")
     if not isinstance(doc.get("clusters"), dict):
         raise ConfigError(f"{path}: key 'clusters': expected a mapping")
     return doc

@@ -28,17 +28,23 @@ Sources, one line each where used:
   prefetched behind the neighbouring layer's compute (PyTorch FSDP2 docs; Zhao et al. 2023 §3.3).
 * Paged KV (``SearchSpace.paged_kv``): pool at mean occupancy, recompute preemption priced as
   prefill (``memory.kv_pool_tokens``, ``memory.preempted_tokens``; vLLM docs "Preemption").
+
+Efficiency by shape (``nereus.plan.shapefit``): where calibration has a curve for a class, each
+row's η is read at that row's size: GEMM at the forward FLOPs of one layer's matmuls on one GPU
+for one micro-batch (prefill chunk, decode step), attention likewise, a collective at its bytes
+per rank and (all-reduce, all-gather) its ranks per node. ``CostModel(track=True)`` also records,
+per class, the seconds-weighted ln size and ln group of what it priced (``Cost.feats``): the shape
+a measurement of that class carries (``evaluate.ideal_shapes``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from types import MappingProxyType
 
 import numpy as np
 
-from nereus.plan.calibration import Efficiencies
+from nereus.plan.costterms import Cost, LatencyTerms, collective, compute, exposed, memory_bound
 from nereus.plan.layout import Layout
 from nereus.plan.links import Links
 from nereus.plan.memory import (
@@ -52,114 +58,19 @@ from nereus.plan.memory import (
     preempted_tokens,
     trainer_memory,
 )
-from nereus.plan.opclass import Collective, Link, OpClass
+from nereus.plan.opclass import Collective, OpClass
 from nereus.plan.problem import PlanningProblem
 from nereus.plan.replica import FloatArray, IntArray, ReplicaFacts
-from nereus.spec.cluster import ClusterSpec
 from nereus.spec.model import ModelSpec
 from nereus.spec.workload import ModelStage, Recompute, Stage
+
+__all__ = ["Cost", "CostModel", "LatencyTerms", "collective", "compute", "memory_bound"]
 
 ADAM_BYTES_PER_PARAM = 30.0
 # Megatron-Core's default bucket: max(4e7, 1e6·dp) parameters ("larger DP sizes need larger
 # buckets to ensure collectives do not become latency-bound"); PyTorch DDP's is 25 MiB
 BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK = 4e7, 1e6
 GRAD_BYTES = 4.0  # fp32 gradients in the all-reduce (ours; Megatron's grad_reduce_in_fp32)
-
-
-@dataclass(frozen=True, slots=True)
-class Cost:
-    """Seconds attributed to op classes (arrays over candidate rows), so calibration can compare
-    each class's prediction with what was measured."""
-
-    by_class: Mapping[OpClass, FloatArray]
-
-    __array_ufunc__ = None  # ``ndarray * Cost`` defers to ``Cost.__rmul__``
-
-    def __add__(self, other: Cost) -> Cost:
-        merged = dict(self.by_class)
-        for op, t in other.by_class.items():
-            merged[op] = merged[op] + t if op in merged else t
-        return Cost(merged)
-
-    def __mul__(self, factor: FloatArray | float) -> Cost:
-        return Cost({op: t * factor for op, t in self.by_class.items()})
-
-    __rmul__ = __mul__
-
-    @property
-    def total(self) -> FloatArray:
-        return sum(self.by_class.values(), np.zeros(()))
-
-    @staticmethod
-    def slower(a: Cost, b: Cost) -> Cost:
-        """Per row, whichever of two alternatives takes longer (a roofline)."""
-        pick_b = b.total > a.total
-        ops = set(a.by_class) | set(b.by_class)
-        zero = np.zeros(())
-        return Cost({op: np.where(pick_b, b.by_class.get(op, zero), a.by_class.get(op, zero)) for op in ops})
-
-
-@dataclass(frozen=True, slots=True)
-class LatencyTerms:
-    """Seconds per RL step by named term (compute, tp_comm, pp_comm, bubble, dp_sync, ...), each
-    attributed to op classes."""
-
-    parts: Mapping[str, Cost]
-
-    @property
-    def terms(self) -> dict[str, FloatArray]:
-        return {name: c.total for name, c in self.parts.items()}
-
-    @property
-    def by_class(self) -> dict[OpClass, FloatArray]:
-        return dict(sum(self.parts.values(), Cost({})).by_class)
-
-    @property
-    def total(self) -> FloatArray:
-        return sum((c.total for c in self.parts.values()), np.zeros(()))
-
-
-def collective(links: Links, kind: Collective, span: FloatArray | float, ranks: FloatArray | float,
-               nbytes: FloatArray | float) -> Cost:  # fmt: skip
-    """One ring collective of ``nbytes`` per rank among ``ranks`` ranks whose GPUs span ``span``
-    consecutive GPUs (inside a node when span ≤ GPUs per node), attributed to its link's op class."""
-    t, intra = links.ring_s(kind, span, ranks, nbytes)
-    return Cost(
-        {
-            OpClass.of(kind, Link.INTRA): np.where(intra, t, 0.0),
-            OpClass.of(kind, Link.INTER): np.where(intra, 0.0, t),
-        }
-    )
-
-
-def _exposed(per_bucket: Cost, buckets: FloatArray, behind: Cost) -> Cost:
-    """What ``buckets`` equal transfers of ``per_bucket`` each leave exposed when bucket k is
-    ready at k/n of a compute phase of ``behind`` seconds and they run in order on one stream:
-    the stream ends at max_k(k·T/n + (n − k + 1)·c), so max(c, n·c − T·(n − 1)/n) is exposed (the
-    last bucket alone when compute hides the rest, else what compute cannot hide). Attributed to
-    the transfers' op classes in proportion."""
-    c = per_bucket.total
-    total = buckets * c
-    exposed = np.maximum(c, total - behind.total * (buckets - 1.0) / buckets)
-    share: FloatArray = buckets * np.where(total > 0, exposed / np.where(total > 0, total, 1.0), 0.0)
-    return per_bucket * share
-
-
-def compute(
-    cluster: ClusterSpec, eff: Efficiencies, gemm_flops: FloatArray | float, attn_flops: FloatArray | float
-) -> Cost:
-    """Matmul and attention FLOPs against the cluster's peak at the calibrated efficiencies."""
-    peak = cluster.peak_flops
-    return Cost(
-        {
-            OpClass.GEMM: np.asarray(gemm_flops, dtype=np.float64) / (eff[OpClass.GEMM] * peak),
-            OpClass.ATTENTION: np.asarray(attn_flops, dtype=np.float64) / (eff[OpClass.ATTENTION] * peak),
-        }
-    )
-
-
-def memory_bound(links: Links, nbytes: FloatArray | float) -> Cost:
-    return Cost({OpClass.MEMORY: np.asarray(nbytes, dtype=np.float64) / links.copy_rate})
 
 
 def _gemm_flops_per_token(model: ModelSpec, rep: ReplicaFacts) -> FloatArray:
@@ -181,8 +92,12 @@ def _attn_flops(model: ModelSpec, rep: ReplicaFacts, tokens_times_ctx: FloatArra
 class CostModel:
     """Latency and memory of every candidate shape of a planning problem."""
 
-    def __init__(self, problem: PlanningProblem, fsdp: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self, problem: PlanningProblem, fsdp: frozenset[str] = frozenset(), track: bool = False
+    ) -> None:
         self.problem = problem
+        # record each class's seconds-weighted shape (``Cost.feats``): for pairing measurements
+        self.track = track
         # model-stages whose trainer shards its parameters (FSDP, ZeRO-3): priced for
         # ``nereus price --fsdp`` only; the search plans our own engines, which do not shard
         self.fsdp = fsdp
@@ -242,21 +157,37 @@ class CostModel:
         return self.evaluate_rows(model_stage, [layout], index, dp, micro_batch, recompute)
 
     # ------------------------------------------------------------ pieces
-    def _compute(self, gemm_flops: FloatArray | float, attn_flops: FloatArray | float) -> Cost:
-        return compute(self.problem.cluster, self.problem.efficiencies, gemm_flops, attn_flops)
+    def _compute(
+        self,
+        gemm_flops: FloatArray | float,
+        attn_flops: FloatArray | float,
+        model: ModelSpec,
+        rep: ReplicaFacts,
+        tokens: FloatArray,
+        tokens_ctx: FloatArray,
+    ) -> Cost:
+        """Compute of ``tokens`` per kernel set (Σ context ``tokens_ctx`` for attention)."""
+        eff = self.problem.efficiencies
+        sizes = None
+        if self.track or eff.shaped(OpClass.GEMM, OpClass.ATTENTION):
+            layer = 2.0 * float(
+                model.hidden_size * (2 * model.q_size + 2 * model.kv_size) + model.mlp_params()
+            )
+            sizes = (layer * tokens / rep.tp, 4.0 * model.q_size * tokens_ctx / rep.tp)
+        return compute(self.problem.cluster, eff, gemm_flops, attn_flops, sizes, self.track)
 
     def _weight_sync(self, rep: ReplicaFacts) -> Cost:
         """Receiving updated bf16 weights from the colocated trainer at the step boundary."""
         nbytes = np.maximum(rep.params_first, rep.params_last) * 2.0
-        return collective(self.links, Collective.BROADCAST, rep.size, 2.0, nbytes)
+        return collective(self.links, Collective.BROADCAST, rep.size, 2.0, nbytes, self.track)
 
     def _tp(self, rep: ReplicaFacts, nbytes: FloatArray) -> Cost:
         """One TP all-reduce of ``nbytes`` inside the TP group."""
-        return collective(self.links, Collective.ALLREDUCE, rep.tp, rep.tp, nbytes)
+        return collective(self.links, Collective.ALLREDUCE, rep.tp, rep.tp, nbytes, self.track)
 
     def _p2p(self, rep: ReplicaFacts, nbytes: FloatArray) -> Cost:
         """One pipeline send/recv between neighbouring stages (0 without PP)."""
-        return collective(self.links, Collective.SENDRECV, rep.size, 2.0, nbytes) * np.where(
+        return collective(self.links, Collective.SENDRECV, rep.size, 2.0, nbytes, self.track) * np.where(
             rep.pp > 1, 1.0, 0.0
         )
 
@@ -266,14 +197,14 @@ class CostModel:
         """The DP gradient all-reduce a step waits for. Serial (``backward`` None): one all-reduce
         of the whole buffer after backward. Overlapped: n equal buckets of at most
         ``GRAD_BUCKET_BYTES``, reduced in order behind the last micro-batch's backward
-        (``_exposed``). Attributed to the all-reduce's op class."""
+        (``exposed``). Attributed to the all-reduce's op class."""
         span = rep.size * dp
         if backward is None:
-            return collective(self.links, Collective.ALLREDUCE, span, dp, grad_bytes)
+            return collective(self.links, Collective.ALLREDUCE, span, dp, grad_bytes, self.track)
         bucket_bytes = np.maximum(BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK * dp) * GRAD_BYTES
         buckets = np.maximum(np.ceil(grad_bytes / bucket_bytes), 1.0)
-        per_bucket = collective(self.links, Collective.ALLREDUCE, span, dp, grad_bytes / buckets)
-        return _exposed(per_bucket, buckets, backward)
+        per_bucket = collective(self.links, Collective.ALLREDUCE, span, dp, grad_bytes / buckets, self.track)
+        return exposed(per_bucket, buckets, backward)
 
     def _fsdp_sync(
         self, rep: ReplicaFacts, dp: FloatArray, params: FloatArray, forward: Cost, backward: Cost
@@ -285,11 +216,16 @@ class CostModel:
         all-reduce, so it is priced and calibrated as half an all-reduce). Per layer (a bucket),
         prefetched one layer ahead: the forward's all-gathers hide behind forward compute, the
         backward's all-gathers and reduce-scatters behind backward compute; the first layer's
-        gather and the last's reduce-scatter never hide (``_exposed``)."""
+        gather and the last's reduce-scatter never hide (``exposed``)."""
         span, layers = rep.size * dp, np.maximum(rep.layers_first, 1.0)
-        gather = collective(self.links, Collective.ALLGATHER, span, dp, params * ACT_BYTES / layers)
-        scatter = collective(self.links, Collective.ALLREDUCE, span, dp, params * GRAD_BYTES / layers) * 0.5
-        return _exposed(gather, layers, forward) + _exposed(gather + scatter, layers, backward)
+        gather = collective(
+            self.links, Collective.ALLGATHER, span, dp, params * ACT_BYTES / layers, self.track
+        )
+        scatter = (
+            collective(self.links, Collective.ALLREDUCE, span, dp, params * GRAD_BYTES / layers, self.track)
+            * 0.5
+        )
+        return exposed(gather, layers, forward) + exposed(gather + scatter, layers, backward)
 
     # ------------------------------------------------------------ training
     def _training(
@@ -311,7 +247,8 @@ class CostModel:
         fwd_attn = _attn_flops(model, rep, b * s * (s + 1.0) / 2.0)
         gemm_mult = 4.0 if recompute is Recompute.FULL else 3.0
         attn_mult = 3.0 if recompute is Recompute.NONE else 4.0
-        t_compute = self._compute(gemm_mult * fwd_gemm, attn_mult * fwd_attn)
+        ctx_mb = b * s * (s + 1.0) / 2.0
+        t_compute = self._compute(gemm_mult * fwd_gemm, attn_mult * fwd_attn, model, rep, tokens, ctx_mb)
         n_ar = (6.0 if recompute is Recompute.FULL else 4.0) * rep.layers_first
         t_tp = self._tp(rep, tokens * model.hidden_size * ACT_BYTES) * n_ar
         p2p = tokens * model.hidden_size * ACT_BYTES / (rep.tp if w.sequence_parallel else 1.0)
@@ -321,12 +258,16 @@ class CostModel:
         # backward of one micro-batch (recomputed forward included): what an overlapping engine
         # hides its last buckets behind
         backward = (
-            self._compute((gemm_mult - 1.0) * fwd_gemm, (attn_mult - 1.0) * fwd_attn) if overlap else None
+            self._compute(
+                (gemm_mult - 1.0) * fwd_gemm, (attn_mult - 1.0) * fwd_attn, model, rep, tokens, ctx_mb
+            )
+            if overlap
+            else None
         )
         updates = w.updates_per_step
         per_step = updates * accum  # micro-batch slots per step (before the bubble)
         if fsdp and backward is not None:  # every micro-batch gathers and reduce-scatters
-            forward = self._compute(fwd_gemm, fwd_attn)
+            forward = self._compute(fwd_gemm, fwd_attn, model, rep, tokens, ctx_mb)
             dp_sync = self._fsdp_sync(rep, dp, params_gpu, forward, backward) * per_step
         else:
             dp_sync = self._dp_sync(rep, dp, params_gpu * GRAD_BYTES, backward) * updates
@@ -364,9 +305,14 @@ class CostModel:
         s = seq.mean_len
         seqs_mb = per_replica / chunks
         tokens = seqs_mb * s  # tokens per micro-batch
+        ctx_mb = seqs_mb * s * (s + 1.0) / 2.0
         t_compute = self._compute(
             _gemm_flops_per_token(model, rep) * tokens,
-            _attn_flops(model, rep, seqs_mb * s * (s + 1.0) / 2.0),
+            _attn_flops(model, rep, ctx_mb),
+            model,
+            rep,
+            tokens,
+            ctx_mb,
         )
         t_tp = self._tp(rep, tokens * model.hidden_size * ACT_BYTES) * (2.0 * rep.layers_first)
         t_pp = self._p2p(rep, tokens * model.hidden_size * ACT_BYTES)
@@ -410,10 +356,12 @@ class CostModel:
         prompt = seq.prompt_len
         prefill_tokens = per_replica * prompt
         chunks = np.ceil(prefill_tokens / PREFILL_CHUNK_TOKENS)
+        prefill_ctx = per_replica * prompt * (prompt + 1.0) / 2.0
         prefill = self._compute(
             gemm_per_token * prefill_tokens,
-            _attn_flops(model, rep, per_replica * prompt * (prompt + 1.0) / 2.0),
-        )
+            _attn_flops(model, rep, prefill_ctx),
+            model, rep, prefill_tokens / chunks, prefill_ctx / chunks,
+        )  # fmt: skip
         prefill_tp = self._tp(rep, prefill_tokens / chunks * h * ACT_BYTES) * (2.0 * layers * chunks)
         # decode: continuous batching keeps `conc` sequences in flight; the longest (p95) ends it.
         # With pp stages, min(conc, pp) micro-groups circulate; a step = pp slots of one group.
@@ -426,6 +374,10 @@ class CostModel:
         t_cmp = self._compute(
             per_group * gemm_per_token,
             _attn_flops(model, rep, per_group * ctx),
+            model,
+            rep,
+            per_group,
+            per_group * ctx,
         )
         slots = steps * rep.pp
         pool = kv_pool_tokens(conc, prompt, seq.response_len, seq.max_len, paged)
@@ -437,8 +389,15 @@ class CostModel:
         }
         if paged:  # recompute preemption: the preempted sequences' tokens are prefilled again
             redo, redo_len = preempted_tokens(conc, pool, prompt, seq.response_len)
+            redo_ctx = redo * (redo_len + 1.0) / 2.0
+            chunk = np.maximum(np.ceil(redo / PREFILL_CHUNK_TOKENS), 1.0)
             terms["preemption"] = self._compute(
-                gemm_per_token * redo, _attn_flops(model, rep, redo * (redo_len + 1.0) / 2.0)
+                gemm_per_token * redo,
+                _attn_flops(model, rep, redo_ctx),
+                model,
+                rep,
+                redo / chunk,
+                redo_ctx / chunk,
             )
         mem = generation_memory(
             model, rep, conc, prompt, seq.max_len, w.precision, self.problem.efficiencies.memory(Stage.GEN),

@@ -8,13 +8,16 @@ are compared on equal terms.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from nereus.plan.calibration import Efficiencies
 from nereus.plan.candidates import Shape
-from nereus.plan.cost import CostModel
+from nereus.plan.cost import Cost, CostModel, LatencyTerms
+from nereus.plan.costterms import GROUPED
 from nereus.plan.layout import Plan
 from nereus.plan.memory import coresident_bounds
 from nereus.plan.opclass import OpClass
@@ -72,3 +75,49 @@ def fits_pool(problem: PlanningProblem, shapes: Mapping[str, Shape]) -> bool:
         gpus[m.stage] = gpus.get(m.stage, 0) + shapes[m.name].num_gpus
     beside = gpus.get(Stage.GEN, 0) if problem.workload.mode is ExecutionMode.ASYNC else 0
     return all(n + (beside if s is not Stage.GEN else 0) <= problem.gpus for s, n in gpus.items())
+
+
+@dataclass(frozen=True, slots=True)
+class ClassShape:
+    """What one op class of one model-stage would take at η = 1, and the shape it ran at: the
+    seconds-weighted geometric mean of its sizes and (collectives) ranks per node (0: none)."""
+
+    ideal_s: float
+    size: float
+    group: float
+
+
+def class_shapes(terms: LatencyTerms, skip: tuple[str, ...] = ()) -> dict[OpClass, ClassShape]:
+    """Each op class's seconds and shape in tracked ``terms`` (``CostModel(track=True)``) of one
+    row, leaving out the terms named in ``skip``."""
+    parts = [c for name, c in terms.parts.items() if name not in skip]
+    merged = sum(parts, Cost({}))
+    feats = merged.feats or {}
+    grouped = {k.value for k in GROUPED}
+    out: dict[OpClass, ClassShape] = {}
+    for op, t in merged.by_class.items():
+        seconds = float(np.sum(t))
+        if seconds <= 0:
+            continue
+        if op not in feats:
+            out[op] = ClassShape(seconds, 0.0, 0.0)
+            continue
+        ln_size, ln_group = (float(np.sum(v)) / seconds for v in feats[op])
+        group = math.exp(ln_group) if op.value.partition(".")[0] in grouped else 0.0
+        out[op] = ClassShape(seconds, math.exp(ln_size), group)
+    return out
+
+
+def ideal_shapes(
+    problem: PlanningProblem, shapes: Mapping[str, Shape]
+) -> dict[str, dict[OpClass, ClassShape]]:
+    """Per model-stage, each op class's ideal seconds (η = 1) and the shape of its work: what a
+    measurement of that class is paired with (``nereus.sim.observe.pair``)."""
+    unit = replace(problem, efficiencies=Efficiencies.unit())
+    cost = CostModel(unit, track=True)
+    out: dict[str, dict[OpClass, ClassShape]] = {}
+    for m in unit.workflow.model_stages:
+        s = shapes[m.name]
+        terms, _ = cost.evaluate(m, s.layout, np.array([s.dp]), np.array([s.micro_batch]), s.recompute)
+        out[m.name] = class_shapes(terms)
+    return out

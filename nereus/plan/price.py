@@ -22,7 +22,7 @@ Pure (no torch, no processes).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,7 @@ from nereus.errors import ConfigError
 from nereus.plan.calibration import Efficiencies
 from nereus.plan.candidates import Shape, estimate
 from nereus.plan.cost import CostModel, LatencyTerms
+from nereus.plan.evaluate import class_shapes
 from nereus.plan.layout import Layout, is_power_of_two
 from nereus.plan.problem import DEFAULT_HEADROOM, PlanningProblem, SearchSpace, SeqStats
 from nereus.spec.cluster import GIB, ClusterSpec
@@ -176,6 +177,9 @@ class Price:
     by_term: dict[str, float]
     peak_bytes: float
     limit_bytes: float  # capacity after headroom, less the runtime reserve (or the engine's KV budget)
+    # ``price(track=True)`` only: per op class, the (size, ranks per node) of its work (0: none),
+    # what a measurement of the class carries for calibration by shape (``nereus.plan.shapefit``)
+    shapes: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -207,9 +211,10 @@ def _seconds(terms: LatencyTerms) -> tuple[float, dict[str, float], dict[str, fl
 
 def price(
     model: ModelSpec, cluster: ClusterSpec, query: PriceQuery, efficiencies: Efficiencies | None = None,
-    headroom: float = DEFAULT_HEADROOM,
+    headroom: float = DEFAULT_HEADROOM, track: bool = False,
 ) -> Price:  # fmt: skip
-    """The cost model's price of ``query`` on ``cluster`` (``efficiencies``: calibrated ones)."""
+    """The cost model's price of ``query`` on ``cluster`` (``efficiencies``: calibrated ones);
+    ``track``: also the shape of each class's work (``Price.shapes``)."""
     if query.tp > cluster.gpus_per_node:
         raise ConfigError(
             f"--tp {query.tp} exceeds the {cluster.gpus_per_node} GPUs of a node of {cluster.name} "
@@ -244,4 +249,12 @@ def price(
         kv = float(est.memory.kv_cache) * est.memory.correction
         rest = peak - kv
         limit = rest + query.kv_memory_fraction * (cluster.gpu_memory_bytes - problem.reserved_bytes - rest)
-    return Price(model_stage.name, est.shape, total, by_class, by_term, peak, limit)
+    shapes: dict[str, tuple[float, float]] = {}
+    if track:
+        s = query.shape()
+        one = np.ones(1, dtype=np.int64)
+        terms, _ = CostModel(problem, fsdp, track=True).evaluate(
+            model_stage, s.layout, one * s.dp, one * s.micro_batch, s.recompute
+        )
+        shapes = {op.value: (c.size, c.group) for op, c in class_shapes(terms, ("weight_sync",)).items()}
+    return Price(model_stage.name, est.shape, total, by_class, by_term, peak, limit, shapes)

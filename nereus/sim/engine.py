@@ -31,7 +31,7 @@ from nereus.control.controller import Controller, policy_config
 from nereus.control.telemetry import Telemetry
 from nereus.errors import InfeasibleError
 from nereus.plan.calibration import CalibrationStore, Efficiencies, Measurement
-from nereus.plan.evaluate import price, shapes_of
+from nereus.plan.evaluate import ideal_shapes, price, shapes_of
 from nereus.plan.layout import Layout, Plan
 from nereus.plan.problem import PlanningProblem, SearchSpace, SeqStats
 from nereus.plan.search import search
@@ -111,8 +111,9 @@ class _Run:
         except InfeasibleError:
             return  # nothing runs on this pool: no probe, priors
         ideal = price(replace(problem, efficiencies=Efficiencies.unit()), shapes_of(plan))
+        sized = ideal_shapes(problem, shapes_of(plan))
         quiet = self._quiet(plan, problem.seq)
-        self._seed = [tuple(pair(ideal.by_class[n], r.seconds)) for n, r in quiet.items()]
+        self._seed = [tuple(pair(ideal.by_class[n], r.seconds, sized[n])) for n, r in quiet.items()]
         self._seed_memory = [
             (plan.workflow.get(n).stage, ideal.active[n], r.peak_bytes)
             for n, r in quiet.items()
@@ -196,6 +197,7 @@ class _Run:
             self.layouts_seen.append(layouts)
         problem = replace(ctl.problem(pool, seq), efficiencies=Efficiencies.unit())
         ideal = price(problem, shapes_of(plan))  # the planner's seconds per op class at peak
+        sized = ideal_shapes(problem, shapes_of(plan))  # and the shape of each class's work
         quiet = self._quiet(plan, seq)  # the truth's, on a quiet machine
         sync = self._weight_sync(plan, k) if self.pipeline is not None else {}
         times, own, measurements, peaks = {}, {}, [], {}
@@ -205,7 +207,7 @@ class _Run:
             if sync and plan.stage_of(c) is Stage.GEN:  # async: the generator's telemetry has the sync
                 measured = _merged(measured, sync)
             times[c.model_stage] = sum(measured.values())
-            measurements.extend(pair(ideal.by_class[c.model_stage], measured))
+            measurements.extend(pair(ideal.by_class[c.model_stage], measured, sized[c.model_stage]))
             peaks[c.model_stage] = self.hw.peak(quiet[c.model_stage].peak_bytes)
         wf = plan.workflow
         pipelined: AsyncStep | None = None

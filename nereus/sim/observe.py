@@ -6,7 +6,9 @@ measurements against the planner's ideal seconds of the same class. A class the 
 the planner has no ideal time for on that model-stage is folded into the closest class the planner
 has there: the same collective on the other link, else the planner's largest collective class;
 compute classes into gemm, else memory, else attention. So no measured second is dropped; a class
-the planner prices but the truth does not charge yields no measurement.
+the planner prices but the truth does not charge yields no measurement. Given the shape of each
+class's work (``nereus.plan.evaluate.ideal_shapes``), a measurement carries it (size and ranks per
+node), as a real worker's timer would know the shapes it ran: calibration by shape.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from nereus.plan.calibration import Measurement
+from nereus.plan.evaluate import ClassShape
 from nereus.plan.layout import Plan
 from nereus.plan.opclass import OpClass
 from nereus.plan.problem import SeqStats
@@ -40,16 +43,26 @@ def _closest(name: str, planner: Mapping[str, float]) -> str | None:
     return max(planner, key=lambda n: planner[n]) if planner else None
 
 
-def pair(ideal: Mapping[OpClass, float], measured: Mapping[str, float]) -> list[Measurement]:
+def pair(
+    ideal: Mapping[OpClass, float],
+    measured: Mapping[str, float],
+    shapes: Mapping[OpClass, ClassShape] | None = None,
+) -> list[Measurement]:
     """Measurements of one model-stage: the planner's ideal seconds of each class against the
-    truth's measured seconds of that class (classes only the truth has folded in)."""
+    truth's measured seconds of that class (classes only the truth has folded in), each with its
+    class's shape where ``shapes`` has it (else size unknown)."""
     planner = {op.value: t for op, t in ideal.items() if t > 0}
     folded: dict[str, float] = {}
     for name, t in measured.items():
         target = name if name in planner else _closest(name, planner)
         if target is not None and t > 0:
             folded[target] = folded.get(target, 0.0) + t
-    return [Measurement(OpClass(n), planner[n], t) for n, t in folded.items()]
+    out = []
+    for n, t in folded.items():
+        shape = (shapes or {}).get(OpClass(n))
+        size, group = (shape.size, shape.group) if shape is not None else (0.0, 0.0)
+        out.append(Measurement(OpClass(n), planner[n], t, size, group))
+    return out
 
 
 def quiet_truth(

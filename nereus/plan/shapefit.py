@@ -1,0 +1,148 @@
+"""Efficiency by shape: one op class's η as a function of the size of the work it times.
+
+A scalar η per op class cannot follow how a GEMM's achieved rate grows with its size, or how a
+collective's bus bandwidth grows with its message and with how many of its ranks share a node
+(a hierarchical collective moves only 1/g of the bytes over each GPU's NIC, where the planner's
+ring prices all of them). So a class's measurements carry the size of the work they timed
+(``Measurement.size``: forward GEMM FLOPs of one layer on one GPU, attention FLOPs likewise, a
+collective's bytes per rank) and, for all-reduce and all-gather, its ranks per node
+(``Measurement.group``), and the store fits
+
+    ln η(size, group) = f(ln size) + c · ln group,
+
+with f piecewise linear in ln size on knots half a decade apart over the sizes measured (a
+penalised regression spline: hat-function basis, a second-difference penalty so that knots with
+few samples follow their neighbours, a weak pull to the class-wide η), c a least-squares slope
+(0 when one group size was measured), fitted to ln(ideal/measured) with robust rejection (3
+scaled MADs of the residual, at least 10%, re-judged against each refit). The form is ours, not
+the truth's (``nereus.sim.truth`` uses saturating Hill and occupancy curves); outside the
+measured sizes and groups the curve is held at its end values; a row of unknown size takes the
+class-wide η.
+
+η here is achieved over the planner's own ideal (its ring at the link's per-GPU peak), so it may
+exceed 1 where the hardware beats that ideal (hierarchical all-reduce over nodes); it is kept in
+[ETA_MIN, ETA_MAX]. Pure NumPy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from nereus.plan.replica import FloatArray
+
+ETA_MIN, ETA_MAX = 0.01, 64.0
+KNOT_SPACING = math.log(10.0) / 2.0  # half a decade of size
+MIN_SAMPLES = 4  # fewer sized samples of a class: no curve (the class-wide η)
+MIN_SPREAD = math.log(1.5)  # sizes within a factor 1.5: no curve
+SMOOTH = 0.05  # weight of the second-difference penalty (per knot, against unit-weight samples)
+PULL = 1e-3  # weight of the pull of every knot to the class-wide ln η
+REJECT_FLOOR = 0.1  # residuals within 3 × 10% are never rejected
+MAD_SCALE = 1.4826
+REJECT_ROUNDS = 3  # a straggler drags its neighbours' residuals: re-admit them against the refit
+
+
+@dataclass(frozen=True, slots=True)
+class ShapeCurve:
+    """η of one op class by size (and group): knots in ln size, ln η at each knot, and the slope
+    of ln η in ln group over the measured group range."""
+
+    knots: tuple[float, ...]
+    values: tuple[float, ...]
+    group_slope: float = 0.0
+    group_range: tuple[float, float] = (0.0, 0.0)  # ln group, measured min and max
+
+    def __post_init__(self) -> None:
+        if len(self.knots) < 2 or len(self.knots) != len(self.values):
+            raise ValueError("a shape curve needs at least two knots and one value per knot")
+        if any(b <= a for a, b in zip(self.knots, self.knots[1:], strict=False)):
+            raise ValueError("shape-curve knots must increase")
+        if not all(
+            math.isfinite(v) for v in (*self.knots, *self.values, self.group_slope, *self.group_range)
+        ):
+            raise ValueError("shape-curve parameters must be finite")
+        if self.group_range[1] < self.group_range[0]:
+            raise ValueError("shape-curve group range must be ordered")
+
+    def eta(self, size: FloatArray | float, group: FloatArray | float | None = None) -> FloatArray:
+        """η at each row's size (and group); ``size`` ≤ 0 rows are the caller's to replace."""
+        u = np.log(np.maximum(np.asarray(size, dtype=np.float64), 1e-300))
+        y = np.interp(u, self.knots, self.values)
+        if self.group_slope and group is not None:
+            lo, hi = self.group_range
+            v = np.clip(np.log(np.maximum(np.asarray(group, dtype=np.float64), 1.0)), lo, hi)
+            y = y + self.group_slope * v
+        result: FloatArray = np.clip(np.exp(y), ETA_MIN, ETA_MAX)
+        return result
+
+
+def _design(u: FloatArray, knots: FloatArray) -> FloatArray:
+    """Hat functions on ``knots`` at points ``u`` (inside the knot range): rows sum to 1."""
+    k = len(knots)
+    pos = np.clip(np.searchsorted(knots, u, side="right") - 1, 0, k - 2)
+    frac = (u - knots[pos]) / (knots[pos + 1] - knots[pos])
+    basis = np.zeros((len(u), k))
+    rows = np.arange(len(u))
+    basis[rows, pos] = 1.0 - frac
+    basis[rows, pos + 1] = frac
+    return basis
+
+
+def _solve(basis: FloatArray, y: FloatArray, n_knots: int, base: float) -> FloatArray:
+    """Least squares of ``basis``·x = ``y`` with the smoothness and pull rows on the first
+    ``n_knots`` columns (the knot values)."""
+    width = basis.shape[1]
+    rows, rhs = [basis], [y]
+    if n_knots >= 3:
+        second = np.zeros((n_knots - 2, width))
+        for i in range(n_knots - 2):
+            second[i, i : i + 3] = (1.0, -2.0, 1.0)
+        rows.append(math.sqrt(SMOOTH) * second)
+        rhs.append(np.zeros(n_knots - 2))
+    pull = np.zeros((n_knots, width))
+    pull[:, :n_knots] = np.eye(n_knots) * math.sqrt(PULL)
+    rows.append(pull)
+    rhs.append(np.full(n_knots, math.sqrt(PULL) * base))
+    sol: FloatArray = np.linalg.lstsq(np.vstack(rows), np.concatenate(rhs), rcond=None)[0]
+    return sol
+
+
+def fit_curve(samples: Sequence[tuple[float, float, float, float]], class_eta: float) -> ShapeCurve | None:
+    """The curve of one class from (ideal_s, measured_s, size, group) samples of known size, or
+    None (too few samples, or one size only): the class-wide η ``class_eta`` then prices it."""
+    rows = [(i, m, s, g) for i, m, s, g in samples if s > 0]
+    if len(rows) < MIN_SAMPLES:
+        return None
+    arr = np.array(rows, dtype=np.float64)
+    y = np.log(arr[:, 0] / arr[:, 1])
+    u = np.log(arr[:, 2])
+    lo, hi = float(u.min()), float(u.max())
+    if hi - lo < MIN_SPREAD:
+        return None
+    count = max(2, math.ceil((hi - lo) / KNOT_SPACING) + 1)
+    knots = np.linspace(lo, hi, count)
+    grouped = arr[:, 3] > 0
+    v = np.log(np.where(grouped, arr[:, 3], 1.0))
+    use_group = bool(grouped.all()) and float(v.max() - v.min()) >= MIN_SPREAD
+    basis = _design(u, knots)
+    if use_group:
+        basis = np.hstack([basis, v[:, None]])
+    base = math.log(class_eta)
+    keep = np.ones(len(y), dtype=bool)
+    sol = _solve(basis, y, count, base)
+    for _ in range(REJECT_ROUNDS):  # reject against the fit of the samples kept, then refit
+        resid = y - basis @ sol
+        med = float(np.median(resid[keep]))
+        scale = max(float(np.median(np.abs(resid[keep] - med))) * MAD_SCALE, REJECT_FLOOR)
+        again = np.abs(resid - med) <= 3.0 * scale
+        if np.array_equal(again, keep) or int(again.sum()) < MIN_SAMPLES:
+            break
+        keep = again
+        sol = _solve(basis[keep], y[keep], count, base)
+    values = tuple(float(x) for x in sol[:count])
+    slope = float(sol[count]) if use_group else 0.0
+    g_range = (float(v.min()), float(v.max())) if use_group else (0.0, 0.0)
+    return ShapeCurve(tuple(float(k) for k in knots), values, slope, g_range)
