@@ -87,9 +87,24 @@ class ClassShape:
     group: float
 
 
-def class_shapes(terms: LatencyTerms, skip: tuple[str, ...] = ()) -> dict[OpClass, ClassShape]:
+# Generation's compute classes carry no size: decode is a roofline (max of the HBM reads and the
+# matmuls), and which side a step lands on differs between the model and the hardware, so a
+# generation stage's measured GEMM seconds may hold decode matmuls the model priced as memory
+# reads (its GEMM ideal then being prefill alone). Such a sample would bend the GEMM curve at the
+# prefill's size; it still calibrates the class-wide η, as before.
+ROOFLINE_CLASSES = (OpClass.GEMM, OpClass.ATTENTION)
+
+
+def unsized(stage: Stage) -> tuple[OpClass, ...]:
+    """The op classes whose measurements of a ``stage`` model-stage carry no shape."""
+    return ROOFLINE_CLASSES if stage is Stage.GEN else ()
+
+
+def class_shapes(
+    terms: LatencyTerms, skip: tuple[str, ...] = (), no_size: tuple[OpClass, ...] = ()
+) -> dict[OpClass, ClassShape]:
     """Each op class's seconds and shape in tracked ``terms`` (``CostModel(track=True)``) of one
-    row, leaving out the terms named in ``skip``."""
+    row, leaving out the terms named in ``skip``; classes in ``no_size`` get size 0 (unknown)."""
     parts = [c for name, c in terms.parts.items() if name not in skip]
     merged = sum(parts, Cost({}))
     feats = merged.feats or {}
@@ -99,7 +114,7 @@ def class_shapes(terms: LatencyTerms, skip: tuple[str, ...] = ()) -> dict[OpClas
         seconds = float(np.sum(t))
         if seconds <= 0:
             continue
-        if op not in feats:
+        if op not in feats or op in no_size:
             out[op] = ClassShape(seconds, 0.0, 0.0)
             continue
         ln_size, ln_group = (float(np.sum(v)) / seconds for v in feats[op])
@@ -119,5 +134,5 @@ def ideal_shapes(
     for m in unit.workflow.model_stages:
         s = shapes[m.name]
         terms, _ = cost.evaluate(m, s.layout, np.array([s.dp]), np.array([s.micro_batch]), s.recompute)
-        out[m.name] = class_shapes(terms)
+        out[m.name] = class_shapes(terms, no_size=unsized(m.stage))
     return out

@@ -31,7 +31,7 @@ from nereus.errors import ConfigError
 from nereus.plan.calibration import Efficiencies
 from nereus.plan.candidates import Shape, estimate
 from nereus.plan.cost import CostModel, LatencyTerms
-from nereus.plan.evaluate import class_shapes
+from nereus.plan.evaluate import class_shapes, unsized
 from nereus.plan.layout import Layout, is_power_of_two
 from nereus.plan.problem import DEFAULT_HEADROOM, PlanningProblem, SearchSpace, SeqStats
 from nereus.spec.cluster import GIB, ClusterSpec
@@ -256,5 +256,8 @@ def price(
         terms, _ = CostModel(problem, fsdp, track=True).evaluate(
             model_stage, s.layout, one * s.dp, one * s.micro_batch, s.recompute
         )
-        shapes = {op.value: (c.size, c.group) for op, c in class_shapes(terms, ("weight_sync",)).items()}
+        shapes = {
+            op.value: (c.size, c.group)
+            for op, c in class_shapes(terms, ("weight_sync",), unsized(query.stage)).items()
+        }
     return Price(model_stage.name, est.shape, total, by_class, by_term, peak, limit, shapes)
