@@ -32,9 +32,10 @@ Sources, one line each where used:
 Efficiency by shape (``nereus.plan.shapefit``): where calibration has a curve for a class, each
 row's η is read at that row's size: GEMM at the forward FLOPs of one layer's matmuls on one GPU
 for one micro-batch (prefill chunk, decode step), attention likewise, a collective at its bytes
-per rank and (all-reduce, all-gather) its ranks per node. ``CostModel(track=True)`` also records,
-per class, the seconds-weighted ln size and ln group of what it priced (``Cost.feats``): the shape
-a measurement of that class carries (``evaluate.ideal_shapes``).
+per rank and (all-reduce, all-gather) its ranks per node, memory-bound work at the bytes of one
+pass. ``CostModel(track=True)`` also records, per class, the seconds-weighted ln size and ln
+group of what it priced (``Cost.feats``): the shape a measurement of that class carries
+(``evaluate.ideal_shapes``).
 """
 
 from __future__ import annotations
@@ -277,7 +278,7 @@ class CostModel:
             "pp_comm": t_pp * per_step,
             "bubble": slot * (updates * (rep.pp - 1.0)),
             "dp_sync": dp_sync,
-            "optimizer": memory_bound(self.links, params_gpu * ADAM_BYTES_PER_PARAM) * updates,
+            "optimizer": memory_bound(self.links, params_gpu * ADAM_BYTES_PER_PARAM, self.track) * updates,
         }
         mem = trainer_memory(
             model,
@@ -370,7 +371,7 @@ class CostModel:
         per_group = conc / np.minimum(conc, rep.pp)
         weights = np.maximum(rep.params_first, rep.params_last) * 2.0
         kv_tok = kv_bytes_per_token_rank(model, rep.kv_heads, layers)
-        t_mem = memory_bound(self.links, weights + per_group * ctx * kv_tok)
+        t_mem = memory_bound(self.links, weights + per_group * ctx * kv_tok, self.track)
         t_cmp = self._compute(
             per_group * gemm_per_token,
             _attn_flops(model, rep, per_group * ctx),

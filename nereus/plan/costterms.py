@@ -3,9 +3,10 @@ priced pieces every stage is made of (ring collectives, compute, memory-bound wo
 calibrated efficiency of its op class, by shape where calibration has curves
 (``nereus.plan.shapefit``): GEMM at the forward FLOPs of one layer's matmuls on one GPU for one
 micro-batch (prefill chunk, decode step), attention likewise, a collective at its bytes per rank
-and (all-reduce, all-gather) its ranks per node. Tracked costs also carry, per class, the
-seconds-weighted ln size and ln group of what they priced (``Cost.feats``): the shape a
-measurement of that class carries (``evaluate.ideal_shapes``).
+and (all-reduce, all-gather) its ranks per node, memory-bound work at the bytes of one pass.
+Tracked costs also carry, per class, the seconds-weighted ln size and ln group of what they
+priced (``Cost.feats``): the shape a measurement of that class carries
+(``evaluate.ideal_shapes``).
 """
 
 from __future__ import annotations
@@ -201,5 +202,15 @@ def compute(
     )
 
 
-def memory_bound(links: Links, nbytes: FloatArray | float) -> Cost:
-    return Cost({OpClass.MEMORY: np.asarray(nbytes, dtype=np.float64) / links.copy_rate})
+def memory_bound(links: Links, nbytes: FloatArray | float, track: bool = False) -> Cost:
+    """One memory-bound pass over ``nbytes`` of HBM (a decode step's reads, an optimizer step);
+    where calibration has a memory curve, at η by the pass's bytes (small passes pay fixed
+    per-step costs the byte count does not show)."""
+    eff = links.efficiencies
+    b = np.asarray(nbytes, dtype=np.float64)
+    if not (track or eff.shaped(OpClass.MEMORY)):
+        return Cost({OpClass.MEMORY: b / links.copy_rate})
+    t = b / (links.cluster.hbm_bandwidth_gbs * 1e9 * eff.at(OpClass.MEMORY, b))
+    if not track:
+        return Cost({OpClass.MEMORY: t})
+    return Cost({OpClass.MEMORY: t}, {OpClass.MEMORY: (t * np.log(np.maximum(b, 1.0)), np.zeros(()))})
