@@ -26,7 +26,8 @@ import numpy as np
 from nereus.plan.layout import Plan
 from nereus.plan.problem import PlanningProblem
 from nereus.spec.workload import Stage
-from nereus.transition import NoSourceError, Transition, plan_transition
+from nereus.transition import NoSourceError, Transition
+from nereus.transition.between import Priced, price_transition
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,8 +42,13 @@ class TransitionEstimate:
     per_gpu_seconds: Mapping[int, float] = field(default_factory=dict)  # when each GPU is done
     # what the fitted cost model multiplies: (DAG makespan s, generation rebuilds, other rebuilds, regroups)
     features: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
-    transition: Transition | None = None  # what was priced: the DAG and schedule a move runs
+    priced: Priced | None = None  # what was priced: a class plan, or the DAG and schedule a move runs
     sunk: bool = False  # rebuilds and regroups happen anyway (the world re-forms): not charged
+
+    @property
+    def transition(self) -> Transition | None:
+        """The per-unit DAG and schedule a move runs (a class plan's is built on first use)."""
+        return self.priced.transition if self.priced is not None else None
 
 
 class TransitionEstimator(Protocol):
@@ -80,22 +86,16 @@ class DagEstimator:
         rebuilds after it, when a failed step's rollback dropped them). ``sunk``: the world
         re-forms at this boundary, so rebuilds and regroups are not the transition's to pay."""
         try:
-            tr = plan_transition(problem, current, target, lost, skip)
+            tr = price_transition(problem, current, target, lost, skip)
         except NoSourceError as exc:
             return TransitionEstimate(0.0, 0.0, False, str(exc))
-        changed = tuple(m.name for m in tr.moves if not m.unchanged)
-        resharded = tuple(m.name for m in tr.moves if m.current_layout != m.target_layout)
-        reserve = problem.reserved_bytes
-        peak = max(tr.dag.peak.values(), default=0) + reserve
+        changed, resharded = tr.changed, tr.resharded
+        peak = tr.peak_max + problem.reserved_bytes
         if not tr.feasible:
             return TransitionEstimate(
-                0.0, peak, False, tr.dag.reason, changed, resharded, tr.moved_bytes, transition=tr
+                0.0, peak, False, tr.transition.dag.reason, changed, resharded, tr.moved_bytes, priced=tr
             )
-        assert tr.schedule is not None
-        done: dict[int, float] = {}
-        for node, end in zip(tr.dag.nodes, tr.schedule.finish, strict=True):
-            for g in node.gpus:
-                done[g] = max(done.get(g, 0.0), end)
+        done = tr.gpu_done()
         gen = sum(1 for n in resharded if target.workflow.get(n).stage is Stage.GEN)
         features = (
             tr.l_tran_s,

@@ -9,6 +9,7 @@ the runtime reserve), and schedules it (the better of two list-scheduling priori
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nereus.plan.layout import Plan
@@ -16,18 +17,23 @@ from nereus.plan.problem import PlanningProblem
 from nereus.spec.workload import STAGE_ORDER
 from nereus.state.buffers import StatePolicy
 from nereus.state.sources import STORAGE, state_source
-from nereus.transition.build import plan_dag
+from nereus.transition.build import _Locals, plan_dag
+from nereus.transition.classplan import ClassPlan, plan_classes
 from nereus.transition.dag import TransitionDag
-from nereus.transition.links import LinkModel
+from nereus.transition.links import link_model
 from nereus.transition.move import StageMove
 from nereus.transition.schedule import Schedule
 
 
 @dataclass(frozen=True, slots=True)
 class Transition:
+    """The per-unit DAG a transition runs and its schedule; ``path``: how it was planned
+    ("per-unit", or "class" when a class plan was laid onto it, see ``classplan.py``)."""
+
     dag: TransitionDag
     schedule: Schedule | None  # None when the DAG is infeasible
     moves: tuple[StageMove, ...]
+    path: str = "per-unit"
 
     @property
     def feasible(self) -> bool:
@@ -40,6 +46,103 @@ class Transition:
     @property
     def moved_bytes(self) -> int:
         return sum(n.bytes for n in self.dag.nodes)
+
+    @property
+    def peak_max(self) -> int:
+        """The largest per-GPU state + staging bytes any execution holds."""
+        return max(self.dag.peak.values(), default=0)
+
+    def gpu_done(self) -> dict[int, float]:
+        """When each GPU is done: its last node's finish."""
+        done: dict[int, float] = {}
+        if self.schedule is not None:
+            for node, end in zip(self.dag.nodes, self.schedule.finish, strict=True):
+                for g in node.gpus:
+                    done[g] = max(done.get(g, 0.0), end)
+        return done
+
+    @property
+    def changed(self) -> tuple[str, ...]:
+        """Model-stages whose units change."""
+        return tuple(m.name for m in self.moves if not m.unchanged)
+
+    @property
+    def resharded(self) -> tuple[str, ...]:
+        """Model-stages whose (tp, pp) changes."""
+        return tuple(m.name for m in self.moves if m.current_layout != m.target_layout)
+
+
+class Priced:
+    """What admission prices: a class plan (``classplan.py``) whose per-unit ``transition`` is
+    built on first use, when the transition runs, or an exact per-unit ``Transition``. Not a
+    frozen value for that reason; nothing but ``transition`` changes it, once."""
+
+    __slots__ = ("_expand", "_transition", "classes")
+
+    def __init__(
+        self,
+        transition: Transition | None,
+        classes: ClassPlan | None = None,
+        expand: Callable[[], Transition] | None = None,
+    ) -> None:
+        if transition is None and (classes is None or expand is None):
+            raise ValueError("a priced transition needs its DAG, or a class plan and a way to expand it")
+        self._transition, self.classes, self._expand = transition, classes, expand
+
+    @property
+    def transition(self) -> Transition:
+        """The per-unit DAG and schedule (built from the class plan on first use)."""
+        if self._transition is None:
+            assert self._expand is not None
+            self._transition = self._expand()
+        return self._transition
+
+    @property
+    def expanded(self) -> bool:
+        return self._transition is not None
+
+    @property
+    def path(self) -> str:
+        """What was priced: "class" or "per-unit"."""
+        return "class" if self.classes is not None else "per-unit"
+
+    @property
+    def _plan(self) -> ClassPlan | None:
+        return self.classes if self._transition is None else None
+
+    @property
+    def feasible(self) -> bool:
+        return True if self._plan is not None else self.transition.feasible
+
+    @property
+    def l_tran_s(self) -> float:
+        """The priced makespan (the class plan's: its expansion runs exactly this long)."""
+        return self.classes.makespan if self.classes is not None else self.transition.l_tran_s
+
+    @property
+    def moved_bytes(self) -> int:
+        plan = self._plan
+        return plan.moved_bytes if plan is not None else self.transition.moved_bytes
+
+    @property
+    def peak_max(self) -> int:
+        plan = self._plan
+        return plan.peak_max if plan is not None else self.transition.peak_max
+
+    def gpu_done(self) -> dict[int, float]:
+        """When each GPU is done (a class plan: when the last class on it ends, an upper bound)."""
+        plan = self._plan
+        return plan.gpu_done() if plan is not None else self.transition.gpu_done()
+
+    @property
+    def changed(self) -> tuple[str, ...]:
+        plan = self._plan
+        return plan.derived.changed if plan is not None else self.transition.changed
+
+    @property
+    def resharded(self) -> tuple[str, ...]:
+        plan = self._plan
+        return plan.derived.resharded if plan is not None else self.transition.resharded
 
 
 class NoSourceError(ValueError):
@@ -100,10 +203,61 @@ def plan_transition(
 ) -> Transition:
     """The global DAG from ``current`` to ``target`` and its schedule (raises NoSourceError).
     ``skip``: model-stages left out (weight copies a weight sync rebuilds afterwards);
-    ``grouped``: plan identical units as groups (None: where it applies, see ``plan_dag``;
-    off by default: it saves little end to end so far, see ``group.py``)."""
+    ``grouped``: None plans on replica classes where that applies (``classplan.py``, laid onto
+    the per-unit DAG) and else groups per-unit nodes where that applies (``group.py``); True
+    groups wherever memory allows; False (the default, what the goldens pin) is the exact
+    per-unit greedy. Admission prices with ``price_transition`` instead, which leaves the
+    per-unit DAG of a class plan unbuilt until the transition runs."""
+    if grouped is None:
+        priced = _classes(problem, current, target, lost, skip)
+        if priced is not None:
+            return priced.transition
     moves = tuple(m for m in stage_moves(problem, current, target, lost) if m.name not in skip)
     rank = {ms.name: STAGE_ORDER.index(ms.stage) for ms in target.workflow.model_stages}
-    links = LinkModel(problem.cluster, problem.efficiencies)
+    links = link_model(problem.cluster, problem.efficiencies)
     dag, schedule = plan_dag(moves, rank, links, ledger_capacity(problem), grouped)
     return Transition(dag, schedule, moves)
+
+
+def price_transition(
+    problem: PlanningProblem,
+    current: Plan,
+    target: Plan,
+    lost: frozenset[int] = frozenset(),
+    skip: frozenset[str] = frozenset(),
+) -> Priced:
+    """What admission needs to decide: the class plan where it applies (no per-unit node is made
+    until ``Priced.transition`` is read), else the exact per-unit plan (raises NoSourceError)."""
+    priced = _classes(problem, current, target, lost, skip)
+    return priced if priced is not None else Priced(plan_transition(problem, current, target, lost, skip))
+
+
+def _classes(
+    problem: PlanningProblem, current: Plan, target: Plan, lost: frozenset[int], skip: frozenset[str]
+) -> Priced | None:
+    if lost:
+        return None  # intact replicas only: the per-unit planner's business
+    rank = {ms.name: STAGE_ORDER.index(ms.stage) for ms in target.workflow.model_stages}
+    links = link_model(problem.cluster, problem.efficiencies)
+    plan = plan_classes(problem, current, target, links, ledger_capacity(problem), rank, skip)
+    if plan is None:
+        return None
+    return Priced(None, plan, lambda: _expand(problem, current, target, skip, plan))
+
+
+def _expand(
+    problem: PlanningProblem, current: Plan, target: Plan, skip: frozenset[str], plan: ClassPlan
+) -> Transition:
+    """The per-unit DAG with the class schedule laid onto it; the exact per-unit plan (and why)
+    where its groups are not the classes."""
+    from nereus.transition.group import expand_onto
+
+    rank = {ms.name: STAGE_ORDER.index(ms.stage) for ms in target.workflow.model_stages}
+    links = link_model(problem.cluster, problem.efficiencies)
+    moves = tuple(m for m in stage_moves(problem, current, target) if m.name not in skip)
+    loc = _Locals(moves, links, ledger_capacity(problem))
+    out = expand_onto(loc.nodes, loc.edges, loc.units, loc.init, loc.cap, plan.signatures(), plan.schedule)
+    if out is not None:
+        return Transition(out[0], out[1], moves, "class")
+    dag, schedule = plan_dag(moves, rank, links, ledger_capacity(problem))
+    return Transition(dag, schedule, moves, "per-unit (the groups are not the classes)")

@@ -208,28 +208,95 @@ def plan_grouped(
     if not force and len(groups.members) * GROUP_MIN_RATIO > len(nodes):
         return None
     gnodes = groups.grouped_nodes(nodes)
-    gedges = tuple(Edge(a, b, EdgeKind.LOCAL) for a, b in groups.edges)
+    gsched = schedule_groups(gnodes, groups.edges, cap, stage_rank, order_of, classes)
+    return _expand(nodes, edges, units, groups, gsched, peak, cap)
+
+
+def schedule_groups(
+    gnodes: Sequence[Node],
+    gedges: Sequence[tuple[int, int]],
+    cap: Mapping[int, int],
+    stage_rank: Mapping[str, int],
+    order_of: Mapping[str, int],
+    classes: Sequence[Mapping[Primitive, int]],
+) -> Schedule:
+    """The best list schedule of the grouped DAG over both commit orders' priorities."""
+    edges = tuple(Edge(a, b, EdgeKind.LOCAL) for a, b in gedges)
     gpreds: list[list[int]] = [[] for _ in gnodes]
     gsuccs: list[list[int]] = [[] for _ in gnodes]
-    for a, b in groups.edges:
+    for a, b in gedges:
         gpreds[b].append(a)
         gsuccs[a].append(b)
-    best: tuple[Schedule, TransitionDag] | None = None
+    best: Schedule | None = None
     for cls in classes:
         key = [
             (cls[g.primitive], stage_rank.get(g.model_stage, 0), order_of.get(g.model_stage, 0), g.id)
             for g in gnodes
         ]
         gdag = TransitionDag(
-            gnodes, gedges, {}, _priority_order(gnodes, gpreds, gsuccs, key), {}, dict(cap), True
+            tuple(gnodes), edges, {}, _priority_order(gnodes, gpreds, gsuccs, key), {}, dict(cap), True
         )
         prep = Prepared(gdag)
         sched = best_schedule(gdag, bound=lower_bound(gdag, prep), prep=prep)
-        if best is None or sched.makespan < best[0].makespan - 1e-12:
-            best = (sched, gdag)
+        if best is None or sched.makespan < best.makespan - 1e-12:
+            best = sched
     assert best is not None
-    gsched = best[0]
-    return _expand(nodes, edges, units, groups, gsched, peak, cap)
+    return best
+
+
+def signatures(nodes: Sequence[Node], groups: Groups) -> list[tuple[object, ...]]:
+    """Each group as (model-stage, primitive, seconds, bytes, acquisitions, members, rounds, the
+    signatures of its predecessors): what a replica class must equal (``classes.py``)."""
+    preds: list[set[int]] = [set() for _ in groups.members]
+    for a, b in groups.edges:
+        preds[b].add(a)
+    out: list[tuple[object, ...]] = []
+    for gid, mine in enumerate(groups.members):  # group edges go from earlier groups to later ones
+        nd = nodes[mine[0]]
+        out.append((
+            nd.model_stage, nd.primitive, nd.est_s, nd.bytes, len(nd.acquire), len(mine),
+            groups.rounds[gid], frozenset(out[p] for p in preds[gid]),
+        ))  # fmt: skip
+    return out
+
+
+def match(
+    nodes: Sequence[Node], edges: Sequence[Edge], sigs: Sequence[tuple[object, ...]]
+) -> tuple[Groups, list[int]] | None:
+    """The per-unit nodes' groups and each group's class (``sigs``: each class's signature), when
+    the groups are the classes one for one; else None."""
+    groups = Groups(nodes, edges)
+    mine = signatures(nodes, groups)
+    where = {s: i for i, s in enumerate(sigs)}
+    if len(where) != len(sigs) or len(set(mine)) != len(mine) or set(mine) != set(where):
+        return None
+    return groups, [where[s] for s in mine]
+
+
+def expand_onto(
+    nodes: list[Node],
+    edges: list[Edge],
+    units: dict[str, Emu],
+    init: Mapping[int, int],
+    cap: Mapping[int, int],
+    sigs: Sequence[tuple[object, ...]],
+    sched: Schedule,
+) -> tuple[TransitionDag, Schedule] | None:
+    """The per-unit DAG with the class schedule ``sched`` expanded onto it, when its groups are
+    the classes one for one (``sigs``: each class's signature, in ``sched``'s node order); None
+    when they are not or memory lacks room for every acquisition."""
+    peak = room_for_everything(nodes, init, cap)
+    found = match(nodes, edges, sigs) if peak is not None else None
+    if peak is None or found is None:
+        return None
+    groups, to = found
+    start = tuple(sched.start[c] for c in to)
+    finish = tuple(sched.finish[c] for c in to)
+    back = {c: g for g, c in enumerate(to)}
+    path = tuple(back[c] for c in sched.critical_path)
+    gsched = Schedule(start, finish, sched.makespan, path, sched.priority)
+    dag, out = _expand(nodes, edges, units, groups, gsched, peak, cap)
+    return dag, Schedule(out.start, out.finish, out.makespan, out.critical_path, f"class {sched.priority}")
 
 
 def _expand(

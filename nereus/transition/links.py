@@ -112,3 +112,19 @@ class LinkModel(Links):
         if not remote:
             return copy
         return max(per_gpu.values()) + hops * self.latency(worst_link) + self.setup_s + copy
+
+
+_MODELS: list[tuple[ClusterSpec, Efficiencies, LinkModel]] = []
+
+
+def link_model(cluster: ClusterSpec, efficiencies: Efficiencies) -> LinkModel:
+    """The ``LinkModel`` of ``cluster`` under ``efficiencies``, shared while both are the same
+    objects (both are frozen: the same snapshot, the same rates), so its memo of node seconds
+    lives across the controller's replans; the last few pairs are kept."""
+    for c, e, model in _MODELS:
+        if c is cluster and e is efficiencies:
+            return model
+    model = LinkModel(cluster, efficiencies)
+    _MODELS.insert(0, (cluster, efficiencies, model))
+    del _MODELS[4:]
+    return model

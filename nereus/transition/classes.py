@@ -1,0 +1,251 @@
+"""Replica classes: a transition's grouped nodes straight from the two plans (issue 21).
+
+``group.py`` groups the per-unit nodes after building them; at 1,024 GCDs building them is most of
+the time. Here the groups (*classes*: one per model-stage × primitive × geometry, with a
+multiplicity, a round count and the GPU ports they hold) come straight from each model-stage's
+two candidates, as numpy arrays of replica GPUs, with no ``Node``, ``Emu`` or ``StageMove``. The
+class is the group ``group.Groups`` would form from the per-unit DAG ``local.py`` builds: the
+same Splits, Extends, Destroys and Merges, the same seconds (one ``LinkModel.node_seconds`` call
+per distinct link pattern), the same bytes and the same local edges, followed rule by rule:
+
+* a DP-only move (layout kept) extends the new replicas and destroys the surplus;
+* a reshape to a multiple of the current layout (T_sub = current: no Split) keeps the slots a
+  current replica already is, extends the others and merges each target replica;
+* a reshape to a divisor of the current layout (T_sub = target: no Merge) splits the replicas
+  with kept slots and the nearest others, extends the other slots and destroys what is left.
+
+Where a move leaves these rules (a restore, an in-place reshard, a reshape through an
+intermediate layout, lost GPUs) or the Extend sources are not a plain round robin (a source on
+the node of a slot it may feed: ``local.SourceChooser`` would weigh it), ``derive`` returns None
+and the caller plans per unit. The classes are checked against ``group.Groups`` of the per-unit
+DAG when a transition is expanded for execution (``group.expand_onto``) and in the tests.
+
+This module holds the class values and the builder's primitives (Extends, Destroys, the classes
+they form, the per-GPU memory); ``class_moves.py`` holds ``derive`` and the rules move by move.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from nereus.plan.layout import Candidate, Layout
+from nereus.plan.opclass import Link
+from nereus.spec.model import Head, ModelSpec
+from nereus.state.buffers import StatePolicy
+from nereus.transition.dag import Flow, Primitive
+from nereus.transition.links import LinkModel
+from nereus.transition.primitives import Geometry, geometry
+
+Ints = NDArray[np.int64]
+_E, _D, _M, _S = Primitive.EXTEND, Primitive.DESTROY, Primitive.MERGE, Primitive.SPLIT
+
+
+@dataclass(frozen=True, slots=True)
+class Cls:
+    """One class: ``count`` nodes alike, ``rounds`` port-disjoint waves of them, ``ports`` (GPU
+    ports as ints, 2·GPU send, 2·GPU + 1 receive) every member occupies, ``preds`` earlier classes."""
+
+    stage: str
+    primitive: Primitive
+    est_s: float
+    bytes: int  # per member
+    acquires: int  # (GPU, bytes) pairs a member acquires
+    count: int
+    rounds: int
+    preds: frozenset[int]
+    ports: Ints
+
+    def __post_init__(self) -> None:
+        if self.count <= 0 or self.rounds <= 0 or self.est_s < 0:
+            raise ValueError(
+                f"class {self.stage} {self.primitive}: count, rounds and seconds must be positive"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Derived:
+    classes: tuple[Cls, ...]  # in a topological order
+    init: Ints  # per GPU id: state bytes before the transition
+    acquired: Ints  # per GPU id: every acquisition of the transition
+    changed: tuple[str, ...]
+    resharded: tuple[str, ...]
+
+    @property
+    def nodes(self) -> int:
+        return sum(c.count for c in self.classes)
+
+
+class FallbackError(Exception):
+    """The move leaves the rules ``derive`` follows: plan it per unit."""
+
+
+_GEOMETRY: dict[tuple[ModelSpec, Head, StatePolicy], Geometry] = {}
+
+
+def headed_geometry(model: ModelSpec, head: Head, policy: StatePolicy) -> Geometry:
+    """``geometry(model.with_head(head), policy)`` without re-making the headed model each time."""
+    key = (model, head, policy)
+    out = _GEOMETRY.get(key)
+    if out is None:
+        out = _GEOMETRY[key] = geometry(model.with_head(head), policy)
+        if len(_GEOMETRY) > 64:
+            _GEOMETRY.pop(next(iter(_GEOMETRY)))
+    return out
+
+
+def rows_of(c: Candidate) -> Ints:
+    return np.asarray(c.gpus, dtype=np.int64).reshape(c.dp, c.layout.size)
+
+
+def unique_rows(a: Ints) -> tuple[Ints, Ints]:
+    """Distinct rows of ``a`` (first-appearance order) and each row's index among them: peeled
+    off one pattern at a time (replicas that move alike share a handful), ``np.unique`` beyond."""
+    of = np.full(len(a), -1, np.int64)
+    pats: list[Ints] = []
+    left = np.arange(len(a))
+    while len(left) and len(pats) < 8:
+        row = a[left[0]]
+        same = (a[left] == row).all(1)
+        of[left[same]] = len(pats)
+        pats.append(row)
+        left = left[~same]
+    if not len(left):
+        return (np.vstack(pats) if pats else a[:0]), of
+    uniq, first, inverse = np.unique(a, axis=0, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    return uniq[order], rank[inverse.reshape(-1)]
+
+
+SECONDS: dict[tuple[object, ...], tuple[float, int, int]] = {}
+
+
+def remember(key: tuple[object, ...], est: float, moved: int, acquires: int) -> tuple[float, int, int]:
+    """A member's (seconds, bytes, acquisitions) for one link pattern, memoised on the pattern
+    (with the link model and geometry it came from)."""
+    if len(SECONDS) > 4096:
+        SECONDS.clear()
+    out = SECONDS[key] = (est, moved, acquires)
+    return out
+
+
+_TABLES: dict[tuple[Geometry, Layout], tuple[list[int], Ints]] = {}
+
+
+def table(geo: Geometry, lay: Layout) -> tuple[list[int], Ints]:
+    """(payload bytes, held bytes) of every rank of ``lay``, rank order (memoised with the geometry)."""
+    out = _TABLES.get((geo, lay))
+    if out is None:
+        pos = lay.positions()
+        out = _TABLES[geo, lay] = (
+            [geo.payload(lay, t, p) for t, p in pos],
+            np.asarray([geo.held(lay, t, p) for t, p in pos], np.int64),
+        )
+    return out
+
+
+class Builder:
+    """Classes of every model-stage, the per-GPU memory, in the order ``local.py`` makes nodes."""
+
+    def __init__(self, links: LinkModel, size: int) -> None:
+        self.links, self.gpn = links, links.gpus_per_node
+        self.out: list[Cls] = []
+        self.init = np.zeros(size, np.int64)
+        self.acq = np.zeros(size, np.int64)
+
+    def hold(self, cur: Ints, geo: Geometry, lay: Layout) -> None:
+        self.init[cur] += table(geo, lay)[1]  # one model-stage's replicas are disjoint
+
+    # ------------------------------------------------------------ classes
+    def classes(
+        self, stage: str, prim: Primitive, keys: list[tuple[float, int, int, frozenset[int]]], of: Ints,
+        src: Ints | None, ports: list[Ints],
+    ) -> Ints:  # fmt: skip
+        """Group members by (seconds, bytes, acquisitions, preds): ``keys`` per distinct pattern,
+        ``of`` each member's pattern; ``src`` each member's Extend source (rounds: copies of one
+        source serialise on its ports). Returns each member's class id."""
+        index: dict[tuple[float, int, int, frozenset[int]], int] = {}
+        cls_of_pattern = np.asarray([index.setdefault(k, len(index)) for k in keys], np.int64)
+        member = cls_of_pattern[of] if len(of) else of
+        base = len(self.out)
+        for k, c in index.items():
+            mine = member == c if len(index) > 1 else slice(None)
+            count = int(np.count_nonzero(member == c)) if len(index) > 1 else len(member)
+            rounds = 1
+            if src is not None and k[0] > 0 and count > 1:
+                rounds = int(np.bincount(src[mine]).max())
+            held = np.concatenate([p[mine].ravel() for p in ports]) if ports else np.zeros(0, np.int64)
+            if ports and held.min(initial=0) < 0:
+                held = held[held >= 0]
+            self.out.append(Cls(stage, prim, k[0], k[1], k[2], count, rounds, k[3], held))
+        return member + base
+
+    def preds_of(
+        self, cls: Ints, n: int, rows: Ints, more: Ints | None = None
+    ) -> tuple[Ints, list[frozenset[int]]]:
+        """For ``n`` targets, the set of classes of the members that point at each (``rows[i]``:
+        the target of member i, −1 none; ``more``: a class per target, −1 none), as each target's
+        pattern and the patterns' sets."""
+        base = len(self.out)
+        if len(cls):
+            base = min(base, int(cls.min()))
+        if more is not None and (more >= 0).any():
+            base = min(base, int(more[more >= 0].min()))
+        if len(self.out) - base > 62:
+            raise FallbackError  # the sets as bits of one int64
+        mask = np.zeros(n, np.int64)
+        hit = rows >= 0
+        np.bitwise_or.at(mask, rows[hit], np.left_shift(1, cls[hit] - base))
+        if more is not None:
+            mask |= np.where(more >= 0, np.left_shift(1, np.maximum(more - base, 0)), 0)
+        codes, of = np.unique(mask, return_inverse=True)
+        sets = [frozenset(base + b for b in range(63) if code >> b & 1) for code in codes.tolist()]
+        return of.reshape(-1), sets
+
+    def extends(
+        self, stage: str, geo: Geometry, lay: Layout, dst: Ints, pool: Ints, extra: Ints
+    ) -> tuple[Ints, Ints]:
+        """Extends into ``dst`` rows from ``pool`` round robin (``extra``: a pred class per member,
+        −1 none; a second column: an idle-Destroy class). Returns (member classes, sources)."""
+        n, s = dst.shape
+        if not n:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        src = np.arange(n, dtype=np.int64) % len(pool)
+        sg = pool[src]
+        gpn = self.gpn
+        code = np.where(sg == dst, 0, np.where(sg // gpn == dst // gpn, 1, 2))
+        pats, of = unique_rows(np.hstack([code, extra]))
+        payload, held = table(geo, lay)
+        self.acq[dst] += held  # slots are disjoint
+        keys = []
+        for row in pats.tolist():
+            memo = (self.links, geo, lay, _E, *row[:s])
+            out = SECONDS.get(memo)
+            if out is None:
+                flows = tuple(
+                    Flow(r, 0 if c == 0 else payload[r], Link.INTRA if c < 2 else Link.INTER)
+                    for r, c in enumerate(row[:s])
+                )
+                out = remember(
+                    memo, self.links.node_seconds(_E, flows, distinct=True), sum(f.bytes for f in flows), s
+                )
+            keys.append((*out, frozenset(x for x in row[s:] if x >= 0)))
+        return self.classes(stage, _E, keys, of, src, [2 * sg, 2 * dst + 1]), src
+
+    def destroys(self, stage: str, of: Ints, sets: list[frozenset[int]]) -> Ints:
+        """Destroys whose preds are ``sets[of[i]]``."""
+        return self.classes(stage, _D, [(0.0, 0, 0, p) for p in sets], of, None, [])
+
+    def idle(self, stage: str, idle_rows: Ints, dst: Ints) -> Ints:
+        """Destroy the current replicas ``idle_rows`` (no copy reads them) before every Extend onto
+        their GPUs; per Extend row of ``dst``, the idle-Destroy class it waits for (−1 none)."""
+        if not len(idle_rows):
+            return np.full(len(dst), -1, np.int64)
+        cls = int(self.destroys(stage, np.zeros(len(idle_rows), np.int64), [frozenset()])[0])
+        mark = np.zeros(len(self.init), bool)
+        mark[idle_rows.ravel()] = True
+        return np.where(mark[dst].any(axis=1), cls, -1)

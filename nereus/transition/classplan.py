@@ -1,0 +1,146 @@
+"""The class plan: a transition scheduled on replica classes, the per-unit DAG built only to run it.
+
+``plan_classes`` derives the classes (``classes.py``), checks the no-wait ledger on them (every
+GPU has room for its state plus every acquisition of the transition, one numpy pass: then the
+per-unit builder would add no resource edge either) and list-schedules the class DAG as
+``group.py`` schedules groups: a class runs ``rounds × est_s`` and holds the port classes it
+shares with other classes. Its makespan, peak and moved bytes are what admission prices; no
+``Node`` per unit, ``Emu`` or ``StageMove`` is made.
+
+``ClassPlan.expand`` builds the per-unit DAG when the transition is executed and lays the class
+schedule onto it (member k of a class starts at the class's start plus its round × ``est_s``);
+when the per-unit groups are not the classes one for one (``group.expand_onto`` returns None) the
+exact per-unit planner runs instead, and ``Transition.path`` says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from nereus.plan.layout import Plan
+from nereus.plan.problem import PlanningProblem
+from nereus.transition.class_moves import derive
+from nereus.transition.classes import Derived
+from nereus.transition.dag import Node
+from nereus.transition.group import GROUP_MIN_NODES, GROUP_MIN_RATIO, schedule_groups
+from nereus.transition.links import LinkModel
+from nereus.transition.schedule import Schedule
+
+
+@dataclass(frozen=True, slots=True)
+class ClassPlan:
+    derived: Derived
+    nodes: tuple[Node, ...]  # one per class: ``rounds × est_s``, port classes as ``sends``
+    edges: tuple[tuple[int, int], ...]
+    schedule: Schedule
+    peak_max: int  # the largest per-GPU state + staging (init + every acquisition)
+
+    def __post_init__(self) -> None:
+        if len(self.nodes) != len(self.derived.classes) or len(self.schedule.start) != len(self.nodes):
+            raise ValueError("class plan: one node and one start per class")
+
+    @property
+    def makespan(self) -> float:
+        return self.schedule.makespan
+
+    @property
+    def moved_bytes(self) -> int:
+        return sum(c.bytes * c.count for c in self.derived.classes)
+
+    def peak(self) -> dict[int, int]:
+        held = self.derived.init + self.derived.acquired
+        gpus = np.flatnonzero(held)
+        return dict(zip(gpus.tolist(), held[gpus].tolist(), strict=True))
+
+    def gpu_done(self) -> dict[int, float]:
+        """Per GPU, when the last class holding one of its ports finishes (members of earlier
+        rounds finish sooner: an upper bound)."""
+        done = np.full(len(self.derived.init), -1.0)
+        for c, end in zip(self.derived.classes, self.schedule.finish, strict=True):
+            np.maximum.at(done, c.ports // 2, end)
+        gpus = np.flatnonzero(done >= 0)
+        return dict(zip(gpus.tolist(), done[gpus].tolist(), strict=True))
+
+    def signatures(self) -> list[tuple[object, ...]]:
+        """Each class as ``group.signatures`` writes a group."""
+        out: list[tuple[object, ...]] = []
+        for c in self.derived.classes:
+            out.append((
+                c.stage, c.primitive, c.est_s, c.bytes, c.acquires, c.count, c.rounds,
+                frozenset(out[p] for p in c.preds),
+            ))  # fmt: skip
+        return out
+
+
+def _port_classes(d: Derived, gpus: int) -> list[tuple[int, ...]]:
+    """Per class, the port classes it holds: GPU ports merged where the same classes use them (a
+    port of one class only never makes anyone wait), as ``Groups.grouped_nodes`` merges them."""
+    n = len(d.classes)
+    if n > 62:  # the users of a port as bits of one int64
+        users = np.zeros((gpus * 2, n), bool)
+        for i, c in enumerate(d.classes):
+            users[c.ports, i] = True
+        shared = users[users.sum(1) >= 2]
+        uniq = np.unique(shared, axis=0) if len(shared) else np.zeros((0, n), bool)
+        return [tuple(np.flatnonzero(uniq[:, i]).tolist()) for i in range(n)]
+    mask = np.zeros(gpus * 2, np.int64)
+    for i, c in enumerate(d.classes):
+        mask[c.ports] |= 1 << i
+    codes = np.unique(mask[(mask & (mask - 1)) != 0]).tolist()  # two users or more
+    return [tuple(j for j, code in enumerate(codes) if code >> i & 1) for i in range(n)]
+
+
+def _most_nodes(current: Plan, target: Plan, skip: frozenset[str]) -> int:
+    """At most how many per-unit nodes the transition has: per moving model-stage, a Split per
+    current replica, an Extend per slot, a Destroy per sub-unit, a Merge per target replica."""
+    out = 0
+    for old in current.candidates:
+        if old.model_stage in skip:
+            continue
+        new = target.candidate(old.model_stage)
+        if old.layout == new.layout and old.gpus == new.gpus:
+            continue
+        sub_tp, sub_pp = min(old.layout.tp, new.layout.tp), min(old.layout.pp, new.layout.pp)
+        k = old.layout.size // (sub_tp * sub_pp)
+        m = new.layout.size // (sub_tp * sub_pp)
+        out += old.dp * (1 + k) + new.dp * (1 + m)
+    return out
+
+
+def plan_classes(
+    problem: PlanningProblem,
+    current: Plan,
+    target: Plan,
+    links: LinkModel,
+    capacity: int,
+    stage_rank: Mapping[str, int],
+    skip: frozenset[str] = frozenset(),
+) -> ClassPlan | None:
+    """The class plan, or None where it does not apply: a move outside ``classes.py``'s rules,
+    fewer than ``GROUP_MIN_NODES`` per-unit nodes or too little to group, or memory too tight
+    for every acquisition at once (resource edges needed)."""
+    from nereus.transition.build import _CLASS, _RELEASE_FIRST
+
+    if _most_nodes(current, target, skip) < GROUP_MIN_NODES:
+        return None  # too few units to group, whatever the rules say: not worth deriving
+    d = derive(problem, current, target, links, skip)
+    if d is None or d.nodes < GROUP_MIN_NODES or len(d.classes) * GROUP_MIN_RATIO > d.nodes:
+        return None
+    held = d.init + d.acquired
+    if int(held.max(initial=0)) > capacity:
+        return None
+    held_by = _port_classes(d, len(held))
+    nodes = tuple(
+        Node(
+            id=i, primitive=c.primitive, model_stage=c.stage, gpus=(), bytes=c.bytes * c.count,
+            est_s=c.est_s * c.rounds, sends=held_by[i],
+        )
+        for i, c in enumerate(d.classes)
+    )  # fmt: skip
+    edges = tuple((p, i) for i, c in enumerate(d.classes) for p in sorted(c.preds))
+    order_of = {ms.name: i for i, ms in enumerate(target.workflow.model_stages) if ms.name not in skip}
+    sched = schedule_groups(nodes, edges, {}, stage_rank, order_of, (_CLASS, _RELEASE_FIRST))
+    return ClassPlan(d, nodes, edges, sched, int(held.max(initial=0)))

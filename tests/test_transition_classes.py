@@ -1,0 +1,161 @@
+"""Replica classes (``nereus.transition.classes``, ``class_moves``, ``classplan``): the classes
+derived straight from two plans are the groups of the per-unit DAG, a class plan expands onto
+that DAG with a valid schedule of the priced makespan, and admission prices a class plan without
+building per-unit nodes; where the rules do not apply, the exact per-unit planner runs.
+
+The pairs are the stored plans of ``tests/golden/transition_reference.json`` (no plan search).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from nereus.control.transition_cost import DagEstimator
+from nereus.spec.workload import STAGE_ORDER
+from nereus.transition import plan_transition
+from nereus.transition.between import ledger_capacity, price_transition, stage_moves
+from nereus.transition.build import _Locals, initial_bytes
+from nereus.transition.class_moves import derive
+from nereus.transition.classplan import plan_classes
+from nereus.transition.dag import EdgeKind
+from nereus.transition.group import Groups, signatures
+from nereus.transition.links import link_model
+from nereus.transition.rcpsp import verify
+from tests.transition_cases import GOLDEN, plan_of, problem_of
+
+pytestmark = pytest.mark.pure
+
+TICK_S = 1e-6  # the verifier's integer ticks
+GAP = 0.05  # class plan makespan / exact per-unit greedy makespan − 1
+
+CASES = [c for c in json.loads(GOLDEN.read_text()) if "error" not in c["expect"] and "capacity" not in c]
+INTACT = [c for c in CASES if not c.get("lost")]
+BIG = [c for c in INTACT if c["name"].startswith("mi250x 1024")]
+
+
+def _pair(case: dict[str, Any]) -> tuple[Any, Any, Any]:
+    problem = problem_of(case)
+    return problem, plan_of(case["current"], problem), plan_of(case["target"], problem)
+
+
+def test_derived_classes_are_the_groups_of_the_per_unit_dag() -> None:
+    """Wherever ``derive`` follows the moves, its classes are ``Groups`` of the DAG ``local.py``
+    builds, one for one: model-stage, primitive, seconds, bytes, acquisitions, members, rounds
+    and predecessors."""
+    derived = 0
+    for case in INTACT:
+        problem, current, target = _pair(case)
+        links = link_model(problem.cluster, problem.efficiencies)
+        d = derive(problem, current, target, links, frozenset())
+        if d is None:
+            continue
+        derived += 1
+        loc = _Locals(stage_moves(problem, current, target), links, ledger_capacity(problem))
+        mine = signatures(loc.nodes, Groups(loc.nodes, loc.edges))
+        sigs: list[tuple[object, ...]] = []
+        for c in d.classes:
+            sigs.append((
+                c.stage, c.primitive, c.est_s, c.bytes, c.acquires, c.count, c.rounds,
+                frozenset(sigs[p] for p in c.preds),
+            ))  # fmt: skip
+        assert Counter(sigs) == Counter(mine), case["name"]
+        assert d.nodes == len(loc.nodes)
+        # the ledger: every GPU's state before and every acquisition, as the per-unit nodes say
+        init = initial_bytes(stage_moves(problem, current, target))
+        assert {g: b for g, b in enumerate(d.init.tolist()) if b} == {g: b for g, b in init.items() if b}
+        acquired: dict[int, int] = {}
+        for n in loc.nodes:
+            for g, b in n.acquire:
+                acquired[g] = acquired.get(g, 0) + b
+        assert {g: b for g, b in enumerate(d.acquired.tolist()) if b} == {
+            g: b for g, b in acquired.items() if b
+        }
+    assert derived >= 20  # the benchmark's drifts at every size and most seeded ones
+
+
+@pytest.mark.parametrize("case", BIG, ids=[c["name"] for c in BIG])
+def test_a_class_plan_expands_to_a_valid_schedule_of_its_makespan(case: dict[str, Any]) -> None:
+    problem, current, target = _pair(case)
+    priced = price_transition(problem, current, target)
+    assert priced.classes is not None and not priced.expanded
+    assert len(priced.classes.nodes) * 20 < priced.classes.derived.nodes
+    exact = plan_transition(problem, current, target)
+    assert exact.schedule is not None
+    tr = priced.transition
+    assert tr.path == "class" and priced.expanded and tr.schedule is not None
+    dag, sched = tr.dag, tr.schedule
+    # the per-unit DAG the executor runs: the exact builder's nodes, local edges and units
+    assert dag.nodes == exact.dag.nodes and dag.units == exact.dag.units
+    assert set(dag.edges) == {e for e in exact.dag.edges if e.kind is EdgeKind.LOCAL}
+    assert priced.moved_bytes == exact.moved_bytes and priced.changed == exact.changed
+    assert priced.resharded == exact.resharded
+    assert priced.peak_max == tr.peak_max >= exact.peak_max
+    # the schedule the controller priced is the one that runs, valid on every edge, port and GPU
+    assert sched.makespan == pytest.approx(priced.l_tran_s, rel=1e-12)
+    starts = [round(s / TICK_S) for s in sched.start]
+    durations = [round(f / TICK_S) - s for f, s in zip(sched.finish, starts, strict=True)]
+    assert not verify(dag, initial_bytes(tr.moves), durations, starts, edges=None)
+    assert sched.makespan <= (1 + GAP) * exact.l_tran_s + 1e-9
+    done = priced.gpu_done()
+    assert max(done.values()) == pytest.approx(priced.l_tran_s)
+    assert all(done[g] >= t - 1e-9 for g, t in tr.gpu_done().items() if g in done)
+
+
+def test_admission_prices_a_class_plan_and_the_move_runs_its_expansion() -> None:
+    problem, current, target = _pair(BIG[0])
+    est = DagEstimator().estimate(problem, current, target)
+    assert est.feasible and est.priced is not None and est.priced.path == "class"
+    assert not est.priced.expanded  # deciding built no per-unit node
+    assert est.features[0] == est.priced.l_tran_s == est.seconds
+    assert est.peak_bytes == est.priced.peak_max + problem.reserved_bytes
+    assert max(est.per_gpu_seconds.values()) == pytest.approx(est.seconds)
+    tr = est.transition  # what a Move carries: built now, once
+    assert tr is not None and tr is est.transition and tr.path == "class"
+    assert tr.l_tran_s == pytest.approx(est.seconds, rel=1e-12)
+
+
+def test_where_the_class_plan_does_not_apply_the_exact_planner_runs() -> None:
+    # lost GPUs, small transitions: the exact per-unit plan, priced and run as before
+    problem, current, target = _pair(BIG[0])
+    lost = frozenset({max(current.candidates, key=lambda c: c.dp).gpus[0]})  # one replica's GPU
+    priced = price_transition(problem, current, target, lost)
+    assert priced.classes is None and priced.transition == plan_transition(problem, current, target, lost)
+    small = next(c for c in INTACT if c["name"].startswith("mi250x 32 "))
+    problem, current, target = _pair(small)
+    priced = price_transition(problem, current, target)
+    assert priced.classes is None and priced.transition == plan_transition(problem, current, target)
+    # memory for every acquisition at once: one byte short and the class plan steps aside
+    problem, current, target = _pair(BIG[0])
+    links = link_model(problem.cluster, problem.efficiencies)
+    rank = {ms.name: STAGE_ORDER.index(ms.stage) for ms in target.workflow.model_stages}
+    plan = plan_classes(problem, current, target, links, ledger_capacity(problem), rank)
+    assert plan is not None
+    assert plan_classes(problem, current, target, links, plan.peak_max - 1, rank) is None
+    assert plan_classes(problem, current, target, links, plan.peak_max, rank) is not None
+
+
+def test_skipped_model_stages_are_left_out_of_the_class_plan() -> None:
+    problem, current, target = _pair(BIG[0])
+    moving = price_transition(problem, current, target).changed
+    skip = frozenset(moving[:1])
+    priced = price_transition(problem, current, target, skip=skip)
+    exact = plan_transition(problem, current, target, skip=skip)
+    assert skip.isdisjoint(priced.changed) and priced.changed == exact.changed
+    if priced.classes is not None:
+        assert priced.transition.dag.nodes == exact.dag.nodes
+
+
+def test_a_class_plan_is_a_pure_function_of_the_plans() -> None:
+    """Repeated pricing (memoised geometry, link patterns and link model) gives equal plans."""
+    problem, current, target = _pair(BIG[1])
+    a, b = price_transition(problem, current, target), price_transition(problem, current, target)
+    assert a.classes is not None and b.classes is not None
+    assert a.classes.schedule == b.classes.schedule and a.classes.signatures() == b.classes.signatures()
+    fresh = dataclasses.replace(problem)  # another problem object: a fresh link model, same plan
+    c = price_transition(fresh, current, target)
+    assert c.classes is not None and c.classes.schedule == a.classes.schedule
