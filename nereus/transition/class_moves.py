@@ -80,6 +80,34 @@ def _q_index(cl: Layout, sub: Layout) -> Ints:
     return out
 
 
+_GROUPS: dict[tuple[Layout, Layout], Ints] = {}
+_TAKES: dict[tuple[Geometry, Layout, Layout], Ints] = {}
+
+
+def _split_groups(cl: Layout, sub: Layout) -> Ints:
+    """The Split's all-gather groups: [j, r] is the j-th old rank of the group of T_sub rank r."""
+    out = _GROUPS.get((cl, sub))
+    if out is None:
+        kt, kp, pos = cl.tp // sub.tp, cl.pp // sub.pp, sub.positions()
+        out = _GROUPS[cl, sub] = np.asarray(
+            [
+                [(pq * kp + bp) * cl.tp + tq * kt + bt for tq, pq in pos]
+                for bp in range(kp)
+                for bt in range(kt)
+            ],
+            np.int64,
+        )
+    return out
+
+
+def _takes(geo: Geometry, cl: Layout, sub: Layout) -> Ints:
+    """Per old rank, the bytes its T_sub shard takes when it keeps one (``Geometry.split_rows``)."""
+    out = _TAKES.get((geo, cl, sub))
+    if out is None:
+        out = _TAKES[geo, cl, sub] = np.asarray([r[4] for r in geo.split_rows(cl, sub)], np.int64)
+    return out
+
+
 class _Moves(Builder):
     """The rules of ``local.py``, move by move, on replica arrays."""
 
@@ -87,16 +115,16 @@ class _Moves(Builder):
         if cl == tl:
             self.same_layout(stage, geo, cl, cur, tgt)
             return
-        own = {frozenset(r) for r in cur.tolist()}
-        if len(cur) == len(tgt) and all(frozenset(r) in own for r in tgt.tolist()):
-            raise FallbackError  # an in-place reshard
+        # a layout that grows (sub = current) or shrinks (sub = target) changes the replica size, so
+        # no replica can be re-laid-out on its own GPUs (``local._in_place``); an in-place reshard
+        # keeps the size, and so does a reshape through an intermediate layout: both fall back
         sub = Layout(min(cl.tp, tl.tp), min(cl.pp, tl.pp))
         if sub == cl:
             self.merge_reshape(stage, geo, cl, cur, tl, tgt)
         elif sub == tl:
             self.split_reshape(stage, geo, cl, cur, tl, tgt)
         else:
-            raise FallbackError  # through an intermediate layout: Splits and Merges
+            raise FallbackError
 
     def _round_robin(self, slots: Ints, pool: Ints) -> None:
         """``SourceChooser`` picks round robin unless a slot on one node has a source there."""
@@ -202,16 +230,7 @@ class _Moves(Builder):
     def split_reshape(self, stage: str, geo: Geometry, cl: Layout, cur: Ints, sub: Layout, tgt: Ints) -> None:
         kt, kp = cl.tp // sub.tp, cl.pp // sub.pp
         k, gpn = kt * kp, self.gpn
-        # the Split's all-gather groups: grp[j, r] is the j-th old rank of the group of T_sub rank r
-        pos = sub.positions()
-        grp = np.asarray(
-            [
-                [(pq * kp + bp) * cl.tp + tq * kt + bt for tq, pq in pos]
-                for bp in range(kp)
-                for bt in range(kt)
-            ],
-            np.int64,
-        )
+        grp = _split_groups(cl, sub)
         kept, owner = self._slots(cur, cl, sub, tgt)
         kept_si = np.flatnonzero(kept)
         kept_unit = owner[tgt[kept_si, 0]]
@@ -240,10 +259,9 @@ class _Moves(Builder):
         n_kept = np.bincount(kept_unit, minlength=len(cur))[taking]
         jmask = np.arange(k)[None, :] < (k - n_kept)[:, None]
         free = rest[jmask].reshape(-1, sub.size)
-        free_owner = np.broadcast_to(taking[:, None], jmask.shape)[jmask].tolist()
         n_free = len(free)
         pool = np.vstack([free, tgt[kept_si]])
-        pool_owner = np.asarray(free_owner + kept_unit.tolist(), np.int64)
+        pool_owner = np.concatenate([np.broadcast_to(taking[:, None], jmask.shape)[jmask], kept_unit])
         self._round_robin(dst, pool)
         fed = min(len(dst), len(pool))
         # the Splits: each split replica's kept sub-units and the free ones that feed a copy
@@ -257,14 +275,8 @@ class _Moves(Builder):
         flat = grp.T.ravel()  # old ranks group by group (the Split's flow order)
         U = cur[splits][:, flat]
         kmask = keep[U]
-        groups = (
-            cur[splits][:, grp.T.reshape(sub.size, k)]
-            if len(splits)
-            else np.zeros((0, sub.size, k), np.int64)
-        )
-        intra = (
-            (groups.min(2) // gpn == groups.max(2) // gpn) if len(splits) else np.zeros((0, sub.size), bool)
-        )
+        groups = U.reshape(len(splits), sub.size, k)
+        intra = groups.min(2) // gpn == groups.max(2) // gpn
         pats, of = unique_rows(np.hstack([kmask.astype(np.int64), intra.astype(np.int64)]))
         rows = geo.split_rows(cl, sub)
         keys = []
@@ -280,7 +292,7 @@ class _Moves(Builder):
                 est = self.links.node_seconds(_S, tuple(flows), k - 1, distinct=True)
                 out = remember(memo, est, sum(f.bytes for f in flows), len(flows))
             keys.append((*out, frozenset[int]()))
-        take_of = np.asarray([rows[idx][4] for idx in flat.tolist()], np.int64)
+        take_of = _takes(geo, cl, sub)[flat]
         self.acq[U[kmask]] += np.broadcast_to(take_of, U.shape)[kmask]
         recv_ports = np.where(kmask, 2 * U + 1, -1)
         split_cls = np.full(len(cur), -1, np.int64)

@@ -103,6 +103,8 @@ def rows_of(c: Candidate) -> Ints:
 def unique_rows(a: Ints) -> tuple[Ints, Ints]:
     """Distinct rows of ``a`` (first-appearance order) and each row's index among them: peeled
     off one pattern at a time (replicas that move alike share a handful), ``np.unique`` beyond."""
+    if not len(a) or (a == a[0]).all():
+        return a[:1], np.zeros(len(a), np.int64)
     of = np.full(len(a), -1, np.int64)
     pats: list[Ints] = []
     left = np.arange(len(a))
@@ -217,7 +219,8 @@ class Builder:
         src = np.arange(n, dtype=np.int64) % len(pool)
         sg = pool[src]
         gpn = self.gpn
-        code = np.where(sg == dst, 0, np.where(sg // gpn == dst // gpn, 1, 2))
+        # per rank: 0 the same GPU (a local copy), 1 the same node, 2 another node
+        code = (sg != dst).view(np.int8) + (sg // gpn != dst // gpn).view(np.int8)
         pats, of = unique_rows(np.hstack([code, extra]))
         payload, held = table(geo, lay)
         self.acq[dst] += held  # slots are disjoint

@@ -228,6 +228,7 @@ def schedule_groups(
         gpreds[b].append(a)
         gsuccs[a].append(b)
     best: Schedule | None = None
+    bound: float | None = None
     for cls in classes:
         key = [
             (cls[g.primitive], stage_rank.get(g.model_stage, 0), order_of.get(g.model_stage, 0), g.id)
@@ -237,9 +238,13 @@ def schedule_groups(
             tuple(gnodes), edges, {}, _priority_order(gnodes, gpreds, gsuccs, key), {}, dict(cap), True
         )
         prep = Prepared(gdag)
-        sched = best_schedule(gdag, bound=lower_bound(gdag, prep), prep=prep)
+        if bound is None:  # the same for every order: local edges and ports only
+            bound = lower_bound(gdag, prep)
+        sched = best_schedule(gdag, bound=bound, prep=prep)
         if best is None or sched.makespan < best.makespan - 1e-12:
             best = sched
+        if best.makespan <= bound * (1 + 1e-9):
+            break  # no order does better than the bound
     assert best is not None
     return best
 
