@@ -371,7 +371,7 @@ class CostModel:
         per_group = conc / np.minimum(conc, rep.pp)
         weights = np.maximum(rep.params_first, rep.params_last) * 2.0
         kv_tok = kv_bytes_per_token_rank(model, rep.kv_heads, layers)
-        t_mem = memory_bound(self.links, weights + per_group * ctx * kv_tok, self.track)
+        t_mem = memory_bound(self.links, weights + per_group * ctx * kv_tok, self.track, rep.pp)
         t_cmp = self._compute(
             per_group * gemm_per_token,
             _attn_flops(model, rep, per_group * ctx),

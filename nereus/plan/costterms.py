@@ -202,15 +202,19 @@ def compute(
     )
 
 
-def memory_bound(links: Links, nbytes: FloatArray | float, track: bool = False) -> Cost:
+def memory_bound(
+    links: Links, nbytes: FloatArray | float, track: bool = False, stages: FloatArray | float = 1.0
+) -> Cost:
     """One memory-bound pass over ``nbytes`` of HBM (a decode step's reads, an optimizer step);
     where calibration has a memory curve, at η by the pass's bytes (small passes pay fixed
-    per-step costs the byte count does not show)."""
+    per-step costs the byte count does not show) and by the pipeline ``stages`` a decode step
+    cycles through (its group feature; 1 for work on one GPU)."""
     eff = links.efficiencies
     b = np.asarray(nbytes, dtype=np.float64)
     if not (track or eff.shaped(OpClass.MEMORY)):
         return Cost({OpClass.MEMORY: b / links.copy_rate})
-    t = b / (links.cluster.hbm_bandwidth_gbs * 1e9 * eff.at(OpClass.MEMORY, b))
+    g = np.asarray(stages, dtype=np.float64)
+    t = b / (links.cluster.hbm_bandwidth_gbs * 1e9 * eff.at(OpClass.MEMORY, b, g))
     if not track:
         return Cost({OpClass.MEMORY: t})
-    return Cost({OpClass.MEMORY: t}, {OpClass.MEMORY: (t * np.log(np.maximum(b, 1.0)), np.zeros(()))})
+    return Cost({OpClass.MEMORY: t}, {OpClass.MEMORY: (t * np.log(np.maximum(b, 1.0)), t * np.log(g))})

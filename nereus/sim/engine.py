@@ -113,7 +113,10 @@ class _Run:
         ideal = price(replace(problem, efficiencies=Efficiencies.unit()), shapes_of(plan))
         sized = ideal_shapes(problem, shapes_of(plan))
         quiet = self._quiet(plan, problem.seq)
-        self._seed = [tuple(pair(ideal.by_class[n], r.seconds, sized[n])) for n, r in quiet.items()]
+        self._seed = [
+            tuple(pair(ideal.by_class[n], r.seconds, sized[n], plan.workflow.get(n).stage is Stage.GEN))
+            for n, r in quiet.items()
+        ]
         self._seed_memory = [
             (plan.workflow.get(n).stage, ideal.active[n], r.peak_bytes)
             for n, r in quiet.items()
@@ -207,7 +210,8 @@ class _Run:
             if sync and plan.stage_of(c) is Stage.GEN:  # async: the generator's telemetry has the sync
                 measured = _merged(measured, sync)
             times[c.model_stage] = sum(measured.values())
-            measurements.extend(pair(ideal.by_class[c.model_stage], measured, sized[c.model_stage]))
+            roofline = plan.stage_of(c) is Stage.GEN
+            measurements.extend(pair(ideal.by_class[c.model_stage], measured, sized[c.model_stage], roofline))
             peaks[c.model_stage] = self.hw.peak(quiet[c.model_stage].peak_bytes)
         wf = plan.workflow
         pipelined: AsyncStep | None = None

@@ -43,15 +43,34 @@ def _closest(name: str, planner: Mapping[str, float]) -> str | None:
     return max(planner, key=lambda n: planner[n]) if planner else None
 
 
+ROOFLINE = ("gemm", "attention", "memory")
+
+
 def pair(
     ideal: Mapping[OpClass, float],
     measured: Mapping[str, float],
     shapes: Mapping[OpClass, ClassShape] | None = None,
+    roofline: bool = False,
 ) -> list[Measurement]:
     """Measurements of one model-stage: the planner's ideal seconds of each class against the
     truth's measured seconds of that class (classes only the truth has folded in), each with its
-    class's shape where ``shapes`` has it (else size unknown)."""
+    class's shape where ``shapes`` has it (else size unknown).
+
+    ``roofline`` (generation): decode is the larger of its HBM reads and its matmuls, and the
+    model and the hardware may disagree on which side a step lands, so their split of compute and
+    memory seconds is not comparable class by class (the truth's decode matmuls against a GEMM
+    ideal that holds prefill alone). The compute and memory classes are then paired as one: all
+    their measured seconds against all their ideal seconds, in the planner's largest of them."""
     planner = {op.value: t for op, t in ideal.items() if t > 0}
+    mine = [n for n in ROOFLINE if n in planner] if roofline else []
+    if mine:
+        top = max(mine, key=lambda n: planner[n])
+        joined = sum(planner[n] for n in mine)
+        planner = {n: t for n, t in planner.items() if n not in mine}
+        planner[top] = joined
+        roof = sum(t for n, t in measured.items() if n in ROOFLINE)
+        measured = {n: t for n, t in measured.items() if n not in ROOFLINE}
+        measured[top] = measured.get(top, 0.0) + roof
     folded: dict[str, float] = {}
     for name, t in measured.items():
         target = name if name in planner else _closest(name, planner)
