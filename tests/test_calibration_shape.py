@@ -223,3 +223,20 @@ def test_values_are_validated() -> None:
     with pytest.raises(ValueError, match="at least two knots"):
         ShapeCurve((1.0,), (0.0,))
     assert PRIOR_EFFICIENCY[OpClass.GEMM] == Efficiencies().at(OpClass.GEMM, 1e9)
+
+
+def test_memory_bound_reads_eta_by_bytes_and_pipeline_stages() -> None:
+    from nereus.plan.cost import memory_bound
+
+    c = load_cluster("a100-64gb-hdr100")
+    curve = ShapeCurve(
+        (math.log(1e8), math.log(1e10)), (math.log(0.2), math.log(0.8)), -1.0, (0.0, math.log(4.0))
+    )
+    links = Links(c, Efficiencies(curves={OpClass.MEMORY: curve}))
+    hbm = c.hbm_bandwidth_gbs * 1e9
+    assert float(memory_bound(links, 1e10).total) == pytest.approx(1e10 / (0.8 * hbm))
+    assert float(memory_bound(links, 1e8).total) == pytest.approx(1e8 / (0.2 * hbm))
+    # a decode step cycling through 4 pipeline stages: η / 4 under a slope of −1 in ln stages
+    assert float(memory_bound(links, 1e10, stages=4.0).total) == pytest.approx(4e10 / (0.8 * hbm))
+    plain = Links(c, Efficiencies())
+    assert float(memory_bound(plain, 1e10).total) == 1e10 / plain.copy_rate
