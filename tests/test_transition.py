@@ -421,5 +421,9 @@ def test_transition_json_reports_the_planning_time(
     assert main(["transition", "--from", str(paths[0]), "--to", str(paths[1]), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert isinstance(doc["plan_ms"], float) and 0 < doc["plan_ms"] < 60_000
+    # and what admission pays: too few units for replica classes here, so the same per-unit plan
+    assert 0 < doc["price_ms"] < 60_000 and doc["price_path"] == "per-unit"
+    assert doc["price_l_tran_s"] == doc["l_tran_s"]
     assert main(["transition", "--from", str(paths[0]), "--to", str(paths[1])]) == 0
-    assert "planned in" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "planned in" in out and "priced in" in out

@@ -4,7 +4,9 @@ Plans are what ``nereus plan --json`` prints; their ``problem`` section names th
 and cluster, so the transition is priced with the same models the planner used. Bad input (plans
 for different models or clusters, GPU ids beyond the pool, concurrent model-stages sharing GPUs)
 exits 2; a target that cannot be reached in place exits 3 with the reason. ``--json`` reports
-``plan_ms``, the wall time of planning the transition (moves, DAG, schedule) inside the command.
+``plan_ms``, the wall time of planning the transition (moves, DAG, schedule) inside the command,
+and ``price_ms``, the wall time of pricing it as admission does (``price_transition``: on replica
+classes where that applies, ``price_path``), with the priced L_tran ``price_l_tran_s``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from nereus.spec.cluster import GIB
 from nereus.spec.files import brief, load_json, shorten
 from nereus.spec.schema import build
 from nereus.spec.workload import MAX_TOKENS, ExecutionMode, Recompute
-from nereus.transition.between import NoSourceError, Transition, plan_transition
+from nereus.transition.between import NoSourceError, Transition, plan_transition, price_transition
 
 # what must agree between the two plans (the pool, lengths and headroom may differ)
 SAME = ("model", "algo", "cluster", "mode")
@@ -245,7 +247,11 @@ def run(
     plan_ms = (time.perf_counter() - started) * 1e3
     if not tr.feasible:
         raise InfeasibleError(f"target is not reachable in place: {tr.dag.reason}")
+    started = time.perf_counter()
+    priced = price_transition(problem, current, target, lost)
+    price_ms = (time.perf_counter() - started) * 1e3
     doc = transition_json(tr, plan_ms)
+    doc.update({"price_ms": price_ms, "price_path": priced.path, "price_l_tran_s": priced.l_tran_s})
     if args.json:
         print(json.dumps(doc))
         return 0
@@ -300,4 +306,10 @@ def _print(tr: Transition, doc: dict[str, Any], out: Console) -> None:
         f"{len(dag.nodes)} nodes, {len(dag.edges)} edges ({dag.resource_edges} resource, ʳ) · "
         f"{tr.moved_bytes / GIB:.2f} GiB moved · peak {doc['peak_gib']:.2f} GiB per GPU"
         + (f" · planned in {doc['plan_ms']:.2f} ms" if "plan_ms" in doc else "")
+        + (
+            f" · priced in {doc['price_ms']:.2f} ms"
+            f" ({doc['price_path']}, L_tran {doc['price_l_tran_s']:.3f} s)"
+            if "price_ms" in doc
+            else ""
+        )
     )
