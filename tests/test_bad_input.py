@@ -263,7 +263,7 @@ ENTRY = '{"window": 8, "samples": %s, "memory": %s}'
     ("text", "line"),
     [
         ("{", "line 1: not valid JSON (Expecting property name enclosed in double quotes)"),
-        ('{"format": 2, "clusters": {}}', "key 'format': expected 1"),
+        ('{"format": 3, "clusters": {}}', "key 'format': expected 1 or 2 (this Nereus reads both), got 3"),
         ('{"format": 1, "clusters": []}', "key 'clusters': expected a mapping"),
         (
             '{"format": 1, "clusters": {"h200-ib": {}}}',
@@ -271,7 +271,8 @@ ENTRY = '{"window": 8, "samples": %s, "memory": %s}'
         ),
         (
             CAL % "[1]",
-            "key 'clusters.local-cpu': malformed calibration (expected a mapping of window, samples, memory)",
+            "key 'clusters.local-cpu': malformed calibration "
+            "(expected a mapping of window, samples, memory[, shaped])",
         ),
         (
             CAL % '{"window": 1e20, "samples": {}, "memory": {}}',
@@ -289,6 +290,11 @@ ENTRY = '{"window": 8, "samples": %s, "memory": %s}'
         (
             CAL % (ENTRY % ('{"tpu": []}', "{}")),
             f"key 'clusters.local-cpu.samples.tpu': malformed calibration (allowed: {OPS})",
+        ),
+        (
+            CAL % '{"window": 8, "samples": {}, "memory": {}, "shaped": {"gemm": [[1, 2, 3]]}}',
+            "key 'clusters.local-cpu.shaped.gemm': expected a list of [ideal_s, measured_s, size, group] "
+            "lists (numbers in [1e-12, 1e+12])",
         ),
         (
             CAL % (ENTRY % ("{}", '{"train": [-1]}')),
