@@ -11,7 +11,9 @@ Methods, measured side by side in the same processes (alternating, median of rep
 
 * ``nereus``: the transition DAG run by ``nereus.transition.execute.Executor``;
 * ``raw``: the very messages nereus sent (same pairs, same sizes, node by node), as bare
-  ``batch_isend_irecv`` without planning or packing: the wire's speed for these bytes;
+  ``batch_isend_irecv`` without planning or packing: the wire's speed for these bytes. It sends
+  from byte tensors written before the clock starts (nereus sends from its state's buffers) and
+  receives into fresh ones (nereus receives into its new state's);
 * with ``--compare-packed``, also ``packed``: the executor with ``zero_copy=False`` (every piece
   packed into one message per provider, as before issue 21), and ``raw_packed``: its messages bare;
 * ``dcp``: the checkpoint boundary (MCP/UCP-style): ``torch.distributed.checkpoint`` save under
@@ -20,6 +22,13 @@ Methods, measured side by side in the same processes (alternating, median of rep
   rendezvous, load), timed from launch to the last rank loaded;
 * ``naive``: gather every shard to rank 0, then broadcast the full state to every rank of the
   target, which slices its shard (how OpenRLHF-style systems move weights).
+
+Every process uses the CPU threads the runtime gives a worker (``devices.node_threads``: the
+node's CPUs shared among its workers; 1 on two cores with 4 or 8 processes). Two intra-op threads
+per process on two cores made every copy only nereus does (a local slice, a staged chunk) wait on
+OpenMP threads without a core: 1.8–2.0× raw on the reshards, 1.0–1.3× once sized as a worker.
+Besides wall seconds, each method's CPU seconds (all ranks, all threads) are kept for nereus and
+raw: ``raw_cpu_ratio`` is the less noisy comparison on shared cores.
 
 Bytes: what nereus sent against the geometry's minimum (the DAG's bytes). Targets (issue 5):
 nereus ≤ 1.3× raw, ≥ 4× faster than dcp, ≥ 10× faster than restart, bytes ≤ 1.05× minimum.
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -42,6 +52,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from common import RESULTS, write
 
+from nereus.devices import node_threads
 from nereus.plan.calibration import Efficiencies
 from nereus.plan.layout import Layout
 from nereus.spec import load_cluster, load_model
@@ -99,21 +110,40 @@ def _initial(move: StageMove, rank: int) -> StateHolder:
     return holder
 
 
-def _timed(fn: Any) -> float:
+CPU: dict[str, list[float]] = {}  # this rank's CPU seconds (all its threads) per timed method
+
+
+def _timed(fn: Any, cpu: str = "") -> float:
+    """Wall seconds of ``fn`` on every rank (barriers around it); with ``cpu``, this rank's CPU
+    seconds are kept under that name too (less noisy than wall time on shared cores)."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
+    c1 = time.process_time()
     dist.barrier()
+    if cpu:
+        CPU.setdefault(cpu, []).append(c1 - c0)
     return time.perf_counter() - t0
 
 
-def _raw(messages: list[tuple[int, int, int, int]], rank: int) -> None:
-    """Replay the messages nereus sent, node by node, as bare sends and receives."""
+def _raw_sends(messages: list[tuple[int, int, int, int]], rank: int) -> dict[int, torch.Tensor]:
+    """This rank's outgoing messages as byte tensors that exist (written once) before the clock
+    starts: a collective sends tensors it already holds, as nereus sends its state's buffers.
+    (Fresh ``torch.empty`` pages would cost raw a zero-page fault per 4 KiB that no real sender
+    pays: ~0.2 s/GB here, which made nereus look faster than the wire on an extend.)"""
+    return {i: torch.ones(m[3], dtype=torch.uint8) for i, m in enumerate(messages) if m[1] == rank}
+
+
+def _raw(messages: list[tuple[int, int, int, int]], rank: int, sends: dict[int, torch.Tensor]) -> None:
+    """Replay the messages nereus sent, node by node, as bare sends and receives: the same pairs,
+    sizes and grouping; received into fresh buffers, as nereus receives into its new state's."""
     for node in sorted({m[0] for m in messages}):
         ops = []
-        for _, src, dst, n in (m for m in messages if m[0] == node):
+        for i, (at, src, dst, n) in enumerate(messages):
+            if at != node:
+                continue
             if src == rank:
-                ops.append(dist.P2POp(dist.isend, torch.empty(n, dtype=torch.uint8), dst, tag=node))
+                ops.append(dist.P2POp(dist.isend, sends[i], dst, tag=node))
             elif dst == rank:
                 ops.append(dist.P2POp(dist.irecv, torch.empty(n, dtype=torch.uint8), src, tag=node))
         for w in dist.batch_isend_irecv(ops) if ops else []:
@@ -194,6 +224,7 @@ def _worker(
     rank: int, world: int, sc: dict[str, Any], model: str, repeats: int, store: str, out: str,
     packed: bool = False,
 ) -> None:  # fmt: skip
+    torch.set_num_threads(node_threads(os.environ, world))  # as the runtime sizes a worker
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     move = _move(sc, model)
     dag = build_dag([move], {STAGE: 2}, LinkModel(load_cluster("local-cpu"), Efficiencies()), 2**42)
@@ -206,18 +237,22 @@ def _worker(
     for r in range(repeats):
         holder = _initial(move, rank)
         ex = Executor(dag, [move], holder, {g: g for g in range(world)})
-        times["nereus"].append(_timed(lambda ex=ex: ex.run()))
+        times["nereus"].append(_timed(lambda ex=ex: ex.run(), "nereus"))
         sent, messages = ex.sent, ex.messages
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, messages)
         all_messages = [m for ms in gathered for m in ms]
-        times["raw"].append(_timed(lambda msgs=all_messages: _raw(msgs, rank)))
+        sends = _raw_sends(all_messages, rank)
+        times["raw"].append(_timed(lambda msgs=all_messages, b=sends: _raw(msgs, rank, b), "raw"))
+        del sends
         if packed:  # the packed path and its own messages, alternating with the zero-copy one
             ex = Executor(dag, [move], _initial(move, rank), {g: g for g in range(world)}, zero_copy=False)
             times["packed"].append(_timed(lambda ex=ex: ex.run()))
             dist.all_gather_object(gathered, ex.messages)
             msgs_packed = [m for ms in gathered for m in ms]
-            times["raw_packed"].append(_timed(lambda msgs=msgs_packed: _raw(msgs, rank)))
+            sends = _raw_sends(msgs_packed, rank)
+            times["raw_packed"].append(_timed(lambda msgs=msgs_packed, b=sends: _raw(msgs, rank, b)))
+            del sends
         holder = _initial(move, rank)
         times["naive"].append(_timed(lambda h=holder: _naive(move, h, rank)))
         save, load = _dcp(move, _initial(move, rank), rank, world, f"{ckpt}{r}")
@@ -225,9 +260,12 @@ def _worker(
         times["dcp_load"].append(load)
     total_sent = [0] * world
     dist.all_gather_object(total_sent, sent)
+    cpu: list[Any] = [None] * world
+    dist.all_gather_object(cpu, CPU)
     if rank == 0:
         doc = {
             "times": times,
+            "cpu": {k: [sum(c[k][i] for c in cpu) for i in range(repeats)] for k in CPU},
             "sent_bytes": sum(total_sent),
             "minimum_bytes": sum(n.bytes for n in dag.nodes),
             "nodes": [n.describe() for n in dag.nodes],
@@ -243,6 +281,7 @@ def _worker(
 def _restart_worker(
     rank: int, world: int, sc: dict[str, Any], model: str, store: str, ckpt: str, out: str
 ) -> None:
+    torch.set_num_threads(node_threads(os.environ, world))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     move = _move(sc, model)
     _load(move, rank, ckpt)
@@ -283,6 +322,8 @@ def run_scenario(sc: dict[str, Any], model: str, repeats: int, packed: bool = Fa
         "minimum_bytes": doc["minimum_bytes"],
         "bytes_ratio": doc["sent_bytes"] / doc["minimum_bytes"] if doc["minimum_bytes"] else None,
         "raw_ratio": med["nereus"] / med["raw"],
+        "cpu_seconds": {k: statistics.median(v) for k, v in doc["cpu"].items()},  # all ranks together
+        "raw_cpu_ratio": statistics.median(doc["cpu"]["nereus"]) / statistics.median(doc["cpu"]["raw"]),
         "dcp_speedup": med["dcp"] / med["nereus"],
         "restart_speedup": med["restart"] / med["nereus"],
         "naive_speedup": med["naive"] / med["nereus"],
@@ -339,7 +380,8 @@ def main() -> None:
             )
         print(
             f"{row['scenario']:<22} nereus {s['nereus']:.2f}s  raw {s['raw']:.2f}s  naive {s['naive']:.2f}s  "
-            f"dcp {s['dcp']:.2f}s  restart {s['restart']:.2f}s  | ×raw {row['raw_ratio']:.2f}  "
+            f"dcp {s['dcp']:.2f}s  restart {s['restart']:.2f}s  | ×raw {row['raw_ratio']:.2f} "
+            f"(cpu {row['raw_cpu_ratio']:.2f})  "
             f"dcp/nereus {row['dcp_speedup']:.1f}  restart/nereus {row['restart_speedup']:.1f}  "
             f"bytes/min {row['bytes_ratio']:.3f}",
             flush=True,
@@ -348,6 +390,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     summary = {
         "raw_ratio_max": max(r["raw_ratio"] for r in rows),
+        "raw_cpu_ratio_max": max(r["raw_cpu_ratio"] for r in rows),
         "dcp_speedup_min": min(r["dcp_speedup"] for r in rows),
         "restart_speedup_min": min(r["restart_speedup"] for r in rows),
         "bytes_ratio_max": max(r["bytes_ratio"] for r in rows),
@@ -363,6 +406,9 @@ def main() -> None:
         "model": model,
         "repeats": repeats,
         "mode": "quick" if args.quick else "full",
+        "threads_per_process": {
+            sc["name"]: node_threads(os.environ, sc["world"]) for sc in scenarios(args.quick)
+        },
     }
     write("transition_cost", TARGETS, rows, extra, args.out)
     plot(rows, args.out)

@@ -189,21 +189,52 @@ def _reshard_move(world: int, model: str) -> StageMove:
     return StageMove.between("actor.train", load_model(model), policy, a, gpus, b, gpus)
 
 
-def _bare(messages: list[tuple[int, int, int, int]], rank: int, device: torch.device) -> None:
-    """The same messages, node by node, as bare sends and receives of fresh byte tensors."""
+def _bare(
+    messages: list[tuple[int, int, int, int]], rank: int, device: torch.device, sends: dict[int, torch.Tensor]
+) -> None:
+    """The same messages, node by node, as bare sends and receives: sent from tensors that exist
+    (``sends``, by index in ``messages``), received into fresh ones."""
     for node in sorted({m[0] for m in messages}):
         ops = [
             dist.P2POp(
                 dist.isend if src == rank else dist.irecv,
-                torch.empty(n, dtype=torch.uint8, device=device),
+                sends[i] if src == rank else torch.empty(n, dtype=torch.uint8, device=device),
                 dst if src == rank else src,
                 tag=node,
             )
-            for _, src, dst, n in (m for m in messages if m[0] == node)
-            if rank in (src, dst)
+            for i, (at, src, dst, n) in enumerate(messages)
+            if at == node and rank in (src, dst)
         ]
         for w in dist.batch_isend_irecv(ops) if ops else []:
             w.wait()
+
+
+def _sends(
+    messages: list[tuple[int, int, int, int]], rank: int, device: torch.device
+) -> dict[int, torch.Tensor]:
+    return {
+        i: torch.ones(m[3], dtype=torch.uint8, device=device) for i, m in enumerate(messages) if m[1] == rank
+    }
+
+
+def _pairs(messages: list[tuple[int, int, int, int]]) -> dict[tuple[int, int], int]:
+    """Bytes per (from rank, to rank): the reshard's traffic matrix."""
+    out: dict[tuple[int, int], int] = {}
+    for _, src, dst, n in messages:
+        out[src, dst] = out.get((src, dst), 0) + n
+    return out
+
+
+def _bus(pairs: dict[tuple[int, int], int], rank: int, bufs: dict[tuple[int, int], torch.Tensor]) -> None:
+    """The bus's speed for the reshard's traffic: one message per pair, the same bytes, into and
+    out of buffers allocated beforehand (``bufs``): what NCCL's point-to-point bandwidth allows."""
+    ops = [
+        dist.P2POp(dist.isend if src == rank else dist.irecv, bufs[src, dst], dst if src == rank else src)
+        for src, dst in pairs
+        if rank in (src, dst)
+    ]
+    for w in dist.batch_isend_irecv(ops) if ops else []:
+        w.wait()
 
 
 def _reshard_worker(rank: int, world: int, backend: str, model: str, repeats: int, tmp: str) -> None:
@@ -237,7 +268,7 @@ def _reshard_worker(rank: int, world: int, backend: str, model: str, repeats: in
             dist.barrier()
             return time.perf_counter() - t0, out
 
-        times: dict[str, list[float]] = {"nereus": [], "waves": [], "raw": [], "packed": []}
+        times: dict[str, list[float]] = {"nereus": [], "waves": [], "raw": [], "packed": [], "bus": []}
         for r in range(repeats + 1):  # the first round warms up (communicators, staging)
             zc = Executor(dag, [move], start(), {g: g for g in range(world)})
             run_s, _ = timed(zc.run)
@@ -245,7 +276,17 @@ def _reshard_worker(rank: int, world: int, backend: str, model: str, repeats: in
             gathered: list[object] = [None] * world
             dist.all_gather_object(gathered, zc.messages)
             messages = [m for ms in gathered for m in ms]  # type: ignore[attr-defined]
-            raw_s, _ = timed(lambda msgs=messages: _bare(msgs, rank, device))
+            sends = _sends(messages, rank, device)
+            raw_s, _ = timed(lambda msgs=messages, b=sends: _bare(msgs, rank, device, b))
+            del sends
+            pairs = _pairs(messages)
+            bufs = {
+                (a, b): torch.ones(n, dtype=torch.uint8, device=device)
+                for (a, b), n in pairs.items()
+                if rank in (a, b)
+            }
+            bus_s, _ = timed(lambda p=pairs, b=bufs: _bus(p, rank, b))
+            del bufs
             packed = Executor(dag, [move], start(), {g: g for g in range(world)}, zero_copy=False)
             packed_s, _ = timed(packed.run)
             want = packed.holder.by_stage()["actor.train"]
@@ -259,6 +300,7 @@ def _reshard_worker(rank: int, world: int, backend: str, model: str, repeats: in
                 times["waves"].append(float(waves.item()))
                 times["raw"].append(raw_s)
                 times["packed"].append(packed_s)
+                times["bus"].append(bus_s)
         if rank == 0:
             med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
             doc = {"seconds": med, "bytes": sum(m[3] for m in messages), "messages": len(messages)}
@@ -273,7 +315,9 @@ def check_reshard_against_raw(
     """Spawn ``world`` ranks (one GPU each under NCCL) that reshard one trainer replica of ``model``
     (fp32 Adam) zero-copy, check it against the packed path byte for byte, and time it against its
     messages sent bare. Returns the medians and ``ratio``: the waves' time (the transition less
-    its process group's setup) over the bare messages'; ``bus_gbps``: bytes over the waves' time."""
+    its process group's setup) over the bare messages'; ``bus_gbps``: bytes over the waves' time;
+    ``bus_fraction``: that against ``bus_ref_gbps``, the same bytes between the same pairs as one
+    preallocated message per pair (the backend's point-to-point bandwidth for this traffic)."""
     mp.spawn(_reshard_worker, args=(world, backend, model, repeats, str(tmp)), nprocs=world, join=True)
     doc = json.loads((tmp / "result.json").read_text())
     s = doc["seconds"]
@@ -281,4 +325,6 @@ def check_reshard_against_raw(
     doc["run_ratio"] = s["nereus"] / s["raw"]
     doc["packed_ratio"] = s["packed"] / s["raw"]
     doc["bus_gbps"] = doc["bytes"] / s["waves"] / 1e9
+    doc["bus_ref_gbps"] = doc["bytes"] / s["bus"] / 1e9
+    doc["bus_fraction"] = s["bus"] / s["waves"]
     return doc

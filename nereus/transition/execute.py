@@ -5,7 +5,8 @@ same DAG in the same waves (nodes grouped by depth, so a wave depends only on ea
 takes part in the nodes that touch its GPU: it posts the sends and receives its ``RankPart``
 names — a wave's messages, across all its nodes, go out together (``batch_isend_irecv``), so the
 rank pairs of an Extend, the members of a Split group and every ready primitive run concurrently
-— copies what it already holds, installs the units it assembled and frees what the node consumed.
+— copies what it already holds while those messages travel, installs the units it assembled and
+frees what the node consumed.
 A Destroy drops its unit; a restore from storage reads the rank through ``storage``. Ranks walk
 the waves in one order and a wave only waits on its own participants, so the walk cannot
 deadlock; memory follows the DAG's ledger, which holds for every execution that respects its edges.
@@ -23,6 +24,7 @@ naming the node and the rank instead of a hang.
 from __future__ import annotations
 
 import datetime
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -105,6 +107,7 @@ class Executor:
         self.messages: list[tuple[int, int, int, int]] = []  # (node, from rank, to rank, bytes) sent
         self.node_seconds: dict[int, float] = {}  # wall time of each node this rank took part in
         self.wave_seconds: list[float] = []  # wall time of each wave this rank took part in
+        self._copies: list[Finish] = []  # a wave's local copies, run while its messages travel
 
     # -------------------------------------------------------------- bookkeeping
     def _adopt(self) -> None:
@@ -164,15 +167,20 @@ class Executor:
         try:
             ops: list[dist.P2POp] = []
             finishes = []
+            self._copies.clear()
             if self.zero_copy:
                 self.staging.prepare(self._staging_need(mine))
             for node in mine:
                 if on_node:
                     on_node(node, "start")
                 finishes.append(self._node(node, group, ops))
-            if ops:  # every ready node's messages at once: they run concurrently
-                for work in dist.batch_isend_irecv(ops):
-                    work.wait()
+            # every ready node's messages at once: they run concurrently, and with the copies of
+            # what this rank already holds (disjoint regions of the new buffers)
+            works = dist.batch_isend_irecv(ops) if ops else []
+            for copy in self._copies:
+                copy()
+            for work in works:
+                work.wait()
             for finish in finishes:
                 finish()
         except Exception as exc:  # a dead peer, a timeout, a bad buffer
@@ -298,9 +306,9 @@ class Executor:
         headers: list[torch.Tensor] = []
         staged: list[tuple[Chunk, torch.Tensor, torch.Tensor]] = []  # (chunk, region, buffer)
         for x in r.transfers:
-            if x.carry is Carry.LOCAL:  # resident: a local copy, nothing sent
+            if x.carry is Carry.LOCAL:  # resident: a local copy once the messages are posted
                 held = self.holder.units[x.src_unit]
-                copy_local(x.pieces, held.buffers, new.buffers, kinds)
+                self._copies.append(functools.partial(copy_local, x.pieces, held.buffers, new.buffers, kinds))
                 states.append(held.state)
                 continue
             peer = self.rank_of_gpu[x.src]

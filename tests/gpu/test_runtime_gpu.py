@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -78,13 +79,31 @@ def test_a_short_run_on_the_gpus(tmp_path: Path) -> None:
     assert len(rows) == 3
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank: needs 2 GPUs")
-@pytest.mark.timeout(600)
-def test_a_zero_copy_reshard_runs_at_the_wires_speed(tmp_path: Path) -> None:
-    """Issue 21: a reshard of a ~125M-parameter trainer (fp32 Adam, 1.4 GiB) over NCCL, byte for
-    byte the packed path's state, within 1.3× of the same messages sent bare (its process group's
-    setup left out: every transition makes a fresh one)."""
+BUS_FRACTION = 0.5  # the reshard's bytes per second against one bare message per GPU pair
+
+
+@pytest.fixture(scope="module")
+def reshard(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A zero-copy reshard of a ~125M-parameter trainer (fp32 Adam, 1.4 GiB) over NCCL, timed
+    against its messages sent bare and against the bus (run once for the tests below)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs a GPU per rank: needs 2 GPUs")
     world = 4 if torch.cuda.device_count() >= 4 else 2
-    got = checks.check_reshard_against_raw("nccl", tmp_path, world, "llama-125m", repeats=3)
+    got = checks.check_reshard_against_raw("nccl", tmp_path_factory.mktemp("reshard"), world, "llama-125m", 3)
     print(f"reshard on {world} GPUs: {got}")
-    assert got["ratio"] <= 1.3, got
+    return got
+
+
+@pytest.mark.timeout(600)
+def test_a_zero_copy_reshard_runs_at_the_wires_speed(reshard: dict[str, Any]) -> None:
+    """Issue 21: byte for byte the packed path's state, within 1.3× of the same messages sent bare
+    (its process group's setup left out: every transition makes a fresh one)."""
+    assert reshard["ratio"] <= 1.3, reshard
+
+
+@pytest.mark.timeout(600)
+def test_a_zero_copy_reshard_reaches_the_nccl_bus_bandwidth(reshard: dict[str, Any]) -> None:
+    """Issue 21: the reshard's waves move its bytes at ≥ BUS_FRACTION of NCCL's point-to-point
+    bandwidth for the same traffic (the same bytes between the same GPU pairs as one preallocated
+    message per pair): what its many chunk messages and staging copies may cost on a GPU."""
+    assert reshard["bus_fraction"] >= BUS_FRACTION, reshard
