@@ -272,7 +272,7 @@ def run(data: Path, limit: int | None, pow2: bool = False) -> dict[str, Any]:
             "fitted_eta": {op.value: v for op, v in (fit.eta.items() if fit else ())},
             "store_eta": {op.value: eff[op] for op in OpClass if store.sample_count(op)},
             "shape_curves": {
-                op.value: {"ln_size_knots": c.knots, "ln_eta": c.values, "group_slope": c.group_slope}
+                op.value: {"ln_size_knots": c.knots, "ln_eta": c.values, "groups": c.groups}
                 for op, c in eff_shape.curves.items()
             },
             "eff": eff,

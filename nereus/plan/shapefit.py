@@ -5,19 +5,23 @@ collective's bus bandwidth grows with its message and with how many of its ranks
 (a hierarchical collective moves only 1/g of the bytes over each GPU's NIC, where the planner's
 ring prices all of them). So a class's measurements carry the size of the work they timed
 (``Measurement.size``: forward GEMM FLOPs of one layer on one GPU, attention FLOPs likewise, a
-collective's bytes per rank) and, for all-reduce and all-gather, its ranks per node
-(``Measurement.group``), and the store fits
+collective's bytes per rank, a memory-bound pass's bytes) and, for all-reduce, all-gather and
+memory-bound work, a group (``Measurement.group``: ranks per node; the pipeline stages a decode
+step cycles through), and the store fits
 
-    ln η(size, group) = f(ln size) + c · ln group,
+    ln η(size) = f(ln size)                  over all samples of the class, and
+    ln η(size, group) = f_g(ln size)         over the samples of each group bucket g,
 
-with f piecewise linear in ln size on knots half a decade apart over the sizes measured (a
-penalised regression spline: hat-function basis, a second-difference penalty so that knots with
-few samples follow their neighbours, a weak pull to the class-wide η), c a least-squares slope
-(0 when one group size was measured), fitted to ln(ideal/measured) with robust rejection (3
-scaled MADs of the residual, at least 10%, re-judged against each refit). The form is ours, not
+bucket g = round(log2 group). Each f is piecewise linear in ln size on knots half a decade apart
+over the sizes measured (a penalised regression spline: hat-function basis, a second-difference
+penalty so that knots with few samples follow their neighbours, a weak pull to the class-wide
+η), fitted to ln(ideal/measured) with robust rejection (3 scaled MADs of the residual, at least
+10%, re-judged against each refit); a bucket measured at one size only is a level. A row takes
+its bucket's curve, else the pooled one. (A slope in ln group shared across sizes was tried
+first: groups and sizes vary together — deeper pipelines hold fewer bytes per stage — and the
+slope extrapolated to η in the hundreds at combinations never measured.) The form is ours, not
 the truth's (``nereus.sim.truth`` uses saturating Hill and occupancy curves); outside the
-measured sizes and groups the curve is held at its end values; a row of unknown size takes the
-class-wide η.
+measured sizes a curve holds its end values; a row of unknown size takes the class-wide η.
 
 η here is achieved over the planner's own ideal (its ring at the link's per-GPU peak), so it may
 exceed 1 where the hardware beats that ideal (hierarchical all-reduce over nodes); it is kept in
@@ -26,11 +30,13 @@ exceed 1 where the hardware beats that ideal (hierarchical all-reduce over nodes
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from nereus.plan.replica import FloatArray
 
@@ -45,36 +51,52 @@ MAD_SCALE = 1.4826
 REJECT_ROUNDS = 3  # a straggler drags its neighbours' residuals: re-admit them against the refit
 
 
+Profile = tuple[tuple[float, ...], tuple[float, ...]]  # knots (ln size), ln η at each knot
+
+
+def _check(knots: tuple[float, ...], values: tuple[float, ...]) -> None:
+    if len(knots) < 2 or len(knots) != len(values):
+        raise ValueError("a shape curve needs at least two knots and one value per knot")
+    if any(b <= a for a, b in itertools.pairwise(knots)):
+        raise ValueError("shape-curve knots must increase")
+    if not all(math.isfinite(v) for v in (*knots, *values)):
+        raise ValueError("shape-curve parameters must be finite")
+
+
+def bucket(group: FloatArray | float) -> npt.NDArray[np.int64]:
+    """A group's bucket: log2 of its ranks per node (pipeline stages), rounded (a sample whose
+    class mixed groups carries their geometric mean)."""
+    g = np.maximum(np.asarray(group, dtype=np.float64), 1e-12)
+    result: npt.NDArray[np.int64] = np.rint(np.log2(g)).astype(np.int64)
+    return result
+
+
 @dataclass(frozen=True, slots=True)
 class ShapeCurve:
-    """η of one op class by size (and group): knots in ln size, ln η at each knot, and the slope
-    of ln η in ln group over the measured group range."""
+    """η of one op class by size: knots in ln size and ln η at each knot, over all samples; and,
+    per group bucket measured (``bucket``), a curve of that bucket's own samples, which prices the
+    rows of that bucket (a bucket never measured takes the pooled curve)."""
 
     knots: tuple[float, ...]
     values: tuple[float, ...]
-    group_slope: float = 0.0
-    group_range: tuple[float, float] = (0.0, 0.0)  # ln group, measured min and max
+    groups: tuple[int, ...] = ()
+    group_curves: tuple[Profile, ...] = ()
 
     def __post_init__(self) -> None:
-        if len(self.knots) < 2 or len(self.knots) != len(self.values):
-            raise ValueError("a shape curve needs at least two knots and one value per knot")
-        if any(b <= a for a, b in zip(self.knots, self.knots[1:], strict=False)):
-            raise ValueError("shape-curve knots must increase")
-        if not all(
-            math.isfinite(v) for v in (*self.knots, *self.values, self.group_slope, *self.group_range)
-        ):
-            raise ValueError("shape-curve parameters must be finite")
-        if self.group_range[1] < self.group_range[0]:
-            raise ValueError("shape-curve group range must be ordered")
+        _check(self.knots, self.values)
+        if len(self.groups) != len(self.group_curves) or len(set(self.groups)) != len(self.groups):
+            raise ValueError("a shape curve needs one curve per distinct group bucket")
+        for knots, values in self.group_curves:
+            _check(knots, values)
 
     def eta(self, size: FloatArray | float, group: FloatArray | float | None = None) -> FloatArray:
         """η at each row's size (and group); ``size`` ≤ 0 rows are the caller's to replace."""
         u = np.log(np.maximum(np.asarray(size, dtype=np.float64), 1e-300))
         y = np.interp(u, self.knots, self.values)
-        if self.group_slope and group is not None:
-            lo, hi = self.group_range
-            v = np.clip(np.log(np.maximum(np.asarray(group, dtype=np.float64), 1.0)), lo, hi)
-            y = y + self.group_slope * v
+        if self.groups and group is not None:
+            b = bucket(group)
+            for g, (knots, values) in zip(self.groups, self.group_curves, strict=True):
+                y = np.where(b == g, np.interp(u, knots, values), y)
         result: FloatArray = np.clip(np.exp(y), ETA_MIN, ETA_MAX)
         return result
 
@@ -110,27 +132,20 @@ def _solve(basis: FloatArray, y: FloatArray, n_knots: int, base: float) -> Float
     return sol
 
 
-def fit_curve(samples: Sequence[tuple[float, float, float, float]], class_eta: float) -> ShapeCurve | None:
-    """The curve of one class from (ideal_s, measured_s, size, group) samples of known size, or
-    None (too few samples, or one size only): the class-wide η ``class_eta`` then prices it."""
-    rows = [(i, m, s, g) for i, m, s, g in samples if s > 0]
-    if len(rows) < MIN_SAMPLES:
+def _profile(u: FloatArray, y: FloatArray, base: float, flat_ok: bool) -> Profile | None:
+    """A penalised piecewise-linear fit of ``y`` over ``u`` with robust rejection; samples of one
+    size give a level (``flat_ok``) or nothing."""
+    if len(y) < MIN_SAMPLES:
         return None
-    arr = np.array(rows, dtype=np.float64)
-    y = np.log(arr[:, 0] / arr[:, 1])
-    u = np.log(arr[:, 2])
     lo, hi = float(u.min()), float(u.max())
     if hi - lo < MIN_SPREAD:
-        return None
+        if not flat_ok:
+            return None
+        level = float(np.median(y))
+        return ((lo - MIN_SPREAD / 2, hi + MIN_SPREAD / 2), (level, level))
     count = max(2, math.ceil((hi - lo) / KNOT_SPACING) + 1)
     knots = np.linspace(lo, hi, count)
-    grouped = arr[:, 3] > 0
-    v = np.log(np.where(grouped, arr[:, 3], 1.0))
-    use_group = bool(grouped.all()) and float(v.max() - v.min()) >= MIN_SPREAD
     basis = _design(u, knots)
-    if use_group:
-        basis = np.hstack([basis, v[:, None]])
-    base = math.log(class_eta)
     keep = np.ones(len(y), dtype=bool)
     sol = _solve(basis, y, count, base)
     for _ in range(REJECT_ROUNDS):  # reject against the fit of the samples kept, then refit
@@ -142,7 +157,32 @@ def fit_curve(samples: Sequence[tuple[float, float, float, float]], class_eta: f
             break
         keep = again
         sol = _solve(basis[keep], y[keep], count, base)
-    values = tuple(float(x) for x in sol[:count])
-    slope = float(sol[count]) if use_group else 0.0
-    g_range = (float(v.min()), float(v.max())) if use_group else (0.0, 0.0)
-    return ShapeCurve(tuple(float(k) for k in knots), values, slope, g_range)
+    return tuple(float(k) for k in knots), tuple(float(x) for x in sol[:count])
+
+
+def fit_curve(samples: Sequence[tuple[float, float, float, float]], class_eta: float) -> ShapeCurve | None:
+    """The curve of one class from (ideal_s, measured_s, size, group) samples of known size, or
+    None (too few samples, or one size in one group only): the class-wide η ``class_eta`` then
+    prices it."""
+    rows = [(i, m, s, g) for i, m, s, g in samples if s > 0]
+    if len(rows) < MIN_SAMPLES:
+        return None
+    arr = np.array(rows, dtype=np.float64)
+    y = np.log(arr[:, 0] / arr[:, 1])
+    u = np.log(arr[:, 2])
+    base = math.log(class_eta)
+    grouped = arr[:, 3] > 0
+    buckets = bucket(np.where(grouped, arr[:, 3], 1.0))
+    distinct = sorted({int(b) for b in buckets[grouped]})
+    pooled = _profile(u, y, base, flat_ok=len(distinct) > 1)
+    if pooled is None:
+        return None
+    groups, curves = [], []
+    if len(distinct) > 1:
+        for g in distinct:
+            mine = grouped & (buckets == g)
+            profile = _profile(u[mine], y[mine], base, flat_ok=True)
+            if profile is not None:
+                groups.append(g)
+                curves.append(profile)
+    return ShapeCurve(pooled[0], pooled[1], tuple(groups), tuple(curves))
