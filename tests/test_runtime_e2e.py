@@ -89,6 +89,9 @@ def test_adaptive_run_equals_the_static_run(drifted_ppo_run: Path, untouched: Pa
     kinds = [t["kind"] for r in rows for t in r["transitions"]]  # type: ignore[union-attr]
     assert kinds, "the drift moved nothing"
     assert [r["gpus"] for r in rows][2:4] == [3, 3] and rows[-1]["gpus"] == 4
+    for r in rows:  # deciding a boundary's transition is its own planning, not monitoring
+        assert (r["plan_s"] > 0) == bool(r["transitions"]) and r["monitor_s"] > 0, r  # type: ignore[operator]
+    assert all(r["plan_s"] == 0 for r in metrics(still))
     assert (moved / "report.png").stat().st_size > 0
     assert any((moved / "tensorboard").iterdir())
     assert (moved / "checkpoints" / "latest").is_file()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from enum import StrEnum
 from functools import partial
 
@@ -25,17 +25,17 @@ from nereus.control.admission import (
     Decision,
     Option,
     Profit,
-    Rule,
     Verdict,
     admit,
     payback_steps,
     restart_instead,
 )
+from nereus.control.policy import POLICIES, ControllerConfig, policy_config
 from nereus.control.risk import last_copy_loss, restart_seconds
 from nereus.control.telemetry import Telemetry
 from nereus.control.transition_cost import DagEstimator, TransitionEstimator
 from nereus.control.triggers import Trigger, TriggerKind, TriggerMonitor, horizon
-from nereus.errors import ConfigError, InfeasibleError
+from nereus.errors import InfeasibleError
 from nereus.plan.cache import PlanCache
 from nereus.plan.calibration import OOM_STEP, CalibrationStore
 from nereus.plan.evaluate import price, shapes_of
@@ -47,7 +47,11 @@ from nereus.spec.domains import FailureDomains
 from nereus.spec.model import ModelSpec
 from nereus.spec.workload import Role, Stage, WorkloadSpec
 
+# the named policies live in policy.py; they are imported from here too
+__all__ = ["POLICIES", "Controller", "ControllerConfig", "Planner", "State", "policy_config"]
+
 Planner = Callable[[PlanningProblem], SearchResult]
+KEPT_CHECKS = 8  # memory checks ahead kept each way (fitting, over capacity): ``_over_capacity_ahead``
 OOM_MIN_STEP = 1.02  # an out-of-memory error raises the stage's memory correction at least this much
 
 
@@ -57,56 +61,6 @@ class State(StrEnum):
     TRANSITIONING = "transitioning"
     URGENT = "urgent"
     RESTART_REQUIRED = "restart-required"
-
-
-@dataclass(frozen=True, slots=True)
-class ControllerConfig:
-    rule: Rule = field(default_factory=Rule)
-    delta_len: float = 0.30  # δ_len
-    delta_eff: float = 0.25  # δ for achieved efficiency per op class
-    ema_weight: float = 0.5  # weight of the newest interval in H_x
-    fallback_tolerance: float = 0.10  # fallbacks at most this much slower than S*
-    period: int = 0  # > 0: replan every `period` steps (periodic policy)
-    # which triggers start a replan (urgent ones always do)
-    replan_on: frozenset[TriggerKind] = frozenset(TriggerKind)
-    hold_layouts: bool = False  # static policy: TP/PP fixed to the first plan's, DP follows the pool
-    restart_s: float = 120.0  # a restart's relaunch seconds (reading the checkpoint comes on top)
-
-    def __post_init__(self) -> None:
-        if self.period < 0 or self.fallback_tolerance < 0 or not self.restart_s >= 0:
-            raise ValueError("period, fallback_tolerance and restart_s must be non-negative")
-
-
-POLICIES = ("nereus", "static", "always", "periodic:K", "oracle")
-
-
-def policy_config(name: str, gamma: float = 0.5) -> ControllerConfig:
-    """The controller configuration of a named policy (``nereus``, ``static``, ``always``,
-    ``periodic:K``, ``oracle``); all share the urgent path and the planner, they differ in
-    admission. ``oracle`` replans every step and adopts the planner's best plan each time: with the
-    simulator's free transitions it is the reference for what admission could gain (a bound only
-    as far as the planner's model matches the hardware)."""
-    if name == "nereus":
-        return ControllerConfig(rule=Rule(Profit.PAYBACK, gamma))
-    if name == "always":
-        return ControllerConfig(rule=Rule(Profit.ANY_GAIN, gamma))
-    if name == "static":
-        return ControllerConfig(
-            rule=Rule(Profit.SWITCH, gamma), replan_on=frozenset({TriggerKind.POOL}), hold_layouts=True
-        )
-    if name == "oracle":
-        return ControllerConfig(rule=Rule(Profit.SWITCH, gamma), period=1)
-    if name.startswith("periodic:"):
-        try:
-            k = int(name.split(":", 1)[1])
-        except ValueError:
-            k = 0
-        if k <= 0:
-            raise ConfigError(f"policy {name!r}: periodic:K needs a positive integer K")
-        return ControllerConfig(
-            rule=Rule(Profit.SWITCH, gamma), period=k, replan_on=frozenset({TriggerKind.PERIODIC})
-        )
-    raise ConfigError(f"unknown policy {name!r} (choices: {', '.join(POLICIES)})")
 
 
 class Controller:
@@ -148,6 +102,9 @@ class Controller:
         self._last_len: float | None = None
         # a rejected, profitable-someday target: (signals that fired, payback in steps)
         self._deferred: tuple[tuple[str, ...], float] | None = None
+        # the memory checks ahead of the running plan: lengths that fit, lengths over capacity;
+        # valid while the calibration they were priced with holds (``_calibrate`` forgets them)
+        self._ahead: tuple[Plan, list[SeqStats], list[SeqStats]] | None = None
 
     # ------------------------------------------------------------------ inputs
     def problem(
@@ -157,26 +114,28 @@ class Controller:
         if self.config.hold_layouts:
             base = base.holding(self.first_layouts)
         return PlanningProblem(
-            self.workload,
-            self.models,
-            self.cluster,
-            tuple(sorted(pool)),
-            seq,
-            self.calibration.efficiencies(),
-            base,
-            self.headroom,
-            anchor=self.plan,
-            domains=self.domains,
-        )
+            self.workload, self.models, self.cluster, tuple(sorted(pool)), seq,
+            self.calibration.efficiencies(), base, self.headroom, anchor=self.plan, domains=self.domains,
+        )  # fmt: skip
 
     def _seq(self, t: Telemetry, ahead: float = 1.0) -> SeqStats:
-        g = self._growth**ahead
+        return self._lengths(t.seq_len_mean, t.seq_len_p95, self._growth**ahead)
+
+    def _lengths(self, seq_len_mean: float, seq_len_p95: float, g: float) -> SeqStats:
         cap = self.workload.max_response_len
-        mean = min(t.seq_len_mean * g, cap)
-        return SeqStats(self.workload.prompt_len, mean, max(mean, min(t.seq_len_p95 * g, cap)))
+        mean = min(seq_len_mean * g, cap)
+        return SeqStats(self.workload.prompt_len, mean, max(mean, min(seq_len_p95 * g, cap)))
+
+    def _grown(self, seq_len_mean: float) -> float:
+        """The growth EMA once a step with mean response length ``seq_len_mean`` is folded in."""
+        if self._last_len is not None and self._last_len > 0:
+            return 0.5 * self._growth + 0.5 * (seq_len_mean / self._last_len)
+        return self._growth
 
     def _calibrate(self, t: Telemetry) -> None:
         """Fold measured op-class times and memory peaks into calibration (paper §2.5)."""
+        if t.measurements or t.peak_memory or t.oom:  # the calibration changes
+            self._ahead = None
         self.calibration.update(t.measurements)
         if not t.peak_memory:
             return
@@ -196,9 +155,7 @@ class Controller:
         dropped the weight copies), left out of the transitions it prices."""
         if self.state in (State.TRANSITIONING, State.RESTART_REQUIRED):
             raise RuntimeError(f"observe() while {self.state.value}: report the transition or restart first")
-        if self._last_len is not None and self._last_len > 0:
-            self._growth = 0.5 * self._growth + 0.5 * (t.seq_len_mean / self._last_len)
-        self._last_len = t.seq_len_mean
+        self._growth, self._last_len = self._grown(t.seq_len_mean), t.seq_len_mean
         self._calibrate(t)
         if t.oom:  # the model under-predicted that stage's memory: correct it before replanning
             stages = {self.plan.workflow.get(t.oom_stage).stage} if t.oom_stage else set(Stage)
@@ -206,10 +163,7 @@ class Controller:
             for stage in stages:
                 self.calibration.raise_memory_floor(stage, steps.get(stage, OOM_STEP))
         plan_gpus = frozenset(g for c in self.plan.candidates for g in c.gpus)
-        violation = False
-        if plan_gpus <= frozenset(t.pool):  # the running plan at the next step's expected lengths
-            ahead = self.problem(self.plan.pool, self._seq(t))
-            violation = bool(price(ahead, shapes_of(self.plan)).over_capacity(ahead))
+        violation = plan_gpus <= frozenset(t.pool) and self._over_capacity_ahead(self._seq(t))
         fired = self.monitor.observe(t, plan_gpus, violation)
         if self.config.period and (t.step + 1) % self.config.period == 0:
             fired.append(Trigger(TriggerKind.PERIODIC, "timer", t.step, t.step, float(self.config.period)))
@@ -229,6 +183,33 @@ class Controller:
         else:
             self.state, self.pending = State.STEADY, None
         return decision
+
+    def prepare(self, seq_len_mean: float, seq_len_p95: float) -> None:
+        """Before the step's telemetry is complete (the leader gathers the other ranks' reports
+        meanwhile): price the running plan ahead at the lengths the next ``observe`` will see, so
+        that its memory check is a kept answer. Decides nothing; a calibration change in that
+        telemetry discards the answer (``_calibrate``), and ``observe`` prices again."""
+        self._over_capacity_ahead(self._lengths(seq_len_mean, seq_len_p95, self._grown(seq_len_mean)))
+
+    def _over_capacity_ahead(self, seq: SeqStats) -> bool:
+        """Whether the running plan is predicted over capacity at the next step's lengths ``seq``.
+        A plan's memory grows with the lengths (every term is non-decreasing in the mean and the
+        p95 response: ``test_monitor_overhead``), so lengths within some that fit fit too, and
+        lengths beyond some over capacity are over too: a quiet step is answered from the checks
+        kept since the plan or the calibration last changed, and prices nothing."""
+        if self._ahead is None or self._ahead[0] is not self.plan:
+            self._ahead = (self.plan, [], [])
+        _, fits, overs = self._ahead
+        if any(_within(seq, f) for f in fits):
+            return False
+        if any(_within(o, seq) for o in overs):
+            return True
+        ahead = self.problem(self.plan.pool, seq)
+        over = bool(price(ahead, shapes_of(self.plan)).over_capacity(ahead))
+        kept = overs if over else fits
+        kept.append(seq)
+        del kept[:-KEPT_CHECKS]
+        return over
 
     def _deferred_trigger(self, step: int) -> list[Trigger]:
         """Re-admit a rejected target once its signals have been stable long enough to repay it:
@@ -320,16 +301,9 @@ class Controller:
         expected = None if current is None else current + risk  # with the restart it risks
         h = horizon([f for f in fired if not f.urgent]) if not urgent else 1.0
         base = Decision(
-            t.step,
-            t.time_s,
-            tuple(fired),
-            urgent,
-            Verdict.KEEP,
-            "",
-            current,
-            horizon_steps=h,
+            t.step, t.time_s, tuple(fired), urgent, Verdict.KEEP, "", current, horizon_steps=h,
             current_risk_s=risk,
-        )
+        )  # fmt: skip
         options = self._options(problem)
         if not options:  # nothing fits without recomputation or smaller micro-batches: the plan
             # running now may use them (an urgent replan found it there), and so may its successor
@@ -448,3 +422,9 @@ class Controller:
     def _restart_s(self, plan: Plan, problem: PlanningProblem) -> float:
         state = price(problem, shapes_of(plan)).checkpoint
         return restart_seconds(plan, state, self.cluster, self.config.restart_s)
+
+
+def _within(a: SeqStats, b: SeqStats) -> bool:
+    """Lengths ``a`` no longer than ``b``, mean and p95 (the same prompts)."""
+    same = a.prompt_len == b.prompt_len
+    return same and a.response_len <= b.response_len and a.response_p95 <= b.response_p95

@@ -21,7 +21,7 @@ from nereus.devices import Devices
 from nereus.errors import InfeasibleError
 from nereus.plan.layout import Plan
 from nereus.plan.problem import PlanningProblem, SearchSpace, SeqStats
-from nereus.plan.search import search
+from nereus.plan.search import SearchResult, search
 from nereus.rl.advantages import gae, grpo_advantages, remax_advantages, token_rewards
 from nereus.rl.data import PromptDataset, Sample, collate
 from nereus.rl.hf_tokenizer import HfTokenizer
@@ -120,12 +120,16 @@ def make_worker(gpu: int, setup: JobSetup, devices: Devices, workdir: Path | Non
     return worker
 
 
-def restart_plan(setup: JobSetup, problem: PlanningProblem, max_new: int) -> Plan:
+def restart_plan(
+    setup: JobSetup, problem: PlanningProblem, max_new: int,
+    planner: Callable[[PlanningProblem], SearchResult] = search,
+) -> Plan:  # fmt: skip
     """Where a restart from the checkpoint goes: the policy's own search space (a static policy
-    keeps its layouts) if anything fits there, else anything that fits the pool."""
+    keeps its layouts) if anything fits there, else anything that fits the pool. ``planner``: the
+    search (the controller's, which reuses what its replans priced)."""
     seq = SeqStats.fixed(setup.workload.prompt_len, max_new)
     try:
-        return search(dataclasses.replace(problem, seq=seq)).plan
+        return planner(dataclasses.replace(problem, seq=seq)).plan
     except InfeasibleError:
         return initial_plan(setup, problem.pool, max_new)
 

@@ -12,23 +12,28 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
-from nereus.control.action import Action, Keep, Restart, TransitionRecord
+from nereus.control.action import Action, Keep, Move, Restart, TransitionRecord
 from nereus.control.controller import Controller, policy_config
 from nereus.control.telemetry import Telemetry
 from nereus.plan.layout import Plan
 from nereus.plan.problem import SeqStats
+from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.health import describe, unhealthy_members
 from nereus.runtime.job import JobSetup, restart_plan
-from nereus.runtime.membership import JoinRequest, Membership
+from nereus.runtime.membership import JOIN_QUEUE, JoinRequest, Membership
 from nereus.runtime.metrics import MetricsWriter, StepRecord
-from nereus.runtime.monitor import Notice, RankReport
-from nereus.runtime.pool import Change, drain_gpus, read_shrink_requests
+from nereus.runtime.monitor import Lengths, Notice, RankReport, StepResult, gather_reports
+from nereus.runtime.pool import SHRINK_GLOB, Change, drain_gpus, read_shrink_requests
+from nereus.runtime.worker import Worker
 from nereus.spec import ClusterSpec
-from nereus.telemetry import NodeInventory, reconcile
+from nereus.telemetry import NodeInventory, read_node, reconcile
 
+T = TypeVar("T")
 JOIN_WAIT_S = 120.0  # a scripted local gain: how long the leader waits for the new process
 
 
@@ -49,6 +54,36 @@ class Leader:
         )
         self.metrics = MetricsWriter(out, spec)
         self.started = time.perf_counter()  # the controller's clock
+        self.decided_s = 0.0  # seconds the latest ``action`` took (a transition's own planning)
+        self.helper = ThreadPoolExecutor(1, thread_name_prefix="nereus-leader")  # ``beside``
+        self.probe_store = m.store.clone()  # type: ignore[attr-defined]  # the helper's own connection
+        self.calm = False  # nothing can change the pool at this boundary (``calm_pool``)
+
+    def beside(self, work: Callable[[], T]) -> Future[T]:
+        """``work`` on the leader's helper thread while this one waits in a collective (gloo lets
+        go of the GIL there): the monitor's own work overlaps the wait for the other ranks. The
+        caller takes the result before it touches anything ``work`` touches."""
+        return self.helper.submit(work)
+
+    # ------------------------------------------------------------------ the monitor
+    def gather(self, worker: Worker, preempt: bool, result: StepResult) -> tuple[list[RankReport], Lengths]:
+        """Every rank's report (``gather_reports``) and the step's lengths. While this thread waits
+        for the reports, the helper measures the lengths and prices the running plan ahead at them
+        (``Controller.prepare``): the boundary's memory check, off the critical path."""
+
+        def early() -> Lengths:
+            self.calm = self.calm_pool(result.step + 1)
+            lengths = Lengths.of(result.rollouts)
+            self.controller.prepare(*lengths.seen)
+            return lengths
+
+        ready = self.beside(early)
+        try:
+            reports = gather_reports(worker, preempt)
+        finally:  # a failed gather waits for the helper too: nothing else may touch the controller
+            lengths = ready.result()
+        assert reports is not None
+        return reports, lengths
 
     # ------------------------------------------------------------------ the action
     def notice(self, step: int, reports: Sequence[RankReport], tel: Telemetry) -> tuple[Notice, float]:
@@ -59,21 +94,28 @@ class Leader:
         if any(r.preempted for r in reports) and nxt < self.spec.steps:
             return Notice(preempted=True), time.perf_counter()
         started = time.perf_counter()
-        change = self.pool_change(nxt, [r.health for r in reports]) if nxt < self.spec.steps else None
+        health = [r.health for r in reports]
+        calm, self.calm = self.calm and not any(health), False  # looked at while the reports came
+        change = self.pool_change(nxt, health) if nxt < self.spec.steps and not calm else None
         if change is not None:
             return Notice(change=change), started
         return Notice(action=self.action(tel, nxt, None)), started
 
-    def action(self, tel: Telemetry, step: int, change: Change | None) -> Action:
+    def action(self, tel: Telemetry | None, step: int, change: Change | None) -> Action:
         """The action at the boundary before ``step`` after ``change``: a drain's move, else the
         controller's action on ``tel`` (the last step's telemetry) with the clock and pool of now."""
+        assert tel is not None, "a boundary before any step"
+        started = time.perf_counter()
         reformed = change is not None and change.reforms
         tel = replace(tel, time_s=self.clock(), pool=self.m.members, reformed=reformed)
         if change is not None and change.draining:
-            return self.drain(tel, change.draining)
-        if step < self.spec.steps:
-            return self.decide(tel, self.spec.max_new_tokens_at(step))
-        return Keep()
+            action = self.drain(tel, change.draining)
+        elif step < self.spec.steps:
+            action = self.decide(tel, self.spec.max_new_tokens_at(step))
+        else:
+            action = Keep()
+        self.decided_s = time.perf_counter() - started
+        return action
 
     def decide(self, tel: Telemetry, max_new: int, rebuilt: frozenset[str] = frozenset()) -> Action:
         """The controller's action on ``tel``; a restart goes to the plan ``restart_plan`` picks."""
@@ -85,7 +127,8 @@ class Leader:
             problem = self.controller.problem(
                 tel.pool, SeqStats.fixed(self.setup.workload.prompt_len, max_new)
             )
-            return replace(action, plan=restart_plan(self.setup, problem, max_new))
+            plan = restart_plan(self.setup, problem, max_new, self.controller.planner)
+            return replace(action, plan=plan)
         return action
 
     def drain(self, tel: Telemetry, gpus: tuple[int, ...]) -> Action:
@@ -112,6 +155,17 @@ class Leader:
         return time.perf_counter() - self.started
 
     # ------------------------------------------------------------------ the pool
+    def calm_pool(self, nxt: int) -> bool:
+        """Whether nothing can change the pool at the boundary before step ``nxt``: no scripted
+        loss or gain, no join request waiting, no shrink request (health reports aside). A request
+        that arrives after this look is taken at the next boundary, as if it had come a moment
+        later."""
+        if self.spec.lost_at(nxt) or self.spec.gained_at(nxt):
+            return False
+        if int(self.probe_store.queue_len(JOIN_QUEUE)) > 0:
+            return False
+        return self.control is None or not self.control.is_dir() or not any(self.control.glob(SHRINK_GLOB))
+
     def pool_change(self, nxt: int, health: Sequence[str] = ()) -> Change | None:
         """Who is in the generation from step ``nxt``: scripted losses, GPUs the health rule
         condemns (``health``: every rank's report, in rank order), accepted newcomers (each
@@ -192,6 +246,22 @@ class Leader:
         d = decisions[-1].to_json()
         return record.with_decision({k: d[k] for k in DECISION_KEYS})
 
+    def overheads(
+        self, record: StepRecord, step: int, action: Action, reformed: bool, t_ckpt: float, t_monitor: float,
+        member_s: float,
+    ) -> StepRecord:  # fmt: skip
+        """``record`` (of ``step``) with its boundary's decision, its checkpoint's seconds (from
+        ``t_ckpt`` to ``t_monitor``) and its monitoring seconds since ``t_monitor``, now that every
+        rank has ``action``. Not monitoring: the pool change
+        (``member_s``), and deciding the action of a boundary that runs a transition — a move, a
+        restart, or the plan of the world a pool change re-formed (``reformed``) — which is that
+        transition's own planning (``plan_s``). Deciding to keep the plan on an unchanged world is
+        monitoring."""
+        record = self.with_decision(record, step)
+        plan_s = self.decided_s if reformed or isinstance(action, Move | Restart) else 0.0
+        monitor_s = time.perf_counter() - t_monitor - member_s - plan_s
+        return record.with_overheads(monitor_s, t_monitor - t_ckpt, plan_s)
+
     def write(self, record: StepRecord, moved: list[TransitionRecord], plan: Plan) -> None:
         self.metrics.write(record.with_transitions([t.to_json() for t in moved]), plan)
 
@@ -200,6 +270,7 @@ class Leader:
         for req in self.m.pending_joins():
             self.m.refuse(req, "the job has finished")
         self.metrics.close()
+        self.helper.shutdown()
 
 
 DECISION_KEYS = (
@@ -215,6 +286,13 @@ def _free(taken: set[int]) -> int:
     while g in taken:
         g += 1
     return g
+
+
+def measured_setup(spec: ExperimentSpec, out: Path, log: Callable[[str], None]) -> JobSetup:
+    """The leader: the job's setup, with its node's GPUs as measured where the cluster spec says
+    otherwise (``nereus.telemetry``; nothing measured on a CPU node)."""
+    setup = JobSetup.build(spec, out)
+    return replace(setup, cluster=measured_cluster(setup.cluster, read_node(topology=False), log))
 
 
 def measured_cluster(

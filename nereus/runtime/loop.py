@@ -5,6 +5,8 @@ training, ``asynchrony.async_step``) and the weight sync; then, at the step boun
 
 1. the monitor gathers every rank's report once, on the leader (stage seconds, held bytes,
    op-class timings, a pending preemption), into the controller's telemetry and its step record;
+   the leader's helper thread prices the running plan ahead while the reports arrive, and builds
+   the record while the notice travels (``Leader.beside``);
 2. **pool change**: the leader (GPU 0, which hosts the store and the controller) decides who is in
    the next generation — scripted losses, newcomers whose signed join requests it accepted (a
    ``grow`` job, or a scripted gain in local mode), nodes drained for shrink requests — and every
@@ -16,8 +18,8 @@ training, ``asynchrony.async_step``) and the weight sync; then, at the step boun
 4. the leader writes the step's metrics.
 
 Every rank learns 1–3 from one broadcast, the leader's ``Notice``: a stop, or the pool change
-(the action follows in the next generation), or — no change, the common case — the action: a
-quiet boundary is two collectives, the gather and that broadcast.
+(the action follows in the next generation), or — no change — the action: a quiet boundary is
+two collectives, the gather and that broadcast.
 
 A collective that fails mid-step (a peer died) is caught on every survivor: the survivors form the
 next generation, agree on the boundary snapshot they all hold (a peer that dies at a boundary can
@@ -32,6 +34,7 @@ Edge module (torch.distributed, processes).
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
@@ -50,7 +53,7 @@ from nereus.runtime.asynchrony import async_step
 from nereus.runtime.comm import all_gather, barrier, broadcast, is_peer_failure, reduce_max
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.job import JobSetup, algorithm_step, first_state, initial_plan, make_worker
-from nereus.runtime.leader import Leader, measured_cluster
+from nereus.runtime.leader import Leader, measured_setup
 from nereus.runtime.membership import Membership
 from nereus.runtime.metrics import StepRecord, drop_rows_after
 from nereus.runtime.monitor import Notice, StepResult, gather_reports, step_record, telemetry
@@ -60,7 +63,6 @@ from nereus.runtime.preemption import Preemption
 from nereus.runtime.snapshot import Mark, agreed
 from nereus.runtime.worker import Worker
 from nereus.spec.workload import ExecutionMode, InFlight
-from nereus.telemetry import read_node
 
 MAX_OOM_TRIES = 3  # a step that runs out of memory after this many urgent replans fails the job
 
@@ -106,7 +108,7 @@ class JobLoop:
         spawn_local: Callable[[int], None] | None = None, preemption: Preemption | None = None,
     ) -> JobLoop:  # fmt: skip
         """Every initial member: the setup, the first plan, fresh or checkpointed state."""
-        setup: JobSetup = broadcast(_measured_setup(spec, out, m) if m.leader else None, JobSetup)
+        setup: JobSetup = broadcast(measured_setup(spec, out, m.log) if m.leader else None, JobSetup)
         worker = make_worker(m.gpu, setup, m.devices, out)
         worker.set_world(m.members)
         resume_from = ckpt.agreed_latest(out / "checkpoints", resume)
@@ -140,7 +142,13 @@ class JobLoop:
     def run(self) -> Outcome:
         """Steps to the end of the job; a peer's death or a model-stage out of memory rolls the
         step back, and it runs again (after the controller's urgent replan). The engines are
-        shut down however it ends."""
+        shut down however it ends. What was built so far is out of the cyclic garbage
+        collector's sight (``gc.freeze``): its full collections scanned it again and again —
+        hundreds of ms under load, on any rank, which the others then waited for at the next
+        boundary. An initial member collects first; a newcomer, awaited by the job, does not."""
+        if self.pending is None:
+            gc.collect()
+        gc.freeze()
         try:
             return self._run()
         finally:
@@ -179,15 +187,20 @@ class JobLoop:
         t_ckpt = time.perf_counter()
         saved = self._checkpoint_if_due(step)
         t_monitor = time.perf_counter()
-        reports = gather_reports(self.worker, self.preemption.requested)  # on the leader only
-        record, notice, started = None, None, time.perf_counter()
-        if self.leader is not None:
-            assert reports is not None
-            record = step_record(result, reports, self.plan)
-            self.telemetry = telemetry(result, reports, self.m.members, 0.0, self.spec.calibrate)
-            assert self.telemetry is not None
-            notice, started = self.leader.notice(step, reports, self.telemetry)
-        notice = broadcast(notice, Notice)
+        notice, later = None, None
+        if self.leader is None:
+            gather_reports(self.worker, self.preemption.requested)  # to the leader
+            started = time.perf_counter()
+        else:
+            reports, lengths = self.leader.gather(self.worker, self.preemption.requested, result)
+            tel = telemetry(result, reports, self.m.members, 0.0, self.spec.calibrate, lengths)
+            self.telemetry = tel
+            notice, started = self.leader.notice(step, reports, tel)
+            later = self.leader.beside(lambda: step_record(result, reports, self.plan, lengths))
+        try:
+            notice = broadcast(notice, Notice)
+        finally:  # the leader's record is built while the notice travels
+            record = later.result() if later is not None else None
         if notice.preempted:
             return self._preempted(step, saved, record)
         change, member_s = self._pool_change(notice.change, started)
@@ -269,12 +282,19 @@ class JobLoop:
     def _finish_boundary(self, b: Boundary) -> Outcome | None:
         """Every member runs the boundary's action (the notice's, or decided and broadcast in the
         new generation); the leader writes the step's metrics."""
-        if b.action is None and b.change is not None and b.change.joining:
-            started = time.perf_counter()  # newcomers build their engines: joining, not monitoring
-            barrier()
-            b = replace(b, member_s=b.member_s + time.perf_counter() - started)
-        action: Action = b.action if b.action is not None else broadcast(self._decide(b), Action)
-        record = self._record(b)
+        action = b.action
+        if action is None:  # after a pool change: decided in the new generation
+            started, leader = time.perf_counter(), self.leader
+            decided = leader.action(self.telemetry, b.step, b.change) if leader is not None else None
+            if b.change is not None and b.change.reforms:  # the leader decided while the others
+                barrier()  # re-formed the world (newcomers built engines): the membership's seconds
+                planning = leader.decided_s if leader is not None else 0.0  # the decision: plan_s
+                b = replace(b, member_s=b.member_s + time.perf_counter() - started - planning)
+            action = broadcast(decided, Action)
+        record, reformed = None, b.change is not None and b.change.reforms
+        if self.leader is not None and b.record is not None:  # with its decision and overheads
+            times = (b.t_ckpt, b.t_monitor, b.member_s)
+            record = self.leader.overheads(b.record, b.step - 1, action, reformed, *times)
         moved, self.moved = self.moved, []
         change = b.change
         if change is not None and change.reforms:
@@ -282,7 +302,7 @@ class JobLoop:
                 TransitionRecord.membership(b.member_s, change.generation, change.leaving, change.joining)
             )
         self.step = b.step
-        moved += self._act(action, rebind=change is not None and change.reforms)
+        moved += self._act(action, rebind=reformed)
         if change is not None and change.draining and isinstance(action, Move):  # the drained leave now
             if self.m.gpu in change.draining:
                 self.m.close()
@@ -295,20 +315,6 @@ class JobLoop:
             self.leader.write(record, moved, self.plan)
         self.dropped = 0
         return None
-
-    def _decide(self, b: Boundary) -> Action | None:
-        """The leader: the boundary's action (``Leader.action``); None elsewhere."""
-        if self.leader is None:
-            return None
-        assert self.telemetry is not None, "a boundary before any step"
-        return self.leader.action(self.telemetry, b.step, b.change)
-
-    def _record(self, b: Boundary) -> StepRecord | None:
-        """The leader's step record with its decision and overheads (a join is not monitoring)."""
-        if self.leader is None or b.record is None:
-            return None
-        record = self.leader.with_decision(b.record, b.step - 1)
-        return record.with_overheads(time.perf_counter() - b.t_monitor - b.member_s, b.t_monitor - b.t_ckpt)
 
     def _act(self, action: Action, rebind: bool) -> list[TransitionRecord]:
         """Every member runs ``action`` (``rebind``: the world re-formed, so a kept plan needs new
@@ -442,13 +448,6 @@ class JobLoop:
             self.worker.engines["actor.train"].save_hf(self.out / "hf" / "actor")
         if self.leader is not None:
             self.leader.finish()
-
-
-def _measured_setup(spec: ExperimentSpec, out: Path, m: Membership) -> JobSetup:
-    """The leader: the job's setup, with its node's GPUs as measured where the cluster spec says
-    otherwise (``nereus.telemetry``; nothing measured on a CPU node)."""
-    setup = JobSetup.build(spec, out)
-    return replace(setup, cluster=measured_cluster(setup.cluster, read_node(topology=False), m.log))
 
 
 def _out_of_memory_in(model_stage: str) -> Callable[[str], None]:

@@ -52,11 +52,15 @@ class StepRecord:
     decision: dict[str, Any] | None = None  # the controller's replan at this step's boundary, if any
     # the leader's seconds from the step's end (after its checkpoint) until every rank has the
     # boundary's action: the reports' gather, telemetry and record, the controller's decision (a
-    # replan's planner included), the broadcasts. Not in it: a pool change — deciding it,
-    # re-forming the world, waiting for newcomers to build their engines — which is the
-    # membership transition's seconds
+    # replan that keeps the plan included), the broadcasts. Not in it: a pool change — deciding
+    # it, re-forming the world (until every member has), waiting for newcomers to build their
+    # engines — which is the membership transition's seconds; and ``plan_s``
     monitor_s: float = 0.0
     checkpoint_s: float = 0.0
+    # the leader's seconds deciding the action of a transition this boundary runs (a move or a
+    # restart): the transition's own planning, counted with the transitions, not as monitoring;
+    # 0 when the boundary keeps its plan (a replan that keeps it is monitoring)
+    plan_s: float = 0.0
     efficiency: dict[str, float] = field(default_factory=dict)  # achieved, per op class (η = ideal/measured)
     memory_gib: dict[str, dict[str, float]] = field(default_factory=dict)  # peak allocated/reserved (GPU)
     # per generating model-stage: tokens, engine steps, peak KV share, preemptions
@@ -92,8 +96,8 @@ class StepRecord:
     def with_generation(self, generation: dict[str, dict[str, float]]) -> StepRecord:
         return replace(self, generation=generation)
 
-    def with_overheads(self, monitor_s: float, checkpoint_s: float) -> StepRecord:
-        return replace(self, monitor_s=monitor_s, checkpoint_s=checkpoint_s)
+    def with_overheads(self, monitor_s: float, checkpoint_s: float, plan_s: float = 0.0) -> StepRecord:
+        return replace(self, monitor_s=monitor_s, checkpoint_s=checkpoint_s, plan_s=plan_s)
 
 
 def _row_step(line: str) -> int | None:

@@ -64,6 +64,30 @@ class Notice:
 
 
 @dataclass(frozen=True, slots=True)
+class Lengths:
+    """A step's response lengths in tokens: their mean and 95th percentile, computed once for
+    the controller's telemetry and the step's record."""
+
+    mean: float
+    p95: float
+
+    def __post_init__(self) -> None:
+        if not (self.mean >= 0 and self.p95 >= 0):
+            raise ValueError(f"response lengths must be non-negative, got {self.mean} and {self.p95}")
+
+    @classmethod
+    def of(cls, rollouts: Rollouts) -> Lengths:
+        lengths = rollouts.response_lengths().float()
+        return cls(float(lengths.mean()), float(lengths.quantile(0.95)))
+
+    @property
+    def seen(self) -> tuple[float, float]:
+        """The mean and p95 the controller sees (at least one token; p95 at least the mean)."""
+        mean = max(1.0, self.mean)
+        return mean, max(mean, self.p95)
+
+
+@dataclass(frozen=True, slots=True)
 class StepResult:
     """One RL step as the loop saw it on this rank."""
 
@@ -183,26 +207,25 @@ def peaks(reports: Sequence[RankReport]) -> dict[str, float]:
 
 
 def telemetry(
-    result: StepResult, reports: Sequence[RankReport], pool: tuple[int, ...], time_s: float, calibrate: bool
-) -> Telemetry:
-    """The controller's view of the step (``calibrate``: with its op-class measurements)."""
-    lengths = result.rollouts.response_lengths().float()
-    mean = max(1.0, float(lengths.mean()))
+    result: StepResult, reports: Sequence[RankReport], pool: tuple[int, ...], time_s: float, calibrate: bool,
+    lengths: Lengths | None = None,
+) -> Telemetry:  # fmt: skip
+    """The controller's view of the step (``calibrate``: with its op-class measurements;
+    ``lengths``: the step's, when already computed)."""
+    mean, p95 = (lengths or Lengths.of(result.rollouts)).seen
     ops = measurements([t for r in reports for t in r.optimes]) if calibrate else ()
-    return Telemetry(
-        result.step, time_s, mean, max(mean, float(lengths.quantile(0.95))), pool, stage_times(reports),
-        peaks(reports), ops,
-    )  # fmt: skip
+    return Telemetry(result.step, time_s, mean, p95, pool, stage_times(reports), peaks(reports), ops)
 
 
-def step_record(result: StepResult, reports: Sequence[RankReport], plan: Plan) -> StepRecord:
+def step_record(
+    result: StepResult, reports: Sequence[RankReport], plan: Plan, lengths: Lengths | None = None
+) -> StepRecord:
     """The leader's record of the step, before its boundary's decision and transitions."""
     ops = measurements([t for r in reports for t in r.optimes])
-    lengths = result.rollouts.response_lengths().float()
+    mean = (lengths or Lengths.of(result.rollouts)).mean
     record = StepRecord.of(
-        result.step, dict(result.metrics), result.seconds, float(lengths.mean()), plan, result.sync_s,
-        stage_times(reports),
-    )  # fmt: skip
+        result.step, dict(result.metrics), result.seconds, mean, plan, result.sync_s, stage_times(reports)
+    )
     record = record.with_efficiency(efficiencies(ops)).with_memory(memory_gib(reports))
     if result.asynchrony is not None:
         record = replace(record, asynchrony=dict(result.asynchrony))
