@@ -109,8 +109,15 @@ def _worker(rank: int, store: str, root: str) -> None:
             grid, group = grids[mine], groups[mine]
             t = grid.coord(rank).t
             state = RankState.empty(f"{kind}.gen", model, grid.layout, t, 0, GEN)
-            options = EngineOptions(max_num_seqs=4, max_model_len=32, workdir=Path(root) / f"run{rank}")
+            # one vLLM folder for the world, as a run's workers share theirs. Rank 0 builds first:
+            # vLLM inspects a model class missing from the folder's cache in a subprocess that
+            # imports vLLM again (~9 CPU-s), so only rank 0 pays it; ranks 1-2 read the cache
+            options = EngineOptions(max_num_seqs=4, max_model_len=32, workdir=Path(root))
+            if rank:
+                dist.barrier()
             engine = VllmEngine(state, group, options=options)
+            if not rank:
+                dist.barrier()
             engine.load_hf(folder)
             first = engine.generate(prompt_batch(), [0, 1, 2, 3], greedy)
             out[f"{kind}/greedy"] = _tokens(first)
