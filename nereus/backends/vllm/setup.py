@@ -3,8 +3,9 @@ the folder it reads the model's config from (what it can serve: ``support.py``).
 
 vLLM reads a Hugging Face folder; the engine gives it one holding only ``config.json`` and loads
 dummy weights, then the rank's real weights in place (``engine.py``), so no checkpoint is written.
-vLLM writes sockets and caches to default places: they go under the run's folder instead, and
-usage statistics are off. Edge module (files, environment).
+vLLM writes sockets to a default place: they go under the run's folder instead. Its cache (the
+model classes it has inspected, compiled graphs) outlives the run in a per-user folder
+(``cache_root``), and usage statistics are off. Edge module (files, environment).
 """
 
 from __future__ import annotations
@@ -57,19 +58,38 @@ def model_folder(root: Path, state: RankState) -> Path:
     return folder
 
 
+def cache_root(root: Path, env: Mapping[str, str] | None = None) -> Path:
+    """vLLM's cache folder: ``VLLM_CACHE_ROOT`` when set, else ``nereus/vllm`` under
+    ``XDG_CACHE_HOME`` (or ``~/.cache``), created private; ``root/cache`` when that cannot be
+    created. It outlives the run: vLLM inspects a model class it has not cached in a subprocess
+    that imports vLLM again (~9 CPU-s per worker and model class), and its entries are keyed by
+    the model code's hash, so runs can share them."""
+    env = os.environ if env is None else env
+    if env.get("VLLM_CACHE_ROOT"):
+        return Path(env["VLLM_CACHE_ROOT"])
+    base = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    shared = base / "nereus" / "vllm"
+    try:
+        shared.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError:  # a read-only or missing home: the run's own folder
+        return root / "cache"
+    return shared
+
+
 def environment(root: Path) -> dict[str, str]:
     """vLLM's process-wide settings: in-process engine core, no usage statistics, its sockets
-    and caches under ``root``, no OpenMP thread binding (the worker owns its threads), and only
-    its errors logged (each engine build would otherwise print its performance hints on every
-    rank; ``VLLM_LOGGING_LEVEL=WARNING`` shows them)."""
-    for sub in ("rpc", "cache"):
-        (root / sub).mkdir(parents=True, exist_ok=True, mode=0o700)
+    under ``root`` and its cache in ``cache_root``, no OpenMP thread binding (the worker owns its
+    threads), and only its errors logged (each engine build would otherwise print its performance
+    hints on every rank; ``VLLM_LOGGING_LEVEL=WARNING`` shows them)."""
+    cache = cache_root(root)
+    for folder in (root / "rpc", cache):
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     return {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_DO_NOT_TRACK": "1",
         "VLLM_RPC_BASE_PATH": str(root / "rpc"),
-        "VLLM_CACHE_ROOT": str(root / "cache"),
+        "VLLM_CACHE_ROOT": str(cache),
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
         "TOKENIZERS_PARALLELISM": "false",
