@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import random
 import socket
+import sys
+from pathlib import Path
+from types import ModuleType
 
 from nereus.plan.layout import Candidate, Layout, Plan
 from nereus.plan.problem import PlanningProblem, SearchSpace, SeqStats
@@ -61,3 +65,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def benchmark_module(script: str) -> ModuleType:
+    """``benchmarks/<script>.py`` imported as module ``script`` (registered, because dataclasses look
+    their module up while a class is made), with ``benchmarks/`` on the path while it loads (a
+    script may import its siblings)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location(script, BENCHMARKS / f"{script}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[script] = module
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCHMARKS))

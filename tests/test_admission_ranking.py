@@ -3,32 +3,14 @@ end to end on the quiet truth — calibration by shape predicts the step times i
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
+
+from tests.helpers import benchmark_module
 
 pytestmark = pytest.mark.pure
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
-
-def _bench() -> ModuleType:
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("admission_ranking", BENCH / "admission_ranking.py")
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["admission_ranking"] = mod
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(BENCH))
-
-
-RANK = _bench()
+RANK = benchmark_module("admission_ranking")
 
 
 def test_spearman() -> None:

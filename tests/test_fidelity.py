@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import sys
 from pathlib import Path
-from types import MappingProxyType, ModuleType
+from types import MappingProxyType
 
 import pytest
 
@@ -15,26 +13,12 @@ from nereus.plan.fit import Point, attribute, fit_efficiencies
 from nereus.plan.opclass import PRIOR_EFFICIENCY, OpClass
 from nereus.spec import load_cluster, load_model
 from nereus.spec.workload import Stage
+from tests.helpers import benchmark_module
 
 pytestmark = pytest.mark.pure
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
-
-def _bench() -> ModuleType:
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("fidelity", BENCH / "fidelity.py")
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["fidelity"] = mod  # dataclasses look their module up while the class is made
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(BENCH))
-
-
-FID = _bench()
+FID = benchmark_module("fidelity")
 
 
 @pytest.mark.parametrize("dataset", FID.DATASETS)

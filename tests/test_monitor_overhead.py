@@ -10,12 +10,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
 from dataclasses import replace
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -28,11 +24,9 @@ from nereus.plan.layout import Plan
 from nereus.plan.problem import SeqStats
 from nereus.plan.search import search
 from nereus.runtime.metrics import StepRecord
-from tests.helpers import make_problem, random_plan
+from tests.helpers import benchmark_module, make_problem, random_plan
 
 pytestmark = pytest.mark.pure
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 class Fresh(Controller):
@@ -125,18 +119,6 @@ def test_a_plans_memory_grows_with_the_lengths(model: str, cluster: str, gpus: i
             assert all(lo[n] <= hi[n] for n in lo), (plan, a, b)
 
 
-def _bench() -> ModuleType:
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("e2e_local_for_test", BENCH / "e2e_local.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
-
-
 def _row(step: int, monitor_s: float, plan_s: float, moved: float | None) -> dict[str, Any]:
     moves = [] if moved is None else [{"kind": "restart", "seconds": moved}]
     return {
@@ -147,7 +129,7 @@ def _row(step: int, monitor_s: float, plan_s: float, moved: float | None) -> dic
 
 
 def test_a_transitions_own_planning_is_counted_with_the_transitions() -> None:
-    bench = _bench()
+    bench = benchmark_module("e2e_local")
     rows = [_row(0, 0.01, 0.0, None), _row(1, 0.01, 0.5, 2.0), _row(2, 0.01, 0.0, None)]
     s = bench.summarise("nereus", rows, 10.0, 1)
     assert s["seconds"]["transitions"] == pytest.approx(2.5)  # the restart and its planning

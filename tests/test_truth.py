@@ -6,12 +6,10 @@ from __future__ import annotations
 import ast
 import csv
 import dataclasses
-import importlib.util
 import itertools
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -23,6 +21,7 @@ from nereus.sim.truth.gemm import achieved_fraction, gemm_seconds
 from nereus.sim.truth.params import load
 from nereus.spec import load_cluster, load_model, load_workload
 from nereus.spec.workload import Recompute, Stage
+from tests.helpers import benchmark_module
 
 pytestmark = pytest.mark.pure
 
@@ -33,14 +32,6 @@ CSVS = sorted(DATA.glob("truth_*.csv"))
 A100 = load_cluster("a100-64gb-hdr100")
 MODEL = load_model("llama-3.1-8b")
 PPO = load_workload("ppo")
-
-
-def _fit_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fit_truth", ROOT.parent / "benchmarks" / "fit_truth.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_every_published_point_names_its_source() -> None:
@@ -55,7 +46,7 @@ def test_every_published_point_names_its_source() -> None:
 
 
 def test_refitting_from_the_csvs_reproduces_the_shipped_parameters() -> None:
-    fitted = _fit_script().fit_all().to_json()
+    fitted = benchmark_module("fit_truth").fit_all().to_json()
     shipped = load().to_json()
     assert fitted.keys() == shipped.keys()
     for name, value in shipped.items():
