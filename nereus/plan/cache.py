@@ -7,8 +7,9 @@ calibration change. ``PlanCache`` keeps, per job (workload, models, cluster, hea
 * rows:      each model-stage's enumerated shapes and their layout facts, by pool size and search
              space (what the lengths and the calibration do not change);
 * tables:    the priced candidate table of each model-stage, by *price key* — everything a price
-             reads besides the job: the lengths, every efficiency and memory correction, and the
-             search space's options;
+             reads besides the job: the lengths, every efficiency and memory correction, the
+             search space's options and the pool's occupancy (free GPUs per node,
+             ``bestfit.occupancy``: on a fragmented pool best fit splits groups across nodes);
 * frontiers: each table's feasible non-dominated candidates (also per held layout);
 * programs:  the shapes the exact program chose from those frontiers, per pool size;
 * estimates: the full breakdown of a chosen shape;
@@ -16,10 +17,11 @@ calibration change. ``PlanCache`` keeps, per job (workload, models, cluster, hea
 * placements: the GPUs of chosen shapes, by shapes, pool ids, anchor and failure domains (what a
              drift of the lengths or the calibration that keeps the shapes does not change).
 
-Pool size: a row's price does not depend on the pool, and the rows of a smaller pool are exactly
-the rows of a larger one with at most that many GPUs, in the same order. A table priced for G GPUs
-therefore serves any pool of G or fewer by a filter on GPUs; so does its frontier, because a
-dominator never needs more GPUs than the candidate it dominates.
+Pool size: on whole nodes (occupancy ``()``) a row's price does not depend on the pool, and the
+rows of a smaller pool are exactly the rows of a larger one with at most that many GPUs, in the
+same order. A table priced for G GPUs therefore serves any pool of G or fewer by a filter on GPUs;
+so does its frontier, because a dominator never needs more GPUs than the candidate it dominates.
+On a fragmented pool the occupancy (part of the price key) fixes the pool size, so no such reuse.
 
 Invalidation is by key: a calibration update changes an efficiency, hence the price key, hence
 every entry it reaches; entries of the oldest price keys are dropped beyond ``keep`` of them. A
@@ -37,6 +39,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from nereus.plan.bestfit import occupancy
 from nereus.plan.calibration import Efficiencies
 from nereus.plan.candidates import (
     CandidateTable,
@@ -152,8 +155,9 @@ class PlanCache:
 
     def price_key(self, problem: PlanningProblem) -> PriceKey:
         s = problem.space
+        occupied = occupancy(problem.pool, problem.cluster.gpus_per_node)  # () on whole nodes
         return (problem.seq, self._efficiency_key(problem.efficiencies), s.recompute, s.shrink_micro_batch,
-                problem.max_tp, s.flat, s.overlap_dp_sync, s.paged_kv)  # fmt: skip
+                problem.max_tp, s.flat, s.overlap_dp_sync, s.paged_kv, occupied)  # fmt: skip
 
     def result_key(self, problem: PlanningProblem) -> Hashable | None:
         """Every non-job field of ``problem``; None when one cannot be hashed (no result memo)."""

@@ -29,6 +29,10 @@ Sources, one line each where used:
 * Paged KV (``SearchSpace.paged_kv``): pool at mean occupancy, recompute preemption priced as
   prefill (``memory.kv_pool_tokens``, ``memory.preempted_tokens``; vLLM docs "Preemption").
 
+Links on the job's pool (``nereus.plan.bestfit``): a group that fits in a node is priced inside one
+when best fit can put it there; on a fragmented pool (spot instances smaller than a node) the TP
+groups, replicas and DP groups best fit splits across nodes are priced on the inter-node link.
+
 Efficiency by shape (``nereus.plan.shapefit``): where calibration has a curve for a class, each
 row's η is read at that row's size: GEMM at the forward FLOPs of one layer's matmuls on one GPU
 for one micro-batch (prefill chunk, decode step), attention likewise, a collective at its bytes
@@ -45,6 +49,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from nereus.plan.bestfit import group_spans, occupancy
 from nereus.plan.costterms import Cost, LatencyTerms, collective, compute, exposed, memory_bound
 from nereus.plan.layout import Layout
 from nereus.plan.links import Links
@@ -103,6 +108,8 @@ class CostModel:
         # ``nereus price --fsdp`` only; the search plans our own engines, which do not shard
         self.fsdp = fsdp
         self.links = Links(problem.cluster, problem.efficiencies)
+        # free GPUs per node (``()``: whole nodes): where best fit must split groups across nodes
+        self.occupancy = occupancy(problem.pool, problem.cluster.gpus_per_node)
         self.workflow = problem.workflow  # (built anew on every ``problem.workflow``)
 
     # ------------------------------------------------------------ dispatch
@@ -182,24 +189,35 @@ class CostModel:
         nbytes = np.maximum(rep.params_first, rep.params_last) * 2.0
         return collective(self.links, Collective.BROADCAST, rep.size, 2.0, nbytes, self.track)
 
-    def _tp(self, rep: ReplicaFacts, nbytes: FloatArray) -> Cost:
-        """One TP all-reduce of ``nbytes`` inside the TP group."""
-        return collective(self.links, Collective.ALLREDUCE, rep.tp, rep.tp, nbytes, self.track)
+    def spans(self, rep: ReplicaFacts, dp: FloatArray) -> tuple[FloatArray, FloatArray, FloatArray]:
+        """Per row, the spans of its TP groups, replicas and DP groups on this problem's pool:
+        the layout's own on whole nodes, what best fit makes of them on a fragmented pool
+        (``bestfit.group_spans``)."""
+        return group_spans(self.occupancy, self.links.gpus_per_node, rep.tp, rep.size, dp)
 
-    def _p2p(self, rep: ReplicaFacts, nbytes: FloatArray) -> Cost:
-        """One pipeline send/recv between neighbouring stages (0 without PP)."""
-        return collective(self.links, Collective.SENDRECV, rep.size, 2.0, nbytes, self.track) * np.where(
+    def _tp(self, rep: ReplicaFacts, nbytes: FloatArray, span: FloatArray) -> Cost:
+        """One TP all-reduce of ``nbytes`` inside the TP group (spanning ``span`` GPUs)."""
+        return collective(self.links, Collective.ALLREDUCE, span, rep.tp, nbytes, self.track)
+
+    def _p2p(self, rep: ReplicaFacts, nbytes: FloatArray, span: FloatArray) -> Cost:
+        """One pipeline send/recv between neighbouring stages of a replica spanning ``span``
+        GPUs (0 without PP)."""
+        return collective(self.links, Collective.SENDRECV, span, 2.0, nbytes, self.track) * np.where(
             rep.pp > 1, 1.0, 0.0
         )
 
     def _dp_sync(
-        self, rep: ReplicaFacts, dp: FloatArray, grad_bytes: FloatArray, backward: Cost | None
+        self,
+        rep: ReplicaFacts,
+        dp: FloatArray,
+        grad_bytes: FloatArray,
+        backward: Cost | None,
+        span: FloatArray,
     ) -> Cost:
         """The DP gradient all-reduce a step waits for. Serial (``backward`` None): one all-reduce
         of the whole buffer after backward. Overlapped: n equal buckets of at most
         ``GRAD_BUCKET_BYTES``, reduced in order behind the last micro-batch's backward
-        (``exposed``). Attributed to the all-reduce's op class."""
-        span = rep.size * dp
+        (``exposed``). Attributed to the all-reduce's op class; the DP group spans ``span`` GPUs."""
         if backward is None:
             return collective(self.links, Collective.ALLREDUCE, span, dp, grad_bytes, self.track)
         bucket_bytes = np.maximum(BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK * dp) * GRAD_BYTES
@@ -208,7 +226,13 @@ class CostModel:
         return exposed(per_bucket, buckets, backward)
 
     def _fsdp_sync(
-        self, rep: ReplicaFacts, dp: FloatArray, params: FloatArray, forward: Cost, backward: Cost
+        self,
+        rep: ReplicaFacts,
+        dp: FloatArray,
+        params: FloatArray,
+        forward: Cost,
+        backward: Cost,
+        span: FloatArray,
     ) -> Cost:
         """Per micro-batch, the communication an FSDP (ZeRO-3) trainer waits for: each layer's bf16
         parameters all-gathered before its forward and again before its backward, and its fp32
@@ -218,7 +242,7 @@ class CostModel:
         prefetched one layer ahead: the forward's all-gathers hide behind forward compute, the
         backward's all-gathers and reduce-scatters behind backward compute; the first layer's
         gather and the last's reduce-scatter never hide (``exposed``)."""
-        span, layers = rep.size * dp, np.maximum(rep.layers_first, 1.0)
+        layers = np.maximum(rep.layers_first, 1.0)
         gather = collective(
             self.links, Collective.ALLGATHER, span, dp, params * ACT_BYTES / layers, self.track
         )
@@ -249,11 +273,12 @@ class CostModel:
         gemm_mult = 4.0 if recompute is Recompute.FULL else 3.0
         attn_mult = 3.0 if recompute is Recompute.NONE else 4.0
         ctx_mb = b * s * (s + 1.0) / 2.0
+        tp_span, rep_span, dp_span = self.spans(rep, dp)
         t_compute = self._compute(gemm_mult * fwd_gemm, attn_mult * fwd_attn, model, rep, tokens, ctx_mb)
         n_ar = (6.0 if recompute is Recompute.FULL else 4.0) * rep.layers_first
-        t_tp = self._tp(rep, tokens * model.hidden_size * ACT_BYTES) * n_ar
+        t_tp = self._tp(rep, tokens * model.hidden_size * ACT_BYTES, tp_span) * n_ar
         p2p = tokens * model.hidden_size * ACT_BYTES / (rep.tp if w.sequence_parallel else 1.0)
-        t_pp = self._p2p(rep, p2p) * 2.0
+        t_pp = self._p2p(rep, p2p, rep_span) * 2.0
         slot = t_compute + t_tp + t_pp
         params_gpu = np.maximum(rep.params_first, rep.params_last)
         # backward of one micro-batch (recomputed forward included): what an overlapping engine
@@ -269,9 +294,9 @@ class CostModel:
         per_step = updates * accum  # micro-batch slots per step (before the bubble)
         if fsdp and backward is not None:  # every micro-batch gathers and reduce-scatters
             forward = self._compute(fwd_gemm, fwd_attn, model, rep, tokens, ctx_mb)
-            dp_sync = self._fsdp_sync(rep, dp, params_gpu, forward, backward) * per_step
+            dp_sync = self._fsdp_sync(rep, dp, params_gpu, forward, backward, dp_span) * per_step
         else:
-            dp_sync = self._dp_sync(rep, dp, params_gpu * GRAD_BYTES, backward) * updates
+            dp_sync = self._dp_sync(rep, dp, params_gpu * GRAD_BYTES, backward, dp_span) * updates
         terms = {
             "compute": t_compute * per_step,
             "tp_comm": t_tp * per_step,
@@ -315,8 +340,9 @@ class CostModel:
             tokens,
             ctx_mb,
         )
-        t_tp = self._tp(rep, tokens * model.hidden_size * ACT_BYTES) * (2.0 * rep.layers_first)
-        t_pp = self._p2p(rep, tokens * model.hidden_size * ACT_BYTES)
+        tp_span, rep_span, _ = self.spans(rep, dp)
+        t_tp = self._tp(rep, tokens * model.hidden_size * ACT_BYTES, tp_span) * (2.0 * rep.layers_first)
+        t_pp = self._p2p(rep, tokens * model.hidden_size * ACT_BYTES, rep_span)
         slot = t_compute + t_tp + t_pp
         terms = {
             "compute": t_compute * chunks,
@@ -363,7 +389,8 @@ class CostModel:
             _attn_flops(model, rep, prefill_ctx),
             model, rep, prefill_tokens / chunks, prefill_ctx / chunks,
         )  # fmt: skip
-        prefill_tp = self._tp(rep, prefill_tokens / chunks * h * ACT_BYTES) * (2.0 * layers * chunks)
+        tp_span, rep_span, _ = self.spans(rep, dp)
+        prefill_tp = self._tp(rep, prefill_tokens / chunks * h * ACT_BYTES, tp_span) * (2.0 * layers * chunks)
         # decode: continuous batching keeps `conc` sequences in flight; the longest (p95) ends it.
         # With pp stages, min(conc, pp) micro-groups circulate; a step = pp slots of one group.
         steps = per_replica * seq.response_len / conc + (seq.response_p95 - seq.response_len)
@@ -385,8 +412,9 @@ class CostModel:
         terms = {
             "prefill": prefill,
             "decode": Cost.slower(t_mem, t_cmp) * slots,
-            "tp_comm": prefill_tp + self._tp(rep, per_group * h * ACT_BYTES) * (2.0 * layers * slots),
-            "pp_comm": self._p2p(rep, per_group * h * ACT_BYTES) * slots,
+            "tp_comm": prefill_tp
+            + self._tp(rep, per_group * h * ACT_BYTES, tp_span) * (2.0 * layers * slots),
+            "pp_comm": self._p2p(rep, per_group * h * ACT_BYTES, rep_span) * slots,
         }
         if paged:  # recompute preemption: the preempted sequences' tokens are prefilled again
             redo, redo_len = preempted_tokens(conc, pool, prompt, seq.response_len)

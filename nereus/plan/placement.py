@@ -17,12 +17,11 @@ revocation never takes a trainer's last copy. The other replicas are placed as a
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 from collections.abc import Mapping, Sequence
 
-from nereus.errors import InfeasibleError
+from nereus.plan.bestfit import FreeGpus as _FreeGpus
 from nereus.plan.candidates import Shape
 from nereus.plan.layout import Candidate, Plan
 from nereus.spec.domains import FailureDomains
@@ -30,87 +29,6 @@ from nereus.spec.workload import ExecutionMode, ModelStage, Stage, Workflow
 
 MAX_ORDERS = 720  # orders of trainers tried for the reserved GPUs (6 trainers; RL jobs have 1–2)
 STEP_LOSS = 0.01  # ranking horizon for exposure: each revocable instance lost with this probability
-
-
-class _FreeGpus:
-    """Free GPU ids per node, with nodes bucketed by how many GPUs they have free."""
-
-    def __init__(self, gpus: Sequence[int], gpus_per_node: int) -> None:
-        self.gpn = gpus_per_node
-        self.nodes: dict[int, list[int]] = {}
-        for g in sorted(gpus):
-            self.nodes.setdefault(g // gpus_per_node, []).append(g)
-        self.free = len(gpus)
-        self.buckets: list[list[int]] = [[] for _ in range(gpus_per_node + 1)]
-        for node in sorted(self.nodes):
-            self.buckets[len(self.nodes[node])].append(node)
-
-    def take(self, count: int) -> tuple[int, ...]:
-        if count > self.free:
-            raise InfeasibleError(f"placement needs {count} more GPUs, {self.free} free")
-        if count <= self.gpn:
-            for free in range(count, self.gpn + 1):  # best fit: the fullest node that still fits
-                if self.buckets[free]:
-                    return self._pop(self.buckets[free][0], count)
-        taken: list[int] = []
-        while count - len(taken) >= self.gpn and self.buckets[self.gpn]:
-            taken.extend(self._pop(self.buckets[self.gpn][0], self.gpn))  # whole free nodes
-        while len(taken) < count:  # ragged pool: fill from the nodes with most free GPUs
-            free = max(f for f in range(1, self.gpn + 1) if self.buckets[f])
-            node = self.buckets[free][0]
-            taken.extend(self._pop(node, min(count - len(taken), free)))
-        return tuple(sorted(taken))
-
-    def take_within(self, count: int, allowed: frozenset[int]) -> tuple[int, ...] | None:
-        """Take ``count`` free GPUs all in ``allowed`` — one node's when ``count`` fits in a node
-        (best fit), else the fewest nodes — or nothing (None) when ``allowed`` lacks them."""
-        usable = {n: [g for g in free if g in allowed] for n, free in self.nodes.items()}
-        usable = {n: gs for n, gs in usable.items() if gs}
-        chosen: list[int] = []
-        if count <= self.gpn:
-            fits = [n for n, gs in usable.items() if len(gs) >= count]
-            if not fits:
-                return None
-            node = min(fits, key=lambda n: (len(usable[n]), n))
-            chosen = usable[node][:count]
-        else:
-            for node in sorted(usable, key=lambda n: (-len(usable[n]), n)):
-                chosen.extend(usable[node][: count - len(chosen)])
-                if len(chosen) == count:
-                    break
-            if len(chosen) < count:
-                return None
-        taken = self.take_exactly(chosen)
-        assert taken
-        return tuple(sorted(chosen))
-
-    def take_exactly(self, gpus: Sequence[int]) -> bool:
-        """Take these GPUs if every one is free; otherwise take nothing."""
-        if not all(g // self.gpn in self.nodes and g in self.nodes[g // self.gpn] for g in gpus):
-            return False
-        for g in gpus:
-            node = g // self.gpn
-            free = self.nodes[node]
-            self.buckets[len(free)].remove(node)
-            free.remove(g)
-            self.free -= 1
-            if free:
-                bisect.insort(self.buckets[len(free)], node)
-            else:
-                del self.nodes[node]
-        return True
-
-    def _pop(self, node: int, count: int) -> tuple[int, ...]:
-        free = self.nodes[node]
-        self.buckets[len(free)].remove(node)
-        taken, rest = free[:count], free[count:]
-        self.free -= len(taken)
-        if rest:
-            self.nodes[node] = rest
-            bisect.insort(self.buckets[len(rest)], node)
-        else:
-            del self.nodes[node]
-        return tuple(taken)
 
 
 def _place_group(

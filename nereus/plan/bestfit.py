@@ -1,0 +1,172 @@
+"""Best fit on a pool of free GPUs, and what it does to the groups of one model-stage.
+
+``FreeGpus`` is placement's view of the pool (``nereus.plan.placement``): free GPU ids per node,
+nodes bucketed by how many they have free; a replica that fits in a node takes the fullest node
+that still fits it, a larger one whole free nodes first, and a replica no node can hold (a
+fragmented pool: spot instances smaller than a node) is filled from the nodes with most free GPUs,
+so its TP groups, its pipeline neighbours and its replicas' DP groups may cross nodes.
+
+The cost model prices links from this (``group_spans``): the pool's *occupancy* (free GPUs per
+node, largest first: a small hashable summary the planner's caches key on, ``()`` when every node
+is whole) replayed through the same best fit, one model-stage alone on the pool, gives per DP degree
+how many nodes the worst TP group, the worst replica and the worst DP group span. Approximations,
+measured against ``place`` in ``tests/test_plan_pool_links.py``: the model-stages of one stage
+share the pool there (each is priced as if it had it alone), nodes with equal free GPUs are
+interchangeable here (placement breaks ties by node id), and the anchor and reserved-first rules
+are not replayed. On whole nodes the spans are the layout's (groups inside a node when they fit).
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+
+from nereus.errors import InfeasibleError
+from nereus.plan.replica import FloatArray
+
+Occupancy = tuple[int, ...]
+
+
+def occupancy(pool: Sequence[int], gpus_per_node: int) -> Occupancy:
+    """Free GPUs per node of ``pool``, largest first; ``()`` when every node is whole."""
+    counts = np.bincount(np.asarray(pool, dtype=np.int64) // gpus_per_node)
+    counts = counts[counts > 0]
+    if bool((counts == gpus_per_node).all()):
+        return ()
+    return tuple(sorted((int(c) for c in counts), reverse=True))
+
+
+class FreeGpus:
+    """Free GPU ids per node, with nodes bucketed by how many GPUs they have free."""
+
+    def __init__(self, gpus: Sequence[int], gpus_per_node: int) -> None:
+        self.gpn = gpus_per_node
+        self.nodes: dict[int, list[int]] = {}
+        for g in sorted(gpus):
+            self.nodes.setdefault(g // gpus_per_node, []).append(g)
+        self.free = len(gpus)
+        self.buckets: list[list[int]] = [[] for _ in range(gpus_per_node + 1)]
+        for node in sorted(self.nodes):
+            self.buckets[len(self.nodes[node])].append(node)
+
+    def take(self, count: int) -> tuple[int, ...]:
+        if count > self.free:
+            raise InfeasibleError(f"placement needs {count} more GPUs, {self.free} free")
+        if count <= self.gpn:
+            for free in range(count, self.gpn + 1):  # best fit: the fullest node that still fits
+                if self.buckets[free]:
+                    return self._pop(self.buckets[free][0], count)
+        taken: list[int] = []
+        while count - len(taken) >= self.gpn and self.buckets[self.gpn]:
+            taken.extend(self._pop(self.buckets[self.gpn][0], self.gpn))  # whole free nodes
+        while len(taken) < count:  # ragged pool: fill from the nodes with most free GPUs
+            free = max(f for f in range(1, self.gpn + 1) if self.buckets[f])
+            node = self.buckets[free][0]
+            taken.extend(self._pop(node, min(count - len(taken), free)))
+        return tuple(sorted(taken))
+
+    def take_within(self, count: int, allowed: frozenset[int]) -> tuple[int, ...] | None:
+        """Take ``count`` free GPUs all in ``allowed`` — one node's when ``count`` fits in a node
+        (best fit), else the fewest nodes — or nothing (None) when ``allowed`` lacks them."""
+        usable = {n: [g for g in free if g in allowed] for n, free in self.nodes.items()}
+        usable = {n: gs for n, gs in usable.items() if gs}
+        chosen: list[int] = []
+        if count <= self.gpn:
+            fits = [n for n, gs in usable.items() if len(gs) >= count]
+            if not fits:
+                return None
+            node = min(fits, key=lambda n: (len(usable[n]), n))
+            chosen = usable[node][:count]
+        else:
+            for node in sorted(usable, key=lambda n: (-len(usable[n]), n)):
+                chosen.extend(usable[node][: count - len(chosen)])
+                if len(chosen) == count:
+                    break
+            if len(chosen) < count:
+                return None
+        taken = self.take_exactly(chosen)
+        assert taken
+        return tuple(sorted(chosen))
+
+    def take_exactly(self, gpus: Sequence[int]) -> bool:
+        """Take these GPUs if every one is free; otherwise take nothing."""
+        if not all(g // self.gpn in self.nodes and g in self.nodes[g // self.gpn] for g in gpus):
+            return False
+        for g in gpus:
+            node = g // self.gpn
+            free = self.nodes[node]
+            self.buckets[len(free)].remove(node)
+            free.remove(g)
+            self.free -= 1
+            if free:
+                bisect.insort(self.buckets[len(free)], node)
+            else:
+                del self.nodes[node]
+        return True
+
+    def _pop(self, node: int, count: int) -> tuple[int, ...]:
+        free = self.nodes[node]
+        self.buckets[len(free)].remove(node)
+        taken, rest = free[:count], free[count:]
+        self.free -= len(taken)
+        if rest:
+            self.nodes[node] = rest
+            bisect.insort(self.buckets[len(rest)], node)
+        else:
+            del self.nodes[node]
+        return tuple(taken)
+
+
+def _nodes(gpus: Sequence[int], gpn: int) -> int:
+    return len({g // gpn for g in gpus})
+
+
+@functools.lru_cache(maxsize=512)
+def _spread(profile: Occupancy, gpn: int, size: int, tp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Replicas of ``size`` GPUs (TP ``tp``) placed one by one by best fit on a pool of this
+    occupancy: for each DP degree d (index d), the nodes spanned by the worst TP group, the
+    worst replica and the worst DP group (one rank position across replicas) of the first d."""
+    pool = [n * gpn + i for n, free in enumerate(profile) for i in range(free)]
+    free = FreeGpus(pool, gpn)
+    count = len(pool) // size
+    tp_n, rep_n, dp_n = (np.ones(count + 1, dtype=np.int64) for _ in range(3))
+    positions: list[set[int]] = [set() for _ in range(size)]
+    worst = (1, 1, 1)
+    for d in range(1, count + 1):
+        gpus = free.take(size)
+        for i, g in enumerate(gpus):
+            positions[i].add(g // gpn)
+        worst = (
+            max(worst[0], *(_nodes(gpus[i : i + tp], gpn) for i in range(0, size, tp))),
+            max(worst[1], _nodes(gpus, gpn)),
+            max(len(p) for p in positions),
+        )
+        tp_n[d], rep_n[d], dp_n[d] = worst
+    return tp_n, rep_n, dp_n
+
+
+def group_spans(
+    profile: Occupancy, gpus_per_node: int, tp: FloatArray, size: FloatArray, dp: FloatArray
+) -> tuple[FloatArray, FloatArray, FloatArray]:
+    """Per row, the spans (GPUs, in the cost model's sense: ≤ GPUs per node is inside a node,
+    else ⌈span / GPUs per node⌉ nodes) its TP groups, replicas and DP groups take when placed by
+    best fit on a pool of ``profile``; on whole nodes (``()``) the layout's own: tp, size and
+    size·dp."""
+    whole = (tp, size, size * dp)
+    if not profile:
+        return whole
+    gpn = float(gpus_per_node)
+    spans = [np.array(s, dtype=np.float64, copy=True) for s in np.broadcast_arrays(*whole)]
+    t, s = np.broadcast_to(tp, spans[0].shape), np.broadcast_to(size, spans[0].shape)
+    d = np.broadcast_to(dp, spans[0].shape).astype(np.int64)
+    for ti, si in {(int(a), int(b)) for a, b in zip(t.ravel(), s.ravel(), strict=True)}:
+        rows = (t == ti) & (s == si)
+        nodes = _spread(profile, gpus_per_node, si, ti)
+        at = np.minimum(d[rows], len(nodes[0]) - 1)
+        for span, n, inside in zip(spans, nodes, (ti, si, si * d[rows]), strict=True):
+            k = n[at]
+            span[rows] = np.where(k > 1, k * gpn, np.minimum(inside, gpn))
+    return spans[0], spans[1], spans[2]

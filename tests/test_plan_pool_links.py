@@ -1,0 +1,149 @@
+"""The cost model sees what best-fit placement does on a fragmented pool (issue 19): a TP group
+that no node can hold is priced on the inter-node link, as placement then puts it."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+
+from nereus.errors import InfeasibleError
+from nereus.plan.bestfit import FreeGpus, group_spans, occupancy
+from nereus.plan.cache import PlanCache
+from nereus.plan.candidates import Shape
+from nereus.plan.cost import CostModel
+from nereus.plan.layout import Layout, Plan
+from nereus.plan.links import Links
+from nereus.plan.opclass import Collective, Link, OpClass
+from nereus.plan.placement import place
+from nereus.plan.problem import PlanningProblem
+from nereus.plan.search import search
+from nereus.spec.workload import ModelStage, Recompute, Stage
+from tests.helpers import make_problem
+
+pytestmark = pytest.mark.pure
+
+AR_INTRA = OpClass.of(Collective.ALLREDUCE, Link.INTRA)
+AR_INTER = OpClass.of(Collective.ALLREDUCE, Link.INTER)
+
+
+def _spot_pool(rng: random.Random, total: int, instance: int, count: int) -> tuple[int, ...]:
+    """``count`` random spot instances of ``instance`` GPUs each."""
+    chosen = rng.sample(range(total // instance), count)
+    return tuple(sorted(g for i in chosen for g in range(i * instance, (i + 1) * instance)))
+
+
+def _gen(problem: PlanningProblem) -> ModelStage:
+    return next(m for m in problem.workflow.model_stages if m.stage is Stage.GEN)
+
+
+def _tp_seconds(problem: PlanningProblem, layout: Layout, dp: int) -> tuple[float, float]:
+    """(intra-node, inter-node) seconds of all-reduce the model prices for actor.gen."""
+    terms, _ = CostModel(problem).evaluate(_gen(problem), layout, np.array([dp]), np.array([8]))
+    cls = terms.parts["tp_comm"].by_class
+    return float(cls.get(AR_INTRA, np.zeros(1))[0]), float(cls.get(AR_INTER, np.zeros(1))[0])
+
+
+def _placed_tp_link(plan: Plan, name: str, links: Links) -> Link:
+    inter = any(links.group_link(g) is Link.INTER for g in plan.candidate(name).tp_groups())
+    return Link.INTER if inter else Link.INTRA
+
+
+def test_occupancy_is_a_profile_not_the_ids() -> None:
+    assert occupancy(tuple(range(16)), 4) == ()  # whole nodes
+    assert occupancy((0, 1, 4, 5, 8, 9, 10, 11), 4) == (4, 2, 2)
+    assert occupancy((2, 3, 12, 13, 20, 21, 22, 23), 4) == (4, 2, 2)  # other ids, same profile
+
+
+def test_tp4_on_two_gpu_fragments_is_priced_and_placed_inter_node() -> None:
+    """32 GPUs as 16 half-nodes (2-GPU spot instances on 4-GPU nodes): no node holds a TP-4
+    group, so placement splits every one across two nodes and the model prices that."""
+    base = make_problem(gpus=32)
+    gpn = base.cluster.gpus_per_node
+    pool = tuple(g for node in range(16) for g in (node * gpn, node * gpn + 1))
+    frag = dataclasses.replace(base, pool=pool)
+    layout = Layout(4, 1)
+    on_whole, off_whole = _tp_seconds(base, layout, 8)
+    on_frag, off_frag = _tp_seconds(frag, layout, 8)
+    assert off_whole == 0.0 and on_whole > 0.0
+    assert on_frag == 0.0 and off_frag > on_whole  # the slower link, as placed
+    shapes = {m.name: Shape(layout, 2, 8, Recompute.NONE) for m in frag.workflow.model_stages}
+    shapes[_gen(frag).name] = Shape(layout, 8, 8, Recompute.NONE)
+    plan = place(frag.workflow, frag.workload.mode, shapes, frag.pool, gpn)
+    assert _placed_tp_link(plan, _gen(frag).name, Links(frag.cluster, frag.efficiencies)) is Link.INTER
+
+
+def test_whole_node_pools_price_as_before() -> None:
+    """On whole nodes the spans are the layout's own, whatever the pool's size or ids."""
+    tp, size = np.array([1.0, 2.0, 4.0, 4.0]), np.array([1.0, 4.0, 4.0, 8.0])
+    dp = np.array([3.0, 2.0, 1.0, 4.0])
+    spans = group_spans((), 4, tp, size, dp)
+    for got, want in zip(spans, (tp, size, size * dp), strict=True):
+        assert np.array_equal(got, want)
+    a = make_problem(gpus=16)
+    b = dataclasses.replace(a, pool=tuple(range(32, 48)))
+    assert _tp_seconds(a, Layout(4, 1), 4) == _tp_seconds(b, Layout(4, 1), 4)
+
+
+def test_the_price_key_follows_the_profile() -> None:
+    p = make_problem(gpus=16)
+    cache = PlanCache()
+    frag = dataclasses.replace(p, pool=(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29))
+    same_profile = dataclasses.replace(p, pool=(2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31))
+    assert cache.price_key(p) != cache.price_key(frag)
+    assert cache.price_key(frag) == cache.price_key(same_profile)
+    assert cache.price_key(p) == cache.price_key(dataclasses.replace(p, pool=tuple(range(64, 80))))
+
+
+def test_priced_links_agree_with_placement_of_one_model_stage() -> None:
+    """One model-stage alone on random fragmented pools: the priced TP link is the placed one."""
+    rng = random.Random(7)
+    base = make_problem(gpus=32, algo="grpo")
+    gpn, links = base.cluster.gpus_per_node, Links(base.cluster, base.efficiencies)
+    agree = total = 0
+    for _ in range(200):
+        pool = _spot_pool(rng, base.cluster.total_gpus, 2, rng.randint(2, 20))
+        tp, pp = rng.choice([1, 2, 4]), rng.choice([1, 2])
+        if tp * pp > len(pool):
+            continue
+        dp = rng.randint(1, len(pool) // (tp * pp))
+        free = FreeGpus(pool, gpn)
+        reps = [free.take(tp * pp) for _ in range(dp)]
+        groups = [r[i : i + tp] for r in reps for i in range(0, tp * pp, tp)]
+        placed = any(links.group_link(g) is Link.INTER for g in groups)
+        t, _, _ = group_spans(occupancy(pool, gpn), gpn, np.array([tp]), np.array([tp * pp]), np.array([dp]))
+        agree += placed == bool(t[0] > gpn)
+        total += 1
+    assert total > 150
+    assert agree == total
+
+
+def test_priced_links_of_searched_plans_mostly_agree_with_their_placement() -> None:
+    """Whole searches on random spot pools: model-stages of one stage share the pool in placement
+    but are priced alone, so agreement is not exact; it stays high (0.99 sync and 0.97 async over
+    60 pools when written)."""
+    rng = random.Random(3)
+    base = make_problem(gpus=32)
+    links = Links(base.cluster, base.efficiencies)
+    agree = total = 0
+    for _ in range(12):
+        pool = _spot_pool(rng, base.cluster.total_gpus, 2, rng.randint(6, 16))
+        p = dataclasses.replace(base, pool=pool)
+        try:
+            result = search(p)
+        except InfeasibleError:
+            continue
+        model = CostModel(p)
+        for c in result.plan.candidates:
+            ms = next(m for m in p.workflow.model_stages if m.name == c.model_stage)
+            terms, _ = model.evaluate(ms, c.layout, np.array([c.dp]), np.array([c.micro_batch]), c.recompute)
+            cls = terms.parts["tp_comm"].by_class
+            if c.layout.tp == 1:
+                continue
+            priced = Link.INTER if float(cls.get(AR_INTER, np.zeros(1))[0]) > 0 else Link.INTRA
+            agree += priced is _placed_tp_link(result.plan, c.model_stage, links)
+            total += 1
+    assert total >= 10
+    assert agree / total >= 0.9
