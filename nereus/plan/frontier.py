@@ -10,6 +10,10 @@ Dominance is decided for all rows at once, in a fixed number of NumPy calls (no 
 * bitsets: for each of the four coordinates, the set {j : x_j ≤ x_i} of every point i is a prefix
   of the points sorted by that coordinate, i.e. a row of a cumulative OR; a point is dominated
   when the four sets of it intersect in another point (the points are distinct).
+* small tables (the usual case): the points sorted by latency (ties by resident, active, GPUs),
+  a point is dominated exactly when an earlier one is ≤ in the other three coordinates (a
+  dominator of a distinct point comes first in that order), decided by one triangular pairwise
+  comparison.
 * on large tables a coarse grid first removes most dominated points: ``grid[p, g, a]`` is the
   lowest latency among points of resident rank ≤ p, GPU bucket < g and active bucket < a (prefix
   minima), so a point whose cell finds one no slower has a dominator. Every dominated point that
@@ -29,6 +33,7 @@ PREFILTER_ABOVE = 1024  # points; below, the exact test runs on every point
 ACTIVE_BUCKETS, GPU_BUCKETS = 32, 16  # of the prefilter's grid
 BITSET_UPTO = 4096  # points; above, pairwise in chunks (bounded memory)
 PAIR_CELLS = 2_000_000  # pairwise comparisons per chunk
+SORTED_UPTO = 160  # points; up to this many, the triangular pairwise test on the latency order
 
 
 def _starts(*keys: np.ndarray) -> BoolArray:
@@ -118,6 +123,15 @@ def _exact(cols: tuple[np.ndarray, ...]) -> BoolArray:
     return _dominated_bitsets(cols) if len(cols[0]) <= BITSET_UPTO else _dominated_pairwise(cols)
 
 
+def _dominated_in_order(pers: FloatArray, act: FloatArray, gpus: IntArray) -> BoolArray:
+    """Mask of the points (distinct, sorted by latency then resident, active, GPUs) an earlier point
+    is ≤ in resident, active and GPUs: row j, column i of the comparison is "j ≤ i"."""
+    le = pers[:, None] <= pers[None, :]
+    le &= act[:, None] <= act[None, :]
+    le &= gpus[:, None] <= gpus[None, :]
+    return np.asarray(np.triu(le, 1).any(axis=0), dtype=bool)
+
+
 def frontier(table: CandidateTable, limit_bytes: float) -> CandidateTable:
     """Feasible, non-dominated candidates of ``table``, sorted by latency.
 
@@ -125,9 +139,17 @@ def frontier(table: CandidateTable, limit_bytes: float) -> CandidateTable:
     minus the runtime reserve). Of identical candidates the first is kept; candidates of equal
     latency are ordered by (resident, active, GPUs).
     """
-    t = table.take(np.flatnonzero(table.active <= limit_bytes))
+    feasible = table.active <= limit_bytes
+    t = table if feasible.all() else table.take(np.flatnonzero(feasible))
     if len(t) == 0:
         return t
+    if len(t) <= SORTED_UPTO:
+        order = np.lexsort((t.gpus, t.active, t.persistent, t.latency))
+        pers, act, gpus, lat = t.persistent[order], t.active[order], t.gpus[order], t.latency[order]
+        fresh = _starts(lat, pers, act, gpus)  # first of identical points (lexsort is stable)
+        if not fresh.all():
+            order, pers, act, gpus = order[fresh], pers[fresh], act[fresh], gpus[fresh]
+        return t.take(order[~_dominated_in_order(pers, act, gpus)])
     order = np.lexsort((t.latency, t.gpus, t.active, t.persistent))
     pers, act, gpus, lat = t.persistent[order], t.active[order], t.gpus[order], t.latency[order]
     fresh = _starts(pers, act, gpus, lat)  # first of identical points (lexsort is stable)

@@ -76,22 +76,34 @@ class StageSolver:
     def __init__(self, tables: Sequence[CandidateTable]) -> None:
         self.tables = list(tables)  # each sorted by latency (``frontier`` output)
         self._memo: dict[tuple[float, float, int], StageChoice | None] = {}
+        self._fastest: dict[tuple[float, float, int], float] = {}  # latency alone (INF: none)
         self._running: dict[tuple[float, int], list[float]] = {}  # one table: −running min of active
         # active caps between two consecutive values the candidates take admit the same
         # candidates: a call is keyed by the largest value at or under its cap (fewer distinct calls)
-        lat = np.concatenate([t.latency for t in self.tables])
-        order = np.argsort(lat, kind="stable")
-        self._lat = lat[order]
-        self._pers = np.concatenate([t.persistent for t in self.tables])[order]
-        self._act = np.concatenate([t.active for t in self.tables])[order]
+        if len(self.tables) == 1:  # nothing to merge: the table's own order, when it is sorted
+            t = self.tables[0]
+            lat = t.latency
+            ordered = len(lat) < 2 or bool((lat[1:] >= lat[:-1]).all())
+            order = np.arange(len(lat)) if ordered else np.argsort(lat, kind="stable")
+            self._lat = lat if ordered else lat[order]
+            self._pers = t.persistent if ordered else t.persistent[order]
+            self._act = t.active if ordered else t.active[order]
+            self._gpus = t.gpus.astype(np.int64)[order]
+            self._local = order
+        else:
+            lat = np.concatenate([t.latency for t in self.tables])
+            order = np.argsort(lat, kind="stable")
+            self._lat = lat[order]
+            self._pers = np.concatenate([t.persistent for t in self.tables])[order]
+            self._act = np.concatenate([t.active for t in self.tables])[order]
+            self._gpus = np.concatenate([t.gpus for t in self.tables]).astype(np.int64)[order]
+            self._local = np.concatenate([np.arange(len(t)) for t in self.tables])[order]
+            which = np.concatenate([np.full(len(t), k) for k, t in enumerate(self.tables)])[order]
+            # row k: table k's GPUs where the row is table k's, else "never enough"
+            self._base = np.where(which[None, :] == np.arange(len(self.tables))[:, None], self._gpus, NEVER)
         self._actives: list[float] = np.unique(self._act).tolist()
         self._levels: list[float] = np.unique(self._pers).tolist()
-        self._gpus = np.concatenate([t.gpus for t in self.tables]).astype(np.int64)[order]
-        self._local = np.concatenate([np.arange(len(t)) for t in self.tables])[order]
-        which = np.concatenate([np.full(len(t), k) for k, t in enumerate(self.tables)])[order]
         self._big = NEVER
-        # row k: table k's GPUs where the row is table k's, else "never enough"
-        self._base = np.where(which[None, :] == np.arange(len(self.tables))[:, None], self._gpus, self._big)
 
     def resident_levels(self) -> list[float]:
         return self._levels
@@ -105,6 +117,46 @@ class StageSolver:
         if found is MISSING:
             found = self._memo[key] = self._solve(*key)
         return found  # type: ignore[return-value]
+
+    def latency(self, x: float, y: float, budget: int) -> float:
+        """``solve(x, y, budget).latency`` (INF: no solution) without the picks: the answer is the
+        latency of the first position where the stage fits (its slowest pick has exactly that
+        latency, or an earlier position would fit already)."""
+        i = bisect.bisect_right(self._actives, y)
+        if i == 0:
+            return INF
+        key = (x, self._actives[i - 1], budget)
+        found = self._fastest.get(key)
+        if found is None:
+            if key in self._memo:
+                choice = self._memo[key]
+                found = INF if choice is None else choice.latency
+            else:
+                found = self._first_fit(*key)
+            self._fastest[key] = found
+        return found
+
+    def _first_fit(self, x: float, y: float, budget: int) -> float:
+        if len(self.tables) == 1:
+            lowest = self._lowest_active(x, budget)
+            i = bisect.bisect_left(lowest, -y)
+            return INF if i == len(lowest) else float(self._lat[i])
+        ok = (self._pers <= x) & (self._act <= y) & (self._gpus <= budget)
+        need = np.minimum.accumulate(np.where(ok, self._base, NEVER), axis=1)
+        fits = need.sum(axis=0) <= budget
+        i = int(fits.argmax()) if len(fits) else 0
+        return float(self._lat[i]) if len(fits) and fits[i] else INF
+
+    def _lowest_active(self, x: float, budget: int) -> list[float]:
+        """One table: −(running minimum of active memory over the rows within (x, budget)); the
+        running minimum first reaches y at the fastest admissible candidate, so one serves every y."""
+        lowest = self._running.get((x, budget))
+        if lowest is None:
+            within = (self._pers <= x) & (self._gpus <= budget)
+            lowest = self._running[(x, budget)] = (
+                -np.minimum.accumulate(np.where(within, self._act, INF))
+            ).tolist()
+        return lowest
 
     def bounds(self, xs: Sequence[float], y: float, budget: int) -> list[float]:
         """``solve(x, y, budget).latency`` (INF: no solution) for every resident cap in ``xs``,
@@ -126,14 +178,7 @@ class StageSolver:
 
     def _solve(self, x: float, y: float, budget: int) -> StageChoice | None:
         if len(self.tables) == 1:  # one model-stage: its fastest admissible candidate
-            # the running minimum of active memory over rows within (x, budget) first reaches y
-            # at that candidate; one running minimum serves every y
-            lowest = self._running.get((x, budget))
-            if lowest is None:
-                within = (self._pers <= x) & (self._gpus <= budget)
-                lowest = self._running[(x, budget)] = (
-                    -np.minimum.accumulate(np.where(within, self._act, INF))
-                ).tolist()
+            lowest = self._lowest_active(x, budget)
             i = bisect.bisect_left(lowest, -y)
             if i == len(lowest):
                 return None
@@ -168,7 +213,8 @@ def solve_coupled(solvers: Sequence[StageSolver], budget: int, limit: float) -> 
     cannot do better than solve(x, limit − Σ others' floors). The bound does not increase with x,
     so each stage's caps in descending order are already sorted by bound; a stage's bounds come
     from one batched pass. A visited combination stops being solved as soon as the stages solved
-    so far plus the others' bounds reach the best plan found.
+    so far plus the others' bounds reach the best plan found. Combinations are compared by
+    latency alone (``StageSolver.latency``); the picks are made once, for the best.
     """
     levels = [s.resident_levels()[::-1] for s in solvers]  # descending: bound ascending
     if any(not lv for lv in levels):
@@ -180,7 +226,7 @@ def solve_coupled(solvers: Sequence[StageSolver], budget: int, limit: float) -> 
         for k, solver in enumerate(solvers):
             others = sum(levels[j][lowest[j]] for j in range(len(levels)) if j != k)
             i = lowest[k]
-            while i >= 0 and solver.solve(levels[k][i], limit - others, budget) is None:
+            while i >= 0 and solver.latency(levels[k][i], limit - others, budget) == INF:
                 i -= 1
             if i < 0:
                 return None
@@ -189,7 +235,7 @@ def solve_coupled(solvers: Sequence[StageSolver], budget: int, limit: float) -> 
     levels = [lv[: i + 1] for lv, i in zip(levels, lowest, strict=True)]
     floor = [lv[-1] for lv in levels]
     slack = [limit - (sum(floor) - floor[k]) for k in range(len(levels))]
-
+    n = len(levels)
     known: list[list[float]] = [[] for _ in levels]  # bounds of each stage's first caps
 
     def bound(k: int, i: int) -> float:
@@ -198,44 +244,52 @@ def solve_coupled(solvers: Sequence[StageSolver], budget: int, limit: float) -> 
             have += solvers[k].bounds(levels[k][len(have) : i + BOUND_BATCH], slack[k], budget)
         return have[i]
 
-    n = len(levels)
     start = (0,) * n
     first = sum(bound(k, 0) for k in range(n))
     if first == INF:
         return None
     heap = [(first, start)]
     seen = {start}
-    best: CoupledChoice | None = None
+    best, best_caps = INF, None
     while heap:
         lower, combo = heapq.heappop(heap)
-        if lower == INF or (best is not None and lower >= best.latency):
+        if lower == INF or lower >= best:
             break
-        caps = tuple(levels[k][i] for k, i in enumerate(combo))
+        caps = [levels[k][i] for k, i in enumerate(combo)]
         resident = sum(caps)
-        choices: list[StageChoice] = []
+        total = 0.0
         for k, solver in enumerate(solvers):
-            choice = solver.solve(caps[k], limit - (resident - caps[k]), budget)
-            if choice is None:
+            latency = solver.latency(caps[k], limit - (resident - caps[k]), budget)
+            if latency == INF:
                 break
-            choices.append(choice)
+            total += latency
             # the stages solved so far plus the bounds of the rest: a float sum no larger than the
             # total (addition is monotone), so at or above the best this combination cannot win
-            if best is not None and k + 1 < n:
-                floor_sum = sum([c.latency for c in choices] + [known[j][combo[j]] for j in range(k + 1, n)])
-                if floor_sum >= best.latency:
+            if best < INF and k + 1 < n:
+                floor_sum = total
+                for j in range(k + 1, n):
+                    floor_sum += known[j][combo[j]]
+                if floor_sum >= best:
                     break
         else:
-            total = sum(c.latency for c in choices)
-            if best is None or total < best.latency:
-                best = CoupledChoice(total, tuple(choices), caps)
+            if total < best:
+                best, best_caps = total, caps
         for k in range(n):
-            if combo[k] + 1 < len(levels[k]):
-                nxt = (*combo[:k], combo[k] + 1, *combo[k + 1 :])
+            i = combo[k] + 1
+            if i < len(levels[k]):
+                nxt = (*combo[:k], i, *combo[k + 1 :])
                 if nxt not in seen:
                     seen.add(nxt)
-                    step = bound(k, combo[k] + 1) - bound(k, combo[k])
-                    heapq.heappush(heap, (lower + step, nxt))
-    return best
+                    heapq.heappush(heap, (lower + (bound(k, i) - known[k][i - 1]), nxt))
+    if best_caps is None:
+        return None
+    resident = sum(best_caps)
+    stages = []
+    for k, solver in enumerate(solvers):  # the picks of the best caps (their latencies summed above)
+        choice = solver.solve(best_caps[k], limit - (resident - best_caps[k]), budget)
+        assert choice is not None
+        stages.append(choice)
+    return CoupledChoice(best, tuple(stages), tuple(best_caps))
 
 
 @dataclass(frozen=True, slots=True)

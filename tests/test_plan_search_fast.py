@@ -1,0 +1,117 @@
+"""The search's fast paths decide what the slow ones decide (issue 21): the frontier's sorted
+pairwise test against its bitset and grid paths, the stage solver's latency-only answer against
+its full one, and the exact program over stages against enumerating every assignment."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from nereus.plan import frontier as frontier_module
+from nereus.plan.candidates import CandidateTable
+from nereus.plan.frontier import frontier
+from tests.test_plan_speed import _brute_frontier, _random_table, _reference_solve
+
+search_module = importlib.import_module("nereus.plan.search")  # the package exports the function
+StageSolver, solve_coupled = search_module.StageSolver, search_module.solve_coupled
+
+pytestmark = pytest.mark.pure
+INF = math.inf
+
+
+@pytest.mark.parametrize("sorted_upto", [0, 40, 10**6])
+@pytest.mark.parametrize(("prefilter_above", "bitset_upto"), [(1024, 4096), (0, 4096), (0, 0)])
+def test_every_frontier_path_equals_the_brute_force(
+    monkeypatch: pytest.MonkeyPatch, sorted_upto: int, prefilter_above: int, bitset_upto: int
+) -> None:
+    monkeypatch.setattr(frontier_module, "SORTED_UPTO", sorted_upto)
+    monkeypatch.setattr(frontier_module, "PREFILTER_ABOVE", prefilter_above)
+    monkeypatch.setattr(frontier_module, "BITSET_UPTO", bitset_upto)
+    rng = np.random.default_rng(sorted_upto + prefilter_above + bitset_upto)
+    for _ in range(120):
+        table = _random_table(rng, int(rng.integers(1, 90)))
+        limit = float(rng.integers(0, 8))
+        assert frontier(table, limit).layout_index.tolist() == _brute_frontier(table, limit)
+
+
+def _tables(rng: np.random.Generator, count: int, rows: int, shuffle: bool) -> list[CandidateTable]:
+    out = []
+    for _ in range(count):
+        t = _random_table(rng, int(rng.integers(1, rows + 1)))
+        out.append(t if shuffle else t.take(np.argsort(t.latency, kind="stable")))
+    return out
+
+
+def test_latency_alone_equals_the_full_answer() -> None:
+    """``latency`` (no picks, asked first or after ``solve``) is ``solve``'s latency, and both are
+    the enumeration's; a single table need not come sorted."""
+    rng = np.random.default_rng(11)
+    for case in range(80):
+        tables = _tables(rng, int(rng.integers(1, 4)), 7, shuffle=case % 2 == 0)
+        if len(tables) > 1:
+            tables = [t.take(np.argsort(t.latency, kind="stable")) for t in tables]
+        first, second = StageSolver(tables), StageSolver(tables)
+        for x in first.resident_levels():
+            for y in (0.0, 1.0, 3.0, 6.0):
+                for budget in (1, 3, 8):
+                    fast = first.latency(x, y, budget)  # before any full solve
+                    choice = second.solve(x, y, budget)
+                    want = _reference_solve(tables, x, y, budget)
+                    assert fast == second.latency(x, y, budget) == (INF if want is None else want)
+                    assert (choice is None) == (want is None)
+                    if choice is not None:
+                        assert choice.latency == fast
+                        assert all(
+                            t.persistent[i] <= x and t.active[i] <= y and t.latency[i] <= fast
+                            for t, i in zip(tables, choice.picks, strict=True)
+                        )
+                        assert (
+                            sum(int(t.gpus[i]) for t, i in zip(tables, choice.picks, strict=True)) <= budget
+                        )
+
+
+def _brute_coupled(stages: list[list[CandidateTable]], budget: int, limit: float) -> float:
+    """min Σ_s max latency over every pick of one row per table, with each stage's GPUs within the
+    budget and each row's active memory plus the other stages' largest resident within the limit."""
+    best = INF
+    per_stage = [list(itertools.product(*[range(len(t)) for t in tables])) for tables in stages]
+    for picks in itertools.product(*per_stage):
+        resident = [
+            max(t.persistent[i] for t, i in zip(ts, p, strict=True))
+            for ts, p in zip(stages, picks, strict=True)
+        ]
+        total, ok = 0.0, True
+        for s, (tables, pick) in enumerate(zip(stages, picks, strict=True)):
+            others = sum(resident) - resident[s]
+            gpus = sum(int(t.gpus[i]) for t, i in zip(tables, pick, strict=True))
+            if gpus > budget or any(t.active[i] + others > limit for t, i in zip(tables, pick, strict=True)):
+                ok = False
+                break
+            total += max(float(t.latency[i]) for t, i in zip(tables, pick, strict=True))
+        if ok:
+            best = min(best, total)
+    return best
+
+
+def test_the_exact_program_equals_enumeration() -> None:
+    rng = np.random.default_rng(5)
+    for _ in range(60):
+        stages = [
+            _tables(rng, int(rng.integers(1, 3)), 5, shuffle=False) for _ in range(int(rng.integers(1, 4)))
+        ]
+        budget, limit = int(rng.integers(2, 10)), float(rng.integers(4, 14))
+        got = solve_coupled([StageSolver(ts) for ts in stages], budget, limit)
+        want = _brute_coupled(stages, budget, limit)
+        assert (got is None) == (want == INF)
+        if got is None:
+            continue
+        assert got.latency == pytest.approx(want, rel=1e-12, abs=1e-12)
+        resident = sum(got.caps)
+        for tables, cap, choice in zip(stages, got.caps, got.stages, strict=True):
+            rows = list(zip(tables, choice.picks, strict=True))
+            assert all(t.persistent[i] <= cap and t.active[i] + resident - cap <= limit for t, i in rows)
+            assert sum(int(t.gpus[i]) for t, i in rows) <= budget
