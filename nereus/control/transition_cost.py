@@ -27,7 +27,7 @@ from nereus.plan.layout import Plan
 from nereus.plan.problem import PlanningProblem
 from nereus.spec.workload import Stage
 from nereus.transition import NoSourceError, Transition
-from nereus.transition.between import Priced, price_transition
+from nereus.transition.between import Priced, ledger_capacity, price_transition, with_staging
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +89,8 @@ class DagEstimator:
             tr = price_transition(problem, current, target, lost, skip)
         except NoSourceError as exc:
             return TransitionEstimate(0.0, 0.0, False, str(exc))
+        if tr.classes is None:  # a per-unit DAG: its zero-copy staging counts in its memory
+            tr = Priced(with_staging(tr.transition, ledger_capacity(problem)))
         changed, resharded = tr.changed, tr.resharded
         peak = tr.peak_max + problem.reserved_bytes
         if not tr.feasible:

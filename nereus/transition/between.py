@@ -10,7 +10,7 @@ the runtime reserve), and schedules it (the better of two list-scheduling priori
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nereus.plan.layout import Plan
 from nereus.plan.problem import PlanningProblem
@@ -23,6 +23,7 @@ from nereus.transition.dag import TransitionDag
 from nereus.transition.links import link_model
 from nereus.transition.move import StageMove
 from nereus.transition.schedule import Schedule
+from nereus.transition.wire import staging_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +192,32 @@ def stage_moves(
 def ledger_capacity(problem: PlanningProblem) -> int:
     """Per-GPU bytes state and staging may use during a transition."""
     return int(problem.capacity_bytes - problem.reserved_bytes)
+
+
+def with_staging(tr: Transition, capacity: int) -> Transition:
+    """``tr`` with its staging counted in the ledger: each GPU's peak is its state's (the DAG's
+    bound) plus the bytes its zero-copy staging pool grows to (``wire.staging_bytes``; the pool is
+    kept until the transition ends, so it is added whole). A GPU over its capacity (the DAG's,
+    else ``capacity``: per-GPU bytes for state and staging, ``ledger_capacity``) makes the
+    transition infeasible, and the reason names it."""
+    dag = tr.dag
+    if not dag.feasible:
+        return tr
+    staging = staging_bytes(dag, tr.moves)
+    if not staging:
+        return tr
+    peak = {g: b + staging.get(g, 0) for g, b in dag.peak.items()}
+    peak.update({g: b for g, b in staging.items() if g not in peak})
+    cap = {g: dag.capacity.get(g, capacity) for g in peak}
+    over = sorted((g for g in peak if peak[g] > cap[g]), key=lambda g: (cap[g] - peak[g], g))
+    reason = ""
+    if over:
+        g = over[0]
+        reason = (
+            f"GPU {g} needs {peak[g]} bytes for state and staging ({staging.get(g, 0)} of them staging), "
+            f"{peak[g] - cap[g]} more than the {cap[g]} it has"
+        )
+    return replace(tr, dag=replace(dag, peak=peak, feasible=not over, reason=reason))
 
 
 def plan_transition(

@@ -51,7 +51,7 @@ from nereus.transition.wire import (
     Transfer,
     WirePlan,
     kinds_of,
-    staged_bytes,
+    staging_need,
     tag,
     takes_part,
     waves,
@@ -221,22 +221,10 @@ class Executor:
 
     # -------------------------------------------------------------- sending
     def _staging_need(self, mine: list[Node]) -> dict[int, int]:
-        """Staging bytes this rank's zero-copy messages of a wave need, per peer rank."""
-        need: dict[int, int] = {}
-        for node in mine:
-            if node.primitive is Primitive.DESTROY or node.source == STORAGE:
-                continue
-            receiver, provider = self.wire.policies(node)
-            kinds = kinds_of(receiver)
-            part = self.wire.part(node, self.gpu)
-            xs = [(x, True) for x in part.sends]
-            xs += [(x, False) for x in part.receive.transfers] if part.receive else []
-            for x, sending in xs:
-                if x.carry is Carry.PACKED:
-                    peer = self.rank_of_gpu[x.dst if sending else x.src]
-                    n = staged_bytes(x, kinds, provider if sending else receiver, sending)
-                    need[peer] = need.get(peer, 0) + n
-        return need
+        """Staging bytes this rank's zero-copy messages of a wave need, per peer rank (what
+        ``wire.staging_bytes`` counts for the ledger)."""
+        need = staging_need(self.wire, mine, self.gpu)
+        return {self.rank_of_gpu[g]: n for g, n in need.items()}
 
     def _send(self, x: Transfer, group: dist.ProcessGroup, ops: list[dist.P2POp]) -> None:
         src, dst = self.holder.units[x.src_unit], self.rank_of_gpu[x.dst]

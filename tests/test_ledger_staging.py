@@ -1,0 +1,102 @@
+"""The ledger counts zero-copy staging (issue 21): ``wire.staging_bytes`` is exactly what the
+executor's ``Staging`` pool grows to on each rank, and ``between.with_staging`` adds it to every
+GPU's state peak, so a capacity one byte short of state plus staging makes the transition
+infeasible, while the capacity that holds both is enough; admission (``DagEstimator``) prices a
+per-unit transition with it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nereus.plan.calibration import Efficiencies
+from nereus.spec import load_cluster
+from nereus.state.staging import Staging
+from nereus.transition import LinkModel, StageMove, Transition, build_dag
+from nereus.transition.between import with_staging
+from nereus.transition.execute import Executor
+from nereus.transition.wire import staging_bytes
+from tests.test_execute_zero_copy import STAGE, WORLD, reshards, start
+
+LINKS = LinkModel(load_cluster("local-cpu"), Efficiencies())
+
+
+def _staged(seed: int = 3, n: int = 12) -> list[Transition]:
+    """Random reshards on 4 GPUs whose zero-copy messages stage something."""
+    out = []
+    for _, _, move in reshards(n, seed):
+        dag = build_dag([move], {STAGE: 2}, LINKS, 2**40)
+        if staging_bytes(dag, [move]):
+            out.append(Transition(dag, None, (move,)))
+    return out
+
+
+def _replaced(move: StageMove) -> StageMove:
+    """The same layout on the GPUs in reverse order: whole ranks move, nothing is cut."""
+    lay, units = move.current_layout, [u.gpus for u in move.current]
+    return StageMove.between(STAGE, move.model, move.policy, lay, units, lay, [g[::-1] for g in units[::-1]])
+
+
+@pytest.mark.pure
+def test_some_reshards_stage_and_a_copy_of_whole_ranks_does_not() -> None:
+    assert len(_staged()) >= 3
+    for _, _, move in reshards(12, 3):
+        whole = _replaced(move)
+        dag = build_dag([whole], {STAGE: 2}, LINKS, 2**40)
+        assert dag.nodes and not staging_bytes(dag, [whole])
+
+
+@pytest.mark.pure
+def test_a_capacity_one_byte_short_of_state_and_staging_is_refused() -> None:
+    for tr in _staged():
+        move = tr.moves[0]
+        staging = staging_bytes(tr.dag, tr.moves)
+        need = max(tr.dag.peak.get(g, 0) + staging.get(g, 0) for g in set(tr.dag.peak) | set(staging))
+        tight = build_dag([move], {STAGE: 2}, LINKS, need)  # the state alone fits with room to spare
+        assert tight.feasible and max(tight.peak.values()) < need
+        counted = with_staging(Transition(tight, None, (move,)), need)
+        assert counted.feasible
+        assert counted.peak_max == need  # state + staging on the GPU that binds
+        assert all(counted.dag.peak[g] == tight.peak.get(g, 0) + b for g, b in staging.items())
+        short = build_dag([move], {STAGE: 2}, LINKS, need - 1)
+        assert short.feasible  # the DAG's own ledger (state only) would let it run
+        refused = with_staging(Transition(short, None, (move,)), need - 1)
+        assert not refused.feasible
+        assert "staging" in refused.dag.reason and "1 more than" in refused.dag.reason
+
+
+@pytest.mark.pure
+def test_an_infeasible_or_unstaged_transition_is_left_as_it_is() -> None:
+    whole = _replaced(reshards(1, 3)[0][2])
+    tr = Transition(build_dag([whole], {STAGE: 2}, LINKS, 2**40), None, (whole,))
+    assert with_staging(tr, 2**40) is tr
+    staged = _staged()[0]
+    move = staged.moves[0]
+    infeasible = Transition(build_dag([move], {STAGE: 2}, LINKS, 1), None, (move,))
+    assert not infeasible.feasible and with_staging(infeasible, 1) is infeasible
+
+
+def _pool_worker(rank: int, store: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    try:
+        lines = []
+        for tr in _staged(n=6):
+            move = tr.moves[0]
+            staging = Staging()
+            Executor(tr.dag, tr.moves, start(move, rank), {r: r for r in range(WORLD)}, staging=staging).run()
+            lines.append(f"{staging.nbytes} {staging_bytes(tr.dag, tr.moves).get(rank, 0)}")
+        Path(out, f"pool{rank}").write_text("\n".join(lines))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+def test_the_counted_staging_is_what_the_executor_holds(tmp_path: Path) -> None:
+    mp.spawn(_pool_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
+    for r in range(WORLD):
+        rows = [line.split() for line in (tmp_path / f"pool{r}").read_text().splitlines()]
+        assert rows and all(held == counted for held, counted in rows), (r, rows)
