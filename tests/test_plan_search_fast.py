@@ -4,6 +4,7 @@ its full one, and the exact program over stages against enumerating every assign
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 import math
@@ -23,19 +24,44 @@ pytestmark = pytest.mark.pure
 INF = math.inf
 
 
-@pytest.mark.parametrize("sorted_upto", [0, 40, 10**6])
-@pytest.mark.parametrize(("prefilter_above", "bitset_upto"), [(1024, 4096), (0, 4096), (0, 0)])
-def test_every_frontier_path_equals_the_brute_force(
-    monkeypatch: pytest.MonkeyPatch, sorted_upto: int, prefilter_above: int, bitset_upto: int
+def _numpy_brute_frontier(table: CandidateTable, limit: float) -> list[int]:
+    """``_brute_frontier`` by one all-pairs comparison (for tables too large for the loops)."""
+    rows = np.flatnonzero(table.active <= limit)
+    cols = [table.persistent[rows], table.active[rows], table.gpus[rows], table.latency[rows]]
+    same = np.ones((len(rows), len(rows)), dtype=bool)
+    le = np.ones_like(same)
+    for c in cols:
+        le &= c[:, None] <= c[None, :]
+        same &= c[:, None] == c[None, :]
+    earlier_twin = np.triu(same, 1).any(axis=0)  # identical to an earlier row: not the first
+    dominated = (le & ~same).any(axis=0)
+    kept = rows[~earlier_twin & ~dominated]
+    return sorted(
+        kept.tolist(),
+        key=lambda i: (table.latency[i], table.persistent[i], table.active[i], table.gpus[i], i),
+    )
+
+
+@pytest.mark.parametrize("pairwise_upto", [1, 7, 40, 160])
+def test_the_block_sweep_on_large_tables_equals_the_brute_force(
+    monkeypatch: pytest.MonkeyPatch, pairwise_upto: int
 ) -> None:
-    monkeypatch.setattr(frontier_module, "SORTED_UPTO", sorted_upto)
-    monkeypatch.setattr(frontier_module, "PREFILTER_ABOVE", prefilter_above)
-    monkeypatch.setattr(frontier_module, "BITSET_UPTO", bitset_upto)
-    rng = np.random.default_rng(sorted_upto + prefilter_above + bitset_upto)
-    for _ in range(120):
-        table = _random_table(rng, int(rng.integers(1, 90)))
+    """Many blocks, with survivors decided pairwise and by bitsets, ties in every coordinate."""
+    monkeypatch.setattr(frontier_module, "PAIRWISE_UPTO", pairwise_upto)
+    rng = np.random.default_rng(pairwise_upto)
+    for _ in range(25):
+        table = _random_table(rng, int(rng.integers(100, 700)))
+        table = dataclasses.replace(table, latency=table.latency * rng.integers(1, 40, len(table)))
+        limit = float(rng.integers(2, 8))
+        assert frontier(table, limit).layout_index.tolist() == _numpy_brute_frontier(table, limit)
+
+
+def test_the_numpy_brute_force_is_the_loop_brute_force() -> None:
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        table = _random_table(rng, int(rng.integers(1, 60)))
         limit = float(rng.integers(0, 8))
-        assert frontier(table, limit).layout_index.tolist() == _brute_frontier(table, limit)
+        assert _numpy_brute_frontier(table, limit) == _brute_frontier(table, limit)
 
 
 def _tables(rng: np.random.Generator, count: int, rows: int, shuffle: bool) -> list[CandidateTable]:

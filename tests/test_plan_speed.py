@@ -57,13 +57,12 @@ def _brute_frontier(table: CandidateTable, limit: float) -> list[int]:
     return sorted(kept, key=lambda i: (pts[i][3], *pts[i][:3]))
 
 
-@pytest.mark.parametrize(("prefilter_above", "bitset_upto"), [(1024, 4096), (0, 4096), (0, 0), (1024, 0)])
+@pytest.mark.parametrize("pairwise_upto", [1, 4, 16, 160])
 def test_frontier_equals_the_brute_force_on_every_path(
-    monkeypatch: pytest.MonkeyPatch, prefilter_above: int, bitset_upto: int
+    monkeypatch: pytest.MonkeyPatch, pairwise_upto: int
 ) -> None:
-    monkeypatch.setattr(frontier_module, "PREFILTER_ABOVE", prefilter_above)
-    monkeypatch.setattr(frontier_module, "BITSET_UPTO", bitset_upto)
-    rng = np.random.default_rng(prefilter_above + bitset_upto)
+    monkeypatch.setattr(frontier_module, "PAIRWISE_UPTO", pairwise_upto)
+    rng = np.random.default_rng(pairwise_upto)
     for _ in range(150):
         table = _random_table(rng, int(rng.integers(1, 90)))
         limit = float(rng.integers(0, 8))
