@@ -29,6 +29,7 @@ from nereus.plan.replica import FloatArray, IntArray
 
 BoolArray = np.ndarray
 PAIRWISE_UPTO = 160  # points; above, the block sweep (its first block this long, then doubling)
+BLOCK_UPTO = 2048  # points in a block at most: its bitsets stay under 0.5 MB
 
 
 def _starts(*keys: np.ndarray) -> BoolArray:
@@ -102,7 +103,7 @@ def dominated_in_order(pers: FloatArray, act: FloatArray, gpus: IntArray, lat: F
             np.minimum.at(added, (p[kept], g[kept]), act[kept])
             np.minimum.accumulate(added, axis=0, out=least)
             np.minimum.accumulate(least, axis=1, out=least)
-        lo, step = hi, 2 * step
+        lo, step = hi, min(2 * step, BLOCK_UPTO)
     return out
 
 
