@@ -6,14 +6,21 @@
   regained worker rebuild the engines (the move's ``rebuild_s``), the run finishes, and its actor
   matches the untouched run's (rollouts are keyed by sample id, not by replica or batch).
 - An experiment that names vLLM for a model it cannot serve exits 2 with one line.
+
+The runs a test compares (or two tests check) run side by side: each alone leaves a core idle
+part of the time, and none depends on another's timing.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,13 +50,38 @@ def rows(out: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def ppo(tmp: Path, name: str, drift: str) -> Path:
+def start(args: list[str], out: Path, err: Path) -> tuple[Path, subprocess.Popen[bytes]]:
+    """``nereus run ARGS --out OUT`` in the background, in a session of its own (stderr in
+    ``err``): its output folder and its process."""
+    with err.open("wb") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nereus.cli", "run", *args, "--out", str(out)],
+            stdout=subprocess.DEVNULL, stderr=stderr, cwd=ROOT, start_new_session=True,
+        )  # fmt: skip
+    return out, proc
+
+
+def ppo(tmp: Path, name: str, drift: str) -> tuple[Path, subprocess.Popen[bytes]]:
+    """Start the PPO experiment ``name`` (``BASE`` plus ``drift``) in the background."""
     exp = tmp / f"{name}.yaml"
     exp.write_text(BASE.format(name=name) + drift)
-    out = tmp / name
-    proc = run([str(exp), "--out", str(out)])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
+    return start([str(exp)], tmp / name, tmp / f"{name}.err")
+
+
+def finished(runs: list[tuple[Path, subprocess.Popen[bytes]]], timeout: float) -> list[Path]:
+    """Wait for every run; each must exit 0. A run still going when one fails (or at the
+    timeout) is killed with its workers."""
+    deadline = time.monotonic() + timeout
+    try:
+        for out, proc in runs:
+            code = proc.wait(timeout=max(deadline - time.monotonic(), 1))
+            assert code == 0, out.with_suffix(".err").read_text()[-3000:]
+    finally:
+        for _, proc in runs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return [out for out, _ in runs]
 
 
 def generated(row: dict[str, object]) -> float:
@@ -58,12 +90,31 @@ def generated(row: dict[str, object]) -> float:
     return float(gen["actor.gen"]["tokens"])
 
 
+Runs = dict[str, tuple[Path, subprocess.Popen[bytes]]]
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
+    """The GRPO and ReMax tiny experiments (3 steps each), started together, side by side: each
+    test waits for its own. Runs still going at the module's end are killed with their workers."""
+    tmp = tmp_path_factory.mktemp("tiny")
+    runs = {
+        algo: start(
+            [f"configs/experiments/{algo}-tiny.yaml", "--steps", "3"], tmp / algo, tmp / f"{algo}.err"
+        )
+        for algo in ("grpo", "remax")
+    }
+    yield runs
+    for _, proc in runs.values():
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("algo", ["grpo", "remax"])
-def test_the_tiny_experiments_generate_with_vllm(tmp_path: Path, algo: str) -> None:
-    out = tmp_path / algo
-    proc = run([f"configs/experiments/{algo}-tiny.yaml", "--steps", "3", "--out", str(out)])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_the_tiny_experiments_generate_with_vllm(tiny_runs: Runs, algo: str) -> None:
+    [out] = finished([tiny_runs[algo]], 560)
     steps = rows(out)
     assert [r["step"] for r in steps] == [0, 1, 2]
     for r in steps:
@@ -76,8 +127,9 @@ def test_the_tiny_experiments_generate_with_vllm(tmp_path: Path, algo: str) -> N
 
 @pytest.mark.timeout(900)
 def test_an_adaptive_run_rebuilds_the_engines_and_ends_with_the_untouched_actor(tmp_path: Path) -> None:
-    still = ppo(tmp_path, "still", "")
-    moved = ppo(tmp_path, "moved", DRIFT)
+    # the two runs side by side: each leaves a core idle part of the time (process and engine
+    # start-up, the restart and the rebuilds), and neither depends on the other's timing
+    still, moved = finished([ppo(tmp_path, "still", ""), ppo(tmp_path, "moved", DRIFT)], 840)
     steps = rows(moved)
     assert [r["step"] for r in steps] == list(range(6))
     assert all(generated(r) > 0 for r in steps)
