@@ -12,7 +12,7 @@ import pytest
 from nereus.errors import InfeasibleError
 from nereus.plan.bestfit import FreeGpus, group_spans, occupancy
 from nereus.plan.cache import PlanCache
-from nereus.plan.candidates import Shape
+from nereus.plan.candidates import Shape, twin_key
 from nereus.plan.cost import CostModel
 from nereus.plan.layout import Layout, Plan
 from nereus.plan.links import Links
@@ -147,3 +147,43 @@ def test_priced_links_of_searched_plans_mostly_agree_with_their_placement() -> N
             total += 1
     assert total >= 10
     assert agree / total >= 0.9
+
+
+def test_a_running_model_stage_is_priced_where_it_runs() -> None:
+    """Stage-mates share the pool in placement: on one whole node and five half-nodes, actor.train
+    (tp4·pp2) takes the whole node first and critic.train's TP-4 group is split over two nodes,
+    though alone it would fit the whole node. Priced alone it is intra-node; with the running plan
+    as the anchor (the controller's problem) it is priced where it runs, and the price key and
+    its twin key say so."""
+    base = make_problem(gpus=32)
+    gpn = base.cluster.gpus_per_node
+    pool = (0, 1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21)
+    p = dataclasses.replace(base, pool=pool)
+    one = Shape(Layout(1, 1), 1, 1, Recompute.NONE)
+    shapes = {m.name: one for m in p.workflow.model_stages}
+    shapes["actor.train"] = Shape(Layout(4, 2), 1, 1, Recompute.NONE)
+    shapes["critic.train"] = Shape(Layout(4, 1), 1, 1, Recompute.NONE)
+    plan = place(p.workflow, p.workload.mode, shapes, pool, gpn)
+    links = Links(p.cluster, p.efficiencies)
+    assert _placed_tp_link(plan, "critic.train", links) is Link.INTER
+    critic = next(m for m in p.workflow.model_stages if m.name == "critic.train")
+
+    def tp_classes(q: PlanningProblem) -> set[OpClass]:
+        terms, _ = CostModel(q).evaluate(critic, Layout(4, 1), np.array([1]), np.array([1]))
+        return {op for op, t in terms.parts["tp_comm"].by_class.items() if float(t[0]) > 0}
+
+    running = dataclasses.replace(p, anchor=plan)
+    assert tp_classes(p) == {AR_INTRA}
+    assert tp_classes(running) == {AR_INTER}
+    cache = PlanCache()
+    assert cache.price_key(running) != cache.price_key(p)
+    assert twin_key(running, critic) != twin_key(p, critic)
+    # another shape of the same model-stage is still priced by best fit on the pool
+    terms, _ = CostModel(running).evaluate(critic, Layout(4, 1), np.array([2]), np.array([1]))
+    assert (
+        terms.parts["tp_comm"].by_class[AR_INTER][0]
+        == CostModel(p)
+        .evaluate(critic, Layout(4, 1), np.array([2]), np.array([1]))[0]
+        .parts["tp_comm"]
+        .by_class[AR_INTER][0]
+    )

@@ -14,6 +14,9 @@ measured against ``place`` in ``tests/test_plan_pool_links.py``: the model-stage
 share the pool there (each is priced as if it had it alone), nodes with equal free GPUs are
 interchangeable here (placement breaks ties by node id), and the anchor and reserved-first rules
 are not replayed. On whole nodes the spans are the layout's (groups inside a node when they fit).
+A model-stage of the running plan that stays where it is at its shape is priced where it runs
+(``anchored``): so the controller's price of the running plan, and the ideal seconds the
+simulator pairs its telemetry with, read the links the plan uses, stage-mates and all.
 """
 
 from __future__ import annotations
@@ -25,9 +28,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from nereus.errors import InfeasibleError
+from nereus.plan.layout import Candidate
+from nereus.plan.problem import PlanningProblem
 from nereus.plan.replica import FloatArray
 
 Occupancy = tuple[int, ...]
+# a running model-stage priced where it runs: (name, tp, pp, dp, (TP, replica, DP) spans)
+Anchored = tuple[str, int, int, int, tuple[float, float, float]]
 
 
 def occupancy(pool: Sequence[int], gpus_per_node: int) -> Occupancy:
@@ -170,3 +177,50 @@ def group_spans(
             k = n[at]
             span[rows] = np.where(k > 1, k * gpn, np.minimum(inside, gpn))
     return spans[0], spans[1], spans[2]
+
+
+def _span(nodes: int, inside: float, gpn: int) -> float:
+    return float(nodes * gpn) if nodes > 1 else float(min(inside, gpn))
+
+
+def placed_spans(c: Candidate, gpus_per_node: int) -> tuple[float, float, float]:
+    """The spans of a placed candidate's worst TP group, replica and DP group, from its GPU ids
+    (the cost model's sense, as ``group_spans``)."""
+    gpn, size = gpus_per_node, c.layout.size
+    tp_n = max(_nodes(g, gpn) for g in c.tp_groups())
+    rep_n = max(_nodes(c.replica_gpus(r), gpn) for r in range(c.dp))
+    dp_n = max(_nodes(c.gpus[i::size], gpn) for i in range(size)) if c.dp > 1 else -(-size // gpn)
+    return _span(tp_n, c.layout.tp, gpn), _span(rep_n, size, gpn), _span(dp_n, size * c.dp, gpn)
+
+
+def _normal(span: float, gpn: int) -> float:
+    """A span as whole nodes once it leaves one (what the links read of it)."""
+    return span if span <= gpn else float(-(-span // gpn) * gpn)
+
+
+def anchored(problem: PlanningProblem) -> tuple[Anchored, ...]:
+    """Model-stages of the running plan (``problem.anchor``) that placement keeps where they are
+    at their shape (every GPU still in the pool: same layout and DP degree stay put) and whose
+    groups span other nodes there than best fit on the pool's occupancy predicts — say a
+    model-stage placed after a stage-mate took the whole nodes. The cost model prices those
+    shapes where they run, so the running plan's price (and the ideal seconds its telemetry is
+    paired with) reads the links it uses."""
+    plan = problem.anchor
+    if plan is None:
+        return ()
+    gpn = problem.cluster.gpus_per_node
+    pool = set(problem.pool)
+    profile = occupancy(problem.pool, gpn)
+    out: list[Anchored] = []
+    for c in plan.candidates:
+        if c.dp < 1 or not pool.issuperset(c.gpus):
+            continue
+        lay = c.layout
+        one = np.array([float(lay.tp)]), np.array([float(lay.size)]), np.array([float(c.dp)])
+        fit = tuple(_normal(float(x[0]), gpn) for x in group_spans(profile, gpn, *one))
+        where = placed_spans(c, gpn)
+        if c.dp == 1:  # no DP collective: its span reads nothing
+            where = (where[0], where[1], fit[2])
+        if where != fit:
+            out.append((c.model_stage, lay.tp, lay.pp, c.dp, where))
+    return tuple(out)

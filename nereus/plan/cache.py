@@ -8,8 +8,9 @@ calibration change. ``PlanCache`` keeps, per job (workload, models, cluster, hea
              space (what the lengths and the calibration do not change);
 * tables:    the priced candidate table of each model-stage, by *price key* — everything a price
              reads besides the job: the lengths, every efficiency and memory correction, the
-             search space's options and the pool's occupancy (free GPUs per node,
-             ``bestfit.occupancy``: on a fragmented pool best fit splits groups across nodes);
+             search space's options, the pool's occupancy (free GPUs per node,
+             ``bestfit.occupancy``: on a fragmented pool best fit splits groups across nodes) and
+             the running model-stages priced where they run (``bestfit.anchored``; usually none);
 * frontiers: each table's feasible non-dominated candidates (also per held layout);
 * programs:  the shapes the exact program chose from those frontiers, per pool size;
 * estimates: the full breakdown of a chosen shape;
@@ -39,7 +40,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from nereus.plan.bestfit import occupancy
+from nereus.plan.bestfit import anchored, occupancy
 from nereus.plan.calibration import Efficiencies
 from nereus.plan.candidates import (
     CandidateTable,
@@ -155,9 +156,9 @@ class PlanCache:
 
     def price_key(self, problem: PlanningProblem) -> PriceKey:
         s = problem.space
-        occupied = occupancy(problem.pool, problem.cluster.gpus_per_node)  # () on whole nodes
+        where = (occupancy(problem.pool, problem.cluster.gpus_per_node), anchored(problem))  # links
         return (problem.seq, self._efficiency_key(problem.efficiencies), s.recompute, s.shrink_micro_batch,
-                problem.max_tp, s.flat, s.overlap_dp_sync, s.paged_kv, occupied)  # fmt: skip
+                problem.max_tp, s.flat, s.overlap_dp_sync, s.paged_kv, where)  # fmt: skip
 
     def result_key(self, problem: PlanningProblem) -> Hashable | None:
         """Every non-job field of ``problem``; None when one cannot be hashed (no result memo)."""

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from nereus.plan.bestfit import anchored
 from nereus.plan.cost import Cost, CostModel, LatencyTerms
 from nereus.plan.layout import Layout
 from nereus.plan.memory import MemoryTerms
@@ -372,11 +373,13 @@ def _column(values: FloatArray, n: int) -> FloatArray:
 def twin_key(problem: PlanningProblem, model_stage: ModelStage) -> tuple[Any, ...]:
     """What the rows and the price of ``model_stage`` read besides the job, the pool and the
     prices: model-stages with equal keys have the same rows and the same terms but for the weight
-    sync (e.g. PPO's actor.inf and ref.inf, critic.inf and reward.inf of one model)."""
+    sync (e.g. PPO's actor.inf and ref.inf, critic.inf and reward.inf of one model); a running
+    model-stage priced where it runs (``bestfit.anchored``) has a key of its own."""
     s, name = problem.space, model_stage.name
     return (problem.model_of(model_stage), model_stage.stage, problem.workload.sequences(model_stage),
             s.fixed_layout(name), s.fixed_shape(name), name in s.flat, name in s.overlap_dp_sync,
-            name in s.paged_kv, recomputes_of(problem, model_stage))  # fmt: skip
+            name in s.paged_kv, recomputes_of(problem, model_stage),
+            next((a for a in anchored(problem) if a[0] == name), None))  # fmt: skip
 
 
 def candidate_table(cost: CostModel, model_stage: ModelStage) -> CandidateTable:

@@ -49,7 +49,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from nereus.plan.bestfit import group_spans, occupancy
+from nereus.plan.bestfit import anchored, group_spans, occupancy
 from nereus.plan.costterms import Cost, LatencyTerms, collective, compute, exposed, memory_bound
 from nereus.plan.layout import Layout
 from nereus.plan.links import Links
@@ -72,6 +72,7 @@ from nereus.spec.workload import ModelStage, Recompute, Stage
 
 __all__ = ["Cost", "CostModel", "LatencyTerms", "collective", "compute", "memory_bound"]
 
+Spans = tuple[FloatArray, FloatArray, FloatArray]  # per row: TP group, replica, DP group (GPUs)
 ADAM_BYTES_PER_PARAM = 30.0
 # Megatron-Core's default bucket: max(4e7, 1e6·dp) parameters ("larger DP sizes need larger
 # buckets to ensure collectives do not become latency-bound"); PyTorch DDP's is 25 MiB
@@ -110,6 +111,8 @@ class CostModel:
         self.links = Links(problem.cluster, problem.efficiencies)
         # free GPUs per node (``()``: whole nodes): where best fit must split groups across nodes
         self.occupancy = occupancy(problem.pool, problem.cluster.gpus_per_node)
+        # running model-stages that stay where they are, priced where they run at their shape
+        self.anchored = {a[0]: a[1:] for a in anchored(problem)}
         self.workflow = problem.workflow  # (built anew on every ``problem.workflow``)
 
     # ------------------------------------------------------------ dispatch
@@ -131,14 +134,16 @@ class CostModel:
         micro = micro_batch.astype(np.float64)
         n = self.problem.workload.sequences(model_stage)
         space = self.problem.space
+        spans = self.spans(rep, dpf, model_stage.name)
         if model_stage.stage is Stage.GEN:
-            terms, mem = self._generation(model, rep, dpf, micro, n, model_stage.name in space.paged_kv)
+            paged = model_stage.name in space.paged_kv
+            terms, mem = self._generation(model, rep, dpf, micro, n, spans, paged)
         elif model_stage.stage is Stage.INF:
-            terms, mem = self._inference(model, rep, dpf, micro, n)
+            terms, mem = self._inference(model, rep, dpf, micro, n, spans)
         else:
             overlap = model_stage.name in space.overlap_dp_sync
             fsdp = model_stage.name in self.fsdp
-            terms, mem = self._training(model, rep, dpf, micro, recompute, overlap or fsdp, fsdp)
+            terms, mem = self._training(model, rep, dpf, micro, recompute, spans, overlap or fsdp, fsdp)
         if self.syncs(model_stage):
             terms["weight_sync"] = self._weight_sync(rep)
         return LatencyTerms(MappingProxyType(terms)), mem
@@ -189,11 +194,22 @@ class CostModel:
         nbytes = np.maximum(rep.params_first, rep.params_last) * 2.0
         return collective(self.links, Collective.BROADCAST, rep.size, 2.0, nbytes, self.track)
 
-    def spans(self, rep: ReplicaFacts, dp: FloatArray) -> tuple[FloatArray, FloatArray, FloatArray]:
+    def spans(self, rep: ReplicaFacts, dp: FloatArray, name: str = "") -> Spans:
         """Per row, the spans of its TP groups, replicas and DP groups on this problem's pool:
         the layout's own on whole nodes, what best fit makes of them on a fragmented pool
-        (``bestfit.group_spans``)."""
-        return group_spans(self.occupancy, self.links.gpus_per_node, rep.tp, rep.size, dp)
+        (``bestfit.group_spans``); where model-stage ``name`` already runs at the row's shape
+        and stays (``bestfit.anchored``), where it runs."""
+        spans = group_spans(self.occupancy, self.links.gpus_per_node, rep.tp, rep.size, dp)
+        if name not in self.anchored:
+            return spans
+        tp, pp, d, where = self.anchored[name]
+        here = (rep.tp == tp) & (rep.pp == pp) & (dp == d)
+        if not here.any():
+            return spans
+        a, b, c = (
+            np.where(here, w, np.broadcast_to(x, here.shape)) for x, w in zip(spans, where, strict=True)
+        )
+        return a, b, c
 
     def _tp(self, rep: ReplicaFacts, nbytes: FloatArray, span: FloatArray) -> Cost:
         """One TP all-reduce of ``nbytes`` inside the TP group (spanning ``span`` GPUs)."""
@@ -260,6 +276,7 @@ class CostModel:
         dp: FloatArray,
         b: FloatArray,
         recompute: Recompute,
+        spans: Spans,
         overlap: bool = False,
         fsdp: bool = False,
     ) -> tuple[dict[str, Cost], MemoryTerms]:
@@ -273,7 +290,7 @@ class CostModel:
         gemm_mult = 4.0 if recompute is Recompute.FULL else 3.0
         attn_mult = 3.0 if recompute is Recompute.NONE else 4.0
         ctx_mb = b * s * (s + 1.0) / 2.0
-        tp_span, rep_span, dp_span = self.spans(rep, dp)
+        tp_span, rep_span, dp_span = spans
         t_compute = self._compute(gemm_mult * fwd_gemm, attn_mult * fwd_attn, model, rep, tokens, ctx_mb)
         n_ar = (6.0 if recompute is Recompute.FULL else 4.0) * rep.layers_first
         t_tp = self._tp(rep, tokens * model.hidden_size * ACT_BYTES, tp_span) * n_ar
@@ -321,7 +338,7 @@ class CostModel:
 
     # ------------------------------------------------------------ inference
     def _inference(
-        self, model: ModelSpec, rep: ReplicaFacts, dp: FloatArray, micro: FloatArray, n: int
+        self, model: ModelSpec, rep: ReplicaFacts, dp: FloatArray, micro: FloatArray, n: int, spans: Spans
     ) -> tuple[dict[str, Cost], MemoryTerms]:
         w = self.problem.workload
         seq = self.problem.seq
@@ -340,7 +357,7 @@ class CostModel:
             tokens,
             ctx_mb,
         )
-        tp_span, rep_span, _ = self.spans(rep, dp)
+        tp_span, rep_span, _ = spans
         t_tp = self._tp(rep, tokens * model.hidden_size * ACT_BYTES, tp_span) * (2.0 * rep.layers_first)
         t_pp = self._p2p(rep, tokens * model.hidden_size * ACT_BYTES, rep_span)
         slot = t_compute + t_tp + t_pp
@@ -370,6 +387,7 @@ class CostModel:
         dp: FloatArray,
         concurrency: FloatArray,
         n: int,
+        spans: Spans,
         paged: bool = False,
     ) -> tuple[dict[str, Cost], MemoryTerms]:
         w = self.problem.workload
@@ -389,7 +407,7 @@ class CostModel:
             _attn_flops(model, rep, prefill_ctx),
             model, rep, prefill_tokens / chunks, prefill_ctx / chunks,
         )  # fmt: skip
-        tp_span, rep_span, _ = self.spans(rep, dp)
+        tp_span, rep_span, _ = spans
         prefill_tp = self._tp(rep, prefill_tokens / chunks * h * ACT_BYTES, tp_span) * (2.0 * layers * chunks)
         # decode: continuous batching keeps `conc` sequences in flight; the longest (p95) ends it.
         # With pp stages, min(conc, pp) micro-groups circulate; a step = pp slots of one group.
