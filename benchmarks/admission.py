@@ -93,7 +93,9 @@ def run(
             for policy, gamma in runs:
                 label = f"nereus(γ={gamma:g})" if policy == "nereus" and gamma != 0.5 else policy
                 s = simulate(scenario(name, trace, offset, steps, seed=offset), policy, gamma)
-                per.setdefault(label, []).append({"trace": trace.stem, "offset": offset, **s.to_json()})
+                row = {"trace": trace.stem, "offset": offset, **s.to_json()}
+                row.update(breakdown=s.breakdown(), model=s.model_error())
+                per.setdefault(label, []).append(row)
     summary = {}
     for label, rows in per.items():
         summary[label] = {
@@ -104,6 +106,8 @@ def run(
             "oom_steps": sum(r["oom_steps"] for r in rows),
             "dropped_rollouts": statistics.mean(r["dropped_rollouts"] for r in rows),
             **{k: statistics.mean(r[k] for r in rows) for k in ASYNC_KEYS if all(k in r for r in rows)},
+            "breakdown": {k: statistics.mean(r["breakdown"][k] for r in rows) for k in rows[0]["breakdown"]},
+            "model": _model(rows),
             "windows": rows,
         }
     ref = summary["nereus"]["mean_step_s"]
@@ -120,7 +124,55 @@ def run(
             for p in policies
             if p not in ("static", "oracle")
         }
-    return {"policies": summary, "nereus_relative": ratios, "share_of_oracle_gain": shares}
+    return {
+        "policies": summary,
+        "nereus_relative": ratios,
+        "share_of_oracle_gain": shares,
+        "breakdown": {
+            f"{a}_minus_{b}": _gap(summary[a], summary[b])
+            for a, b in (("nereus", "static"), ("oracle", "static-best"), ("oracle", "static"))
+            if a in summary and b in summary
+        },
+    }
+
+
+def _mean(values: list[float | None]) -> float | None:
+    got = [v for v in values if v is not None]
+    return statistics.mean(got) if got else None
+
+
+def _model(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The planner's model against the truth over a policy's windows (``Summary.model_error``):
+    mean predicted / true step and its MAPE on the plans run, per model-stage, and for the
+    moves admitted the predicted gain and cost per move against the realized ones."""
+    models = [r["model"] for r in rows]
+    stages = sorted({n for m in models for n in m["stage_ratio"]})
+    keys = [k for k in models[0] if k not in ("stage_ratio", "moves")]
+    return {
+        **{k: _mean([m[k] for m in models]) for k in keys},
+        "moves": sum(m["moves"] for m in models),
+        "stage_ratio": {n: _mean([m["stage_ratio"].get(n) for m in models]) for n in stages},
+    }
+
+
+def _gap(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Where policy a's mean step differs from policy b's, seconds per step by component
+    (``Summary.breakdown``): ``plan`` (the truth's time of the steps that completed: plan
+    quality, on the pools each run saw), ``lost`` (steps preempted or out of memory), ``moves``,
+    ``restarts``, ``stalled``; and each one's share of the gap."""
+    parts = {
+        "plan": a["breakdown"]["useful_s"] - b["breakdown"]["useful_s"],
+        "lost": a["breakdown"]["lost_s"] - b["breakdown"]["lost_s"],
+        "moves": a["breakdown"]["moves_s"] - b["breakdown"]["moves_s"],
+        "restarts": a["breakdown"]["restarts_s"] - b["breakdown"]["restarts_s"],
+        "stalled": a["breakdown"]["stalled_s"] - b["breakdown"]["stalled_s"],
+    }
+    gap = a["mean_step_s"] - b["mean_step_s"]
+    return {
+        "gap_s": gap,
+        "by_component_s": parts,
+        "share": {k: (v / gap if gap else None) for k, v in parts.items()},
+    }
 
 
 def plot(results: dict[str, Any], out: Path) -> None:
@@ -203,12 +255,17 @@ def main() -> None:
             + f"  | nereus OOM {pol['nereus']['oom_steps']}",
             flush=True,
         )
+        for gap_name, gap in results[name]["breakdown"].items():
+            parts = "  ".join(f"{k} {v:+.1f}s" for k, v in gap["by_component_s"].items())
+            print(f"{'':16s} {gap_name}: {gap['gap_s']:+.1f}s/step = {parts}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     plot(results, args.out)
     summary = {
         name: {
             **r["nereus_relative"],
             "nereus_oom_steps": r["policies"]["nereus"]["oom_steps"],
+            "breakdown_s": {k: g["by_component_s"] for k, g in r["breakdown"].items()},
+            "model_step_ratio": {p: v["model"]["step_ratio"] for p, v in r["policies"].items()},
             **(
                 {
                     "oracle_vs_static": r["policies"]["oracle"]["mean_step_s"]

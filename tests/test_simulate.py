@@ -190,3 +190,19 @@ def test_simulate_bad_flags_exit_2(
     import re
 
     assert re.search(pattern, capsys.readouterr().err)
+
+
+def test_breakdown_adds_up_and_the_model_is_compared_with_the_truth() -> None:
+    """Where the wall time went (useful, lost, moves, restarts, stalled) adds up to the mean step;
+    every completed step records the model's prediction and the truth's quiet step of its plan,
+    and each admitted move the truth of the plan it left (its realized gain)."""
+    s = simulate(_scenario(SHIPPED[0], steps=12, seed=5), "nereus")
+    assert sum(s.breakdown().values()) == pytest.approx(s.mean_step_s)
+    done = [r for r in s.records if not r.lost]
+    assert all(r.predicted_s and r.quiet_s for r in done)
+    assert all(set(r.stage_quiet_s or {}) == set(r.plan) for r in done)
+    err = s.model_error()
+    assert err["step_ratio"] is not None and 0.2 < err["step_ratio"] < 5.0
+    assert set(err["stage_ratio"]) == set(s.records[0].plan)
+    moved = [r for r in s.records if any(t.kind.value == "move" for t in r.transitions)]
+    assert err["moves"] == len(moved) and all(r.moved_from_s for r in moved)

@@ -224,6 +224,12 @@ class _Run:
             )
             pipelined = self.pipeline.step(gen_s, trainer_s, sum(sync.values()))
             step_s = pipelined.step_s
+        predicted = price(ctl.problem(pool, seq), shapes_of(plan))  # the model's view of this step
+        quiet_stage = {n: sum(r.seconds.values()) for n, r in quiet.items()}
+        moved_from = None
+        if decision is not None and isinstance(decision.action, Move):
+            left = self._quiet(before, seq)
+            moved_from = _steady(before, {n: sum(r.seconds.values()) for n, r in left.items()})
         oom = self._oom(plan, peaks, {n: r.resident_bytes for n, r in quiet.items()})
         restart_s = 0.0
         if oom and not self.free:  # the step is lost: the job crashes and restarts from its checkpoint
@@ -252,6 +258,11 @@ class _Run:
             tuple(moved),
             pipelined,
             dropped,
+            predicted.step_latency_s,
+            _steady(plan, quiet_stage),
+            dict(predicted.latency),
+            quiet_stage,
+            moved_from,
         )
         telemetry = Telemetry(
             k,
@@ -340,6 +351,17 @@ class _Run:
 
 
 STATIC_BEST = "static-best"
+
+
+def _steady(plan: Plan, seconds: Mapping[str, float]) -> float:
+    """A plan's step from its model-stages' seconds, without waits or syncs: synchronous, each
+    stage's slowest in turn; asynchronous, generation beside inference and training."""
+    wf = plan.workflow
+    if plan.mode is not ExecutionMode.ASYNC:
+        return sync_step([seconds[m.name] for m in wf.by_stage(s)] for s in wf.stages)
+    gen = sync_step([[seconds[m.name] for m in wf.by_stage(Stage.GEN)]])
+    rest = sync_step([seconds[m.name] for m in wf.by_stage(s)] for s in wf.stages if s is not Stage.GEN)
+    return max(gen, rest)
 
 
 def _merged(a: Mapping[str, float], b: Mapping[str, float]) -> dict[str, float]:

@@ -79,6 +79,16 @@ class StepRecord:
     transitions: tuple[TransitionRecord, ...] = ()  # what moved at the boundary before the step
     pipeline: AsyncStep | None = None  # async: overlap, waits, sync and staleness of the step
     dropped_rollouts: int = 0  # async: rollouts generated ahead and dropped at or after this step
+    # what the planner's model (the controller's calibrated view) predicts for the plan's step,
+    # and the truth's steady step on a quiet machine (no noise, episodes, waits or syncs): the
+    # model's error on the plan it ran, per step and (``stage_*``) per model-stage
+    predicted_s: float | None = None
+    quiet_s: float | None = None
+    stage_predicted_s: Mapping[str, float] | None = None
+    stage_quiet_s: Mapping[str, float] | None = None
+    # a move at the boundary before the step: the quiet truth of the plan it left, on this
+    # step's lengths (the move's realized gain is ``moved_from_s − quiet_s``)
+    moved_from_s: float | None = None
 
     @property
     def lost(self) -> bool:
@@ -109,6 +119,11 @@ class StepRecord:
             "transitions": [t.to_json() for t in self.transitions],
             "async": self.pipeline.to_json() if self.pipeline is not None else None,
             "dropped_rollouts": self.dropped_rollouts,
+            "predicted_s": self.predicted_s,
+            "quiet_s": self.quiet_s,
+            "stage_predicted_s": dict(self.stage_predicted_s or {}),
+            "stage_quiet_s": dict(self.stage_quiet_s or {}),
+            "moved_from_s": self.moved_from_s,
         }
 
 
@@ -144,6 +159,48 @@ class Summary:
             "replans": self.replans,
             "dropped_rollouts": self.dropped_rollouts,
             **(self._async_json() if self.pipelined else {}),
+        }
+
+    def breakdown(self) -> dict[str, float]:
+        """Wall seconds per completed step by where they went: ``useful`` (steps that completed),
+        ``lost`` (steps preempted or out of memory, run again), ``moves``, ``restarts`` and
+        ``stalled`` (waiting for GPUs); they add up to ``mean_step_s``."""
+        done = sum(1 for r in self.records if not r.lost) or 1
+        return {
+            "useful_s": sum(r.step_s for r in self.records if not r.lost) / done,
+            "lost_s": sum(r.step_s for r in self.records if r.lost) / done,
+            "moves_s": sum(r.transition_s for r in self.records) / done,
+            "restarts_s": sum(r.restart_s for r in self.records) / done,
+            "stalled_s": sum(r.stalled_s for r in self.records) / done,
+        }
+
+    def model_error(self) -> dict[str, Any]:
+        """How the planner's model saw the plans this run ran: per completed step, its predicted
+        step over the truth's quiet one (``step_ratio``: mean predicted / truth; ``step_mape``),
+        the same per model-stage (``stage_ratio``), and for the moves admitted: predicted gain
+        per step and cost (the admission's ΔL and L_tran) against the realized ones (the truth's
+        quiet step of the plan left minus that of the plan moved to; the move's true seconds)."""
+        seen = [r for r in self.records if not r.lost and r.predicted_s and r.quiet_s]
+        ratios = [r.predicted_s / r.quiet_s for r in seen if r.predicted_s and r.quiet_s]
+        stage: dict[str, list[float]] = {}
+        for r in seen:
+            for name, truth in (r.stage_quiet_s or {}).items():
+                pred = (r.stage_predicted_s or {}).get(name, 0.0)
+                if truth > 0 and pred > 0:
+                    stage.setdefault(name, []).append(pred / truth)
+        moves = [r for r in self.records if r.moved_from_s is not None and r.decision]
+        gain_pred = [float(r.decision["delta_s"] or 0.0) for r in moves if r.decision]
+        gain_real = [(r.moved_from_s or 0.0) - (r.quiet_s or 0.0) for r in moves]
+        cost_pred = [float(r.decision["l_tran_s"] or 0.0) for r in moves if r.decision]
+        return {
+            "step_ratio": sum(ratios) / len(ratios) if ratios else None,
+            "step_mape": sum(abs(x - 1.0) for x in ratios) / len(ratios) if ratios else None,
+            "stage_ratio": {n: sum(v) / len(v) for n, v in sorted(stage.items())},
+            "moves": len(moves),
+            "move_gain_predicted_s": sum(gain_pred) / len(moves) if moves else None,
+            "move_gain_realized_s": sum(gain_real) / len(moves) if moves else None,
+            "move_cost_predicted_s": sum(cost_pred) / len(moves) if moves else None,
+            "move_cost_realized_s": sum(r.transition_s for r in moves) / len(moves) if moves else None,
         }
 
     def _async_json(self) -> dict[str, float]:
