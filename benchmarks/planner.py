@@ -14,7 +14,8 @@ Frontier-style ``mi250x-slingshot`` cluster from 8 to 1,024 GCDs. For every size
 * replans: what the planner costs inside the controller (``Controller._options``: the target and
   its held-layout alternatives), warm (the controller's ``PlanCache``) against cold (no cache), per
   kind of change since the last replan: none, the lengths, the calibration, the pool. ``warm`` of a
-  change is that replan's first search (the target); ``options`` the whole replan.
+  change is that replan's first search (the target), with the median of each of its phases
+  (``warm_target_pricing_ms``, ...); ``options`` the whole replan.
 
 Also the peak Python/NumPy memory of one dp search (tracemalloc). Writes
 ``benchmarks/results/planner.json`` and ``planner.png``.
@@ -118,10 +119,10 @@ def measure(gpus: int, repeats: int, run_exhaustive: bool, scip_limit_s: float |
     return row
 
 
-def _timed(fn: Callable[[], Any]) -> float:
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     started = time.perf_counter()
-    fn()
-    return (time.perf_counter() - started) * 1e3
+    out = fn()
+    return (time.perf_counter() - started) * 1e3, out
 
 
 def measure_replans(gpus: int, repeats: int) -> dict[str, Any]:
@@ -151,7 +152,11 @@ def measure_replans(gpus: int, repeats: int) -> dict[str, Any]:
                     t = replace(c.problem(q.pool, q.seq), efficiencies=q.efficiencies)
                     run = c._options if what == "options" else c.planner
                     row = times.setdefault(name, {})
-                    row.setdefault(f"{label}_{what}_ms", []).append(_timed(lambda r=run, t=t: r(t)))
+                    ms, result = _timed(lambda r=run, t=t: r(t))
+                    row.setdefault(f"{label}_{what}_ms", []).append(ms)
+                    if label == "warm" and what == "target":  # where the warm target search went
+                        for phase, v in result.timings.items():
+                            row.setdefault(f"warm_target_{phase}", []).append(v)
     for name, row in times.items():
         out[name] = {k: median(v) for k, v in row.items()}
     return out
