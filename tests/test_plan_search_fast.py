@@ -5,20 +5,22 @@ its full one, and the exact program over stages against enumerating every assign
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import itertools
 import math
 
 import numpy as np
 import pytest
 
+from nereus.errors import InfeasibleError
 from nereus.plan import frontier as frontier_module
+from nereus.plan.cache import PlanCache
 from nereus.plan.candidates import CandidateTable
 from nereus.plan.frontier import frontier
+from nereus.plan.problem import SeqStats
+from nereus.plan.program import SolverMemo, StageSolver, solve_coupled
+from nereus.plan.search import SOLVERS, search
+from tests.helpers import make_problem
 from tests.test_plan_speed import _brute_frontier, _random_table, _reference_solve
-
-search_module = importlib.import_module("nereus.plan.search")  # the package exports the function
-StageSolver, solve_coupled = search_module.StageSolver, search_module.solve_coupled
 
 pytestmark = pytest.mark.pure
 INF = math.inf
@@ -142,3 +144,53 @@ def test_the_exact_program_equals_enumeration() -> None:
             rows = list(zip(tables, choice.picks, strict=True))
             assert all(t.persistent[i] <= cap and t.active[i] + resident - cap <= limit for t, i in rows)
             assert sum(int(t.gpus[i]) for t, i in rows) <= budget
+
+
+def test_a_kept_stage_solver_answers_as_a_fresh_one() -> None:
+    """``SolverMemo`` hands back the solver of the same tables (by identity), whose memo then
+    holds answers to other budgets and caps: every answer equals a fresh solver's."""
+    rng = np.random.default_rng(17)
+    memo = SolverMemo(keep=3)
+    sets = [_tables(rng, int(rng.integers(1, 4)), 7, shuffle=False) for _ in range(5)]
+    for _ in range(4):
+        for tables in sets:
+            kept = memo.solver(tables)
+            assert len(memo) <= 3
+            fresh = StageSolver(tables)
+            for x in fresh.resident_levels():
+                for y in (1.0, 4.0):
+                    budget = int(rng.integers(1, 9))
+                    assert kept.latency(x, y, budget) == fresh.latency(x, y, budget)
+                    assert kept.solve(x, y, budget) == fresh.solve(x, y, budget)
+        newest = memo.solver(sets[-1])
+        assert memo.solver(sets[-1]) is newest  # kept
+        assert memo.solver([t.take(np.arange(len(t))) for t in sets[-1]]) is not newest  # other tables
+
+
+def test_held_layout_searches_through_one_cache_equal_cold_searches() -> None:
+    """The controller's replan: a target and its held-layout options under one set of prices share
+    stage solvers; each equals its cold search."""
+    problem = make_problem(gpus=32)
+    cache = PlanCache()
+    target = search(problem, cache)
+    current = {e.model_stage: e.shape.layout for e in target.estimates}
+    wf = problem.workflow
+    holds = [dict(current)] + [
+        {n: lay for n, lay in current.items() if wf.get(n).stage is not stage} for stage in wf.stages
+    ]
+    feasible = 0
+    for seq in (problem.seq, SeqStats(256, 2048 * 1.3, 2048 * 1.3)):
+        for hold in holds:
+            q = dataclasses.replace(problem, seq=seq, space=problem.space.holding(hold))
+            outcomes = []
+            for c in (cache, None):
+                try:
+                    found = search(q, c)
+                    outcomes.append((found.plan.candidates, found.step_latency_s))
+                except InfeasibleError as exc:  # a held layout may not fit the longer responses
+                    outcomes.append(str(exc))
+            assert outcomes[0] == outcomes[1]
+            feasible += not isinstance(outcomes[0], str)
+    solvers = next(iter(cache._priced.values())).programs[SOLVERS]
+    assert feasible >= len(holds)
+    assert len(solvers) < len(holds) * len(wf.stages)  # some were shared
