@@ -17,7 +17,9 @@ Frontier-style ``mi250x-slingshot`` cluster from 8 to 1,024 GCDs. For every size
   change is that replan's first search (the target), with the median of each of its phases
   (``warm_target_pricing_ms``, ...); ``options`` the whole replan.
 
-Also the peak Python/NumPy memory of one dp search (tracemalloc). Writes
+Times are wall clock; ``*_cpu_ms`` beside them is this process's CPU time (``time.process_time``),
+which other load on the machine inflates less. Also the peak Python/NumPy memory of one dp
+search (tracemalloc). Writes
 ``benchmarks/results/planner.json`` and ``planner.png``.
 """
 
@@ -74,10 +76,12 @@ def median(values: list[float]) -> float:
 def measure(gpus: int, repeats: int, run_exhaustive: bool, scip_limit_s: float | None) -> dict[str, Any]:
     p = problem(gpus)
     search(p)  # warm caches (imports, numpy)
-    runs, scip_runs = [], []
+    runs, scip_runs, cpu = [], [], []
     scip_result = None
     for _ in range(repeats):  # A B A B: dp, then scip on the same priced candidates
+        started = time.process_time()
         runs.append(search(p))
+        cpu.append((time.process_time() - started) * 1e3)
         if scip_limit_s is not None and (not scip_runs or scip_runs[-1] < 5.0):
             tables = build_tables(CostModel(p))
             started = time.perf_counter()
@@ -88,6 +92,7 @@ def measure(gpus: int, repeats: int, run_exhaustive: bool, scip_limit_s: float |
     row: dict[str, Any] = {
         "gpus": gpus,
         "dp_search_ms": median([r.search_ms for r in runs]),
+        "dp_search_cpu_ms": median(cpu),  # CPU time of this process: less sensitive to other load
         "dp_solve_ms": phases["frontier_ms"] + phases["program_ms"],
         "dp_phases_ms": phases,
         "dp_step_latency_s": dp.step_latency_s,
@@ -119,10 +124,11 @@ def measure(gpus: int, repeats: int, run_exhaustive: bool, scip_limit_s: float |
     return row
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    started = time.perf_counter()
+def _timed(fn: Callable[[], Any]) -> tuple[float, float, Any]:
+    """(wall ms, CPU ms of this process, what ``fn`` returned)."""
+    started, cpu = time.perf_counter(), time.process_time()
     out = fn()
-    return (time.perf_counter() - started) * 1e3, out
+    return (time.perf_counter() - started) * 1e3, (time.process_time() - cpu) * 1e3, out
 
 
 def measure_replans(gpus: int, repeats: int) -> dict[str, Any]:
@@ -152,8 +158,9 @@ def measure_replans(gpus: int, repeats: int) -> dict[str, Any]:
                     t = replace(c.problem(q.pool, q.seq), efficiencies=q.efficiencies)
                     run = c._options if what == "options" else c.planner
                     row = times.setdefault(name, {})
-                    ms, result = _timed(lambda r=run, t=t: r(t))
+                    ms, cpu_ms, result = _timed(lambda r=run, t=t: r(t))
                     row.setdefault(f"{label}_{what}_ms", []).append(ms)
+                    row.setdefault(f"{label}_{what}_cpu_ms", []).append(cpu_ms)
                     if label == "warm" and what == "target":  # where the warm target search went
                         for phase, v in result.timings.items():
                             row.setdefault(f"warm_target_{phase}", []).append(v)
@@ -243,6 +250,9 @@ def main() -> None:
         "max_dp_peak_mb": max(r["dp_peak_mb"] for r in rows),
         "replan_warm_target_ms_at_32": {k: v["warm_target_ms"] for k, v in replans[0].items() if k != "gpus"},
         "replan_cold_target_ms_at_32": {k: v["cold_target_ms"] for k, v in replans[0].items() if k != "gpus"},
+        "replan_warm_target_cpu_ms_at_32": {
+            k: v["warm_target_cpu_ms"] for k, v in replans[0].items() if k != "gpus"
+        },
     }
     extra = {"summary": summary, "replans": replans, "mode": "quick" if args.quick else "full"}
     path = write("planner", TARGETS, rows, extra, out=args.out)
