@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.background import Run, finished, start
 from tests.test_runtime_e2e import BASE as E2E_BASE
 from tests.test_runtime_e2e import DRIFT
 
@@ -50,38 +48,11 @@ def rows(out: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def start(args: list[str], out: Path, err: Path) -> tuple[Path, subprocess.Popen[bytes]]:
-    """``nereus run ARGS --out OUT`` in the background, in a session of its own (stderr in
-    ``err``): its output folder and its process."""
-    with err.open("wb") as stderr:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "nereus.cli", "run", *args, "--out", str(out)],
-            stdout=subprocess.DEVNULL, stderr=stderr, cwd=ROOT, start_new_session=True,
-        )  # fmt: skip
-    return out, proc
-
-
-def ppo(tmp: Path, name: str, drift: str) -> tuple[Path, subprocess.Popen[bytes]]:
+def ppo(tmp: Path, name: str, drift: str) -> Run:
     """Start the PPO experiment ``name`` (``BASE`` plus ``drift``) in the background."""
     exp = tmp / f"{name}.yaml"
     exp.write_text(BASE.format(name=name) + drift)
-    return start([str(exp)], tmp / name, tmp / f"{name}.err")
-
-
-def finished(runs: list[tuple[Path, subprocess.Popen[bytes]]], timeout: float) -> list[Path]:
-    """Wait for every run; each must exit 0. A run still going when one fails (or at the
-    timeout) is killed with its workers."""
-    deadline = time.monotonic() + timeout
-    try:
-        for out, proc in runs:
-            code = proc.wait(timeout=max(deadline - time.monotonic(), 1))
-            assert code == 0, out.with_suffix(".err").read_text()[-3000:]
-    finally:
-        for _, proc in runs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    return [out for out, _ in runs]
+    return start([str(exp)], tmp / name, ROOT)
 
 
 def generated(row: dict[str, object]) -> float:
@@ -90,30 +61,23 @@ def generated(row: dict[str, object]) -> float:
     return float(gen["actor.gen"]["tokens"])
 
 
-Runs = dict[str, tuple[Path, subprocess.Popen[bytes]]]
-
-
 @pytest.fixture(scope="module")
-def tiny_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
+def tiny_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
     """The GRPO and ReMax tiny experiments (3 steps each), started together, side by side: each
     test waits for its own. Runs still going at the module's end are killed with their workers."""
     tmp = tmp_path_factory.mktemp("tiny")
     runs = {
-        algo: start(
-            [f"configs/experiments/{algo}-tiny.yaml", "--steps", "3"], tmp / algo, tmp / f"{algo}.err"
-        )
+        algo: start([f"configs/experiments/{algo}-tiny.yaml", "--steps", "3"], tmp / algo, ROOT)
         for algo in ("grpo", "remax")
     }
     yield runs
-    for _, proc in runs.values():
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    for run in runs.values():
+        run.kill()
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("algo", ["grpo", "remax"])
-def test_the_tiny_experiments_generate_with_vllm(tiny_runs: Runs, algo: str) -> None:
+def test_the_tiny_experiments_generate_with_vllm(tiny_runs: dict[str, Run], algo: str) -> None:
     [out] = finished([tiny_runs[algo]], 560)
     steps = rows(out)
     assert [r["step"] for r in steps] == [0, 1, 2]
