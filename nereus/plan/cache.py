@@ -130,6 +130,7 @@ class PlanCache:
         self._priced: OrderedDict[PriceKey, _Priced] = OrderedDict()
         self._results: OrderedDict[Hashable, Any] = OrderedDict()
         self._placements: OrderedDict[Hashable, Plan] = OrderedDict()
+        self._last_where: tuple[Plan | None, tuple[int, ...], tuple[Hashable, ...]] | None = None
 
     def clear(self) -> None:
         self._job, self._eff, self._workflow = None, None, None
@@ -137,6 +138,7 @@ class PlanCache:
         self._priced.clear()
         self._results.clear()
         self._placements.clear()
+        self._last_where = None
 
     # ------------------------------------------------------------------ keys
     def bind(self, problem: PlanningProblem) -> Workflow:
@@ -156,9 +158,19 @@ class PlanCache:
 
     def price_key(self, problem: PlanningProblem) -> PriceKey:
         s = problem.space
-        where = (occupancy(problem.pool, problem.cluster.gpus_per_node), anchored(problem))  # links
+        where = self._where(problem)
         return (problem.seq, self._efficiency_key(problem.efficiencies), s.recompute, s.shrink_micro_batch,
                 problem.max_tp, s.flat, s.overlap_dp_sync, s.paged_kv, where)  # fmt: skip
+
+    def _where(self, problem: PlanningProblem) -> tuple[Hashable, ...]:
+        """What the links of a price read of the pool: its occupancy and the running model-stages
+        priced where they run; kept for the last (anchor, pool), which replans reuse."""
+        last = self._last_where
+        if last is not None and last[0] is problem.anchor and last[1] == problem.pool:
+            return last[2]
+        where = (occupancy(problem.pool, problem.cluster.gpus_per_node), anchored(problem))
+        self._last_where = (problem.anchor, problem.pool, where)
+        return where
 
     def result_key(self, problem: PlanningProblem) -> Hashable | None:
         """Every non-job field of ``problem``; None when one cannot be hashed (no result memo)."""
