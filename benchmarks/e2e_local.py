@@ -25,7 +25,10 @@ Per run, from ``DIR/metrics.jsonl`` (one object per executed step; a restart may
   accounted time; checkpoint share;
 * monitoring overhead: monitor_s (telemetry gather + the controller's decision + its broadcast)
   / step_time_s per step: mean, max, and the mean over steps without a replan (a replan runs the
-  planner inside monitor_s); target < 2 % of step time. The accounting rule (``ACCOUNTING``):
+  planner inside monitor_s); target < 2 % of step time. The leader's wait for the slowest rank
+  to reach the boundary (``straggler_s``) is the step's, counted with the steps; the shares with
+  it counted as monitoring (the accounting before it was measured) are reported too. The
+  accounting rule (``ACCOUNTING``):
   deciding the action of a boundary that runs a transition — a move, a restart, or the plan of
   the world a pool change re-forms — is that transition's own planning (``plan_s`` in the row),
   counted with the transitions' seconds, not as monitoring; every other decision (a quiet
@@ -81,7 +84,11 @@ ACCOUNTING = (
     "boundary that runs a transition (a move, a restart, or the plan of a world a pool change "
     "re-formed) is that transition's own planning: plan_s, counted in the transitions' seconds; "
     "every other decision (quiet boundaries, replans that keep the plan on an unchanged world) is "
-    "monitoring."
+    "monitoring. The leader's wait in the gather for the slowest rank to reach the boundary "
+    "(straggler_s: the step's time on that rank, which the next step's barrier would wait for with "
+    "no monitor at all; from every rank's wall-clock arrival, at most the gather's seconds) is "
+    "counted with the steps, not as monitoring; the shares with it counted as monitoring, the "
+    "accounting of runs before it existed, are reported too (*_with_straggler)."
 )
 WORKLOAD, MODEL, WORKERS = "ppo-tiny", "tiny-llama", 4
 FULL = {
@@ -170,7 +177,8 @@ def run_once(
 
 def summarise(policy: str, rows: list[dict[str, Any]], wall_s: float, rollouts: int) -> dict[str, Any]:
     """The figures of one run from its metrics rows."""
-    step_s = sum(r["step_time_s"] for r in rows)
+    straggler_s = sum(r.get("straggler_s", 0.0) for r in rows)  # the slowest rank's step (ACCOUNTING)
+    step_s = sum(r["step_time_s"] for r in rows) + straggler_s
     ckpt_s = sum(r["checkpoint_s"] for r in rows)
     mon_s = sum(r["monitor_s"] for r in rows)
     plan_s = sum(r.get("plan_s", 0.0) for r in rows)  # the transitions' own planning (ACCOUNTING)
@@ -185,7 +193,16 @@ def summarise(policy: str, rows: list[dict[str, Any]], wall_s: float, rollouts: 
     shares = [r["monitor_s"] / r["step_time_s"] for r in rows]
     quiet = [r["monitor_s"] / r["step_time_s"] for r in rows if r["decision"] is None]
     planned = [(r["monitor_s"] + r.get("plan_s", 0.0)) / r["step_time_s"] for r in rows]
+    waited = [(r["monitor_s"] + r.get("straggler_s", 0.0)) / r["step_time_s"] for r in rows]
+    waited_quiet = [
+        (r["monitor_s"] + r.get("straggler_s", 0.0)) / r["step_time_s"] for r in rows if r["decision"] is None
+    ]
     calm = [r["monitor_s"] for r in rows if r["decision"] is None and not r["transitions"]]
+    calm_waited = [
+        r["monitor_s"] + r.get("straggler_s", 0.0)
+        for r in rows
+        if r["decision"] is None and not r["transitions"]
+    ]
     tail = rows[-max(1, len(rows) // 4) :]
     return {
         "policy": policy,
@@ -193,6 +210,7 @@ def summarise(policy: str, rows: list[dict[str, Any]], wall_s: float, rollouts: 
         "accounted_s": accounted,
         "outside_steps_s": wall_s - accounted,  # process start, setup, final export and report
         "seconds": {"steps": step_s, "transitions": tran_s, "checkpoints": ckpt_s, "monitoring": mon_s},
+        "straggler_s": straggler_s,  # in "steps"
         "transition_planning_s": plan_s,  # in "transitions"
         "shares": {
             "steps": step_s / accounted,
@@ -205,7 +223,7 @@ def summarise(policy: str, rows: list[dict[str, Any]], wall_s: float, rollouts: 
         "tokens_per_s": tokens / accounted,
         "tokens_per_s_wall": tokens / wall_s,
         "tokens_per_step_s": tokens / step_s,  # steps alone, no overheads
-        "mean_step_time_s": step_s / len(rows),
+        "mean_step_time_s": (step_s - straggler_s) / len(rows),
         "transitions": len(moves),
         "restarts": int(by_kind.get("restart", {}).get("count", 0)),
         "transitions_by_kind": dict(sorted(by_kind.items())),
@@ -217,6 +235,10 @@ def summarise(policy: str, rows: list[dict[str, Any]], wall_s: float, rollouts: 
         "monitor_share_total": mon_s / step_s,
         "monitor_share_mean_with_planning": statistics.fmean(planned),
         "monitor_s_quiet_median": statistics.median(calm) if calm else None,
+        "monitor_share_mean_with_straggler": statistics.fmean(waited),
+        "monitor_share_max_with_straggler": max(waited),
+        "monitor_share_quiet_mean_with_straggler": statistics.fmean(waited_quiet) if waited_quiet else None,
+        "monitor_s_quiet_median_with_straggler": statistics.median(calm_waited) if calm_waited else None,
         "monitor_target_met": statistics.fmean(shares) < MONITOR_TARGET,
         "decisions": Counter(r["decision"]["verdict"] for r in rows if r["decision"]),
         "final_reward": rows[-1]["reward"],
@@ -228,6 +250,8 @@ def summarise(policy: str, rows: list[dict[str, Any]], wall_s: float, rollouts: 
                 "step": r["step"],
                 "step_time_s": r["step_time_s"],
                 "monitor_s": r["monitor_s"],
+                "straggler_s": r.get("straggler_s", 0.0),
+                "monitor_parts": r.get("monitor_parts", {}),
                 "plan_s": r.get("plan_s", 0.0),
                 "checkpoint_s": r["checkpoint_s"],
                 "weight_sync_s": r["weight_sync_s"],
@@ -264,6 +288,10 @@ MEDIAN_KEYS = (
     "monitor_share_total",
     "monitor_share_mean_with_planning",
     "monitor_s_quiet_median",
+    "monitor_share_mean_with_straggler",
+    "monitor_share_max_with_straggler",
+    "monitor_share_quiet_mean_with_straggler",
+    "monitor_s_quiet_median_with_straggler",
     "transition_planning_s",
     "final_reward",
     "reward_last_quarter",
@@ -423,7 +451,8 @@ def main() -> None:
                     f"{p:<7} #{rep}: wall {s['wall_s']:6.1f}s accounted {s['accounted_s']:6.1f}s "
                     f"{s['tokens_per_s']:6.1f} tok/s, {s['transitions']} transitions "
                     f"({s['restarts']} restarts, {s['transition_share']:.1%}), monitor "
-                    f"{s['monitor_share_mean']:.1%} mean / {s['monitor_share_max']:.1%} max, "
+                    f"{s['monitor_share_mean']:.1%} mean / {s['monitor_share_max']:.1%} max "
+                    f"({s['monitor_share_mean_with_straggler']:.1%} with the straggler wait), "
                     f"reward {s['final_reward']:.3f}, load {raw['load_average']['before'][0]:.1f}",
                     flush=True,
                 )

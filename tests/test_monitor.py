@@ -32,6 +32,7 @@ def report(health: str = "") -> RankReport:
         health,
         {"actor.train": 3 << 40},
         {"actor.gen": GenerationStats(64, 9, 0.5, 1)},
+        0.1 + 0.7,
     )
 
 
@@ -51,16 +52,17 @@ def _floats(*xs: float) -> bytes:
     [
         (b"", "not a rank report"),
         (b"\x00" * 7, "whole number"),
-        (_floats(2, 0, 0, 0, 0, 0, 0, 0), "not a rank report"),  # another format
-        (_floats(1, 0.5, 0, 0, 0, 0, 0, 0), "not a rank report"),
-        (_floats(1, 0, 1, 0, 0, 0, 0, 0), "header announces"),  # a stage time missing
-        (_floats(1, 0, -1, 0, 0, 0, 0, 0), "not a count"),
-        (_floats(1, 0, 1, 0, 0, 0, 0, 0, 5, 0.1), "not a count below 5"),  # no such model-stage
-        (_floats(1, 0, 1, 0, 0, 0, 0, 0, 0.5, 0.1), "not a count"),
-        (_floats(1, 0, 1, 0, 0, 0, 0, 0, 0, math.nan), "not finite"),
-        (_floats(1, 0, 0, 0, 0, 1, 0, 0, 0, 99, 0.1, 0.1), "not a count below"),  # no such op class
-        (_floats(1, 0, 0, 0, 0, 0, 1, 0, 0, 1, 1, 1.5, 0), "kv_usage"),
-        (_floats(1, 0, 0, 0, 0, 0, 0, 2) + b"\xff\xfe", "codec can't decode"),
+        (_floats(1, 0, 0, 0, 0, 0, 0, 0, 0), "not a rank report"),  # another format (the one before ready_s)
+        (_floats(2, 0.5, 0, 0, 0, 0, 0, 0, 0), "not a rank report"),
+        (_floats(2, 0, -1, 0, 0, 0, 0, 0, 0), "not a rank report"),  # a negative ready_s
+        (_floats(2, 0, 0, 1, 0, 0, 0, 0, 0), "header announces"),  # a stage time missing
+        (_floats(2, 0, 0, -1, 0, 0, 0, 0, 0), "not a count"),
+        (_floats(2, 0, 0, 1, 0, 0, 0, 0, 0, 5, 0.1), "not a count below 5"),  # no such model-stage
+        (_floats(2, 0, 0, 1, 0, 0, 0, 0, 0, 0.5, 0.1), "not a count"),
+        (_floats(2, 0, 0, 1, 0, 0, 0, 0, 0, 0, math.nan), "not finite"),
+        (_floats(2, 0, 0, 0, 0, 0, 1, 0, 0, 0, 99, 0.1, 0.1), "not a count below"),  # no such op class
+        (_floats(2, 0, 0, 0, 0, 0, 0, 1, 0, 0, 1, 1, 1.5, 0), "kv_usage"),
+        (_floats(2, 0, 0, 0, 0, 0, 0, 0, 2) + b"\xff\xfe", "codec can't decode"),
     ],
 )
 def test_a_malformed_report_is_refused(data: bytes, why: str) -> None:

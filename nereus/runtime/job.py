@@ -202,13 +202,14 @@ def behaviour(
 
 def algorithm_step(
     worker: Worker, plan: Plan, setup: JobSetup, step: int, max_new: int,
-    after_generate: Callable[[], None] | None = None,
+    after_generate: Callable[[Rollouts], None] | None = None,
 ) -> tuple[Rollouts, Tensor, dict[str, float]]:  # fmt: skip
     """One synchronous RL step on every worker; returns rollouts, scores and the step's metrics.
-    ``after_generate``: a hook (a scripted kill in the middle of the step)."""
+    ``after_generate``: a hook on the step's rollouts (the leader's boundary work that needs only
+    them, started early; a scripted kill in the middle of the step)."""
     r, base = generate_batch(worker, plan, setup, step, max_new)
     if after_generate is not None:
-        after_generate()
+        after_generate(r)
     scores, metrics = learn(worker, plan, setup, behaviour(worker, plan, step, step, r, base))
     return r, scores, metrics
 

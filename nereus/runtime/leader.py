@@ -27,8 +27,18 @@ from nereus.runtime.health import describe, unhealthy_members
 from nereus.runtime.job import JobSetup, restart_plan
 from nereus.runtime.membership import JOIN_QUEUE, JoinRequest, Membership
 from nereus.runtime.metrics import MetricsWriter, StepRecord
-from nereus.runtime.monitor import Lengths, Notice, RankReport, StepResult, gather_reports
+from nereus.runtime.monitor import (
+    Lengths,
+    Notice,
+    RankReport,
+    StepResult,
+    gather_reports,
+    step_record,
+    straggler_s,
+    telemetry,
+)  # fmt: skip
 from nereus.runtime.pool import SHRINK_GLOB, Change, drain_gpus, read_shrink_requests
+from nereus.runtime.rollout import Rollouts
 from nereus.runtime.worker import Worker
 from nereus.spec import ClusterSpec
 from nereus.telemetry import NodeInventory, read_node, reconcile
@@ -58,6 +68,8 @@ class Leader:
         self.helper = ThreadPoolExecutor(1, thread_name_prefix="nereus-leader")  # ``beside``
         self.probe_store = m.store.clone()  # type: ignore[attr-defined]  # the helper's own connection
         self.calm = False  # nothing can change the pool at this boundary (``calm_pool``)
+        self.early_s = 0.0  # the helper's seconds of early work for the latest boundary (``early``)
+        self._early: tuple[int, Future[Lengths]] | None = None  # (step, work) begun by ``ahead``
 
     def beside(self, work: Callable[[], T]) -> Future[T]:
         """``work`` on the leader's helper thread while this one waits in a collective (gloo lets
@@ -66,24 +78,76 @@ class Leader:
         return self.helper.submit(work)
 
     # ------------------------------------------------------------------ the monitor
-    def gather(self, worker: Worker, preempt: bool, result: StepResult) -> tuple[list[RankReport], Lengths]:
-        """Every rank's report (``gather_reports``) and the step's lengths. While this thread waits
-        for the reports, the helper measures the lengths and prices the running plan ahead at them
-        (``Controller.prepare``): the boundary's memory check, off the critical path."""
+    def ahead(self, step: int, rollouts: Rollouts) -> None:
+        """Step ``step`` generated ``rollouts``: its boundary's work that needs nothing else starts
+        on the helper now, beside the rest of the step (``early``)."""
+        self.settle()
+        self._early = (step, self.beside(lambda: self.early(step, rollouts)))
 
-        def early() -> Lengths:
-            self.calm = self.calm_pool(result.step + 1)
-            lengths = Lengths.of(result.rollouts)
-            self.controller.prepare(*lengths.seen)
-            return lengths
+    def early(self, step: int, rollouts: Rollouts) -> Lengths:
+        """The boundary after ``step``'s work that needs only its rollouts: whether nothing can
+        change the pool there (``calm_pool``), the step's lengths, and the running plan priced
+        ahead at them (``Controller.prepare``: the boundary's memory check)."""
+        began = time.perf_counter()
+        self.calm = self.calm_pool(step + 1)
+        lengths = Lengths.of(rollouts)
+        self.controller.prepare(*lengths.seen)
+        self.early_s = time.perf_counter() - began
+        return lengths
 
-        ready = self.beside(early)
+    def settle(self) -> None:
+        """Wait for the helper's early work, if any is under way (before anything else touches the
+        controller: a failed step's recovery, say); its answer is dropped."""
+        if self._early is not None:
+            _, work = self._early
+            self._early = None
+            work.exception()  # waits (what it found is dropped with it)
+        self.calm = False
+
+    def gather(
+        self, worker: Worker, preempt: bool, result: StepResult, ready_at: float = 0.0
+    ) -> tuple[list[RankReport], Lengths]:
+        """Every rank's report (``gather_reports``) and the step's lengths. The helper's early work
+        (``early``) began when the step generated (``ahead``); a step that did not say so (async
+        RL) starts it now, while this thread waits for the reports."""
+        early, self._early = self._early, None
+        if early is not None and early[0] == result.step:
+            ready = early[1]
+        else:
+            if early is not None:
+                early[1].exception()
+            self.early_s = 0.0
+            ready = self.beside(lambda: self.early(result.step, result.rollouts))
         try:
-            reports = gather_reports(worker, preempt)
+            reports = gather_reports(worker, preempt, ready_at)
         finally:  # a failed gather waits for the helper too: nothing else may touch the controller
             lengths = ready.result()
         assert reports is not None
         return reports, lengths
+
+    def monitor(
+        self, worker: Worker, preempt: bool, result: StepResult, plan: Plan, ready_at: float, t_monitor: float
+    ) -> tuple[Telemetry, Notice, float, Future[StepRecord], dict[str, float]]:  # fmt: skip
+        """The leader's side of the boundary after ``result`` (``plan``: the plan it ran on; from
+        ``t_monitor``): every rank's report (``gather``), the step's telemetry, the notice for
+        every rank, when the pool change began, and the step's record, built on the helper while
+        the notice travels; and where the seconds went (``StepRecord.monitor_parts``: "gather",
+        of it "straggler", the helper's early work "beside", "decide", and "record" once built)."""
+        reports, lengths = self.gather(worker, preempt, result, ready_at)
+        parts = {"gather": time.perf_counter() - t_monitor}
+        parts["straggler"] = min(straggler_s(reports), parts["gather"])  # the step's, not the monitor's
+        parts["beside"] = self.early_s
+        tel = telemetry(result, reports, self.m.members, 0.0, self.spec.calibrate, lengths)
+        notice, started = self.notice(result.step, reports, tel)
+        parts["decide"] = time.perf_counter() - started
+
+        def build() -> StepRecord:
+            began = time.perf_counter()
+            record = step_record(result, reports, plan, lengths)
+            parts["record"] = time.perf_counter() - began
+            return record
+
+        return tel, notice, started, self.beside(build), parts
 
     # ------------------------------------------------------------------ the action
     def notice(self, step: int, reports: Sequence[RankReport], tel: Telemetry) -> tuple[Notice, float]:
@@ -145,6 +209,7 @@ class Leader:
     ) -> Action:
         """After a failed step rolled back to ``plan``: the urgent replan on the survivors
         (``oom``: the model-stage that ran out of memory, which the controller corrects for)."""
+        self.settle()
         self.controller.adopt(plan)
         mean, p95 = (last.seq_len_mean, last.seq_len_p95) if last is not None else (1.0, 1.0)
         tel = Telemetry(step, self.clock(), mean, p95, self.m.members, oom=bool(oom), oom_stage=oom)
@@ -248,19 +313,23 @@ class Leader:
 
     def overheads(
         self, record: StepRecord, step: int, action: Action, reformed: bool, t_ckpt: float, t_monitor: float,
-        member_s: float,
+        member_s: float, parts: dict[str, float] | None = None,
     ) -> StepRecord:  # fmt: skip
         """``record`` (of ``step``) with its boundary's decision, its checkpoint's seconds (from
         ``t_ckpt`` to ``t_monitor``) and its monitoring seconds since ``t_monitor``, now that every
         rank has ``action``. Not monitoring: the pool change
         (``member_s``), and deciding the action of a boundary that runs a transition — a move, a
         restart, or the plan of the world a pool change re-formed (``reformed``) — which is that
-        transition's own planning (``plan_s``). Deciding to keep the plan on an unchanged world is
+        transition's own planning (``plan_s``); and the wait for the slowest rank to finish its
+        step (``parts["straggler"]``: the step's time on that rank, which the next step's barrier
+        would wait for with no monitor at all). Deciding to keep the plan on an unchanged world is
         monitoring."""
         record = self.with_decision(record, step)
+        parts = dict(parts or {})
         plan_s = self.decided_s if reformed or isinstance(action, Move | Restart) else 0.0
-        monitor_s = time.perf_counter() - t_monitor - member_s - plan_s
-        return record.with_overheads(monitor_s, t_monitor - t_ckpt, plan_s)
+        straggler = parts.get("straggler", 0.0)
+        monitor_s = time.perf_counter() - t_monitor - member_s - plan_s - straggler
+        return record.with_overheads(monitor_s, t_monitor - t_ckpt, plan_s, parts, straggler)
 
     def write(self, record: StepRecord, moved: list[TransitionRecord], plan: Plan) -> None:
         self.metrics.write(record.with_transitions([t.to_json() for t in moved]), plan)

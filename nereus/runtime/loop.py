@@ -5,8 +5,9 @@ training, ``asynchrony.async_step``) and the weight sync; then, at the step boun
 
 1. the monitor gathers every rank's report once, on the leader (stage seconds, held bytes,
    op-class timings, a pending preemption), into the controller's telemetry and its step record;
-   the leader's helper thread prices the running plan ahead while the reports arrive, and builds
-   the record while the notice travels (``Leader.beside``);
+   the leader's helper thread probes the pool and prices the running plan ahead at the step's
+   lengths from the moment the step generated (``Leader.ahead``), beside the rest of the step, and
+   builds the record while the notice travels (``Leader.beside``);
 2. **pool change**: the leader (GPU 0, which hosts the store and the controller) decides who is in
    the next generation — scripted losses, newcomers whose signed join requests it accepted (a
    ``grow`` job, or a scripted gain in local mode), nodes drained for shrink requests — and every
@@ -56,10 +57,11 @@ from nereus.runtime.job import JobSetup, algorithm_step, first_state, initial_pl
 from nereus.runtime.leader import Leader, measured_setup
 from nereus.runtime.membership import Membership
 from nereus.runtime.metrics import StepRecord, drop_rows_after
-from nereus.runtime.monitor import Notice, StepResult, gather_reports, step_record, telemetry
+from nereus.runtime.monitor import Notice, StepResult, gather_reports
 from nereus.runtime.pending import share as share_pending
 from nereus.runtime.pool import Change
 from nereus.runtime.preemption import Preemption
+from nereus.runtime.rollout import Rollouts
 from nereus.runtime.snapshot import Mark, agreed
 from nereus.runtime.worker import Worker
 from nereus.spec.workload import ExecutionMode, InFlight
@@ -78,6 +80,7 @@ class Boundary:
     change: Change | None = None
     member_s: float = 0.0  # the pool change: waiting for newcomers, re-forming the world
     action: Action | None = None  # the action, when the notice carried it (no pool change)
+    parts: tuple[tuple[str, float], ...] = ()  # where monitor_s went (``StepRecord.monitor_parts``)
 
 
 class JobLoop:
@@ -187,27 +190,29 @@ class JobLoop:
         t_ckpt = time.perf_counter()
         saved = self._checkpoint_if_due(step)
         t_monitor = time.perf_counter()
-        notice, later = None, None
+        ready_at = time.time()  # wall clock: comparable across this job's processes
+        notice, later, parts = None, None, dict[str, float]()
         if self.leader is None:
-            gather_reports(self.worker, self.preemption.requested)  # to the leader
+            gather_reports(self.worker, self.preemption.requested, ready_at)  # to the leader
             started = time.perf_counter()
         else:
-            reports, lengths = self.leader.gather(self.worker, self.preemption.requested, result)
-            tel = telemetry(result, reports, self.m.members, 0.0, self.spec.calibrate, lengths)
-            self.telemetry = tel
-            notice, started = self.leader.notice(step, reports, tel)
-            later = self.leader.beside(lambda: step_record(result, reports, self.plan, lengths))
+            self.telemetry, notice, started, later, parts = self.leader.monitor(
+                self.worker, self.preemption.requested, result, self.plan, ready_at, t_monitor
+            )
+        t_notice = time.perf_counter()
         try:
             notice = broadcast(notice, Notice)
         finally:  # the leader's record is built while the notice travels
             record = later.result() if later is not None else None
+        parts["notice"] = time.perf_counter() - t_notice
         if notice.preempted:
             return self._preempted(step, saved, record)
         change, member_s = self._pool_change(notice.change, started)
         if change is not None and self.m.gpu in change.leaving:
             self.m.close()
             return Outcome.LEFT
-        b = Boundary(step + 1, record, t_monitor, t_ckpt, change, member_s, notice.action)
+        got = tuple(parts.items())
+        b = Boundary(step + 1, record, t_monitor, t_ckpt, change, member_s, notice.action, got)
         return self._finish_boundary(b)
 
     def _rl_step(self, step: int) -> StepResult:
@@ -240,8 +245,16 @@ class JobLoop:
                 **res.overlap.as_dict(),
             }  # fmt: skip
             return StepResult(step, res.batch.rollouts, res.metrics, time.perf_counter() - t0, sync_s, info)
+        leader = self.leader
+
+        def generated(rollouts: Rollouts) -> None:  # the step's lengths are known: the leader's
+            if leader is not None:  # boundary work on them starts now, beside the rest of the step
+                leader.ahead(step, rollouts)
+            if hook is not None:
+                hook()
+
         rollouts, _, metrics = algorithm_step(
-            worker, self.plan, self.setup, step, spec.max_new_tokens_at(step), hook
+            worker, self.plan, self.setup, step, spec.max_new_tokens_at(step), generated
         )
         sync_s = worker.weight_sync(self.plan)
         return StepResult(step, rollouts, metrics, time.perf_counter() - t0, sync_s)
@@ -294,7 +307,7 @@ class JobLoop:
         record, reformed = None, b.change is not None and b.change.reforms
         if self.leader is not None and b.record is not None:  # with its decision and overheads
             times = (b.t_ckpt, b.t_monitor, b.member_s)
-            record = self.leader.overheads(b.record, b.step - 1, action, reformed, *times)
+            record = self.leader.overheads(b.record, b.step - 1, action, reformed, *times, dict(b.parts))
         moved, self.moved = self.moved, []
         change = b.change
         if change is not None and change.reforms:

@@ -61,6 +61,13 @@ class StepRecord:
     # restart): the transition's own planning, counted with the transitions, not as monitoring;
     # 0 when the boundary keeps its plan (a replan that keeps it is monitoring)
     plan_s: float = 0.0
+    # the leader's wait at the boundary for the slowest rank to finish its step and checkpoint:
+    # the step's time on that rank (the next step's barrier would wait for it with no monitor at
+    # all), so not in monitor_s; accounted beside it
+    straggler_s: float = 0.0
+    # the leader's boundary, in seconds: "gather" (until every report arrived; "straggler" of it),
+    # "decide" (the notice: the pool change probe and the action), "notice" (until every rank has it)
+    monitor_parts: dict[str, float] = field(default_factory=dict)
     efficiency: dict[str, float] = field(default_factory=dict)  # achieved, per op class (η = ideal/measured)
     memory_gib: dict[str, dict[str, float]] = field(default_factory=dict)  # peak allocated/reserved (GPU)
     # per generating model-stage: tokens, engine steps, peak KV share, preemptions
@@ -96,8 +103,14 @@ class StepRecord:
     def with_generation(self, generation: dict[str, dict[str, float]]) -> StepRecord:
         return replace(self, generation=generation)
 
-    def with_overheads(self, monitor_s: float, checkpoint_s: float, plan_s: float = 0.0) -> StepRecord:
-        return replace(self, monitor_s=monitor_s, checkpoint_s=checkpoint_s, plan_s=plan_s)
+    def with_overheads(
+        self, monitor_s: float, checkpoint_s: float, plan_s: float = 0.0,
+        parts: dict[str, float] | None = None, straggler_s: float = 0.0,
+    ) -> StepRecord:  # fmt: skip
+        return replace(
+            self, monitor_s=monitor_s, checkpoint_s=checkpoint_s, plan_s=plan_s,
+            monitor_parts=dict(parts or {}), straggler_s=straggler_s,
+        )  # fmt: skip
 
 
 def _row_step(line: str) -> int | None:

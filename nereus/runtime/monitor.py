@@ -46,6 +46,9 @@ class RankReport:
     health: str = ""  # its GPU's inventory as JSON when a health check was due (``health.py``)
     reserved_bytes: Mapping[str, int] = field(default_factory=dict)  # the allocator's reserved peaks
     generation: Mapping[str, GenerationStats] = field(default_factory=dict)  # its replicas' generation
+    # when this rank reached the boundary (its step and checkpoint done; wall-clock seconds since
+    # the epoch): the leader's wait for its slowest peer is the latest of these less its own
+    ready_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,12 +102,12 @@ class StepResult:
     asynchrony: Mapping[str, float] | None = None  # async: staleness, overlap, waits (``asynchrony.py``)
 
 
-def gather_reports(worker: Worker, preempt: bool) -> list[RankReport] | None:
+def gather_reports(worker: Worker, preempt: bool, ready_at: float = 0.0) -> list[RankReport] | None:
     """Every rank's report, in rank order, on the leader (rank 0); None on the others
-    (collective over the world)."""
+    (collective over the world). ``ready_at``: when this rank reached the boundary (``time.time``)."""
     report = RankReport(
         dict(worker.times.seconds), dict(worker.memory.peaks), preempt, tuple(worker.optimes),
-        worker.health.report(), dict(worker.memory.reserved), dict(worker.generation),
+        worker.health.report(), dict(worker.memory.reserved), dict(worker.generation), ready_at,
     )  # fmt: skip
     names = tuple(ms.name for ms in worker.workflow.model_stages)
     got = gather_bytes(pack_report(report, names), dst=0)
@@ -113,7 +116,7 @@ def gather_reports(worker: Worker, preempt: bool) -> list[RankReport] | None:
 
 OPS = tuple(OpClass)
 EXACT = 2**53  # integers up to this travel exactly as float64s
-HEADER = 8  # float64s: format, preempted, five counts, the health JSON's bytes
+HEADER = 9  # float64s: format, preempted, ready_at, five counts, the health JSON's bytes
 WIDTHS = (2, 2, 2, 4, 5)  # float64s per stage time, peak, reserved peak, op time, generation
 
 
@@ -124,7 +127,7 @@ def pack_report(r: RankReport, names: Sequence[str]) -> bytes:
     op_at = {op: i for i, op in enumerate(OPS)}
     health = r.health.encode()
     rows: list[tuple[float, ...]] = [
-        (1, r.preempted, len(r.stage_seconds), len(r.peak_bytes), len(r.reserved_bytes),
+        (2, r.preempted, r.ready_at, len(r.stage_seconds), len(r.peak_bytes), len(r.reserved_bytes),
          len(r.optimes), len(r.generation), len(health)),
         *((at[n], v) for n, v in r.stage_seconds.items()),
         *((at[n], _exact(v)) for n, v in r.peak_bytes.items()),
@@ -142,9 +145,9 @@ def pack_report(r: RankReport, names: Sequence[str]) -> bytes:
 def unpack_report(data: bytes, names: Sequence[str]) -> RankReport:
     """The report ``pack_report`` wrote; anything else is a ``MessageError``."""
     head = _floats(data[: 8 * HEADER])
-    if len(head) != HEADER or head[0] != 1 or head[1] not in (0.0, 1.0):
+    if len(head) != HEADER or head[0] != 2 or head[1] not in (0.0, 1.0) or head[2] < 0:
         raise MessageError("report: not a rank report")
-    counts = [_count(x) for x in head[2:]]
+    counts = [_count(x) for x in head[3:]]
     end = 8 * (HEADER + sum(c * w for c, w in zip(counts, WIDTHS, strict=False)))
     if len(data) != end + counts[-1]:
         raise MessageError(f"report: {len(data)} bytes, its header announces {end + counts[-1]}")
@@ -162,6 +165,7 @@ def unpack_report(data: bytes, names: Sequence[str]) -> RankReport:
             tuple(OpTime(name(i), OPS[_count(k, len(OPS))], a, b) for i, k, a, b in rows[3]),
             data[end:].decode(), {name(i): _count(v) for i, v in rows[2]},
             {name(i): GenerationStats(_count(t), _count(d), kv, _count(p)) for i, t, d, kv, p in rows[4]},
+            head[2],
         )  # fmt: skip
     except MessageError:
         raise
@@ -192,6 +196,14 @@ def _count(x: float, below: int = EXACT) -> int:
     if not (0 <= x < below and x == int(x)):
         raise MessageError(f"report: {x} is not a count below {below}")
     return int(x)
+
+
+def straggler_s(reports: Sequence[RankReport], me: int = 0) -> float:
+    """Seconds rank ``me`` waited at the boundary for its slowest peer to get there (to finish its
+    step and checkpoint): the latest ``ready_at`` less ``me``'s. That wait is the step's time on
+    that peer — the next step's barrier would wait for it with no monitor at all — not the
+    monitor's. Wall clocks of different hosts agree only to NTP's precision; the caller bounds it."""
+    return max(0.0, max(r.ready_at for r in reports) - reports[me].ready_at) if reports else 0.0
 
 
 def stage_times(reports: Sequence[RankReport]) -> dict[str, float]:
