@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -83,19 +84,38 @@ def scenario(name: str, trace: Path, offset: int, steps: int, seed: int) -> Scen
     )
 
 
-def run(
-    name: str, offsets: list[int], steps: int, sweep: bool, policies: tuple[str, ...] = POLICIES
-) -> dict[str, Any]:
+Unit = tuple[str, str, int, int, str, float]  # scenario, trace file, offset, steps, policy, γ
+
+
+def units(name: str, offsets: list[int], steps: int, sweep: bool, policies: tuple[str, ...]) -> list[Unit]:
+    """One simulation per trace, window and policy (and γ of the sweep), in report order."""
     runs = [(p, 0.5) for p in policies] + ([("nereus", g) for g in GAMMAS if g != 0.5] if sweep else [])
+    return [(name, str(t), o, steps, p, g) for t in TRACES for o in offsets for p, g in runs]
+
+
+def simulate_unit(unit: Unit) -> dict[str, Any]:
+    """One window under one policy: its summary, where its time went and the model's error."""
+    name, trace, offset, steps, policy, gamma = unit
+    s = simulate(scenario(name, Path(trace), offset, steps, seed=offset), policy, gamma)
+    row = {"trace": Path(trace).stem, "offset": offset, **s.to_json()}
+    row.update(breakdown=s.breakdown(), model=s.model_error())
+    return row
+
+
+def run(
+    name: str,
+    offsets: list[int],
+    steps: int,
+    sweep: bool,
+    policies: tuple[str, ...] = POLICIES,
+    done: dict[Unit, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """A scenario's report; ``done``: its windows already simulated (a parallel run), else here."""
     per: dict[str, list[dict[str, Any]]] = {}
-    for trace in TRACES:
-        for offset in offsets:
-            for policy, gamma in runs:
-                label = f"nereus(γ={gamma:g})" if policy == "nereus" and gamma != 0.5 else policy
-                s = simulate(scenario(name, trace, offset, steps, seed=offset), policy, gamma)
-                row = {"trace": trace.stem, "offset": offset, **s.to_json()}
-                row.update(breakdown=s.breakdown(), model=s.model_error())
-                per.setdefault(label, []).append(row)
+    for unit in units(name, offsets, steps, sweep, policies):
+        policy, gamma = unit[4], unit[5]
+        label = f"nereus(γ={gamma:g})" if policy == "nereus" and gamma != 0.5 else policy
+        per.setdefault(label, []).append(done[unit] if done is not None else simulate_unit(unit))
     summary = {}
     for label, rows in per.items():
         summary[label] = {
@@ -225,6 +245,10 @@ def main() -> None:
         help="one window, 12 steps, no 1,024-GPU scenario, async scenarios without the references",
     )
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument(
+        "--jobs", type=int, default=1, help="simulations run side by side in worker processes (same results)"
+    )
+    ap.add_argument("--no-sweep", action="store_true", help="leave out the γ sweep")
     args = ap.parse_args()
     plan: dict[str, tuple[list[int], int, bool, tuple[str, ...]]]
     if args.quick:
@@ -242,9 +266,20 @@ def main() -> None:
             "a100-8-32-async": ([0, 800, 1600, 2400], 40, False, POLICIES),
             "mi250x-256-async": ([0, 1200], 40, False, POLICIES),
         }
+    if args.jobs < 1:
+        ap.error("--jobs must be a positive integer")
+    if args.no_sweep:
+        plan = {
+            name: (offsets, steps, False, policies) for name, (offsets, steps, _, policies) in plan.items()
+        }
+    done: dict[Unit, dict[str, Any]] | None = None
+    if args.jobs > 1:
+        todo = [u for name, spec in plan.items() for u in units(name, *spec)]
+        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+            done = dict(zip(todo, pool.map(simulate_unit, todo), strict=True))
     results = {}
     for name, (offsets, steps, sweep, policies) in plan.items():
-        results[name] = run(name, offsets, steps, sweep, policies)
+        results[name] = run(name, offsets, steps, sweep, policies, done)
         rel = results[name]["nereus_relative"]
         pol = results[name]["policies"]
         print(
@@ -283,7 +318,7 @@ def main() -> None:
         "admission",
         TARGETS,
         results,
-        {"summary": summary, "mode": "quick" if args.quick else "full"},
+        {"summary": summary, "mode": "quick" if args.quick else "full", "sweep": not args.no_sweep},
         out=args.out,
     )
     print(f"wrote {path} and {args.out / 'admission.png'}")
