@@ -51,6 +51,7 @@ def test_the_block_sweep_on_large_tables_equals_the_brute_force(
     """Many blocks, with survivors decided pairwise and by bitsets, ties in every coordinate."""
     monkeypatch.setattr(frontier_module, "PAIRWISE_UPTO", pairwise_upto)
     monkeypatch.setattr(frontier_module, "BLOCK_UPTO", max(pairwise_upto, 64))
+    monkeypatch.setattr(frontier_module, "SURVIVORS_PAIRWISE_UPTO", pairwise_upto)
     rng = np.random.default_rng(pairwise_upto)
     for _ in range(25):
         table = _random_table(rng, int(rng.integers(100, 700)))

@@ -29,6 +29,7 @@ from nereus.plan.replica import FloatArray, IntArray
 
 BoolArray = np.ndarray
 PAIRWISE_UPTO = 160  # points; above, the block sweep (its first block this long, then doubling)
+SURVIVORS_PAIRWISE_UPTO = 384  # a block's survivors compared pairwise up to this many, else by bitsets
 BLOCK_UPTO = 2048  # points in a block at most: its bitsets stay under 0.5 MB
 
 
@@ -97,7 +98,7 @@ def dominated_in_order(pers: FloatArray, act: FloatArray, gpus: IntArray, lat: F
         hi = min(n, lo + step)
         kept = lo + np.flatnonzero(least[p[lo:hi], g[lo:hi]] > act[lo:hi])
         if len(kept) > 1:  # among themselves
-            among = _pairwise if len(kept) <= PAIRWISE_UPTO else _bitsets
+            among = _pairwise if len(kept) <= SURVIVORS_PAIRWISE_UPTO else _bitsets
             kept = kept[~among(pers[kept], act[kept], gpus[kept], lat[kept])]
         out[kept] = False
         if hi < n and len(kept):
