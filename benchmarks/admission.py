@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import statistics
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -201,7 +202,7 @@ def _gap(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def plot(results: dict[str, Any], out: Path) -> None:
+def plot(results: dict[str, Any], out: Path, stem: str = "admission") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -239,7 +240,7 @@ def plot(results: dict[str, Any], out: Path) -> None:
     ax.set_title("γ sweep", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "admission.png", dpi=110)
+    fig.savefig(out / f"{stem}.png", dpi=110)
     plt.close(fig)
 
 
@@ -255,6 +256,10 @@ def main() -> None:
         "--jobs", type=int, default=1, help="simulations run side by side in worker processes (same results)"
     )
     ap.add_argument("--no-sweep", action="store_true", help="leave out the γ sweep")
+    ap.add_argument(
+        "--scenarios", default="", help="comma-separated scenarios to run (default: all of the mode)"
+    )
+    ap.add_argument("--name", default="admission", help="result file stem (admission: admission.json/.png)")
     args = ap.parse_args()
     plan: dict[str, tuple[list[int], int, bool, tuple[str, ...]]]
     if args.quick:
@@ -274,6 +279,14 @@ def main() -> None:
         }
     if args.jobs < 1:
         ap.error("--jobs must be a positive integer")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", args.name):
+        ap.error(f"--name: a file stem of letters, digits, '_', '.', '-', got {args.name!r}")
+    if args.scenarios:
+        chosen = args.scenarios.split(",")
+        unknown = [n for n in chosen if n not in plan]
+        if unknown:
+            ap.error(f"--scenarios: unknown {', '.join(unknown)} (known: {', '.join(plan)})")
+        plan = {n: plan[n] for n in chosen}
     if args.no_sweep:
         plan = {
             name: (offsets, steps, False, policies) for name, (offsets, steps, _, policies) in plan.items()
@@ -301,7 +314,7 @@ def main() -> None:
             parts = "  ".join(f"{k} {v:+.1f}s" for k, v in gap["by_component_s"].items())
             print(f"{'':16s} {gap_name}: {gap['gap_s']:+.1f}s/step = {parts}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    plot(results, args.out)
+    plot(results, args.out, args.name)
     summary = {
         name: {
             **r["nereus_relative"],
@@ -322,13 +335,13 @@ def main() -> None:
         for name, r in results.items()
     }
     path = write(
-        "admission",
+        args.name,
         TARGETS,
         results,
         {"summary": summary, "mode": "quick" if args.quick else "full", "sweep": not args.no_sweep},
         out=args.out,
     )
-    print(f"wrote {path} and {args.out / 'admission.png'}")
+    print(f"wrote {path} and {args.out / f'{args.name}.png'}")
 
 
 if __name__ == "__main__":
