@@ -133,6 +133,11 @@ def import_error(name: str) -> str:
     return ""
 
 
+def requires(name: str) -> str | None:
+    """The third-party module engine ``name`` needs (None: only torch)."""
+    return _entry(name).requires
+
+
 def pipelines(name: str) -> bool:
     """Whether engine ``name``'s replicas may span pipeline stages (pp > 1)."""
     return _table[name].pipelines if name in _table else True

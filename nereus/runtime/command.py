@@ -197,13 +197,13 @@ def torch_checks(spec: Any) -> None:
     from nereus.rl.data import PromptDataset
     from nereus.rl.tokenizer import tokenizer_of
     from nereus.rl.verifiers import get_verifier, verifier_for_source
-    from nereus.runtime.engines import check_importable, engines_of, job_models
+    from nereus.runtime.engines import check_importable, default_cache, engines_of, job_models
     from nereus.spec import load_model, load_workload
     from nereus.spec.model import Head
     from nereus.state.geometry import shards
 
     workload, model = load_workload(spec.workload), load_model(spec.model)
-    check_importable(engines_of(spec, workload, job_models(model)))
+    check_importable(engines_of(spec, workload, job_models(model)), default_cache())
     tok = tokenizer_of(spec.tokenizer, spec.weights_of("actor"))
     if tok.vocab_size > model.vocab_size:
         raise ConfigError(

@@ -6,10 +6,15 @@ checks use it before a process starts.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from nereus.backends.registry import ENGINES, import_error, pipelines, refusal
+from nereus.backends.registry import ENGINES, import_error, pipelines, refusal, requires
 from nereus.errors import ConfigError
 from nereus.plan.problem import SearchSpace
 from nereus.spec.model import Head, ModelSpec
@@ -45,13 +50,76 @@ def space_of(engines: Mapping[str, str]) -> SearchSpace:
     return SearchSpace(flat=tuple(sorted(n for n, e in engines.items() if not pipelines(e))))
 
 
-def check_importable(engines: Mapping[str, str]) -> None:
+def check_importable(engines: Mapping[str, str], cache: Path | None = None) -> None:
     """A one-line ConfigError unless every engine's package imports (a broken vLLM install, say).
-    Imports them: run it in the preflight's child process."""
+    Imports them: run it in the preflight's child process. ``cache``: a file remembering the
+    installs that imported (``install_key``); an engine whose install imported before and has
+    not changed since is not imported again (importing vLLM costs seconds of CPU in a process
+    that only checks it, before every run). Only successes are remembered."""
+    known = _read_cache(cache)
     for name, engine in sorted(engines.items()):
+        key = install_key(engine) if cache is not None else ""
+        if key and known.get(engine) == key:
+            continue
         why = import_error(engine)
         if why:
             raise ConfigError(
                 f"engines.{name}: {engine} is installed but does not import ({why}); repair it "
                 f"(make install) or name another engine (allowed: {', '.join(ENGINES)})"
             )
+        if key and cache is not None:
+            known[engine] = key
+            _write_cache(cache, known)
+
+
+def default_cache() -> Path:
+    """Where ``check_importable`` remembers installs that import: the user's cache folder."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "nereus" / "engine-imports.json"
+
+
+def install_key(engine: str) -> str:
+    """A digest of what engine ``engine``'s import depends on here: the interpreter, the import
+    path and the modification time of every folder on it (installing or removing any package
+    changes its site-packages folder's), and the engine's own package folder. "" when it needs
+    no package (nothing to remember)."""
+    module = requires(engine)
+    if module is None:
+        return ""
+    import importlib.util
+
+    found = importlib.util.find_spec(module.split(".")[0])
+    if found is None or found.origin is None:
+        return ""
+    parts = [sys.executable, sys.version, engine, module]
+    for entry in [*sys.path, str(Path(found.origin).parent)]:
+        try:
+            parts.append(f"{entry}:{os.stat(entry or '.').st_mtime_ns}")
+        except OSError:
+            parts.append(f"{entry}:-")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _read_cache(cache: Path | None) -> dict[str, str]:
+    if cache is None:
+        return {}
+    try:
+        doc = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        return {}
+    return (
+        {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, str)}
+        if isinstance(doc, dict)
+        else {}
+    )
+
+
+def _write_cache(cache: Path, known: dict[str, str]) -> None:
+    """Best effort (a read-only home only costs the import next time), atomically."""
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, sort_keys=True))
+        tmp.replace(cache)
+    except OSError:
+        pass
