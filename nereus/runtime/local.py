@@ -14,8 +14,10 @@ boundary after a checkpoint, and the run ends with the signal's exit code
 supervisor kills the workers at once (the last checkpoint stays). The job succeeds when the
 leader does.
 
-The supervisor imports no torch: the workers (``member_main``, ``joiner_main``) import the
-runtime themselves. Edge module (processes).
+The supervisor imports no torch: the initial workers start from a fork server (where
+``multiprocessing`` offers one) that imports the runtime (``PRELOAD``: torch and the modules
+``member_main`` uses) once, before forking them, instead of every worker importing it anew; a
+joiner, started later by the leader, imports it itself. Edge module (processes).
 """
 
 from __future__ import annotations
@@ -37,6 +39,19 @@ from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.signals import STOP_SIGNALS, exit_code, start, stopped_by
 
 RDZV = "rendezvous.json"
+# What every initial worker imports before it takes part, imported once by the fork server.
+# Not vLLM: it reads its settings from the environment a worker sets up before building an
+# engine. ``nereus.cli``: a worker re-runs the main module of ``python -m nereus.cli``.
+PRELOAD = (
+    "nereus.cli",
+    "nereus.control.action",
+    "nereus.devices",
+    "nereus.runtime.checkpoint",
+    "nereus.runtime.loop",
+    "nereus.runtime.membership",
+    "nereus.runtime.preemption",
+    "nereus.backends.torch_native",
+)
 STRAGGLER_S = 60.0  # how long the other workers may take to stop after the leader did
 
 
@@ -84,7 +99,7 @@ def launch_local(spec: ExperimentSpec, out: Path, resume: bool = False, force: b
     key = outdir.prepare(out, resume, force)
     (out / RDZV).unlink(missing_ok=True)
     secret = secrets.token_bytes(32)
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     members = tuple(range(spec.workers))
     procs: list[BaseProcess] = [
         ctx.Process(
@@ -117,6 +132,17 @@ def launch_local(spec: ExperimentSpec, out: Path, resume: bool = False, force: b
         return Ending(exit_code(signal.SIGINT), signal.SIGINT, step, forced=True)
     signum = stopped_by(code)
     return Ending(code, signum, step if signum is not None else None)
+
+
+def _context() -> Any:
+    """The initial workers' start method: a fork server that imports ``PRELOAD`` once, where
+    there is one; else spawn. Either way a worker starts from a process that never ran the job
+    (no threads, sockets or torch state of the supervisor's)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
 
 
 def _step_of(path: Path) -> int | None:
