@@ -83,3 +83,25 @@ def test_a_broken_install_is_not_remembered(monkeypatch: pytest.MonkeyPatch, tmp
             check_importable({"actor.gen": "vllm"}, cache)
     assert calls == ["vllm", "vllm"]
     assert json.loads(cache.read_text()) == {"vllm": "an older install"}
+
+
+def test_the_fork_server_preloads_the_runtime_but_no_engine_package() -> None:
+    """The initial workers fork from a server that imported ``PRELOAD``: every module a worker
+    needs before its engines are built, and nothing that reads the settings a worker puts in its
+    environment first (vLLM), nor what only the supervisor uses (matplotlib)."""
+    import subprocess
+    import sys
+
+    from nereus.runtime import local
+
+    ctx = local._context()
+    assert ctx.get_start_method() == "forkserver"
+    code = (
+        "import sys; from nereus.runtime.local import PRELOAD\n"
+        "for m in PRELOAD: __import__(m)\n"
+        "print(sorted(m for m in ('torch', 'nereus.runtime.loop', 'vllm', 'matplotlib') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.stdout.strip() == "['nereus.runtime.loop', 'torch']", out.stderr[-2000:]
