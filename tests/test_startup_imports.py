@@ -88,7 +88,8 @@ def test_a_broken_install_is_not_remembered(monkeypatch: pytest.MonkeyPatch, tmp
 def test_the_fork_server_preloads_the_runtime_but_no_engine_package() -> None:
     """The initial workers fork from a server that imported ``PRELOAD``: every module a worker
     needs before its engines are built, and nothing that reads the settings a worker puts in its
-    environment first (vLLM), nor what only the supervisor uses (matplotlib)."""
+    environment first (vLLM), nor what only the supervisor uses (matplotlib), nor the main
+    module a worker re-runs (``nereus.cli``: runpy would warn on every worker's stderr)."""
     import subprocess
     import sys
 
@@ -99,7 +100,7 @@ def test_the_fork_server_preloads_the_runtime_but_no_engine_package() -> None:
     code = (
         "import sys; from nereus.runtime.local import PRELOAD\n"
         "for m in PRELOAD: __import__(m)\n"
-        "print(sorted(m for m in ('torch', 'nereus.runtime.loop', 'vllm', 'matplotlib') if m in sys.modules))"
+        "print(sorted(m for m in ('torch', 'nereus.runtime.loop', 'vllm', 'matplotlib', 'nereus.cli') if m in sys.modules))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False

@@ -41,16 +41,25 @@ from nereus.runtime.signals import STOP_SIGNALS, exit_code, start, stopped_by
 RDZV = "rendezvous.json"
 # What every initial worker imports before it takes part, imported once by the fork server.
 # Not vLLM: it reads its settings from the environment a worker sets up before building an
-# engine. ``nereus.cli``: a worker re-runs the main module of ``python -m nereus.cli``.
+# engine. The modules ``nereus.cli`` imports, not itself: a worker re-runs the main module of
+# ``python -m nereus.cli`` (runpy warns when that module is already imported).
 PRELOAD = (
-    "nereus.cli",
+    "nereus.backends.torch_native",
     "nereus.control.action",
+    "nereus.describe",
     "nereus.devices",
+    "nereus.plan.exhaustive",
+    "nereus.plan.report",
+    "nereus.plan.solvers",
     "nereus.runtime.checkpoint",
+    "nereus.runtime.command",
     "nereus.runtime.loop",
     "nereus.runtime.membership",
     "nereus.runtime.preemption",
-    "nereus.backends.torch_native",
+    "nereus.sim.command",
+    "nereus.telemetry",
+    "nereus.transition.command",
+    "rich.table",
 )
 STRAGGLER_S = 60.0  # how long the other workers may take to stop after the leader did
 
