@@ -100,7 +100,8 @@ def test_the_fork_server_preloads_the_runtime_but_no_engine_package() -> None:
     code = (
         "import sys; from nereus.runtime.local import PRELOAD\n"
         "for m in PRELOAD: __import__(m)\n"
-        "print(sorted(m for m in ('torch', 'nereus.runtime.loop', 'vllm', 'matplotlib', 'nereus.cli') if m in sys.modules))"
+        "names = ('torch', 'nereus.runtime.loop', 'vllm', 'matplotlib', 'nereus.cli')\n"
+        "print(sorted(m for m in names if m in sys.modules))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
