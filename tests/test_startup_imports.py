@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,7 @@ def test_a_changed_install_is_imported_again(
     before = install_key("vllm")
     extra = tmp_path / "site"
     extra.mkdir()
-    monkeypatch.syspath_prepend(str(extra))  # a new folder on the import path
+    monkeypatch.setattr(sys, "path", [sys.path[0], str(extra), *sys.path[1:]])  # a new folder on the path
     assert install_key("vllm") != before
     check_importable({"actor.gen": "vllm"}, cache)
     assert imports == ["vllm", "vllm"]

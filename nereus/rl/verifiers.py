@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from nereus.errors import ConfigError
 from nereus.rl.math_answers import gsm8k_ground_truth, gsm8k_number, last_boxed, math_equal
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 Verifier = Callable[[str, str], float]
 """``verifier(response_text, answer) -> reward``"""
@@ -159,6 +160,8 @@ def score(verifier: Verifier, responses: Sequence[str], answers: Sequence[str]) 
     """Rewards (B,) fp32 of each response against the answer of its row."""
     if len(responses) != len(answers):
         raise ValueError(f"{len(responses)} responses for {len(answers)} answers")
+    import torch  # the registry and its names without torch (the preflight checks a name)
+
     return torch.tensor(
         [verifier(r, a) for r, a in zip(responses, answers, strict=True)], dtype=torch.float32
     )
@@ -170,6 +173,8 @@ def score_by_source(responses: Sequence[str], answers: Sequence[str], sources: S
     if not len(responses) == len(answers) == len(sources):
         raise ValueError(f"{len(responses)} responses, {len(answers)} answers and {len(sources)} sources")
     verifiers = {source: verifier_for_source(source) for source in dict.fromkeys(sources)}
+    import torch
+
     return torch.tensor(
         [verifiers[s](r, a) for r, a, s in zip(responses, answers, sources, strict=True)],
         dtype=torch.float32,

@@ -96,7 +96,7 @@ def preflight(spec: Any, folder: Path, resume: bool, force: bool = False, local:
                 f"{workload.name} (allowed: {', '.join(stages)})"
             )
     model = load_model(spec.model)
-    engines_of(spec, workload, job_models(model))
+    engines = engines_of(spec, workload, job_models(model))
     cluster = load_cluster(spec.cluster)
     if spec.workers > cluster.total_gpus:
         raise ConfigError(
@@ -120,7 +120,24 @@ def preflight(spec: Any, folder: Path, resume: bool, force: bool = False, local:
         first = check_checkpoint(folder, {"model": model.name, "workload": workload.name}) + 1
     if local:
         check_plan(spec, spec.workers, spec.max_new_tokens_at(first))
-    _checks_in_a_child(spec)
+    if _child_has_work(spec, engines):
+        _checks_in_a_child(spec)
+
+
+def _child_has_work(spec: Any, engines: dict[str, str]) -> bool:
+    """Whether ``torch_checks`` has anything to check that this process has not: a tokenizer
+    folder, a data set, ``init:`` weights, or an engine install not known to import. Else (a
+    bundled task, the character tokenizer, known installs) the child, which would import torch
+    only to find nothing wrong, is not started; the verifier's name is checked here."""
+    from nereus.rl.verifiers import get_verifier
+    from nereus.runtime.engines import default_cache, imports_known
+
+    if spec.tokenizer or spec.data is not None or spec.dataset:
+        return True
+    if any(spec.weights_of(role) for role in ("actor", "reward", "critic")):
+        return True
+    get_verifier(spec.verifier)
+    return not imports_known(engines, default_cache())
 
 
 def check_checkpoint(folder: Path, expected: dict[str, str]) -> int:

@@ -72,6 +72,17 @@ def check_importable(engines: Mapping[str, str], cache: Path | None = None) -> N
             _write_cache(cache, known)
 
 
+def imports_known(engines: Mapping[str, str], cache: Path) -> bool:
+    """Whether ``check_importable(engines, cache)`` would import nothing (every engine's install
+    imported before, or it needs no package). Imports no engine."""
+    known = _read_cache(cache)
+    for engine in set(engines.values()):
+        key = install_key(engine)
+        if key and known.get(engine) != key:
+            return False
+    return True
+
+
 def default_cache() -> Path:
     """Where ``check_importable`` remembers installs that import: the user's cache folder."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -80,8 +91,9 @@ def default_cache() -> Path:
 
 def install_key(engine: str) -> str:
     """A digest of what engine ``engine``'s import depends on here: the interpreter, the import
-    path and the modification time of every folder on it (installing or removing any package
-    changes its site-packages folder's), and the engine's own package folder. "" when it needs
+    path (but its first entry, the script's folder) and the modification time of every folder on
+    it (installing or removing any package changes its site-packages folder's), and the engine's
+    own package folder. "" when it needs
     no package (nothing to remember)."""
     module = requires(engine)
     if module is None:
@@ -92,7 +104,10 @@ def install_key(engine: str) -> str:
     if found is None or found.origin is None:
         return ""
     parts = [sys.executable, sys.version, engine, module]
-    for entry in [*sys.path, str(Path(found.origin).parent)]:
+    package = Path(found.origin).parent
+    # Not sys.path[0], the script's folder or the working one (it differs between ``nereus
+    # run`` and the preflight's child); the package's folder and the one holding it instead.
+    for entry in [*sys.path[1:], str(package), str(package.parent)]:
         try:
             parts.append(f"{entry}:{os.stat(entry or '.').st_mtime_ns}")
         except OSError:
