@@ -44,7 +44,6 @@ RDZV = "rendezvous.json"
 # engine. The modules ``nereus.cli`` imports, not itself: a worker re-runs the main module of
 # ``python -m nereus.cli`` (runpy warns when that module is already imported).
 PRELOAD = (
-    "nereus.backends.torch_native",
     "nereus.control.action",
     "nereus.describe",
     "nereus.devices",
