@@ -175,7 +175,7 @@ def test_ideal_shapes_match_price_and_carry_the_gemm_size() -> None:
         for op, c in classes.items():
             stage = problem.workflow.get(name).stage
             assert (c.size > 0) is (op not in unsized(stage))
-            grouped = op.value.startswith(("allreduce", "allgather", "memory"))
+            grouped = op.value.startswith(("allreduce", "allgather", "memory", "decode"))
             assert (c.group >= 1.0) if grouped else c.group == 0.0
 
 

@@ -56,7 +56,7 @@ def test_every_runtime_message_round_trips(setup: JobSetup) -> None:
     got = decode(encode(welcome), tuple[JobSetup, Plan, Change])
     assert got[1:] == (plan, change)
     report = RankReport(
-        {"actor.gen": 0.25}, {"actor.gen": 1 << 40}, False, (OpTime("actor.gen", OpClass.MEMORY, 0.1, 0.2),),
+        {"actor.gen": 0.25}, {"actor.gen": 1 << 40}, False, (OpTime("actor.gen", OpClass.DECODE, 0.1, 0.2),),
         '{"node": "gpu-a07"}', {"actor.gen": 1 << 41}, {"actor.gen": GenerationStats(64, 9, 0.5, 1)},
     )  # fmt: skip
     assert decode(encode(report), RankReport) == report

@@ -116,4 +116,4 @@ def test_time_is_attributed_to_op_classes() -> None:
     assert by_class[OpClass.ALLREDUCE_INTER][0] == 0 and np.all(by_class[OpClass.ALLREDUCE_INTER][1:] > 0)
     assert np.all(by_class[OpClass.GEMM] > by_class[OpClass.ATTENTION])
     gen, _ = cost.evaluate(p.workflow.get("actor.gen"), Layout(1, 1), np.array([64]), np.array([8]))
-    assert float(gen.by_class[OpClass.MEMORY][0]) > 0  # decode is memory-bound at this batch
+    assert float(gen.by_class[OpClass.DECODE][0]) > 0  # decode is memory-bound at this batch

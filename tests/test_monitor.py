@@ -28,6 +28,7 @@ def report(health: str = "") -> RankReport:
             OpTime("actor.train", OpClass.GEMM, 1 / 3, 0.25),
             OpTime("actor.train", OpClass.ALLREDUCE_INTER, 5e-7, math.pi),
             OpTime("ref.inf", OpClass.MEMORY, 0.0, 0.0),
+            OpTime("actor.gen", OpClass.DECODE, 2.5, 3.0),
         ),
         health,
         {"actor.train": 3 << 40},

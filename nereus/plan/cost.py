@@ -36,9 +36,10 @@ groups, replicas and DP groups best fit splits across nodes are priced on the in
 Efficiency by shape (``nereus.plan.shapefit``): where calibration has a curve for a class, each
 row's η is read at that row's size: GEMM at the forward FLOPs of one layer's matmuls on one GPU
 for one micro-batch (prefill chunk, decode step), attention likewise, a collective at its bytes
-per rank and (all-reduce, all-gather) its ranks per node, memory-bound work at the bytes of one
-pass. ``CostModel(track=True)`` also records, per class, the seconds-weighted ln size and ln
-group of what it priced (``Cost.feats``): the shape a measurement of that class carries
+per rank and (all-reduce, all-gather) its ranks per node, memory-bound work (decode reads in
+``OpClass.DECODE``, the optimizer step in ``OpClass.MEMORY``) at the bytes of one pass.
+``CostModel(track=True)`` also records, per class, the seconds-weighted ln size and ln group
+of what it priced (``Cost.feats``): the shape a measurement of that class carries
 (``evaluate.ideal_shapes``).
 """
 
@@ -416,7 +417,9 @@ class CostModel:
         per_group = conc / np.minimum(conc, rep.pp)
         weights = np.maximum(rep.params_first, rep.params_last) * 2.0
         kv_tok = kv_bytes_per_token_rank(model, rep.kv_heads, layers)
-        t_mem = memory_bound(self.links, weights + per_group * ctx * kv_tok, self.track, rep.pp)
+        t_mem = memory_bound(
+            self.links, weights + per_group * ctx * kv_tok, self.track, rep.pp, OpClass.DECODE
+        )
         t_cmp = self._compute(
             per_group * gemm_per_token,
             _attn_flops(model, rep, per_group * ctx),

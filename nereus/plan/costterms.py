@@ -203,18 +203,24 @@ def compute(
 
 
 def memory_bound(
-    links: Links, nbytes: FloatArray | float, track: bool = False, stages: FloatArray | float = 1.0
+    links: Links,
+    nbytes: FloatArray | float,
+    track: bool = False,
+    stages: FloatArray | float = 1.0,
+    op: OpClass = OpClass.MEMORY,
 ) -> Cost:
-    """One memory-bound pass over ``nbytes`` of HBM (a decode step's reads, an optimizer step);
-    where calibration has a memory curve, at η by the pass's bytes (small passes pay fixed
-    per-step costs the byte count does not show) and by the pipeline ``stages`` a decode step
-    cycles through (its group feature; 1 for work on one GPU)."""
+    """One memory-bound pass over ``nbytes`` of HBM in class ``op`` (``OpClass.DECODE``: a decode
+    step's weight and KV reads; ``OpClass.MEMORY``: an optimizer step); where calibration has a
+    curve for ``op``, at η by the pass's bytes (small passes pay fixed per-step costs the byte
+    count does not show) and by the pipeline ``stages`` a decode step cycles through (its group
+    feature; 1 for work on one GPU)."""
     eff = links.efficiencies
     b = np.asarray(nbytes, dtype=np.float64)
-    if not (track or eff.shaped(OpClass.MEMORY)):
-        return Cost({OpClass.MEMORY: b / links.copy_rate})
+    hbm = links.cluster.hbm_bandwidth_gbs * 1e9
+    if not (track or eff.shaped(op)):
+        return Cost({op: b / (links.copy_rate if op is OpClass.MEMORY else hbm * eff[op])})
     g = np.asarray(stages, dtype=np.float64)
-    t = b / (links.cluster.hbm_bandwidth_gbs * 1e9 * eff.at(OpClass.MEMORY, b, g))
+    t = b / (hbm * eff.at(op, b, g))
     if not track:
-        return Cost({OpClass.MEMORY: t})
-    return Cost({OpClass.MEMORY: t}, {OpClass.MEMORY: (t * np.log(np.maximum(b, 1.0)), t * np.log(g))})
+        return Cost({op: t})
+    return Cost({op: t}, {op: (t * np.log(np.maximum(b, 1.0)), t * np.log(g))})

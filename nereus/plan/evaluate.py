@@ -92,7 +92,7 @@ class ClassShape:
 # generation stage's measured GEMM seconds may hold decode matmuls the model priced as memory
 # reads (its GEMM ideal then being prefill alone). Such a sample would bend the GEMM curve at the
 # prefill's size; it still calibrates the class-wide η, as before.
-ROOFLINE_CLASSES = (OpClass.GEMM, OpClass.ATTENTION)  # (memory: paired with them, sized)
+ROOFLINE_CLASSES = (OpClass.GEMM, OpClass.ATTENTION)  # (decode: paired with them, sized)
 
 
 def unsized(stage: Stage) -> tuple[OpClass, ...]:
@@ -108,7 +108,7 @@ def class_shapes(
     parts = [c for name, c in terms.parts.items() if name not in skip]
     merged = sum(parts, Cost({}))
     feats = merged.feats or {}
-    grouped = {*(k.value for k in GROUPED), OpClass.MEMORY.value}  # memory: pipeline stages
+    grouped = {*(k.value for k in GROUPED), OpClass.MEMORY.value, OpClass.DECODE.value}  # (pp stages)
     out: dict[OpClass, ClassShape] = {}
     for op, t in merged.by_class.items():
         seconds = float(np.sum(t))

@@ -25,7 +25,7 @@ class Collective(StrEnum):
 class OpClass(StrEnum):
     GEMM = "gemm"  # dense matmuls, against peak FLOP/s
     ATTENTION = "attention"  # fused attention kernels, against peak FLOP/s
-    MEMORY = "memory"  # memory-bound work (decode weight/KV reads, optimizer step), against HBM
+    MEMORY = "memory"  # trainers' memory-bound work (optimizer step), against HBM bandwidth
     ALLREDUCE_INTRA = "allreduce.intra"
     ALLREDUCE_INTER = "allreduce.inter"
     ALLGATHER_INTRA = "allgather.intra"
@@ -34,6 +34,11 @@ class OpClass(StrEnum):
     BROADCAST_INTER = "broadcast.inter"
     SENDRECV_INTRA = "sendrecv.intra"
     SENDRECV_INTER = "sendrecv.inter"
+    # generation's per-token HBM reads of weights and KV cache, against HBM bandwidth: its own
+    # class (not MEMORY) because decode passes run near the bandwidth while the trainers' small
+    # optimizer passes pay fixed costs, and one η-by-size curve over both priced neither (issue 19).
+    # Last, so the classes before it keep their index (``nereus.runtime.monitor`` packs by it).
+    DECODE = "decode"
 
     @staticmethod
     def of(kind: Collective, link: Link) -> OpClass:
@@ -55,4 +60,5 @@ PRIOR_EFFICIENCY: dict[OpClass, float] = {
     OpClass.BROADCAST_INTER: 0.50,
     OpClass.SENDRECV_INTRA: 0.60,
     OpClass.SENDRECV_INTER: 0.50,
+    OpClass.DECODE: 0.50,
 }

@@ -370,7 +370,7 @@ class Worker:
             self.generation[name] = self.generation.get(name, GenerationStats()).plus(out.stats)
         width = dict(self.policy_of(name).kinds)[BufferKind.PARAM].itemsize
         ideal = decode_s(self.model_of(name), c.layout, int(out.tokens.shape[1]), width, self.cluster)
-        self.optimes.append(OpTime(name, OpClass.MEMORY, ideal, time.perf_counter() - started))
+        self.optimes.append(OpTime(name, OpClass.DECODE, ideal, time.perf_counter() - started))
         return (rows.start, [out.tokens, out.valid]) if place.reports else None
 
     @staticmethod

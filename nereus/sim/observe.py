@@ -5,7 +5,7 @@ machine; ``pair`` turns one model-stage's true seconds per op class into calibra
 measurements against the planner's ideal seconds of the same class. A class the truth charges but
 the planner has no ideal time for on that model-stage is folded into the closest class the planner
 has there: the same collective on the other link, else the planner's largest collective class;
-compute classes into gemm, else memory, else attention. So no measured second is dropped; a class
+compute classes into gemm, else memory, else decode, else attention. So no measured second is dropped; a class
 the planner prices but the truth does not charge yields no measurement. Given the shape of each
 class's work (``nereus.plan.evaluate.ideal_shapes``), a measurement carries it (size and ranks per
 node), as a real worker's timer would know the shapes it ran: calibration by shape.
@@ -37,13 +37,13 @@ def _closest(name: str, planner: Mapping[str, float]) -> str | None:
         collectives = [n for n in planner if "." in n]
         if collectives:
             return max(collectives, key=lambda n: planner[n])
-    for n in ("gemm", "memory", "attention"):
+    for n in ("gemm", "memory", "decode", "attention"):
         if n in planner:
             return n
     return max(planner, key=lambda n: planner[n]) if planner else None
 
 
-ROOFLINE = ("gemm", "attention", "memory")
+ROOFLINE = ("gemm", "attention", "memory", "decode")
 
 
 def pair(
