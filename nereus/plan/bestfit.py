@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import bisect
 import functools
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
 
 from nereus.errors import InfeasibleError
-from nereus.plan.layout import Candidate
+from nereus.plan.layout import Candidate, Plan
 from nereus.plan.problem import PlanningProblem
 from nereus.plan.replica import FloatArray
 
@@ -209,8 +211,31 @@ def anchored(problem: PlanningProblem) -> tuple[Anchored, ...]:
     if plan is None:
         return ()
     gpn = problem.cluster.gpus_per_node
-    pool = set(problem.pool)
-    profile = occupancy(problem.pool, gpn)
+    pool = tuple(problem.pool)
+    key = (id(plan), gpn, pool)
+    with _ANCHORED_LOCK:
+        found = _ANCHORED.get(key)
+        if found is not None and found[0] is plan:
+            _ANCHORED.move_to_end(key)
+            return found[1]
+    result = _anchored(plan, gpn, pool)
+    with _ANCHORED_LOCK:
+        _ANCHORED[key] = (plan, result)  # the plan held: its id stays unique while the entry lives
+        while len(_ANCHORED) > ANCHORED_KEEP:
+            _ANCHORED.popitem(last=False)
+    return result
+
+
+# ``anchored`` of the newest (plan, GPUs per node, pool): a replan asks it of every model-stage's
+# price key and cost model, and the controller replans one running plan on one pool many times
+ANCHORED_KEEP = 16
+_ANCHORED_LOCK = threading.Lock()
+_ANCHORED: OrderedDict[tuple[int, int, tuple[int, ...]], tuple[Plan, tuple[Anchored, ...]]] = OrderedDict()
+
+
+def _anchored(plan: Plan, gpn: int, pool_ids: tuple[int, ...]) -> tuple[Anchored, ...]:
+    pool = set(pool_ids)
+    profile = occupancy(pool_ids, gpn)
     out: list[Anchored] = []
     for c in plan.candidates:
         if c.dp < 1 or not pool.issuperset(c.gpus):
