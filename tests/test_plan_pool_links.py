@@ -153,8 +153,8 @@ def test_a_running_model_stage_is_priced_where_it_runs() -> None:
     """Stage-mates share the pool in placement: on one whole node and five half-nodes, actor.train
     (tp4·pp2) takes the whole node first and critic.train's TP-4 group is split over two nodes,
     though alone it would fit the whole node. Priced alone it is intra-node; with the running plan
-    as the anchor (the controller's problem) it is priced where it runs, and the price key and
-    its twin key say so."""
+    as the anchor (the controller's problem) it is priced where it runs, and its table key (its
+    ``PlanCache.anchor_of`` entry) and its twin key say so."""
     base = make_problem(gpus=32)
     gpn = base.cluster.gpus_per_node
     pool = (0, 1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21)
@@ -176,7 +176,10 @@ def test_a_running_model_stage_is_priced_where_it_runs() -> None:
     assert tp_classes(p) == {AR_INTRA}
     assert tp_classes(running) == {AR_INTER}
     cache = PlanCache()
-    assert cache.price_key(running) != cache.price_key(p)
+    # the anchor is keyed per model-stage: critic.train's tables differ, the others' are shared
+    assert cache.anchor_of(running, "critic.train") != cache.anchor_of(p, "critic.train")
+    assert cache.anchor_of(p, "critic.train") is None
+    assert cache.price_key(running) == cache.price_key(p)
     assert twin_key(running, critic) != twin_key(p, critic)
     # another shape of the same model-stage is still priced by best fit on the pool
     terms, _ = CostModel(running).evaluate(critic, Layout(4, 1), np.array([2]), np.array([1]))

@@ -8,12 +8,14 @@ calibration change. ``PlanCache`` keeps, per job (workload, models, cluster, hea
              space (what the lengths and the calibration do not change);
 * tables:    the priced candidate table of each model-stage, by *price key* — everything a price
              reads besides the job: the lengths, every efficiency and memory correction, the
-             search space's options, the pool's occupancy (free GPUs per node,
-             ``bestfit.occupancy``: on a fragmented pool best fit splits groups across nodes) and
-             the running model-stages priced where they run (``bestfit.anchored``; usually none);
+             search space's options and the pool's occupancy (free GPUs per node,
+             ``bestfit.occupancy``: on a fragmented pool best fit splits groups across nodes) —
+             and, within a price key, by the model-stage, its held layout and where it runs when
+             the running plan keeps it in place (its own ``bestfit.anchored`` entry, usually none:
+             a pool change that moves another model-stage's anchor leaves this table priced);
 * frontiers: each table's feasible non-dominated candidates (also per held layout);
-* programs:  the shapes the exact program chose from those frontiers, per pool size;
-* estimates: the full breakdown of a chosen shape;
+* programs:  the shapes the exact program chose from those frontiers, per pool size and anchors;
+* estimates: the full breakdown of a chosen shape (per anchor entry);
 * results:   whole searches, keyed by every field of the problem (pool ids and anchor included);
 * placements: the GPUs of chosen shapes, by shapes, pool ids, anchor and failure domains (what a
              drift of the lengths or the calibration that keeps the shapes does not change).
@@ -77,11 +79,12 @@ def efficiency_key(eff: Efficiencies) -> tuple[Hashable, ...]:
 class _Priced:
     """Everything cached under one price key; G-indexed entries hold the pool size they cover."""
 
-    tables: dict[tuple[str, Hold], tuple[int, CandidateTable]] = field(default_factory=dict)
+    # by (model-stage, held layout, its anchor entry)
+    tables: dict[tuple[str, Hold, Hashable], tuple[int, CandidateTable]] = field(default_factory=dict)
     twins: dict[Hashable, tuple[int, CandidateTable]] = field(default_factory=dict)  # by twin key
-    fronts: dict[tuple[str, Hold], tuple[int, CandidateTable]] = field(default_factory=dict)
+    fronts: dict[tuple[str, Hold, Hashable], tuple[int, CandidateTable]] = field(default_factory=dict)
     programs: dict[Hashable, Any] = field(default_factory=dict)
-    estimates: dict[tuple[str, Shape], Estimate] = field(default_factory=dict)
+    estimates: dict[tuple[str, Shape, Hashable], Estimate] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -130,7 +133,7 @@ class PlanCache:
         self._priced: OrderedDict[PriceKey, _Priced] = OrderedDict()
         self._results: OrderedDict[Hashable, Any] = OrderedDict()
         self._placements: OrderedDict[Hashable, Plan] = OrderedDict()
-        self._last_where: tuple[Plan | None, tuple[int, ...], tuple[Hashable, ...]] | None = None
+        self._last_where: tuple[tuple[int, ...], int, Hashable] | None = None
 
     def clear(self) -> None:
         self._job, self._eff, self._workflow = None, None, None
@@ -162,15 +165,23 @@ class PlanCache:
         return (problem.seq, self._efficiency_key(problem.efficiencies), s.recompute, s.shrink_micro_batch,
                 problem.max_tp, s.flat, s.overlap_dp_sync, s.paged_kv, where)  # fmt: skip
 
-    def _where(self, problem: PlanningProblem) -> tuple[Hashable, ...]:
-        """What the links of a price read of the pool: its occupancy and the running model-stages
-        priced where they run; kept for the last (anchor, pool), which replans reuse."""
+    def _where(self, problem: PlanningProblem) -> Hashable:
+        """What the links of every price read of the pool: its occupancy; kept for the last pool,
+        which replans reuse. (Where the running plan's model-stages run is read per model-stage:
+        ``anchor_of``.)"""
+        gpn = problem.cluster.gpus_per_node
         last = self._last_where
-        if last is not None and last[0] is problem.anchor and last[1] == problem.pool:
+        if last is not None and last[1] == gpn and last[0] == problem.pool:
             return last[2]
-        where = (occupancy(problem.pool, problem.cluster.gpus_per_node), anchored(problem))
-        self._last_where = (problem.anchor, problem.pool, where)
+        where = occupancy(problem.pool, gpn)
+        self._last_where = (problem.pool, gpn, where)
         return where
+
+    @staticmethod
+    def anchor_of(problem: PlanningProblem, name: str) -> Hashable:
+        """Model-stage ``name``'s entry of ``bestfit.anchored`` (None: priced by best fit): the
+        one thing of the running plan its price reads (``CostModel.spans``)."""
+        return next((a for a in anchored(problem) if a[0] == name), None)
 
     def result_key(self, problem: PlanningProblem) -> Hashable | None:
         """Every non-job field of ``problem``; None when one cannot be hashed (no result memo)."""
@@ -233,9 +244,10 @@ class PlanCache:
     ) -> CandidateTable:
         """The priced table of ``ms`` (at ``hold``) for this pool size."""
         gpus = problem.gpus
-        found = _within(priced.tables.get((ms.name, hold)), gpus)
+        at = self.anchor_of(problem, ms.name)
+        found = _within(priced.tables.get((ms.name, hold, at)), gpus)
         if found is None and hold is not None:  # the held layout's rows of the free table
-            free = _within(priced.tables.get((ms.name, None)), gpus)
+            free = _within(priced.tables.get((ms.name, None, at)), gpus)
             if free is not None and hold in free.layouts:
                 found = free.take(np.flatnonzero(free.layout_index == free.layouts.index(hold)))
         self.stats.count("table", found is not None)
@@ -249,7 +261,7 @@ class PlanCache:
             self.stats.count("twin", same)
             found = price_rows(cost(), ms, rows, recomputes, twin[1] if same and twin is not None else None)
             self.pricing_s += time.perf_counter() - started
-            priced.tables[(ms.name, hold)] = (gpus, found)
+            priced.tables[(ms.name, hold, at)] = (gpus, found)
             priced.twins.setdefault(twin_at, (gpus, found))
         return found
 
@@ -262,11 +274,12 @@ class PlanCache:
         hold: Hold,
         limit: float,
     ) -> CandidateTable:
-        found = _within(priced.fronts.get((ms.name, hold)), problem.gpus)
+        key = (ms.name, hold, self.anchor_of(problem, ms.name))
+        found = _within(priced.fronts.get(key), problem.gpus)
         self.stats.count("frontier", found is not None)
         if found is None:
             found = frontier(self.table(problem, priced, cost, ms, hold), limit)
-            priced.fronts[(ms.name, hold)] = (problem.gpus, found)
+            priced.fronts[key] = (problem.gpus, found)
         return found
 
     def placement(

@@ -38,6 +38,7 @@ from types import MappingProxyType
 import numpy as np
 
 from nereus.errors import InfeasibleError
+from nereus.plan.bestfit import anchored
 from nereus.plan.cache import PlanCache
 from nereus.plan.candidates import CandidateTable, Estimate, Shape, candidate_table, estimate
 from nereus.plan.cost import CostModel
@@ -205,7 +206,7 @@ def _search(problem: PlanningProblem, cache: PlanCache, wf: Workflow, started: f
             return _program_sync(problem, wf, fronts, limit, solvers)
         return _program_async(problem, wf, fronts, limit, solvers)
 
-    key = (problem.gpus, space.fixed_layouts, space.fixed_shapes)
+    key = (problem.gpus, space.fixed_layouts, space.fixed_shapes, anchored(problem))
     shapes = cache.memo(priced.programs, key, program)
     if shapes is None:
         raise InfeasibleError(binding_constraint(problem, tables()))
@@ -220,7 +221,7 @@ def _search(problem: PlanningProblem, cache: PlanCache, wf: Workflow, started: f
         def make() -> Estimate:  # from the terms its pricing kept, else priced again
             return fronts[ms.name].estimate(shape) or estimate(cost(), ms, shape)
 
-        return cache.memo(priced.estimates, (ms.name, shape), make)
+        return cache.memo(priced.estimates, (ms.name, shape, cache.anchor_of(problem, ms.name)), make)
 
     return finish(problem, shapes, started, "dp", None, phases, breakdown, cache)
 
