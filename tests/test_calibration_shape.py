@@ -18,7 +18,7 @@ from nereus.plan.cost import CostModel, collective
 from nereus.plan.evaluate import ideal_shapes, price, unsized
 from nereus.plan.layout import Layout
 from nereus.plan.links import Links
-from nereus.plan.opclass import PRIOR_EFFICIENCY, Collective, OpClass
+from nereus.plan.opclass import PRIOR_EFFICIENCY, Collective, Link, OpClass
 from nereus.plan.search import search
 from nereus.plan.shapefit import ShapeCurve, fit_curve
 from nereus.runtime.optimes import OpTime
@@ -146,8 +146,8 @@ def test_collective_reads_eta_by_bytes_and_group() -> None:
     big = float(collective(links, Collective.ALLREDUCE, 4, 4, 1e9).total)
     hops = 6 * c.intra_node_latency_us * 1e-6
     bw = c.intra_node_bandwidth_gbs * 1e9
-    assert small == pytest.approx(1.5 * 1e6 / (0.1 * bw) + hops)
-    assert big == pytest.approx(1.5 * 1e9 / (0.8 * bw) + hops)
+    assert small == pytest.approx((1.5 * 1e6 / bw + hops) / 0.1)  # η divides latency too
+    assert big == pytest.approx((1.5 * 1e9 / bw + hops) / 0.8)
     # the inter class has no curve: its prior, as before
     inter = float(collective(links, Collective.ALLREDUCE, 64, 8, 1e9).total)
     flat = float(collective(Links(c, Efficiencies()), Collective.ALLREDUCE, 64, 8, 1e9).total)
@@ -254,3 +254,35 @@ def test_memory_bound_reads_eta_by_bytes_and_pipeline_stages() -> None:
     assert float(memory_bound(links, 1e10, stages=4.0).total) == pytest.approx(4e10 / (0.8 * hbm))
     plain = Links(c, Efficiencies())
     assert float(memory_bound(plain, 1e10).total) == 1e10 / plain.copy_rate
+
+
+@pytest.mark.parametrize("sized", [False, True])
+def test_a_latency_bound_collective_prices_back_as_measured(sized: bool) -> None:
+    """A measured collective's η is its whole ideal (bandwidth and the ring's hop latency) over what
+    it took, so the planner divides the whole ideal by η: calibrated on small all-reduces whose
+    latency is most of their ideal, it prices them at what they took (it priced them about 2× too
+    fast when η divided only the bandwidth term)."""
+    c = load_cluster("a100-64gb-hdr100")
+    unit = Links(c, Efficiencies.unit())
+    sizes = (2e5, 1e6, 5e6) if sized else (1e6,)
+    took = {b: 3.0 * unit.ideal_ring_s(Collective.ALLREDUCE, 4, b, Link.INTRA) for b in sizes}
+    hops = 6 * c.intra_node_latency_us * 1e-6
+    assert hops > 0.5 * unit.ideal_ring_s(Collective.ALLREDUCE, 4, 1e6, Link.INTRA)  # latency-bound
+    store = CalibrationStore(c.name)
+    for _ in range(40):
+        store.update(
+            [
+                Measurement(
+                    OpClass.ALLREDUCE_INTRA,
+                    unit.ideal_ring_s(Collective.ALLREDUCE, 4, b, Link.INTRA),
+                    t,
+                    b if sized else 0.0,
+                    4.0 if sized else 0.0,
+                )
+                for b, t in took.items()
+            ]
+        )
+    links = Links(c, store.efficiencies())
+    for b, t in took.items():
+        got = float(collective(links, Collective.ALLREDUCE, 4, 4, b).total)
+        assert got == pytest.approx(t, rel=0.05)

@@ -24,12 +24,12 @@ def test_ring_collectives_by_hand() -> None:
     links = Links(c, Efficiencies())
     eta = PRIOR_EFFICIENCY[OpClass.ALLREDUCE_INTRA]
     got = collective(links, Collective.ALLREDUCE, 4, 4, 1e9)  # 4 GPUs inside a node
-    assert float(got.total) == pytest.approx(2 * 3 / 4 * 1e9 / (eta * 450e9) + 6 * 2e-6)
+    assert float(got.total) == pytest.approx((2 * 3 / 4 * 1e9 / 450e9 + 6 * 2e-6) / eta)
     assert float(got.by_class[OpClass.ALLREDUCE_INTER]) == 0.0
     eta = PRIOR_EFFICIENCY[OpClass.ALLGATHER_INTER]
     got = collective(links, Collective.ALLGATHER, 64, 8, 8e8)  # 8 ranks spread over nodes
     assert float(got.by_class[OpClass.ALLGATHER_INTER]) == pytest.approx(
-        7 / 8 * 8e8 / (eta * 3.125e9) + 7 * 10e-6
+        (7 / 8 * 8e8 / 3.125e9 + 7 * 10e-6) / eta
     )
     assert float(collective(links, Collective.BROADCAST, 1, 1, 1e9).total) == 0.0
     assert links.link_for(8) is Link.INTRA and links.link_for(9) is Link.INTER

@@ -25,7 +25,7 @@ def test_ideal_seconds_follow_the_formulas() -> None:
     )
     links = Links(cluster, Efficiencies.unit())
     assert links.ideal_ring_s(Collective.ALLREDUCE, 4, 8_000, Link.INTRA) == pytest.approx(
-        1.5 * 8_000 / (cluster.intra_node_bandwidth_gbs * 1e9)
+        1.5 * 8_000 / (cluster.intra_node_bandwidth_gbs * 1e9) + 6 * cluster.intra_node_latency_us * 1e-6
     )
 
 

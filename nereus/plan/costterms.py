@@ -133,7 +133,8 @@ def _shaped_ring_s(
     peak = np.where(intra, links.peak_bandwidth(Link.INTRA), links.peak_bandwidth(Link.INTER))
     hop = np.where(intra, links.hop_s(Link.INTRA), links.hop_s(Link.INTER))
     factor, steps = ring(kind, np.maximum(r, 1.0))
-    t: FloatArray = np.where(r > 1, factor * nbytes / (eta * peak) + steps * hop, 0.0)
+    # η divides the whole ideal, latency too (see ``Links.ideal_ring_s``)
+    t: FloatArray = np.where(r > 1, (factor * nbytes / peak + steps * hop) / eta, 0.0)
     return t, intra
 
 

@@ -8,8 +8,9 @@ all-reduce, PP send/recv, DP gradient sync, weight syncs), a transition's Split,
 per-GPU, per-direction figures times the calibrated efficiency of the collective's op class.
 
 Ring collectives (n ranks, B bytes per rank): all-reduce 2(n−1)/n·B, all-gather (n−1)/n·B, broadcast
-and send/recv B, over the link's bandwidth, plus one hop latency per ring step (NCCL-tests
-PERFORMANCE.md, "bus bandwidth"). Pure (NumPy).
+and send/recv B, over the link's peak bandwidth, plus one hop latency per ring step (NCCL-tests
+PERFORMANCE.md, "bus bandwidth"), all over the collective's efficiency η: a measured collective's η is
+that whole ideal over what it took, so latency-bound collectives price back as measured. Pure (NumPy).
 """
 
 from __future__ import annotations
@@ -50,11 +51,10 @@ class Links:
             Link.INTRA: cluster.intra_node_bandwidth_gbs * 1e9,
             Link.INTER: cluster.inter_node_bandwidth_gbs * 1e9,
         }
-        self._bw = {
-            (kind, link): efficiencies[OpClass.of(kind, link)] * peak
-            for kind in Collective
-            for link, peak in self._peak.items()
+        self._eta = {
+            (kind, link): efficiencies[OpClass.of(kind, link)] for kind in Collective for link in self._peak
         }
+        self._bw = {(kind, link): eta * self._peak[link] for (kind, link), eta in self._eta.items()}
         self._hop = {
             Link.INTRA: cluster.intra_node_latency_us * 1e-6,
             Link.INTER: cluster.inter_node_latency_us * 1e-6,
@@ -112,16 +112,22 @@ class Links:
         ``ranks`` ranks whose GPUs span ``span`` consecutive GPUs, vectorised over rows."""
         r = np.asarray(ranks, dtype=np.float64)
         intra: BoolArray = np.asarray(span) <= self.gpus_per_node
-        bw = np.where(intra, self._bw[kind, Link.INTRA], self._bw[kind, Link.INTER])
+        eta = np.where(intra, self._eta[kind, Link.INTRA], self._eta[kind, Link.INTER])
+        peak = np.where(intra, self._peak[Link.INTRA], self._peak[Link.INTER])
         hop = np.where(intra, self._hop[Link.INTRA], self._hop[Link.INTER])
         factor, steps = ring(kind, np.maximum(r, 1.0))
-        t: FloatArray = np.where(r > 1, factor * np.asarray(nbytes, dtype=np.float64) / bw + steps * hop, 0.0)
+        # η divides the whole ideal, the hops' latency too: a measured collective's η is its
+        # whole ideal (``ideal_ring_s``) over what it took
+        b = np.asarray(nbytes, dtype=np.float64)
+        t: FloatArray = np.where(r > 1, (factor * b / peak + steps * hop) / eta, 0.0)
         return t, intra
 
     def ideal_ring_s(self, kind: Collective, ranks: int, nbytes: float, link: Link) -> float:
-        """Bytes-only seconds of a ring collective at the link's peak (efficiency 1, no latency):
-        what a measured collective is compared to for calibration."""
+        """Seconds of a ring collective at the link's peak and hop latency (efficiency 1): what a
+        measured collective is compared to for calibration. Its η is this whole ideal over what
+        it took, and ``ring_s`` divides the whole ideal by η, so a latency-bound collective's
+        measured η prices it back as measured."""
         if ranks <= 1:
             return 0.0
-        factor, _ = ring(kind, np.asarray(float(ranks)))
-        return float(factor) * nbytes / self._peak[link]
+        factor, steps = ring(kind, np.asarray(float(ranks)))
+        return float(factor) * nbytes / self._peak[link] + float(steps) * self._hop[link]
