@@ -171,13 +171,15 @@ def _mean(values: list[float | None]) -> float | None:
 def _model(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The planner's model against the truth over a policy's windows (``Summary.model_error``):
     mean predicted / true step and its MAPE on the plans run, per model-stage, and for the
-    moves admitted the predicted gain and cost per move against the realized ones."""
+    opportunistic moves admitted the predicted gain and cost per move against the realized ones
+    (``urgent_moves``: the rest, whose plan left could not run)."""
     models = [r["model"] for r in rows]
     stages = sorted({n for m in models for n in m["stage_ratio"]})
-    keys = [k for k in models[0] if k not in ("stage_ratio", "moves")]
+    counts = ("moves", "urgent_moves")
+    keys = [k for k in models[0] if k != "stage_ratio" and k not in counts]
     return {
         **{k: _mean([m[k] for m in models]) for k in keys},
-        "moves": sum(m["moves"] for m in models),
+        **{k: sum(m.get(k, 0) for m in models) for k in counts},
         "stage_ratio": {n: _mean([m["stage_ratio"].get(n) for m in models]) for n in stages},
     }
 

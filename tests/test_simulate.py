@@ -205,4 +205,6 @@ def test_breakdown_adds_up_and_the_model_is_compared_with_the_truth() -> None:
     assert err["step_ratio"] is not None and 0.2 < err["step_ratio"] < 5.0
     assert set(err["stage_ratio"]) == set(s.records[0].plan)
     moved = [r for r in s.records if any(t.kind.value == "move" for t in r.transitions)]
-    assert err["moves"] == len(moved) and all(r.moved_from_s for r in moved)
+    assert err["moves"] + err["urgent_moves"] == len(moved) and all(r.moved_from_s for r in moved)
+    urgent = [r for r in moved if r.decision and r.decision.get("urgent")]
+    assert err["urgent_moves"] == len(urgent)  # gains are read over the opportunistic moves only

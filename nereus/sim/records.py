@@ -179,7 +179,8 @@ class Summary:
         step over the truth's quiet one (``step_ratio``: mean predicted / truth; ``step_mape``),
         the same per model-stage (``stage_ratio``), and for the moves admitted: predicted gain
         per step and cost (the admission's ΔL and L_tran) against the realized ones (the truth's
-        quiet step of the plan left minus that of the plan moved to; the move's true seconds)."""
+        quiet step of the plan left minus that of the plan moved to; the move's true seconds),
+        over the opportunistic moves (``moves``; ``urgent_moves`` counts the rest)."""
         seen = [r for r in self.records if not r.lost and r.predicted_s and r.quiet_s]
         ratios = [r.predicted_s / r.quiet_s for r in seen if r.predicted_s and r.quiet_s]
         stage: dict[str, list[float]] = {}
@@ -188,7 +189,10 @@ class Summary:
                 pred = (r.stage_predicted_s or {}).get(name, 0.0)
                 if truth > 0 and pred > 0:
                     stage.setdefault(name, []).append(pred / truth)
-        moves = [r for r in self.records if r.moved_from_s is not None and r.decision]
+        every = [r for r in self.records if r.moved_from_s is not None and r.decision]
+        # gains are read for opportunistic moves only: an urgent move's plan left had lost GPUs
+        # and could not run, so "the plan left minus the plan moved to" means nothing there
+        moves = [r for r in every if r.decision and not r.decision.get("urgent")]
         gain_pred = [float(r.decision["delta_s"] or 0.0) for r in moves if r.decision]
         gain_real = [(r.moved_from_s or 0.0) - (r.quiet_s or 0.0) for r in moves]
         cost_pred = [float(r.decision["l_tran_s"] or 0.0) for r in moves if r.decision]
@@ -196,6 +200,7 @@ class Summary:
             "step_ratio": sum(ratios) / len(ratios) if ratios else None,
             "step_mape": sum(abs(x - 1.0) for x in ratios) / len(ratios) if ratios else None,
             "stage_ratio": {n: sum(v) / len(v) for n, v in sorted(stage.items())},
+            "urgent_moves": len(every) - len(moves),
             "moves": len(moves),
             "move_gain_predicted_s": sum(gain_pred) / len(moves) if moves else None,
             "move_gain_realized_s": sum(gain_real) / len(moves) if moves else None,
