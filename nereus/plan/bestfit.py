@@ -53,13 +53,19 @@ class FreeGpus:
 
     def __init__(self, gpus: Sequence[int], gpus_per_node: int) -> None:
         self.gpn = gpus_per_node
-        self.nodes: dict[int, list[int]] = {}
-        for g in sorted(gpus):
-            self.nodes.setdefault(g // gpus_per_node, []).append(g)
-        self.free = len(gpus)
+        ids = np.sort(np.asarray(gpus, dtype=np.int64))
+        of = ids // gpus_per_node
+        cuts = np.flatnonzero(of[1:] != of[:-1]) + 1  # where the next node's GPUs start
+        starts = [0, *cuts.tolist()]
+        ends = [*cuts.tolist(), len(ids)]
+        names, flat = of[starts].tolist() if len(ids) else [], ids.tolist()
+        self.nodes: dict[int, list[int]] = {
+            n: flat[a:b] for n, a, b in zip(names, starts, ends, strict=False)
+        }
+        self.free = len(flat)
         self.buckets: list[list[int]] = [[] for _ in range(gpus_per_node + 1)]
-        for node in sorted(self.nodes):
-            self.buckets[len(self.nodes[node])].append(node)
+        for node, free in self.nodes.items():  # node ids ascending: each bucket sorted
+            self.buckets[len(free)].append(node)
 
     def take(self, count: int) -> tuple[int, ...]:
         if count > self.free:
@@ -102,18 +108,22 @@ class FreeGpus:
 
     def take_exactly(self, gpus: Sequence[int]) -> bool:
         """Take these GPUs if every one is free; otherwise take nothing."""
-        if not all(g // self.gpn in self.nodes and g in self.nodes[g // self.gpn] for g in gpus):
-            return False
+        gpn, nodes = self.gpn, self.nodes
+        wanted: dict[int, set[int]] = {}
         for g in gpus:
-            node = g // self.gpn
-            free = self.nodes[node]
+            wanted.setdefault(g // gpn, set()).add(g)
+        if not all(n in nodes and gs.issubset(nodes[n]) for n, gs in wanted.items()):
+            return False
+        for node, gs in wanted.items():  # a node's bucket: by its free count, ids ascending
+            free = nodes[node]
             self.buckets[len(free)].remove(node)
-            free.remove(g)
-            self.free -= 1
-            if free:
-                bisect.insort(self.buckets[len(free)], node)
+            rest = [g for g in free if g not in gs]
+            self.free -= len(free) - len(rest)
+            if rest:
+                nodes[node] = rest
+                bisect.insort(self.buckets[len(rest)], node)
             else:
-                del self.nodes[node]
+                del nodes[node]
         return True
 
     def _pop(self, node: int, count: int) -> tuple[int, ...]:
@@ -189,10 +199,19 @@ def placed_spans(c: Candidate, gpus_per_node: int) -> tuple[float, float, float]
     """The spans of a placed candidate's worst TP group, replica and DP group, from its GPU ids
     (the cost model's sense, as ``group_spans``)."""
     gpn, size = gpus_per_node, c.layout.size
-    tp_n = max(_nodes(g, gpn) for g in c.tp_groups())
-    rep_n = max(_nodes(c.replica_gpus(r), gpn) for r in range(c.dp))
-    dp_n = max(_nodes(c.gpus[i::size], gpn) for i in range(size)) if c.dp > 1 else -(-size // gpn)
+    nodes = np.asarray(c.gpus, dtype=np.int64) // gpn
+    tp_n = _most_nodes(nodes.reshape(-1, c.layout.tp))  # TP groups: consecutive runs of tp
+    rep_n = _most_nodes(nodes.reshape(c.dp, size))  # replicas: consecutive runs of size
+    dp_n = _most_nodes(nodes.reshape(c.dp, size).T) if c.dp > 1 else -(-size // gpn)  # a rank position
     return _span(tp_n, c.layout.tp, gpn), _span(rep_n, size, gpn), _span(dp_n, size * c.dp, gpn)
+
+
+def _most_nodes(groups: np.ndarray) -> int:
+    """The most distinct nodes any row of ``groups`` (node ids, one group per row) spans."""
+    if groups.shape[1] < 2:
+        return 1
+    ordered = np.sort(groups, axis=1)
+    return int((ordered[:, 1:] != ordered[:, :-1]).sum(axis=1).max()) + 1
 
 
 def _normal(span: float, gpn: int) -> float:
