@@ -15,10 +15,11 @@ from types import MappingProxyType
 import pytest
 
 from nereus.errors import InfeasibleError
-from nereus.plan import bestfit
+from nereus.plan import bestfit, placement
 from nereus.plan.bestfit import FreeGpus, anchored, placed_spans
 from nereus.plan.cache import PlanCache
 from nereus.plan.calibration import Efficiencies
+from nereus.plan.candidates import Shape
 from nereus.plan.layout import Candidate, Layout
 from nereus.plan.opclass import PRIOR_EFFICIENCY, OpClass
 from nereus.plan.problem import PlanningProblem, SeqStats
@@ -198,3 +199,27 @@ def test_replans_of_one_running_plan_equal_cold_searches(seed: int, mode: Execut
         _same(_outcome(p, cache), _outcome(p, None))
     assert priced_where_run > 0
     assert cache.stats.hits.get("frontier", 0) > 0  # the replans did reuse prices
+
+
+def test_anchored_replicas_are_taken_as_one_by_one() -> None:
+    """``placement._anchored`` takes the first ``want`` wholly free replicas of the running plan
+    at once; taking each in turn leaves the same replicas and the same free list."""
+    rng = random.Random(5)
+    base = make_problem(gpus=32)
+    gpn = base.cluster.gpus_per_node
+    plan = search(base).plan
+    for _ in range(200):
+        c = rng.choice(plan.candidates)
+        shape = Shape(c.layout, c.dp, c.micro_batch, c.recompute)
+        pool = rng.sample(range(32), rng.randint(0, 32))
+        want = rng.randint(0, c.dp + 1)
+        fast, slow = FreeGpus(pool, gpn), FreeGpus(pool, gpn)
+        kept = placement._anchored(c.model_stage, shape, fast, plan, want)
+        expected = []
+        for r in range(c.dp):
+            if len(expected) >= want:
+                break
+            if slow.take_exactly(c.replica_gpus(r)):
+                expected.append(c.replica_gpus(r))
+        assert kept == expected
+        assert (fast.nodes, fast.buckets, fast.free) == (slow.nodes, slow.buckets, slow.free)

@@ -126,12 +126,17 @@ def _anchored(
 ) -> list[tuple[int, ...]]:
     """Up to ``want`` replicas of ``name`` that can stay exactly where the running plan has them
     (same layout, GPUs still free): they keep their shards and nothing moves for them."""
-    kept: list[tuple[int, ...]] = []
-    for gpus in _anchor_replicas(name, shape, anchor):
-        if len(kept) >= want:
-            break
-        if free.take_exactly(gpus):
-            kept.append(gpus)
+    if want <= 0:
+        return []
+    replicas = _anchor_replicas(name, shape, anchor)
+    if not replicas:
+        return []
+    # a replica's GPUs are disjoint from the others', so taking each that is wholly free in turn
+    # takes the first ``want`` wholly free ones: found by one look at the free list, taken at once
+    ids = {g for gpus in free.nodes.values() for g in gpus}
+    kept = [gpus for gpus in replicas if ids.issuperset(gpus)][:want]
+    taken = free.take_exactly([g for gpus in kept for g in gpus])
+    assert taken
     return kept
 
 
