@@ -12,10 +12,12 @@ import random
 from collections.abc import Sequence
 from types import MappingProxyType
 
+import numpy as np
 import pytest
 
 from nereus.errors import InfeasibleError
 from nereus.plan import bestfit, placement
+from nereus.plan import frontier as frontier_module
 from nereus.plan.bestfit import FreeGpus, anchored, placed_spans
 from nereus.plan.cache import PlanCache
 from nereus.plan.calibration import Efficiencies
@@ -223,3 +225,21 @@ def test_anchored_replicas_are_taken_as_one_by_one() -> None:
                 expected.append(c.replica_gpus(r))
         assert kept == expected
         assert (fast.nodes, fast.buckets, fast.free) == (slow.nodes, slow.buckets, slow.free)
+
+
+def test_dense_rank_of_gpu_counts_by_table_equals_unique() -> None:
+    rng = np.random.default_rng(6)
+    for _ in range(300):
+        values = rng.integers(1, int(rng.integers(2, 3000)), size=int(rng.integers(1, 3000)))
+        rank, count = frontier_module._dense_rank(values)
+        distinct, inverse = np.unique(values, return_inverse=True)
+        assert count == len(distinct)
+        assert np.array_equal(rank, inverse)
+
+
+def test_model_of_keeps_one_headed_spec_per_model() -> None:
+    p = make_problem(gpus=8)
+    for ms in p.workflow.model_stages:
+        model = p.model_of(ms)
+        assert model == p.models[ms.role].with_head(ms.head)
+        assert p.model_of(ms) is model

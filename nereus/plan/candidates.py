@@ -294,7 +294,10 @@ def enumerate_rows(problem: PlanningProblem, model_stage: ModelStage) -> Rows:
     micro = np.concatenate([m for _, m in parts] or [np.zeros(0, np.int64)])
     size = np.array([lay.size for lay in lays], dtype=np.int64)[layout_index] if lays else dp
     replicas = ReplicaFacts.of(problem.model_of(model_stage), lays).take(layout_index)
-    return Rows(lays, layout_index, dp, micro, dp * size, replicas)
+    gpus = dp * size
+    for column in (layout_index, dp, micro, gpus):  # shared by the tables priced from these rows
+        column.flags.writeable = False
+    return Rows(lays, layout_index, dp, micro, gpus, replicas)
 
 
 def price_rows(
@@ -347,6 +350,13 @@ def price_rows(
         for out, v in zip((lats, pers, acts), (total, mem.persistent, mem.active), strict=True):
             out.append(_column(v, n))
     k = len(recomputes)
+    prices = RowPrices(tuple(blocks), n, tuple(bases))
+    if k == 1:  # one block: the rows' own arrays (tables are never written to) and its columns
+        zero = np.zeros(n, dtype=np.int64)
+        return CandidateTable(
+            model_stage, rows.layouts, recomputes, rows.layout_index, rows.dp, rows.micro_batch, zero,
+            rows.gpus, lats[0], pers[0], acts[0], prices,
+        )  # fmt: skip
     return CandidateTable(
         model_stage,
         rows.layouts,
@@ -359,7 +369,7 @@ def price_rows(
         np.concatenate(lats),
         np.concatenate(pers),
         np.concatenate(acts),
-        RowPrices(tuple(blocks), n, tuple(bases)),
+        prices,
     )
 
 

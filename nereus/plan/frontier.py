@@ -45,6 +45,12 @@ def _starts(*keys: np.ndarray) -> BoolArray:
 
 def _dense_rank(values: np.ndarray) -> tuple[IntArray, int]:
     """(rank of each value among the distinct values, number of distinct values)."""
+    if values.dtype.kind in "iu" and len(values):  # GPU counts: a table over 0..max, no sort
+        low = int(values.min())
+        seen = np.zeros(int(values.max()) - low + 1, dtype=bool)
+        seen[values - low] = True
+        rank = np.cumsum(seen) - 1
+        return rank[values - low], int(rank[-1]) + 1
     ordered = np.sort(values)
     distinct = ordered[_starts(ordered)]
     return np.searchsorted(distinct, values), len(distinct)  # (cheaper than unique's inverse)

@@ -10,10 +10,13 @@ from nereus.plan.calibration import Efficiencies
 from nereus.plan.layout import Layout, Plan
 from nereus.spec.cluster import GIB, ClusterSpec
 from nereus.spec.domains import FailureDomains
-from nereus.spec.model import ModelSpec
+from nereus.spec.model import Head, ModelSpec
 from nereus.spec.workload import ModelStage, Recompute, Role, Workflow, WorkloadSpec
 
 DEFAULT_HEADROOM = 0.10  # paper §2.4: feasibility keeps 10% of GPU memory free
+# ``ModelSpec.with_head`` of a job's models (a new validated spec each call), kept: a replan asks it
+# of every model-stage it prices
+_HEADED: dict[tuple[int, Head], tuple[ModelSpec, ModelSpec]] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +160,19 @@ class PlanningProblem:
 
     def model_of(self, model_stage: ModelStage) -> ModelSpec:
         """The model a model-stage runs, with the head its role needs (value head for critic/reward)."""
-        return self.models[model_stage.role].with_head(model_stage.head)
+        base = self.models[model_stage.role]
+        head = model_stage.head
+        if head is base.head:
+            return base
+        key = (id(base), head)
+        found = _HEADED.get(key)
+        if found is not None and found[0] is base:
+            return found[1]
+        headed = base.with_head(head)
+        if len(_HEADED) >= 64:
+            _HEADED.clear()
+        _HEADED[key] = (base, headed)  # the base held: its id stays unique while the entry lives
+        return headed
 
     @property
     def max_tp(self) -> int:
