@@ -169,6 +169,19 @@ def measure_replans(gpus: int, repeats: int) -> dict[str, Any]:
     return out
 
 
+def _phases(replan: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per kind of change, the median ms of each phase of the warm target search."""
+    return {
+        k: {
+            p.removeprefix("warm_target_"): round(x, 4)
+            for p, x in v.items()
+            if p.startswith("warm_target_") and p.endswith("_ms") and "cpu" not in p and p != "warm_target_ms"
+        }
+        for k, v in replan.items()
+        if k != "gpus"
+    }
+
+
 def plot(rows: list[dict[str, Any]], out: Path) -> None:
     import matplotlib
 
@@ -253,7 +266,17 @@ def main() -> None:
         "replan_warm_target_cpu_ms_at_32": {
             k: v["warm_target_cpu_ms"] for k, v in replans[0].items() if k != "gpus"
         },
+        # where a warm target search's time goes, per kind of change (median ms of each phase)
+        "replan_warm_target_phases_ms_at_32": _phases(replans[0]),
     }
+    if len(replans) > 1:
+        summary["replan_warm_target_ms_at_1024"] = {
+            k: v["warm_target_ms"] for k, v in replans[1].items() if k != "gpus"
+        }
+        summary["replan_warm_target_cpu_ms_at_1024"] = {
+            k: v["warm_target_cpu_ms"] for k, v in replans[1].items() if k != "gpus"
+        }
+        summary["replan_warm_target_phases_ms_at_1024"] = _phases(replans[1])
     extra = {"summary": summary, "replans": replans, "mode": "quick" if args.quick else "full"}
     path = write("planner", TARGETS, rows, extra, out=args.out)
     print(f"wrote {path} and {args.out / 'planner.png'}")
