@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from nereus.errors import InfeasibleError
-from nereus.plan import bestfit, placement
+from nereus.plan import bestfit, candidates, placement
 from nereus.plan import frontier as frontier_module
 from nereus.plan.bestfit import FreeGpus, anchored, placed_spans
 from nereus.plan.cache import PlanCache
@@ -24,7 +24,7 @@ from nereus.plan.calibration import Efficiencies
 from nereus.plan.candidates import Shape
 from nereus.plan.layout import Candidate, Layout
 from nereus.plan.opclass import PRIOR_EFFICIENCY, OpClass
-from nereus.plan.problem import PlanningProblem, SeqStats
+from nereus.plan.problem import PlanningProblem, SearchSpace, SeqStats
 from nereus.plan.search import SearchResult, search
 from nereus.spec.workload import ExecutionMode
 from tests.helpers import make_problem
@@ -243,3 +243,19 @@ def test_model_of_keeps_one_headed_spec_per_model() -> None:
         model = p.model_of(ms)
         assert model == p.models[ms.role].with_head(ms.head)
         assert p.model_of(ms) is model
+
+
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_rows_enumerated_once_equal_rows_per_layout(algo: str) -> None:
+    """``enumerate_rows`` enumerates the DP degrees once and gives each layout the prefix it has
+    GPUs for: the rows of enumerating every layout on its own."""
+    for gpus in (1, 3, 8, 12, 24, 32, 64):
+        for space in (SearchSpace(), SearchSpace.urgent()):
+            p = make_problem(gpus=gpus, algo=algo, space=space)
+            for ms in p.workflow.model_stages:
+                rows = candidates.enumerate_rows(p, ms)
+                parts = [candidates._shape_options(p, ms, lay) for lay in candidates.layouts(p, ms)]
+                dp = np.concatenate([d for d, _ in parts] or [np.zeros(0, np.int64)])
+                micro = np.concatenate([m for _, m in parts] or [np.zeros(0, np.int64)])
+                assert np.array_equal(rows.dp, dp)
+                assert np.array_equal(rows.micro_batch, micro)

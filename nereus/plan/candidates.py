@@ -194,11 +194,19 @@ def _shape_options(
     problem: PlanningProblem, model_stage: ModelStage, layout: Layout
 ) -> tuple[IntArray, IntArray]:
     """(dp, micro_batch) rows for one layout, each distinct in what a replica does."""
-    w = problem.workload
     max_dp = problem.gpus // layout.size
     held = problem.space.fixed_shape(model_stage.name)
     if held is not None:  # a user's layout, as it is (nereus plan --fix): no other shape
         return _held(problem, model_stage, held, max_dp)
+    return _options_upto(problem, model_stage, max_dp)
+
+
+def _options_upto(
+    problem: PlanningProblem, model_stage: ModelStage, max_dp: int
+) -> tuple[IntArray, IntArray]:
+    """(dp, micro_batch) rows of up to ``max_dp`` replicas, by DP degree ascending: those of fewer
+    replicas are a prefix (a row reads its own DP degree and the one before it only)."""
+    w = problem.workload
     if model_stage.stage is Stage.TRAIN:
         pairs: list[tuple[int, int]] = []
         for d in range(1, max_dp + 1):
@@ -286,7 +294,12 @@ def recomputes_of(problem: PlanningProblem, model_stage: ModelStage) -> tuple[Re
 def enumerate_rows(problem: PlanningProblem, model_stage: ModelStage) -> Rows:
     """Every (layout, dp, micro-batch) row of ``model_stage`` on this pool, unpriced."""
     lays = tuple(layouts(problem, model_stage))
-    parts = [_shape_options(problem, model_stage, lay) for lay in lays]
+    if problem.space.fixed_shape(model_stage.name) is not None or not lays:
+        parts = [_shape_options(problem, model_stage, lay) for lay in lays]
+    else:  # one enumeration for the most replicas; each layout takes the prefix it has GPUs for
+        dps, micros = _options_upto(problem, model_stage, problem.gpus // min(lay.size for lay in lays))
+        ends = np.searchsorted(dps, [problem.gpus // lay.size for lay in lays], side="right").tolist()
+        parts = [(dps[:end], micros[:end]) for end in ends]
     layout_index = np.concatenate(
         [np.full(len(d), i, dtype=np.int64) for i, (d, _) in enumerate(parts)] or [np.zeros(0, np.int64)]
     )
