@@ -27,7 +27,11 @@ Per run, from ``DIR/metrics.jsonl`` (one object per executed step; a restart may
   / step_time_s per step: mean, max, and the mean over steps without a replan (a replan runs the
   planner inside monitor_s); target < 2 % of step time. The leader's wait for the slowest rank
   to reach the boundary (``straggler_s``) is the step's, counted with the steps; the shares with
-  it counted as monitoring (the accounting before it was measured) are reported too. The
+  it counted as monitoring (the accounting before it was measured) are reported too. A replan
+  whose triggers cannot be urgent runs beside the next step on the leader's helper thread
+  (``nereus.runtime.deferred``): its seconds are that step's (``monitor_parts["deferred"]`` in
+  the row of the boundary that takes it; ``deferred_decisions``, ``deferred_s``, and
+  ``deferred_moves``, the moves made one boundary later for it). The
   accounting rule (``ACCOUNTING``):
   deciding the action of a boundary that runs a transition — a move, a restart, or the plan of
   the world a pool change re-forms — is that transition's own planning (``plan_s`` in the row),
@@ -88,7 +92,11 @@ ACCOUNTING = (
     "(straggler_s: the step's time on that rank, which the next step's barrier would wait for with "
     "no monitor at all; from every rank's wall-clock arrival, at most the gather's seconds) is "
     "counted with the steps, not as monitoring; the shares with it counted as monitoring, the "
-    "accounting of runs before it existed, are reported too (*_with_straggler)."
+    "accounting of runs before it existed, are reported too (*_with_straggler). A replan whose "
+    "triggers cannot be urgent runs on the leader's helper thread beside the next step (its boundary "
+    "keeps the plan at once; the next boundary takes the decision): its seconds are that step's "
+    "(monitor_parts.deferred, deferred_s), not monitoring; a move it admits is made one boundary "
+    "later, its planning plan_s as for any move."
 )
 WORKLOAD, MODEL, WORKERS = "ppo-tiny", "tiny-llama", 4
 FULL = {
@@ -197,6 +205,7 @@ def summarise(policy: str, rows: list[dict[str, Any]], wall_s: float, rollouts: 
     waited_quiet = [
         (r["monitor_s"] + r.get("straggler_s", 0.0)) / r["step_time_s"] for r in rows if r["decision"] is None
     ]
+    deferred = [r for r in rows if "deferred" in r.get("monitor_parts", {})]  # a decision taken beside
     calm = [r["monitor_s"] for r in rows if r["decision"] is None and not r["transitions"]]
     calm_waited = [
         r["monitor_s"] + r.get("straggler_s", 0.0)
@@ -241,6 +250,13 @@ def summarise(policy: str, rows: list[dict[str, Any]], wall_s: float, rollouts: 
         "monitor_s_quiet_median_with_straggler": statistics.median(calm_waited) if calm_waited else None,
         "monitor_target_met": statistics.fmean(shares) < MONITOR_TARGET,
         "decisions": Counter(r["decision"]["verdict"] for r in rows if r["decision"]),
+        # replans that ran beside the next step (taken, or dropped for something urgent, at the
+        # boundary after it) and their seconds on the leader's helper thread, outside monitor_s
+        "deferred_decisions": len(deferred),
+        "deferred_s": sum(r["monitor_parts"]["deferred"] for r in deferred),
+        "deferred_moves": sum(
+            1 for r in rows if (r["decision"] or {}).get("deferred") is not None and r["transitions"]
+        ),
         "final_reward": rows[-1]["reward"],
         "final_accuracy": rows[-1]["accuracy"],
         "reward_last_quarter": statistics.fmean(r["reward"] for r in tail),

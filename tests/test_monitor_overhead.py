@@ -149,3 +149,20 @@ def test_a_record_carries_its_overheads_apart() -> None:
     r = record.with_overheads(0.004, 0.2, 0.05)
     assert (r.monitor_s, r.checkpoint_s, r.plan_s) == (0.004, 0.2, 0.05)
     assert record.with_overheads(0.004, 0.2).plan_s == 0.0  # a boundary that keeps its plan
+
+
+def test_decisions_deferred_beside_a_step_are_counted_apart() -> None:
+    """A replan run beside the next step: its seconds (``monitor_parts["deferred"]``, in the row
+    of the boundary that took it) are reported apart, not as monitoring; a move it admitted, made
+    one boundary later, is counted."""
+    bench = benchmark_module("e2e_local")
+    rows = [_row(0, 0.01, 0.0, None), _row(1, 0.01, 0.0, None), _row(2, 0.01, 0.2, None)]
+    rows[1]["monitor_parts"] = {"deferred": 0.03}  # a keep, taken at the boundary after step 1
+    rows[2]["monitor_parts"] = {"deferred": 0.05}  # a move, made at the boundary after step 2
+    rows[2]["decision"] = {"verdict": "admit", "deferred": 1}
+    rows[2]["transitions"] = [{"kind": "extend", "seconds": 1.0}]
+    s = bench.summarise("nereus", rows, 10.0, 1)
+    assert s["deferred_decisions"] == 2 and s["deferred_moves"] == 1
+    assert s["deferred_s"] == pytest.approx(0.08)
+    assert s["seconds"]["monitoring"] == pytest.approx(0.03)
+    assert s["seconds"]["transitions"] == pytest.approx(1.2)

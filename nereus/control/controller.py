@@ -152,7 +152,19 @@ class Controller:
     def observe(self, t: Telemetry, rebuilt: frozenset[str] = frozenset()) -> Decision | None:
         """Telemetry of the step that just ended; a Decision if a replan happened. ``rebuilt``:
         model-stages whose state a weight sync rebuilds after the transition (a rolled-back step
-        dropped the weight copies), left out of the transitions it prices."""
+        dropped the weight copies), left out of the transitions it prices. In parts:
+        ``triggers``, then ``decide`` (``replan``, ``commit``)."""
+        fired = self.triggers(t)
+        return self.decide(t, fired, rebuilt) if fired else None
+
+    def decide(self, t: Telemetry, fired: list[Trigger], rebuilt: frozenset[str] = frozenset()) -> Decision:
+        """The replan on ``fired`` (``triggers(t)``), committed."""
+        self.state = State.URGENT if any(f.urgent for f in fired) else State.REPLANNING
+        return self.commit(t, self.replan(t, fired, rebuilt))
+
+    def triggers(self, t: Telemetry) -> list[Trigger]:
+        """``t`` folded in (calibration, the length growth, the trigger references' crossings) and
+        the triggers it fires, after which a replan is due (``replan`` then ``commit``)."""
         if self.state in (State.TRANSITIONING, State.RESTART_REQUIRED):
             raise RuntimeError(f"observe() while {self.state.value}: report the transition or restart first")
         self._growth, self._last_len = self._grown(t.seq_len_mean), t.seq_len_mean
@@ -170,9 +182,11 @@ class Controller:
         fired = [f for f in fired if f.urgent or f.kind in self.config.replan_on]
         if not fired and self._deferred is not None:
             fired = self._deferred_trigger(t.step)
-        if not fired:
-            return None
-        decision = self._replan(t, fired, rebuilt)
+        return fired
+
+    def commit(self, t: Telemetry, decision: Decision) -> Decision:
+        """``decision`` (``replan`` on ``t``) taken: new trigger references, a rejected target
+        remembered, the decision logged, and the state it leads to."""
         self.monitor.reset(t)
         self._deferred = self._deferral(decision)
         self.decisions.append(decision)
@@ -284,9 +298,11 @@ class Controller:
         return {s: min(OOM_STEP, max(OOM_MIN_STEP, physical / b)) for s, b in peaks.items() if b > 0}
 
     # ------------------------------------------------------------------ replanning
-    def _replan(self, t: Telemetry, fired: list[Trigger], rebuilt: frozenset[str]) -> Decision:
+    def replan(self, t: Telemetry, fired: list[Trigger], rebuilt: frozenset[str] = frozenset()) -> Decision:
+        """The decision on ``fired`` (``triggers(t)``), which changes nothing but the plan cache:
+        it may run on another thread while the next step runs, as long as nothing else touches
+        the controller meanwhile; ``commit`` makes it the controller's."""
         urgent = any(f.urgent for f in fired)
-        self.state = State.URGENT if urgent else State.REPLANNING
         seq = self._seq(t)
         problem = self.problem(t.pool, seq)
         lost = frozenset(g for c in self.plan.candidates for g in c.gpus) - frozenset(t.pool)

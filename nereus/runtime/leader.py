@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import TypeVar
 
 from nereus.control.action import Action, Keep, Move, Restart, TransitionRecord
+from nereus.control.admission import Decision
 from nereus.control.controller import Controller, policy_config
 from nereus.control.telemetry import Telemetry
 from nereus.plan.layout import Plan
 from nereus.plan.problem import SeqStats
+from nereus.runtime.deferred import Deferral, Taken, deferrable
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.health import describe, unhealthy_members
 from nereus.runtime.job import JobSetup, restart_plan
@@ -52,7 +54,7 @@ class Leader:
 
     def __init__(
         self, m: Membership, setup: JobSetup, plan: Plan, out: Path, control: Path | None = None,
-        spawn_local: Callable[[int], None] | None = None,
+        spawn_local: Callable[[int], None] | None = None, defer: bool = True,
     ) -> None:  # fmt: skip
         spec = setup.spec
         self.m, self.setup, self.spec = m, setup, spec
@@ -70,6 +72,9 @@ class Leader:
         self.calm = False  # nothing can change the pool at this boundary (``calm_pool``)
         self.early_s = 0.0  # the helper's seconds of early work for the latest boundary (``early``)
         self._early: tuple[int, Future[Lengths]] | None = None  # (step, work) begun by ``ahead``
+        self.defer = defer  # replans that cannot be urgent run beside the next step (``deferred``)
+        self.deferral = Deferral(self.controller, self.beside)
+        self.taken: Taken | None = None  # a deferred decision taken (or dropped) at this boundary
 
     def beside(self, work: Callable[[], T]) -> Future[T]:
         """``work`` on the leader's helper thread while this one waits in a collective (gloo lets
@@ -131,15 +136,15 @@ class Leader:
         """The leader's side of the boundary after ``result`` (``plan``: the plan it ran on; from
         ``t_monitor``): every rank's report (``gather``), the step's telemetry, the notice for
         every rank, when the pool change began, and the step's record, built on the helper while
-        the notice travels; and where the seconds went (``StepRecord.monitor_parts``: "gather",
-        of it "straggler", the helper's early work "beside", "decide", and "record" once built)."""
+        the action is decided and the notice travels; and where the seconds went
+        (``StepRecord.monitor_parts``: "gather", of it "straggler", the helper's early work
+        "beside", "decide", the helper's seconds on a decision deferred from the boundary before
+        "deferred" (``nereus.runtime.deferred``), and "record")."""
         reports, lengths = self.gather(worker, preempt, result, ready_at)
         parts = {"gather": time.perf_counter() - t_monitor}
         parts["straggler"] = min(straggler_s(reports), parts["gather"])  # the step's, not the monitor's
         parts["beside"] = self.early_s
         tel = telemetry(result, reports, self.m.members, 0.0, self.spec.calibrate, lengths)
-        notice, started = self.notice(result.step, reports, tel)
-        parts["decide"] = time.perf_counter() - started
 
         def build() -> StepRecord:
             began = time.perf_counter()
@@ -147,21 +152,28 @@ class Leader:
             parts["record"] = time.perf_counter() - began
             return record
 
-        return tel, notice, started, self.beside(build), parts
+        later = self.beside(build)  # before a decision deferred at this boundary queues behind it
+        notice, started = self.notice(result.step, reports, tel)
+        parts["decide"] = time.perf_counter() - started
+        if self.taken is not None:  # the decision on the last step's telemetry, made beside this one
+            parts["deferred"] = self.taken.seconds
+        return tel, notice, started, later, parts
 
     # ------------------------------------------------------------------ the action
     def notice(self, step: int, reports: Sequence[RankReport], tel: Telemetry) -> tuple[Notice, float]:
         """What every rank learns after step ``step`` (``reports``: every rank's, ``tel``: the
         step's telemetry): stop, or the pool change, or (none) the boundary's action; and when the
         pool change began (what its membership seconds count from)."""
-        nxt = step + 1
+        nxt, self.taken = step + 1, None
         if any(r.preempted for r in reports) and nxt < self.spec.steps:
+            self.drop("the job stops")
             return Notice(preempted=True), time.perf_counter()
         started = time.perf_counter()
         health = [r.health for r in reports]
         calm, self.calm = self.calm and not any(health), False  # looked at while the reports came
         change = self.pool_change(nxt, health) if nxt < self.spec.steps and not calm else None
         if change is not None:
+            self.drop("the pool changes")
             return Notice(change=change), started
         return Notice(action=self.action(tel, nxt, None)), started
 
@@ -175,25 +187,48 @@ class Leader:
         if change is not None and change.draining:
             action = self.drain(tel, change.draining)
         elif step < self.spec.steps:
-            action = self.decide(tel, self.spec.max_new_tokens_at(step))
+            action = self.decide(tel, self.spec.max_new_tokens_at(step), defer=self.defer and change is None)
         else:
             action = Keep()
         self.decided_s = time.perf_counter() - started
         return action
 
-    def decide(self, tel: Telemetry, max_new: int, rebuilt: frozenset[str] = frozenset()) -> Action:
-        """The controller's action on ``tel``; a restart goes to the plan ``restart_plan`` picks."""
-        decision = self.controller.observe(tel, rebuilt)
-        if decision is None:
+    def decide(
+        self, tel: Telemetry, max_new: int, rebuilt: frozenset[str] = frozenset(), defer: bool = False
+    ) -> Action:
+        """The controller's action on ``tel``; a restart goes to the plan ``restart_plan`` picks.
+        A decision deferred from the boundary before is taken first: a move or restart it found is
+        this boundary's action (``tel``'s step ran on the plan it leaves and is not observed); a
+        keep lets ``tel`` be observed as usual. ``defer``: a replan whose triggers cannot be
+        urgent runs beside the next step, and the plan is kept for it (``deferred``)."""
+        if self.deferral.pending:
+            self.taken = self.deferral.take()
+            if not self.taken.keeps:
+                return self.resolve(self.taken.decision, tel.pool, max_new)
+        fired = self.controller.triggers(tel)
+        if not fired:
             return Keep()
+        if defer and deferrable(fired, tel.step + 1, self.spec.steps):
+            self.deferral.start(tel, fired)
+            return Keep("decided beside the next step")
+        return self.resolve(self.controller.decide(tel, fired, rebuilt), tel.pool, max_new)
+
+    def resolve(self, decision: Decision, pool: tuple[int, ...], max_new: int) -> Action:
+        """``decision``'s action; a restart goes to the plan ``restart_plan`` picks on ``pool``."""
         action = decision.action
         if isinstance(action, Restart):
-            problem = self.controller.problem(
-                tel.pool, SeqStats.fixed(self.setup.workload.prompt_len, max_new)
-            )
+            problem = self.controller.problem(pool, SeqStats.fixed(self.setup.workload.prompt_len, max_new))
             plan = restart_plan(self.setup, problem, max_new, self.controller.planner)
             return replace(action, plan=plan)
         return action
+
+    def drop(self, why: str) -> None:
+        """Something urgent at this boundary (``why``) supersedes a decision deferred from the
+        boundary before, if one is under way (``Deferral.drop``)."""
+        self.taken = self.deferral.drop()
+        if self.taken is not None:
+            d = self.taken.decision
+            self.m.log(f"the decision deferred from step {d.step} ({d.verdict.value}) is dropped: {why}")
 
     def drain(self, tel: Telemetry, gpus: tuple[int, ...]) -> Action:
         """The move off ``gpus`` while they still hold their state (a shrink)."""
@@ -210,6 +245,7 @@ class Leader:
         """After a failed step rolled back to ``plan``: the urgent replan on the survivors
         (``oom``: the model-stage that ran out of memory, which the controller corrects for)."""
         self.settle()
+        self.drop("a step failed")
         self.controller.adopt(plan)
         mean, p95 = (last.seq_len_mean, last.seq_len_p95) if last is not None else (1.0, 1.0)
         tel = Telemetry(step, self.clock(), mean, p95, self.m.members, oom=bool(oom), oom_stage=oom)
@@ -304,12 +340,17 @@ class Leader:
 
     # ------------------------------------------------------------------ metrics
     def with_decision(self, record: StepRecord, step: int) -> StepRecord:
-        """``record`` with the controller's replan at its boundary, if there was one."""
-        decisions = self.controller.decisions
-        if not decisions or decisions[-1].step != step:
+        """``record`` with the controller's replan at its boundary, if there was one, else the
+        decision deferred from the boundary before and taken at this one ("deferred": the step
+        whose telemetry it decided on; a dropped one is not the boundary's)."""
+        decisions, taken = self.controller.decisions, self.taken
+        if decisions and decisions[-1].step == step:
+            d = decisions[-1].to_json()
+            return record.with_decision({k: d[k] for k in DECISION_KEYS})
+        if taken is None or taken.dropped:
             return record
-        d = decisions[-1].to_json()
-        return record.with_decision({k: d[k] for k in DECISION_KEYS})
+        d = taken.decision.to_json()
+        return record.with_decision({**{k: d[k] for k in DECISION_KEYS}, "deferred": taken.decision.step})
 
     def overheads(
         self, record: StepRecord, step: int, action: Action, reformed: bool, t_ckpt: float, t_monitor: float,
@@ -338,6 +379,7 @@ class Leader:
         """Newcomers still waiting hear that there is nothing left to join; metrics close."""
         for req in self.m.pending_joins():
             self.m.refuse(req, "the job has finished")
+        self.drop("the job ends")
         self.metrics.close()
         self.helper.shutdown()
 

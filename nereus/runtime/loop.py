@@ -14,8 +14,10 @@ training, ``asynchrony.async_step``) and the weight sync; then, at the step boun
    member re-forms the world in place at the next generation; newcomers receive the job's state
    from the leader and enter the loop here;
 3. the leader decides the boundary's ``Action`` (the controller's, or a drain's move) and every
-   member executes it: ``Keep``, ``Move`` (the priced transition, then engines re-bind) or
-   ``Restart`` (the latest checkpoint onto a new plan);
+   member executes it (``nereus.runtime.acting``): ``Keep``, ``Move`` (the priced transition,
+   then engines re-bind) or ``Restart`` (the latest checkpoint onto a new plan). A replan whose
+   outcome cannot be urgent runs beside the next step instead, and what it finds is the next
+   boundary's action (``nereus.runtime.deferred``);
 4. the leader writes the step's metrics.
 
 Every rank learns 1–3 from one broadcast, the leader's ``Notice``: a stop, or the pool change
@@ -45,11 +47,12 @@ from pathlib import Path
 
 import torch
 
-from nereus.control.action import Action, Keep, Move, Outcome, RecordKind, Restart, TransitionRecord
+from nereus.control.action import Action, Move, Outcome, RecordKind, Restart, TransitionRecord
 from nereus.control.telemetry import Telemetry
 from nereus.devices import StageOutOfMemoryError
 from nereus.plan.layout import Plan
 from nereus.runtime import checkpoint as ckpt
+from nereus.runtime.acting import Acting
 from nereus.runtime.asynchrony import async_step
 from nereus.runtime.comm import all_gather, barrier, broadcast, is_peer_failure, reduce_max
 from nereus.runtime.experiment import ExperimentSpec
@@ -64,7 +67,7 @@ from nereus.runtime.preemption import Preemption
 from nereus.runtime.rollout import Rollouts
 from nereus.runtime.snapshot import Mark, agreed
 from nereus.runtime.worker import Worker
-from nereus.spec.workload import ExecutionMode, InFlight
+from nereus.spec.workload import ExecutionMode
 
 MAX_OOM_TRIES = 3  # a step that runs out of memory after this many urgent replans fails the job
 
@@ -83,7 +86,7 @@ class Boundary:
     parts: tuple[tuple[str, float], ...] = ()  # where monitor_s went (``StepRecord.monitor_parts``)
 
 
-class JobLoop:
+class JobLoop(Acting):
     """One worker process's run of the job, from its first step (or boundary) to its outcome."""
 
     def __init__(
@@ -328,68 +331,6 @@ class JobLoop:
             self.leader.write(record, moved, self.plan)
         self.dropped = 0
         return None
-
-    def _act(self, action: Action, rebind: bool) -> list[TransitionRecord]:
-        """Every member runs ``action`` (``rebind``: the world re-formed, so a kept plan needs new
-        groups). Returns what moved. An async job's batches generated ahead stay (``drain``) or
-        are dropped (``drop``: the new plan generates them again) when the plan moves or restarts."""
-        moved = self._action(action, rebind)  # a restart brings back the checkpoint's batches
-        drop = self.setup.workload.in_flight is InFlight.DROP and isinstance(action, Move | Restart)
-        if drop and self.worker.pending:
-            self.dropped += len(self.worker.pending)
-            self.worker.pending = {}
-        return moved
-
-    def _action(self, action: Action, rebind: bool) -> list[TransitionRecord]:
-        match action:
-            case Move():
-                return [self._move(action)]
-            case Restart():
-                return [self._restart(action)]
-            case Keep():
-                if rebind:
-                    self.worker.bind(self.plan)  # new groups, same state
-                return []
-
-    def _move(self, action: Move) -> TransitionRecord:
-        """The priced transition, then groups and engines for the target; the measured seconds
-        (what the controller learns its fixed costs from) include the regrouping and the engine
-        rebuilds the estimate charges for."""
-        started = time.perf_counter()
-        self.worker.transition(action.transition)
-        moving_s = reduce_max(time.perf_counter() - started)
-        self.worker.take_rebuilds()
-        self.worker.bind(action.target)
-        rebuild_s = reduce_max(self.worker.take_rebuilds())
-        seconds = reduce_max(time.perf_counter() - started)
-        record = TransitionRecord.move(action, seconds, self.plan, rebuild_s)
-        self.plan = action.target
-        if self.leader is not None:
-            self.leader.controller.moved(action, seconds, moving_s)
-        return record
-
-    def _restart(self, action: Restart) -> TransitionRecord:
-        """The latest checkpoint onto the action's plan; the steps after it run again."""
-        began, target, path = time.perf_counter(), action.plan, ckpt.agreed_latest(self.folder)
-        if path is None or target is None:
-            raise RuntimeError(
-                f"step {self.step}: {action.reason}, and there is no checkpoint to restart from"
-            )
-        resumed = ckpt.load(self.worker, target, path)
-        self.worker.bind(target)
-        self.worker.weight_sync(target)
-        seconds = reduce_max(time.perf_counter() - began)
-        record = TransitionRecord.restart(seconds, action.reason, resumed, self.plan, target)
-        self.plan, self.step = target, resumed + 1
-        if self.leader is not None:
-            self.leader.controller.restarted(target)
-        return record
-
-    def _reform(self, members: tuple[int, ...]) -> None:
-        """The next generation with ``members``; the plan stays, its groups are new."""
-        self.m.form(members, self.m.generation + 1)
-        self.worker.set_world(members)
-        self.worker.bind(self.plan)
 
     # ------------------------------------------------------------------ failures
     def _survive(self, oom: str = "") -> None:
