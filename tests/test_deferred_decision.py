@@ -77,6 +77,7 @@ def test_a_deferred_decision_equals_the_one_on_the_boundary(policy: str, seed: i
         if fired:
             assert deferrable(fired, step + 1, 100) == (expected is not None and not expected.urgent)
             deferral.start(t, fired)
+            deferral.launch()  # once the boundary is over
             nxt = length * rng.uniform(0.8, 1.2)  # the next boundary's early work, queued behind it
             helper.submit(later.prepare, nxt, nxt * 1.3).result()
             now.prepare(nxt, nxt * 1.3)

@@ -329,6 +329,8 @@ class JobLoop(Acting):
             if record.asynchrony is not None:
                 record = replace(record, asynchrony={**record.asynchrony, "dropped": float(self.dropped)})
             self.leader.write(record, moved, self.plan)
+        if self.leader is not None:  # a replan deferred at this boundary begins beside the next step
+            self.leader.deferral.launch()
         self.dropped = 0
         return None
 
