@@ -53,16 +53,10 @@ class FreeGpus:
 
     def __init__(self, gpus: Sequence[int], gpus_per_node: int) -> None:
         self.gpn = gpus_per_node
-        ids = np.sort(np.asarray(gpus, dtype=np.int64))
-        of = ids // gpus_per_node
-        cuts = np.flatnonzero(of[1:] != of[:-1]) + 1  # where the next node's GPUs start
-        starts = [0, *cuts.tolist()]
-        ends = [*cuts.tolist(), len(ids)]
-        names, flat = of[starts].tolist() if len(ids) else [], ids.tolist()
-        self.nodes: dict[int, list[int]] = {
-            n: flat[a:b] for n, a, b in zip(names, starts, ends, strict=False)
-        }
-        self.free = len(flat)
+        self.nodes: dict[int, list[int]] = {}
+        for g in sorted(gpus):
+            self.nodes.setdefault(g // gpus_per_node, []).append(g)
+        self.free = len(gpus)
         self.buckets: list[list[int]] = [[] for _ in range(gpus_per_node + 1)]
         for node, free in self.nodes.items():  # node ids ascending: each bucket sorted
             self.buckets[len(free)].append(node)
