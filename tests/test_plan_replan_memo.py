@@ -259,3 +259,21 @@ def test_rows_enumerated_once_equal_rows_per_layout(algo: str) -> None:
                 micro = np.concatenate([m for _, m in parts] or [np.zeros(0, np.int64)])
                 assert np.array_equal(rows.dp, dp)
                 assert np.array_equal(rows.micro_batch, micro)
+
+
+def test_pairwise_in_latency_order_equals_all_four_comparisons() -> None:
+    """On distinct points in the frontier's order, "an earlier point ≤ in resident, active and
+    GPUs" is "another point ≤ in all four coordinates"."""
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        n = int(rng.integers(1, 200))
+        cols = [rng.integers(0, int(rng.integers(1, 6)), size=n).astype(float) for _ in range(3)]
+        lat = rng.integers(0, int(rng.integers(1, 30)), size=n).astype(float)
+        pers, act, gpus = cols[0], cols[1], cols[2].astype(np.int64)
+        order = np.lexsort((gpus, act, pers, lat))
+        pers, act, gpus, lat = pers[order], act[order], gpus[order], lat[order]
+        fresh = frontier_module._starts(lat, pers, act, gpus)  # distinct points only
+        pers, act, gpus, lat = pers[fresh], act[fresh], gpus[fresh], lat[fresh]
+        le = (pers[:, None] <= pers) & (act[:, None] <= act) & (gpus[:, None] <= gpus) & (lat[:, None] <= lat)
+        np.fill_diagonal(le, False)
+        assert np.array_equal(frontier_module._pairwise(pers, act, gpus, lat), le.any(axis=0))

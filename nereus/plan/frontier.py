@@ -57,14 +57,29 @@ def _dense_rank(values: np.ndarray) -> tuple[IntArray, int]:
 
 
 def _pairwise(pers: FloatArray, act: FloatArray, gpus: IntArray, lat: FloatArray) -> BoolArray:
-    """Mask of the (distinct) points another point is ≤ in all four coordinates: row j, column i
-    of the comparison is "j ≤ i"; a point is ≤ itself only."""
+    """Mask of the (distinct) points another point is ≤ in all four coordinates, for points in
+    the order ``dominated_in_order`` reads (by latency, ties by resident, active, GPUs): row j,
+    column i of the comparison is "j ≤ i". In that order only an earlier point can be ≤ a later
+    one (a later point ≤ an earlier one in all four would equal it), and every earlier point is
+    ≤ in latency, so "j ≤ i" is j < i and ≤ in the other three."""
+    n = len(pers)
     le = pers[:, None] <= pers[None, :]
     le &= act[:, None] <= act[None, :]
     le &= gpus[:, None] <= gpus[None, :]
-    le &= lat[:, None] <= lat[None, :]
-    np.fill_diagonal(le, False)
+    le &= _earlier(n)
     return np.asarray(le.any(axis=0), dtype=bool)
+
+
+_EARLIER: list[np.ndarray] = [np.zeros((0, 0), dtype=bool)]
+
+
+def _earlier(n: int) -> np.ndarray:
+    """The n × n mask of row < column (one kept, sliced: n is at most a block's survivors)."""
+    mask = _EARLIER[0]
+    if len(mask) < n:
+        size = max(n, SURVIVORS_PAIRWISE_UPTO, PAIRWISE_UPTO)
+        mask = _EARLIER[0] = np.triu(np.ones((size, size), dtype=bool), 1)
+    return mask[:n, :n]
 
 
 def _bitsets(pers: FloatArray, act: FloatArray, gpus: IntArray, lat: FloatArray) -> BoolArray:
