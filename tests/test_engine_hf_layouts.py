@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from nereus.backends import hf
 from nereus.backends.grid import Grid
@@ -23,6 +22,7 @@ from nereus.spec.workload import Precision, Stage
 from nereus.state.buffers import StatePolicy
 from nereus.state.holder import RankState
 from tests.engine_oracle import ATOL, KINDS, hf_lm_logits, left_padded, next_token_logprobs, scored_mask
+from tests.helpers_spawn import world
 
 pytestmark = pytest.mark.dist
 
@@ -65,7 +65,7 @@ def _worker(rank: int, store: str, root: str) -> None:
 @pytest.mark.timeout(300)
 def test_every_layout_gives_transformers_logprobs(checkpoints: dict[str, tuple[Path, object]]) -> None:
     root = next(iter(checkpoints.values()))[0].parent
-    mp.spawn(_worker, args=(str(root / "store"), str(root)), nprocs=WORLD)
+    world(_worker, (str(root / "store"), str(root)), WORLD)
     for kind in KINDS:
         _, theirs = checkpoints[kind]
         vocab = hf.read_config(root / kind).vocab_size

