@@ -17,14 +17,23 @@ import multiprocessing as mp
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.multiprocessing as torch_mp
 
 
-def world(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> None:
-    """``fn(rank, *args)`` on ``nprocs`` processes, joined (a failing rank raises here, as
-    ``mp.spawn``); the fork server when the platform has one, else spawn."""
+def _run(rank: int, fn: Callable[..., None], args: tuple[Any, ...], threads: int) -> None:
+    torch.set_num_threads(threads)
+    fn(rank, *args)
+
+
+def world(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int, threads: int = 1) -> None:
+    """``fn(rank, *args)`` on ``nprocs`` processes of ``threads`` torch threads each, joined (a
+    failing rank raises here, as ``mp.spawn``); the fork server when the platform has one, else
+    spawn. One thread, as a run's workers have on a shared node: with torch's default (a thread
+    per core) every process's OpenMP threads spin after each small op on cores the others need
+    (``test_engine_parallel``'s world took 278 CPU-s on two cores, 49 with one thread)."""
     method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     if method == "forkserver":
         # the modules the server imports when it starts (no effect once it runs)
         mp.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", fn.__module__])
-    torch_mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method=method)
+    torch_mp.start_processes(_run, args=(fn, args, threads), nprocs=nprocs, join=True, start_method=method)

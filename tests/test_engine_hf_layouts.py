@@ -36,7 +36,6 @@ def _batch(vocab: int) -> object:
 
 
 def _worker(rank: int, store: str, root: str) -> None:
-    torch.set_num_threads(1)  # as a run's workers: more threads than cores spin on each other's
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
         for kind in KINDS:

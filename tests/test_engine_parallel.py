@@ -86,10 +86,6 @@ def value_loss(values: torch.Tensor, fields: Any) -> torch.Tensor:
 
 
 def _init(rank: int, store: str) -> None:
-    # one torch thread per process, as a run's workers have on a shared node: with the default
-    # (a thread per core) each of the 4 processes' OpenMP threads spin after every small op, on
-    # cores the others need (5.7x the CPU seconds of this module's world on 2 cores)
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
 
 
