@@ -12,6 +12,7 @@ import pytest
 
 from nereus.control.admission import Decision, Option, Profit, Rule, Verdict, admit, restart_instead
 from nereus.control.controller import Controller
+from nereus.control.reserved import fitting_layouts, reserved_option
 from nereus.control.risk import last_copy_loss
 from nereus.control.transition_cost import TransitionEstimate
 from nereus.errors import ConfigError
@@ -194,3 +195,56 @@ def test_correlated_revocations_take_replicas_together(tmp_path: Path) -> None:
     events, fractions = supply.revocation_events()  # revocable held 3 3 1 1 3 3: one drop, 2 of 3
     assert fractions == pytest.approx((2 / 3,)) and events == pytest.approx(1 / (5 * 300 / 3600))
     assert supply.domains().event_fractions == fractions
+
+
+def test_fitting_layouts_shrink_the_largest_trainer_pipeline_first() -> None:
+    """One replica of every trainer must fit the reserved GPUs together: the largest replica
+    shrinks first, its pipeline halved before its tensor parallelism; None where they already fit
+    or where fewer GPUs are reserved than there are trainers."""
+    problem = make_problem(gpus=32, response=1024)
+    plan = search(problem).plan
+    sizes = {n: reps[0] for n, reps in _trainer_replicas(plan).items()}
+    assert {len(r) for r in sizes.values()} == {16}  # tp4·pp4 each: 32 GPUs, more than reserved
+    got = fitting_layouts(plan, problem.pool, FailureDomains(frozenset(range(24, 32)), 4, 2.0))
+    assert got == {"actor.train": Layout(4, 1), "critic.train": Layout(4, 1)}
+    got = fitting_layouts(plan, problem.pool, FailureDomains(frozenset(range(20, 32)), 4, 2.0))
+    assert got == {"actor.train": Layout(4, 1), "critic.train": Layout(4, 2)}  # 12 GPUs: 4 + 8
+    assert fitting_layouts(plan, problem.pool, FailureDomains(frozenset(range(32)), 4, 2.0)) is None
+    assert fitting_layouts(plan, problem.pool, FailureDomains(frozenset({31}), 4, 2.0)) is None
+    assert fitting_layouts(plan, (), FailureDomains(frozenset(range(24, 32)), 4, 2.0)) is None
+
+
+@pytest.mark.parametrize("rate", [20.0, 0.05])
+def test_a_plan_keeping_every_trainer_copy_on_reserved_gpus_is_offered(rate: float) -> None:
+    """The fastest plan's trainers (16 GPUs each) cannot keep a copy on 8 reserved GPUs, so a
+    revocation may take their last copy. The controller also offers the best plan whose trainer
+    layouts fit there ("reserved", risk 0), first when its expected step (latency plus restart
+    risk) is the shorter — at a high revocation rate — and after the target otherwise."""
+    problem = make_problem(gpus=32, response=1024)
+    domains = FailureDomains(frozenset(range(24, 32)), 4, rate)
+    plan = search(_with(problem, domains)).plan
+    controller = Controller(problem.workload, problem.models, problem.cluster, plan, domains=domains)
+    options = controller._options(controller.problem(problem.pool, problem.seq))
+    by = {o.label: o for o in options}
+    target, safe = by["target"], by["reserved"]
+    assert target.risk_s > 0 and safe.risk_s == 0.0
+    assert last_copy_loss(safe.plan, domains, safe.step_latency_s) == 0.0
+    trainers = _trainer_replicas(safe.plan)
+    assert all(any(set(r) <= domains.reserved for r in reps) for reps in trainers.values())
+    assert safe.step_latency_s > target.step_latency_s  # slower, but safe
+    first = "reserved" if safe.expected_s < target.expected_s else "target"
+    assert options[0].label == first == ("reserved" if rate == 20.0 else "target")
+
+
+def test_no_reserved_option_without_risk_or_under_a_policys_own_holds() -> None:
+    problem = make_problem(gpus=32, response=1024)
+    plan = search(problem).plan
+    bare = Controller(problem.workload, problem.models, problem.cluster, plan)  # nothing revocable
+    assert "reserved" not in {o.label for o in bare._options(bare.problem(problem.pool, problem.seq))}
+    domains = FailureDomains(frozenset(range(24, 32)), 4, 20.0)
+    held = {c.model_stage: c.layout for c in plan.candidates}
+    exposed = Controller(problem.workload, problem.models, problem.cluster, plan, domains=domains)
+    static = exposed.problem(problem.pool, problem.seq)
+    static = dataclasses.replace(static, space=static.space.holding(held))  # a static policy's holds
+    best = exposed._options(static)[0]
+    assert best.risk_s > 0 and reserved_option(static, best, domains, exposed._plan) is None

@@ -31,6 +31,7 @@ from nereus.control.admission import (
     restart_instead,
 )
 from nereus.control.policy import POLICIES, ControllerConfig, policy_config
+from nereus.control.reserved import reserved_option
 from nereus.control.risk import last_copy_loss, restart_seconds
 from nereus.control.telemetry import Telemetry
 from nereus.control.transition_cost import DagEstimator, TransitionEstimator
@@ -405,6 +406,9 @@ class Controller:
         if best is None:
             return []
         options = [best]
+        safe = reserved_option(problem, best, self.domains, self._plan)
+        if safe is not None:  # a copy of every trainer kept safe: first where it is expected faster
+            options = [safe, best] if safe.expected_s < best.expected_s else [best, safe]
         current = {c.model_stage: c.layout for c in self.plan.candidates}
         holds: list[tuple[str, dict[str, Layout]]] = [("hold-layouts", dict(current))]
         for stage in self.plan.workflow.stages:
