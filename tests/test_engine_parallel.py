@@ -41,6 +41,7 @@ pytestmark = pytest.mark.dist
 
 WORLD = 4
 TIMEOUT_S = 480  # the first test waits for the one world that runs every test's job
+EXECUTOR_TIMEOUT_S = 300.0  # a transition's group setup and transfers
 LAYOUTS = {
     "tiny-qwen3": [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (4, 1, 1)],
     "tiny-llama": [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (1, 4, 1)],
@@ -200,7 +201,9 @@ def _transition_job(rank: int, out: str, model_name: str) -> None:
             prev_layout, prev_units = PHASES[step - 1]
             moves = [StageMove.between("actor.train", model, POLICY, prev_layout, prev_units, layout, units)]
             dag = build_dag(moves, {"actor.train": 0}, links, 2**40)
-            Executor(dag, moves, holder, {r: r for r in range(WORLD)}).run()
+            # a loaded machine may hold a rank back longer than the executor's 60 s default: the
+            # test's own timeout bounds the world
+            Executor(dag, moves, holder, {r: r for r in range(WORLD)}, timeout_s=EXECUTOR_TIMEOUT_S).run()
         grid = Grid(layout, tuple(r for u in units for r in u))
         groups.destroy()
         groups = Groups.build(grid, model, rank)
