@@ -54,13 +54,12 @@ import time
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import RESULTS, write
+from common import RESULTS, fork_server, write
 from engine_vllm import plot as plot_vllm
 from engine_vllm import run_vllm
 from torch import Tensor
@@ -274,27 +273,6 @@ def _worker(
     dist.destroy_process_group()
 
 
-def _imported() -> list[str]:
-    names = {
-        v.__name__ if isinstance(v, ModuleType) else getattr(v, "__module__", None)
-        for v in globals().values()
-    }
-    return sorted(n for n in names if isinstance(n, str) and n not in ("__main__", __name__))
-
-
-def _fork_server() -> str:
-    """The start method of ``--quick``'s torch-native world: a fork server that imported this
-    script once (``mp.spawn`` has each process import it, torch and the engine anew: ~3 CPU-s
-    each). Nothing it times includes a process's start."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return "spawn"
-    # the modules this script's names come from, not the script: Python 3.11's server neither
-    # imports "__main__" nor takes the caller's sys.path (it skips what it cannot import). Each
-    # process re-runs the script as __mp_main__, at no cost once what it imports is there.
-    mp.get_context("forkserver").set_forkserver_preload(_imported())
-    return "forkserver"
-
-
 def run_model(
     model_name: str,
     layouts: list[tuple[int, int, int]],
@@ -462,7 +440,7 @@ def main() -> None:
     layouts = list(QUICK_LAYOUTS if args.quick else LAYOUTS)
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
     repeats = 1 if args.quick else args.repeats
-    start_method = _fork_server() if args.quick else "spawn"
+    start_method = fork_server(globals()) if args.quick else "spawn"
     rows: list[dict[str, Any]] = []
     model_seconds = {}
     for m in models:

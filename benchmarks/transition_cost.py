@@ -44,14 +44,13 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from common import RESULTS, write
+from common import RESULTS, fork_server, write
 
 from nereus.devices import node_threads
 from nereus.plan.calibration import Efficiencies
@@ -290,27 +289,6 @@ def _restart_worker(
     dist.destroy_process_group()
 
 
-def _imported() -> list[str]:
-    names = {
-        v.__name__ if isinstance(v, ModuleType) else getattr(v, "__module__", None)
-        for v in globals().values()
-    }
-    return sorted(n for n in names if isinstance(n, str) and n not in ("__main__", __name__))
-
-
-def _fork_server() -> str:
-    """The start method of ``--quick``'s measuring worlds: a fork server that imported this
-    script once (``mp.spawn`` has each process import it, torch and dcp anew: ~3 CPU-s each, most
-    of a quick run). Nothing they time includes their start; ``restart`` always spawns."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return "spawn"
-    # the modules this script's names come from, not the script: Python 3.11's server neither
-    # imports "__main__" nor takes the caller's sys.path (it skips what it cannot import). Each
-    # process re-runs the script as __mp_main__, at no cost once what it imports is there.
-    mp.get_context("forkserver").set_forkserver_preload(_imported())
-    return "forkserver"
-
-
 def run_scenario(
     sc: dict[str, Any], model: str, repeats: int, packed: bool = False, start_method: str = "spawn"
 ) -> dict[str, Any]:
@@ -394,7 +372,7 @@ def main() -> None:
     args = ap.parse_args()
     model = "tiny-llama" if args.quick else "llama-125m"
     repeats = 1 if args.quick else args.repeats
-    start_method = _fork_server() if args.quick else "spawn"
+    start_method = fork_server(globals()) if args.quick else "spawn"
     rows = []
     for sc in scenarios(args.quick):
         if args.only not in sc["name"]:

@@ -10,8 +10,11 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from nereus.errors import InfeasibleError
+from nereus.plan.cache import PlanCache
 from nereus.plan.layout import Candidate, Layout, Plan
 from nereus.plan.problem import PlanningProblem, SearchSpace, SeqStats
+from nereus.plan.search import SearchResult, search
 from nereus.spec import Role, load_cluster, load_model, load_workload
 from nereus.spec.workload import STAGE_ORDER
 
@@ -84,3 +87,22 @@ def benchmark_module(script: str) -> ModuleType:
         return module
     finally:
         sys.path.remove(str(BENCHMARKS))
+
+
+def search_outcome(problem: PlanningProblem, cache: PlanCache | None) -> SearchResult | str:
+    """``search(problem, cache)``, or why it is infeasible: what a cached and a cold search compare."""
+    try:
+        return search(problem, cache)
+    except InfeasibleError as exc:
+        return f"infeasible: {exc}"
+
+
+def assert_same_search(warm: SearchResult | str, cold: SearchResult | str) -> None:
+    """A cached search equals a cold one: the plan, its step latency (exactly, not approximately)
+    and its estimates — or the same infeasibility."""
+    if isinstance(cold, str) or isinstance(warm, str):
+        assert warm == cold
+        return
+    assert warm.plan == cold.plan
+    assert warm.step_latency_s == cold.step_latency_s
+    assert warm.estimates == cold.estimates

@@ -16,27 +16,11 @@ from nereus.plan.calibration import Efficiencies
 from nereus.plan.layout import Layout
 from nereus.plan.opclass import PRIOR_EFFICIENCY, OpClass
 from nereus.plan.problem import PlanningProblem, SearchSpace, SeqStats
-from nereus.plan.search import SearchResult, search
+from nereus.plan.search import search
 from nereus.spec.workload import ExecutionMode, Stage
-from tests.helpers import make_problem
+from tests.helpers import assert_same_search, make_problem, search_outcome
 
 pytestmark = pytest.mark.pure
-
-
-def _outcome(problem: PlanningProblem, cache: PlanCache | None) -> SearchResult | str:
-    try:
-        return search(problem, cache)
-    except InfeasibleError as exc:
-        return f"infeasible: {exc}"
-
-
-def _same(warm: SearchResult | str, cold: SearchResult | str) -> None:
-    if isinstance(cold, str) or isinstance(warm, str):
-        assert warm == cold
-        return
-    assert warm.plan == cold.plan
-    assert warm.step_latency_s == cold.step_latency_s  # exactly, not approximately
-    assert warm.estimates == cold.estimates
 
 
 def _drift(rng: random.Random, p: PlanningProblem, base: PlanningProblem) -> PlanningProblem:
@@ -88,7 +72,7 @@ def test_cached_search_equals_cold_search_on_random_drifts(
     p = base
     for _ in range(40):
         p = _drift(rng, p, base)
-        _same(_outcome(p, cache), _outcome(p, None))
+        assert_same_search(search_outcome(p, cache), search_outcome(p, None))
     assert sum(cache.stats.hits.values()) > 0  # the drifts did reuse something
     assert cache.stats.hits.get("frontier", 0) > 0
 
@@ -100,7 +84,7 @@ def test_a_smaller_pool_reuses_the_tables_of_a_larger_one() -> None:
     before = dict(cache.stats.misses)
     for gpus in (24, 16, 8):
         p = dataclasses.replace(p32, pool=tuple(range(gpus)))
-        _same(_outcome(p, cache), _outcome(p, None))
+        assert_same_search(search_outcome(p, cache), search_outcome(p, None))
     assert cache.stats.misses.get("table", 0) == before.get("table", 0)  # nothing re-priced
     assert cache.stats.misses.get("frontier", 0) == before.get("frontier", 0)
 
@@ -115,11 +99,11 @@ def test_a_calibration_update_invalidates_prices() -> None:
     second = search(q, cache)
     assert cache.stats.misses.get("table", 0) > misses  # re-priced, not served from the old key
     assert second.step_latency_s > first.step_latency_s
-    _same(second, search(q))
+    assert_same_search(second, search(q))
     # an equal snapshot (a new object with the same values) is the same key
     same = dataclasses.replace(p, efficiencies=Efficiencies(MappingProxyType(dict(p.efficiencies.eta))))
     hits = cache.stats.hits.get("result", 0)
-    _same(search(same, cache), first)
+    assert_same_search(search(same, cache), first)
     assert cache.stats.hits.get("result", 0) == hits + 1
 
 
@@ -127,7 +111,7 @@ def test_another_job_clears_the_cache() -> None:
     cache = PlanCache()
     search(make_problem(gpus=16), cache)
     other = make_problem("tiny-llama", "local-cpu", 4, 64, prompt=32)
-    _same(_outcome(other, cache), _outcome(other, None))
+    assert_same_search(search_outcome(other, cache), search_outcome(other, None))
     assert len(cache._priced) == 1
 
 

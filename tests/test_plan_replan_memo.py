@@ -24,10 +24,10 @@ from nereus.plan.calibration import Efficiencies
 from nereus.plan.candidates import Shape
 from nereus.plan.layout import Candidate, Layout
 from nereus.plan.opclass import PRIOR_EFFICIENCY, OpClass
-from nereus.plan.problem import PlanningProblem, SearchSpace, SeqStats
+from nereus.plan.problem import SearchSpace, SeqStats
 from nereus.plan.search import SearchResult, search
 from nereus.spec.workload import ExecutionMode
-from tests.helpers import make_problem
+from tests.helpers import assert_same_search, make_problem, search_outcome
 
 pytestmark = pytest.mark.pure
 
@@ -147,22 +147,6 @@ def test_anchored_memo_equals_a_fresh_computation() -> None:
     assert len(bestfit._ANCHORED) <= bestfit.ANCHORED_KEEP
 
 
-def _outcome(problem: PlanningProblem, cache: PlanCache | None) -> SearchResult | str:
-    try:
-        return search(problem, cache)
-    except InfeasibleError as exc:
-        return f"infeasible: {exc}"
-
-
-def _same(warm: SearchResult | str, cold: SearchResult | str) -> None:
-    if isinstance(cold, str) or isinstance(warm, str):
-        assert warm == cold
-        return
-    assert warm.plan == cold.plan
-    assert warm.step_latency_s == cold.step_latency_s
-    assert warm.estimates == cold.estimates
-
-
 @pytest.mark.parametrize(("seed", "mode"), [(3, ExecutionMode.SYNC), (4, ExecutionMode.ASYNC)])
 def test_replans_of_one_running_plan_equal_cold_searches(seed: int, mode: ExecutionMode) -> None:
     """The controller's sequence: one running plan (the anchor), then lengths, calibration and
@@ -193,12 +177,12 @@ def test_replans_of_one_running_plan_equal_cold_searches(seed: int, mode: Execut
         elif what == "pool":
             p = dataclasses.replace(p, pool=rng.choice([anchor.pool, _fragmented(rng, 32, gpn)]))
         else:
-            found = _outcome(p, None)
+            found = search_outcome(p, None)
             if isinstance(found, SearchResult):
                 anchor = found.plan
                 p = dataclasses.replace(p, anchor=anchor)
         priced_where_run += bool(anchored(p))
-        _same(_outcome(p, cache), _outcome(p, None))
+        assert_same_search(search_outcome(p, cache), search_outcome(p, None))
     assert priced_where_run > 0
     assert cache.stats.hits.get("frontier", 0) > 0  # the replans did reuse prices
 
