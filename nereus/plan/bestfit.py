@@ -100,6 +100,11 @@ class FreeGpus:
         assert taken
         return tuple(sorted(chosen))
 
+    def holds(self, gpus: Sequence[int]) -> bool:
+        """Whether every one of these GPUs is free."""
+        gpn, nodes = self.gpn, self.nodes
+        return all(g // gpn in nodes and g in nodes[g // gpn] for g in gpus)
+
     def take_exactly(self, gpus: Sequence[int]) -> bool:
         """Take these GPUs if every one is free; otherwise take nothing."""
         gpn, nodes = self.gpn, self.nodes

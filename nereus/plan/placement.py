@@ -133,12 +133,11 @@ def _anchored(
         return []
     # a replica's GPUs are disjoint from the others', so taking each that is wholly free in turn
     # takes the first ``want`` wholly free ones: found first, then taken at once
-    nodes, gpn = free.nodes, free.gpn
     kept: list[tuple[int, ...]] = []
     for gpus in replicas:
         if len(kept) >= want:
             break
-        if all(g // gpn in nodes and g in nodes[g // gpn] for g in gpus):
+        if free.holds(gpus):
             kept.append(gpus)
     if kept:
         taken = free.take_exactly([g for gpus in kept for g in gpus])
