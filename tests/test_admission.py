@@ -8,7 +8,7 @@ from nereus.control.action import Keep, Move, Restart, TransitionRecord
 from nereus.control.admission import Decision, Option, Profit, Rule, Verdict, admit
 from nereus.control.controller import Controller, ControllerConfig, State, policy_config
 from nereus.control.telemetry import Telemetry
-from nereus.control.transition_cost import DagEstimator, TransitionEstimate
+from nereus.control.transition_cost import DagEstimator, FixedCosts, TransitionEstimate
 from nereus.control.triggers import TriggerKind
 from nereus.errors import ConfigError
 from nereus.plan.evaluate import price, shapes_of
@@ -223,7 +223,7 @@ def test_rebuilds_a_reformed_world_pays_anyway_are_not_charged(plan: Plan) -> No
     problem = make_problem(gpus=32)
     target = search(dataclasses.replace(problem, anchor=plan)).plan
     e = DagEstimator()
-    e.weights[1:] = (20.0, 5.0, 1.0)  # learnt: rebuilding engines is what transitions cost here
+    e.seed(FixedCosts(20.0, 5.0, 1.0))  # rebuilding engines is what transitions cost here
     full, sunk = e.estimate(problem, plan, target), e.estimate(problem, plan, target, sunk=True)
     assert full.features[1:] != (0.0, 0.0, 0.0) and full.seconds > sunk.seconds
     assert sunk.sunk and sunk.features == (full.features[0], 0.0, 0.0, 0.0)

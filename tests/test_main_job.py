@@ -11,6 +11,7 @@ loads in ``transformers``.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,12 @@ def test_the_main_job_learns_and_admits_a_transition_that_pays_back(tmp_path: Pa
     assert rows[step + 1]["gpus"] == exp["workers"]
     assert f"step {step}: admitted (pool 3→4 GPUs), predicted ΔL" in proc.stdout
     assert "measured: moved in" in proc.stdout and "reward: 0.0" in proc.stdout
+    # the start-up builds the controller prices a move's rebuilds at, until one is measured
+    built = re.search(
+        r"start-up built a generation engine ([\d.]+) s, another engine ([\d.]+) s",
+        (out / "membership.log").read_text(),
+    )
+    assert built and float(built[1]) > 0 and float(built[2]) > 0
 
     actor = transformers.AutoModelForCausalLM.from_pretrained(out / "hf" / "actor")
     assert actor.config.vocab_size == len(transformers.AutoTokenizer.from_pretrained(assets.model))

@@ -3,7 +3,12 @@
 from nereus.control.admission import Decision, Option, Profit, Rule, Verdict, admit
 from nereus.control.controller import Controller, ControllerConfig, State, policy_config
 from nereus.control.telemetry import Telemetry
-from nereus.control.transition_cost import DagEstimator, TransitionEstimate, TransitionEstimator
+from nereus.control.transition_cost import (
+    DagEstimator,
+    FixedCosts,
+    TransitionEstimate,
+    TransitionEstimator,
+)
 from nereus.control.triggers import Trigger, TriggerKind, TriggerMonitor
 
 __all__ = [
@@ -11,6 +16,7 @@ __all__ = [
     "ControllerConfig",
     "DagEstimator",
     "Decision",
+    "FixedCosts",
     "Option",
     "Profit",
     "Rule",

@@ -34,7 +34,7 @@ from nereus.control.policy import POLICIES, ControllerConfig, policy_config
 from nereus.control.reserved import reserved_option
 from nereus.control.risk import last_copy_loss, restart_seconds
 from nereus.control.telemetry import Telemetry
-from nereus.control.transition_cost import DagEstimator, TransitionEstimator
+from nereus.control.transition_cost import DagEstimator, FixedCosts, TransitionEstimator
 from nereus.control.triggers import Trigger, TriggerKind, TriggerMonitor, horizon
 from nereus.errors import InfeasibleError
 from nereus.plan.cache import PlanCache
@@ -248,6 +248,11 @@ class Controller:
             self.estimator.observe(est, moving_s if sunk and moving_s is not None else measured_s)
         self.plan = self.pending.target
         self.state, self.pending = State.STEADY, None
+
+    def started(self, fixed: FixedCosts) -> None:
+        """The job built its engines and groups in these seconds at start-up: until transitions
+        measure them, a move's rebuilds and regroups are priced at what they took then."""
+        self.estimator.seed(fixed)
 
     def moved(self, action: Move, measured_s: float, moving_s: float | None = None) -> None:
         """The job ran ``action`` in ``measured_s`` (``moving_s`` of it moving state): an admitted

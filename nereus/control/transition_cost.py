@@ -9,15 +9,18 @@ list schedule's makespan (bytes over links, shared-link contention, communicator
 Transitions also pay costs bytes do not explain: rebuilding an engine for a new layout,
 re-forming process groups. The estimate is w · (DAG makespan, generation rebuilds, other
 rebuilds, regroups), w fitted by recursive least squares from measured transitions, starting
-from the pure DAG model w = (1, 0, 0, 0). At a boundary where the job's world re-forms anyway (a
-worker joined or left), every engine and group is rebuilt whether the plan changes or not: those
-costs are sunk, the features count the DAG alone (``sunk``), and the fit learns from the DAG's
-measured seconds only.
+from the pure DAG model w = (1, 0, 0, 0) — or, once the job reports what building its engines
+and groups took at start-up (``FixedCosts``, ``DagEstimator.seed``), from those seconds: a first
+move is then priced with the rebuilds it will pay, not as free. At a boundary where the job's
+world re-forms anyway (a worker joined or left), every engine and group is rebuilt whether the
+plan changes or not: those costs are sunk, the features count the DAG alone (``sunk``), and the
+fit learns from the DAG's measured seconds only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -51,6 +54,54 @@ class TransitionEstimate:
         return self.priced.transition if self.priced is not None else None
 
 
+@dataclass(frozen=True, slots=True)
+class FixedCosts:
+    """What a transition pays beyond moving bytes, as the job measured it at start-up: seconds to
+    build one generation engine, one engine of another stage, and to form one model-stage's
+    process groups. ``None``: not measured (no engine of that kind was built)."""
+
+    gen_rebuild_s: float | None
+    other_rebuild_s: float | None
+    regroup_s: float | None
+
+    def __post_init__(self) -> None:
+        for name in ("gen_rebuild_s", "other_rebuild_s", "regroup_s"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"FixedCosts.{name} must be a finite number of seconds ≥ 0, got {v!r}")
+
+    @classmethod
+    def of(cls, stages: Sequence[Stage], build_s: Sequence[float], group_s: Sequence[float]) -> FixedCosts:
+        """From one start-up, per model-stage: its stage, the seconds its slowest rank took to
+        build its engine (0: none built, e.g. a rank held none of its units) and to form its
+        groups. Each kind's cost is the mean over the model-stages that built one."""
+        if not len(stages) == len(build_s) == len(group_s):
+            raise ValueError(
+                f"FixedCosts.of: {len(stages)} stages, {len(build_s)} build and {len(group_s)} group times"
+            )
+
+        def mean(xs: list[float]) -> float | None:
+            xs = [x for x in xs if x > 0]
+            return sum(xs) / len(xs) if xs else None
+
+        gen = [b for s, b in zip(stages, build_s, strict=True) if s is Stage.GEN]
+        other = [b for s, b in zip(stages, build_s, strict=True) if s is not Stage.GEN]
+        return cls(mean(gen), mean(other), mean(list(group_s)))
+
+    def describe(self) -> str:
+        def s(v: float | None) -> str:
+            return "none built" if v is None else f"{v:.2f} s"
+
+        return (
+            f"a generation engine {s(self.gen_rebuild_s)}, another engine {s(self.other_rebuild_s)}, "
+            f"a model-stage's groups {s(self.regroup_s)}"
+        )
+
+    def as_weights(self) -> tuple[float | None, float | None, float | None]:
+        """The estimator's fixed-cost weights, in feature order."""
+        return (self.gen_rebuild_s, self.other_rebuild_s, self.regroup_s)
+
+
 class TransitionEstimator(Protocol):
     def estimate(
         self, problem: PlanningProblem, current: Plan, target: Plan, lost: frozenset[int] = frozenset(),
@@ -59,24 +110,56 @@ class TransitionEstimator(Protocol):
 
     def observe(self, estimate: TransitionEstimate, measured_s: float) -> None: ...
 
+    def seed(self, fixed: FixedCosts) -> None: ...
+
+
+# how far a start-up measurement is trusted as a transition's fixed cost: its standard deviation,
+# as a share of it (a rebuild for a new layout is not exactly the first build: caches are warm,
+# imports done); a few measured transitions outweigh it
+SEED_SPREAD = 0.5
+
 
 class DagEstimator:
-    """L_tran from the transition DAG's schedule, with fixed costs learned from measurements."""
+    """L_tran from the transition DAG's schedule, with fixed costs learned from measurements.
 
-    def __init__(self, forgetting: float = 0.95) -> None:
-        self.weights = np.array([1.0, 0.0, 0.0, 0.0])
-        self._cov = np.diag([0.1, 1e4, 1e4, 1e4])  # trust the DAG's timing, not the fixed costs
-        self.forgetting = forgetting
+    The weights are the non-negative least-squares fit of the measured transitions (the newest
+    ``window``, each older one down-weighted by ``forgetting``) with a Gaussian prior: the DAG's
+    timing is trusted (w₀ = 1, sd 0.3), the fixed costs start at 0 with no trust (sd 100 s) or at
+    the start-up builds (``seed``, sd half of them). Solved exactly with the constraint (a
+    clipped recursive update stalls where a prior is above the truth)."""
+
+    def __init__(self, forgetting: float = 0.95, window: int = 64) -> None:
+        self.forgetting, self.window = forgetting, window
+        self._prior = np.array([1.0, 0.0, 0.0, 0.0])
+        self._prior_sd = np.array([0.1**0.5, 100.0, 100.0, 100.0])  # trust the DAG, not fixed costs
+        self._seen: list[tuple[np.ndarray, float]] = []  # (features, measured s), oldest first
+        self.weights = self._prior.copy()
+
+    def seed(self, fixed: FixedCosts) -> None:
+        """Start the fixed-cost weights from the job's own start-up builds (``FixedCosts``), where
+        no transition has measured them yet; the DAG's weight is kept."""
+        learned = [any(f[i] for f, _ in self._seen) for i in range(4)]
+        for i, v in enumerate(fixed.as_weights(), start=1):
+            if v is None or learned[i]:  # not measured, or a transition measured it already
+                continue
+            self._prior[i], self._prior_sd[i] = v, max(SEED_SPREAD * v, 0.1)
+        self.weights = self._fit()
 
     def observe(self, estimate: TransitionEstimate, measured_s: float) -> None:
-        """Fold one measured transition into the weights (RLS with forgetting, weights ≥ 0)."""
+        """Fold one measured transition into the weights."""
         f = np.asarray(estimate.features, dtype=np.float64)
         if measured_s <= 0 or not f.any():
             return
-        pf = self._cov @ f
-        gain = pf / (self.forgetting + f @ pf)
-        self.weights = np.maximum(self.weights + gain * (measured_s - f @ self.weights), 0.0)
-        self._cov = (self._cov - np.outer(gain, pf)) / self.forgetting
+        self._seen = [*self._seen[-(self.window - 1) :], (f, float(measured_s))]
+        self.weights = self._fit()
+
+    def _fit(self) -> np.ndarray:
+        n = len(self._seen)
+        age = np.sqrt(self.forgetting ** np.arange(n - 1, -1, -1, dtype=np.float64))
+        prior = np.sqrt(self.forgetting**n) / self._prior_sd  # the prior fades like an old sample
+        a = np.vstack([np.diag(prior), *(f[None, :] * r for (f, _), r in zip(self._seen, age, strict=True))])
+        b = np.concatenate([prior * self._prior, [y * r for (_, y), r in zip(self._seen, age, strict=True)]])
+        return nonnegative_lstsq(a, b)
 
     def estimate(
         self, problem: PlanningProblem, current: Plan, target: Plan, lost: frozenset[int] = frozenset(),
@@ -109,3 +192,23 @@ class DagEstimator:
         return TransitionEstimate(
             seconds, peak, True, "", changed, resharded, float(tr.moved_bytes), done, features, tr, sunk
         )
+
+
+def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin ‖a·x − b‖ over x ≥ 0, exactly, for a handful of columns: the optimum is the
+    unconstrained fit on some set of free columns (the rest at 0), so the best feasible one of
+    those fits is it. Requires ``a`` of full column rank on every subset (a prior row per column
+    ensures it)."""
+    k = a.shape[1]
+    best, best_err = np.zeros(k), float(b @ b)
+    for mask in range(1, 1 << k):
+        free = [i for i in range(k) if mask >> i & 1]
+        x_free = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
+        if (x_free < 0).any():
+            continue
+        x = np.zeros(k)
+        x[free] = x_free
+        r = a @ x - b
+        if (err := float(r @ r)) < best_err:
+            best, best_err = x, err
+    return best

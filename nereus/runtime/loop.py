@@ -122,9 +122,13 @@ class JobLoop(Acting):
         max_new = spec.max_new_tokens_at(first)
         plan: Plan = broadcast(initial_plan(setup, m.members, max_new) if m.leader else None, Plan)
         step = first_state(worker, plan, resume_from, spec)
+        fixed = worker.bind_costs()
         if m.leader and resume_from is not None:  # steps after the checkpoint run again
             drop_rows_after(out / "metrics.jsonl", step - 1)
         leader = Leader(m, setup, plan, out, control, spawn_local) if m.leader else None
+        if leader is not None:  # a move's rebuilds are priced at what they took here, until measured
+            leader.controller.started(fixed)
+            m.log(f"start-up built {fixed.describe()}: what a move's rebuilds cost until one is measured")
         return cls(m, spec, out, setup, worker, plan, step, leader, preemption=preemption)
 
     @classmethod

@@ -6,11 +6,10 @@ run in the workflow's order (gen → inf → train); model-stages of one stage s
 and so run concurrently. Rollouts and per-token scores are exchanged over the world group after
 each stage (in an async job, inference and training exchange in the training side's group,
 ``train_side``, while generation runs apart: ``asynchrony.py``); every worker then derives the
-same advantages. Weight syncs (actor.train ⇒ actor.gen,
-actor.inf; critic.train ⇒ critic.inf) and plan changes are transition DAGs run by the executor,
-after which the engines re-bind to the moved buffers. Engines come from the registry
-(``nereus.backends.registry``, one engine name per model-stage) and are spoken to only through
-the Backend protocol. Edge module (torch.distributed).
+same advantages. Weight syncs (actor.train ⇒ actor.gen, actor.inf; critic.train ⇒ critic.inf)
+and plan changes are transition DAGs run by the executor, after which the engines re-bind to the
+moved buffers. Engines come from the registry (``nereus.backends.registry``, one engine name per
+model-stage), spoken to only through the Backend protocol. Edge module (torch.distributed).
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ from nereus.backends.protocol import (
     TrainStats,
 )
 from nereus.backends.registry import build_engine
+from nereus.control.transition_cost import FixedCosts
 from nereus.devices import CPU, Devices, StageMemory
 from nereus.plan.calibration import Efficiencies
 from nereus.plan.layout import Candidate, Layout, Plan
@@ -87,6 +87,8 @@ class Worker:
         self.longest_response = max(longest_response, workload.max_response_len)
         self.generation: dict[str, GenerationStats] = {}  # this step's, per generating model-stage
         self.rebuilds = 0.0  # seconds engines spent being built since the last look (``take_rebuilds``)
+        self.built: dict[str, float] = {}  # the latest bind's: model-stage → seconds building its engine
+        self.grouped: dict[str, float] = {}  # and → seconds forming its process groups
         self.holder = StateHolder(gpu, self.device)
         self.engines: dict[str, Backend] = {}
         self.groups: dict[str, Groups] = {}
@@ -190,7 +192,8 @@ class Worker:
         engine = build_engine(
             self.engine_of(name), rs, self.groups[name], self.optim.get(role), self.options(plan, name)
         )
-        self.rebuilds += time.perf_counter() - started
+        self.built[name] = time.perf_counter() - started
+        self.rebuilds += self.built[name]
         return engine
 
     def bind(self, plan: Plan) -> None:
@@ -203,10 +206,13 @@ class Worker:
             dist.destroy_process_group(self.train_side)
         self.groups, self.train_side = {}, None
         dist.barrier()  # and has torn them down before any connects new ones
+        self.built, self.grouped = {}, {}
         for ms in self.workflow.model_stages:
+            started = time.perf_counter()
             self.groups[ms.name] = Groups.build(
                 grid_of(plan.candidate(ms.name), self.rank_of), self.model_of(ms.name), self.rank
             )
+            self.grouped[ms.name] = time.perf_counter() - started
         self._train_side(plan)
         held = dict(self.holder.by_stage())
         self.holder.units = dict(held)
@@ -259,6 +265,16 @@ class Worker:
     def receivers(self) -> tuple[str, ...]:
         """Model-stages a weight sync fills (actor.gen, actor.inf, critic.inf), in sync order."""
         return tuple(dst for _, dst in self.workflow.weight_syncs)
+
+    def bind_costs(self) -> FixedCosts:
+        """The latest bind's engine builds and group formation per kind, each model-stage's
+        slowest rank (collective over the world): at start-up, what a move's rebuilds cost."""
+        names = [ms.name for ms in self.workflow.model_stages]
+        rows = [[self.built.get(n, 0.0), self.grouped.get(n, 0.0)] for n in names]
+        t = torch.tensor(rows, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        stages = [self.workflow.get(n).stage for n in names]
+        return FixedCosts.of(stages, t[:, 0].tolist(), t[:, 1].tolist())
 
     def take_rebuilds(self) -> float:
         """Seconds spent building and re-binding engines since the last call."""

@@ -29,6 +29,7 @@ from nereus.control.action import Keep, Move, RecordKind, Restart, TransitionRec
 from nereus.control.admission import Decision, Verdict
 from nereus.control.controller import Controller, policy_config
 from nereus.control.telemetry import Telemetry
+from nereus.control.transition_cost import FixedCosts
 from nereus.errors import InfeasibleError
 from nereus.plan.calibration import CalibrationStore, Efficiencies, Measurement
 from nereus.plan.evaluate import ideal_shapes, price, shapes_of
@@ -172,6 +173,7 @@ class _Run:
                 self._calibration(),
                 domains=self.domains,
             )
+            self._started(plan)
         ctl = self.controller
         pool = self.pool()  # what the boundary sees; changes after it surface at the next one
         decision = ctl.observe(replace(prev, pool=pool, time_s=self.t)) if prev is not None else None
@@ -276,6 +278,15 @@ class _Run:
             oom,
         )
         return record, telemetry
+
+    def _started(self, plan: Plan) -> None:
+        """The job built its first plan's engines and groups; the controller is told how long
+        that took (the truth's rebuild and regroup costs, measured), as a job on a cluster
+        would tell it."""
+        assert self.controller is not None
+        stages = [plan.stage_of(c) for c in plan.candidates]
+        build_s, group_s = self.hw.startup(stages)
+        self.controller.started(FixedCosts.of(stages, build_s, group_s))
 
     def _weight_sync(self, plan: Plan, k: int) -> dict[str, float]:
         """The measured seconds per op class of the async weight sync: the actor's trainer

@@ -74,6 +74,7 @@ class Hardware:
 
     def __init__(self, seed: int, noise: float = 0.03, episodes: Sequence[Episode] = ()) -> None:
         self.rng = np.random.default_rng(seed)
+        self._startup_rng = np.random.default_rng([seed, 1])  # apart: the steps' noise stays as it was
         self.noise = noise
         self.episodes = tuple(episodes)
 
@@ -95,6 +96,16 @@ class Hardware:
     def peak(self, true_bytes: float) -> float:
         """A measured peak: the true footprint with a little run-to-run variation."""
         return true_bytes * min(1.02, self._jitter())
+
+    def startup(self, stages: Sequence[Stage]) -> tuple[list[float], list[float]]:
+        """What the job measures building its first plan, per model-stage of ``stages``: seconds to
+        build its engine and to form its process groups (the costs a transition pays again for
+        what it re-lays out or regroups)."""
+
+        def jitter() -> float:
+            return float(self._startup_rng.lognormal(0.0, self.noise)) if self.noise > 0 else 1.0
+
+        return [REBUILD_S[s] * jitter() for s in stages], [REGROUP_S * jitter() for _ in stages]
 
     def transition(self, estimated_s: float, rebuilt: Sequence[Stage], regrouped: int) -> float:
         """True seconds of a transition whose state moves take ``estimated_s`` by the bandwidth
