@@ -33,6 +33,7 @@ from nereus.transition import (
 )
 from nereus.transition.execute import Executor, TransitionError
 from tests.helpers import make_problem, random_plan
+from tests.helpers_spawn import world
 
 pytestmark = pytest.mark.dist
 
@@ -124,7 +125,7 @@ def moved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cases = {model: _trials(10, 1, model, precision) for model, precision in CASES.items()}
     for model in cases:
         (root / model).mkdir()
-    mp.spawn(_worker, args=(str(root / "store"), cases, str(root)), nprocs=WORLD, join=True)
+    world(_worker, (str(root / "store"), cases, str(root)), WORLD)
     return root
 
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 
 from nereus.plan.calibration import Efficiencies
 from nereus.plan.layout import Layout
@@ -21,6 +20,7 @@ from nereus.state.geometry import shards
 from nereus.state.holder import RankState, StateHolder
 from nereus.transition import LinkModel, StageMove, build_dag
 from nereus.transition.execute import Executor
+from tests.helpers_spawn import world
 
 pytestmark = pytest.mark.dist
 
@@ -94,7 +94,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("dcp")
     for pair in range(len(PAIRS)):
         (root / str(pair)).mkdir()
-    mp.spawn(_worker, args=(str(root / "store"), str(root)), nprocs=WORLD, join=True)
+    world(_worker, (str(root / "store"), str(root)), WORLD)
     return root
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from nereus.plan.calibration import Efficiencies
 from nereus.plan.layout import Layout
@@ -22,6 +21,7 @@ from nereus.state.holder import RankState, StateHolder
 from nereus.state.staging import Staging, pool
 from nereus.transition import LinkModel, StageMove, build_dag
 from nereus.transition.execute import Executor
+from tests.helpers_spawn import world
 from tests.test_execute import _trials, full_tensor, holder_for
 
 pytestmark = pytest.mark.dist
@@ -116,7 +116,7 @@ def test_zero_copy_equals_the_packed_path_bit_for_bit(tmp_path: Path) -> None:
     """Random re-layouts (both precisions, random DP and GPU order) and random plan pairs (extends,
     restores, destroys): every buffer, padding included, and every logical state come out byte for
     byte as the packed path leaves them, with the same bytes on the wire."""
-    mp.spawn(_equal_worker, args=(str(tmp_path / "store"), 21, str(tmp_path)), nprocs=WORLD, join=True)
+    world(_equal_worker, (str(tmp_path / "store"), 21, str(tmp_path)), WORLD)
     assert all((tmp_path / f"ok{r}").exists() for r in range(WORLD))
 
 
@@ -148,5 +148,5 @@ def _reuse_worker(rank: int, store: str, out: str) -> None:
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_staging_buffers_are_reused_across_transitions(tmp_path: Path) -> None:
-    mp.spawn(_reuse_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
+    world(_reuse_worker, (str(tmp_path / "store"), str(tmp_path)), WORLD)
     assert all((tmp_path / f"ok{r}").exists() for r in range(WORLD))

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from nereus.plan.calibration import Efficiencies
 from nereus.spec import load_cluster
@@ -19,6 +18,7 @@ from nereus.transition import LinkModel, StageMove, Transition, build_dag
 from nereus.transition.between import with_staging
 from nereus.transition.execute import Executor
 from nereus.transition.wire import staging_bytes
+from tests.helpers_spawn import world
 from tests.test_execute_zero_copy import STAGE, WORLD, reshards, start
 
 LINKS = LinkModel(load_cluster("local-cpu"), Efficiencies())
@@ -96,7 +96,7 @@ def _pool_worker(rank: int, store: str, out: str) -> None:
 @pytest.mark.dist
 @pytest.mark.timeout(240)
 def test_the_counted_staging_is_what_the_executor_holds(tmp_path: Path) -> None:
-    mp.spawn(_pool_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
+    world(_pool_worker, (str(tmp_path / "store"), str(tmp_path)), WORLD)
     for r in range(WORLD):
         rows = [line.split() for line in (tmp_path / f"pool{r}").read_text().splitlines()]
         assert rows and all(held == counted for held, counted in rows), (r, rows)
