@@ -36,6 +36,7 @@ from nereus.control.risk import last_copy_loss, restart_seconds
 from nereus.control.telemetry import Telemetry
 from nereus.control.transition_cost import DagEstimator, FixedCosts, TransitionEstimator
 from nereus.control.triggers import Trigger, TriggerKind, TriggerMonitor, horizon
+from nereus.control.widened import is_widened, led_by_wider
 from nereus.errors import InfeasibleError
 from nereus.plan.cache import PlanCache
 from nereus.plan.calibration import OOM_STEP, CalibrationStore
@@ -327,9 +328,9 @@ class Controller:
             current_risk_s=risk,
         )  # fmt: skip
         options = self._options(problem)
-        if not options:  # nothing fits without recomputation or smaller micro-batches: the plan
-            # running now may use them (an urgent replan found it there), and so may its successor
-            options = self._options(self.problem(t.pool, seq, SearchSpace.urgent()), "widened")
+        if not options or urgent or is_widened(self.plan, self.workload):  # ``nereus.control.widened``
+            wider = self._options(self.problem(t.pool, seq, SearchSpace.urgent()), "widened")
+            options = led_by_wider(options, wider)
         if options and options[0].plan.candidates == self.plan.candidates and not oom:
             return replace(base, reason="the current plan is the planner's target")
         options = [o for o in options if o.plan.candidates != self.plan.candidates]
