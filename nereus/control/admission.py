@@ -70,7 +70,7 @@ class Rule:
 class Option:
     """A candidate target plan with its predicted step latency and where it came from."""
 
-    label: str  # "target", "hold-layouts", "hold:<stage>", "urgent"
+    label: str  # "target", "reserved", "hold-layouts", "relayout:<stage>", "widened", "urgent"
     plan: Plan
     step_latency_s: float
     risk_s: float = 0.0  # expected restart seconds per step (nereus.control.risk)
