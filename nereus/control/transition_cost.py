@@ -7,14 +7,14 @@ the largest per-GPU bound the DAG guarantees plus the runtime reserve, and the m
 list schedule's makespan (bytes over links, shared-link contention, communicator setup).
 
 Transitions also pay costs bytes do not explain: rebuilding an engine for a new layout,
-re-forming process groups. The estimate is w · (DAG makespan, generation rebuilds, other
-rebuilds, regroups), w fitted by recursive least squares from measured transitions, starting
-from the pure DAG model w = (1, 0, 0, 0) — or, once the job reports what building its engines
-and groups took at start-up (``FixedCosts``, ``DagEstimator.seed``), from those seconds: a first
-move is then priced with the rebuilds it will pay, not as free. At a boundary where the job's
-world re-forms anyway (a worker joined or left), every engine and group is rebuilt whether the
-plan changes or not: those costs are sunk, the features count the DAG alone (``sunk``), and the
-fit learns from the DAG's measured seconds only.
+re-forming process groups. The estimate is w · (DAG makespan, generation rebuilds, other rebuilds,
+regroups), w fitted by non-negative least squares to the measured transitions
+(``DagEstimator``), starting from the pure DAG model w = (1, 0, 0, 0) — or, once the job reports
+what building its engines and groups took at start-up (``FixedCosts``, ``DagEstimator.seed``),
+from those seconds: a first move is then priced with the rebuilds it will pay, not as free. At a
+boundary where the job's world re-forms anyway (a worker joined or left), every engine and group
+is rebuilt whether the plan changes or not: those costs are sunk, the features count the DAG
+alone (``sunk``), and the fit learns from the DAG's measured seconds only.
 """
 
 from __future__ import annotations

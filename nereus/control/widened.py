@@ -18,6 +18,7 @@ replica), leaving less room to move state in place.
 from __future__ import annotations
 
 from nereus.control.admission import Option
+from nereus.plan.candidates import trainer_micro_batches
 from nereus.plan.layout import Plan
 from nereus.spec.workload import Recompute, Stage, WorkloadSpec
 
@@ -35,9 +36,6 @@ def is_widened(plan: Plan, workload: WorkloadSpec) -> bool:
     for c in plan.candidates:
         if c.recompute is not Recompute.NONE:
             return True
-        if plan.stage_of(c) is Stage.TRAIN:
-            batch = workload.global_batch // c.dp
-            largest = max(b for b in range(1, min(workload.micro_batch, batch) + 1) if batch % b == 0)
-            if c.micro_batch < largest:
-                return True
+        if plan.stage_of(c) is Stage.TRAIN and c.micro_batch < trainer_micro_batches(workload, c.dp)[-1]:
+            return True
     return False

@@ -22,7 +22,7 @@ from nereus.plan.layout import Layout
 from nereus.plan.memory import MemoryTerms
 from nereus.plan.problem import PlanningProblem
 from nereus.plan.replica import FloatArray, IntArray, ReplicaFacts
-from nereus.spec.workload import ModelStage, Recompute, Stage
+from nereus.spec.workload import ModelStage, Recompute, Stage, WorkloadSpec
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -182,6 +182,14 @@ def layouts(problem: PlanningProblem, model_stage: ModelStage) -> list[Layout]:
     return result
 
 
+def trainer_micro_batches(workload: WorkloadSpec, dp: int) -> list[int]:
+    """A trainer's micro-batches with ``dp`` replicas, ascending: those dividing a replica's
+    share of the global batch, up to the workload's. The narrow search takes the largest; the
+    urgent path's wider space all of them."""
+    batch = workload.global_batch // dp
+    return [b for b in range(1, min(workload.micro_batch, batch) + 1) if batch % b == 0]
+
+
 def _powers_of_two_upto(n: int) -> list[int]:
     out, v = [], 1
     while v <= n:
@@ -212,8 +220,7 @@ def _options_upto(
         for d in range(1, max_dp + 1):
             if w.global_batch % d:
                 continue
-            batch = w.global_batch // d
-            divisors = [b for b in range(1, min(w.micro_batch, batch) + 1) if batch % b == 0]
+            divisors = trainer_micro_batches(w, d)
             chosen = divisors if problem.space.shrink_micro_batch else divisors[-1:]
             pairs.extend((d, b) for b in chosen)
         arr = np.array(pairs, dtype=np.int64).reshape(-1, 2)
@@ -252,7 +259,7 @@ def _held(
         if w.global_batch % dp:
             return none, none
         batch = w.global_batch // dp
-        micro = micro or max(b for b in range(1, min(w.micro_batch, batch) + 1) if batch % b == 0)
+        micro = micro or trainer_micro_batches(w, dp)[-1]
         if batch % micro:
             return none, none
     else:

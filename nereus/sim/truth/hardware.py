@@ -78,8 +78,8 @@ class Hardware:
         self.noise = noise
         self.episodes = tuple(episodes)
 
-    def _jitter(self) -> float:
-        return float(self.rng.lognormal(0.0, self.noise)) if self.noise > 0 else 1.0
+    def _jitter(self, rng: np.random.Generator | None = None) -> float:
+        return float((rng or self.rng).lognormal(0.0, self.noise)) if self.noise > 0 else 1.0
 
     def slowdown(self, op: str, step: int) -> float:
         factor = 1.0
@@ -101,11 +101,8 @@ class Hardware:
         """What the job measures building its first plan, per model-stage of ``stages``: seconds to
         build its engine and to form its process groups (the costs a transition pays again for
         what it re-lays out or regroups)."""
-
-        def jitter() -> float:
-            return float(self._startup_rng.lognormal(0.0, self.noise)) if self.noise > 0 else 1.0
-
-        return [REBUILD_S[s] * jitter() for s in stages], [REGROUP_S * jitter() for _ in stages]
+        builds = [REBUILD_S[s] * self._jitter(self._startup_rng) for s in stages]
+        return builds, [REGROUP_S * self._jitter(self._startup_rng) for _ in stages]
 
     def transition(self, estimated_s: float, rebuilt: Sequence[Stage], regrouped: int) -> float:
         """True seconds of a transition whose state moves take ``estimated_s`` by the bandwidth
