@@ -190,3 +190,31 @@ def test_a_running_model_stage_is_priced_where_it_runs() -> None:
         .parts["tp_comm"]
         .by_class[AR_INTER][0]
     )
+
+
+def test_kept_replicas_never_leave_a_tp_group_across_nodes_that_placement_from_scratch_keeps_inside() -> None:
+    """The running plan's generation replicas straddle nodes (placed on an earlier, fragmented
+    pool); on three whole nodes placement from scratch keeps every TP group inside one node,
+    which is what the cost model prices: the anchored placement is not kept."""
+    problem = make_problem(gpus=12)
+    gpn = problem.cluster.gpus_per_node
+    assert gpn == 4
+    layout = Layout(4, 1)
+    shapes = {m.name: Shape(Layout(1, 1), 1, 8, Recompute.NONE) for m in problem.workflow.model_stages}
+    shapes[_gen(problem).name] = Shape(layout, 3, 8, Recompute.NONE)
+    fresh = place(problem.workflow, problem.workload.mode, shapes, problem.pool, gpn)
+    gen = _gen(problem).name
+    straddling = dataclasses.replace(fresh.candidate(gen), gpus=(2, 3, 4, 5, 8, 9, 10, 11, 0, 1, 6, 7))
+    anchor = Plan(
+        fresh.workflow,
+        tuple(straddling if c.model_stage == gen else c for c in fresh.candidates),
+        fresh.pool,
+        fresh.mode,
+    )
+    links = Links(problem.cluster, problem.efficiencies)
+    assert _placed_tp_link(anchor, gen, links) is Link.INTER
+    plan = place(problem.workflow, problem.workload.mode, shapes, problem.pool, gpn, anchor=anchor)
+    assert _placed_tp_link(plan, gen, links) is Link.INTRA
+    # a node-aligned running plan stays exactly where it is
+    again = place(problem.workflow, problem.workload.mode, shapes, problem.pool, gpn, anchor=plan)
+    assert again.candidates == plan.candidates

@@ -22,6 +22,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from nereus.plan.bestfit import FreeGpus as _FreeGpus
+from nereus.plan.bestfit import placed_spans
 from nereus.plan.candidates import Shape
 from nereus.plan.layout import Candidate, Plan
 from nereus.spec.domains import FailureDomains
@@ -145,6 +146,41 @@ def _anchored(
     return kept
 
 
+def _place_stage(
+    model_stages: Sequence[ModelStage],
+    shapes: Mapping[str, Shape],
+    pool: Sequence[int],
+    gpus_per_node: int,
+    anchor: Plan | None,
+    domains: FailureDomains | None,
+) -> tuple[list[Candidate], list[int]]:
+    """One stage's model-stages placed on ``pool`` (and the GPUs left free). Replicas kept where
+    the running plan has them can leave the new ones only the scattered GPUs of a fragmented pool
+    (spot instances smaller than a node), so that a TP group or a replica crosses nodes where
+    best fit alone keeps it inside one — not the links the cost model priced (``group_spans``),
+    and a TP group over the network runs its per-layer all-reduces several times slower. The
+    anchored placement is kept only where no model-stage's worst (TP group, replica) node span
+    is larger than in a placement from scratch."""
+    free = _FreeGpus(pool, gpus_per_node)
+    placed = _place_group(model_stages, shapes, free, anchor, domains)
+    if anchor is not None:
+        fresh_free = _FreeGpus(pool, gpus_per_node)
+        fresh = _place_group(model_stages, shapes, fresh_free, None, domains)
+        if any(
+            _spans(a, gpus_per_node) > _spans(b, gpus_per_node) for a, b in zip(placed, fresh, strict=True)
+        ):
+            placed, free = fresh, fresh_free
+    return placed, [g for n in free.nodes.values() for g in n]
+
+
+def _spans(c: Candidate, gpus_per_node: int) -> tuple[float, float]:
+    """Node spans of a placed candidate's worst TP group and worst replica (``placed_spans``)."""
+    if c.dp < 1:
+        return (0.0, 0.0)
+    tp, replica, _ = placed_spans(c, gpus_per_node)
+    return (tp, replica)
+
+
 def place(
     workflow: Workflow,
     mode: ExecutionMode,
@@ -162,18 +198,14 @@ def place(
     """
     candidates: dict[str, Candidate] = {}
     if mode is ExecutionMode.ASYNC:
-        free = _FreeGpus(pool, gpus_per_node)
-        gen = _place_group(workflow.by_stage(Stage.GEN), shapes, free, anchor, domains)
-        rest = [g for n in free.nodes.values() for g in n]
+        gen, rest = _place_stage(workflow.by_stage(Stage.GEN), shapes, pool, gpus_per_node, anchor, domains)
         candidates.update({c.model_stage: c for c in gen})
-        groups = [workflow.by_stage(Stage.INF), workflow.by_stage(Stage.TRAIN)]
-        for group in groups:
-            placed = _place_group(group, shapes, _FreeGpus(rest, gpus_per_node), anchor, domains)
+        for group in (workflow.by_stage(Stage.INF), workflow.by_stage(Stage.TRAIN)):
+            placed, _ = _place_stage(group, shapes, rest, gpus_per_node, anchor, domains)
             candidates.update({c.model_stage: c for c in placed})
     else:
         for stage in workflow.stages:
-            free = _FreeGpus(pool, gpus_per_node)
-            placed = _place_group(workflow.by_stage(stage), shapes, free, anchor, domains)
+            placed, _ = _place_stage(workflow.by_stage(stage), shapes, pool, gpus_per_node, anchor, domains)
             candidates.update({c.model_stage: c for c in placed})
     ordered = tuple(candidates[m.name] for m in workflow.model_stages)
     return Plan(workflow, ordered, tuple(pool), mode)
