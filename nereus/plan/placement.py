@@ -163,7 +163,7 @@ def _place_stage(
     is larger than in a placement from scratch."""
     free = _FreeGpus(pool, gpus_per_node)
     placed = _place_group(model_stages, shapes, free, anchor, domains)
-    if anchor is not None:
+    if anchor is not None and any(_spans(c, gpus_per_node) > _least(c, gpus_per_node) for c in placed):
         fresh_free = _FreeGpus(pool, gpus_per_node)
         fresh = _place_group(model_stages, shapes, fresh_free, None, domains)
         if any(
@@ -171,6 +171,19 @@ def _place_stage(
         ):
             placed, free = fresh, fresh_free
     return placed, [g for n in free.nodes.values() for g in n]
+
+
+def _least(c: Candidate, gpus_per_node: int) -> tuple[float, float]:
+    """The spans of ``_spans`` when every TP group and replica takes the fewest nodes it can:
+    nothing placed from scratch does better, so a placement there needs no second try."""
+    if c.dp < 1:
+        return (0.0, 0.0)
+    gpn = gpus_per_node
+    tp, size = c.layout.tp, c.layout.size
+    return (
+        float(-(-tp // gpn) * gpn if tp > gpn else tp),
+        float(-(-size // gpn) * gpn if size > gpn else size),
+    )
 
 
 def _spans(c: Candidate, gpus_per_node: int) -> tuple[float, float]:
