@@ -188,13 +188,15 @@ def _gap(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """Where policy a's mean step differs from policy b's, seconds per step by component
     (``Summary.breakdown``): ``plan`` (the truth's time of the steps that completed: plan
     quality, on the pools each run saw), ``lost`` (steps preempted or out of memory), ``moves``,
-    ``restarts``, ``stalled``; and each one's share of the gap."""
+    ``restarts``, ``stalled``, ``startup`` (the start-up collective sweep; the oracle's is free); and
+    each one's share of the gap."""
     parts = {
         "plan": a["breakdown"]["useful_s"] - b["breakdown"]["useful_s"],
         "lost": a["breakdown"]["lost_s"] - b["breakdown"]["lost_s"],
         "moves": a["breakdown"]["moves_s"] - b["breakdown"]["moves_s"],
         "restarts": a["breakdown"]["restarts_s"] - b["breakdown"]["restarts_s"],
         "stalled": a["breakdown"]["stalled_s"] - b["breakdown"]["stalled_s"],
+        "startup": a["breakdown"].get("startup_s", 0.0) - b["breakdown"].get("startup_s", 0.0),
     }
     gap = a["mean_step_s"] - b["mean_step_s"]
     return {

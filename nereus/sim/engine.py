@@ -34,11 +34,13 @@ from nereus.errors import InfeasibleError
 from nereus.plan.calibration import CalibrationStore, Efficiencies, Measurement
 from nereus.plan.evaluate import ideal_shapes, price, shapes_of
 from nereus.plan.layout import Layout, Plan
+from nereus.plan.links import Links
 from nereus.plan.problem import PlanningProblem, SearchSpace, SeqStats
 from nereus.plan.search import search
+from nereus.plan.sweep import measurements, probes, seconds_spent
 from nereus.sim.observe import pair, quiet_truth
 from nereus.sim.records import Scenario, SimulationError, StepRecord, Summary
-from nereus.sim.truth import Hardware, StageResult
+from nereus.sim.truth import PARAMS, Hardware, StageResult, collectives
 from nereus.sim.truth.asynchrony import AsyncStep, Pipeline, sync_step, weight_sync_seconds
 from nereus.spec.workload import ExecutionMode, Role, Stage
 
@@ -67,6 +69,8 @@ class _Run:
         self.layouts_seen: list[dict[str, Layout]] = []  # every plan's layouts, in order
         self._seed: list[tuple[Measurement, ...]] | None = None  # the oracle's probe of the truth
         self._seed_memory: list[tuple[Stage, float, float]] = []
+        self._swept: tuple[Measurement, ...] | None = None  # the start-up collective sweep
+        self.sweep_s = 0.0  # what it took (charged to the first step)
         async_mode = scenario.workload.mode is ExecutionMode.ASYNC
         self.pipeline = Pipeline(scenario.max_staleness) if async_mode else None
 
@@ -81,19 +85,36 @@ class _Run:
         problem = PlanningProblem(
             self.s.workload, self.s.models, self.s.cluster, pool, seq, domains=self.domains
         )
-        return (
-            replace(problem, efficiencies=self._calibration(problem).efficiencies()) if self.free else problem
-        )
+        self._sweep(pool)
+        return replace(problem, efficiencies=self._calibration(problem).efficiencies())
+
+    def _sweep(self, pool: tuple[int, ...]) -> None:
+        """The start-up collective sweep on the job's first pool (``nereus.plan.sweep``), timed
+        on the truth with the hardware's noise: what the first plan and every later one start
+        calibrated from. Once per run (a restart keeps what the job measured)."""
+        if self._swept is not None or not self.s.collective_sweep:
+            return
+        cluster = self.s.cluster
+        found = probes(pool, cluster.gpus_per_node)
+        intra, inter = cluster.intra_node_bandwidth_gbs * 1e9, cluster.inter_node_bandwidth_gbs * 1e9
+        quiet = [
+            collectives.seconds(kind.value, collectives.Group(g, k), b, intra, inter, PARAMS)
+            for kind, g, k, b in ((p.kind, p.per_node, p.nodes, p.nbytes) for p in found)
+        ]
+        timed = list(zip(found, self.hw.sweep(quiet), strict=True))
+        self._swept = tuple(measurements(Links(cluster, Efficiencies()), timed))
+        self.sweep_s = seconds_spent(timed)
 
     def _calibration(self, problem: PlanningProblem | None = None) -> CalibrationStore:
-        """An empty store, except the oracle's. The oracle probes the truth once, before its
-        first step: it plans under the priors (``problem``), runs that plan on the quiet truth
-        (no noise, no episodes) and seeds its calibration with the truth's seconds per op class
-        against the planner's ideal ones, and the truth's peak per stage against the planner's
-        raw one. So it knows the truth's per-class ratios at one plan and step-0 lengths (not how
-        they change with shape, lengths or episodes); after that it learns from telemetry as
-        every policy does."""
+        """The start-up sweep's samples (every policy) and, the oracle's only, a probe of the
+        truth. The oracle probes the truth once, before its first step: it plans under the sweep's
+        calibration (``problem``), runs that plan on the quiet truth (no noise, no episodes) and
+        seeds its calibration with the truth's seconds per op class against the planner's ideal
+        ones, and the truth's peak per stage against the planner's raw one. So it knows the
+        truth's per-class ratios at one plan and step-0 lengths (not how they change with shape,
+        lengths or episodes); after that it learns from telemetry as every policy does."""
         store = CalibrationStore(self.s.cluster.name)
+        store.update(self._swept or ())
         if not self.free:
             return store
         if self._seed is None and problem is not None and problem.pool:
@@ -161,9 +182,11 @@ class _Run:
     def step(self, k: int, prev: Telemetry | None) -> tuple[StepRecord, Telemetry]:
         seq = self.s.lengths(k)
         start = self.t
-        stalled_s = 0.0
+        stalled_s = startup_s = 0.0
         if self.controller is None:
             plan, stalled_s = self.wait_for_plan(seq)
+            startup_s = 0.0 if self.free else self.sweep_s
+            self.t += startup_s
             self.controller = Controller(
                 self.s.workload,
                 self.s.models,
@@ -265,6 +288,7 @@ class _Run:
             dict(predicted.latency),
             quiet_stage,
             moved_from,
+            startup_s,
         )
         telemetry = Telemetry(
             k,

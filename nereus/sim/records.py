@@ -39,6 +39,8 @@ class Scenario:
     storage_gbs: float = 2.0  # checkpoint read bandwidth per node, GB/s
     max_staleness: int = 1  # async: how many batches generation may run ahead of training
     in_flight: str = "drain"  # async: rollouts generated ahead at a transition or restart: kept or dropped
+    # the job times collectives by size and group before its first plan (``nereus.plan.sweep``)
+    collective_sweep: bool = True
 
     def __post_init__(self) -> None:
         if self.steps <= 0:
@@ -89,6 +91,7 @@ class StepRecord:
     # a move at the boundary before the step: the quiet truth of the plan it left, on this
     # step's lengths (the move's realized gain is ``moved_from_s − quiet_s``)
     moved_from_s: float | None = None
+    startup_s: float = 0.0  # the first step: the start-up collective sweep before the first plan
 
     @property
     def lost(self) -> bool:
@@ -97,7 +100,7 @@ class StepRecord:
 
     @property
     def wall_s(self) -> float:
-        return self.step_s + self.transition_s + self.restart_s + self.stalled_s
+        return self.step_s + self.transition_s + self.restart_s + self.stalled_s + self.startup_s
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -111,6 +114,7 @@ class StepRecord:
             "transition_s": self.transition_s,
             "restart_s": self.restart_s,
             "stalled_s": self.stalled_s,
+            "startup_s": self.startup_s,
             "wall_s": self.wall_s,
             "oom": self.oom,
             "tp_pp_change": self.tp_pp_change,
@@ -164,7 +168,8 @@ class Summary:
     def breakdown(self) -> dict[str, float]:
         """Wall seconds per completed step by where they went: ``useful`` (steps that completed),
         ``lost`` (steps preempted or out of memory, run again), ``moves``, ``restarts`` and
-        ``stalled`` (waiting for GPUs); they add up to ``mean_step_s``."""
+        ``stalled`` (waiting for GPUs) and ``startup`` (the start-up collective sweep); they add up
+        to ``mean_step_s``."""
         done = sum(1 for r in self.records if not r.lost) or 1
         return {
             "useful_s": sum(r.step_s for r in self.records if not r.lost) / done,
@@ -172,6 +177,7 @@ class Summary:
             "moves_s": sum(r.transition_s for r in self.records) / done,
             "restarts_s": sum(r.restart_s for r in self.records) / done,
             "stalled_s": sum(r.stalled_s for r in self.records) / done,
+            "startup_s": sum(r.startup_s for r in self.records) / done,
         }
 
     def model_error(self) -> dict[str, Any]:

@@ -75,6 +75,7 @@ class Hardware:
     def __init__(self, seed: int, noise: float = 0.03, episodes: Sequence[Episode] = ()) -> None:
         self.rng = np.random.default_rng(seed)
         self._startup_rng = np.random.default_rng([seed, 1])  # apart: the steps' noise stays as it was
+        self._sweep_rng = np.random.default_rng([seed, 2])
         self.noise = noise
         self.episodes = tuple(episodes)
 
@@ -103,6 +104,12 @@ class Hardware:
         what it re-lays out or regroups)."""
         builds = [REBUILD_S[s] * self._jitter(self._startup_rng) for s in stages]
         return builds, [REGROUP_S * self._jitter(self._startup_rng) for _ in stages]
+
+    def sweep(self, quiet_s: Sequence[float]) -> list[float]:
+        """What the job's start-up collective sweep measures of collectives that take ``quiet_s``
+        on a quiet machine: each with its own jitter (the median of a few timed calls is still
+        one draw of the fabric's state)."""
+        return [t * self._jitter(self._sweep_rng) for t in quiet_s]
 
     def transition(self, estimated_s: float, rebuilt: Sequence[Stage], regrouped: int) -> float:
         """True seconds of a transition whose state moves take ``estimated_s`` by the bandwidth
