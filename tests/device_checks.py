@@ -12,7 +12,10 @@ GPU, their CPU twins (``tests/test_device_twins.py``) with the CPU.
   the CPU, or where no management library is installed);
 - a zero-copy reshard (tp2·pp2 → tp4 on 4 ranks, tp2 → pp2 on 2) against the same messages sent
   bare (NCCL with one GPU per rank, gloo on the CPU): byte for byte the packed path's state, and
-  its waves' time against the bare messages' time (issue 21).
+  its waves' time against the bare messages' time (issue 21);
+- the start-up collective sweep (``nereus.runtime.sweep``) over the world's backend for the
+  device (NCCL with one GPU per rank, gloo on the CPU): every probe timed on every rank alike, and
+  the calibration it gives.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import torch.multiprocessing as mp
 from nereus.devices import Devices, StageMemory, StageOutOfMemoryError, abort_world, init_world
 from nereus.plan.calibration import Efficiencies
 from nereus.plan.layout import Candidate, Layout, Plan
+from nereus.plan.opclass import Collective, OpClass
+from nereus.plan.sweep import Probe
 from nereus.runtime.health import HealthCheck, unhealthy_members
 from nereus.runtime.snapshot import Snapshot
 from nereus.spec import load_cluster, load_model, load_workload
@@ -328,3 +333,34 @@ def check_reshard_against_raw(
     doc["bus_ref_gbps"] = doc["bytes"] / s["bus"] / 1e9
     doc["bus_fraction"] = s["bus"] / s["waves"]
     return doc
+
+
+def _sweep_worker(rank: int, world: int, backend: str, gpus_per_node: int, tmp: str) -> None:
+    from nereus.runtime.sweep import sweep_world
+
+    devices = Devices(torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu"))
+    if devices.accelerated:
+        torch.cuda.set_device(devices.device)
+    store = dist.FileStore(f"{tmp}/store", world)
+    init_world(devices, store, rank, world, timedelta(seconds=120))
+    try:
+        timed = sweep_world(tuple(range(world)), rank, gpus_per_node, devices)
+        rows = [[p.kind.value, list(p.gpus), p.per_node, p.nodes, p.nbytes, t] for p, t in timed]
+        Path(tmp, f"sweep-{rank}.json").write_text(json.dumps(rows))
+    finally:
+        dist.destroy_process_group()
+
+
+def check_sweep(backend: str, tmp: Path, world: int, gpus_per_node: int) -> list[tuple[Probe, float]]:
+    """Spawn ``world`` ranks (``gpus_per_node`` per node: nodes are GPU-id ranges) that run the
+    start-up sweep; every rank must return the same probes and times, every time positive, and a
+    1 MiB all-reduce inside a node must take longer than a 4 KiB one. Returns the probes and
+    their seconds per call."""
+    mp.spawn(_sweep_worker, args=(world, backend, gpus_per_node, str(tmp)), nprocs=world, join=True)
+    rows = [json.loads((tmp / f"sweep-{r}.json").read_text()) for r in range(world)]
+    assert all(r == rows[0] for r in rows), "ranks disagree on the sweep"
+    timed = [(Probe(Collective(k), tuple(g), n, m, b), t) for k, g, n, m, b, t in rows[0]]
+    assert timed and all(t > 0 for _, t in timed), timed
+    inside = {p.nbytes: t for p, t in timed if p.op_class is OpClass.ALLREDUCE_INTRA and len(p.gpus) == 2}
+    assert inside[2**20] > inside[4096], inside
+    return timed

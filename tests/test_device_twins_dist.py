@@ -1,7 +1,7 @@
-"""The CPU twins of the GPU runner's transition on the device, zero-copy reshard
-(``tests/gpu/test_runtime_gpu.py``) and vLLM checks (``tests/gpu/test_vllm_gpu.py``): the same
-functions (``tests/device_checks.py``, ``tests/vllm_checks.py``) in gloo worlds, the transition's
-formed in this process (one rank), the reshard's and the vLLM engine's in spawned ones."""
+"""The CPU twins of the GPU runner's transition on the device, zero-copy reshard, start-up
+collective sweep (``tests/gpu/test_runtime_gpu.py``) and vLLM checks (``tests/gpu/test_vllm_gpu.py``):
+the same functions (``tests/device_checks.py``, ``tests/vllm_checks.py``) in gloo worlds, the
+transition's formed in this process (one rank), the others in spawned ones."""
 
 from __future__ import annotations
 
@@ -11,6 +11,10 @@ from pathlib import Path
 import pytest
 
 from nereus.devices import CPU, Devices
+from nereus.plan import sweep
+from nereus.plan.opclass import OpClass
+from nereus.runtime.sweep import GLOO_MAX_BYTES
+from nereus.spec import load_cluster
 from tests import device_checks as checks
 from tests import vllm_checks
 
@@ -35,3 +39,21 @@ def test_a_zero_copy_reshard_against_bare_messages_on_the_cpu(tmp_path: Path) ->
     times are reported, not held to a bound (two shared cores are too noisy for one)."""
     got = checks.check_reshard_against_raw("gloo", tmp_path, 4, "tiny-llama", repeats=1)
     assert got["ratio"] > 0 and got["messages"] and got["bus_fraction"] > 0, got
+
+
+@pytest.mark.timeout(180)
+def test_the_start_up_collective_sweep_on_the_cpu(tmp_path: Path) -> None:
+    """The twin of the GPU runner's sweep: 4 gloo ranks, 2 per node, so every kind is timed inside
+    a node and between nodes; sizes stop at gloo's cap; the calibration it gives has a curve by
+    size for all-reduce on both links (what the first plan and the controller start from)."""
+    timed = checks.check_sweep("gloo", tmp_path, 4, 2)
+    assert {p.op_class for p, _ in timed} == set(OpClass) - {
+        OpClass.GEMM,
+        OpClass.ATTENTION,
+        OpClass.MEMORY,
+        OpClass.DECODE,
+    }
+    assert max(p.nbytes for p, _ in timed) <= GLOO_MAX_BYTES
+    assert {(p.per_node, p.nodes) for p, _ in timed} == {(2, 1), (1, 2), (2, 2)}
+    eff = sweep.calibration(load_cluster("local-cpu"), timed).efficiencies()
+    assert {OpClass.ALLREDUCE_INTRA, OpClass.ALLREDUCE_INTER} <= set(eff.curves)

@@ -28,7 +28,7 @@ def _spread(p: Probe, gpn: int) -> Counter[int]:
 
 def test_probes_cover_every_kind_size_and_group_the_pool_holds() -> None:
     # nodes 0-2 whole (4 GPUs each), node 3 holds 2 GPUs
-    pool = tuple(range(12)) + (12, 13)
+    pool = (*range(12), 12, 13)
     found = probes(pool, 4)
     groups = {(p.per_node, p.nodes) for p in found}
     assert groups == {(2, 1), (4, 1), (1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (4, 3)}

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -366,3 +367,16 @@ def test_a_job_from_a_users_model_folder_and_verl_data(tmp_path: Path, family: s
     assert all(0 < float(r["seq_len_mean"]) <= 3 for r in got)  # type: ignore[arg-type]
     exported = load_file(str(out / "hf" / "actor" / "model.safetensors"))
     assert exported["model.embed_tokens.weight"].shape == (320, 64)
+
+
+@pytest.mark.timeout(300)
+def test_a_calibrating_job_times_its_collectives_before_its_first_plan(tmp_path: Path) -> None:
+    """``calibrate: true``: before the first plan the workers run the start-up collective sweep
+    (``nereus.runtime.sweep``) over the world's gloo groups; the first plan and the controller start
+    from its calibration, and the job runs on."""
+    out, proc = nereus_run(tmp_path, "swept", 2, "calibrate: true\n")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in metrics(out)] == [0, 1]
+    log = (out / "membership.log").read_text()
+    found = re.search(r"start-up collective sweep: (\d+) probes in [\d.]+ s", log)
+    assert found is not None and int(found.group(1)) > 0, log

@@ -24,10 +24,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from nereus.plan.calibration import Measurement
+from nereus.plan.calibration import CalibrationStore, Efficiencies, Measurement
 from nereus.plan.costterms import GROUPED
 from nereus.plan.links import Links
 from nereus.plan.opclass import Collective, Link, OpClass
+from nereus.spec.cluster import ClusterSpec
 
 # nccl-tests' range (-b 4K -e 1G) in steps of 4× (-f 4): decode's tensor-parallel all-reduces (KB)
 # to gradient buckets (tens to hundreds of MB)
@@ -128,3 +129,10 @@ def measurements(links: Links, timed: Sequence[tuple[Probe, float]]) -> list[Mea
 def seconds_spent(timed: Sequence[tuple[Probe, float]]) -> float:
     """Wall seconds the sweep took: each probe's warm-up and timed calls."""
     return sum((WARMUP + REPEATS) * t for _, t in timed)
+
+
+def calibration(cluster: ClusterSpec, timed: Sequence[tuple[Probe, float]]) -> CalibrationStore:
+    """A calibration store for ``cluster`` holding the sweep's samples."""
+    store = CalibrationStore(cluster.name)
+    store.update(measurements(Links(cluster, Efficiencies()), timed))
+    return store

@@ -179,7 +179,8 @@ class ExperimentSpec:
     rl: RlSpec = field(default_factory=RlSpec)
     drift: tuple[DriftEvent, ...] = ()
     checkpoint_every: int = 0  # steps; 0: only at the end
-    # Feed the measured op-class efficiencies to the controller's calibration. Off in the tiny CPU
+    # Time the world's collectives before the first plan (``nereus.runtime.sweep``) and feed the
+    # measured op-class efficiencies to the controller's calibration. Off in the tiny CPU
     # experiments: DTensor's tensor-parallel collectives are not timed apart, so a fitted GEMM
     # efficiency alone steers the planner to TP layouts that gloo makes slower.
     calibrate: bool = False

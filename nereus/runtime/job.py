@@ -19,6 +19,7 @@ from torch import Tensor
 from nereus.backends.protocol import AdamWConfig, SamplingParams
 from nereus.devices import Devices
 from nereus.errors import InfeasibleError
+from nereus.plan.calibration import CalibrationStore
 from nereus.plan.layout import Plan
 from nereus.plan.problem import PlanningProblem, SearchSpace, SeqStats
 from nereus.plan.search import SearchResult, search
@@ -89,10 +90,15 @@ class JobSetup:
         )
 
 
-def initial_plan(setup: JobSetup, pool: tuple[int, ...], max_new: int) -> Plan:
+def initial_plan(
+    setup: JobSetup, pool: tuple[int, ...], max_new: int, calibration: CalibrationStore | None = None
+) -> Plan:
+    """The first plan, priced with ``calibration`` (the start-up sweep's) or the priors."""
     w = setup.workload
     seq = SeqStats.fixed(w.prompt_len, max_new)
     problem = PlanningProblem(w, setup.models, setup.cluster, pool, seq, space=setup.space)
+    if calibration is not None:
+        problem = dataclasses.replace(problem, efficiencies=calibration.efficiencies())
     return search(problem).plan
 
 

@@ -21,6 +21,7 @@ from nereus.control.action import Action, Keep, Move, Restart, TransitionRecord
 from nereus.control.admission import Decision
 from nereus.control.controller import Controller, policy_config
 from nereus.control.telemetry import Telemetry
+from nereus.plan.calibration import CalibrationStore
 from nereus.plan.layout import Plan
 from nereus.plan.problem import SeqStats
 from nereus.runtime.deferred import Deferral, Taken, deferrable
@@ -55,6 +56,7 @@ class Leader:
     def __init__(
         self, m: Membership, setup: JobSetup, plan: Plan, out: Path, control: Path | None = None,
         spawn_local: Callable[[int], None] | None = None, defer: bool = True,
+        calibration: CalibrationStore | None = None,
     ) -> None:  # fmt: skip
         spec = setup.spec
         self.m, self.setup, self.spec = m, setup, spec
@@ -62,8 +64,9 @@ class Leader:
         self.spawn_local = spawn_local  # local mode: start a scripted newcomer
         self.cluster = setup.cluster
         self.controller = Controller(
-            setup.workload, setup.models, self.cluster, plan, policy_config(spec.policy), space=setup.space
-        )
+            setup.workload, setup.models, self.cluster, plan, policy_config(spec.policy), calibration,
+            space=setup.space,
+        )  # fmt: skip
         self.metrics = MetricsWriter(out, spec)
         self.started = time.perf_counter()  # the controller's clock
         self.decided_s = 0.0  # seconds the latest ``action`` took (a transition's own planning)

@@ -50,6 +50,8 @@ import torch
 from nereus.control.action import Action, Move, Outcome, RecordKind, Restart, TransitionRecord
 from nereus.control.telemetry import Telemetry
 from nereus.devices import StageOutOfMemoryError
+from nereus.plan import sweep
+from nereus.plan.calibration import CalibrationStore
 from nereus.plan.layout import Plan
 from nereus.runtime import checkpoint as ckpt
 from nereus.runtime.acting import Acting
@@ -66,10 +68,20 @@ from nereus.runtime.pool import Change
 from nereus.runtime.preemption import Preemption
 from nereus.runtime.rollout import Rollouts
 from nereus.runtime.snapshot import Mark, agreed
+from nereus.runtime.sweep import sweep_world
 from nereus.runtime.worker import Worker
 from nereus.spec.workload import ExecutionMode
 
 MAX_OOM_TRIES = 3  # a step that runs out of memory after this many urgent replans fails the job
+
+
+def start_up_sweep(m: Membership, setup: JobSetup) -> CalibrationStore:
+    """Time the collectives of the world's groups (``nereus.runtime.sweep``) before the first plan;
+    the calibration the first plan and the controller start from. Collective over the world."""
+    timed = sweep_world(m.members, m.gpu, setup.cluster.gpus_per_node, m.devices)
+    if m.leader:
+        m.log(f"start-up collective sweep: {len(timed)} probes in {sweep.seconds_spent(timed):.1f} s")
+    return sweep.calibration(setup.cluster, timed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,12 +132,13 @@ class JobLoop(Acting):
         resume_from = ckpt.agreed_latest(out / "checkpoints", resume)
         first = ckpt.step_of(resume_from) + 1 if resume_from is not None else 0
         max_new = spec.max_new_tokens_at(first)
-        plan: Plan = broadcast(initial_plan(setup, m.members, max_new) if m.leader else None, Plan)
+        store = start_up_sweep(m, setup) if spec.calibrate else None  # collective over the world
+        plan: Plan = broadcast(initial_plan(setup, m.members, max_new, store) if m.leader else None, Plan)
         step = first_state(worker, plan, resume_from, spec)
         fixed = worker.bind_costs()
         if m.leader and resume_from is not None:  # steps after the checkpoint run again
             drop_rows_after(out / "metrics.jsonl", step - 1)
-        leader = Leader(m, setup, plan, out, control, spawn_local) if m.leader else None
+        leader = Leader(m, setup, plan, out, control, spawn_local, calibration=store) if m.leader else None
         if leader is not None:  # a move's rebuilds are priced at what they took here, until measured
             leader.controller.started(fixed)
             m.log(f"start-up built {fixed.describe()}: what a move's rebuilds cost until one is measured")

@@ -10,7 +10,8 @@
 # every check skips and says why. Results (JUnit XML, the engine benchmark) go to $OUT. The zero-copy
 # reshard (issue 21) needs 2 GPUs (4 for tp2·pp2→tp4): within 1.3× of the same messages sent bare over
 # NCCL, and at ≥ 0.5 of NCCL's point-to-point bus bandwidth for the same traffic (one preallocated
-# message per GPU pair); its figures are printed in pytest.log.
+# message per GPU pair); its figures are printed in pytest.log. The start-up collective sweep (issue 19)
+# needs 2 GPUs too: every probe 4 KiB-1 GiB over NCCL, the 1 GiB all-reduce above 10 GB/s.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}

@@ -107,3 +107,18 @@ def test_a_zero_copy_reshard_reaches_the_nccl_bus_bandwidth(reshard: dict[str, A
     bandwidth for the same traffic (the same bytes between the same GPU pairs as one preallocated
     message per pair): what its many chunk messages and staging copies may cost on a GPU."""
     assert reshard["bus_fraction"] >= BUS_FRACTION, reshard
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank: needs 2 GPUs")
+@pytest.mark.timeout(600)
+def test_the_start_up_collective_sweep_over_nccl(tmp_path: Path) -> None:
+    """The sweep's probes over NCCL, the whole size range (4 KiB-1 GiB): every rank agrees, and
+    the largest all-reduce inside a node moves its bytes at NVLink / Infinity Fabric speed (over
+    10 GB/s of bus bandwidth: not a CPU path)."""
+    world = 4 if torch.cuda.device_count() >= 4 else 2
+    timed = checks.check_sweep("nccl", tmp_path, world, 2)
+    largest = max((p for p, _ in timed if p.op_class.value == "allreduce.intra"), key=lambda p: p.nbytes)
+    seconds = dict(timed)[largest]
+    busbw = 2 * (len(largest.gpus) - 1) / len(largest.gpus) * largest.nbytes / seconds
+    print(f"sweep over {world} GPUs: {len(timed)} probes, 1 GiB all-reduce at {busbw / 1e9:.0f} GB/s")
+    assert largest.nbytes == 2**30 and busbw > 10e9, busbw
