@@ -2,24 +2,28 @@
 executor's ``Staging`` pool grows to on each rank, and ``between.with_staging`` adds it to every
 GPU's state peak, so a capacity one byte short of state plus staging makes the transition
 infeasible, while the capacity that holds both is enough; admission (``DagEstimator``) prices a
-per-unit transition with it."""
+per-unit transition with it, and counts it in a move priced from a class plan once it chooses it
+(``transition_cost.staged``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
+from nereus.control.transition_cost import DagEstimator, staged
 from nereus.plan.calibration import Efficiencies
 from nereus.spec import load_cluster
 from nereus.state.staging import Staging
 from nereus.transition import LinkModel, StageMove, Transition, build_dag
-from nereus.transition.between import with_staging
+from nereus.transition.between import ledger_capacity, with_staging
 from nereus.transition.execute import Executor
 from nereus.transition.wire import staging_bytes
 from tests.helpers_spawn import world
 from tests.test_execute_zero_copy import STAGE, WORLD, reshards, start
+from tests.test_transition_classes import INTACT, _pair
 
 LINKS = LinkModel(load_cluster("local-cpu"), Efficiencies())
 
@@ -100,3 +104,37 @@ def test_the_counted_staging_is_what_the_executor_holds(tmp_path: Path) -> None:
     for r in range(WORLD):
         rows = [line.split() for line in (tmp_path / f"pool{r}").read_text().splitlines()]
         assert rows and all(held == counted for held, counted in rows), (r, rows)
+
+
+@pytest.mark.pure
+def test_a_move_priced_from_a_class_plan_counts_its_staging_once_admission_chooses_it() -> None:
+    """A class plan counts no staging; ``staged`` (what admission runs on the move it chooses,
+    ``Controller._admit``) builds its per-unit DAG and counts it: on a GPU memory that holds the
+    class plan's state but not state plus staging the move becomes infeasible, naming the GPU."""
+    # the stored pairs priced from a class plan whose per-unit DAG stages (2.25 GiB on a GCD)
+    cases = [c for c in INTACT if c["name"].startswith(("mi250x 1024 shrink", "drift 20 "))]
+    assert len(cases) == 2
+    checked = 0
+    for case in cases:
+        problem, current, target = _pair(case)
+        est = DagEstimator().estimate(problem, current, target)
+        assert est.feasible and est.priced is not None and est.priced.path == "class"
+        counted = staged(problem, est)
+        assert counted.feasible and counted.peak_bytes >= est.peak_bytes
+        tr = est.transition
+        assert tr is not None
+        staging = staging_bytes(tr.dag, tr.moves)
+        state = est.priced.peak_max  # what the class plan priced: state only
+        need = max(tr.dag.peak.get(g, 0) + staging.get(g, 0) for g in set(tr.dag.peak) | set(staging))
+        assert need > state + 2**20  # staging that matters
+        cap = (state + need) // 2  # holds the class plan's state, not state plus staging
+        headroom = 1.0 - (cap + problem.reserved_bytes) / problem.cluster.gpu_memory_bytes
+        tight = dataclasses.replace(problem, headroom=headroom)
+        assert abs(ledger_capacity(tight) - cap) <= 1
+        est = DagEstimator().estimate(tight, current, target)
+        assert est.feasible and est.priced is not None and est.priced.path == "class"
+        refused = staged(tight, est)
+        assert not refused.feasible and refused.seconds == 0.0
+        assert "staging" in refused.reason and "GPU" in refused.reason
+        checked += 1
+    assert checked == 2

@@ -34,7 +34,13 @@ from nereus.control.policy import POLICIES, ControllerConfig, policy_config
 from nereus.control.reserved import reserved_option
 from nereus.control.risk import last_copy_loss, restart_seconds
 from nereus.control.telemetry import Telemetry
-from nereus.control.transition_cost import DagEstimator, FixedCosts, TransitionEstimator
+from nereus.control.transition_cost import (
+    DagEstimator,
+    FixedCosts,
+    TransitionEstimate,
+    TransitionEstimator,
+    staged,
+)
 from nereus.control.triggers import Trigger, TriggerKind, TriggerMonitor, horizon
 from nereus.control.widened import is_widened, led_by_wider
 from nereus.errors import InfeasibleError
@@ -273,7 +279,7 @@ class Controller:
             target = self.planner(problem).plan
         except InfeasibleError as exc:
             return Keep(f"the job does not fit on GPUs {list(problem.pool)} ({exc})")
-        est = self.estimator.estimate(problem, self.plan, target)
+        est = staged(problem, self.estimator.estimate(problem, self.plan, target))
         if est.transition is None or not est.feasible:
             return Keep(f"no transition onto GPUs {list(problem.pool)}: {est.reason}")
         return Move(target, est.transition, reason, drain=True)
@@ -337,7 +343,7 @@ class Controller:
         estimates = [
             self.estimator.estimate(problem, self.plan, o.plan, lost, rebuilt, t.reformed) for o in options
         ]
-        index, reason = admit(self.config.rule, expected, options, estimates, h, urgent)
+        index, reason = self._admit(problem, expected, options, estimates, h, urgent)
         if index is None and urgent:  # also try smaller micro-batches and recomputation
             widened = [
                 o
@@ -348,7 +354,7 @@ class Controller:
                 self.estimator.estimate(problem, self.plan, o.plan, lost, rebuilt, t.reformed)
                 for o in widened
             ]
-            index, why = admit(self.config.rule, expected, widened, more, h, True)
+            index, why = self._admit(problem, expected, widened, more, h, True)
             if index is None:
                 best = next(iter(options or widened), None)
                 return replace(
@@ -388,6 +394,21 @@ class Controller:
             payback_steps=payback_steps(delta, est.seconds) if delta is not None else None,
             transition=est,
         )
+
+    def _admit(
+        self, problem: PlanningProblem, expected: float | None, options: Sequence[Option],
+        estimates: list[TransitionEstimate], h: float, urgent: bool,
+    ) -> tuple[int | None, str]:  # fmt: skip
+        """``admit``, the chosen move's zero-copy staging counted (``transition_cost.staged``): a
+        move priced from a class plan whose staging does not fit becomes infeasible in
+        ``estimates`` and admission goes on to the next option."""
+        while True:
+            index, reason = admit(self.config.rule, expected, options, estimates, h, urgent)
+            if index is None:
+                return index, reason
+            estimates[index] = staged(problem, estimates[index])
+            if estimates[index].feasible:
+                return index, reason
 
     def _deferral(self, d: Decision) -> tuple[tuple[str, ...], float] | None:
         """After a payback rejection, what to wait for: the fired signals and the payback."""

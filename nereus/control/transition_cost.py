@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -100,6 +100,21 @@ class FixedCosts:
     def as_weights(self) -> tuple[float | None, float | None, float | None]:
         """The estimator's fixed-cost weights, in feature order."""
         return (self.gen_rebuild_s, self.other_rebuild_s, self.regroup_s)
+
+
+def staged(problem: PlanningProblem, est: TransitionEstimate) -> TransitionEstimate:
+    """``est`` with its zero-copy staging counted where it was priced from a class plan, which
+    counts none: the per-unit DAG the move runs is built now (as running it would build it) and a
+    GPU its staging takes over capacity makes the move infeasible, naming the GPU
+    (``between.with_staging``). Only the move admission chooses pays for the build."""
+    tr = est.priced
+    if tr is None or tr.classes is None or not est.feasible:
+        return est
+    checked = with_staging(tr.transition, ledger_capacity(problem))
+    peak = max(est.peak_bytes, checked.peak_max + problem.reserved_bytes)
+    if checked.feasible:
+        return replace(est, peak_bytes=peak)
+    return replace(est, seconds=0.0, peak_bytes=peak, feasible=False, reason=checked.dag.reason)
 
 
 class TransitionEstimator(Protocol):

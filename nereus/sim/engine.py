@@ -107,8 +107,8 @@ class _Run:
 
     def _calibration(self, problem: PlanningProblem | None = None) -> CalibrationStore:
         """The start-up sweep's samples (every policy) and, the oracle's only, a probe of the
-        truth. The oracle probes the truth once, before its first step: it plans under the sweep's
-        calibration (``problem``), runs that plan on the quiet truth (no noise, no episodes) and
+        truth. The oracle probes the truth once, before its first step: it plans under the priors
+        (``problem``), runs that plan on the quiet truth (no noise, no episodes) and
         seeds its calibration with the truth's seconds per op class against the planner's ideal
         ones, and the truth's peak per stage against the planner's raw one. So it knows the
         truth's per-class ratios at one plan and step-0 lengths (not how they change with shape,
