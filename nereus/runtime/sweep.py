@@ -36,13 +36,15 @@ def _sync(devices: Devices) -> None:
         torch.cuda.synchronize(devices.device)
 
 
-def _call(p: Probe, pg: Any, ranks: Sequence[int], me: int, buf: torch.Tensor) -> None:
-    """One collective of probe ``p`` on this rank (``ranks``: the group's world ranks)."""
+def _call(
+    p: Probe, pg: Any, ranks: Sequence[int], me: int, buf: torch.Tensor, out: list[torch.Tensor]
+) -> None:
+    """One collective of probe ``p`` on this rank (``ranks``: the group's world ranks; ``out``:
+    an all-gather's outputs)."""
     if p.kind is Collective.ALLREDUCE:
         dist.all_reduce(buf, group=pg)
     elif p.kind is Collective.ALLGATHER:  # nccl-tests' size: the gathered buffer
-        part = buf[: buf.numel() // len(ranks)]
-        dist.all_gather([torch.empty_like(part) for _ in ranks], part, group=pg)
+        dist.all_gather(out, buf[: out[0].numel()], group=pg)
     elif p.kind is Collective.BROADCAST:
         dist.broadcast(buf, src=ranks[0], group=pg)
     elif me == ranks[0]:
@@ -52,16 +54,22 @@ def _call(p: Probe, pg: Any, ranks: Sequence[int], me: int, buf: torch.Tensor) -
 
 
 def _time(p: Probe, pg: Any, ranks: Sequence[int], me: int, devices: Devices) -> float:
-    """This rank's median seconds per call of probe ``p``."""
+    """This rank's median seconds per call of probe ``p`` (buffers allocated before the clock)."""
     elements = max(len(ranks), p.nbytes // 4)
     buf = torch.ones(elements, dtype=torch.float32, device=devices.device)
+    part = elements // len(ranks)
+    out = (
+        [torch.empty(part, dtype=torch.float32, device=devices.device) for _ in ranks]
+        if p.kind is Collective.ALLGATHER
+        else []
+    )
     for _ in range(WARMUP):
-        _call(p, pg, ranks, me, buf)
+        _call(p, pg, ranks, me, buf, out)
     _sync(devices)
     times = []
     for _ in range(REPEATS):
         began = time.perf_counter()
-        _call(p, pg, ranks, me, buf)
+        _call(p, pg, ranks, me, buf, out)
         _sync(devices)
         times.append(time.perf_counter() - began)
     return statistics.median(times)
