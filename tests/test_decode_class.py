@@ -114,17 +114,19 @@ def test_a100_async_window_no_longer_keeps_the_slow_generation_plan() -> None:
     from nereus.sim.engine import _Run
 
     trace = next(t for t in adm.TRACES if "us-west-2a" in str(t))
-    runs = {}
+    runs: dict[str, _Run] = {}
+    until = 40  # nereus: the first step from 20 on where the revocation has left 8 GPUs
     for policy in ("nereus", "static"):
         run = _Run(adm.scenario("a100-8-32-async", Path(trace), 1600, 40, seed=1600), policy, 0.5)
         prev, k = None, 0
-        while k < 28:
+        while k < until and not (policy == "nereus" and k >= 20 and len(run.pool()) == 8):
             rec, prev = run.step(k, prev)
             k += 0 if rec.lost else 1
+        until = k
         runs[policy] = run
     nereus, static = runs["nereus"], runs["static"]
-    assert len(nereus.pool()) == 8
-    seq = nereus.s.lengths(28)
+    assert len(nereus.pool()) == 8 and until < 40
+    seq = nereus.s.lengths(until)
     gen = {who: shapes_of(r.controller.plan)["actor.gen"] for who, r in runs.items()}
     assert gen["nereus"].micro_batch > 16
     static_plan = shapes_of(static.controller.plan)

@@ -29,7 +29,7 @@ from nereus.spec.cluster import GIB
 from nereus.state.emu import Emu
 from nereus.transition.dag import Edge, EdgeKind, Node, Primitive, TransitionDag
 from nereus.transition.links import LinkModel
-from nereus.transition.local import local_dag
+from nereus.transition.local import applies_direct, local_dag
 from nereus.transition.move import StageMove
 from nereus.transition.primitives import geometry
 from nereus.transition.schedule import Prepared, Schedule, best_schedule, lower_bound
@@ -69,14 +69,18 @@ class _Locals:
     """The union of the local DAGs, the initial memory and the capacities: commit it any way."""
 
     def __init__(
-        self, moves: Sequence[StageMove], links: LinkModel, capacity: int | Mapping[int, int]
+        self,
+        moves: Sequence[StageMove],
+        links: LinkModel,
+        capacity: int | Mapping[int, int],
+        direct: bool = False,
     ) -> None:
         counter = itertools.count()
         self.nodes: list[Node] = []
         self.edges: list[Edge] = []
         self.units: dict[str, Emu] = {}
         for m in moves:
-            local = local_dag(m, links, lambda: next(counter))
+            local = local_dag(m, links, lambda: next(counter), direct)
             self.nodes += local.nodes
             self.edges += local.edges
             self.units.update(local.units)
@@ -152,7 +156,26 @@ def plan_dag(
         if sched is not None and sched is best[1] and sched.makespan <= (1.0 + SLACK) * bound:
             break
     assert best is not None
+    if best[1] is None and any(applies_direct(m) for m in moves):
+        return _direct_or(best, _Locals(moves, links, capacity, direct=True), stage_rank)
     return best
+
+
+def _direct_or(
+    infeasible: tuple[TransitionDag, Schedule | None], direct: _Locals, stage_rank: Mapping[str, int]
+) -> tuple[TransitionDag, Schedule | None]:
+    """Where every commit order of Split → Extend → Merge runs out of memory: the re-layouts
+    straight from one replica each (``local._direct``), whose GPUs acquire only their target
+    shards (a deeper pipeline's Extends copy whole T_sub shards first), in the first commit
+    order that fits; else the infeasible DAG as it was (its reason names what blocks)."""
+    for order in CommitOrder:
+        dag = direct.commit(stage_rank, order)
+        if dag.feasible:
+            prep = Prepared(dag)
+            sched = best_schedule(dag, bound=lower_bound(dag, prep), prep=prep)
+            if sched is not None:
+                return dag, sched
+    return infeasible
 
 
 class _Ledger:

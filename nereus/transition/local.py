@@ -18,7 +18,9 @@ Destroy of its source (a sole replica is destroyed only after it has been copied
 of its target unit. Simpler moves take shortcuts: a DP-only move (the layout stays) keeps units
 in place, extends the new ones and destroys the surplus; a unit re-laid-out on its own GPUs is
 resharded in one exchange; a model-stage with no intact unit is *restored* straight into the
-target layout from its weight-sync source or from shared storage. Pure.
+target layout from its weight-sync source or from shared storage. Where the DAG of these runs out
+of memory (``build._direct_or``), a move that changes layout and GPUs is planned *direct*: each
+target unit assembled straight from one current unit (``_direct``). Pure.
 """
 
 from __future__ import annotations
@@ -35,8 +37,12 @@ from nereus.transition.primitives import LocalDag, NodeMaker
 Slot = tuple[int, tuple[int, ...]]  # (target unit index, GPUs in T_sub rank order)
 
 
-def local_dag(move: StageMove, links: LinkModel, next_id: Callable[[], int]) -> LocalDag:
-    """The local DAG of ``move`` (empty when its units stay as they are)."""
+def local_dag(
+    move: StageMove, links: LinkModel, next_id: Callable[[], int], direct: bool = False
+) -> LocalDag:
+    """The local DAG of ``move`` (empty when its units stay as they are). ``direct``: a move that
+    changes layout and GPUs with no more target units than current ones re-lays each target unit
+    straight from one current unit (``_direct``) instead of Split → Destroy → Extend → Merge."""
     make = NodeMaker(move, links, next_id)
     if move.unchanged:
         pass
@@ -50,9 +56,52 @@ def local_dag(move: StageMove, links: LinkModel, next_id: Callable[[], int]) -> 
         for v in move.target:  # every unit re-lays itself out on its own GPUs: no intermediate layout
             u = make.touch(own[frozenset(v.gpus)])
             make.reshard(u, make.touch(v))
+    elif direct and applies_direct(move):
+        _direct(make)
     else:
         _Reshape(make).build()
     return make.out
+
+
+def applies_direct(move: StageMove) -> bool:
+    """Whether ``_direct`` can re-lay ``move`` out: its layout changes onto other GPUs, and it has
+    intact units to draw on."""
+    return (
+        not move.unchanged
+        and move.current_layout != move.target_layout
+        and bool(move.current)
+        and not _in_place(move)
+    )
+
+
+def _direct(make: NodeMaker) -> None:
+    """Each target unit assembled straight from one current unit (``NodeMaker.reshard_across``):
+    the one sharing most of its GPUs, then the one feeding fewest targets so far, then the first.
+    Current units that feed no target are destroyed first, each before every exchange that
+    acquires on its GPUs (release before acquire); one that feeds targets is destroyed once they
+    are assembled. No intermediate T_sub layout: a GPU acquires only its target shard."""
+    move = make.m
+    uses = [0] * len(move.current)
+    pairs: list[tuple[int, Emu]] = []
+    for v in move.target:
+        mine = set(v.gpus)
+        src = max(
+            range(len(move.current)), key=lambda i: (len(mine & set(move.current[i].gpus)), -uses[i], -i)
+        )
+        uses[src] += 1
+        pairs.append((src, v))
+    idle = [(make.destroy(make.touch(u)), set(u.gpus)) for i, u in enumerate(move.current) if not uses[i]]
+    fed: dict[int, list[int]] = {}
+    for src, v in pairs:
+        n = make.reshard_across(make.touch(move.current[src]), make.touch(v))
+        fed.setdefault(src, []).append(n)
+        for d, gpus in idle:
+            if gpus & set(v.gpus):
+                make.edge(d, n)
+    for src, exchanges in fed.items():
+        d = make.destroy(move.current[src])
+        for n in exchanges:
+            make.edge(n, d)
 
 
 def _in_place(move: StageMove) -> bool:

@@ -278,6 +278,37 @@ class NodeMaker:
             )
         )  # fmt: skip
 
+    def reshard_across(self, u: Emu, v: Emu) -> int:
+        """A unit re-laid out onto other GPUs (some may be its own) in one exchange: every GPU
+        of ``v`` assembles its target shard straight from ``u``'s old shards (its own first), so
+        it acquires only that shard, where Split → Extend → Merge would first copy whole T_sub
+        shards (larger when the target pipelines deeper) onto it. ``u`` stays: several target
+        units may draw on it, and a Destroy after them frees it. A Merge node whose input has the
+        old layout; its time counts the bytes each provider sends as well as those each receiver
+        takes in."""
+        old, new = u.layout, v.layout
+        where = {g: (t, p) for g, t, p in u.ranks()}
+        link = self.links.group_link((*u.gpus, *v.gpus))
+        acquire, flows = [], []
+        moved, local = 0, 0
+        for g, t, p in v.ranks():
+            recv = self.missing(old, *where[g], new, t, p) if g in where else self.payload(new, t, p)
+            acquire.append((g, self.held(new, t, p)))
+            flows.append(Flow(g, recv, link))
+            moved += recv
+            local = max(local, self.payload(new, t, p) - recv)
+        # every piece has one holder in ``u``: its ranks send about an even share of the bytes
+        flows += [Flow(g, moved // len(u.gpus), link) for g in u.gpus]
+        est = self.links.node_seconds(Primitive.MERGE, tuple(flows), len(u.gpus), local)
+        return self.add(
+            Node(
+                id=self.next_id(), primitive=Primitive.MERGE, model_stage=self.m.name, gpus=v.gpus,
+                bytes=moved, est_s=est, inputs=(u.id,), outputs=(v.id,),
+                acquire=tuple(acquire), flows=tuple(flows),
+                sends=u.gpus if moved else (), recvs=v.gpus if moved else (),
+            )
+        )  # fmt: skip
+
     def merge(self, slots: Sequence[Emu], target: Emu) -> int:
         sub, lay = slots[0].layout, target.layout
         kt, kp = lay.tp // sub.tp, lay.pp // sub.pp
