@@ -41,8 +41,8 @@ def local_dag(
     move: StageMove, links: LinkModel, next_id: Callable[[], int], direct: bool = False
 ) -> LocalDag:
     """The local DAG of ``move`` (empty when its units stay as they are). ``direct``: a move that
-    changes layout and GPUs with no more target units than current ones re-lays each target unit
-    straight from one current unit (``_direct``) instead of Split → Destroy → Extend → Merge."""
+    changes layout and GPUs (``applies_direct``) re-lays each target unit out straight from one
+    current unit (``_direct``) instead of Split → Destroy → Extend → Merge."""
     make = NodeMaker(move, links, next_id)
     if move.unchanged:
         pass
