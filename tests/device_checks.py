@@ -351,10 +351,13 @@ def _sweep_worker(rank: int, world: int, backend: str, gpus_per_node: int, tmp: 
         dist.destroy_process_group()
 
 
-def check_sweep(backend: str, tmp: Path, world: int, gpus_per_node: int) -> list[tuple[Probe, float]]:
+def check_sweep(
+    backend: str, tmp: Path, world: int, gpus_per_node: int, timed_bound: bool = True
+) -> list[tuple[Probe, float]]:
     """Spawn ``world`` ranks (``gpus_per_node`` per node: nodes are GPU-id ranges) that run the
-    start-up sweep; every rank must return the same probes and times, every time positive, and a
-    1 MiB all-reduce inside a node must take longer than a 4 KiB one. Returns the probes and
+    start-up sweep; every rank must return the same probes and times, every time positive, and
+    (``timed_bound``; not on two shared CPU cores, where a 4 KiB call can stall for milliseconds)
+    a 1 MiB all-reduce inside a node must take longer than a 4 KiB one. Returns the probes and
     their seconds per call."""
     mp.spawn(_sweep_worker, args=(world, backend, gpus_per_node, str(tmp)), nprocs=world, join=True)
     rows = [json.loads((tmp / f"sweep-{r}.json").read_text()) for r in range(world)]
@@ -362,5 +365,5 @@ def check_sweep(backend: str, tmp: Path, world: int, gpus_per_node: int) -> list
     timed = [(Probe(Collective(k), tuple(g), n, m, b), t) for k, g, n, m, b, t in rows[0]]
     assert timed and all(t > 0 for _, t in timed), timed
     inside = {p.nbytes: t for p, t in timed if p.op_class is OpClass.ALLREDUCE_INTRA and len(p.gpus) == 2}
-    assert inside[2**20] > inside[4096], inside
+    assert not timed_bound or inside[2**20] > inside[4096], inside
     return timed

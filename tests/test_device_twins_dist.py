@@ -46,7 +46,7 @@ def test_the_start_up_collective_sweep_on_the_cpu(tmp_path: Path) -> None:
     """The twin of the GPU runner's sweep: 4 gloo ranks, 2 per node, so every kind is timed inside
     a node and between nodes; sizes stop at gloo's cap; the calibration it gives has a curve by
     size for all-reduce on both links (what the first plan and the controller start from)."""
-    timed = checks.check_sweep("gloo", tmp_path, 4, 2)
+    timed = checks.check_sweep("gloo", tmp_path, 4, 2, timed_bound=False)  # times reported, not bounded
     assert {p.op_class for p, _ in timed} == set(OpClass) - {
         OpClass.GEMM,
         OpClass.ATTENTION,
