@@ -190,7 +190,7 @@ def trainer_micro_batches(workload: WorkloadSpec, dp: int) -> list[int]:
     return [b for b in range(1, min(workload.micro_batch, batch) + 1) if batch % b == 0]
 
 
-def _powers_of_two_upto(n: int) -> list[int]:
+def powers_of_two_upto(n: int) -> list[int]:
     out, v = [], 1
     while v <= n:
         out.append(v)
@@ -227,10 +227,10 @@ def _options_upto(
         return arr[:, 0], arr[:, 1]
     if model_stage.stage is Stage.INF:
         cap = w.inference_micro_batch
-        options = _powers_of_two_upto(cap) if problem.space.shrink_micro_batch else [cap]
+        options = powers_of_two_upto(cap) if problem.space.shrink_micro_batch else [cap]
     else:
         cap = w.max_num_seqs
-        options = sorted(set(_powers_of_two_upto(cap)) | {cap})
+        options = sorted(set(powers_of_two_upto(cap)) | {cap})
     n = w.sequences(model_stage)
     dp = np.arange(1, min(max_dp, n) + 1, dtype=np.int64)
     per_replica = -(-n // dp)

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from nereus.plan.calibration import CalibrationStore, Efficiencies, Measurement
+from nereus.plan.candidates import powers_of_two_upto
 from nereus.plan.costterms import GROUPED
 from nereus.plan.links import Links
 from nereus.plan.opclass import Collective, Link, OpClass
@@ -65,10 +66,6 @@ class Probe:
     def op_class(self) -> OpClass:
         return OpClass.of(self.kind, self.link)
 
-    @property
-    def label(self) -> str:
-        return f"{self.op_class.value} {self.per_node}x{self.nodes} {self.nbytes}B"
-
     def measurement(self, links: Links, measured_s: float) -> Measurement:
         """This probe's timing as a calibration sample: against the planner's ideal of the same
         collective, sized by its bytes per rank and (all-reduce, all-gather) grouped by its ranks
@@ -78,14 +75,6 @@ class Probe:
         return Measurement(self.op_class, ideal, measured_s, float(self.nbytes), group)
 
 
-def _powers(limit: int) -> list[int]:
-    out, n = [], 1
-    while n <= limit:
-        out.append(n)
-        n *= 2
-    return out
-
-
 def _groups(by_node: Mapping[int, list[int]]) -> list[tuple[tuple[int, ...], int, int]]:
     """(GPUs, per node, nodes) of each group probed: inside the fullest node, every power of
     two from 2 and the whole node; across nodes, every power of two per node over 2 nodes and
@@ -93,9 +82,9 @@ def _groups(by_node: Mapping[int, list[int]]) -> list[tuple[tuple[int, ...], int
     fullest = sorted(by_node.values(), key=len, reverse=True)
     out: list[tuple[tuple[int, ...], int, int]] = []
     top = len(fullest[0]) if fullest else 0
-    for n in sorted({*(p for p in _powers(top) if p >= 2), *([top] if top >= 2 else [])}):
+    for n in sorted({*(p for p in powers_of_two_upto(top) if p >= 2), *([top] if top >= 2 else [])}):
         out.append((tuple(fullest[0][:n]), n, 1))
-    for g in _powers(top):
+    for g in powers_of_two_upto(top):
         holders = [gpus for gpus in fullest if len(gpus) >= g]
         for k in sorted({2, len(holders)}):
             if 2 <= k <= len(holders):
