@@ -46,7 +46,7 @@ from nereus.spec.workload import ExecutionMode
 TRACES = [trace_path(name) for name in names("traces")]  # the AWS spot traces shipped in configs/traces
 POLICIES = ("nereus", "static", "always", "periodic:3", "static-best", "oracle")
 GAMMAS = (0.0, 0.25, 0.5, 0.75, 1.0)
-QUICK_ASYNC = ("nereus", "static", "always", "periodic:3")  # quick mode: no references (static-best is slow)
+QUICK_ASYNC = ("nereus", "static", "always", "periodic:3")  # quick mode beyond A100 PPO: no references (slow)
 ASYNC_KEYS = ("mean_overlap_s", "mean_gen_wait_s", "mean_train_wait_s", "mean_sync_s", "mean_staleness")
 TARGETS = {
     "nereus_vs_static": "≥ 25% lower mean step time (paper −27.7%)",
@@ -88,10 +88,17 @@ def scenario(name: str, trace: Path, offset: int, steps: int, seed: int) -> Scen
 Unit = tuple[str, str, int, int, str, float]  # scenario, trace file, offset, steps, policy, γ
 
 
-def units(name: str, offsets: list[int], steps: int, sweep: bool, policies: tuple[str, ...]) -> list[Unit]:
+def units(
+    name: str,
+    offsets: list[int],
+    steps: int,
+    sweep: bool,
+    policies: tuple[str, ...],
+    traces: tuple[Path, ...] = tuple(TRACES),
+) -> list[Unit]:
     """One simulation per trace, window and policy (and γ of the sweep), in report order."""
     runs = [(p, 0.5) for p in policies] + ([("nereus", g) for g in GAMMAS if g != 0.5] if sweep else [])
-    return [(name, str(t), o, steps, p, g) for t in TRACES for o in offsets for p, g in runs]
+    return [(name, str(t), o, steps, p, g) for t in traces for o in offsets for p, g in runs]
 
 
 def simulate_unit(unit: Unit) -> dict[str, Any]:
@@ -116,10 +123,11 @@ def run(
     sweep: bool,
     policies: tuple[str, ...] = POLICIES,
     done: dict[Unit, dict[str, Any]] | None = None,
+    traces: tuple[Path, ...] = tuple(TRACES),
 ) -> dict[str, Any]:
     """A scenario's report; ``done``: its windows already simulated (a parallel run), else here."""
     per: dict[str, list[dict[str, Any]]] = {}
-    for unit in units(name, offsets, steps, sweep, policies):
+    for unit in units(name, offsets, steps, sweep, policies, traces):
         policy, gamma = unit[4], unit[5]
         label = f"nereus(γ={gamma:g})" if policy == "nereus" and gamma != 0.5 else policy
         per.setdefault(label, []).append(done[unit] if done is not None else simulate_unit(unit))
@@ -253,7 +261,8 @@ def main() -> None:
     ap.add_argument(
         "--quick",
         action="store_true",
-        help="one window, 12 steps, no 1,024-GPU scenario, async scenarios without the references",
+        help="one window of the first trace, 12 steps, no 1,024-GPU scenario, the references"
+        " (static-best, oracle) at A100 PPO only",
     )
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument(
@@ -269,7 +278,7 @@ def main() -> None:
     if args.quick:
         plan = {
             "a100-8-32": ([0], 12, True, POLICIES),
-            "mi250x-256": ([0], 12, False, POLICIES),
+            "mi250x-256": ([0], 12, False, QUICK_ASYNC),
             "a100-8-32-async": ([0], 12, False, QUICK_ASYNC),
             "mi250x-256-async": ([0], 12, False, QUICK_ASYNC),
         }
@@ -281,6 +290,7 @@ def main() -> None:
             "a100-8-32-async": ([0, 800, 1600, 2400], 40, False, POLICIES),
             "mi250x-256-async": ([0, 1200], 40, False, POLICIES),
         }
+    traces = tuple(TRACES[:1]) if args.quick else tuple(TRACES)
     if args.jobs < 1:
         ap.error("--jobs must be a positive integer")
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", args.name):
@@ -297,13 +307,13 @@ def main() -> None:
         }
     done: dict[Unit, dict[str, Any]] | None = None
     if args.jobs > 1:
-        todo = [u for name, spec in plan.items() for u in units(name, *spec)]
+        todo = [u for name, spec in plan.items() for u in units(name, *spec, traces)]
         todo.sort(key=_weight, reverse=True)  # the longest first: they set the critical path
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
             done = dict(zip(todo, pool.map(simulate_unit, todo), strict=True))
     results = {}
     for name, (offsets, steps, sweep, policies) in plan.items():
-        results[name] = run(name, offsets, steps, sweep, policies, done)
+        results[name] = run(name, offsets, steps, sweep, policies, done, traces)
         rel = results[name]["nereus_relative"]
         pol = results[name]["policies"]
         print(
