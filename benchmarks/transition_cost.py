@@ -62,8 +62,9 @@ from nereus.state.checkpoint import kv_mesh, layout_mesh, to_dtensors
 from nereus.state.emu import LogicalState
 from nereus.state.holder import RankState, StateHolder
 from nereus.transition import LinkModel, StageMove, build_dag
+from nereus.transition.copying import pack, unpack
 from nereus.transition.exchange import plan_pieces
-from nereus.transition.execute import Executor, pack, unpack
+from nereus.transition.execute import Executor
 
 TARGETS = {"raw_ratio_max": 1.3, "dcp_speedup_min": 4.0, "restart_speedup_min": 10.0, "bytes_ratio_max": 1.05}
 STAGE = "actor.train"

@@ -150,7 +150,13 @@ def test_real_swap_of_two_trainers() -> None:
     ]
     links = LinkModel(load_cluster("h100-ib"), Efficiencies())
     rank = {m.name: 2 for m in moves}
-    cap = max(max(build_dag([m], rank, links, 1 << 40).peak.values()) for m in moves)  # either alone
+    alone = max(max(build_dag([m], rank, links, 1 << 40).peak.values()) for m in moves)
+    assert not build_dag(moves, rank, links, alone).feasible  # each vacates what the other needs
+    lo, hi = alone, 1 << 40  # the least capacity the swap fits in: one of them waits for the other
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if build_dag(moves, rank, links, mid).feasible else (mid + 1, hi)
+    cap = lo
     dag = build_dag(moves, rank, links, cap)
     assert dag.feasible and dag.resource_edges >= 1
     init = initial_bytes(moves)

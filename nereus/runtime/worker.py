@@ -14,6 +14,7 @@ model-stage), spoken to only through the Backend protocol. Edge module (torch.di
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Mapping
 from contextlib import suppress
@@ -59,6 +60,7 @@ from nereus.state.holder import RankState, StateHolder
 from nereus.transition import LinkModel, StageMove, build_dag
 from nereus.transition.between import Transition
 from nereus.transition.execute import Executor
+from nereus.transition.wire import consumed_on
 
 
 class Worker:
@@ -313,6 +315,7 @@ class Worker:
     def transition(self, tr: Transition) -> float:
         """Run a plan change's DAG (collective over the world); seconds it took."""
         started = time.perf_counter()
+        self.let_go({n for n in consumed_on(tr.dag, tr.moves, self.gpu) if self.policy_of(n).trains})
         try:
             Executor(tr.dag, tr.moves, self.holder, self.gpu_of_rank, storage=self.from_storage).run(
                 tr.schedule.order() if tr.schedule else None
@@ -320,6 +323,18 @@ class Worker:
         finally:  # the DAG's ledger does not count staging: give it back before the next step runs
             staging.release_all()
         return time.perf_counter() - started
+
+    def let_go(self, names: set[str]) -> None:
+        """Close the engines of ``names`` (trainers whose unit here the transition consumes): a
+        trainer's engine views its unit's buffers (parameters, master weights, Adam moments), which
+        would keep the old unit in memory through the whole transition while the ledger counts it
+        freed kind by kind. ``bind`` builds them anew (a trainer that changes layout or position is
+        rebuilt there anyway)."""
+        closing = [n for n in sorted(names) if n in self.engines]
+        for name in closing:
+            self.engines.pop(name).close()
+        if closing:
+            gc.collect()  # modules hold reference cycles: free their buffers now, not at some later GC
 
     def weight_sync(self, plan: Plan) -> float:
         """Trainers' weights into their receivers (actor.gen, actor.inf, critic.inf), as one DAG of

@@ -75,6 +75,27 @@ class StatePolicy:
     def trains(self) -> bool:
         return any(k is BufferKind.EXP_AVG for k, _ in self.kinds)
 
+    @property
+    def order(self) -> tuple[BufferKind, ...]:
+        """Kinds in the order a transition moves them: widest dtype first (a packed message
+        then starts every kind aligned)."""
+        width = dict(self.kinds)
+        return tuple(sorted(width, key=lambda k: -width[k].itemsize))
+
+    def streamed(self, new: int, old: int) -> int:
+        """Bytes above what a GPU held before, at most, while it builds ``new`` bytes of one rank
+        and frees ``old`` bytes of another, kind by kind in ``order``: each kind's new buffer is
+        allocated before that kind's old one goes, and every kind takes its dtype's share of the
+        bytes. One kind: ``new`` (the whole rank is built before anything is freed)."""
+        width = dict(self.kinds)
+        total = self.bytes_per_element
+        peak = run = 0
+        for k in self.order:
+            run += new * width[k].itemsize
+            peak = max(peak, run)
+            run -= old * width[k].itemsize
+        return -(-peak // total)
+
 
 @dataclass(frozen=True, slots=True)
 class Slot:

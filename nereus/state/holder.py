@@ -85,14 +85,7 @@ class RankState:
     def zero_padding(self) -> None:
         """Zero the alignment padding between and after the slots (what ``empty`` leaves zero), for
         buffers made ``uninitialised`` whose every slot is then written."""
-        rb = self.layout_of()
-        gaps, end = [], 0
-        for s in sorted(rb.slots, key=lambda s: s.offset):
-            if s.offset > end:
-                gaps.append((end, s.offset))
-            end = max(end, s.offset + s.numel)
-        if rb.numel > end:
-            gaps.append((end, rb.numel))
+        gaps = padding(self.layout_of())
         for buf in self.buffers.values():
             for lo, hi in gaps:
                 buf[lo:hi].zero_()
@@ -160,3 +153,15 @@ class StateHolder:
             Holding(gpu, rs.model_stage, rs.layout, rs.t, rs.p, rs.layout_of().payload_numel, rs.state, uid)
             for uid, rs in self.units.items()
         ]
+
+
+def padding(rb: RankBuffers) -> list[tuple[int, int]]:
+    """The element ranges of a rank's flat buffers that no slot covers (alignment padding)."""
+    gaps, end = [], 0
+    for s in sorted(rb.slots, key=lambda s: s.offset):
+        if s.offset > end:
+            gaps.append((end, s.offset))
+        end = max(end, s.offset + s.numel)
+    if rb.numel > end:
+        gaps.append((end, rb.numel))
+    return gaps

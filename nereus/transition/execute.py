@@ -11,10 +11,17 @@ A Destroy drops its unit; a restore from storage reads the rank through ``storag
 the waves in one order and a wave only waits on its own participants, so the walk cannot
 deadlock; memory follows the DAG's ledger, which holds for every execution that respects its edges.
 
-Zero-copy by default (``zero_copy=False`` keeps the older packed messages, bit for bit the same
-result): a provider sends the slices that are contiguous in its flat buffers as they are, and the
-receiver receives straight into the slices of its new buffers that are contiguous there; the rest
-passes through ``Staging``, one byte buffer per peer that later waves and transitions reuse.
+A wave runs in rounds, one per buffer kind (``StatePolicy.order``: master weights, the two Adam
+moments, then the weights of a trainer): round j allocates kind j of every unit being built,
+moves it, and then frees kind j of every unit a node consumes on this rank. A GPU that reshards a
+trainer in place so holds its old rank plus one kind of the new one, not both ranks whole
+(``StatePolicy.streamed``, what the ledger counts). A unit consumed part-way when a node fails is
+dropped, never kept half-freed.
+
+Zero-copy by default (``zero_copy=False`` keeps packed messages, one per kind, bit for bit the
+same result): a provider sends the slices that are contiguous in its flat buffers as they are, and
+the receiver receives straight into the slices of its new buffers that are contiguous there; the
+rest passes through ``Staging``, one byte buffer per peer that later waves and transitions reuse.
 
 gloo on CPU, NCCL/RCCL on GPU, the same code. The transition's process group is created at the
 start and destroyed at the end, with a short timeout: a peer that dies surfaces as an error
@@ -27,19 +34,20 @@ import datetime
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from nereus.plan.layout import Layout
-from nereus.state.buffers import BufferKind, Slot
+from nereus.state.buffers import BufferKind, rank_buffers
 from nereus.state.emu import LogicalState
-from nereus.state.holder import RankState, StateHolder
+from nereus.state.holder import TORCH_DTYPE, RankState, StateHolder, padding
 from nereus.state.sources import STORAGE
 from nereus.state.staging import Staging, pool
+from nereus.transition.copying import copy_local, gather, pack, scatter, state_tensor, unpack
 from nereus.transition.dag import Node, Primitive, TransitionDag
-from nereus.transition.exchange import Chunk, Piece
+from nereus.transition.exchange import Chunk
 from nereus.transition.move import StageMove
 from nereus.transition.wire import (
     CHUNK,
@@ -75,6 +83,28 @@ class Report:
     units: tuple[str, ...]
 
 
+@dataclass(slots=True)
+class _Part:
+    """This rank's share of one node while its wave runs: the kinds it moves (a round each), what
+    it sends and assembles, and the units the node consumes that this rank holds."""
+
+    node: Node
+    kinds: tuple[BufferKind, ...] = ()
+    sends: tuple[Transfer, ...] = ()
+    receive: Receive | None = None
+    consumed: tuple[str, ...] = ()
+    new: dict[BufferKind, torch.Tensor] = field(default_factory=dict)  # the new rank's, so far
+    states: list[LogicalState] = field(default_factory=list)  # local providers' logical states
+    headers: list[torch.Tensor] = field(default_factory=list)  # remote providers' (zero-copy, whole)
+    staged: list[tuple[Chunk, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    inbox: list[tuple[torch.Tensor, Transfer, int]] = field(default_factory=list)  # packed: (msg, x, round)
+
+
+def allocate(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new rank's buffer of one kind, uninitialised (every byte is then written)."""
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
 class Executor:
     def __init__(
         self,
@@ -107,7 +137,8 @@ class Executor:
         self.messages: list[tuple[int, int, int, int]] = []  # (node, from rank, to rank, bytes) sent
         self.node_seconds: dict[int, float] = {}  # wall time of each node this rank took part in
         self.wave_seconds: list[float] = []  # wall time of each wave this rank took part in
-        self._copies: list[Finish] = []  # a wave's local copies, run while its messages travel
+        self._copies: list[Finish] = []  # a round's local copies, run while its messages travel
+        self._partial: set[str] = set()  # units some of whose kinds a node has freed already
 
     # -------------------------------------------------------------- bookkeeping
     def _adopt(self) -> None:
@@ -138,7 +169,8 @@ class Executor:
         order, or the commit order by default). ``on_node(node, "start" | "done")`` observes each
         node this rank takes part in.
         Raises TransitionError naming this rank, the node and its peers when a node fails; the
-        holder then still holds every complete unit it had (nothing half-written is installed)."""
+        holder then still holds every complete unit it had (nothing half-written is installed, and
+        a unit a failed node had begun to free, kind by kind, is dropped)."""
         self._adopt()
         # every rank has torn down its previous groups before anyone connects a new one: gloo
         # reports a peer still tearing down as "connection closed" during the new group's connect
@@ -165,25 +197,21 @@ class Executor:
     ) -> None:
         started = time.perf_counter()
         try:
-            ops: list[dist.P2POp] = []
-            finishes = []
-            self._copies.clear()
             if self.zero_copy:
                 self.staging.prepare(self._staging_need(mine))
+            parts = []
             for node in mine:
                 if on_node:
                     on_node(node, "start")
-                finishes.append(self._node(node, group, ops))
-            # every ready node's messages at once: they run concurrently, and with the copies of
-            # what this rank already holds (disjoint regions of the new buffers)
-            works = dist.batch_isend_irecv(ops) if ops else []
-            for copy in self._copies:
-                copy()
-            for work in works:
-                work.wait()
-            for finish in finishes:
-                finish()
+                parts.append(self._part(node))
+            for j in range(max((len(p.kinds) for p in parts), default=0)):
+                self._round(parts, j, group)
+            for part in parts:
+                self._finish(part)
         except Exception as exc:  # a dead peer, a timeout, a bad buffer
+            for uid in self._partial:  # begun to be freed: no longer a whole unit
+                self.holder.units.pop(uid, None)
+            self._partial.clear()
             what = "; ".join(f"{n.primitive.value} node {n.id} ({n.describe()})" for n in mine)
             peers = sorted({self.rank_of_gpu[g] for n in mine for g in (*n.gpus, *n.sends)} - {self.rank})
             raise TransitionError(f"rank {self.rank}: {what} with ranks {peers} failed: {exc}") from exc
@@ -194,30 +222,57 @@ class Executor:
             if on_node:
                 on_node(node, "done")
 
-    def _node(self, node: Node, group: dist.ProcessGroup, ops: list[dist.P2POp]) -> Finish:
-        """Post this rank's messages of ``node`` into ``ops``; what to do once they arrived."""
+    def _part(self, node: Node) -> _Part:
+        """This rank's share of ``node``; a restore from storage is read here, at once."""
         if node.primitive is Primitive.DESTROY:
-
-            def drop() -> None:
-                self.holder.units.pop(node.inputs[0], None)
-
-            return drop
+            return _Part(node)
         if node.source == STORAGE:
             self._from_storage(node)
-            return lambda: None
-        part = self.wire.part(node, self.gpu)
-        for x in part.sends:
-            self._send(x, group, ops)
-        landed = self._receive(node, part.receive, group, ops) if part.receive else None
+            return _Part(node)
+        rp = self.wire.part(node, self.gpu)
+        consumed = tuple(u for u in node.frees if u in self.holder.units)
+        return _Part(node, kinds_of(self.moves[node.model_stage].policy), rp.sends, rp.receive, consumed)
 
-        def finish() -> None:
-            if landed is not None:
-                assert part.receive is not None
-                self.holder.units[part.receive.unit] = landed()
-            for uid in node.frees:  # what the node consumed (never one of its outputs)
-                self.holder.units.pop(uid, None)
+    def _round(self, parts: list[_Part], j: int, group: dist.ProcessGroup) -> None:
+        """Kind j of every node in the wave: its messages at once (they run concurrently, and with
+        the copies of what this rank already holds, into disjoint regions of the new buffers);
+        then kind j of the units the nodes consume here is freed (the last kind goes with them)."""
+        ops: list[dist.P2POp] = []
+        self._copies.clear()
+        for part in parts:
+            if j < len(part.kinds):
+                for x in part.sends:
+                    self._send(x, j, part.kinds[j], group, ops)
+                if part.receive is not None:
+                    self._receive(part, j, group, ops)
+        works = dist.batch_isend_irecv(ops) if ops else []
+        for copy in self._copies:
+            copy()
+        for work in works:
+            work.wait()
+        works, ops = [], []  # the round's messages held views of the buffers freed next
+        self._copies.clear()
+        for part in parts:
+            if j < len(part.kinds) - 1:
+                self._free_kind(part, part.kinds[j])
 
-        return finish
+    def _free_kind(self, part: _Part, kind: BufferKind) -> None:
+        for uid in part.consumed:
+            held = self.holder.units.get(uid)
+            if held is not None and kind in held.buffers:
+                del held.buffers[kind]
+                self._partial.add(uid)
+
+    def _finish(self, part: _Part) -> None:
+        node = part.node
+        if node.primitive is Primitive.DESTROY:
+            self.holder.units.pop(node.inputs[0], None)
+            return
+        if part.receive is not None:
+            self.holder.units[part.receive.unit] = self._assembled(part)
+        for uid in node.frees:  # what the node consumed (never one of its outputs)
+            self.holder.units.pop(uid, None)
+            self._partial.discard(uid)
 
     # -------------------------------------------------------------- sending
     def _staging_need(self, mine: list[Node]) -> dict[int, int]:
@@ -226,118 +281,112 @@ class Executor:
         need = staging_need(self.wire, mine, self.gpu)
         return {self.rank_of_gpu[g]: n for g, n in need.items()}
 
-    def _send(self, x: Transfer, group: dist.ProcessGroup, ops: list[dist.P2POp]) -> None:
+    def _send(
+        self, x: Transfer, j: int, kind: BufferKind, group: dist.ProcessGroup, ops: list[dist.P2POp]
+    ) -> None:
+        """Kind ``kind`` (round j) of what ``x`` carries, into ``ops``; the logical state in round 0."""
         src, dst = self.holder.units[x.src_unit], self.rank_of_gpu[x.dst]
-        kinds = kinds_of(self.moves[self.dag.nodes[x.node].model_stage].policy)
-        if x.carry is Carry.WHOLE:  # each buffer kind as one message, as it is, and the state
-            ops.append(
-                dist.P2POp(dist.isend, state_tensor(src.state, src.device), dst, group, tag(x.node, STATE))
-            )
-            tensors = [src.buffers[k] for k in kinds]
-            for j, buf in enumerate(tensors):
-                ops.append(dist.P2POp(dist.isend, buf, dst, group, tag(x.node, j)))
-        elif self.zero_copy:  # the state, then each chunk in place or through staging
-            tensors = [state_tensor(src.state, src.device)]
+        buf = src.buffers[kind]
+        header = j == 0 and (x.carry is Carry.WHOLE or self.zero_copy)  # packed: inside each message
+        tensors = [state_tensor(src.state, src.device)] if header else []
+        if header:
             ops.append(dist.P2POp(dist.isend, tensors[0], dst, group, tag(x.node, STATE)))
-            i = CHUNK
-            for k in kinds:
-                buf = src.buffers[k]
-                for c in x.chunks:
-                    if c.src is not None:
-                        msg = buf[c.src : c.src + c.numel]
-                    else:
-                        msg = self.staging.take(dst, c.numel, buf.dtype)
-                        gather(c, buf, msg)
-                    ops.append(dist.P2POp(dist.isend, msg, dst, group, tag(x.node, i)))
-                    tensors.append(msg)
-                    i += 1
-        else:
-            tensors = [pack(x.pieces, src.buffers, kinds, src.state)]
-            ops.append(dist.P2POp(dist.isend, tensors[0], dst, group, tag(x.node, PACKED)))
-        for buf in tensors:
-            self.sent += buf.numel() * buf.element_size()
-            self.messages.append((x.node, self.rank, dst, buf.numel() * buf.element_size()))
+        if x.carry is Carry.WHOLE:  # the flat buffer as it is
+            ops.append(dist.P2POp(dist.isend, buf, dst, group, tag(x.node, j)))
+            tensors.append(buf)
+        elif self.zero_copy:  # each chunk in place or through staging
+            i = CHUNK + j * len(x.chunks)
+            for c in x.chunks:
+                if c.src is not None:
+                    msg = buf[c.src : c.src + c.numel]
+                else:
+                    msg = self.staging.take(dst, c.numel, buf.dtype)
+                    gather(c, buf, msg)
+                ops.append(dist.P2POp(dist.isend, msg, dst, group, tag(x.node, i)))
+                tensors.append(msg)
+                i += 1
+        else:  # this kind's pieces packed (after the logical state, in round 0)
+            tensors = [pack(x.pieces, src.buffers, (kind,), src.state if j == 0 else None)]
+            ops.append(dist.P2POp(dist.isend, tensors[0], dst, group, tag(x.node, PACKED + j)))
+        for t in tensors:
+            self.sent += t.numel() * t.element_size()
+            self.messages.append((x.node, self.rank, dst, t.numel() * t.element_size()))
 
     # -------------------------------------------------------------- receiving
-    def _receive(
-        self, node: Node, r: Receive, group: dist.ProcessGroup, ops: list[dist.P2POp]
-    ) -> Callable[[], RankState]:
-        """Post the receives of this rank's new unit; returns what builds it once they arrived."""
-        move = self.moves[node.model_stage]
-        kinds, device = kinds_of(move.policy), self._device()
+    def _receive(self, part: _Part, j: int, group: dist.ProcessGroup, ops: list[dist.P2POp]) -> None:
+        """Allocate kind j of this rank's new unit and post its receives and local copies."""
+        node, r = part.node, part.receive
+        assert r is not None
+        move, kind, device = self.moves[node.model_stage], part.kinds[j], self._device()
+        rb = rank_buffers(move.model, r.layout, r.t, r.p, move.policy)
+        dtype = TORCH_DTYPE[dict(move.policy.kinds)[kind]]
         whole = r.whole
-        if whole is not None:  # a rank-aligned copy: the flat buffers as they are
-            new = RankState.uninitialised(
-                node.model_stage, move.model, r.layout, r.t, r.p, move.policy, device
-            )
-            header = torch.zeros(4, dtype=torch.int64, device=device)
+        if whole is not None:  # a rank-aligned copy: the flat buffer as it is
+            buf = part.new[kind] = allocate(rb.numel, dtype, device)
             src = self.rank_of_gpu[whole.src]
-            ops.append(dist.P2POp(dist.irecv, header, src, group, tag(node.id, STATE)))
-            for j, k in enumerate(kinds):
-                ops.append(dist.P2POp(dist.irecv, new.buffers[k], src, group, tag(node.id, j)))
-                self.received += new.buffers[k].numel() * new.buffers[k].element_size()
-
-            def copied() -> RankState:
-                new.state = LogicalState(*header.tolist())
-                return new
-
-            return copied
+            if j == 0:
+                part.headers.append(torch.zeros(4, dtype=torch.int64, device=device))
+                ops.append(dist.P2POp(dist.irecv, part.headers[0], src, group, tag(node.id, STATE)))
+            ops.append(dist.P2POp(dist.irecv, buf, src, group, tag(node.id, j)))
+            self.received += buf.numel() * buf.element_size()
+            return
         if self.zero_copy:  # every slot is written below: only the padding needs zeros
-            new = RankState.uninitialised(
-                node.model_stage, move.model, r.layout, r.t, r.p, move.policy, device
-            )
-            new.zero_padding()
+            buf = part.new[kind] = allocate(rb.numel, dtype, device)
+            for lo, hi in padding(rb):
+                buf[lo:hi].zero_()
         else:
-            new = RankState.empty(node.model_stage, move.model, r.layout, r.t, r.p, move.policy, None, device)
-        states: list[LogicalState] = []
-        inbox: list[tuple[torch.Tensor, Transfer]] = []
-        headers: list[torch.Tensor] = []
-        staged: list[tuple[Chunk, torch.Tensor, torch.Tensor]] = []  # (chunk, region, buffer)
+            buf = part.new[kind] = torch.zeros(rb.numel, dtype=dtype, device=device)
         for x in r.transfers:
             if x.carry is Carry.LOCAL:  # resident: a local copy once the messages are posted
                 held = self.holder.units[x.src_unit]
-                self._copies.append(functools.partial(copy_local, x.pieces, held.buffers, new.buffers, kinds))
-                states.append(held.state)
+                self._copies.append(functools.partial(copy_local, x.pieces, held.buffers, part.new, (kind,)))
+                if j == 0:
+                    part.states.append(held.state)
                 continue
             peer = self.rank_of_gpu[x.src]
             if self.zero_copy:  # the state, then each chunk in place or into staging
-                headers.append(torch.empty(4, dtype=torch.int64, device=device))
-                ops.append(dist.P2POp(dist.irecv, headers[-1], peer, group, tag(node.id, STATE)))
-                self.received += HEADER
-                i = CHUNK
-                for k in kinds:
-                    buf = new.buffers[k]
-                    for c in x.chunks:
-                        if c.dst is not None:
-                            msg = buf[c.dst : c.dst + c.numel]
-                        else:
-                            msg = self.staging.take(peer, c.numel, buf.dtype)
-                            staged.append((c, msg, buf))
-                        ops.append(dist.P2POp(dist.irecv, msg, peer, group, tag(node.id, i)))
-                        self.received += msg.numel() * msg.element_size()
-                        i += 1
+                if j == 0:
+                    part.headers.append(torch.empty(4, dtype=torch.int64, device=device))
+                    ops.append(dist.P2POp(dist.irecv, part.headers[-1], peer, group, tag(node.id, STATE)))
+                    self.received += HEADER
+                i = CHUNK + j * len(x.chunks)
+                for c in x.chunks:
+                    if c.dst is not None:
+                        msg = buf[c.dst : c.dst + c.numel]
+                    else:
+                        msg = self.staging.take(peer, c.numel, buf.dtype)
+                        part.staged.append((c, msg, buf))
+                    ops.append(dist.P2POp(dist.irecv, msg, peer, group, tag(node.id, i)))
+                    self.received += msg.numel() * msg.element_size()
+                    i += 1
                 continue
-            size = HEADER + sum(pc.numel * new.buffers[k].element_size() for pc in x.pieces for k in kinds)
+            size = (HEADER if j == 0 else 0) + sum(pc.numel for pc in x.pieces) * buf.element_size()
             packed = torch.empty(size, dtype=torch.uint8, device=device)
-            ops.append(dist.P2POp(dist.irecv, packed, peer, group, tag(node.id, PACKED)))
-            inbox.append((packed, x))
+            ops.append(dist.P2POp(dist.irecv, packed, peer, group, tag(node.id, PACKED + j)))
+            part.inbox.append((packed, x, j))
             self.received += size
 
-        def assembled() -> RankState:
-            for c, msg, buf in staged:
-                scatter(c, msg, buf)
-            got = states + [unpack(buf, x.pieces, new.buffers, kinds) for buf, x in inbox]
-            got += [LogicalState(*h.tolist()) for h in headers]
-            if node.model_stage in self.states:
-                got.append(self.states[node.model_stage])
-            if len(set(got)) > 1:
-                raise TransitionError(
-                    f"{node.describe()}: providers disagree on the logical state {set(got)}"
-                )
-            new.state = got[0] if got else new.state
-            return new
-
-        return assembled
+    def _assembled(self, part: _Part) -> RankState:
+        """The new unit's rank once every round arrived; its providers must agree on its state."""
+        node, r = part.node, part.receive
+        assert r is not None
+        move = self.moves[node.model_stage]
+        for c, msg, buf in part.staged:
+            scatter(c, msg, buf)
+        got = list(part.states)
+        for buf, x, j in part.inbox:
+            state = unpack(buf, x.pieces, part.new, (part.kinds[j],), header=j == 0)
+            if state is not None:
+                got.append(state)
+        got += [LogicalState(*h.tolist()) for h in part.headers]
+        if r.whole is None and node.model_stage in self.states:
+            got.append(self.states[node.model_stage])
+        if len(set(got)) > 1:
+            raise TransitionError(f"{node.describe()}: providers disagree on the logical state {set(got)}")
+        new = RankState(node.model_stage, move.model, r.layout, r.t, r.p, move.policy, part.new)
+        if got:
+            new.state = got[0]
+        return new
 
     def _from_storage(self, node: Node) -> None:
         uid = node.outputs[0]
@@ -351,82 +400,3 @@ class Executor:
 
     def _device(self) -> torch.device:
         return self.holder.device
-
-
-# ------------------------------------------------------------------ bytes in and out of messages
-def _piece_view(buf: torch.Tensor, pc: Piece, slot: Slot) -> torch.Tensor:
-    v = buf[slot.offset : slot.offset + slot.numel].view(slot.shape)
-    return v.narrow(pc.dim, pc.lo - slot.region[pc.dim][0], pc.hi - pc.lo)
-
-
-def state_tensor(state: LogicalState, device: torch.device | None = None) -> torch.Tensor:
-    values = [state.updates, state.version, state.minibatch, state.seed]
-    return torch.tensor(values, dtype=torch.int64, device=device)
-
-
-def pack(
-    pieces: Sequence[Piece], buffers: Mapping[BufferKind, torch.Tensor], kinds: Sequence[BufferKind],
-    state: LogicalState,
-) -> torch.Tensor:  # fmt: skip
-    """The logical state, then every piece of every kind (widest dtype first, so each kind
-    starts aligned) as bytes: one message, each piece copied once into it."""
-    device = next(iter(buffers.values())).device
-    total = HEADER + sum(pc.numel * buffers[k].element_size() for k in kinds for pc in pieces)
-    msg = torch.empty(total, dtype=torch.uint8, device=device)
-    msg[:HEADER].copy_(state_tensor(state).view(torch.uint8))
-    at = HEADER
-    for k in kinds:
-        buf = buffers[k]
-        for pc in pieces:
-            n = pc.numel * buf.element_size()
-            src = _piece_view(buf, pc, pc.src)
-            msg[at : at + n].view(buf.dtype).view(src.shape).copy_(src)
-            at += n
-    return msg
-
-
-def gather(c: Chunk, buf: torch.Tensor, msg: torch.Tensor) -> None:
-    """Copy a staged chunk's pieces of ``buf`` one after another into ``msg`` (the sender's side)."""
-    at = 0
-    for pc in c.pieces:
-        src = _piece_view(buf, pc, pc.src)
-        msg[at : at + pc.numel].view(src.shape).copy_(src)
-        at += pc.numel
-
-
-def scatter(c: Chunk, msg: torch.Tensor, buf: torch.Tensor) -> None:
-    """Copy a staged chunk out of ``msg`` into its pieces of ``buf`` (the receiver's side)."""
-    at = 0
-    for pc in c.pieces:
-        dst = _piece_view(buf, pc, pc.dst)
-        dst.copy_(msg[at : at + pc.numel].view(dst.shape))
-        at += pc.numel
-
-
-def copy_local(
-    pieces: Sequence[Piece], src: Mapping[BufferKind, torch.Tensor], dst: Mapping[BufferKind, torch.Tensor],
-    kinds: Sequence[BufferKind],
-) -> None:  # fmt: skip
-    """Pieces this rank already holds, straight from its old buffers into the new ones."""
-    for k in kinds:
-        for pc in pieces:
-            _piece_view(dst[k], pc, pc.dst).copy_(_piece_view(src[k], pc, pc.src))
-
-
-def unpack(
-    msg: torch.Tensor, pieces: Sequence[Piece], buffers: Mapping[BufferKind, torch.Tensor],
-    kinds: Sequence[BufferKind],
-) -> LogicalState:  # fmt: skip
-    """Write a message's pieces into ``buffers``; return the sender's logical state."""
-    head = msg[:HEADER].clone().view(torch.int64).tolist()
-    at = HEADER
-    for k in kinds:
-        buf = buffers[k]
-        for pc in pieces:
-            n = pc.numel * buf.element_size()
-            view = _piece_view(buf, pc, pc.dst)
-            view.copy_(msg[at : at + n].view(buf.dtype).view(view.shape))
-            at += n
-    if at != msg.numel():
-        raise TransitionError(f"message of {msg.numel()} bytes, expected {at}")
-    return LogicalState(*head)

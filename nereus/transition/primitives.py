@@ -81,22 +81,23 @@ class Geometry:
                 st, sp = t // kt, p // kp  # the slot's rank that holds this position's rows
                 r = self.missing(sub, st, sp, lay, t, p)
                 recv.append(r)
-                acquire.append(self.held(lay, t, p) + r)
-                release.append(self.held(sub, st, sp) + r)
+                new, old = self.held(lay, t, p) + r, self.held(sub, st, sp) + r
+                acquire.append(self.policy.streamed(new, old))
+                release.append(acquire[-1] - (new - old))
                 local = max(local, self.payload(lay, t, p) - r)
             out = self._merge[key] = MergeRows(tuple(recv), tuple(acquire), tuple(release), local)
         return out
 
     def split_rows(self, old: Layout, sub: Layout) -> tuple[tuple[int, int, int, int, int], ...]:
-        """Per rank of ``old`` (rank order): (t, p, held, bytes it receives, bytes it acquires)
-        when it keeps the ``sub`` rank (t // kt, p // kp) of a Split."""
+        """Per rank of ``old`` (rank order): (t, p, held, bytes it receives, bytes it acquires at
+        most: ``StatePolicy.streamed``) when it keeps the ``sub`` rank (t // kt, p // kp) of a Split."""
         key = (old, sub)
         out = self._split.get(key)
         if out is None:
             kt, kp = old.tp // sub.tp, old.pp // sub.pp
             out = self._split[key] = tuple(
                 (t, p, self.held(old, t, p), self.missing(old, t, p, sub, t // kt, p // kp),
-                 self.held(sub, t // kt, p // kp))
+                 self.policy.streamed(self.held(sub, t // kt, p // kp), self.held(old, t, p)))
                 for t, p in old.positions()
             )  # fmt: skip
         return out
@@ -191,12 +192,15 @@ class NodeMaker:
             link = self.links.group_link(members)
             for g in members:
                 t, p, held, recv, takes = rows[index[g]]
-                release.append((g, held))
                 if g not in keeps:
+                    release.append((g, held))
                     continue  # its sub-unit is not needed: it contributes its shard and frees it
                 if (t // kt, p // kp) != (tq, pq):  # a group other than its own sub-rank's
-                    recv, takes = self.missing(u.layout, t, p, sub, tq, pq), self.held(sub, tq, pq)
+                    recv = self.missing(u.layout, t, p, sub, tq, pq)
+                    takes = self.geo.policy.streamed(self.held(sub, tq, pq), held)
+                # kind by kind (``StatePolicy.streamed``): ends holding the sub-shard, not the old one
                 acquire.append((g, takes))
+                release.append((g, takes - (self.held(sub, tq, pq) - held)))
                 flows.append(Flow(g, recv, link))
                 recvs.append(g)
                 moved += recv
@@ -259,11 +263,14 @@ class NodeMaker:
         moved, local = 0, 0
         link = self.links.group_link(v.gpus)
         where = {g: (t, p) for g, t, p in u.ranks()}
+        policy = self.m.policy
         for g, t, p in v.ranks():
             ot, op = where[g]
             recv = self.missing(old, ot, op, new, t, p)
-            acquire.append((g, self.held(new, t, p)))
-            release.append((g, self.held(old, ot, op)))
+            grows = self.held(new, t, p) - self.held(old, ot, op)
+            peak = policy.streamed(self.held(new, t, p), self.held(old, ot, op))  # kind by kind
+            acquire.append((g, peak))
+            release.append((g, peak - grows))
             flows.append(Flow(g, recv, link))
             moved += recv
             local = max(local, self.payload(new, t, p) - recv)

@@ -13,14 +13,17 @@ receiver copies locally, any other sends one message:
 - **packed**: otherwise, zero-copy (the default): a 32-byte header with the logical state, then
   one message per ``exchange.Chunk`` per buffer kind — each side reads or writes the slices that
   are contiguous in its flat buffers in place, and stages only the others; or, with
-  ``zero_copy=False``, the header and every piece of every kind packed into one message.
+  ``zero_copy=False``, one message per buffer kind: every piece of that kind (the first kind's
+  after the header).
 
-Tags are ``node.id · TAGS_PER_NODE + j``: j = buffer kind index (whole), ``PACKED``, ``STATE``, or
-``CHUNK`` + the message's index within its transfer; a node has one transfer between a pair of GPUs,
-so tags are unique within a wave. ``RankPart`` is one
-GPU's share of a node — what it sends, what it receives, what it copies — and is all the
-executor needs; ``waves`` groups nodes that may run at once. Sizes are computed from each side's
-own dtypes, so a test can check that every receive has exactly one matching send of its size.
+The executor moves one buffer kind at a time (a round per kind, in ``kinds_of`` order), so a
+node's messages of kind j go out together with the rest of round j.
+Tags are ``node.id · TAGS_PER_NODE + j``: j = buffer kind index (whole), ``PACKED`` + kind index,
+``STATE``, or ``CHUNK`` + the message's index within its transfer; a node has one transfer
+between a pair of GPUs, so tags are unique within a wave. ``RankPart`` is one GPU's share of a
+node — what it sends, what it receives, what it copies — and is all the executor needs; ``waves``
+groups nodes that may run at once. Sizes are computed from each side's own dtypes, so a test can
+check that every receive has exactly one matching send of its size.
 """
 
 from __future__ import annotations
@@ -39,9 +42,9 @@ from nereus.transition.move import StageMove
 
 HEADER = 32  # the logical state (updates, version, minibatch, seed) as four int64
 TAGS_PER_NODE = 1 << 15  # gloo tags are int32: room for 65536 nodes
-PACKED = 6  # tag slot of a packed message
 STATE = 7  # tag slot of the logical state (a whole copy's, a zero-copy transfer's header)
-CHUNK = 8  # tag slot of a zero-copy transfer's first chunk message
+PACKED = 8  # tag slot of a packed message of the first kind (PACKED + j: of kind j)
+CHUNK = PACKED + len(BufferKind)  # tag slot of a zero-copy transfer's first chunk message
 
 
 class Carry(StrEnum):
@@ -99,9 +102,8 @@ class RankPart:
 
 
 def kinds_of(policy: StatePolicy) -> tuple[BufferKind, ...]:
-    """Buffer kinds in message order: widest dtype first, so every kind starts aligned."""
-    width = dict(policy.kinds)
-    return tuple(sorted(width, key=lambda k: -width[k].itemsize))
+    """Buffer kinds in message order (``StatePolicy.order``): one round of a wave each."""
+    return policy.order
 
 
 def unit_table(dag: TransitionDag, moves: Sequence[StageMove]) -> dict[str, Emu]:
@@ -223,8 +225,17 @@ class WirePlan:
                 *(Message(x.node, x.src, x.dst, tag(x.node, CHUNK + i), n) for i, n in enumerate(sizes)),
             )
         if x.carry is Carry.PACKED:
-            size = HEADER + sum(pc.numel * width[k].itemsize for k in kinds for pc in x.pieces)
-            return (Message(x.node, x.src, x.dst, tag(x.node, PACKED), size),)
+            numel = sum(pc.numel for pc in x.pieces)
+            return tuple(
+                Message(
+                    x.node,
+                    x.src,
+                    x.dst,
+                    tag(x.node, PACKED + j),
+                    (0 if j else HEADER) + numel * width[k].itemsize,
+                )
+                for j, k in enumerate(kinds)
+            )
         u = self.units[x.src_unit]
         t, p = u.position(x.src)
         numel = rank_buffers(self.moves[u.model_stage].model, u.layout, t, p, policy).numel
@@ -289,6 +300,14 @@ def staging_bytes(dag: TransitionDag, moves: Sequence[StageMove]) -> dict[int, i
                 per = largest.setdefault(g, {})
                 per[peer] = max(per.get(peer, 0), n)
     return {g: sum(per.values()) for g, per in sorted(largest.items()) if sum(per.values())}
+
+
+def consumed_on(dag: TransitionDag, moves: Sequence[StageMove], gpu: int) -> set[str]:
+    """The model-stages whose current unit on ``gpu`` the DAG frees (a Split, a Merge, a reshard
+    or a Destroy consumes it): whatever else views that unit's buffers must let go of them before
+    the walk, or the memory the ledger counts free stays taken."""
+    freed = {uid for n in dag.nodes for uid in n.frees}
+    return {m.name for m in moves for u in m.current if gpu in u.gpus and u.id in freed}
 
 
 def takes_part(node: Node, gpu: int) -> bool:
