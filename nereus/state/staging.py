@@ -2,9 +2,10 @@
 
 A zero-copy transition reads and writes the slices that are contiguous in the flat state buffers
 in place; only the others (a row-parallel cut along dimension 1, say) pass through staging. Each
-wave first asks ``prepare`` for the bytes it stages with every peer (one region per staged
-message), then takes the regions in order. A peer's buffer is allocated once, grown only when a
-wave needs more than it holds, and reused by later waves and later transitions: after the first
+round of a wave (one buffer kind) first asks ``prepare`` for the bytes it stages with every peer
+(one region per staged message), then takes the regions in order. A peer's buffer is allocated
+once, grown only when a round needs more than it holds, and reused by later rounds, waves and
+transitions: after the first
 transition of a kind, a transition allocates nothing here. ``nbytes`` is what the pool holds on
 its device (what a memory bound must add); ``release`` frees it.
 """
@@ -31,7 +32,7 @@ class Staging:
 
     def prepare(self, need: dict[int, int]) -> None:
         """Start a wave that stages ``need[peer]`` bytes with each peer (regions aligned, as
-        ``buffers.staged`` rounds them). Only call between waves: a grown buffer replaces the old one."""
+        ``buffers.staged`` rounds them). Only call between rounds: a grown buffer replaces the old one."""
         self._cursor = dict.fromkeys(need, 0)
         for peer, n in need.items():
             have = self.buffers.get(peer)

@@ -197,15 +197,13 @@ class Executor:
     ) -> None:
         started = time.perf_counter()
         try:
-            if self.zero_copy:
-                self.staging.prepare(self._staging_need(mine))
             parts = []
             for node in mine:
                 if on_node:
                     on_node(node, "start")
                 parts.append(self._part(node))
             for j in range(max((len(p.kinds) for p in parts), default=0)):
-                self._round(parts, j, group)
+                self._round(mine, parts, j, group)
             for part in parts:
                 self._finish(part)
         except Exception as exc:  # a dead peer, a timeout, a bad buffer
@@ -233,10 +231,13 @@ class Executor:
         consumed = tuple(u for u in node.frees if u in self.holder.units)
         return _Part(node, kinds_of(self.moves[node.model_stage].policy), rp.sends, rp.receive, consumed)
 
-    def _round(self, parts: list[_Part], j: int, group: dist.ProcessGroup) -> None:
+    def _round(self, mine: list[Node], parts: list[_Part], j: int, group: dist.ProcessGroup) -> None:
         """Kind j of every node in the wave: its messages at once (they run concurrently, and with
-        the copies of what this rank already holds, into disjoint regions of the new buffers);
-        then kind j of the units the nodes consume here is freed (the last kind goes with them)."""
+        the copies of what this rank already holds, into disjoint regions of the new buffers),
+        staged ones through the pool's regions for this round; then kind j of the units the nodes
+        consume here is freed (the last kind goes with them)."""
+        if self.zero_copy:
+            self.staging.prepare(self._staging_need(mine, j))
         ops: list[dist.P2POp] = []
         self._copies.clear()
         for part in parts:
@@ -253,6 +254,9 @@ class Executor:
         works, ops = [], []  # the round's messages held views of the buffers freed next
         self._copies.clear()
         for part in parts:
+            for c, msg, buf in part.staged:  # out of staging before the next round reuses it
+                scatter(c, msg, buf)
+            part.staged.clear()
             if j < len(part.kinds) - 1:
                 self._free_kind(part, part.kinds[j])
 
@@ -275,10 +279,10 @@ class Executor:
             self._partial.discard(uid)
 
     # -------------------------------------------------------------- sending
-    def _staging_need(self, mine: list[Node]) -> dict[int, int]:
-        """Staging bytes this rank's zero-copy messages of a wave need, per peer rank (what
-        ``wire.staging_bytes`` counts for the ledger)."""
-        need = staging_need(self.wire, mine, self.gpu)
+    def _staging_need(self, mine: list[Node], j: int) -> dict[int, int]:
+        """Staging bytes this rank's zero-copy messages of round j of a wave need, per peer rank
+        (what ``wire.staging_bytes`` counts for the ledger)."""
+        need = staging_need(self.wire, mine, self.gpu, j)
         return {self.rank_of_gpu[g]: n for g, n in need.items()}
 
     def _send(
@@ -371,8 +375,6 @@ class Executor:
         node, r = part.node, part.receive
         assert r is not None
         move = self.moves[node.model_stage]
-        for c, msg, buf in part.staged:
-            scatter(c, msg, buf)
         got = list(part.states)
         for buf, x, j in part.inbox:
             state = unpack(buf, x.pieces, part.new, (part.kinds[j],), header=j == 0)

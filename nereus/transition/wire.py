@@ -264,15 +264,18 @@ def staged_bytes(x: Transfer, kinds: Sequence[BufferKind], policy: StatePolicy, 
     return total
 
 
-def staging_need(wire: WirePlan, nodes: Sequence[Node], gpu: int) -> dict[int, int]:
-    """Staging bytes ``gpu``'s zero-copy messages in ``nodes`` (one wave, the nodes it takes part
-    in) need, per peer GPU: what the executor asks its ``Staging`` pool to prepare."""
+def staging_need(wire: WirePlan, nodes: Sequence[Node], gpu: int, j: int) -> dict[int, int]:
+    """Staging bytes ``gpu``'s zero-copy messages of round ``j`` (buffer kind j of each node's
+    ``kinds_of``) in ``nodes`` (one wave, the nodes it takes part in) need, per peer GPU: what the
+    executor asks its ``Staging`` pool to prepare before the round."""
     need: dict[int, int] = {}
     for node in nodes:
         if node.primitive is Primitive.DESTROY or node.source == STORAGE:
             continue
         receiver, provider = wire.policies(node)
         kinds = kinds_of(receiver)
+        if j >= len(kinds):
+            continue
         part = wire.part(node, gpu)
         xs = [(x, True) for x in part.sends]
         xs += [(x, False) for x in part.receive.transfers] if part.receive else []
@@ -280,25 +283,33 @@ def staging_need(wire: WirePlan, nodes: Sequence[Node], gpu: int) -> dict[int, i
             if x.carry is Carry.PACKED:
                 peer = x.dst if sending else x.src
                 need[peer] = need.get(peer, 0) + staged_bytes(
-                    x, kinds, provider if sending else receiver, sending
+                    x, (kinds[j],), provider if sending else receiver, sending
                 )
     return need
 
 
+def rounds(wire: WirePlan, nodes: Sequence[Node]) -> int:
+    """How many rounds a wave of ``nodes`` runs: its most buffer kinds."""
+    moving = [n for n in nodes if n.primitive is not Primitive.DESTROY and n.source != STORAGE]
+    return max((len(kinds_of(wire.policies(n)[0])) for n in moving), default=0)
+
+
 def staging_bytes(dag: TransitionDag, moves: Sequence[StageMove]) -> dict[int, int]:
     """Per GPU, the bytes its staging pool holds at most while ``dag`` runs zero-copy (GPUs that
-    stage nothing left out). Each peer's buffer grows to the largest wave's need and is kept until
-    the transition ends (``nereus.state.staging``), so a GPU holds the sum over its peers of each
-    one's largest — on top of whatever state the DAG's ledger has it hold at that moment."""
+    stage nothing left out). Each peer's buffer grows to the largest round's need (one buffer kind
+    of one wave) and is kept until the transition ends (``nereus.state.staging``), so a GPU holds
+    the sum over its peers of each one's largest — on top of whatever state the DAG's ledger has
+    it hold at that moment."""
     wire = WirePlan(dag, moves)
     largest: dict[int, dict[int, int]] = {}
     for wave in waves(dag):
         nodes = [dag.nodes[i] for i in wave if dag.nodes[i].primitive is not Primitive.DESTROY]
         for g in sorted({g for n in nodes for g in (*n.gpus, *n.sends)}):
             mine = [n for n in nodes if takes_part(n, g)]
-            for peer, n in staging_need(wire, mine, g).items():
-                per = largest.setdefault(g, {})
-                per[peer] = max(per.get(peer, 0), n)
+            for j in range(rounds(wire, mine)):
+                for peer, n in staging_need(wire, mine, g, j).items():
+                    per = largest.setdefault(g, {})
+                    per[peer] = max(per.get(peer, 0), n)
     return {g: sum(per.values()) for g, per in sorted(largest.items()) if sum(per.values())}
 
 
