@@ -9,7 +9,7 @@ from nereus.control.admission import Decision, Option, Profit, Rule, Verdict, ad
 from nereus.control.controller import Controller, ControllerConfig, State, policy_config
 from nereus.control.telemetry import Telemetry
 from nereus.control.transition_cost import DagEstimator, FixedCosts, TransitionEstimate
-from nereus.control.triggers import TriggerKind
+from nereus.control.triggers import POOL, TriggerKind
 from nereus.errors import ConfigError
 from nereus.plan.evaluate import price, shapes_of
 from nereus.plan.layout import Plan
@@ -63,6 +63,22 @@ def test_urgent_waives_profitability_not_feasibility(plan: Plan) -> None:
     assert i == 0 and "urgent" in why
     i, why = admit(rule, None, [opt(plan, 120.0)], [est(1.0, feasible=False)], 1.0, urgent=True)
     assert i is None and "infeasible" in why
+
+
+def test_an_urgent_move_costs_least_over_the_pools_horizon(plan: Plan) -> None:
+    """Urgent: of the feasible options, the least L_tran + H · L — a faster plan is worth a dearer
+    move when its gain repays the extra seconds within H steps, and not otherwise."""
+    rule = Rule(0.5)
+    options = [opt(plan, 100.0, "target"), opt(plan, 105.0, "hold-layouts"), opt(plan, 90.0, "relayout:gen")]
+    estimates = [est(300.0), est(10.0), est(1.0, feasible=False)]
+    i, why = admit(rule, None, options, estimates, horizon=10.0, urgent=True)
+    assert i == 1 and "hold-layouts: urgent" in why and "H = 10" in why  # 10 + 1050 < 300 + 1000
+    i, _ = admit(rule, None, options, estimates, horizon=100.0, urgent=True)
+    assert i == 0  # 300 + 10,000 < 10 + 10,500
+    i, _ = admit(rule, 95.0, options, estimates, horizon=58.0, urgent=True)  # tie: the earlier option
+    assert i == 0
+    i, why = admit(rule, None, options, [est(1.0, feasible=False)] * 3, horizon=10.0, urgent=True)
+    assert i is None and why.count("transition infeasible") == 3
 
 
 def test_gamma_zero_admits_only_urgent(plan: Plan) -> None:
@@ -295,6 +311,7 @@ def test_out_of_memory_never_keeps_the_plan_and_raises_the_stage_correction(plan
     step = min(1.25, max(1.02, physical / peak))
     d = ctl.observe(t(1, 2048, pool, oom=True, oom_stage="actor.train"))
     assert d is not None and d.urgent and d.current_latency_s is None
+    assert d.horizon_steps == ctl.monitor.horizon_now(POOL, 1)  # urgent options weighed over the pool's H
     assert any(tr.kind is TriggerKind.OOM for tr in d.triggers)
     assert d.verdict in (Verdict.ADMIT, Verdict.RESTART)  # never "keep": that plan ran out
     if d.verdict is Verdict.ADMIT:

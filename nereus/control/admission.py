@@ -6,9 +6,13 @@ cheaper transitions — and the first that passes is admitted:
 * feasible: the target plan fits (the planner guarantees it) and so does its transition (memory
   while state moves, an intact copy of every model-stage: ``TransitionEstimator``);
 * profitable (opportunistic triggers only): ΔL = L(S) − L(S*) > 0 and L_tran / ΔL ≤ γ · H, with
-  H the smallest horizon of the signals that fired. Urgent triggers waive profitability. Where
-  GPUs can be revoked, each L includes the restart the plan risks per step (``risk``): a plan that
-  leaves a trainer's last copy on revocable GPUs is slower by its expected restart seconds.
+  H the smallest horizon of the signals that fired. Urgent triggers waive profitability: the
+  plan must change, and of the options whose transitions are feasible the one that costs least
+  over the pool's horizon H_pool (the steps until the GPU pool is expected to change again) is
+  admitted, L_tran + H_pool · L — Eq. 2 between two options: a faster one is worth its dearer
+  move when the extra transition seconds pay back within H_pool. Where GPUs can be revoked, each L
+  includes the restart the plan risks per step (``risk``): a plan that leaves a trainer's last
+  copy on revocable GPUs is slower by its expected restart seconds.
 
 ``Rule`` also expresses the baselines the simulator compares: ``any-gain`` admits any ΔL > 0
 (DynaRL-style) and ``switch`` admits whatever differs (a periodic policy). If nothing passes, an
@@ -160,13 +164,30 @@ def admit(
             reasons.append(f"{opt.label}: transition infeasible ({est.reason})")
             continue
         if urgent or current_latency_s is None:
-            return i, f"{opt.label}: urgent, profitability waived"
+            return least_cost(options, estimates, horizon)  # one is feasible
         delta = current_latency_s - opt.expected_s
         ok, why = rule.pays_back(delta, est.seconds, horizon)
         if ok:
             return i, f"{opt.label}: {why}"
         reasons.append(f"{opt.label}: {why}")
     return None, "; ".join(reasons) or "no option"
+
+
+def least_cost(
+    options: Sequence[Option], estimates: Sequence[TransitionEstimate], horizon: float
+) -> tuple[int | None, str]:
+    """The urgent choice: of the options whose transitions are feasible, the one with the least
+    L_tran + H · L (ties: the earlier option), with ``horizon`` H the steps the new plan is expected
+    to run (the pool's horizon)."""
+    feasible = [i for i, e in enumerate(estimates) if e.feasible]
+    if not feasible:
+        return None, "no option"
+    best = min(feasible, key=lambda i: (estimates[i].seconds + horizon * options[i].expected_s, i))
+    cost = estimates[best].seconds + horizon * options[best].expected_s
+    return best, (
+        f"{options[best].label}: urgent, profitability waived; least L_tran + H·L "
+        f"({cost:.4g} s over H = {horizon:.3g} steps) of {len(feasible)} feasible"
+    )
 
 
 def payback_steps(delta_s: float, l_tran_s: float) -> float:

@@ -41,7 +41,7 @@ from nereus.control.transition_cost import (
     TransitionEstimator,
     staged,
 )
-from nereus.control.triggers import Trigger, TriggerKind, TriggerMonitor, horizon
+from nereus.control.triggers import POOL, Trigger, TriggerKind, TriggerMonitor, horizon
 from nereus.control.widened import is_widened, led_by_wider
 from nereus.errors import InfeasibleError
 from nereus.plan.cache import PlanCache
@@ -328,7 +328,8 @@ class Controller:
         urgent = urgent or current is None
         risk = 0.0 if current is None else self._risk(self.plan, current, problem)
         expected = None if current is None else current + risk  # with the restart it risks
-        h = horizon([f for f in fired if not f.urgent]) if not urgent else 1.0
+        # an urgent move's target runs until the pool next changes: its options are weighed over that
+        h = self.monitor.horizon_now(POOL, t.step) if urgent else horizon([f for f in fired if not f.urgent])
         base = Decision(
             t.step, t.time_s, tuple(fired), urgent, Verdict.KEEP, "", current, horizon_steps=h,
             current_risk_s=risk,
