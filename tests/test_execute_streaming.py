@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -105,53 +106,56 @@ def _streams(rank: int, layouts: tuple[Layout, Layout]) -> None:
     assert rs.layout == layouts[1] and set(rs.buffers) == set(TRAIN_BF16.order)
 
 
-def _streaming_worker(rank: int, store: str, out: str) -> None:
+def _on_two_ranks(rank: int, store: str, out: str, check: Callable[[int], None]) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
-        for layouts in ((Layout(1, 2), Layout(2, 1)), (Layout(2, 1), Layout(1, 2))):
-            _streams(rank, layouts)
+        check(rank)
         Path(out, f"ok{rank}").write_text("ok")
     finally:
         dist.destroy_process_group()
+
+
+def _two_ranks(tmp_path: Path, check: Callable[[int], None]) -> None:
+    """``check(rank)`` on a gloo world of two spawned ranks; both must get through it."""
+    world(_on_two_ranks, (str(tmp_path / "store"), str(tmp_path), check), nprocs=2)
+    assert all((tmp_path / f"ok{r}").exists() for r in range(2))
+
+
+def _streams_both_ways(rank: int) -> None:
+    for layouts in ((Layout(1, 2), Layout(2, 1)), (Layout(2, 1), Layout(1, 2))):
+        _streams(rank, layouts)
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(TIMEOUT_S)
 def test_the_executor_frees_each_kind_before_it_builds_the_next(tmp_path: Path) -> None:
-    world(_streaming_worker, (str(tmp_path / "store"), str(tmp_path)), nprocs=2)
-    assert all((tmp_path / f"ok{r}").exists() for r in range(2))
+    _two_ranks(tmp_path, _streams_both_ways)
 
 
-def _failing_worker(rank: int, store: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    try:
-        move = _in_place()
-        holder = start(move, rank)
-        calls = 0
+def _fails_part_way(rank: int) -> None:
+    move = _in_place()
+    holder = start(move, rank)
+    calls = 0
 
-        def failing(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            nonlocal calls
-            calls += 1
-            if rank == 1 and calls == 2:  # rank 1 fails in the second round
-                raise RuntimeError("out of memory (simulated)")
-            return torch.empty(numel, dtype=dtype, device=device)
+    def failing(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if rank == 1 and calls == 2:  # rank 1 fails in the second round
+            raise RuntimeError("out of memory (simulated)")
+        return torch.empty(numel, dtype=dtype, device=device)
 
-        execute_mod.allocate = failing
-        dag = build_dag([move], {STAGE: 2}, LINKS, 2**40)
-        with pytest.raises(TransitionError, match="rank"):
-            Executor(dag, [move], holder, {0: 0, 1: 1}, timeout_s=5.0).run()
-        # the unit lost its first kind on both ranks: gone, not kept half-freed
-        assert STAGE not in holder.units and not holder.units
-        Path(out, f"ok{rank}").write_text("ok")
-    finally:
-        dist.destroy_process_group()
+    execute_mod.allocate = failing
+    dag = build_dag([move], {STAGE: 2}, LINKS, 2**40)
+    with pytest.raises(TransitionError, match="rank"):
+        Executor(dag, [move], holder, {0: 0, 1: 1}, timeout_s=5.0).run()
+    # the unit lost its first kind on both ranks: gone, not kept half-freed
+    assert STAGE not in holder.units and not holder.units
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(TIMEOUT_S)
 def test_a_node_that_fails_part_way_leaves_no_half_freed_unit(tmp_path: Path) -> None:
-    world(_failing_worker, (str(tmp_path / "store"), str(tmp_path)), nprocs=2)
-    assert all((tmp_path / f"ok{r}").exists() for r in range(2))
+    _two_ranks(tmp_path, _fails_part_way)
 
 
 class _Viewer:
@@ -164,36 +168,30 @@ class _Viewer:
         self.views = None
 
 
-def _worker_lets_go(rank: int, store: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    try:
-        move = _in_place()
-        worker = Worker(
-            rank, load_workload("ppo"), dict.fromkeys(Role, move.model), load_cluster("local-cpu"),
-            {}, 0, lambda name: "torch",
-        )  # fmt: skip
-        worker.set_world((0, 1))
-        worker.holder = start(move, rank)
-        worker.engines = {STAGE: _Viewer(worker.holder.units[STAGE])}  # type: ignore[dict-item]
-        old = [weakref.ref(b) for b in worker.holder.units[STAGE].buffers.values()]
-        dag = build_dag([move], {STAGE: 2}, LINKS, 2**40)
-        live: list[int] = []
+def _lets_go(rank: int) -> None:
+    move = _in_place()
+    worker = Worker(
+        rank, load_workload("ppo"), dict.fromkeys(Role, move.model), load_cluster("local-cpu"),
+        {}, 0, lambda name: "torch",
+    )  # fmt: skip
+    worker.set_world((0, 1))
+    worker.holder = start(move, rank)
+    worker.engines = {STAGE: _Viewer(worker.holder.units[STAGE])}  # type: ignore[dict-item]
+    old = [weakref.ref(b) for b in worker.holder.units[STAGE].buffers.values()]
+    dag = build_dag([move], {STAGE: 2}, LINKS, 2**40)
+    live: list[int] = []
 
-        def recording(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            live.append(sum(r() is not None for r in old))
-            return torch.empty(numel, dtype=dtype, device=device)
+    def recording(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        live.append(sum(r() is not None for r in old))
+        return torch.empty(numel, dtype=dtype, device=device)
 
-        execute_mod.allocate = recording
-        worker.transition(Transition(dag, None, (move,)))
-        assert live == [4, 3, 2, 1], live  # the engine's views did not keep the old kinds alive
-        assert STAGE not in worker.engines  # ``bind`` builds it anew
-        Path(out, f"ok{rank}").write_text("ok")
-    finally:
-        dist.destroy_process_group()
+    execute_mod.allocate = recording
+    worker.transition(Transition(dag, None, (move,)))
+    assert live == [4, 3, 2, 1], live  # the engine's views did not keep the old kinds alive
+    assert STAGE not in worker.engines  # ``bind`` builds it anew
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(TIMEOUT_S)
 def test_a_worker_closes_the_engine_of_a_trainer_it_reshards_before_the_walk(tmp_path: Path) -> None:
-    world(_worker_lets_go, (str(tmp_path / "store"), str(tmp_path)), nprocs=2)
-    assert all((tmp_path / f"ok{r}").exists() for r in range(2))
+    _two_ranks(tmp_path, _lets_go)
