@@ -59,6 +59,7 @@ from nereus.transition.wire import (
     Transfer,
     WirePlan,
     kinds_of,
+    rounds,
     staging_need,
     tag,
     takes_part,
@@ -202,7 +203,7 @@ class Executor:
                 if on_node:
                     on_node(node, "start")
                 parts.append(self._part(node))
-            for j in range(max((len(p.kinds) for p in parts), default=0)):
+            for j in range(rounds(self.wire, mine)):
                 self._round(mine, parts, j, group)
             for part in parts:
                 self._finish(part)
