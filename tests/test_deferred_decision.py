@@ -7,6 +7,7 @@
   can still apply them.
 - Something urgent at the next boundary drops a deferred decision: the controller keeps the
   running plan (a move it admitted is not made) and decides afresh, urgently.
+- The step that ran beside a deferred move is folded into calibration and the length growth.
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ from nereus.control.admission import Decision, Verdict
 from nereus.control.controller import Controller, State, policy_config
 from nereus.control.telemetry import Telemetry
 from nereus.control.triggers import Trigger, TriggerKind
+from nereus.plan.calibration import Measurement
 from nereus.plan.layout import Plan
+from nereus.plan.opclass import OpClass
 from nereus.plan.search import search
 from nereus.runtime.deferred import Deferral, Taken, deferrable
+from nereus.spec.workload import Stage
 from tests.helpers import make_problem
 
 pytestmark = pytest.mark.pure
@@ -145,3 +149,36 @@ def test_a_taken_decision_has_non_negative_seconds() -> None:
     with pytest.raises(ValueError, match="seconds"):
         Taken(d, -1.0)
     assert plan.pool == problem.pool
+
+
+def test_the_step_beside_a_deferred_move_is_folded_in() -> None:
+    """A deferred move applied one boundary later: the step that ran meanwhile (on the plan the
+    move leaves) still reaches calibration and the length growth, as observing it would."""
+    problem = make_problem(model="llama-3.1-8b", cluster="h200-ib", gpus=16, response=2048)
+    plan = search(make_problem(model="llama-3.1-8b", cluster="h200-ib", gpus=8, response=2048)).plan
+    moved = Controller(problem.workload, problem.models, problem.cluster, plan, policy_config("always"))
+    watched = Controller(problem.workload, problem.models, problem.cluster, plan, policy_config("always"))
+    helper = ThreadPoolExecutor(1)
+    deferral = Deferral(moved, helper.submit)
+    calm = Telemetry(0, 0.0, 2048.0, 2400.0, plan.pool)
+    assert moved.observe(calm) is None and watched.observe(calm) is None
+    grown = Telemetry(1, 10.0, 2048.0, 2400.0, tuple(range(16)))  # 8 more GPUs: worth moving
+    deferral.start(grown, moved.triggers(grown))
+    watched.triggers(grown)
+    deferral.launch()
+    slow = (Measurement(OpClass.GEMM, 1.0, 4.0), Measurement(OpClass.GEMM, 2.0, 8.0))
+    meanwhile = Telemetry(2, 20.0, 3072.0, 3500.0, grown.pool, measurements=slow,
+                          peak_memory={"actor.train": 5e10})  # fmt: skip
+    taken = deferral.take()
+    assert taken.decision.verdict is Verdict.ADMIT and moved.state is State.TRANSITIONING
+    before = moved.calibration.efficiency(OpClass.GEMM)
+    moved.fold(meanwhile)
+    watched.triggers(meanwhile)
+    assert moved.calibration.efficiency(OpClass.GEMM) < before
+    assert moved.calibration.efficiency(OpClass.GEMM) == watched.calibration.efficiency(OpClass.GEMM)
+    assert moved.calibration.memory_factor(Stage.TRAIN) == watched.calibration.memory_factor(Stage.TRAIN)
+    assert moved._last_len == watched._last_len == 3072.0 and moved._growth == watched._growth > 1.0
+    assert moved.state is State.TRANSITIONING  # nothing else: no triggers, the move still pending
+    with pytest.raises(ValueError, match="out-of-memory"):
+        moved.fold(replace(meanwhile, oom=True))
+    helper.shutdown()

@@ -192,6 +192,17 @@ class Controller:
             fired = self._deferred_trigger(t.step)
         return fired
 
+    def fold(self, t: Telemetry) -> None:
+        """``t`` folded into calibration and the length growth, and nothing else: the telemetry
+        of a step that ran on the plan the controller is leaving, after a decision deferred from
+        the boundary before it admitted a move or a restart (``nereus.runtime.deferred``). Its
+        triggers are not evaluated: the move answers the drift, and the next step's telemetry sets
+        out from the references the decision reset."""
+        if t.oom:
+            raise ValueError("an out-of-memory step is observed (triggers), never only folded in")
+        self._growth, self._last_len = self._grown(t.seq_len_mean), t.seq_len_mean
+        self._calibrate(t)
+
     def commit(self, t: Telemetry, decision: Decision) -> Decision:
         """``decision`` (``replan`` on ``t``) taken: new trigger references, a rejected target
         remembered, the decision logged, and the state it leads to."""

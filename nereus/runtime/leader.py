@@ -201,12 +201,14 @@ class Leader:
     ) -> Action:
         """The controller's action on ``tel``; a restart goes to the plan ``restart_plan`` picks.
         A decision deferred from the boundary before is taken first: a move or restart it found is
-        this boundary's action (``tel``'s step ran on the plan it leaves and is not observed); a
-        keep lets ``tel`` be observed as usual. ``defer``: a replan whose triggers cannot be
+        this boundary's action (``tel``'s step ran on the plan it leaves: its measurements and
+        lengths are folded into calibration and the growth, ``Controller.fold``); a keep lets
+        ``tel`` be observed as usual. ``defer``: a replan whose triggers cannot be
         urgent runs beside the next step, and the plan is kept for it (``deferred``)."""
         if self.deferral.pending:
             self.taken = self.deferral.take()
             if not self.taken.keeps:
+                self.controller.fold(tel)
                 return self.resolve(self.taken.decision, tel.pool, max_new)
         fired = self.controller.triggers(tel)
         if not fired:
