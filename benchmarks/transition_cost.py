@@ -141,30 +141,17 @@ def _raw_sends(messages: list[tuple[int, int, int, int]], rank: int) -> dict[int
     return {i: torch.ones(m[3], dtype=torch.uint8) for i, m in enumerate(messages) if m[1] == rank}
 
 
-def _raw(messages: list[tuple[int, int, int, int]], rank: int, sends: dict[int, torch.Tensor]) -> None:
+def _raw(
+    messages: list[tuple[int, int, int, int]], rank: int, sends: dict[int, torch.Tensor], fresh: bool = False
+) -> None:
     """Replay the messages nereus sent, node by node, as bare sends and receives: the same pairs,
-    sizes and grouping; received into fresh buffers, as nereus receives into its new state's."""
-    for node in sorted({m[0] for m in messages}):
-        ops = []
-        for i, (at, src, dst, n) in enumerate(messages):
-            if at != node:
-                continue
-            if src == rank:
-                ops.append(dist.P2POp(dist.isend, sends[i], dst, tag=node))
-            elif dst == rank:
-                ops.append(dist.P2POp(dist.irecv, torch.empty(n, dtype=torch.uint8), src, tag=node))
-        for w in dist.batch_isend_irecv(ops) if ops else []:
-            w.wait()
-
-
-def _raw_fresh(messages: list[tuple[int, int, int, int]], rank: int, sends: dict[int, torch.Tensor]) -> None:
-    """``_raw``, received into views of one fresh buffer of every byte this rank receives: pages
-    the kernel must fault in and zero, as a new state's buffers on a CPU are. (``_raw``'s
-    per-message ``torch.empty`` come back from glibc's heap after the first repeat — its mmap
-    threshold grows to 32 MB once such a buffer is freed — with pages already faulted in, as a
-    GPU's caching allocator gives memory; nereus allocates each new rank whole, and on a CPU the
-    kernel hands it fresh pages every time.)"""
-    inbox = torch.empty(sum(m[3] for m in messages if m[2] == rank), dtype=torch.uint8)
+    sizes and grouping. Received into a ``torch.empty`` per message, or (``fresh``) into views of
+    one fresh buffer of every byte this rank receives: pages the kernel must fault in and zero, as
+    a new state's buffers on a CPU are. (The per-message buffers come back from glibc's heap
+    after the first repeat — its mmap threshold grows to 32 MB once such a buffer is freed — with
+    pages already faulted in, as a GPU's caching allocator gives memory; nereus allocates each
+    new rank whole, and on a CPU the kernel hands it fresh pages every time.)"""
+    inbox = torch.empty(sum(m[3] for m in messages if m[2] == rank) if fresh else 0, dtype=torch.uint8)
     at = 0
     for node in sorted({m[0] for m in messages}):
         ops = []
@@ -174,7 +161,8 @@ def _raw_fresh(messages: list[tuple[int, int, int, int]], rank: int, sends: dict
             if src == rank:
                 ops.append(dist.P2POp(dist.isend, sends[i], dst, tag=node))
             elif dst == rank:
-                ops.append(dist.P2POp(dist.irecv, inbox[at : at + n], src, tag=node))
+                buf = inbox[at : at + n] if fresh else torch.empty(n, dtype=torch.uint8)
+                ops.append(dist.P2POp(dist.irecv, buf, src, tag=node))
                 at += n
         for w in dist.batch_isend_irecv(ops) if ops else []:
             w.wait()
@@ -276,7 +264,7 @@ def _worker(
         all_messages = [m for ms in gathered for m in ms]
         sends = _raw_sends(all_messages, rank)
         times["raw"].append(_timed(lambda msgs=all_messages, b=sends: _raw(msgs, rank, b), "raw"))
-        fresh = _timed(lambda msgs=all_messages, b=sends: _raw_fresh(msgs, rank, b), "raw_fresh")
+        fresh = _timed(lambda msgs=all_messages, b=sends: _raw(msgs, rank, b, fresh=True), "raw_fresh")
         times["raw_fresh"].append(fresh)
         del sends
         if packed:  # the packed path and its own messages, alternating with the zero-copy one
