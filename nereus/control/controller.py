@@ -175,8 +175,7 @@ class Controller:
         the triggers it fires, after which a replan is due (``replan`` then ``commit``)."""
         if self.state in (State.TRANSITIONING, State.RESTART_REQUIRED):
             raise RuntimeError(f"observe() while {self.state.value}: report the transition or restart first")
-        self._growth, self._last_len = self._grown(t.seq_len_mean), t.seq_len_mean
-        self._calibrate(t)
+        self._fold(t)
         if t.oom:  # the model under-predicted that stage's memory: correct it before replanning
             stages = {self.plan.workflow.get(t.oom_stage).stage} if t.oom_stage else set(Stage)
             steps = self._oom_steps(t)
@@ -200,6 +199,10 @@ class Controller:
         out from the references the decision reset."""
         if t.oom:
             raise ValueError("an out-of-memory step is observed (triggers), never only folded in")
+        self._fold(t)
+
+    def _fold(self, t: Telemetry) -> None:
+        """What every step's telemetry changes: the length growth and calibration."""
         self._growth, self._last_len = self._grown(t.seq_len_mean), t.seq_len_mean
         self._calibrate(t)
 
