@@ -52,6 +52,11 @@ class Staging:
         self._cursor[peer] = end
         return buf[at : at + n].view(dtype)
 
+    def rewind(self) -> None:
+        """Start the next batch of a round: its regions are taken from the start again (the
+        previous batch's messages have arrived and been copied out)."""
+        self._cursor = dict.fromkeys(self._cursor, 0)
+
     def release(self) -> None:
         self.buffers.clear()
         self._cursor = {}

@@ -22,6 +22,9 @@ Zero-copy by default (``zero_copy=False`` keeps packed messages, one per kind, b
 same result): a provider sends the slices that are contiguous in its flat buffers as they are, and
 the receiver receives straight into the slices of its new buffers that are contiguous there; the
 rest passes through ``Staging``, one byte buffer per peer that later waves and transitions reuse.
+A round whose staged messages would need more than ``staging_budget`` bytes with one peer runs in
+batches (``wire.batches``), each reusing the same regions, so staging stays bounded (and counted
+by the ledger) however large the model.
 
 gloo on CPU, NCCL/RCCL on GPU, the same code. The transition's process group is created at the
 start and destroyed at the end, with a short timeout: a peer that dies surfaces as an error
@@ -53,14 +56,16 @@ from nereus.transition.wire import (
     CHUNK,
     HEADER,
     PACKED,
+    STAGING_BUDGET,
     STATE,
+    Batches,
     Carry,
     Receive,
     Transfer,
     WirePlan,
+    batches,
     kinds_of,
     rounds,
-    staging_need,
     tag,
     takes_part,
     waves,
@@ -118,11 +123,12 @@ class Executor:
         timeout_s: float = 60.0,
         zero_copy: bool = True,
         staging: Staging | None = None,
+        staging_budget: int = STAGING_BUDGET,
     ) -> None:
         if not dag.feasible:
             raise TransitionError(f"the transition is infeasible: {dag.reason}")
         self.dag, self.holder = dag, holder
-        self.wire = WirePlan(dag, moves, zero_copy)
+        self.wire = WirePlan(dag, moves, zero_copy, staging_budget)
         self.zero_copy = zero_copy
         # where pieces that are not contiguous on this side pass: reused across transitions
         self.staging = staging if staging is not None else pool(holder.device)
@@ -235,29 +241,33 @@ class Executor:
     def _round(self, mine: list[Node], parts: list[_Part], j: int, group: dist.ProcessGroup) -> None:
         """Kind j of every node in the wave: its messages at once (they run concurrently, and with
         the copies of what this rank already holds, into disjoint regions of the new buffers),
-        staged ones through the pool's regions for this round; then kind j of the units the nodes
-        consume here is freed (the last kind goes with them)."""
-        if self.zero_copy:
-            self.staging.prepare(self._staging_need(mine, j))
-        ops: list[dist.P2POp] = []
-        self._copies.clear()
+        staged ones through the pool's regions, in batches that bound the staging
+        (``wire.batches``: batch 0 carries every message that stages nothing); then kind j of the
+        units the nodes consume here is freed (the last kind goes with them)."""
+        cut = batches(self.wire, mine, self.gpu, j) if self.zero_copy else Batches({}, 1, {})
+        self.staging.prepare({self.rank_of_gpu[g]: n for g, n in cut.need.items()})
+        for b in range(cut.count):
+            ops: list[dist.P2POp] = []
+            self._copies.clear()
+            for part in parts:
+                if j < len(part.kinds):
+                    for x in part.sends:
+                        self._send(x, j, part.kinds[j], group, ops, cut, b)
+                    if part.receive is not None:
+                        self._receive(part, j, group, ops, cut, b)
+            works = dist.batch_isend_irecv(ops) if ops else []
+            for copy in self._copies:
+                copy()
+            for work in works:
+                work.wait()
+            works, ops = [], []  # the batch's messages held views of the buffers freed next
+            self._copies.clear()
+            for part in parts:
+                for c, msg, buf in part.staged:  # out of staging before the next batch reuses it
+                    scatter(c, msg, buf)
+                part.staged.clear()
+            self.staging.rewind()
         for part in parts:
-            if j < len(part.kinds):
-                for x in part.sends:
-                    self._send(x, j, part.kinds[j], group, ops)
-                if part.receive is not None:
-                    self._receive(part, j, group, ops)
-        works = dist.batch_isend_irecv(ops) if ops else []
-        for copy in self._copies:
-            copy()
-        for work in works:
-            work.wait()
-        works, ops = [], []  # the round's messages held views of the buffers freed next
-        self._copies.clear()
-        for part in parts:
-            for c, msg, buf in part.staged:  # out of staging before the next round reuses it
-                scatter(c, msg, buf)
-            part.staged.clear()
             if j < len(part.kinds) - 1:
                 self._free_kind(part, part.kinds[j])
 
@@ -280,19 +290,17 @@ class Executor:
             self._partial.discard(uid)
 
     # -------------------------------------------------------------- sending
-    def _staging_need(self, mine: list[Node], j: int) -> dict[int, int]:
-        """Staging bytes this rank's zero-copy messages of round j of a wave need, per peer rank
-        (what ``wire.staging_bytes`` counts for the ledger)."""
-        need = staging_need(self.wire, mine, self.gpu, j)
-        return {self.rank_of_gpu[g]: n for g, n in need.items()}
-
     def _send(
-        self, x: Transfer, j: int, kind: BufferKind, group: dist.ProcessGroup, ops: list[dist.P2POp]
-    ) -> None:
-        """Kind ``kind`` (round j) of what ``x`` carries, into ``ops``; the logical state in round 0."""
+        self, x: Transfer, j: int, kind: BufferKind, group: dist.ProcessGroup, ops: list[dist.P2POp],
+        cut: Batches, b: int,
+    ) -> None:  # fmt: skip
+        """Kind ``kind`` (round j) of what ``x`` carries in batch ``b``, into ``ops``; the logical
+        state in round 0."""
         src, dst = self.holder.units[x.src_unit], self.rank_of_gpu[x.dst]
         buf = src.buffers[kind]
-        header = j == 0 and (x.carry is Carry.WHOLE or self.zero_copy)  # packed: inside each message
+        if b and x.carry is not Carry.PACKED:
+            return
+        header = b == 0 and j == 0 and (x.carry is Carry.WHOLE or self.zero_copy)  # packed: inside
         tensors = [state_tensor(src.state, src.device)] if header else []
         if header:
             ops.append(dist.P2POp(dist.isend, tensors[0], dst, group, tag(x.node, STATE)))
@@ -300,17 +308,18 @@ class Executor:
             ops.append(dist.P2POp(dist.isend, buf, dst, group, tag(x.node, j)))
             tensors.append(buf)
         elif self.zero_copy:  # each chunk in place or through staging
-            i = CHUNK + j * len(x.chunks)
-            for c in x.chunks:
+            first = CHUNK + j * len(x.chunks)
+            for i, c in enumerate(x.chunks):
+                if cut.of.get((x.node, x.src, x.dst, i), 0) != b:
+                    continue
                 if c.src is not None:
                     msg = buf[c.src : c.src + c.numel]
                 else:
                     msg = self.staging.take(dst, c.numel, buf.dtype)
                     gather(c, buf, msg)
-                ops.append(dist.P2POp(dist.isend, msg, dst, group, tag(x.node, i)))
+                ops.append(dist.P2POp(dist.isend, msg, dst, group, tag(x.node, first + i)))
                 tensors.append(msg)
-                i += 1
-        else:  # this kind's pieces packed (after the logical state, in round 0)
+        elif b == 0:  # this kind's pieces packed (after the logical state, in round 0)
             tensors = [pack(x.pieces, src.buffers, (kind,), src.state if j == 0 else None)]
             ops.append(dist.P2POp(dist.isend, tensors[0], dst, group, tag(x.node, PACKED + j)))
         for t in tensors:
@@ -318,11 +327,20 @@ class Executor:
             self.messages.append((x.node, self.rank, dst, t.numel() * t.element_size()))
 
     # -------------------------------------------------------------- receiving
-    def _receive(self, part: _Part, j: int, group: dist.ProcessGroup, ops: list[dist.P2POp]) -> None:
-        """Allocate kind j of this rank's new unit and post its receives and local copies."""
+    def _receive(
+        self, part: _Part, j: int, group: dist.ProcessGroup, ops: list[dist.P2POp], cut: Batches, b: int
+    ) -> None:
+        """Allocate kind j of this rank's new unit and post its receives and local copies (batch
+        0), or its staged chunk messages of batch ``b``."""
         node, r = part.node, part.receive
         assert r is not None
-        move, kind, device = self.moves[node.model_stage], part.kinds[j], self._device()
+        kind, device = part.kinds[j], self._device()
+        if b:
+            for x in r.transfers:
+                if x.carry is Carry.PACKED:
+                    self._chunks(part, x, j, part.new[kind], group, ops, cut, b)
+            return
+        move = self.moves[node.model_stage]
         rb = rank_buffers(move.model, r.layout, r.t, r.p, move.policy)
         dtype = TORCH_DTYPE[dict(move.policy.kinds)[kind]]
         whole = r.whole
@@ -354,22 +372,30 @@ class Executor:
                     part.headers.append(torch.empty(4, dtype=torch.int64, device=device))
                     ops.append(dist.P2POp(dist.irecv, part.headers[-1], peer, group, tag(node.id, STATE)))
                     self.received += HEADER
-                i = CHUNK + j * len(x.chunks)
-                for c in x.chunks:
-                    if c.dst is not None:
-                        msg = buf[c.dst : c.dst + c.numel]
-                    else:
-                        msg = self.staging.take(peer, c.numel, buf.dtype)
-                        part.staged.append((c, msg, buf))
-                    ops.append(dist.P2POp(dist.irecv, msg, peer, group, tag(node.id, i)))
-                    self.received += msg.numel() * msg.element_size()
-                    i += 1
+                self._chunks(part, x, j, buf, group, ops, cut, 0)
                 continue
             size = (HEADER if j == 0 else 0) + sum(pc.numel for pc in x.pieces) * buf.element_size()
             packed = torch.empty(size, dtype=torch.uint8, device=device)
             ops.append(dist.P2POp(dist.irecv, packed, peer, group, tag(node.id, PACKED + j)))
             part.inbox.append((packed, x, j))
             self.received += size
+
+    def _chunks(
+        self, part: _Part, x: Transfer, j: int, buf: torch.Tensor, group: dist.ProcessGroup,
+        ops: list[dist.P2POp], cut: Batches, b: int,
+    ) -> None:  # fmt: skip
+        """Receives of ``x``'s chunk messages of kind j in batch ``b``: in place, or into staging."""
+        peer, first = self.rank_of_gpu[x.src], CHUNK + j * len(x.chunks)
+        for i, c in enumerate(x.chunks):
+            if cut.of.get((x.node, x.src, x.dst, i), 0) != b:
+                continue
+            if c.dst is not None:
+                msg = buf[c.dst : c.dst + c.numel]
+            else:
+                msg = self.staging.take(peer, c.numel, buf.dtype)
+                part.staged.append((c, msg, buf))
+            ops.append(dist.P2POp(dist.irecv, msg, peer, group, tag(part.node.id, first + i)))
+            self.received += msg.numel() * msg.element_size()
 
     def _assembled(self, part: _Part) -> RankState:
         """The new unit's rank once every round arrived; its providers must agree on its state."""

@@ -45,6 +45,10 @@ TAGS_PER_NODE = 1 << 15  # gloo tags are int32: room for 65536 nodes
 STATE = 7  # tag slot of the logical state (a whole copy's, a zero-copy transfer's header)
 PACKED = 8  # tag slot of a packed message of the first kind (PACKED + j: of kind j)
 CHUNK = PACKED + len(BufferKind)  # tag slot of a zero-copy transfer's first chunk message
+# Staging bytes a GPU holds for one peer in one batch of a round: a round whose staged chunks
+# exceed it runs in several batches, so a reshard of a large model stages a bounded amount
+# (a single chunk larger than this has a batch of its own).
+STAGING_BUDGET = 256 << 20
 
 
 class Carry(StrEnum):
@@ -118,9 +122,15 @@ def unit_table(dag: TransitionDag, moves: Sequence[StageMove]) -> dict[str, Emu]
 class WirePlan:
     """The messages of a whole transition, node by node (computed once per node, on demand)."""
 
-    def __init__(self, dag: TransitionDag, moves: Sequence[StageMove], zero_copy: bool = True) -> None:
+    def __init__(
+        self, dag: TransitionDag, moves: Sequence[StageMove], zero_copy: bool = True,
+        budget: int = STAGING_BUDGET,
+    ) -> None:  # fmt: skip
+        if budget < 1:
+            raise ValueError(f"staging budget: {budget} bytes; it must be at least 1")
         self.dag = dag
         self.zero_copy = zero_copy
+        self.budget = budget  # staging bytes per peer per batch (``batches``)
         self.moves = {m.name: m for m in moves}
         self.units = unit_table(dag, moves)
         self._receives: dict[int, dict[int, Receive]] = {}
@@ -252,24 +262,27 @@ def tag(node: int, slot: int) -> int:
     return node * TAGS_PER_NODE + slot
 
 
-def staged_bytes(x: Transfer, kinds: Sequence[BufferKind], policy: StatePolicy, sending: bool) -> int:
-    """Bytes of staging buffer ``x`` needs on its sending (or receiving) side, zero-copy: the
-    chunks that side cannot read or write in place, each region rounded by ``buffers.staged``."""
-    width = dict(policy.kinds)
-    total = 0
-    for k in kinds:
-        for c in x.chunks:
-            if (c.src if sending else c.dst) is None:
-                total += staged(c.numel * width[k].itemsize)
-    return total
+@dataclass(frozen=True, slots=True)
+class Batches:
+    """One GPU's round j of a wave cut into batches that bound its staging: ``of[(node, src,
+    dst, chunk)]`` is the batch a staged chunk message goes out in (every other message goes in
+    batch 0), ``count`` how many batches the GPU runs, ``need[peer]`` the staging bytes it holds
+    for a peer GPU (its largest batch with that peer)."""
+
+    of: dict[tuple[int, int, int, int], int]
+    count: int
+    need: dict[int, int]
 
 
-def staging_need(wire: WirePlan, nodes: Sequence[Node], gpu: int, j: int) -> dict[int, int]:
-    """Staging bytes ``gpu``'s zero-copy messages of round ``j`` (buffer kind j of each node's
-    ``kinds_of``) in ``nodes`` (one wave, the nodes it takes part in) need, per peer GPU: what the
-    executor asks its ``Staging`` pool to prepare before the round."""
-    need: dict[int, int] = {}
-    for node in nodes:
+def batches(wire: WirePlan, nodes: Sequence[Node], gpu: int, j: int) -> Batches:
+    """Cut ``gpu``'s zero-copy messages of round ``j`` in ``nodes`` (one wave, the nodes it takes
+    part in) into batches: per peer, the staged chunks the two exchange (either way, in node order,
+    then by sender, then in chunk order) go in batch after batch, a new batch starting when either
+    side's staging with the other would pass ``wire.budget`` (a chunk larger than the budget has
+    a batch of its own). Both GPUs of a pair see the same chunks in the same order, so they agree
+    on every chunk's batch, and a GPU that waits on batch b only waits on peers posting batch b."""
+    pairs: dict[int, list[tuple[int, Transfer, StatePolicy, StatePolicy, BufferKind]]] = {}
+    for at, node in enumerate(nodes):
         if node.primitive is Primitive.DESTROY or node.source == STORAGE:
             continue
         receiver, provider = wire.policies(node)
@@ -277,15 +290,41 @@ def staging_need(wire: WirePlan, nodes: Sequence[Node], gpu: int, j: int) -> dic
         if j >= len(kinds):
             continue
         part = wire.part(node, gpu)
-        xs = [(x, True) for x in part.sends]
-        xs += [(x, False) for x in part.receive.transfers] if part.receive else []
-        for x, sending in xs:
+        xs = [*part.sends, *(part.receive.transfers if part.receive else ())]
+        for x in xs:
             if x.carry is Carry.PACKED:
-                peer = x.dst if sending else x.src
-                need[peer] = need.get(peer, 0) + staged_bytes(
-                    x, (kinds[j],), provider if sending else receiver, sending
-                )
-    return need
+                peer = x.dst if x.src == gpu else x.src
+                pairs.setdefault(peer, []).append((at, x, provider, receiver, kinds[j]))
+    of: dict[tuple[int, int, int, int], int] = {}
+    need: dict[int, int] = {}
+    count = 1
+    for peer, flow in pairs.items():
+        flow.sort(key=lambda e: (e[0], e[1].src, e[1].dst))
+        b = mine = theirs = 0
+        for _, x, provider, receiver, kind in flow:
+            send_w, recv_w = dict(provider.kinds)[kind].itemsize, dict(receiver.kinds)[kind].itemsize
+            for i, c in enumerate(x.chunks):
+                on_src = staged(c.numel * send_w) if c.src is None else 0
+                on_dst = staged(c.numel * recv_w) if c.dst is None else 0
+                here, there = (on_src, on_dst) if x.src == gpu else (on_dst, on_src)
+                if not (here or there):
+                    continue
+                if (mine or theirs) and (mine + here > wire.budget or theirs + there > wire.budget):
+                    b, mine, theirs = b + 1, 0, 0
+                mine, theirs = mine + here, theirs + there
+                of[(x.node, x.src, x.dst, i)] = b
+                if mine:
+                    need[peer] = max(need.get(peer, 0), mine)
+        count = max(count, b + 1)
+    return Batches(of, count, need)
+
+
+def staging_need(wire: WirePlan, nodes: Sequence[Node], gpu: int, j: int) -> dict[int, int]:
+    """Staging bytes ``gpu``'s zero-copy messages of round ``j`` (buffer kind j of each node's
+    ``kinds_of``) in ``nodes`` (one wave, the nodes it takes part in) need, per peer GPU: its
+    largest batch's (``batches``), what the executor asks its ``Staging`` pool to prepare before
+    the round."""
+    return batches(wire, nodes, gpu, j).need
 
 
 def rounds(wire: WirePlan, nodes: Sequence[Node]) -> int:
@@ -294,13 +333,15 @@ def rounds(wire: WirePlan, nodes: Sequence[Node]) -> int:
     return max((len(kinds_of(wire.policies(n)[0])) for n in moving), default=0)
 
 
-def staging_bytes(dag: TransitionDag, moves: Sequence[StageMove]) -> dict[int, int]:
+def staging_bytes(
+    dag: TransitionDag, moves: Sequence[StageMove], budget: int = STAGING_BUDGET
+) -> dict[int, int]:
     """Per GPU, the bytes its staging pool holds at most while ``dag`` runs zero-copy (GPUs that
     stage nothing left out). Each peer's buffer grows to the largest round's need (one buffer kind
     of one wave) and is kept until the transition ends (``nereus.state.staging``), so a GPU holds
     the sum over its peers of each one's largest — on top of whatever state the DAG's ledger has
     it hold at that moment."""
-    wire = WirePlan(dag, moves)
+    wire = WirePlan(dag, moves, budget=budget)
     largest: dict[int, dict[int, int]] = {}
     for wave in waves(dag):
         nodes = [dag.nodes[i] for i in wave if dag.nodes[i].primitive is not Primitive.DESTROY]
