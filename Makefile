@@ -47,10 +47,12 @@ $(MAIN_ASSETS)/.built: $(STAMP) nereus/rl/assets.py nereus/rl/tasks.py configs/d
 run: install $(MAIN_ASSETS)/.built
 	$(BIN)/nereus run configs/experiments/main.yaml --force
 
+# Every layer (tests/README.md): the slurm layer beside the pure one (it mostly waits on the
+# scheduler), then the dist and e2e layers alone.
 test: install
-	$(BIN)/python -m pytest -q
+	tests/run_layers.sh $(BIN)/python
 
-# The `pure` layer only (no processes, no process groups): under a minute. Layers: tests/README.md.
+# The `pure` layer only (no processes, no process groups): about four minutes. Layers: tests/README.md.
 test-fast: install
 	$(BIN)/python -m pytest -q -m pure
 

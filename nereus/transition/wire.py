@@ -17,7 +17,8 @@ receiver copies locally, any other sends one message:
   after the header).
 
 The executor moves one buffer kind at a time (a round per kind, in ``kinds_of`` order), so a
-node's messages of kind j go out together with the rest of round j.
+node's messages of kind j go out together with the rest of round j — staged chunks in
+``batches`` that keep each GPU's staging with a peer within ``STAGING_BUDGET``.
 Tags are ``node.id · TAGS_PER_NODE + j``: j = buffer kind index (whole), ``PACKED`` + kind index,
 ``STATE``, or ``CHUNK`` + the message's index within its transfer; a node has one transfer
 between a pair of GPUs, so tags are unique within a wave. ``RankPart`` is one GPU's share of a
