@@ -309,9 +309,7 @@ class Executor:
             tensors.append(buf)
         elif self.zero_copy:  # each chunk in place or through staging
             first = CHUNK + j * len(x.chunks)
-            for i, c in enumerate(x.chunks):
-                if cut.of.get((x.node, x.src, x.dst, i), 0) != b:
-                    continue
+            for i, c in cut.chunks(x, b):
                 if c.src is not None:
                     msg = buf[c.src : c.src + c.numel]
                 else:
@@ -386,9 +384,7 @@ class Executor:
     ) -> None:  # fmt: skip
         """Receives of ``x``'s chunk messages of kind j in batch ``b``: in place, or into staging."""
         peer, first = self.rank_of_gpu[x.src], CHUNK + j * len(x.chunks)
-        for i, c in enumerate(x.chunks):
-            if cut.of.get((x.node, x.src, x.dst, i), 0) != b:
-                continue
+        for i, c in cut.chunks(x, b):
             if c.dst is not None:
                 msg = buf[c.dst : c.dst + c.numel]
             else:

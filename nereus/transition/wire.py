@@ -29,7 +29,7 @@ check that every receive has exactly one matching send of its size.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -273,6 +273,12 @@ class Batches:
     of: dict[tuple[int, int, int, int], int]
     count: int
     need: dict[int, int]
+
+    def chunks(self, x: Transfer, b: int) -> Iterator[tuple[int, Chunk]]:
+        """``x``'s chunk messages (index in the transfer, chunk) that go out in batch ``b``."""
+        for i, c in enumerate(x.chunks):
+            if self.of.get((x.node, x.src, x.dst, i), 0) == b:
+                yield i, c
 
 
 def batches(wire: WirePlan, nodes: Sequence[Node], gpu: int, j: int) -> Batches:
