@@ -35,7 +35,8 @@ def test_the_vllm_engine_on_the_cpu(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(240)
 def test_a_zero_copy_reshard_against_bare_messages_on_the_cpu(tmp_path: Path) -> None:
-    """The twin of the GPU runner's zero-copy reshard, on gloo: the same bytes as the packed path;
+    """The twin of the GPU runner's zero-copy reshard, on gloo: the same bytes as the packed path
+    (also with staging cut into batches of 4 KiB a peer);
     times are reported, not held to a bound (two shared cores are too noisy for one)."""
     got = checks.check_reshard_against_raw("gloo", tmp_path, 4, "tiny-llama", repeats=1)
     assert got["ratio"] > 0 and got["messages"] and got["bus_fraction"] > 0, got
