@@ -344,8 +344,9 @@ def staging_bytes(
     dag: TransitionDag, moves: Sequence[StageMove], budget: int = STAGING_BUDGET
 ) -> dict[int, int]:
     """Per GPU, the bytes its staging pool holds at most while ``dag`` runs zero-copy (GPUs that
-    stage nothing left out). Each peer's buffer grows to the largest round's need (one buffer kind
-    of one wave) and is kept until the transition ends (``nereus.state.staging``), so a GPU holds
+    stage nothing left out). Each peer's buffer grows to the largest batch's need (``batches``: at
+    most ``budget`` bytes unless one chunk is larger, within one buffer kind of one wave) and is
+    kept until the transition ends (``nereus.state.staging``), so a GPU holds
     the sum over its peers of each one's largest — on top of whatever state the DAG's ledger has
     it hold at that moment."""
     wire = WirePlan(dag, moves, budget=budget)
