@@ -9,7 +9,12 @@ parameter, ~1.5 GB per replica) moves between layouts in spawned processes:
 
 Methods, measured side by side in the same processes (alternating, median of repeats):
 
-* ``nereus``: the transition DAG run by ``nereus.transition.execute.Executor``;
+* ``nereus``: the transition DAG run by ``nereus.transition.execute.Executor``, its new buffers
+  on blocks the old rank's kinds free round by round (``nereus.state.recycle``; released after
+  each transition, as the worker does: nothing is kept from one repeat to the next);
+* ``unrecycled``: the same with every new buffer a fresh allocation (``recycle`` keeping no block,
+  as before it existed; ``unrecycled_ratio`` = nereus / unrecycled, with ``recycled_bytes`` the
+  bytes of all ranks' new buffers that reused a block);
 * ``raw``: the very messages nereus sent (same pairs, same sizes, node by node), as bare
   ``batch_isend_irecv`` without planning or packing: the wire's speed for these bytes. It sends
   from byte tensors written before the clock starts (nereus sends from its state's buffers) and
@@ -63,6 +68,7 @@ from nereus.plan.calibration import Efficiencies
 from nereus.plan.layout import Layout
 from nereus.spec import load_cluster, load_model
 from nereus.spec.workload import Precision, Stage
+from nereus.state import recycle
 from nereus.state.buffers import StatePolicy, rank_buffers
 from nereus.state.checkpoint import kv_mesh, layout_mesh, to_dtensors
 from nereus.state.emu import LogicalState
@@ -115,6 +121,16 @@ def _initial(move: StageMove, rank: int) -> StateHolder:
                 buf.copy_(torch.arange(buf.numel(), dtype=torch.float32) % 251)
             holder.units[STAGE] = rs
     return holder
+
+
+def _unrecycled(ex: Executor) -> None:
+    """The transition with every new buffer a fresh allocation (``recycle`` keeping no block)."""
+    cache = recycle.cache()
+    keep, cache.keep = cache.keep, 0
+    try:
+        ex.run()
+    finally:
+        cache.keep = keep
 
 
 CPU: dict[str, list[float]] = {}  # this rank's CPU seconds (all its threads) per timed method
@@ -247,7 +263,8 @@ def _worker(
     move = _move(sc, model)
     dag = build_dag([move], {STAGE: 2}, LinkModel(load_cluster("local-cpu"), Efficiencies()), 2**42)
     times: dict[str, list[float]] = {
-        "nereus": [], "raw": [], "raw_fresh": [], "dcp_save": [], "dcp_load": [], "naive": []
+        "nereus": [], "unrecycled": [], "raw": [], "raw_fresh": [], "dcp_save": [], "dcp_load": [],
+        "naive": [],
     }  # fmt: skip
     if packed:
         times |= {"packed": [], "raw_packed": []}
@@ -257,7 +274,13 @@ def _worker(
     for r in range(repeats):
         holder = _initial(move, rank)
         ex = Executor(dag, [move], holder, {g: g for g in range(world)})
+        before = recycle.cache().counts.reused_bytes
         times["nereus"].append(_timed(lambda ex=ex: ex.run(), "nereus"))
+        recycled = recycle.cache().counts.reused_bytes - before
+        recycle.release()  # as the worker does after each transition: no block kept for the next
+        ex_fresh = Executor(dag, [move], _initial(move, rank), {g: g for g in range(world)})
+        times["unrecycled"].append(_timed(lambda ex=ex_fresh: _unrecycled(ex), "unrecycled"))
+        del ex_fresh
         sent, messages = ex.sent, ex.messages
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, messages)
@@ -282,6 +305,8 @@ def _worker(
         times["dcp_load"].append(load)
     total_sent = [0] * world
     dist.all_gather_object(total_sent, sent)
+    total_recycled = [0] * world
+    dist.all_gather_object(total_recycled, recycled)
     cpu: list[Any] = [None] * world
     dist.all_gather_object(cpu, CPU)
     if rank == 0:
@@ -289,6 +314,7 @@ def _worker(
             "times": times,
             "cpu": {k: [sum(c[k][i] for c in cpu) for i in range(repeats)] for k in CPU},
             "sent_bytes": sum(total_sent),
+            "recycled_bytes": sum(total_recycled),
             "minimum_bytes": sum(n.bytes for n in dag.nodes),
             "nodes": [n.describe() for n in dag.nodes],
             "state_bytes_per_replica": sum(
@@ -348,6 +374,8 @@ def run_scenario(
         "bytes_ratio": doc["sent_bytes"] / doc["minimum_bytes"] if doc["minimum_bytes"] else None,
         "raw_ratio": med["nereus"] / med["raw"],
         "raw_fresh_ratio": med["nereus"] / med["raw_fresh"],
+        "unrecycled_ratio": med["nereus"] / med["unrecycled"],
+        "recycled_bytes": doc["recycled_bytes"],
         "cpu_seconds": {k: statistics.median(v) for k, v in doc["cpu"].items()},  # all ranks together
         "raw_cpu_ratio": statistics.median(doc["cpu"]["nereus"]) / statistics.median(doc["cpu"]["raw"]),
         "raw_fresh_cpu_ratio": statistics.median(doc["cpu"]["nereus"])

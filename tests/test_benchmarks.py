@@ -118,9 +118,10 @@ def test_transition_cost_benchmark_quick(tmp_path: Path) -> None:
     rows = doc["results"]
     assert isinstance(rows, list) and {r["scenario"] for r in rows} == {"extend 2→4", "reshard tp2·pp2→tp4"}
     for r in rows:
-        assert set(r["seconds"]) >= {"nereus", "raw", "raw_fresh", "naive", "dcp", "restart"}
-        assert r["raw_fresh_ratio"] > 0
+        assert set(r["seconds"]) >= {"nereus", "unrecycled", "raw", "raw_fresh", "naive", "dcp", "restart"}
+        assert r["raw_fresh_ratio"] > 0 and r["unrecycled_ratio"] > 0
         assert r["bytes_ratio"] is not None and r["bytes_ratio"] <= 1.05
+        assert r["recycled_bytes"] >= 0  # tiny-llama's tp4 rank is 7% larger than its tp2·pp2 one: none here
     assert (tmp_path / "transition_cost.png").stat().st_size > 0
 
 

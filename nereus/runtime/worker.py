@@ -53,7 +53,7 @@ from nereus.runtime.weights import fresh, stored
 from nereus.spec import ClusterSpec
 from nereus.spec.model import ModelSpec
 from nereus.spec.workload import STAGE_ORDER, ExecutionMode, Role, Stage, WorkloadSpec
-from nereus.state import staging
+from nereus.state import recycle, staging
 from nereus.state.buffers import BufferKind, StatePolicy
 from nereus.state.emu import LogicalState, replica_of, replicas, sample_range
 from nereus.state.holder import RankState, StateHolder
@@ -320,8 +320,9 @@ class Worker:
             Executor(tr.dag, tr.moves, self.holder, self.gpu_of_rank, storage=self.from_storage).run(
                 tr.schedule.order() if tr.schedule else None
             )
-        finally:  # the DAG's ledger does not count staging: give it back before the next step runs
+        finally:  # the next step's memory is what the ledger counts: staging and kept blocks go back
             staging.release_all()
+            recycle.release()
         return time.perf_counter() - started
 
     def let_go(self, names: set[str]) -> None:
@@ -360,6 +361,7 @@ class Worker:
             Executor(dag, ordered, self.holder, self.gpu_of_rank).run()
         finally:
             staging.release_all()
+            recycle.release()
         self.holder.units = dict(self.holder.by_stage())
         for name in self.receivers():
             if name not in self.holder.units:

@@ -17,6 +17,7 @@ import torch
 from nereus.devices import CPU
 from nereus.plan.layout import Layout
 from nereus.spec.model import ModelSpec
+from nereus.state import recycle
 from nereus.state.buffers import BufferKind, Dtype, RankBuffers, StatePolicy, rank_buffers
 from nereus.state.emu import Holding, LogicalState
 
@@ -69,7 +70,7 @@ class RankState:
         state: LogicalState | None = None, device: torch.device | str = CPU,
     ) -> RankState:  # fmt: skip
         n = rank_buffers(model, layout, t, p, policy).numel
-        bufs = {k: torch.zeros(n, dtype=TORCH_DTYPE[d], device=device) for k, d in policy.kinds}
+        bufs = {k: recycle.take(n, TORCH_DTYPE[d], device).zero_() for k, d in policy.kinds}
         return cls(model_stage, model, layout, t, p, policy, bufs, state or LogicalState())
 
     @classmethod
@@ -79,7 +80,7 @@ class RankState:
     ) -> RankState:  # fmt: skip
         """Buffers without a memset, for a receive that overwrites every byte (padding included)."""
         n = rank_buffers(model, layout, t, p, policy).numel
-        bufs = {k: torch.empty(n, dtype=TORCH_DTYPE[d], device=device) for k, d in policy.kinds}
+        bufs = {k: recycle.take(n, TORCH_DTYPE[d], device) for k, d in policy.kinds}
         return cls(model_stage, model, layout, t, p, policy, bufs, LogicalState())
 
     def zero_padding(self) -> None:

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.plan.layout import Layout
+from nereus.state import recycle
 from nereus.state.buffers import BufferKind, rank_buffers
 from nereus.state.emu import LogicalState
 from nereus.state.holder import TORCH_DTYPE, RankState, StateHolder, padding
@@ -107,8 +108,17 @@ class _Part:
 
 
 def allocate(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A new rank's buffer of one kind, uninitialised (every byte is then written)."""
-    return torch.empty(numel, dtype=dtype, device=device)
+    """A new rank's buffer of one kind, uninitialised (every byte is then written): on the CPU
+    from a block an earlier kind or unit freed (``recycle``)."""
+    return recycle.take(numel, dtype, device)
+
+
+def _let_go(rs: RankState | None) -> None:
+    """A unit this rank no longer holds: its buffers' blocks to ``recycle`` (reused only once
+    nothing else references them)."""
+    if rs is not None:
+        for buf in rs.buffers.values():
+            recycle.offer(buf)
 
 
 class Executor:
@@ -275,18 +285,18 @@ class Executor:
         for uid in part.consumed:
             held = self.holder.units.get(uid)
             if held is not None and kind in held.buffers:
-                del held.buffers[kind]
+                recycle.offer(held.buffers.pop(kind))
                 self._partial.add(uid)
 
     def _finish(self, part: _Part) -> None:
         node = part.node
         if node.primitive is Primitive.DESTROY:
-            self.holder.units.pop(node.inputs[0], None)
+            _let_go(self.holder.units.pop(node.inputs[0], None))
             return
         if part.receive is not None:
             self.holder.units[part.receive.unit] = self._assembled(part)
         for uid in node.frees:  # what the node consumed (never one of its outputs)
-            self.holder.units.pop(uid, None)
+            _let_go(self.holder.units.pop(uid, None))
             self._partial.discard(uid)
 
     # -------------------------------------------------------------- sending
