@@ -11,7 +11,9 @@ Methods, measured side by side in the same processes (alternating, median of rep
 
 * ``nereus``: the transition DAG run by ``nereus.transition.execute.Executor``, its new buffers
   on blocks the old rank's kinds free round by round (``nereus.state.recycle``; released after
-  each transition, as the worker does: nothing is kept from one repeat to the next);
+  each transition, as the worker does: nothing is kept from one repeat to the next). Its staging
+  pool (``nereus.state.staging``) is kept from one repeat to the next, which the worker does not
+  do: it releases staging after every transition;
 * ``unrecycled``: the same with every new buffer a fresh allocation (``recycle`` keeping no block,
   as before it existed; ``unrecycled_ratio`` = nereus / unrecycled, with ``recycled_bytes`` the
   bytes of all ranks' new buffers that reused a block);
