@@ -73,8 +73,7 @@ class HostCache:
             block = self.blocks.pop(found)
             self.counts.reused += 1
             self.counts.reused_bytes += need
-        out = torch.empty(0, dtype=dtype).set_(block.untyped_storage(), 0, (numel,), (1,))
-        return out
+        return torch.empty(0, dtype=dtype).set_(block.untyped_storage(), 0, (numel,), (1,))
 
     def offer(self, buf: torch.Tensor) -> None:
         """Keep ``buf``'s block for a later ``take`` (CPU only; the caller lets go of ``buf``)."""
