@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pickle
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -48,8 +49,14 @@ def test_every_runtime_message_round_trips(setup: JobSetup) -> None:
     assert decision is not None
     move = decision.action
     assert isinstance(move, Move) and move.transition.dag.nodes
-    for action in (move, Keep("nothing to do"), Restart(plan, "urgent"), Restart(None)):
+    smaller = replace(move, transition=replace(move.transition, staging_budget=16 << 20))  # with_staging's
+    for action in (move, smaller, Keep("nothing to do"), Restart(plan, "urgent"), Restart(None)):
         assert decode(encode(action), Action) == action
+    assert decode(encode(smaller), Action).transition.staging_budget == 16 << 20
+    bad = json.loads(encode(smaller))
+    bad["transition"]["staging_budget"] = 0  # every rank's executor would stage without bound
+    with pytest.raises(MessageError, match="staging_budget"):
+        decode(json.dumps(bad).encode(), Action)
     change = Change(4, (0, 1, 2), 3, leaving=(3,))
     assert decode(encode(change), Change | None) == change and decode(encode(None), Change | None) is None
     welcome = (setup, plan, change)

@@ -1,9 +1,10 @@
 """The ledger counts zero-copy staging (issue 21): ``wire.staging_bytes`` is exactly what the
 executor's ``Staging`` pool grows to on each rank, and ``between.with_staging`` adds it to every
 GPU's state peak, so a capacity one byte short of state plus staging makes the transition
-infeasible, while the capacity that holds both is enough; admission (``DagEstimator``) prices a
-per-unit transition with it, and counts it in a move priced from a class plan once it chooses it
-(``transition_cost.staged``)."""
+infeasible, while the capacity that holds both is enough — at the largest staging batches that
+fit: where the default's do not, smaller ones are chosen and every rank's executor runs them;
+admission (``DagEstimator``) prices a per-unit transition with it, and counts it in a move priced
+from a class plan once it chooses it (``transition_cost.staged``), which then runs the checked DAG."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ import torch.distributed as dist
 
 from nereus.control.transition_cost import DagEstimator, staged
 from nereus.plan.calibration import Efficiencies
+from nereus.plan.problem import PlanningProblem
 from nereus.spec import load_cluster
 from nereus.state.staging import Staging
 from nereus.transition import LinkModel, StageMove, Transition, build_dag
-from nereus.transition.between import ledger_capacity, with_staging
+from nereus.transition.between import STAGING_BUDGETS, ledger_capacity, with_staging
 from nereus.transition.execute import Executor
-from nereus.transition.wire import staging_bytes
+from nereus.transition.wire import STAGING_BUDGET, staging_bytes
 from tests.helpers_spawn import world
 from tests.test_execute_zero_copy import STAGE, WORLD, reshards, start
 from tests.test_transition_classes import INTACT, _pair
@@ -73,6 +75,53 @@ def test_a_capacity_one_byte_short_of_state_and_staging_is_refused() -> None:
         assert "staging" in refused.dag.reason and "1 more than" in refused.dag.reason
 
 
+SMALL = (64 << 10, 8 << 10, 1 << 10)  # batch sizes small enough to matter on the tiny reshards
+
+
+def _need(tr: Transition, budget: int) -> int:
+    """The largest per-GPU state + staging of ``tr`` run in batches of ``budget``."""
+    staging = staging_bytes(tr.dag, tr.moves, budget)
+    return max(tr.dag.peak.get(g, 0) + staging.get(g, 0) for g in set(tr.dag.peak) | set(staging))
+
+
+@pytest.mark.pure
+def test_where_the_largest_batches_do_not_fit_smaller_ones_are_chosen() -> None:
+    checked = 0
+    for tr in _staged():
+        move = tr.moves[0]
+        needs = [_need(tr, b) for b in SMALL]
+        if not needs[0] > needs[1]:
+            continue  # smaller batches stage no less here
+        cap = needs[1]
+        tight = Transition(build_dag([move], {STAGE: 2}, LINKS, cap), None, (move,))
+        assert [_need(tight, b) for b in SMALL[:2]] == needs[:2]  # the same state peaks at that capacity
+        counted = with_staging(tight, cap, SMALL)
+        assert counted.feasible and counted.staging_budget == SMALL[1] and counted.peak_max == cap
+        roomy = Transition(build_dag([move], {STAGE: 2}, LINKS, needs[0]), None, (move,))
+        assert with_staging(roomy, needs[0], SMALL).staging_budget == SMALL[0]
+        short = min(needs) - 1
+        dag = build_dag([move], {STAGE: 2}, LINKS, short)
+        if dag.feasible:  # the state alone fits: refused at the smallest batches, which it names
+            refused = with_staging(Transition(dag, None, (move,)), short, SMALL)
+            assert not refused.feasible and refused.staging_budget == SMALL[-1]
+            assert "in batches of at most 0 MiB" in refused.dag.reason
+        checked += 1
+    assert checked >= 2
+    with pytest.raises(ValueError, match="staging budgets"):
+        with_staging(_staged()[0], 2**40, (0,))
+
+
+@pytest.mark.pure
+def test_the_default_batches_come_first_and_a_transition_refuses_a_bad_budget() -> None:
+    assert STAGING_BUDGETS[0] == STAGING_BUDGET
+    assert list(STAGING_BUDGETS) == sorted(STAGING_BUDGETS, reverse=True)
+    tr = _staged()[0]
+    assert tr.staging_budget == STAGING_BUDGET and with_staging(tr, 2**40).staging_budget == STAGING_BUDGET
+    for bad in (0, -1, True):
+        with pytest.raises(ValueError, match="staging_budget"):
+            dataclasses.replace(tr, staging_budget=bad)
+
+
 @pytest.mark.pure
 def test_an_infeasible_or_unstaged_transition_is_left_as_it_is() -> None:
     whole = _replaced(reshards(1, 3)[0][2])
@@ -107,11 +156,21 @@ def test_the_counted_staging_is_what_the_executor_holds(tmp_path: Path) -> None:
         assert rows and all(held == counted for held, counted in rows), (r, rows)
 
 
+def _tight(problem: PlanningProblem, cap: int) -> PlanningProblem:
+    """``problem`` with the headroom that leaves ``cap`` bytes a GPU for state and staging."""
+    headroom = 1.0 - (cap + problem.reserved_bytes) / problem.cluster.gpu_memory_bytes
+    out = dataclasses.replace(problem, headroom=headroom)
+    assert abs(ledger_capacity(out) - cap) <= 1
+    return out
+
+
 @pytest.mark.pure
 def test_a_move_priced_from_a_class_plan_counts_its_staging_once_admission_chooses_it() -> None:
     """A class plan counts no staging; ``staged`` (what admission runs on the move it chooses,
     ``Controller._admit``) builds its per-unit DAG and counts it: on a GPU memory that holds the
-    class plan's state but not state plus staging the move becomes infeasible, naming the GPU."""
+    state plus the staging of smaller batches only, the move runs those (its transition says so);
+    on one that holds the class plan's state but not state plus staging in any batches, the move
+    becomes infeasible, naming the GPU."""
     # the stored pairs priced from a class plan whose per-unit DAG stages (2.25 GiB on a GCD)
     cases = [c for c in INTACT if c["name"].startswith(("mi250x 1024 shrink", "drift 20 "))]
     assert len(cases) == 2
@@ -124,19 +183,33 @@ def test_a_move_priced_from_a_class_plan_counts_its_staging_once_admission_choos
         assert counted.feasible and counted.peak_bytes >= est.peak_bytes
         tr = est.transition
         assert tr is not None
-        staging = staging_bytes(tr.dag, tr.moves)
+        assert counted.transition is not None and counted.transition.staging_budget == STAGING_BUDGET
         state = est.priced.peak_max  # what the class plan priced: state only
-        need = max(tr.dag.peak.get(g, 0) + staging.get(g, 0) for g in set(tr.dag.peak) | set(staging))
-        assert need > state + 2**20  # staging that matters
-        cap = (state + need) // 2  # holds the class plan's state, not state plus staging
-        headroom = 1.0 - (cap + problem.reserved_bytes) / problem.cluster.gpu_memory_bytes
-        tight = dataclasses.replace(problem, headroom=headroom)
-        assert abs(ledger_capacity(tight) - cap) <= 1
-        est = DagEstimator().estimate(tight, current, target)
+        need, least = _need(tr, STAGING_BUDGET), _need(tr, STAGING_BUDGETS[-1])
+        assert least > state + 2**20  # staging that matters, even in the smallest batches
+        assert need > least + 2**20  # ... and smaller batches stage less
+
+        # holds state plus the smallest batches' staging, not the default's: smaller batches run
+        between = _tight(problem, (least + need) // 2)
+        est = DagEstimator().estimate(between, current, target)
         assert est.feasible and est.priced is not None and est.priced.path == "class"
-        refused = staged(tight, est)
+        smaller = staged(between, est)
+        bare = est.transition  # the per-unit DAG without its staging
+        assert smaller.feasible and smaller.transition is not None and bare is not None
+        budget = smaller.transition.staging_budget
+        assert budget < STAGING_BUDGET and smaller.transition.peak_max <= ledger_capacity(between)
+        assert smaller.transition.peak_max == _need(bare, budget)
+        assert _need(bare, 2 * budget) > ledger_capacity(between)  # the largest batches that fit
+        assert staged(between, smaller) is smaller  # counted once
+
+        # holds the class plan's state, not state plus staging in any batches: refused
+        short = _tight(problem, (state + least) // 2)
+        est = DagEstimator().estimate(short, current, target)
+        assert est.feasible and est.priced is not None and est.priced.path == "class"
+        refused = staged(short, est)
         assert not refused.feasible and refused.seconds == 0.0
         assert "staging" in refused.reason and "GPU" in refused.reason
+        assert "batches of at most" in refused.reason
         checked += 1
     assert checked == 2
 

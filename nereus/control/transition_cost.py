@@ -105,16 +105,19 @@ class FixedCosts:
 def staged(problem: PlanningProblem, est: TransitionEstimate) -> TransitionEstimate:
     """``est`` with its zero-copy staging counted where it was priced from a class plan, which
     counts none: the per-unit DAG the move runs is built now (as running it would build it) and a
-    GPU its staging takes over capacity makes the move infeasible, naming the GPU
-    (``between.with_staging``). Only the move admission chooses pays for the build."""
+    GPU its staging takes over capacity at every batch size makes the move infeasible, naming the
+    GPU (``between.with_staging``); the checked DAG, with the batch size that fits, is what the
+    move runs. Only the move admission chooses pays for the build."""
     tr = est.priced
-    if tr is None or tr.classes is None or not est.feasible:
+    if tr is None or tr.classes is None or not est.feasible or tr.checked:
         return est
     checked = with_staging(tr.transition, ledger_capacity(problem))
     peak = max(est.peak_bytes, checked.peak_max + problem.reserved_bytes)
+    priced = Priced(checked, tr.classes)
     if checked.feasible:
-        return replace(est, peak_bytes=peak)
-    return replace(est, seconds=0.0, peak_bytes=peak, feasible=False, reason=checked.dag.reason)
+        return replace(est, peak_bytes=peak, priced=priced)
+    reason = checked.dag.reason
+    return replace(est, seconds=0.0, peak_bytes=peak, feasible=False, reason=reason, priced=priced)
 
 
 class TransitionEstimator(Protocol):

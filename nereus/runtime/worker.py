@@ -317,9 +317,11 @@ class Worker:
         started = time.perf_counter()
         self.let_go({n for n in consumed_on(tr.dag, tr.moves, self.gpu) if self.policy_of(n).trains})
         try:
-            Executor(tr.dag, tr.moves, self.holder, self.gpu_of_rank, storage=self.from_storage).run(
-                tr.schedule.order() if tr.schedule else None
-            )
+            executor = Executor(
+                tr.dag, tr.moves, self.holder, self.gpu_of_rank,
+                storage=self.from_storage, staging_budget=tr.staging_budget,
+            )  # fmt: skip
+            executor.run(tr.schedule.order() if tr.schedule else None)
         finally:  # the next step's memory is what the ledger counts: staging and kept blocks go back
             staging.release_all()
             recycle.release()

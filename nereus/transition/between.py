@@ -4,12 +4,13 @@
 moves: it builds each model-stage's ``StageMove`` (intact units of the current plan, units of
 the target), the global DAG under the problem's per-GPU memory (capacity after headroom, minus
 the runtime reserve), and schedules it (the better of two list-scheduling priorities);
-``l_tran_s`` is the schedule's makespan.
+``l_tran_s`` is the schedule's makespan. ``with_staging`` counts the zero-copy staging in the
+ledger and, where the default batches do not fit a GPU, picks smaller ones.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from nereus.plan.layout import Plan
@@ -23,18 +24,30 @@ from nereus.transition.dag import TransitionDag
 from nereus.transition.links import link_model
 from nereus.transition.move import StageMove
 from nereus.transition.schedule import Schedule
-from nereus.transition.wire import staging_bytes
+from nereus.transition.wire import STAGING_BUDGET, staging_bytes
+
+# Staging batch sizes ``with_staging`` tries, largest first: where the default's staging does not
+# fit a GPU beside its state, smaller batches (more of them, the same bytes) may. A chunk larger
+# than the budget still has a batch of its own, so below some size nothing more is saved.
+STAGING_BUDGETS = tuple(STAGING_BUDGET >> k for k in range(5))  # 256 MiB down to 16 MiB
 
 
 @dataclass(frozen=True, slots=True)
 class Transition:
     """The per-unit DAG a transition runs and its schedule; ``path``: how it was planned
-    ("per-unit", or "class" when a class plan was laid onto it, see ``classplan.py``)."""
+    ("per-unit", or "class" when a class plan was laid onto it, see ``classplan.py``);
+    ``staging_budget``: the staging bytes per peer a batch of its zero-copy rounds may hold, which
+    every rank's ``Executor`` uses (``with_staging`` sets it where the default does not fit)."""
 
     dag: TransitionDag
     schedule: Schedule | None  # None when the DAG is infeasible
     moves: tuple[StageMove, ...]
     path: str = "per-unit"
+    staging_budget: int = STAGING_BUDGET
+
+    def __post_init__(self) -> None:
+        if isinstance(self.staging_budget, bool) or self.staging_budget <= 0:
+            raise ValueError(f"staging_budget must be a positive byte count, got {self.staging_budget!r}")
 
     @property
     def feasible(self) -> bool:
@@ -101,6 +114,11 @@ class Priced:
     @property
     def expanded(self) -> bool:
         return self._transition is not None
+
+    @property
+    def checked(self) -> bool:
+        """A class plan whose per-unit DAG has had its staging counted (``with_staging``)."""
+        return self.classes is not None and self._expand is None
 
     @property
     def path(self) -> str:
@@ -194,30 +212,35 @@ def ledger_capacity(problem: PlanningProblem) -> int:
     return int(problem.capacity_bytes - problem.reserved_bytes)
 
 
-def with_staging(tr: Transition, capacity: int) -> Transition:
+def with_staging(tr: Transition, capacity: int, budgets: Sequence[int] = STAGING_BUDGETS) -> Transition:
     """``tr`` with its staging counted in the ledger: each GPU's peak is its state's (the DAG's
     bound) plus the bytes its zero-copy staging pool grows to (``wire.staging_bytes``; the pool is
     kept until the transition ends, so it is added whole). A GPU over its capacity (the DAG's,
-    else ``capacity``: per-GPU bytes for state and staging, ``ledger_capacity``) makes the
-    transition infeasible, and the reason names it."""
+    else ``capacity``: per-GPU bytes for state and staging, ``ledger_capacity``) rules out a batch
+    size; the first of ``budgets`` (largest first) under which every GPU fits is the transition's
+    ``staging_budget``, and where none fits the transition is infeasible and the reason names the
+    GPU (at the smallest batches)."""
     dag = tr.dag
     if not dag.feasible:
         return tr
-    staging = staging_bytes(dag, tr.moves)
-    if not staging:
-        return tr
-    peak = {g: b + staging.get(g, 0) for g, b in dag.peak.items()}
-    peak.update({g: b for g, b in staging.items() if g not in peak})
-    cap = {g: dag.capacity.get(g, capacity) for g in peak}
-    over = sorted((g for g in peak if peak[g] > cap[g]), key=lambda g: (cap[g] - peak[g], g))
-    reason = ""
-    if over:
-        g = over[0]
-        reason = (
-            f"GPU {g} needs {peak[g]} bytes for state and staging ({staging.get(g, 0)} of them staging), "
-            f"{peak[g] - cap[g]} more than the {cap[g]} it has"
-        )
-    return replace(tr, dag=replace(dag, peak=peak, feasible=not over, reason=reason))
+    if not budgets or any(b <= 0 for b in budgets):
+        raise ValueError(f"staging budgets must be positive byte counts, got {list(budgets)}")
+    for budget in budgets:
+        staging = staging_bytes(dag, tr.moves, budget)
+        if not staging:
+            return tr  # nothing stages, in batches of any size
+        peak = {g: b + staging.get(g, 0) for g, b in dag.peak.items()}
+        peak.update({g: b for g, b in staging.items() if g not in peak})
+        cap = {g: dag.capacity.get(g, capacity) for g in peak}
+        over = sorted((g for g in peak if peak[g] > cap[g]), key=lambda g: (cap[g] - peak[g], g))
+        if not over:
+            return replace(tr, dag=replace(dag, peak=peak), staging_budget=budget)
+    g = over[0]
+    reason = (
+        f"GPU {g} needs {peak[g]} bytes for state and staging ({staging.get(g, 0)} of them staging, in "
+        f"batches of at most {budget >> 20} MiB a peer), {peak[g] - cap[g]} more than the {cap[g]} it has"
+    )
+    return replace(tr, dag=replace(dag, peak=peak, feasible=False, reason=reason), staging_budget=budget)
 
 
 def plan_transition(

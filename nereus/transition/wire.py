@@ -18,7 +18,8 @@ receiver copies locally, any other sends one message:
 
 The executor moves one buffer kind at a time (a round per kind, in ``kinds_of`` order), so a
 node's messages of kind j go out together with the rest of round j — staged chunks in
-``batches`` that keep each GPU's staging with a peer within ``STAGING_BUDGET``.
+``batches`` that keep each GPU's staging with a peer within the transition's budget
+(``STAGING_BUDGET`` unless ``between.with_staging`` chose a smaller one).
 Tags are ``node.id · TAGS_PER_NODE + j``: j = buffer kind index (whole), ``PACKED`` + kind index,
 ``STATE``, or ``CHUNK`` + the message's index within its transfer; a node has one transfer
 between a pair of GPUs, so tags are unique within a wave. ``RankPart`` is one GPU's share of a
@@ -48,7 +49,8 @@ PACKED = 8  # tag slot of a packed message of the first kind (PACKED + j: of kin
 CHUNK = PACKED + len(BufferKind)  # tag slot of a zero-copy transfer's first chunk message
 # Staging bytes a GPU holds for one peer in one batch of a round: a round whose staged chunks
 # exceed it runs in several batches, so a reshard of a large model stages a bounded amount
-# (a single chunk larger than this has a batch of its own).
+# (a single chunk larger than this has a batch of its own). The default; where its staging does
+# not fit a GPU, ``between.with_staging`` gives the transition a smaller one.
 STAGING_BUDGET = 256 << 20
 
 
