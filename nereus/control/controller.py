@@ -30,6 +30,7 @@ from nereus.control.admission import (
     payback_steps,
     restart_instead,
 )
+from nereus.control.fallback import held_layouts, in_place_instead
 from nereus.control.policy import POLICIES, ControllerConfig, policy_config
 from nereus.control.reserved import reserved_option
 from nereus.control.risk import last_copy_loss, restart_seconds
@@ -381,13 +382,17 @@ class Controller:
                     target_latency_s=best.step_latency_s if best else None,
                 )
             options, estimates, reason = widened, more, why
-        if index is None:
-            if expected is not None and options and not any(e.feasible for e in estimates):
-                best, why_not = options[0], estimates[0].reason  # nothing moves in place
-                seconds = self._restart_s(best.plan, problem)
-                restart = restart_instead(self.config.rule, base, best, why_not, expected, seconds, h)
-                if restart is not None:
+        if index is None and expected is not None and options and not any(e.feasible for e in estimates):
+            best, why_not = options[0], estimates[0].reason  # nothing moves in place
+            seconds = self._restart_s(best.plan, problem)
+            restart = restart_instead(self.config.rule, base, best, why_not, expected, seconds, h)
+            if restart is not None:
+                held = self._held_instead(problem, restart, expected, h, lost, rebuilt, t.reformed)
+                if held is None:
                     return restart
+                options, estimates, reason = [held[0]], [held[1]], held[2]
+                index = 0
+        if index is None:
             gains = [
                 payback_steps(expected - o.expected_s, e.seconds)
                 for o, e in zip(options, estimates, strict=True)
@@ -440,6 +445,22 @@ class Controller:
         )
         previous = self._deferred[0] if self._deferred else ()
         return (signals or previous, d.payback_steps) if (signals or previous) else None
+
+    def _held_instead(
+        self, problem: PlanningProblem, restart: Decision, expected: float, h: float,
+        lost: frozenset[int], rebuilt: frozenset[str], reformed: bool,
+    ) -> tuple[Option, TransitionEstimate, str] | None:  # fmt: skip
+        """Before ``restart``: the running layouts with only DP and GPUs changed, at any latency
+        (``nereus.control.fallback``), with the move there and why it goes instead, or None."""
+        spaces = [problem]
+        if is_widened(self.plan, self.workload):
+            spaces.append(self.problem(problem.pool, problem.seq, SearchSpace.urgent()))
+        held = held_layouts(self.plan, spaces, self._plan)
+        if held is None:
+            return None
+        est = staged(problem, self.estimator.estimate(problem, self.plan, held.plan, lost, rebuilt, reformed))
+        why = in_place_instead(self.config.rule, restart, held, est, expected, h)
+        return None if why is None else (held, est, why)
 
     def _options(self, problem: PlanningProblem, label: str = "target") -> list[Option]:
         """S*, then slightly slower plans whose transitions are cheaper: the current layouts kept
