@@ -403,8 +403,8 @@ def test_measured_transitions_calibrate_the_transfer_classes() -> None:
 def test_transition_json_reports_the_planning_time(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``nereus transition --json`` reports ``plan_ms``, measured inside the command; the table
-    says it too."""
+    """``nereus transition --json`` reports ``plan_ms``, measured inside the command, and the
+    staging batch size its peak counts; the table says them too."""
     import json
 
     from nereus.cli import main
@@ -424,6 +424,7 @@ def test_transition_json_reports_the_planning_time(
     # and what admission pays: too few units for replica classes here, so the same per-unit plan
     assert 0 < doc["price_ms"] < 60_000 and doc["price_path"] == "per-unit"
     assert doc["price_l_tran_s"] == doc["l_tran_s"]
+    assert doc["staging_budget_mib"] == 256.0  # room for the default batches: state and staging fit
     assert main(["transition", "--from", str(paths[0]), "--to", str(paths[1])]) == 0
     out = capsys.readouterr().out
-    assert "planned in" in out and "priced in" in out
+    assert "planned in" in out and "priced in" in out and "batches of 256 MiB" in out

@@ -31,7 +31,14 @@ from nereus.spec.cluster import GIB
 from nereus.spec.files import brief, load_json, shorten
 from nereus.spec.schema import build
 from nereus.spec.workload import MAX_TOKENS, ExecutionMode, Recompute
-from nereus.transition.between import NoSourceError, Transition, plan_transition, price_transition
+from nereus.transition.between import (
+    NoSourceError,
+    Transition,
+    ledger_capacity,
+    plan_transition,
+    price_transition,
+    with_staging,
+)
 
 # what must agree between the two plans (the pool, lengths and headroom may differ)
 SAME = ("model", "algo", "cluster", "mode")
@@ -245,6 +252,8 @@ def run(
     except NoSourceError as exc:
         raise InfeasibleError(str(exc)) from None
     plan_ms = (time.perf_counter() - started) * 1e3
+    if tr.feasible:  # the zero-copy staging counted too, in the largest batches that fit
+        tr = with_staging(tr, ledger_capacity(problem))
     if not tr.feasible:
         raise InfeasibleError(f"target is not reachable in place: {tr.dag.reason}")
     started = time.perf_counter()
@@ -268,7 +277,8 @@ def transition_json(tr: Transition, plan_ms: float | None = None) -> dict[str, A
     doc["l_tran_s"] = tr.l_tran_s
     doc["moved_bytes"] = tr.moved_bytes
     doc["resource_edges"] = tr.dag.resource_edges
-    doc["peak_gib"] = max(tr.dag.peak.values(), default=0) / GIB
+    doc["peak_gib"] = max(tr.dag.peak.values(), default=0) / GIB  # state, and staging where counted
+    doc["staging_budget_mib"] = tr.staging_budget / 2**20
     for n, start in zip(doc["nodes"], tr.schedule.start, strict=True):
         n["start_s"] = start
     if plan_ms is not None:
@@ -305,6 +315,7 @@ def _print(tr: Transition, doc: dict[str, Any], out: Console) -> None:
         f"L_tran [bold]{tr.l_tran_s:.3f} s[/] · critical path {path} · "
         f"{len(dag.nodes)} nodes, {len(dag.edges)} edges ({dag.resource_edges} resource, ʳ) · "
         f"{tr.moved_bytes / GIB:.2f} GiB moved · peak {doc['peak_gib']:.2f} GiB per GPU"
+        f" (staging in batches of {doc['staging_budget_mib']:g} MiB a peer)"
         + (f" · planned in {doc['plan_ms']:.2f} ms" if "plan_ms" in doc else "")
         + (
             f" · priced in {doc['price_ms']:.2f} ms"
