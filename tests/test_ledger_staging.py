@@ -21,7 +21,7 @@ from nereus.plan.problem import PlanningProblem
 from nereus.spec import load_cluster
 from nereus.state.staging import Staging
 from nereus.transition import LinkModel, StageMove, Transition, build_dag
-from nereus.transition.between import STAGING_BUDGETS, ledger_capacity, with_staging
+from nereus.transition.between import ROOMY, STAGING_BUDGETS, ledger_capacity, with_staging
 from nereus.transition.execute import Executor
 from nereus.transition.wire import STAGING_BUDGET, staging_bytes
 from tests.helpers_spawn import world
@@ -169,8 +169,9 @@ def test_a_move_priced_from_a_class_plan_counts_its_staging_once_admission_choos
     """A class plan counts no staging; ``staged`` (what admission runs on the move it chooses,
     ``Controller._admit``) builds its per-unit DAG and counts it: on a GPU memory that holds the
     state plus the staging of smaller batches only, the move runs those (its transition says so);
-    on one that holds the class plan's state but not state plus staging in any batches, the move
-    becomes infeasible, naming the GPU."""
+    on one that holds the class plan's state but not state plus staging in any batches, the DAG
+    is planned again under capacity less the staging (``between.fit_staging``): more serial, it
+    fits, and its makespan replaces the class plan's in the price."""
     # the stored pairs priced from a class plan whose per-unit DAG stages (2.25 GiB on a GCD)
     cases = [c for c in INTACT if c["name"].startswith(("mi250x 1024 shrink", "drift 20 "))]
     assert len(cases) == 2
@@ -202,14 +203,21 @@ def test_a_move_priced_from_a_class_plan_counts_its_staging_once_admission_choos
         assert _need(bare, 2 * budget) > ledger_capacity(between)  # the largest batches that fit
         assert staged(between, smaller) is smaller  # counted once
 
-        # holds the class plan's state, not state plus staging in any batches: refused
-        short = _tight(problem, (state + least) // 2)
+        # holds the class plan's state (every acquisition at once), not state plus staging in any
+        # batches: the DAG is planned again, more serial, with room for the staging
+        short = _tight(problem, state)
         est = DagEstimator().estimate(short, current, target)
         assert est.feasible and est.priced is not None and est.priced.path == "class"
-        refused = staged(short, est)
-        assert not refused.feasible and refused.seconds == 0.0
-        assert "staging" in refused.reason and "GPU" in refused.reason
-        assert "batches of at most" in refused.reason
+        bare = est.transition
+        assert bare is not None and not with_staging(bare, ledger_capacity(short)).feasible
+        roomy = staged(short, est)
+        assert roomy.feasible and roomy.transition is not None and roomy.priced is not None
+        assert roomy.transition.path == ROOMY and roomy.priced.path == "per-unit"
+        assert roomy.transition.peak_max <= ledger_capacity(short)
+        assert roomy.features[0] == roomy.transition.l_tran_s and roomy.features[1:] == est.features[1:]
+        longer = roomy.transition.l_tran_s - est.features[0]
+        assert roomy.seconds == pytest.approx(est.seconds + est.dag_weight * longer)
+        assert staged(short, roomy) is roomy
         checked += 1
     assert checked == 2
 

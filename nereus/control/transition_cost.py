@@ -30,7 +30,7 @@ from nereus.plan.layout import Plan
 from nereus.plan.problem import PlanningProblem
 from nereus.spec.workload import Stage
 from nereus.transition import NoSourceError, Transition
-from nereus.transition.between import Priced, ledger_capacity, price_transition, with_staging
+from nereus.transition.between import ROOMY, Priced, fit_staging, price_transition
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +47,7 @@ class TransitionEstimate:
     features: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     priced: Priced | None = None  # what was priced: a class plan, or the DAG and schedule a move runs
     sunk: bool = False  # rebuilds and regroups happen anyway (the world re-forms): not charged
+    dag_weight: float = 1.0  # the fitted weight on the DAG makespan ``seconds`` was priced with
 
     @property
     def transition(self) -> Transition | None:
@@ -104,20 +105,31 @@ class FixedCosts:
 
 def staged(problem: PlanningProblem, est: TransitionEstimate) -> TransitionEstimate:
     """``est`` with its zero-copy staging counted where it was priced from a class plan, which
-    counts none: the per-unit DAG the move runs is built now (as running it would build it) and a
-    GPU its staging takes over capacity at every batch size makes the move infeasible, naming the
-    GPU (``between.with_staging``); the checked DAG, with the batch size that fits, is what the
-    move runs. Only the move admission chooses pays for the build."""
+    counts none: the per-unit DAG the move runs is built now (as running it would build it) and
+    checked with its staging (``between.fit_staging``: smaller batches, else a more serial DAG
+    that leaves room for them); the checked DAG is what the move runs, and where it was planned
+    again its makespan replaces the class plan's in the price. A GPU over capacity either way
+    makes the move infeasible, naming the GPU. Only the move admission chooses pays for the build."""
     tr = est.priced
     if tr is None or tr.classes is None or not est.feasible or tr.checked:
         return est
-    checked = with_staging(tr.transition, ledger_capacity(problem))
+    checked = fit_staging(problem, tr.transition)
     peak = max(est.peak_bytes, checked.peak_max + problem.reserved_bytes)
-    priced = Priced(checked, tr.classes)
-    if checked.feasible:
-        return replace(est, peak_bytes=peak, priced=priced)
-    reason = checked.dag.reason
-    return replace(est, seconds=0.0, peak_bytes=peak, feasible=False, reason=reason, priced=priced)
+    if not checked.feasible:
+        reason = checked.dag.reason
+        priced = Priced(checked, tr.classes)
+        return replace(est, seconds=0.0, peak_bytes=peak, feasible=False, reason=reason, priced=priced)
+    if checked.path != ROOMY:
+        return replace(est, peak_bytes=peak, priced=Priced(checked, tr.classes))
+    longer = checked.l_tran_s - est.features[0]  # the DAG planned again, more serial
+    return replace(
+        est,
+        seconds=est.seconds + est.dag_weight * longer,
+        peak_bytes=peak,
+        per_gpu_seconds=checked.gpu_done(),
+        features=(checked.l_tran_s, *est.features[1:]),
+        priced=Priced(checked),
+    )
 
 
 class TransitionEstimator(Protocol):
@@ -191,7 +203,7 @@ class DagEstimator:
         except NoSourceError as exc:
             return TransitionEstimate(0.0, 0.0, False, str(exc))
         if tr.classes is None:  # a per-unit DAG: its zero-copy staging counts in its memory
-            tr = Priced(with_staging(tr.transition, ledger_capacity(problem)))
+            tr = Priced(fit_staging(problem, tr.transition))
         changed, resharded = tr.changed, tr.resharded
         peak = tr.peak_max + problem.reserved_bytes
         if not tr.feasible:
@@ -208,8 +220,9 @@ class DagEstimator:
         )
         seconds = float(np.dot(self.weights, features))
         return TransitionEstimate(
-            seconds, peak, True, "", changed, resharded, float(tr.moved_bytes), done, features, tr, sunk
-        )
+            seconds, peak, True, "", changed, resharded, float(tr.moved_bytes), done, features, tr, sunk,
+            float(self.weights[0]),
+        )  # fmt: skip
 
 
 def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -30,6 +30,7 @@ from nereus.transition.wire import STAGING_BUDGET, staging_bytes
 # fit a GPU beside its state, smaller batches (more of them, the same bytes) may. A chunk larger
 # than the budget still has a batch of its own, so below some size nothing more is saved.
 STAGING_BUDGETS = tuple(STAGING_BUDGET >> k for k in range(5))  # 256 MiB down to 16 MiB
+ROOMY = "per-unit (room for staging)"  # the path of a DAG ``fit_staging`` planned again
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +242,27 @@ def with_staging(tr: Transition, capacity: int, budgets: Sequence[int] = STAGING
         f"batches of at most {budget >> 20} MiB a peer), {peak[g] - cap[g]} more than the {cap[g]} it has"
     )
     return replace(tr, dag=replace(dag, peak=peak, feasible=False, reason=reason), staging_budget=budget)
+
+
+def fit_staging(problem: PlanningProblem, tr: Transition) -> Transition:
+    """``with_staging`` on the problem's ledger capacity; where no batch size fits, the DAG is
+    planned again under each GPU's capacity less what it stages in the smallest batches — more
+    serial, so its state peaks lower and leave room for the staging — and counted again against
+    the real capacity. The first feasible of the two, else the first's refusal."""
+    capacity = ledger_capacity(problem)
+    out = with_staging(tr, capacity)
+    if out.feasible or not tr.feasible:
+        return out
+    staging = staging_bytes(tr.dag, tr.moves, STAGING_BUDGETS[-1])
+    caps = {g: tr.dag.capacity.get(g, capacity) for g in set(tr.dag.capacity) | set(staging)}
+    rank = {ms.name: STAGE_ORDER.index(ms.stage) for ms in problem.workflow.model_stages}
+    links = link_model(problem.cluster, problem.efficiencies)
+    dag, schedule = plan_dag(tr.moves, rank, links, {g: c - staging.get(g, 0) for g, c in caps.items()})
+    if not dag.feasible:
+        return out
+    roomy = Transition(replace(dag, capacity=caps), schedule, tr.moves, ROOMY)
+    again = with_staging(roomy, capacity)
+    return again if again.feasible else out
 
 
 def plan_transition(

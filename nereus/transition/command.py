@@ -34,10 +34,9 @@ from nereus.spec.workload import MAX_TOKENS, ExecutionMode, Recompute
 from nereus.transition.between import (
     NoSourceError,
     Transition,
-    ledger_capacity,
+    fit_staging,
     plan_transition,
     price_transition,
-    with_staging,
 )
 
 # what must agree between the two plans (the pool, lengths and headroom may differ)
@@ -252,8 +251,8 @@ def run(
     except NoSourceError as exc:
         raise InfeasibleError(str(exc)) from None
     plan_ms = (time.perf_counter() - started) * 1e3
-    if tr.feasible:  # the zero-copy staging counted too, in the largest batches that fit
-        tr = with_staging(tr, ledger_capacity(problem))
+    if tr.feasible:  # the zero-copy staging counted too (``fit_staging``)
+        tr = fit_staging(problem, tr)
     if not tr.feasible:
         raise InfeasibleError(f"target is not reachable in place: {tr.dag.reason}")
     started = time.perf_counter()
