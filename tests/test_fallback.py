@@ -118,8 +118,7 @@ def test_a_growing_pool_moves_in_place_where_every_option_was_refused(plans: Pla
     estimator refuses any new layout), and the held layouts are outside the 0% fallback
     tolerance. A restart would pay back; the DP-only move costs less over the horizon and goes."""
     wide, best, running = plans
-    if all(best.candidate(c.model_stage).layout == c.layout for c in running.candidates):
-        pytest.skip("the target keeps the running layouts: nothing to refuse")
+    assert any(best.candidate(c.model_stage).layout != c.layout for c in running.candidates)  # refused
     config = ControllerConfig(fallback_tolerance=0.0)
     ctl = Controller(wide.workload, wide.models, wide.cluster, running, config, estimator=_OnlyDpMoves(20.0))
     decision = _grow(ctl, running, wide)

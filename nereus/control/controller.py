@@ -479,9 +479,7 @@ class Controller:
             holds.append((f"relayout:{stage.value}", keep))
         limit = best.step_latency_s * (1.0 + self.config.fallback_tolerance)
         for name, layouts in holds:
-            fixed = {**layouts, **dict(problem.space.fixed_layouts)}  # a policy's own holds win
-            held = replace(problem, space=problem.space.holding(fixed))
-            option = self._plan(held, name)
+            option = self._plan(problem.holding(layouts), name)  # a policy's own holds win
             fresh = option is not None and all(option.plan.candidates != o.plan.candidates for o in options)
             if fresh and option is not None and option.step_latency_s <= limit:
                 options.append(option)

@@ -17,7 +17,6 @@ Pure.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 
 from nereus.control.admission import Decision, Option, Rule
 from nereus.control.transition_cost import TransitionEstimate
@@ -35,8 +34,7 @@ def held_layouts(plan: Plan, problems: Iterable[PlanningProblem], planner: Plann
     layouts = {c.model_stage: c.layout for c in plan.candidates}
     best: Option | None = None
     for problem in problems:
-        fixed = {**layouts, **dict(problem.space.fixed_layouts)}  # a policy's own holds win
-        option = planner(replace(problem, space=problem.space.holding(fixed)), LABEL)
+        option = planner(problem.holding(layouts), LABEL)  # a policy's own holds win
         if option is None or option.plan.candidates == plan.candidates:
             continue
         if best is None or option.expected_s < best.expected_s:

@@ -20,7 +20,6 @@ Pure.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 
 from nereus.control.admission import Option
 from nereus.plan.layout import Layout, Plan
@@ -58,6 +57,5 @@ def reserved_option(
     holds = fitting_layouts(best.plan, problem.pool, domains)
     if holds is None:
         return None
-    fixed = {**holds, **dict(problem.space.fixed_layouts)}  # a policy's own holds win
-    option = plan(replace(problem, space=problem.space.holding(fixed)), "reserved")
+    option = plan(problem.holding(holds), "reserved")  # a policy's own holds win
     return option if option is not None and option.plan.candidates != best.plan.candidates else None

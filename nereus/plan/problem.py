@@ -174,6 +174,11 @@ class PlanningProblem:
         _HEADED[key] = (base, headed)  # the base held: its id stays unique while the entry lives
         return headed
 
+    def holding(self, layouts: Mapping[str, Layout]) -> PlanningProblem:
+        """This problem with ``layouts`` held as well (DP and GPUs still free); the layouts its
+        space already holds (a policy's own) win."""
+        return replace(self, space=self.space.holding({**layouts, **dict(self.space.fixed_layouts)}))
+
     @property
     def max_tp(self) -> int:
         return self.space.max_tp or self.cluster.gpus_per_node

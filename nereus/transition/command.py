@@ -251,8 +251,7 @@ def run(
     except NoSourceError as exc:
         raise InfeasibleError(str(exc)) from None
     plan_ms = (time.perf_counter() - started) * 1e3
-    if tr.feasible:  # the zero-copy staging counted too (``fit_staging``)
-        tr = fit_staging(problem, tr)
+    tr = fit_staging(problem, tr)  # the zero-copy staging counted too
     if not tr.feasible:
         raise InfeasibleError(f"target is not reachable in place: {tr.dag.reason}")
     started = time.perf_counter()
