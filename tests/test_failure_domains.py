@@ -114,9 +114,10 @@ def test_restart_risk_grows_with_exposure() -> None:
     assert last_copy_loss(plan, FailureDomains(frozenset(range(32)), 4, 2.0), 1e9) == 0.0
     job = (problem.workload, problem.models, problem.cluster, plan)
     bare = Controller(*job)  # the cluster YAML marks nothing revocable
-    assert bare.domains is None and bare._risk(plan, 1000.0, problem) == 0.0
+    assert bare.domains is None and bare.options.risk(plan, 1000.0, problem) == 0.0
     exposed = Controller(*job, domains=everything_revocable)
-    assert exposed._risk(plan, 1000.0, problem) == pytest.approx(long * exposed._restart_s(plan, problem))
+    restart = exposed.options.restart_seconds(plan, problem)
+    assert exposed.options.risk(plan, 1000.0, problem) == pytest.approx(long * restart)
 
 
 def test_admission_weighs_the_restart_a_faster_plan_risks() -> None:
@@ -247,4 +248,4 @@ def test_no_reserved_option_without_risk_or_under_a_policys_own_holds() -> None:
     static = exposed.problem(problem.pool, problem.seq)
     static = dataclasses.replace(static, space=static.space.holding(held))  # a static policy's holds
     best = exposed._options(static)[0]
-    assert best.risk_s > 0 and reserved_option(static, best, domains, exposed._plan) is None
+    assert best.risk_s > 0 and reserved_option(static, best, domains, exposed.options.plan) is None

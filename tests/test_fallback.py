@@ -10,6 +10,7 @@ import pytest
 from nereus.control.admission import Decision, Option, Profit, Rule, Verdict
 from nereus.control.controller import Controller
 from nereus.control.fallback import LABEL, held_layouts, in_place_instead
+from nereus.control.options import Options
 from nereus.control.policy import ControllerConfig
 from nereus.control.telemetry import Telemetry
 from nereus.control.transition_cost import TransitionEstimate
@@ -131,3 +132,26 @@ def test_a_growing_pool_moves_in_place_where_every_option_was_refused(plans: Pla
     slow = Controller(wide.workload, wide.models, wide.cluster, running, config, estimator=_OnlyDpMoves(1e6))
     decision = _grow(slow, running, wide)
     assert decision is not None and decision.verdict is Verdict.RESTART, decision.reason
+
+
+@pytest.mark.parametrize(("tolerance", "relaunch"), [(-0.1, 120.0), (0.1, -1.0), (float("nan"), 120.0)])
+def test_an_option_search_refuses_a_negative_tolerance_or_relaunch(tolerance: float, relaunch: float) -> None:
+    problem = make_problem(gpus=8)
+    with pytest.raises(ValueError, match="tolerance and relaunch_s"):
+        Options(search, problem.cluster, None, relaunch, tolerance)
+
+
+def test_the_option_search_offers_the_held_layouts_beside_the_target(
+    plans: tuple[PlanningProblem, Plan, Plan],
+) -> None:
+    """``Options.around`` from a running plan: S* first, then options within the tolerance."""
+    problem, _, running = plans  # the 16-GPU plan, now on 32 GPUs
+    options = Options(search, problem.cluster, None, 120.0, 10.0).around(problem, running)
+    held = {c.model_stage: c.layout for c in running.candidates}
+    expected = Options(search, problem.cluster, None, 120.0, 10.0).plan(problem.holding(held), LABEL)
+    assert expected is not None and expected.plan != options[0].plan
+    assert [o for o in options if o.label == LABEL] == [expected]
+    latencies = [o.step_latency_s for o in options[1:]]
+    assert latencies == sorted(latencies)
+    assert all(o.step_latency_s <= options[0].step_latency_s * 11.0 for o in options)
+    assert len({o.plan.candidates for o in options}) == len(options)

@@ -15,7 +15,7 @@ The runtime (or the simulator) executes an admitted transition at the safe bound
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from enum import StrEnum
 from functools import partial
@@ -30,10 +30,10 @@ from nereus.control.admission import (
     payback_steps,
     restart_instead,
 )
-from nereus.control.fallback import held_layouts, in_place_instead
+from nereus.control.ahead import MemoryAhead
+from nereus.control.fallback import in_place_instead
+from nereus.control.options import Options, Planner
 from nereus.control.policy import POLICIES, ControllerConfig, policy_config
-from nereus.control.reserved import reserved_option
-from nereus.control.risk import last_copy_loss, restart_seconds
 from nereus.control.telemetry import Telemetry
 from nereus.control.transition_cost import (
     DagEstimator,
@@ -48,9 +48,9 @@ from nereus.errors import InfeasibleError
 from nereus.plan.cache import PlanCache
 from nereus.plan.calibration import OOM_STEP, CalibrationStore
 from nereus.plan.evaluate import price, shapes_of
-from nereus.plan.layout import Layout, Plan
+from nereus.plan.layout import Plan
 from nereus.plan.problem import DEFAULT_HEADROOM, PlanningProblem, SearchSpace, SeqStats
-from nereus.plan.search import SearchResult, search
+from nereus.plan.search import search
 from nereus.spec.cluster import ClusterSpec
 from nereus.spec.domains import FailureDomains
 from nereus.spec.model import ModelSpec
@@ -59,8 +59,6 @@ from nereus.spec.workload import Role, Stage, WorkloadSpec
 # the named policies live in policy.py; they are imported from here too
 __all__ = ["POLICIES", "Controller", "ControllerConfig", "Planner", "State", "policy_config"]
 
-Planner = Callable[[PlanningProblem], SearchResult]
-KEPT_CHECKS = 8  # memory checks ahead kept each way (fitting, over capacity): ``_over_capacity_ahead``
 OOM_MIN_STEP = 1.02  # an out-of-memory error raises the stage's memory correction at least this much
 
 
@@ -101,6 +99,9 @@ class Controller:
         self.plan_cache = PlanCache()  # what replans of this job reuse (issue 21)
         self.planner = partial(search, cache=self.plan_cache) if planner is search else planner
         self.estimator = estimator or DagEstimator()
+        self.options = Options(
+            self.planner, cluster, self.domains, self.config.restart_s, self.config.fallback_tolerance
+        )
         self.headroom = headroom
         self.state = State.STEADY
         self.decisions: list[Decision] = []
@@ -111,9 +112,9 @@ class Controller:
         self._last_len: float | None = None
         # a rejected, profitable-someday target: (signals that fired, payback in steps)
         self._deferred: tuple[tuple[str, ...], float] | None = None
-        # the memory checks ahead of the running plan: lengths that fit, lengths over capacity;
-        # valid while the calibration they were priced with holds (``_calibrate`` forgets them)
-        self._ahead: tuple[Plan, list[SeqStats], list[SeqStats]] | None = None
+        # the memory checks ahead of the running plan, valid while the calibration they were
+        # priced with holds (``_calibrate`` forgets them)
+        self._ahead: MemoryAhead | None = None
 
     # ------------------------------------------------------------------ inputs
     def problem(
@@ -229,24 +230,11 @@ class Controller:
         self._over_capacity_ahead(self._lengths(seq_len_mean, seq_len_p95, self._grown(seq_len_mean)))
 
     def _over_capacity_ahead(self, seq: SeqStats) -> bool:
-        """Whether the running plan is predicted over capacity at the next step's lengths ``seq``.
-        A plan's memory grows with the lengths (every term is non-decreasing in the mean and the
-        p95 response: ``test_monitor_overhead``), so lengths within some that fit fit too, and
-        lengths beyond some over capacity are over too: a quiet step is answered from the checks
-        kept since the plan or the calibration last changed, and prices nothing."""
-        if self._ahead is None or self._ahead[0] is not self.plan:
-            self._ahead = (self.plan, [], [])
-        _, fits, overs = self._ahead
-        if any(_within(seq, f) for f in fits):
-            return False
-        if any(_within(o, seq) for o in overs):
-            return True
-        ahead = self.problem(self.plan.pool, seq)
-        over = bool(price(ahead, shapes_of(self.plan)).over_capacity(ahead))
-        kept = overs if over else fits
-        kept.append(seq)
-        del kept[:-KEPT_CHECKS]
-        return over
+        """Whether the running plan is predicted over capacity at the next step's lengths ``seq``
+        (``nereus.control.ahead``: a quiet step is answered from the checks kept)."""
+        if self._ahead is None or self._ahead.plan is not self.plan:
+            self._ahead = MemoryAhead(self.plan)
+        return self._ahead.over_capacity(seq, lambda s: self.problem(self.plan.pool, s))
 
     def _deferred_trigger(self, step: int) -> list[Trigger]:
         """Re-admit a rejected target once its signals have been stable long enough to repay it:
@@ -341,7 +329,7 @@ class Controller:
             if not cost.over_capacity(problem):
                 current = cost.step_latency_s
         urgent = urgent or current is None
-        risk = 0.0 if current is None else self._risk(self.plan, current, problem)
+        risk = 0.0 if current is None else self.options.risk(self.plan, current, problem)
         expected = None if current is None else current + risk  # with the restart it risks
         # an urgent move's target runs until the pool next changes: its options are weighed over that
         h = self.monitor.horizon_now(POOL, t.step) if urgent else horizon([f for f in fired if not f.urgent])
@@ -384,7 +372,7 @@ class Controller:
             options, estimates, reason = widened, more, why
         if index is None and expected is not None and options and not any(e.feasible for e in estimates):
             best, why_not = options[0], estimates[0].reason  # nothing moves in place
-            seconds = self._restart_s(best.plan, problem)
+            seconds = self.options.restart_seconds(best.plan, problem)
             restart = restart_instead(self.config.rule, base, best, why_not, expected, seconds, h)
             if restart is not None:
                 held = self._held_instead(problem, restart, expected, h, lost, rebuilt, t.reformed)
@@ -455,7 +443,7 @@ class Controller:
         spaces = [problem]
         if is_widened(self.plan, self.workload):
             spaces.append(self.problem(problem.pool, problem.seq, SearchSpace.urgent()))
-        held = held_layouts(self.plan, spaces, self._plan)
+        held = self.options.held(self.plan, spaces)
         if held is None:
             return None
         est = staged(problem, self.estimator.estimate(problem, self.plan, held.plan, lost, rebuilt, reformed))
@@ -463,49 +451,5 @@ class Controller:
         return None if why is None else (held, est, why)
 
     def _options(self, problem: PlanningProblem, label: str = "target") -> list[Option]:
-        """S*, then slightly slower plans whose transitions are cheaper: the current layouts kept
-        (DP and GPUs only), and each stage alone re-laid-out with the others' layouts kept."""
-        best = self._plan(problem, label)
-        if best is None:
-            return []
-        options = [best]
-        safe = reserved_option(problem, best, self.domains, self._plan)
-        if safe is not None:  # a copy of every trainer kept safe: first where it is expected faster
-            options = [safe, best] if safe.expected_s < best.expected_s else [best, safe]
-        current = {c.model_stage: c.layout for c in self.plan.candidates}
-        holds: list[tuple[str, dict[str, Layout]]] = [("hold-layouts", dict(current))]
-        for stage in self.plan.workflow.stages:
-            keep = {n: lay for n, lay in current.items() if self.plan.workflow.get(n).stage is not stage}
-            holds.append((f"relayout:{stage.value}", keep))
-        limit = best.step_latency_s * (1.0 + self.config.fallback_tolerance)
-        for name, layouts in holds:
-            option = self._plan(problem.holding(layouts), name)  # a policy's own holds win
-            fresh = option is not None and all(option.plan.candidates != o.plan.candidates for o in options)
-            if fresh and option is not None and option.step_latency_s <= limit:
-                options.append(option)
-        return [options[0], *sorted(options[1:], key=lambda o: o.step_latency_s)]
-
-    def _plan(self, problem: PlanningProblem, label: str) -> Option | None:
-        try:
-            result = self.planner(problem)
-        except InfeasibleError:
-            return None
-        latency = result.step_latency_s
-        return Option(label, result.plan, latency, self._risk(result.plan, latency, problem))
-
-    def _risk(self, plan: Plan, step_s: float, problem: PlanningProblem) -> float:
-        """Expected restart seconds per step: a trainer losing every replica within a step."""
-        if self.domains is None or not self.domains.at_risk:
-            return 0.0
-        p = last_copy_loss(plan, self.domains, step_s)
-        return p * self._restart_s(plan, problem) if p > 0 else 0.0
-
-    def _restart_s(self, plan: Plan, problem: PlanningProblem) -> float:
-        state = price(problem, shapes_of(plan)).checkpoint
-        return restart_seconds(plan, state, self.cluster, self.config.restart_s)
-
-
-def _within(a: SeqStats, b: SeqStats) -> bool:
-    """Lengths ``a`` no longer than ``b``, mean and p95 (the same prompts)."""
-    same = a.prompt_len == b.prompt_len
-    return same and a.response_len <= b.response_len and a.response_p95 <= b.response_p95
+        """The replan's options from the running plan (``nereus.control.options``)."""
+        return self.options.around(problem, self.plan, label)

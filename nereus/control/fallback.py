@@ -23,7 +23,7 @@ from nereus.control.transition_cost import TransitionEstimate
 from nereus.plan.layout import Plan
 from nereus.plan.problem import PlanningProblem
 
-Planner = Callable[[PlanningProblem, str], Option | None]  # a labelled search (``Controller._plan``)
+Planner = Callable[[PlanningProblem, str], Option | None]  # a labelled search (``Options.plan``)
 LABEL = "hold-layouts"
 
 

@@ -10,7 +10,7 @@ the job restarts from its checkpoint whenever a revocation takes the last copy (
 ``fitting_layouts`` shrinks the target's trainer layouts until one replica of each fits the
 reserved GPUs of the pool together: the largest replica first, its pipeline halved before its
 tensor parallelism (TP stays inside a node). The controller plans with those layouts held and
-offers the result beside the target (``Controller._options``); where its expected step time
+offers the result beside the target (``Options.around``); where its expected step time
 (latency plus restart risk) beats the target's it goes first. A necessary condition only: whether
 a replica lands on reserved GPUs is placement's to say, and the option's risk reads where it did.
 
@@ -27,7 +27,7 @@ from nereus.plan.problem import PlanningProblem
 from nereus.spec.domains import FailureDomains
 from nereus.spec.workload import Stage
 
-Planner = Callable[[PlanningProblem, str], Option | None]  # a labelled search (``Controller._plan``)
+Planner = Callable[[PlanningProblem, str], Option | None]  # a labelled search (``Options.plan``)
 
 
 def fitting_layouts(plan: Plan, pool: Iterable[int], domains: FailureDomains) -> dict[str, Layout] | None:
