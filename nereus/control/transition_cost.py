@@ -8,7 +8,9 @@ list schedule's makespan (bytes over links, shared-link contention, communicator
 
 Transitions also pay costs bytes do not explain: rebuilding an engine for a new layout,
 re-forming process groups. The estimate is w · (DAG makespan, generation rebuilds, other rebuilds,
-regroups), w fitted by non-negative least squares to the measured transitions
+regroups), where every changed model-stage regroups (a re-laid-out one as well as one whose DP
+changed: its groups are new either way, and the start-up measures groups and engines apart), w
+fitted by non-negative least squares to the measured transitions
 (``DagEstimator``), starting from the pure DAG model w = (1, 0, 0, 0) — or, once the job reports
 what building its engines and groups took at start-up (``FixedCosts``, ``DagEstimator.seed``),
 from those seconds: a first move is then priced with the rebuilds it will pay, not as free. At a
@@ -216,7 +218,7 @@ class DagEstimator:
             tr.l_tran_s,
             0.0 if sunk else float(gen),
             0.0 if sunk else float(len(resharded) - gen),
-            0.0 if sunk else float(len(changed) - len(resharded)),
+            0.0 if sunk else float(len(changed)),  # a re-laid-out model-stage forms new groups too
         )
         seconds = float(np.dot(self.weights, features))
         return TransitionEstimate(
