@@ -1,11 +1,14 @@
 """Fit the simulator's hardware truth to published measurements (``benchmarks/data/truth_*.csv``).
 
-Three data sets, fitted in order (decode uses the GEMM fit):
+Four data sets, fitted in order (decode uses the GEMM fit):
 * ``truth_gemm.csv``: achieved TFLOP/s of single GEMMs by shape (cuBLAS square sizes on A100;
   best shapes of the "maximum achievable matmul FLOPS" table) → GEMM parameters;
 * ``truth_collectives.csv``: all-reduce busBW by payload on one and four 8-GPU nodes → collective
   parameters;
-* ``truth_decode.csv``: vLLM time per output token by batch (rows with fit=1) → decode parameters.
+* ``truth_decode.csv``: vLLM time per output token by batch (rows with fit=1) → decode parameters;
+* ``truth_engines.csv``: vLLM engine start-up (cold and warm compile cache), NCCL communicator init
+  and Megatron model-and-optimizer setup, from published logs → the engine parameters (a
+  transition's fixed costs, ``nereus/sim/truth/engines.py``).
 
 Each fit is Levenberg-Marquardt on r = log(model time) − log(measured time) under a robust
 (Cauchy, scale 0.25) loss, so a few points a smooth model cannot follow (a B200 4-node sweep's
@@ -29,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nereus.sim.truth import collectives
+from nereus.sim.truth import collectives, engines
 from nereus.sim.truth.decode import decode_step_seconds
 from nereus.sim.truth.gemm import gemm_seconds_raw
 from nereus.sim.truth.params import PARAMS_PATH, TruthParams, load
@@ -49,6 +52,7 @@ COLL = (
     "coll_shape_inter",
 )
 DECODE = ("decode_hbm_eff", "decode_step_s")
+ENGINES = ("engine_setup_s", "engine_cold_layer_s", "engine_warm_layer_s", "module_setup_s", "comm_init_s")
 START = TruthParams(
     gemm_peak_nvidia=0.8,
     gemm_peak_amd=0.6,
@@ -65,6 +69,11 @@ START = TruthParams(
     coll_shape_inter=1.0,
     decode_hbm_eff=0.7,
     decode_step_s=5e-4,
+    engine_setup_s=5.0,
+    engine_cold_layer_s=1.0,
+    engine_warm_layer_s=0.5,
+    module_setup_s=1.0,
+    comm_init_s=1.0,
 )
 
 
@@ -214,7 +223,29 @@ def decode_set() -> tuple[Callable[[TruthParams], np.ndarray], np.ndarray, list[
     return model, measured, [f"{r['gpu']} batch {r['batch']}" for r in data]
 
 
-SETS = {"gemm": (gemm_set, GEMM), "collectives": (collective_set, COLL), "decode": (decode_set, DECODE)}
+def engine_set() -> tuple[Callable[[TruthParams], np.ndarray], np.ndarray, list[str]]:
+    data = rows("truth_engines.csv")
+    measured = np.array([float(r["seconds"]) for r in data])
+
+    def one(r: dict[str, str], p: TruthParams) -> float:
+        if r["kind"] == "comm_init":
+            return engines.comm_init_seconds(int(r["ranks"]), p)
+        stage = engines.GEN if r["kind"].startswith("gen") else engines.TRAIN
+        e = engines.Engine(stage, int(r["layers"]), 1, 1, 1)
+        return engines.build_seconds(e, r["kind"] == "gen_warm", p)
+
+    def model(p: TruthParams) -> np.ndarray:
+        return np.array([one(r, p) for r in data])
+
+    return model, measured, [f"{r['kind']} {r['model']} ({r['ranks']} ranks)" for r in data]
+
+
+SETS = {
+    "gemm": (gemm_set, GEMM),
+    "collectives": (collective_set, COLL),
+    "decode": (decode_set, DECODE),
+    "engines": (engine_set, ENGINES),
+}
 
 
 def fit_all() -> TruthParams:

@@ -53,17 +53,18 @@ def test_refitting_from_the_csvs_reproduces_the_shipped_parameters() -> None:
         assert fitted[name] == pytest.approx(value, rel=1e-4, abs=1e-15), name
 
 
-def test_the_truth_imports_nothing_from_the_planner_or_the_controller() -> None:
+def test_the_truth_imports_nothing_from_the_planner_the_controller_or_the_transition_planner() -> None:
     for f in TRUTH.rglob("*.py"):
         for node in ast.walk(ast.parse(f.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom) and node.module:
                 names.append(node.module)
-            bad = [n for n in names if n.startswith(("nereus.plan", "nereus.control"))]
+            bad = [n for n in names if n.startswith(("nereus.plan", "nereus.control", "nereus.transition"))]
             assert not bad, f"{f.name} imports {bad}"
     code = (
         "import sys, nereus.sim.truth; "
-        "print(sorted(m for m in sys.modules if m.startswith(('nereus.plan', 'nereus.control'))))"
+        "print(sorted(m for m in sys.modules "
+        "if m.startswith(('nereus.plan', 'nereus.control', 'nereus.transition'))))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False

@@ -38,9 +38,10 @@ from nereus.plan.links import Links
 from nereus.plan.problem import PlanningProblem, SearchSpace, SeqStats
 from nereus.plan.search import search
 from nereus.plan.sweep import measurements, probes, seconds_spent
+from nereus.sim.moving import true_moving_seconds
 from nereus.sim.observe import pair, quiet_truth
 from nereus.sim.records import Scenario, SimulationError, StepRecord, Summary
-from nereus.sim.truth import PARAMS, Hardware, StageResult, collectives
+from nereus.sim.truth import PARAMS, Engine, Hardware, StageResult, collectives
 from nereus.sim.truth.asynchrony import AsyncStep, Pipeline, sync_step, weight_sync_seconds
 from nereus.spec.workload import ExecutionMode, Role, Stage
 
@@ -58,7 +59,7 @@ class _Run:
         self, scenario: Scenario, policy: str, gamma: float, hold: Mapping[str, Layout] | None = None
     ) -> None:
         self.s = scenario
-        self.hw = Hardware(scenario.seed, scenario.noise, scenario.episodes)
+        self.hw = Hardware(scenario.seed, scenario.noise, scenario.episodes, PARAMS)
         # every policy knows the reserved floor and the trace's revocation rate, and what a restart costs
         self.config = replace(policy_config(policy, gamma), restart_s=scenario.restart_s)
         self.domains = scenario.supply.domains()
@@ -309,8 +310,17 @@ class _Run:
         would tell it."""
         assert self.controller is not None
         stages = [plan.stage_of(c) for c in plan.candidates]
-        build_s, group_s = self.hw.startup(stages)
+        build_s, group_s = self.hw.startup([self._engine(plan, c.model_stage) for c in plan.candidates])
         self.controller.started(FixedCosts.of(stages, build_s, group_s))
+
+    def _engine(self, plan: Plan, model_stage: str) -> Engine:
+        """``model_stage``'s engine in ``plan``, as the truth builds it."""
+        ms = plan.workflow.get(model_stage)
+        c = next(c for c in plan.candidates if c.model_stage == model_stage)
+        model = self.s.models[ms.role]
+        tp, pp = c.layout.tp, c.layout.pp
+        key = f"{model.name} tp{tp} pp{pp}" if ms.stage is Stage.GEN else ""
+        return Engine(ms.stage.value, model.num_hidden_layers, tp, pp, max(1, c.dp), key)
 
     def _weight_sync(self, plan: Plan, k: int) -> dict[str, float]:
         """The measured seconds per op class of the async weight sync: the actor's trainer
@@ -332,13 +342,14 @@ class _Run:
         return self.pipeline.flush(keep) * self.s.workload.sequences(gen)
 
     def _transition_truth(self, decision: Decision, move: Move) -> float:
-        """The true seconds of an admitted move: from the bytes it moves (not from the
-        estimator's learned costs), its engine rebuilds and regroups."""
+        """The true seconds of an admitted move: its DAG walked by the truth (``sim.moving``, not
+        the planner's estimate), its engine rebuilds and regroups."""
         est = decision.transition
-        plan = self.controller.plan if self.controller is not None else move.target
-        rebuilt = [plan.workflow.get(n).stage for n in est.resharded] if est else []
-        regrouped = len(est.changed) - len(est.resharded) if est else 0
-        moving = est.features[0] if est else move.transition.l_tran_s
+        resharded = set(est.resharded) if est else set()
+        changed = set(est.changed) if est else set()
+        rebuilt = [self._engine(move.target, n) for n in sorted(resharded)]
+        regrouped = [self._engine(move.target, n) for n in sorted(changed - resharded)]
+        moving = true_moving_seconds(move.transition, self.s.cluster, PARAMS)
         return self.hw.transition(moving, rebuilt, regrouped)
 
     def _restart(

@@ -1,19 +1,13 @@
 """The simulator's hardware truth, written apart from the planner (it imports nothing from
 ``nereus.plan`` or ``nereus.control``): GEMM throughput by shape, collective bandwidth by message
 size and node span, vLLM-style decode with KV preemption, recompute, and memory with allocator
-fragmentation, fitted to published measurements (``benchmarks/fit_truth.py``). The planner learns
+fragmentation, transitions (their DAG walked at the truth's link speeds, engine builds and
+communicator init), fitted to published measurements (``benchmarks/fit_truth.py``). The planner learns
 it only through the per-op-class telemetry the simulator hands its calibration.
 """
 
-from nereus.sim.truth.hardware import (
-    COMPUTE_CLASSES,
-    REBUILD_S,
-    REGROUP_S,
-    SCOPES,
-    TRANSITION_BIAS,
-    Episode,
-    Hardware,
-)
+from nereus.sim.truth.engines import Engine
+from nereus.sim.truth.hardware import COMPUTE_CLASSES, SCOPES, Episode, Hardware
 from nereus.sim.truth.params import TruthParams
 from nereus.sim.truth.shard import Placement
 from nereus.sim.truth.stage import PARAMS, run_stage
@@ -22,10 +16,8 @@ from nereus.sim.truth.work import Lengths, StageResult
 __all__ = [
     "COMPUTE_CLASSES",
     "PARAMS",
-    "REBUILD_S",
-    "REGROUP_S",
     "SCOPES",
-    "TRANSITION_BIAS",
+    "Engine",
     "Episode",
     "Hardware",
     "Lengths",

@@ -3,8 +3,9 @@
 The structural truth (``stage.py``, ``decode.py``) says what a model-stage costs on a quiet
 machine; ``Hardware`` applies what a real cluster adds on top: seeded log-normal jitter per op
 class, episodes that slow a scope of op classes over a range of steps, a small jitter on memory
-peaks, and transitions slower than their bandwidth estimate plus fixed engine rebuild and
-regroup costs (which the planner's transition estimate does not model).
+peaks, and a transition's true seconds: its state moves as the truth walks them (``moves.py``)
+plus the engines it rebuilds and the process groups it re-forms (``engines.py``: vLLM's compile
+cache warm for a layout built before), neither of which is the planner's estimate.
 """
 
 from __future__ import annotations
@@ -15,15 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from nereus.errors import ConfigError
+from nereus.sim.truth.engines import CompileCache, Engine, regroup_seconds
+from nereus.sim.truth.params import TruthParams, load
 from nereus.spec.files import brief, shorten
-from nereus.spec.workload import Stage
 
-TRANSITION_BIAS = 1.15  # state moves take this much longer than the bandwidth estimate
-# Fixed costs a transition pays beyond moving bytes: rebuilding an engine for a new layout
-# (generation: vLLM weights reload + CUDA-graph capture; others: module re-init) and re-forming
-# process groups when only DP changes.
-REBUILD_S = {Stage.GEN: 30.0, Stage.INF: 8.0, Stage.TRAIN: 8.0}
-REGROUP_S = 2.0
 COMPUTE_CLASSES = frozenset({"gemm", "attention", "memory"})
 SCOPES = ("inter", "intra", "compute", "all")
 
@@ -72,7 +68,15 @@ class Episode:
 class Hardware:
     """Seeded noise, episodes and transition truth on top of the structural truth."""
 
-    def __init__(self, seed: int, noise: float = 0.03, episodes: Sequence[Episode] = ()) -> None:
+    def __init__(
+        self,
+        seed: int,
+        noise: float = 0.03,
+        episodes: Sequence[Episode] = (),
+        params: TruthParams | None = None,
+    ) -> None:
+        self.params = params or load()
+        self.compiled = CompileCache()  # the generation layouts this job has compiled
         self.rng = np.random.default_rng(seed)
         self._startup_rng = np.random.default_rng([seed, 1])  # apart: the steps' noise stays as it was
         self._sweep_rng = np.random.default_rng([seed, 2])
@@ -98,12 +102,13 @@ class Hardware:
         """A measured peak: the true footprint with a little run-to-run variation."""
         return true_bytes * min(1.02, self._jitter())
 
-    def startup(self, stages: Sequence[Stage]) -> tuple[list[float], list[float]]:
-        """What the job measures building its first plan, per model-stage of ``stages``: seconds to
-        build its engine and to form its process groups (the costs a transition pays again for
-        what it re-lays out or regroups)."""
-        builds = [REBUILD_S[s] * self._jitter(self._startup_rng) for s in stages]
-        return builds, [REGROUP_S * self._jitter(self._startup_rng) for _ in stages]
+    def startup(self, engines: Sequence[Engine]) -> tuple[list[float], list[float]]:
+        """What the job measures building its first plan, per model-stage's engine of
+        ``engines``: seconds to build the engine (compile caches cold) and to form its process
+        groups (the costs a transition pays again for what it re-lays out or regroups)."""
+        p = self.params
+        builds = [self.compiled.build(e, p) * self._jitter(self._startup_rng) for e in engines]
+        return builds, [regroup_seconds(e, p) * self._jitter(self._startup_rng) for e in engines]
 
     def sweep(self, quiet_s: Sequence[float]) -> list[float]:
         """What the job's start-up collective sweep measures of collectives that take ``quiet_s``
@@ -111,9 +116,11 @@ class Hardware:
         one draw of the fabric's state)."""
         return [t * self._jitter(self._sweep_rng) for t in quiet_s]
 
-    def transition(self, estimated_s: float, rebuilt: Sequence[Stage], regrouped: int) -> float:
-        """True seconds of a transition whose state moves take ``estimated_s`` by the bandwidth
-        model: a little slower in truth, plus engine rebuilds for re-laid-out model-stages and
-        group re-formation for model-stages that only changed DP."""
-        fixed = sum(REBUILD_S[s] for s in rebuilt) + REGROUP_S * regrouped
-        return (estimated_s * TRANSITION_BIAS + fixed) * self._jitter()
+    def transition(self, moving_s: float, rebuilt: Sequence[Engine], regrouped: Sequence[Engine]) -> float:
+        """True seconds of a transition whose state moves take ``moving_s`` (the truth's walk of
+        its DAG), that rebuilds the engines of ``rebuilt`` (re-laid-out model-stages, which form
+        their groups anew too) and re-forms the groups of ``regrouped`` (DP changed only)."""
+        p = self.params
+        fixed = sum(self.compiled.build(e, p) + regroup_seconds(e, p) for e in rebuilt)
+        fixed += sum(regroup_seconds(e, p) for e in regrouped)
+        return (moving_s + fixed) * self._jitter()

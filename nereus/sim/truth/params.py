@@ -13,6 +13,10 @@ Fitted (see ``fit_truth.py`` for the data sets and the per-point error):
   (message bytes at half of it), ``coll_shape_intra``/``coll_shape_inter`` (steepness of that rise).
 * Decode: ``decode_hbm_eff`` (achieved fraction of HBM bandwidth streaming weights and KV),
   ``decode_step_s`` (per-iteration scheduler and launch overhead).
+* Engines (``engines.py``): ``engine_setup_s`` (a vLLM engine's profiling and KV-cache creation),
+  ``engine_cold_layer_s``/``engine_warm_layer_s`` (compile and graph capture per decoder layer,
+  without and with a compile cache), ``module_setup_s`` (a trainer's or scorer's modules and
+  optimizer built on its GPUs), ``comm_init_s`` (a communicator's init, times √ranks).
 """
 
 from __future__ import annotations
@@ -65,6 +69,11 @@ class TruthParams:
     coll_shape_inter: float
     decode_hbm_eff: float
     decode_step_s: float
+    engine_setup_s: float
+    engine_cold_layer_s: float
+    engine_warm_layer_s: float
+    module_setup_s: float
+    comm_init_s: float
 
     def __post_init__(self) -> None:
         for f in fields(self):
