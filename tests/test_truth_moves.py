@@ -10,6 +10,13 @@ from nereus.plan.search import search
 from nereus.sim.moving import links, transfers, true_moving_seconds
 from nereus.sim.truth import PARAMS
 from nereus.sim.truth import collectives as coll
+from nereus.sim.truth.engines import (
+    CompileCache,
+    Engine,
+    build_seconds,
+    comm_init_seconds,
+    regroup_seconds,
+)
 from nereus.sim.truth.moves import Flow, Links, Transfer, message_seconds, moving_seconds, waves
 from tests.helpers import make_problem
 
@@ -94,3 +101,28 @@ def test_a_planned_transition_is_walked_whole_and_differs_from_the_planners_esti
         assert true > 0 and 0.2 < true / est.features[0] < 5
         ratios.append(true / est.features[0])
     assert len(set(ratios)) == len(ratios)
+
+
+def test_a_generation_layout_compiled_before_builds_faster_and_other_engines_cost_the_same() -> None:
+    cache = CompileCache()
+    gen = Engine("gen", 32, 2, 1, 4, key="llama tp2 pp1")
+    cold, warm = cache.build(gen, PARAMS), cache.build(gen, PARAMS)
+    assert cold == pytest.approx(build_seconds(gen, False, PARAMS)) and warm < 0.7 * cold
+    assert cache.build(Engine("gen", 32, 4, 1, 2, key="llama tp4 pp1"), PARAMS) == pytest.approx(cold)
+    deeper = build_seconds(Engine("gen", 80, 2, 1, 4), False, PARAMS)
+    assert deeper > cold  # compile and capture walk the layers
+    train = Engine("train", 32, 2, 2, 2)
+    assert cache.build(train, PARAMS) == cache.build(train, PARAMS) == PARAMS.module_setup_s
+
+
+def test_a_communicator_costs_more_with_more_ranks_and_nothing_for_one() -> None:
+    inits = [comm_init_seconds(n, PARAMS) for n in (1, 2, 8, 64, 1024)]
+    assert inits[0] == 0.0 and inits[1:] == sorted(inits[1:])
+    e = Engine("inf", 32, 1, 1, 1)
+    assert regroup_seconds(e, PARAMS) == 0.0
+    both = Engine("inf", 32, 4, 1, 16)
+    assert regroup_seconds(both, PARAMS) == pytest.approx(inits[2] / 8**0.5 * (4**0.5 + 16**0.5))
+    with pytest.raises(ValueError, match="engine stage"):
+        Engine("rollout", 32, 1, 1, 1)
+    with pytest.raises(ValueError, match="degrees"):
+        Engine("gen", 32, 0, 1, 1)
