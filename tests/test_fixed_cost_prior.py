@@ -14,6 +14,7 @@ import pytest
 
 from nereus.control.transition_cost import DagEstimator, FixedCosts, TransitionEstimate
 from nereus.sim.engine import _Run
+from nereus.sim.moving import engine_of
 from nereus.sim.truth import PARAMS
 from nereus.sim.truth.engines import build_seconds, regroup_seconds
 from nereus.spec.workload import Stage
@@ -65,7 +66,7 @@ def test_the_simulated_job_tells_its_controller_what_its_start_up_builds_took() 
     w = run.controller.estimator.weights  # type: ignore[attr-defined]
     assert w[0] == 1.0
     plan = run.controller.plan
-    engines = [run._engine(plan, c.model_stage) for c in plan.candidates]
+    engines = [engine_of(plan, c.model_stage, run.s.models) for c in plan.candidates]
     gen = [build_seconds(e, False, PARAMS) for e in engines if e.stage == "gen"]  # compile caches cold
     groups = [g for g in (regroup_seconds(e, PARAMS) for e in engines) if g > 0]
     assert w[1] == pytest.approx(sum(gen) / len(gen), rel=0.15)

@@ -109,6 +109,9 @@ def test_a_generation_layout_compiled_before_builds_faster_and_other_engines_cos
     cold, warm = cache.build(gen, PARAMS), cache.build(gen, PARAMS)
     assert cold == pytest.approx(build_seconds(gen, False, PARAMS)) and warm < 0.7 * cold
     assert cache.build(Engine("gen", 32, 4, 1, 2, key="llama tp4 pp1"), PARAMS) == pytest.approx(cold)
+    relaunched = Engine("gen", 32, 8, 1, 1, key="llama tp8 pp1")
+    cache.mark(relaunched)  # built by a restart's relaunch
+    assert cache.build(relaunched, PARAMS) == pytest.approx(warm)
     deeper = build_seconds(Engine("gen", 80, 2, 1, 4), False, PARAMS)
     assert deeper > cold  # compile and capture walk the layers
     train = Engine("train", 32, 2, 2, 2)

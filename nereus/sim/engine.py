@@ -38,10 +38,10 @@ from nereus.plan.links import Links
 from nereus.plan.problem import PlanningProblem, SearchSpace, SeqStats
 from nereus.plan.search import search
 from nereus.plan.sweep import measurements, probes, seconds_spent
-from nereus.sim.moving import true_moving_seconds
+from nereus.sim.moving import engine_of, true_moving_seconds
 from nereus.sim.observe import pair, quiet_truth
 from nereus.sim.records import Scenario, SimulationError, StepRecord, Summary
-from nereus.sim.truth import PARAMS, Engine, Hardware, StageResult, collectives
+from nereus.sim.truth import PARAMS, Hardware, StageResult, collectives
 from nereus.sim.truth.asynchrony import AsyncStep, Pipeline, sync_step, weight_sync_seconds
 from nereus.spec.workload import ExecutionMode, Role, Stage
 
@@ -310,17 +310,10 @@ class _Run:
         would tell it."""
         assert self.controller is not None
         stages = [plan.stage_of(c) for c in plan.candidates]
-        build_s, group_s = self.hw.startup([self._engine(plan, c.model_stage) for c in plan.candidates])
+        build_s, group_s = self.hw.startup(
+            [engine_of(plan, c.model_stage, self.s.models) for c in plan.candidates]
+        )
         self.controller.started(FixedCosts.of(stages, build_s, group_s))
-
-    def _engine(self, plan: Plan, model_stage: str) -> Engine:
-        """``model_stage``'s engine in ``plan``, as the truth builds it."""
-        ms = plan.workflow.get(model_stage)
-        c = next(c for c in plan.candidates if c.model_stage == model_stage)
-        model = self.s.models[ms.role]
-        tp, pp = c.layout.tp, c.layout.pp
-        key = f"{model.name} tp{tp} pp{pp}" if ms.stage is Stage.GEN else ""
-        return Engine(ms.stage.value, model.num_hidden_layers, tp, pp, max(1, c.dp), key)
 
     def _weight_sync(self, plan: Plan, k: int) -> dict[str, float]:
         """The measured seconds per op class of the async weight sync: the actor's trainer
@@ -347,8 +340,8 @@ class _Run:
         est = decision.transition
         resharded = set(est.resharded) if est else set()
         changed = set(est.changed) if est else set()
-        rebuilt = [self._engine(move.target, n) for n in sorted(resharded)]
-        regrouped = [self._engine(move.target, n) for n in sorted(changed - resharded)]
+        rebuilt = [engine_of(move.target, n, self.s.models) for n in sorted(resharded)]
+        regrouped = [engine_of(move.target, n, self.s.models) for n in sorted(changed - resharded)]
         moving = true_moving_seconds(move.transition, self.s.cluster, PARAMS)
         return self.hw.transition(moving, rebuilt, regrouped)
 
@@ -377,6 +370,8 @@ class _Run:
         seconds = 0.0 if self.free else self.restart_cost(target, seq)
         self.t += seconds
         record = TransitionRecord.restart(seconds, reason, checkpoint, ctl.plan, target)
+        for c in target.candidates:  # the relaunch built its engines: their layouts are compiled
+            self.hw.compiled.mark(engine_of(target, c.model_stage, self.s.models))
         ctl.restarted(target)
         return pool, record, waited
 

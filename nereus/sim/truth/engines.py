@@ -73,6 +73,10 @@ class CompileCache:
     def build(self, e: Engine, p: TruthParams) -> float:
         """Seconds to build ``e``; afterwards its layout is cached."""
         warm = bool(e.key) and e.key in self._seen
+        self.mark(e)
+        return build_seconds(e, warm, p)
+
+    def mark(self, e: Engine) -> None:
+        """``e`` was built where its time is counted otherwise (a restart's relaunch)."""
         if e.key:
             self._seen.add(e.key)
-        return build_seconds(e, warm, p)
