@@ -1,9 +1,10 @@
 """The simulator's hardware truth, written apart from the planner (it imports nothing from
-``nereus.plan`` or ``nereus.control``): GEMM throughput by shape, collective bandwidth by message
-size and node span, vLLM-style decode with KV preemption, recompute, and memory with allocator
-fragmentation, transitions (their DAG walked at the truth's link speeds, engine builds and
-communicator init), fitted to published measurements (``benchmarks/fit_truth.py``). The planner learns
-it only through the per-op-class telemetry the simulator hands its calibration.
+``nereus.plan``, ``nereus.control`` or ``nereus.transition``): GEMM throughput by shape,
+collective bandwidth by message size and node span, vLLM-style decode with KV preemption,
+recompute, memory with allocator fragmentation, and transitions (their DAG walked at the truth's
+link speeds, engine builds and communicator init), fitted to published measurements
+(``benchmarks/fit_truth.py``). The planner learns it only through the per-op-class telemetry the
+simulator hands its calibration.
 """
 
 from nereus.sim.truth.engines import Engine
