@@ -23,7 +23,7 @@ Pure: the simulator hands in each node as plain numbers (``Transfer``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nereus.sim.truth import collectives as coll
@@ -130,8 +130,3 @@ def moving_seconds(nodes: Sequence[Transfer], budget: int, links: Links, p: Trut
         for g in node.gpus:
             clock[g] = end[i]
     return max(end, default=0.0)
-
-
-def links_of(rates: Mapping[str, float], gpus_per_node: int) -> Links:
-    """``Links`` from GB/s (10⁹ B/s) rates named ``intra``, ``inter`` and ``storage``."""
-    return Links(rates[INTRA] * 1e9, rates[INTER] * 1e9, rates[STORAGE] * 1e9, gpus_per_node)
