@@ -221,7 +221,16 @@ def plot(results: dict[str, Any], out: Path, stem: str = "admission") -> None:
     import matplotlib.pyplot as plt
 
     names = list(results)
-    fig, axes = plt.subplots(1, len(names) + 1, figsize=(4.2 * (len(names) + 1), 3.8))
+    sweeps = {}  # γ → nereus / static mean step, per scenario that ran the sweep
+    for name in names:
+        pol = results[name]["policies"]
+        keys = {g: "nereus" if g == 0.5 else f"nereus(γ={g:g})" for g in GAMMAS}
+        pts = [(g, pol[k]["mean_step_s"] / pol["static"]["mean_step_s"]) for g, k in keys.items() if k in pol]
+        if len(pts) > 1:
+            sweeps[name] = pts
+    panels = len(names) + (1 if sweeps else 0)  # no empty γ panel for a run without the sweep
+    fig, grid = plt.subplots(1, panels, figsize=(4.2 * panels, 3.8), squeeze=False)
+    axes = list(grid[0])
     for ax, name in zip(axes, names, strict=False):
         pol = results[name]["policies"]
         labels = [p for p in POLICIES if p in pol]
@@ -239,18 +248,14 @@ def plot(results: dict[str, Any], out: Path, stem: str = "admission") -> None:
         ax.set_title(name, fontsize=9)
         ax.set_ylabel("mean step time (s)")
         ax.tick_params(axis="x", labelsize=7)
-    ax = axes[-1]
-    for name in names:
-        pol = results[name]["policies"]
-        keys = {g: "nereus" if g == 0.5 else f"nereus(γ={g:g})" for g in GAMMAS}
-        pts = [(g, pol[k]["mean_step_s"]) for g, k in keys.items() if k in pol]
-        if len(pts) > 1:
-            base = pol["static"]["mean_step_s"]
-            ax.plot([g for g, _ in pts], [v / base for _, v in pts], "o-", label=name)
-    ax.set_xlabel("γ")
-    ax.set_ylabel("nereus / static mean step")
-    ax.set_title("γ sweep", fontsize=9)
-    ax.legend(fontsize=7)
+    if sweeps:
+        ax = axes[-1]
+        for name, pts in sweeps.items():
+            ax.plot([g for g, _ in pts], [v for _, v in pts], "o-", label=name)
+        ax.set_xlabel("γ")
+        ax.set_ylabel("nereus / static mean step")
+        ax.set_title("γ sweep", fontsize=9)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / f"{stem}.png", dpi=110)
     plt.close(fig)
