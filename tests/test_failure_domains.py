@@ -13,7 +13,7 @@ import pytest
 from nereus.control.admission import Decision, Option, Profit, Rule, Verdict, admit, restart_instead
 from nereus.control.controller import Controller
 from nereus.control.reserved import fitting_layouts, reserved_option
-from nereus.control.risk import last_copy_loss
+from nereus.control.risk import last_copy_loss, lost_work
 from nereus.control.transition_cost import TransitionEstimate
 from nereus.errors import ConfigError
 from nereus.plan.candidates import Shape
@@ -117,7 +117,9 @@ def test_restart_risk_grows_with_exposure() -> None:
     assert bare.domains is None and bare.options.risk(plan, 1000.0, problem) == 0.0
     exposed = Controller(*job, domains=everything_revocable)
     restart = exposed.options.restart_seconds(plan, problem)
-    assert exposed.options.risk(plan, 1000.0, problem) == pytest.approx(long * restart)
+    lost = lost_work(plan, everything_revocable, 1000.0)  # the step's own work, lost with any GPU
+    assert lost > 0
+    assert exposed.options.risk(plan, 1000.0, problem) == pytest.approx(lost + long * restart)
 
 
 def test_admission_weighs_the_restart_a_faster_plan_risks() -> None:
@@ -215,26 +217,30 @@ def test_fitting_layouts_shrink_the_largest_trainer_pipeline_first() -> None:
     assert fitting_layouts(plan, (), FailureDomains(frozenset(range(24, 32)), 4, 2.0)) is None
 
 
-@pytest.mark.parametrize("rate", [20.0, 0.05])
-def test_a_plan_keeping_every_trainer_copy_on_reserved_gpus_is_offered(rate: float) -> None:
+@pytest.mark.parametrize(("rate", "first"), [(5.0, "reserved"), (0.05, "target"), (50.0, "floor")])
+def test_a_plan_keeping_every_trainer_copy_on_reserved_gpus_is_offered(rate: float, first: str) -> None:
     """The fastest plan's trainers (16 GPUs each) cannot keep a copy on 8 reserved GPUs, so a
     revocation may take their last copy. The controller also offers the best plan whose trainer
-    layouts fit there ("reserved", risk 0), first when its expected step (latency plus restart
-    risk) is the shorter — at a high revocation rate — and after the target otherwise."""
+    layouts fit there ("reserved", no restart risk), before the target when its expected step
+    (latency plus what it risks) is the shorter — at a high revocation rate — and after it
+    otherwise; and the best plan on the reserved GPUs alone ("floor", no risk at all), first
+    when revocations are so frequent that steps on revocable GPUs rarely complete."""
     problem = make_problem(gpus=32, response=1024)
     domains = FailureDomains(frozenset(range(24, 32)), 4, rate)
     plan = search(_with(problem, domains)).plan
     controller = Controller(problem.workload, problem.models, problem.cluster, plan, domains=domains)
     options = controller._options(controller.problem(problem.pool, problem.seq))
     by = {o.label: o for o in options}
-    target, safe = by["target"], by["reserved"]
-    assert target.risk_s > 0 and safe.risk_s == 0.0
+    target, safe, floor = by["target"], by["reserved"], by["floor"]
+    assert target.risk_s > safe.risk_s > 0.0  # the reserved option still loses a step's work
     assert last_copy_loss(safe.plan, domains, safe.step_latency_s) == 0.0
+    assert last_copy_loss(target.plan, domains, target.step_latency_s) > 0.0
     trainers = _trainer_replicas(safe.plan)
     assert all(any(set(r) <= domains.reserved for r in reps) for reps in trainers.values())
     assert safe.step_latency_s > target.step_latency_s  # slower, but safe
-    first = "reserved" if safe.expected_s < target.expected_s else "target"
-    assert options[0].label == first == ("reserved" if rate == 20.0 else "target")
+    assert floor.risk_s == 0.0 and {g for c in floor.plan.candidates for g in c.gpus} <= domains.reserved
+    assert floor.step_latency_s > safe.step_latency_s
+    assert options[0].label == min((target, safe, floor), key=lambda o: o.expected_s).label == first
 
 
 def test_no_reserved_option_without_risk_or_under_a_policys_own_holds() -> None:

@@ -34,6 +34,7 @@ from nereus.control.ahead import MemoryAhead
 from nereus.control.fallback import in_place_instead
 from nereus.control.options import Options, Planner
 from nereus.control.policy import POLICIES, ControllerConfig, policy_config
+from nereus.control.settling import PoolAge
 from nereus.control.telemetry import Telemetry
 from nereus.control.transition_cost import (
     DagEstimator,
@@ -100,8 +101,10 @@ class Controller:
         self.planner = partial(search, cache=self.plan_cache) if planner is search else planner
         self.estimator = estimator or DagEstimator()
         self.options = Options(
-            self.planner, cluster, self.domains, self.config.restart_s, self.config.fallback_tolerance
-        )
+            self.planner, cluster, self.domains, self.config.restart_s, self.config.fallback_tolerance,
+            offer_floor=not self.config.hold_layouts,  # static's DP follows the pool
+        )  # fmt: skip
+        self.pool_age = PoolAge(self.domains)  # how settled the pool is (``nereus.control.settling``)
         self.headroom = headroom
         self.state = State.STEADY
         self.decisions: list[Decision] = []
@@ -186,6 +189,8 @@ class Controller:
         plan_gpus = frozenset(g for c in self.plan.candidates for g in c.gpus)
         violation = plan_gpus <= frozenset(t.pool) and self._over_capacity_ahead(self._seq(t))
         fired = self.monitor.observe(t, plan_gpus, violation)
+        settled = self.pool_age.trigger(t, plan_gpus, self.monitor.horizon_now(POOL, t.step))
+        fired += [settled] if settled is not None and not fired else []
         if self.config.period and (t.step + 1) % self.config.period == 0:
             fired.append(Trigger(TriggerKind.PERIODIC, "timer", t.step, t.step, float(self.config.period)))
         fired = [f for f in fired if f.urgent or f.kind in self.config.replan_on]
@@ -204,14 +209,17 @@ class Controller:
         self._fold(t)
 
     def _fold(self, t: Telemetry) -> None:
-        """What every step's telemetry changes: the length growth and calibration."""
+        """What every step's telemetry changes: the length growth, calibration and the pool's
+        age (the options are priced at it)."""
         self._growth, self._last_len = self._grown(t.seq_len_mean), t.seq_len_mean
+        self.options = self.options.at(self.pool_age.observe(t))
         self._calibrate(t)
 
     def commit(self, t: Telemetry, decision: Decision) -> Decision:
         """``decision`` (``replan`` on ``t``) taken: new trigger references, a rejected target
         remembered, the decision logged, and the state it leads to."""
         self.monitor.reset(t)
+        self.pool_age.priced(t.time_s)
         self._deferred = self._deferral(decision)
         self.decisions.append(decision)
         if decision.verdict is Verdict.ADMIT:

@@ -8,9 +8,14 @@ it, plans a little slower whose transitions are cheaper or safer:
 * ``hold-layouts``: the running layouts with only DP and GPUs changed;
 * ``relayout:<stage>``: one stage re-laid-out, the others' layouts kept;
 
-those last two only within ``fallback_tolerance`` of S*'s latency. Every option carries its
-expected restart seconds per step (``nereus.control.risk``): the probability that a trainer loses
-its last replica within a step, times the restart's seconds.
+* ``floor``: the best plan on the reserved GPUs alone, where S* risks losing work — nothing on
+  it is ever revoked, which pays while the pool is unsettled (right after it changed);
+
+those two only within ``fallback_tolerance`` of S*'s latency (``hold-layouts``, ``relayout``).
+Every option carries its expected seconds lost per step (``nereus.control.risk``): the work of
+steps that lose a GPU, and the restart when a trainer loses its last replica. ``since_s`` (the
+seconds since the pool last changed, where the controller knows it) sets how unsettled the pool
+is.
 
 Pure: the planner is passed in.
 """
@@ -18,12 +23,12 @@ Pure: the planner is passed in.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nereus.control.admission import Option
 from nereus.control.fallback import held_layouts
 from nereus.control.reserved import reserved_option
-from nereus.control.risk import last_copy_loss, restart_seconds
+from nereus.control.risk import last_copy_loss, lost_work, restart_seconds
 from nereus.errors import InfeasibleError
 from nereus.plan.evaluate import price, shapes_of
 from nereus.plan.layout import Layout, Plan
@@ -44,10 +49,18 @@ class Options:
     domains: FailureDomains | None  # None: no GPU is revocable, no plan risks a restart
     relaunch_s: float  # a restart's relaunch seconds (reading the checkpoint comes on top)
     tolerance: float  # how much slower than S* a cheaper-to-reach option may be
+    since_s: float | None = None  # seconds since the pool last changed (None: unknown, mean rate)
+    offer_floor: bool = True  # offer the reserved floor (a policy whose DP follows the pool does not)
 
     def __post_init__(self) -> None:
         if not (self.tolerance >= 0 and self.relaunch_s >= 0):
             raise ValueError(f"tolerance and relaunch_s must be ≥ 0, got {self.tolerance}, {self.relaunch_s}")
+        if self.since_s is not None and not self.since_s >= 0:
+            raise ValueError(f"since_s must be ≥ 0 or None, got {self.since_s}")
+
+    def at(self, since_s: float | None) -> Options:
+        """These options priced ``since_s`` seconds after the pool last changed."""
+        return self if since_s == self.since_s else replace(self, since_s=since_s)
 
     def around(self, problem: PlanningProblem, running: Plan, label: str = "target") -> list[Option]:
         """S*, then the slightly slower plans whose transitions from ``running`` are cheaper:
@@ -56,9 +69,9 @@ class Options:
         if best is None:
             return []
         options = [best]
-        safe = reserved_option(problem, best, self.domains, self.plan)
-        if safe is not None:  # a copy of every trainer kept safe: first where it is expected faster
-            options = [safe, best] if safe.expected_s < best.expected_s else [best, safe]
+        for safe in (reserved_option(problem, best, self.domains, self.plan), self.floor(problem, best)):
+            if safe is not None:  # kept safe: first where it is expected faster
+                options = [safe, *options] if safe.expected_s < options[0].expected_s else [*options, safe]
         current = {c.model_stage: c.layout for c in running.candidates}
         holds: list[tuple[str, dict[str, Layout]]] = [("hold-layouts", dict(current))]
         for stage in running.workflow.stages:
@@ -86,12 +99,24 @@ class Options:
         latency = result.step_latency_s
         return Option(label, result.plan, latency, self.risk(result.plan, latency, problem))
 
+    def floor(self, problem: PlanningProblem, best: Option) -> Option | None:
+        """The best plan on the pool's reserved GPUs alone (labelled "floor") where ``best``
+        risks losing work and the pool has both kinds; None otherwise or if nothing fits."""
+        if not self.offer_floor or self.domains is None or best.risk_s <= 0:
+            return None
+        reserved = tuple(g for g in problem.pool if g in self.domains.reserved)
+        if not reserved or len(reserved) == len(problem.pool):
+            return None
+        return self.plan(replace(problem, pool=reserved), "floor")
+
     def risk(self, plan: Plan, step_s: float, problem: PlanningProblem) -> float:
-        """Expected restart seconds per step: a trainer losing every replica within a step."""
+        """Expected seconds lost per step: the work of a step that loses a GPU, and a restart
+        when a trainer loses every replica (``nereus.control.risk``)."""
         if self.domains is None or not self.domains.at_risk:
             return 0.0
-        p = last_copy_loss(plan, self.domains, step_s)
-        return p * self.restart_seconds(plan, problem) if p > 0 else 0.0
+        lost = lost_work(plan, self.domains, step_s, self.since_s)
+        p = last_copy_loss(plan, self.domains, step_s, self.since_s)
+        return lost + (p * self.restart_seconds(plan, problem) if p > 0 else 0.0)
 
     def restart_seconds(self, plan: Plan, problem: PlanningProblem) -> float:
         """What restarting ``plan`` from its checkpoint costs: relaunch and state read."""

@@ -31,6 +31,7 @@ class TriggerKind(StrEnum):
     DRIFT = "drift"  # a signal moved more than δ from its reference
     PERIODIC = "periodic"  # a periodic policy's timer
     DEFERRED = "deferred"  # a rejected target would now pay back: the signal stayed stable
+    SETTLED = "settled"  # the pool has settled since GPUs were left idle (nereus.control.settling)
 
     @property
     def urgent(self) -> bool:
@@ -60,6 +61,8 @@ class Trigger:
             return "oom: the last step ran out of memory"
         if self.kind is TriggerKind.DEFERRED:
             return f"deferred: {self.signal} stable for H = {self.horizon_steps:.3g} steps"
+        if self.kind is TriggerKind.SETTLED:
+            return f"settled: pool unchanged for {self.value:.4g} s"
         return f"{self.kind.value} every {self.horizon_steps:g} steps"
 
 

@@ -7,6 +7,7 @@ Format (``shared/data/traces/spot/*.json``): ``{"metadata": {"gap_seconds": 300}
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import random
@@ -19,6 +20,8 @@ from nereus.spec.files import MAX_DATA_BYTES, brief, load_json
 
 MIN_GAP_S, MAX_GAP_S = 1e-3, 1e9  # seconds per tick
 MAX_COUNT = 1 << 20  # instances in one tick
+AGE_BINS = (0, 1, 2, 4, 8, 16, 32, 64)  # ticks since the pool last changed: each bin's first
+AGE_PRIOR_EVENTS = 2.0  # pseudo-events at the mean rate that each age bin's estimate starts from
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,14 +149,41 @@ class GpuSupply:
         hours = sum(1 for a in held[:-1] if a > 0) * self.trace.gap_seconds / self.speedup / 3600.0
         return (len(fractions) / hours if hours > 0 else 0.0), fractions
 
+    def age_factors(self) -> tuple[tuple[float, float], ...]:
+        """The revocation rate by the time since the pool last changed, relative to the mean
+        (``FailureDomains.age_factors``), from the trace's history: ticks holding revocable
+        instances binned by their age in ticks (0, 1, 2–3, 4–7, … , ≥ 64), each bin's drops per
+        tick over the mean's, shrunk toward 1 by ``AGE_PRIOR_EVENTS`` pseudo-events so a thin
+        bin says little. In simulated seconds."""
+        held = self._held_revocable()
+        exposed, drops = [0] * len(AGE_BINS), [0] * len(AGE_BINS)
+        age = 0
+        for a, b in itertools.pairwise(held):
+            if a > 0:
+                k = bisect.bisect_right(AGE_BINS, age) - 1
+                exposed[k] += 1
+                drops[k] += b < a
+            age = 0 if b != a else age + 1
+        ticks = sum(exposed)
+        if ticks == 0 or sum(drops) == 0:
+            return ()
+        mean = sum(drops) / ticks
+        tick_s = self.trace.gap_seconds / self.speedup
+        return tuple(
+            (lo * tick_s, (d + AGE_PRIOR_EVENTS) / (n * mean + AGE_PRIOR_EVENTS))
+            for lo, n, d in zip(AGE_BINS, exposed, drops, strict=True)
+        )
+
     def domains(self) -> FailureDomains:
         """The reserved floor's GPUs and the trace's revocation history, as the planner knows
-        them: the correlated model (events and their sizes), with the per-instance rate too."""
+        them: the correlated model (events and their sizes), with the per-instance rate and the
+        rate's dependence on the time since the pool last changed too."""
         reserved = frozenset(range(self.reserved_instances * self.gpus_per_instance))
         events, fractions = self.revocation_events()
         return FailureDomains(
-            reserved, self.gpus_per_instance, self.revocations_per_hour(), events, fractions
-        )
+            reserved, self.gpus_per_instance, self.revocations_per_hour(), events, fractions,
+            self.age_factors(),
+        )  # fmt: skip
 
     def pool_at(self, time_s: float) -> tuple[int, ...]:
         g = self.gpus_per_instance

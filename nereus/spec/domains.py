@@ -13,7 +13,14 @@ things follow (issue 19, paper-notes §2.9):
   so a revocation never takes a trainer's last copy and the job moves in place instead of
   restarting from a checkpoint;
 * admission prices what a plan still risks: the probability that some trainer loses every copy
-  during a step, times the seconds a restart costs.
+  during a step, times the seconds a restart costs, and the step's own work, lost when any of its
+  GPUs goes (``any_lost_probability``).
+
+Spot capacity is least stable right after the pool changed: the shipped AWS traces drop 10–20%
+of ticks within the first few after a change and ~1% after hours of calm. ``age_factors`` carries
+that as a piecewise-constant multiplier of the rate by the time since the pool last changed
+(estimated from a trace's history by ``nereus.sim.trace``); a caller that knows that time passes
+it as ``since_s``, one that does not gets the mean rate.
 
 Pure: no clocks, no I/O; GPU ids are the cluster's global ids.
 """
@@ -23,7 +30,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 MAX_RATE_PER_HOUR = 1e6
@@ -42,6 +49,8 @@ class FailureDomains:
     revocations_per_hour: float = 0.0
     events_per_hour: float = 0.0  # correlated model (used when event_fractions is not empty)
     event_fractions: tuple[float, ...] = ()  # share of the revocable instances each event took
+    # (seconds since the pool last changed, rate multiplier) from that age on; () = always 1
+    age_factors: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "reserved", frozenset(self.reserved))
@@ -58,6 +67,19 @@ class FailureDomains:
             raise ValueError(f"events_per_hour must be in [0, {MAX_RATE_PER_HOUR:g}], got {events}")
         if any(not 0.0 < f <= 1.0 for f in self.event_fractions):
             raise ValueError("event_fractions must lie in (0, 1]")
+        ages = tuple((float(a), float(m)) for a, m in self.age_factors)
+        object.__setattr__(self, "age_factors", ages)
+        if ages and (
+            ages[0][0] != 0.0
+            or any(b[0] <= a[0] for a, b in itertools.pairwise(ages))
+            or not all(
+                math.isfinite(a) and math.isfinite(m) and 0.0 <= m <= MAX_RATE_PER_HOUR for a, m in ages
+            )
+        ):
+            raise ValueError(
+                "age_factors must be (age seconds, multiplier) pairs with ages increasing from 0 "
+                f"and multipliers in [0, {MAX_RATE_PER_HOUR:g}], got {ages}"
+            )
 
     @property
     def correlated(self) -> bool:
@@ -76,29 +98,60 @@ class FailureDomains:
         """The revocable instances that ``gpus`` touch."""
         return frozenset(g // self.gpus_per_instance for g in gpus if g not in self.reserved)
 
-    def all_lost_probability(self, replicas: Iterable[Iterable[int]], seconds: float, held: int = 0) -> float:
-        """Probability that every one of ``replicas`` loses a GPU within ``seconds``, with
-        ``held`` revocable instances in the pool (the correlated model draws from them). Replicas
-        sharing an instance fail together, so they count per distinct set of instances (an
-        upper bound when sets overlap)."""
+    def exposure_hours(self, seconds: float, since_s: float | None = None) -> float:
+        """Hours at the mean rate that ``seconds`` starting ``since_s`` after the pool last
+        changed are worth: ∫ multiplier(age) d(age) over [since_s, since_s + seconds], in hours
+        (``seconds`` / 3600 where the age is unknown or no ``age_factors`` are known)."""
+        if seconds <= 0:
+            return 0.0
+        if since_s is None or not self.age_factors:
+            return seconds / 3600.0
+        start, end, total = max(0.0, since_s), max(0.0, since_s) + seconds, 0.0
+        bounds = [a for a, _ in self.age_factors[1:]] + [math.inf]
+        for (lo, factor), hi in zip(self.age_factors, bounds, strict=True):
+            total += factor * max(0.0, min(end, hi) - max(start, lo))
+        return total / 3600.0
+
+    def all_lost_probability(
+        self, replicas: Iterable[Iterable[int]], seconds: float, held: int = 0, since_s: float | None = None
+    ) -> float:
+        """Probability that every one of ``replicas`` loses a GPU within ``seconds`` (starting
+        ``since_s`` after the pool last changed, if known), with ``held`` revocable instances in
+        the pool (the correlated model draws from them). Replicas sharing an instance fail
+        together, so they count per distinct set of instances (an upper bound when sets overlap)."""
         groups = {self.revocable_instances(r) for r in replicas}
-        if not groups or frozenset() in groups or seconds <= 0:
+        hours = self.exposure_hours(seconds, since_s)
+        if not groups or frozenset() in groups or hours <= 0:
             return 0.0
         if self.correlated:
-            return self._event_loss([len(g) for g in groups], seconds, max(held, *map(len, groups)))
-        hours = seconds / 3600.0  # independent: each replica lost with any of its instances
+            sizes = [len(g) for g in groups]
+            return self._event_loss(lambda n, k: _all_drawn(n, sizes, k), hours, max(held, *sizes))
+        # independent: each replica lost with any of its instances
         return math.prod(-math.expm1(-self.revocations_per_hour * len(g) * hours) for g in groups)
 
-    def _event_loss(self, sizes: list[int], seconds: float, held: int) -> float:
-        """Events at ``events_per_hour``, each revoking ⌈f · held⌉ random instances (f from the
-        history); replicas on disjoint sets of ``sizes`` instances are all lost in an event when
-        each has an instance drawn (inclusion–exclusion over the replicas, exact)."""
+    def any_lost_probability(
+        self, gpus: Iterable[int], seconds: float, held: int = 0, since_s: float | None = None
+    ) -> float:
+        """Probability that some GPU of ``gpus`` is revoked within ``seconds`` (starting
+        ``since_s`` after the pool last changed, if known), with ``held`` revocable instances in
+        the pool: a step on ``gpus`` loses its work."""
+        touched = len(self.revocable_instances(gpus))
+        hours = self.exposure_hours(seconds, since_s)
+        if touched == 0 or hours <= 0:
+            return 0.0
+        if self.correlated:
+            return self._event_loss(lambda n, k: 1.0 - _none_drawn(n, touched, k), hours, max(held, touched))
+        return -math.expm1(-self.revocations_per_hour * touched * hours)
+
+    def _event_loss(self, hit: Callable[[int, int], float], hours: float, held: int) -> float:
+        """Events at ``events_per_hour`` over ``hours``, each revoking ⌈f · held⌉ random
+        instances (f from the history), each a loss with probability ``hit(held, drawn)``."""
         per_event = 0.0
         for f in self.event_fractions:
             k = min(held, max(1, math.ceil(f * held - 1e-9)))
-            per_event += _all_drawn(held, sizes, k)
+            per_event += hit(held, k)
         per_event /= len(self.event_fractions)
-        return -math.expm1(-self.events_per_hour * seconds / 3600.0 * per_event)
+        return -math.expm1(-self.events_per_hour * hours * per_event)
 
     @classmethod
     def from_nodes(
