@@ -14,7 +14,6 @@ The runtime (or the simulator) executes an admitted transition at the safe bound
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from enum import StrEnum
@@ -24,13 +23,13 @@ from nereus.control.action import Action, Keep, Move
 from nereus.control.admission import (
     Decision,
     Option,
-    Profit,
     Verdict,
     admit,
     payback_steps,
     restart_instead,
 )
 from nereus.control.ahead import MemoryAhead
+from nereus.control.deferral import Deferral
 from nereus.control.fallback import in_place_instead
 from nereus.control.options import Options, Planner
 from nereus.control.policy import POLICIES, ControllerConfig, policy_config
@@ -113,8 +112,7 @@ class Controller:
         self.first_layouts = {c.model_stage: c.layout for c in plan.candidates}
         self._growth = 1.0  # EMA of the per-step growth of the mean response length
         self._last_len: float | None = None
-        # a rejected, profitable-someday target: (signals that fired, payback in steps)
-        self._deferred: tuple[tuple[str, ...], float] | None = None
+        self.deferral = Deferral()  # a rejected, profitable-someday target (``nereus.control.deferral``)
         # the memory checks ahead of the running plan, valid while the calibration they were
         # priced with holds (``_calibrate`` forgets them)
         self._ahead: MemoryAhead | None = None
@@ -194,8 +192,8 @@ class Controller:
         if self.config.period and (t.step + 1) % self.config.period == 0:
             fired.append(Trigger(TriggerKind.PERIODIC, "timer", t.step, t.step, float(self.config.period)))
         fired = [f for f in fired if f.urgent or f.kind in self.config.replan_on]
-        if not fired and self._deferred is not None:
-            fired = self._deferred_trigger(t.step)
+        if not fired:
+            fired = self.deferral.trigger(self.monitor, t.step, self.config.rule.gamma)
         return fired
 
     def fold(self, t: Telemetry) -> None:
@@ -220,7 +218,7 @@ class Controller:
         remembered, the decision logged, and the state it leads to."""
         self.monitor.reset(t)
         self.pool_age.priced(t.time_s)
-        self._deferred = self._deferral(decision)
+        self.deferral.after(decision, self.config.rule)
         self.decisions.append(decision)
         if decision.verdict is Verdict.ADMIT:
             self.state, self.pending = State.TRANSITIONING, decision
@@ -243,16 +241,6 @@ class Controller:
         if self._ahead is None or self._ahead.plan is not self.plan:
             self._ahead = MemoryAhead(self.plan)
         return self._ahead.over_capacity(seq, lambda s: self.problem(self.plan.pool, s))
-
-    def _deferred_trigger(self, step: int) -> list[Trigger]:
-        """Re-admit a rejected target once its signals have been stable long enough to repay it:
-        H grows with the steps a signal has held still (``Horizon.effective``)."""
-        assert self._deferred is not None
-        signals, payback = self._deferred
-        h = min(self.monitor.horizon_now(s, step) for s in signals)
-        if payback > self.config.rule.gamma * h:
-            return []
-        return [Trigger(TriggerKind.DEFERRED, ",".join(signals), h, payback, h)]
 
     def transition_done(self, measured_s: float, moving_s: float | None = None) -> None:
         """The admitted transition finished in ``measured_s`` (``moving_s`` of it moving state,
@@ -425,22 +413,6 @@ class Controller:
             estimates[index] = staged(problem, estimates[index])
             if estimates[index].feasible:
                 return index, reason
-
-    def _deferral(self, d: Decision) -> tuple[tuple[str, ...], float] | None:
-        """After a payback rejection, what to wait for: the fired signals and the payback."""
-        if (
-            d.verdict is not Verdict.KEEP
-            or d.payback_steps is None
-            or self.config.rule.profit is not Profit.PAYBACK
-        ):
-            return None
-        if self.config.rule.gamma <= 0 or not math.isfinite(d.payback_steps):
-            return None
-        signals = tuple(
-            sorted({t.signal for t in d.triggers if not t.urgent and t.kind is not TriggerKind.DEFERRED})
-        )
-        previous = self._deferred[0] if self._deferred else ()
-        return (signals or previous, d.payback_steps) if (signals or previous) else None
 
     def _held_instead(
         self, problem: PlanningProblem, restart: Decision, expected: float, h: float,
