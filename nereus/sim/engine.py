@@ -31,17 +31,16 @@ from nereus.control.controller import Controller, policy_config
 from nereus.control.telemetry import Telemetry
 from nereus.control.transition_cost import FixedCosts
 from nereus.errors import InfeasibleError
-from nereus.plan.calibration import CalibrationStore, Efficiencies, Measurement
+from nereus.plan.calibration import Efficiencies, Measurement
 from nereus.plan.evaluate import ideal_shapes, price, shapes_of
 from nereus.plan.layout import Layout, Plan
-from nereus.plan.links import Links
 from nereus.plan.problem import PlanningProblem, SearchSpace, SeqStats
 from nereus.plan.search import search
-from nereus.plan.sweep import measurements, probes, seconds_spent
 from nereus.sim.moving import engine_of, true_moving_seconds
-from nereus.sim.observe import pair, quiet_truth
+from nereus.sim.observe import merged, pair, quiet_truth, steady_step
 from nereus.sim.records import Scenario, SimulationError, StepRecord, Summary
-from nereus.sim.truth import PARAMS, Hardware, StageResult, collectives
+from nereus.sim.seeding import Seeding
+from nereus.sim.truth import PARAMS, Hardware, StageResult
 from nereus.sim.truth.asynchrony import AsyncStep, Pipeline, sync_step, weight_sync_seconds
 from nereus.spec.workload import ExecutionMode, Role, Stage
 
@@ -68,10 +67,7 @@ class _Run:
         self.t = 0.0
         self.controller: Controller | None = None
         self.layouts_seen: list[dict[str, Layout]] = []  # every plan's layouts, in order
-        self._seed: list[tuple[Measurement, ...]] | None = None  # the oracle's probe of the truth
-        self._seed_memory: list[tuple[Stage, float, float]] = []
-        self._swept: tuple[Measurement, ...] | None = None  # the start-up collective sweep
-        self.sweep_s = 0.0  # what it took (charged to the first step)
+        self.seeding = Seeding(scenario, self.hw, probe=self.free)  # ``nereus.sim.seeding``
         async_mode = scenario.workload.mode is ExecutionMode.ASYNC
         self.pipeline = Pipeline(scenario.max_staleness) if async_mode else None
 
@@ -80,71 +76,14 @@ class _Run:
 
     def _problem(self, pool: tuple[int, ...], seq: SeqStats) -> PlanningProblem:
         """The controller's view of the job (the first plan, before it exists: priors; the
-        oracle's: calibrated from its probe of the truth, see ``_calibration``)."""
+        oracle's: calibrated from its probe of the truth, see ``nereus.sim.seeding``)."""
         if self.controller is not None:
             return self.controller.problem(pool, seq)
         problem = PlanningProblem(
             self.s.workload, self.s.models, self.s.cluster, pool, seq, domains=self.domains
         )
-        self._sweep(pool)
-        return replace(problem, efficiencies=self._calibration(problem).efficiencies())
-
-    def _sweep(self, pool: tuple[int, ...]) -> None:
-        """The start-up collective sweep on the job's first pool (``nereus.plan.sweep``), timed
-        on the truth with the hardware's noise: what the first plan and every later one start
-        calibrated from. Once per run (a restart keeps what the job measured)."""
-        if self._swept is not None or not self.s.collective_sweep:
-            return
-        cluster = self.s.cluster
-        found = probes(pool, cluster.gpus_per_node)
-        intra, inter = cluster.intra_node_bandwidth_gbs * 1e9, cluster.inter_node_bandwidth_gbs * 1e9
-        quiet = [
-            collectives.seconds(kind.value, collectives.Group(g, k), b, intra, inter, PARAMS)
-            for kind, g, k, b in ((p.kind, p.per_node, p.nodes, p.nbytes) for p in found)
-        ]
-        timed = list(zip(found, self.hw.sweep(quiet), strict=True))
-        self._swept = tuple(measurements(Links(cluster, Efficiencies()), timed))
-        self.sweep_s = seconds_spent(timed)
-
-    def _calibration(self, problem: PlanningProblem | None = None) -> CalibrationStore:
-        """The start-up sweep's samples (every policy) and, the oracle's only, a probe of the
-        truth. The oracle probes the truth once, before its first step: it plans under the priors
-        (``problem``), runs that plan on the quiet truth (no noise, no episodes) and
-        seeds its calibration with the truth's seconds per op class against the planner's ideal
-        ones, and the truth's peak per stage against the planner's raw one. So it knows the
-        truth's per-class ratios at one plan and step-0 lengths (not how they change with shape,
-        lengths or episodes); after that it learns from telemetry as every policy does."""
-        store = CalibrationStore(self.s.cluster.name)
-        store.update(self._swept or ())
-        if not self.free:
-            return store
-        if self._seed is None and problem is not None and problem.pool:
-            self._probe(problem)
-        for ms in self._seed or []:
-            for _ in range(8):
-                store.update(ms)
-        for stage, raw, measured in self._seed_memory:
-            for _ in range(8):
-                store.update_memory(stage, raw, measured)
-        return store
-
-    def _probe(self, problem: PlanningProblem) -> None:
-        try:
-            plan = search(problem).plan
-        except InfeasibleError:
-            return  # nothing runs on this pool: no probe, priors
-        ideal = price(replace(problem, efficiencies=Efficiencies.unit()), shapes_of(plan))
-        sized = ideal_shapes(problem, shapes_of(plan))
-        quiet = self._quiet(plan, problem.seq)
-        self._seed = [
-            tuple(pair(ideal.by_class[n], r.seconds, sized[n], plan.workflow.get(n).stage is Stage.GEN))
-            for n, r in quiet.items()
-        ]
-        self._seed_memory = [
-            (plan.workflow.get(n).stage, ideal.active[n], r.peak_bytes)
-            for n, r in quiet.items()
-            if ideal.active[n] > 0
-        ]
+        self.seeding.sweep(pool)
+        return replace(problem, efficiencies=self.seeding.store(problem).efficiencies())
 
     def _quiet(self, plan: Plan, seq: SeqStats) -> dict[str, StageResult]:
         return quiet_truth(self.s.workload, self.s.models, self.s.cluster, plan, seq)
@@ -186,7 +125,7 @@ class _Run:
         stalled_s = startup_s = 0.0
         if self.controller is None:
             plan, stalled_s = self.wait_for_plan(seq)
-            startup_s = 0.0 if self.free else self.sweep_s
+            startup_s = 0.0 if self.free else self.seeding.sweep_s
             self.t += startup_s
             self.controller = Controller(
                 self.s.workload,
@@ -194,7 +133,7 @@ class _Run:
                 self.s.cluster,
                 plan,
                 self.config,
-                self._calibration(),
+                self.seeding.store(),
                 domains=self.domains,
             )
             self._started(plan)
@@ -224,38 +163,16 @@ class _Run:
         layouts = {c.model_stage: c.layout for c in plan.candidates}
         if not self.layouts_seen or self.layouts_seen[-1] != layouts:
             self.layouts_seen.append(layouts)
-        problem = replace(ctl.problem(pool, seq), efficiencies=Efficiencies.unit())
-        ideal = price(problem, shapes_of(plan))  # the planner's seconds per op class at peak
-        sized = ideal_shapes(problem, shapes_of(plan))  # and the shape of each class's work
         quiet = self._quiet(plan, seq)  # the truth's, on a quiet machine
         sync = self._weight_sync(plan, k) if self.pipeline is not None else {}
-        times, own, measurements, peaks = {}, {}, [], {}
-        for c in plan.candidates:
-            measured = self.hw.run(quiet[c.model_stage].seconds, k)  # episodes and noise on top
-            own[c.model_stage] = sum(measured.values())
-            if sync and plan.stage_of(c) is Stage.GEN:  # async: the generator's telemetry has the sync
-                measured = _merged(measured, sync)
-            times[c.model_stage] = sum(measured.values())
-            roofline = plan.stage_of(c) is Stage.GEN
-            measurements.extend(pair(ideal.by_class[c.model_stage], measured, sized[c.model_stage], roofline))
-            peaks[c.model_stage] = self.hw.peak(quiet[c.model_stage].peak_bytes)
-        wf = plan.workflow
-        pipelined: AsyncStep | None = None
-        if self.pipeline is None:
-            step_s = sync_step([times[m.name] for m in wf.by_stage(s)] for s in wf.stages)
-        else:
-            gen_s = sync_step([[own[m.name] for m in wf.by_stage(Stage.GEN)]])
-            trainer_s = sync_step(
-                [own[m.name] for m in wf.by_stage(s)] for s in wf.stages if s is not Stage.GEN
-            )
-            pipelined = self.pipeline.step(gen_s, trainer_s, sum(sync.values()))
-            step_s = pipelined.step_s
+        times, own, measurements, peaks = self._measure(plan, pool, seq, k, quiet, sync)
+        step_s, pipelined = self._step_time(plan, times, own, sync)
         predicted = price(ctl.problem(pool, seq), shapes_of(plan))  # the model's view of this step
         quiet_stage = {n: sum(r.seconds.values()) for n, r in quiet.items()}
         moved_from = None
         if decision is not None and isinstance(decision.action, Move):
             left = self._quiet(before, seq)
-            moved_from = _steady(before, {n: sum(r.seconds.values()) for n, r in left.items()})
+            moved_from = steady_step(before, {n: sum(r.seconds.values()) for n, r in left.items()})
         oom = self._oom(plan, peaks, {n: r.resident_bytes for n, r in quiet.items()})
         restart_s = 0.0
         if oom and not self.free:  # the step is lost: the job crashes and restarts from its checkpoint
@@ -285,7 +202,7 @@ class _Run:
             pipelined,
             dropped,
             predicted.step_latency_s,
-            _steady(plan, quiet_stage),
+            steady_step(plan, quiet_stage),
             dict(predicted.latency),
             quiet_stage,
             moved_from,
@@ -303,6 +220,43 @@ class _Run:
             oom,
         )
         return record, telemetry
+
+    def _measure(
+        self, plan: Plan, pool: tuple[int, ...], seq: SeqStats, k: int,
+        quiet: Mapping[str, StageResult], sync: Mapping[str, float],
+    ) -> tuple[dict[str, float], dict[str, float], list[Measurement], dict[str, float]]:  # fmt: skip
+        """Step ``k`` of ``plan`` as its workers would time it: per model-stage, the truth's
+        quiet seconds with episodes and noise (``times``, the async generator's with the weight
+        sync; ``own`` without), the calibration measurements against the planner's ideal seconds
+        per op class, and the true memory peaks."""
+        assert self.controller is not None
+        problem = replace(self.controller.problem(pool, seq), efficiencies=Efficiencies.unit())
+        ideal = price(problem, shapes_of(plan))  # the planner's seconds per op class at peak
+        sized = ideal_shapes(problem, shapes_of(plan))  # and the shape of each class's work
+        times, own, measurements, peaks = {}, {}, [], {}
+        for c in plan.candidates:
+            measured = self.hw.run(quiet[c.model_stage].seconds, k)  # episodes and noise on top
+            own[c.model_stage] = sum(measured.values())
+            if sync and plan.stage_of(c) is Stage.GEN:  # async: the generator's telemetry has the sync
+                measured = merged(measured, sync)
+            times[c.model_stage] = sum(measured.values())
+            roofline = plan.stage_of(c) is Stage.GEN
+            measurements.extend(pair(ideal.by_class[c.model_stage], measured, sized[c.model_stage], roofline))
+            peaks[c.model_stage] = self.hw.peak(quiet[c.model_stage].peak_bytes)
+        return times, own, measurements, peaks
+
+    def _step_time(
+        self, plan: Plan, times: Mapping[str, float], own: Mapping[str, float], sync: Mapping[str, float]
+    ) -> tuple[float, AsyncStep | None]:
+        """The step's seconds by the truth's step model: synchronous, each stage's slowest in
+        turn; asynchronous, the pipeline's next step (and its record)."""
+        wf = plan.workflow
+        if self.pipeline is None:
+            return sync_step([times[m.name] for m in wf.by_stage(s)] for s in wf.stages), None
+        gen_s = sync_step([[own[m.name] for m in wf.by_stage(Stage.GEN)]])
+        trainer_s = sync_step([own[m.name] for m in wf.by_stage(s)] for s in wf.stages if s is not Stage.GEN)
+        pipelined = self.pipeline.step(gen_s, trainer_s, sum(sync.values()))
+        return pipelined.step_s, pipelined
 
     def _started(self, plan: Plan) -> None:
         """The job built its first plan's engines and groups; the controller is told how long
@@ -394,30 +348,12 @@ class _Run:
 STATIC_BEST = "static-best"
 
 
-def _steady(plan: Plan, seconds: Mapping[str, float]) -> float:
-    """A plan's step from its model-stages' seconds, without waits or syncs: synchronous, each
-    stage's slowest in turn; asynchronous, generation beside inference and training."""
-    wf = plan.workflow
-    if plan.mode is not ExecutionMode.ASYNC:
-        return sync_step([seconds[m.name] for m in wf.by_stage(s)] for s in wf.stages)
-    gen = sync_step([[seconds[m.name] for m in wf.by_stage(Stage.GEN)]])
-    rest = sync_step([seconds[m.name] for m in wf.by_stage(s)] for s in wf.stages if s is not Stage.GEN)
-    return max(gen, rest)
-
-
-def _merged(a: Mapping[str, float], b: Mapping[str, float]) -> dict[str, float]:
-    out = dict(a)
-    for op, t in b.items():
-        out[op] = out.get(op, 0.0) + t
-    return out
-
-
 def simulate(scenario: Scenario, policy: str, gamma: float = 0.5) -> Summary:
     """Replay ``scenario`` under ``policy``; the per-step records are in ``Summary.records``.
 
     Two reference policies. ``oracle`` adopts the planner's best plan every step, with moves and
     restarts free (lost steps still count); its calibration starts from a probe of the quiet truth
-    on its first plan (``_Run._calibration``) and then learns from telemetry like any policy.
+    on its first plan (``nereus.sim.seeding``) and then learns from telemetry like any policy.
     ``static-best`` is the static policy (TP/PP held, DP
     follows the pool) started on the layouts that turn out best in hindsight: the static policy's
     own first layouts and each distinct set of layouts the oracle used are tried (a set the job

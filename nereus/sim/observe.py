@@ -21,6 +21,7 @@ from nereus.plan.layout import Plan
 from nereus.plan.opclass import OpClass
 from nereus.plan.problem import SeqStats
 from nereus.sim.truth import Lengths, Placement, StageResult, run_stage
+from nereus.sim.truth.asynchrony import sync_step
 from nereus.spec.cluster import ClusterSpec
 from nereus.spec.model import ModelSpec
 from nereus.spec.workload import ExecutionMode, Role, Stage, WorkloadSpec
@@ -114,4 +115,23 @@ def quiet_truth(
         own_sync = w.mode is ExecutionMode.ASYNC and ms.stage is Stage.GEN
         syncs = plan.workflow.sync_source(ms.name) is not None and not own_sync
         out[ms.name] = run_stage(model, w, cluster, ms.stage, where, w.sequences(ms), lengths, free, syncs)
+    return out
+
+
+def steady_step(plan: Plan, seconds: Mapping[str, float]) -> float:
+    """A plan's step from its model-stages' seconds, without waits or syncs: synchronous, each
+    stage's slowest in turn; asynchronous, generation beside inference and training."""
+    wf = plan.workflow
+    if plan.mode is not ExecutionMode.ASYNC:
+        return sync_step([seconds[m.name] for m in wf.by_stage(s)] for s in wf.stages)
+    gen = sync_step([[seconds[m.name] for m in wf.by_stage(Stage.GEN)]])
+    rest = sync_step([seconds[m.name] for m in wf.by_stage(s)] for s in wf.stages if s is not Stage.GEN)
+    return max(gen, rest)
+
+
+def merged(a: Mapping[str, float], b: Mapping[str, float]) -> dict[str, float]:
+    """Seconds per op class of ``a`` and ``b`` together."""
+    out = dict(a)
+    for op, t in b.items():
+        out[op] = out.get(op, 0.0) + t
     return out
