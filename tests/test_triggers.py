@@ -91,3 +91,14 @@ def test_smallest_horizon_wins() -> None:
     assert a is not None
     grow = mon.observe(tel(0), frozenset(), False) + mon.observe(tel(7, pool=(0,)), frozenset(), False)
     assert horizon([a, *grow]) == min(a.horizon_steps, grow[0].horizon_steps)
+
+
+def test_a_pool_grown_before_the_first_telemetry_fires() -> None:
+    """Workers that joined during start-up: the first telemetry already shows them. Against the
+    pool the plan was made for, that is a change (the job grows onto them); without it, none."""
+    grown = (0, 1, 2, 3)
+    mon = TriggerMonitor(pool=(0, 1))
+    assert [t.kind for t in mon.observe(tel(0, pool=grown), frozenset({0, 1}), False)] == [TriggerKind.POOL]
+    assert TriggerMonitor().observe(tel(0, pool=grown), frozenset({0, 1}), False) == []
+    same = TriggerMonitor(pool=grown)
+    assert same.observe(tel(0, pool=grown), frozenset({0, 1}), False) == []

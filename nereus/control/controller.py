@@ -108,7 +108,9 @@ class Controller:
         self.state = State.STEADY
         self.decisions: list[Decision] = []
         self.pending: Decision | None = None
-        self.monitor = TriggerMonitor(self.config.delta_len, self.config.delta_eff, self.config.ema_weight)
+        self.monitor = TriggerMonitor(
+            self.config.delta_len, self.config.delta_eff, self.config.ema_weight, pool=plan.pool
+        )
         self.first_layouts = {c.model_stage: c.layout for c in plan.candidates}
         self._growth = 1.0  # EMA of the per-step growth of the mean response length
         self._last_len: float | None = None

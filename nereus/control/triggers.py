@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -122,13 +123,21 @@ class Threshold:
 class TriggerMonitor:
     """All triggers of one job; ``observe`` once per step, ``reset`` after every replan."""
 
-    def __init__(self, delta_len: float = 0.30, delta_eff: float = 0.25, weight: float = 0.5) -> None:
+    def __init__(
+        self,
+        delta_len: float = 0.30,
+        delta_eff: float = 0.25,
+        weight: float = 0.5,
+        pool: Iterable[int] | None = None,
+    ) -> None:
+        """``pool``: the GPUs the running plan was made for, where known — a pool that grew
+        before the first telemetry (a worker joined during start-up) then fires at once."""
         self.weight = weight
         self.delta_eff = delta_eff
         self.seq_len = Threshold(SEQ_LEN, delta_len, weight)
         self.efficiency: dict[OpClass, Threshold] = {}
         self.pool_horizon = Horizon(weight)
-        self._pool: frozenset[int] | None = None
+        self._pool: frozenset[int] | None = None if pool is None else frozenset(pool)
 
     def observe(self, t: Telemetry, plan_gpus: frozenset[int], memory_violation: bool) -> list[Trigger]:
         """Triggers that fire at the end of step ``t.step`` for a plan running on ``plan_gpus``."""
