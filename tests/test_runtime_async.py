@@ -212,7 +212,10 @@ def test_staleness_zero_is_the_synchronous_run(tmp_path: Path) -> None:
     sync, asyn = rows(outs["sync"]), rows(outs["async"])
     assert [r["asynchrony"] for r in sync] == [None] * 4
     assert [r["asynchrony"]["staleness"] for r in asyn] == [0.0] * 4  # type: ignore[index]
-    assert [r["asynchrony"]["overlap_s"] for r in asyn] == [0.0] * 4  # type: ignore[index]
+    # each rank times its spans from its own exit of the step's barrier, which ranks leave up to
+    # ~0.1 ms apart on a loaded machine: a sliver of "overlap" is that skew, not concurrency (a
+    # one-step-off-policy step here overlaps by its whole generation, ~10 ms)
+    assert all(r["asynchrony"]["overlap_s"] < 2e-3 for r in asyn), asyn  # type: ignore[index]
     gen_gpus = {r["plan"]["actor.gen"].split("@")[-1] for r in asyn}  # type: ignore[index]
     assert len(gen_gpus) == 1, gen_gpus
     for a, s in zip(asyn, sync, strict=True):
