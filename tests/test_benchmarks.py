@@ -181,3 +181,36 @@ def test_fidelity_benchmark_quick(one_process: Runs) -> None:
     assert {"benchmark", "git_sha", "summary", "calibration", "verdict"} <= set(doc)
     assert {r["subset"] for r in doc["results"]} == {"calibration", "evaluation"}
     assert (out / "fidelity.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(300)
+def test_admission_windows_quick_against_itself(tmp_path: Path) -> None:
+    """The many-window comparison against HEAD (a worktree of the same code): the same windows
+    give the same simulated seconds, so the ratio is exactly 0."""
+    out = tmp_path / "windows"
+    out.mkdir()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "admission_windows.py"),
+            "--quick",
+            "--against",
+            "HEAD",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads((out / "admission-windows.json").read_text())
+    results = doc["results"]
+    assert isinstance(results, dict)
+    ((name, entry),) = results["summary"].items()
+    assert name == "a100-8-32" and entry["windows"] == 2
+    assert entry["ratio"] == 0.0 and entry["ratio_se"] == 0.0
+    assert entry["mean_step_s"] == entry["base_mean_step_s"] > 0
+    assert results["windows"] == results["base_windows"]
+    assert (out / "admission-windows.png").stat().st_size > 0
