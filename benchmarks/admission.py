@@ -18,11 +18,13 @@ paper (≈ 860 s steps on 300 s ticks with a change every ~11 ticks); larger poo
 prompts per step (512, 4,096, 16,384), as jobs at those scales do. Every policy replays the same
 windows (trace offsets) with the same seeds; a scenario's figure is the mean over its windows.
 Every policy knows the failure domains: the trace's reserved floor (``min`` GPUs, never revoked)
-and its revocation rate, so placement keeps a replica of each trainer on reserved GPUs when it
-fits and admission prices the restart a plan risks. The references: ``static-best`` (static on
-the TP/PP best in hindsight) and ``oracle`` (the best plan every step, moves and restarts free —
-see ``nereus.sim.engine.simulate``). Each policy's *share of the oracle's gain* is
-(static − policy) / (static − oracle), reported only where the oracle beats static.
+and its revocation history (rate, event sizes, and how the rate falls as the pool stays
+unchanged), so placement keeps a replica of each trainer on reserved GPUs when it fits and
+admission prices the work a step loses with a revoked GPU and the restart a plan risks. The
+references: ``static-best`` (static on the TP/PP best in hindsight) and ``oracle`` (the best
+plan every step, moves and restarts free — see ``nereus.sim.engine.simulate``). Each policy's
+*share of the oracle's gain* is (static − policy) / (static − oracle), reported only where the
+oracle beats static.
 Writes ``benchmarks/results/admission.json`` and ``admission.png``.
 """
 
