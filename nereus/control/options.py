@@ -1,17 +1,17 @@
-"""Where a replan looks: the options it weighs, each priced with the restart it risks.
+"""Where a replan looks: the options it weighs, each priced with what it risks.
 
 A replan does not only ask the planner for S*, the fastest plan. Its ``Options`` are S* and, beside
 it, plans a little slower whose transitions are cheaper or safer:
 
 * ``reserved``: the trainers' layouts shrunk until a copy of each fits the reserved GPUs
   (``nereus.control.reserved``), first where its expected step time beats S*'s;
-* ``hold-layouts``: the running layouts with only DP and GPUs changed;
-* ``relayout:<stage>``: one stage re-laid-out, the others' layouts kept;
-
 * ``floor``: the best plan on the reserved GPUs alone, where S* risks losing work — nothing on
-  it is ever revoked, which pays while the pool is unsettled (right after it changed);
+  it is ever revoked, which pays while the pool is unsettled (right after it changed); first
+  likewise where its expected step beats the first option's;
+* ``hold-layouts``: the running layouts with only DP and GPUs changed, and
+  ``relayout:<stage>``: one stage re-laid-out, the others' layouts kept — those two only within
+  ``fallback_tolerance`` of S*'s latency.
 
-those two only within ``fallback_tolerance`` of S*'s latency (``hold-layouts``, ``relayout``).
 Every option carries its expected seconds lost per step (``nereus.control.risk``): the work of
 steps that lose a GPU, and the restart when a trainer loses its last replica. ``since_s`` (the
 seconds since the pool last changed, where the controller knows it) sets how unsettled the pool
