@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from nereus.control.transition_cost import DagEstimator, FixedCosts, TransitionEstimate
+from nereus.control.transition_cost import DagEstimator, FixedCosts, TransitionEstimate, communicators
 from nereus.sim.engine import _Run
 from nereus.sim.moving import engine_of
 from nereus.sim.truth import PARAMS
@@ -26,33 +26,64 @@ G, INF, T = Stage.GEN, Stage.INF, Stage.TRAIN
 
 
 def test_fixed_costs_average_each_kind_over_the_model_stages_that_built_one() -> None:
-    f = FixedCosts.of([G, INF, INF, T], [30.0, 6.0, 0.0, 10.0], [1.0, 2.0, 3.0, 2.0])
+    one = (1, 1, 4)  # every model-stage forms one DP communicator of 4 ranks
+    f = FixedCosts.of([G, INF, INF, T], [30.0, 6.0, 0.0, 10.0], [1.0, 2.0, 3.0, 2.0], [one] * 4)
     assert f.gen_rebuild_s == 30.0
     assert f.other_rebuild_s == pytest.approx(8.0)  # the inference engine not built here is not a 0
-    assert f.regroup_s == pytest.approx(2.0)
-    none = FixedCosts.of([INF, T], [5.0, 7.0], [0.0, 0.0])
-    assert none.gen_rebuild_s is None and none.regroup_s is None and none.other_rebuild_s == 6.0
+    assert f.communicator_s == pytest.approx(2.0) and f.per_rank_s is None  # one width: no b
+    none = FixedCosts.of([INF, T], [5.0, 7.0], [0.0, 0.0], [one, one])
+    assert none.gen_rebuild_s is None and none.communicator_s is None and none.other_rebuild_s == 6.0
+    single = FixedCosts.of([INF], [5.0], [0.3], [(1, 1, 1)])  # one GPU: no communicator to learn from
+    assert single.communicator_s is None
+
+
+def test_fixed_costs_split_a_communicator_into_its_handshake_and_its_ranks() -> None:
+    """Forming a communicator costs a + b · ranks: a start-up whose model-stages form
+    communicators of different widths tells a and b apart (one per parallel dimension wider than
+    one rank, joined in turn)."""
+    a, b = 0.4, 0.02
+    degrees = [(8, 1, 4), (1, 1, 64), (2, 2, 1), (4, 1, 1)]
+    group_s = [sum(a + b * d for d in g if d > 1) for g in degrees]
+    f = FixedCosts.of([G, INF, T, INF], [9.0, 1.0, 1.0, 1.0], group_s, degrees)
+    assert f.communicator_s == pytest.approx(a) and f.per_rank_s == pytest.approx(b)
+    assert communicators((8, 1, 4)) == (2, 12) and communicators((1, 1, 1)) == (0, 0)
+    assert "+ 20.00 ms per rank" in f.describe()
+
+
+def test_a_wide_regroup_is_priced_above_a_narrow_one() -> None:
+    """Seeded with a and b, regrouping a model-stage whose DP spans 256 ranks is priced at what
+    its 256-rank communicator costs, not at a count of regrouped model-stages."""
+    e = DagEstimator()
+    e.seed(FixedCosts(30.0, 1.0, 0.5, 0.05))
+    narrow = TransitionEstimate(1.0, 0.0, True, features=(1.0, 0.0, 0.0, 2.0, 12.0))  # tp 8, dp 4
+    wide = TransitionEstimate(1.0, 0.0, True, features=(1.0, 0.0, 0.0, 1.0, 256.0))  # dp 256
+    assert float(e.weights @ narrow.features) == pytest.approx(1.0 + 2 * 0.5 + 12 * 0.05)
+    assert float(e.weights @ wide.features) == pytest.approx(1.0 + 0.5 + 256 * 0.05)
+    with pytest.raises(ValueError, match="features needs 5 values"):
+        TransitionEstimate(1.0, 0.0, True, features=(1.0, 0.0, 0.0, 1.0))
 
 
 @pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf])
 def test_fixed_costs_refuse_what_is_not_seconds(bad: float) -> None:
     with pytest.raises(ValueError, match=r"FixedCosts\.gen_rebuild_s"):
         FixedCosts(bad, 1.0, 1.0)
-    with pytest.raises(ValueError, match="3 stages, 2 build"):
-        FixedCosts.of([G, INF, T], [1.0, 2.0], [1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="3 stages, 2 build times"):
+        FixedCosts.of([G, INF, T], [1.0, 2.0], [1.0, 1.0, 1.0], [(1, 1, 2)] * 3)
+    with pytest.raises(ValueError, match=r"FixedCosts\.per_rank_s"):
+        FixedCosts(1.0, 1.0, 1.0, -0.1)
 
 
 def test_a_seeded_estimator_prices_rebuilds_until_transitions_measure_them() -> None:
-    rebuild = TransitionEstimate(2.0, 0.0, True, features=(2.0, 1.0, 1.0, 2.0))
+    rebuild = TransitionEstimate(2.0, 0.0, True, features=(2.0, 1.0, 1.0, 2.0, 8.0))
     e = DagEstimator()
     assert float(e.weights @ rebuild.features) == pytest.approx(2.0)  # unseeded: rebuilds are free
     e.seed(FixedCosts(30.0, 8.0, None))
     assert float(e.weights @ rebuild.features) == pytest.approx(2.0 + 30.0 + 8.0)  # regroups unmeasured
-    for _ in range(4):  # in truth, a generation rebuild costs 12 s here and a regroup 1 s
+    for _ in range(4):  # in truth, a generation rebuild costs 12 s here and a communicator 1 s
         e.observe(rebuild, 2.0 + 12.0 + 8.0 + 2.0)
     learned = e.weights.copy()
     assert float(learned @ rebuild.features) == pytest.approx(24.0, rel=0.05)
-    e.seed(FixedCosts(60.0, 60.0, 60.0))  # a later start-up (a restart) does not undo what was learned
+    e.seed(FixedCosts(60.0, 60.0, 60.0, 1.0))  # a later start-up (a restart) does not undo what was learned
     assert (e.weights == learned).all()
     assert (e.weights >= 0).all()
 
@@ -64,14 +95,16 @@ def test_the_simulated_job_tells_its_controller_what_its_start_up_builds_took() 
     run.step(0, None)
     assert run.controller is not None
     w = run.controller.estimator.weights  # type: ignore[attr-defined]
-    assert w[0] == 1.0
+    assert w[0] == pytest.approx(1.0)
     plan = run.controller.plan
     engines = [engine_of(plan, c.model_stage, run.s.models) for c in plan.candidates]
     gen = [build_seconds(e, False, PARAMS) for e in engines if e.stage == "gen"]  # compile caches cold
-    groups = [g for g in (regroup_seconds(e, PARAMS) for e in engines) if g > 0]
     assert w[1] == pytest.approx(sum(gen) / len(gen), rel=0.15)
     assert w[2] == pytest.approx(PARAMS.module_setup_s, rel=0.15)  # inference and training engines
-    assert w[3] == pytest.approx(sum(groups) / len(groups), rel=0.15)
+    # a and b of a communicator reproduce what forming the start-up's groups took, in all
+    degrees = [(c.layout.tp, c.layout.pp, c.dp) for c in plan.candidates]
+    fitted = sum(w[3] * n + w[4] * r for n, r in map(communicators, degrees))
+    assert fitted == pytest.approx(sum(regroup_seconds(e, PARAMS) for e in engines), rel=0.15)
 
 
 def test_moves_are_priced_near_what_they_take_from_the_first_one_on() -> None:

@@ -8,12 +8,17 @@ list schedule's makespan (bytes over links, shared-link contention, communicator
 
 Transitions also pay costs bytes do not explain: rebuilding an engine for a new layout,
 re-forming process groups. The estimate is w · (DAG makespan, generation rebuilds, other rebuilds,
-regroups), where every changed model-stage regroups (a re-laid-out one as well as one whose DP
-changed: its groups are new either way, and the start-up measures groups and engines apart), w
-fitted by non-negative least squares to the measured transitions
-(``DagEstimator``), starting from the pure DAG model w = (1, 0, 0, 0) — or, once the job reports
-what building its engines and groups took at start-up (``FixedCosts``, ``DagEstimator.seed``),
-from those seconds: a first move is then priced with the rebuilds it will pay, not as free. At a
+communicators formed, their ranks), where every changed model-stage regroups (a re-laid-out one
+as well as one whose DP changed: its groups are new either way, and the start-up measures groups
+and engines apart). A rank of a regrouped model-stage joins one communicator per parallel
+dimension (TP, PP, DP) wider than one rank, in turn, and initialising one costs a + b · ranks (a
+fixed handshake, and a bootstrap that exchanges every rank's address): at 1,024 GPUs a DP group
+spans hundreds of ranks and forming it costs several times what a TP group of 8 does, which a
+count of regroups cannot price. w is fitted by non-negative least squares to the measured
+transitions (``DagEstimator``), starting from the pure DAG model w = (1, 0, 0, 0, 0) — or, once
+the job reports what building its engines and groups took at start-up (``FixedCosts``,
+``DagEstimator.seed``), from those seconds: a first move is then priced with the rebuilds it will
+pay, not as free. At a
 boundary where the job's world re-forms anyway (a worker joined or left), every engine and group
 is rebuilt whether the plan changes or not: those costs are sunk, the features count the DAG
 alone (``sunk``), and the fit learns from the DAG's measured seconds only.
@@ -22,7 +27,7 @@ alone (``sunk``), and the fit learns from the DAG's measured seconds only.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -33,6 +38,8 @@ from nereus.plan.problem import PlanningProblem
 from nereus.spec.workload import Stage
 from nereus.transition import NoSourceError, Transition
 from nereus.transition.between import ROOMY, Priced, fit_staging, price_transition
+
+FEATURES = 5  # DAG makespan, generation rebuilds, other rebuilds, communicators, their ranks
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,11 +52,16 @@ class TransitionEstimate:
     resharded: tuple[str, ...] = ()  # model-stages whose (tp, pp) changes
     moved_bytes: float = 0.0
     per_gpu_seconds: Mapping[int, float] = field(default_factory=dict)  # when each GPU is done
-    # what the fitted cost model multiplies: (DAG makespan s, generation rebuilds, other rebuilds, regroups)
-    features: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    # what the fitted cost model multiplies: (DAG makespan s, generation rebuilds, other rebuilds,
+    # communicators formed, the ranks of those communicators)
+    features: tuple[float, ...] = (0.0,) * 5
     priced: Priced | None = None  # what was priced: a class plan, or the DAG and schedule a move runs
     sunk: bool = False  # rebuilds and regroups happen anyway (the world re-forms): not charged
     dag_weight: float = 1.0  # the fitted weight on the DAG makespan ``seconds`` was priced with
+
+    def __post_init__(self) -> None:
+        if len(self.features) != FEATURES:
+            raise ValueError(f"TransitionEstimate.features needs {FEATURES} values, got {self.features}")
 
     @property
     def transition(self) -> Transition | None:
@@ -57,30 +69,60 @@ class TransitionEstimate:
         return self.priced.transition if self.priced is not None else None
 
 
+def communicators(degrees: Iterable[int]) -> tuple[int, int]:
+    """The communicators a rank of a model-stage with parallel ``degrees`` (TP, PP, DP) joins,
+    one per dimension wider than one rank, and their ranks summed."""
+    wide = [d for d in degrees if d > 1]
+    return len(wide), sum(wide)
+
+
+def regroup_features(plan: Plan, names: Iterable[str]) -> tuple[float, float]:
+    """(communicators, their ranks) that regrouping the model-stages ``names`` of ``plan`` forms."""
+    count = ranks = 0
+    for name in names:
+        c = plan.candidate(name)
+        n, r = communicators((c.layout.tp, c.layout.pp, c.dp))
+        count, ranks = count + n, ranks + r
+    return float(count), float(ranks)
+
+
 @dataclass(frozen=True, slots=True)
 class FixedCosts:
     """What a transition pays beyond moving bytes, as the job measured it at start-up: seconds to
-    build one generation engine, one engine of another stage, and to form one model-stage's
-    process groups. ``None``: not measured (no engine of that kind was built)."""
+    build one generation engine, one engine of another stage, and, per communicator a rank
+    joins, the fixed seconds of its initialisation and the seconds per rank it spans.
+    ``None``: not measured (no engine of that kind was built, no group formed; per rank: the
+    start-up's groups could not tell the two apart)."""
 
     gen_rebuild_s: float | None
     other_rebuild_s: float | None
-    regroup_s: float | None
+    communicator_s: float | None
+    per_rank_s: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("gen_rebuild_s", "other_rebuild_s", "regroup_s"):
+        for name in ("gen_rebuild_s", "other_rebuild_s", "communicator_s", "per_rank_s"):
             v = getattr(self, name)
             if v is not None and not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"FixedCosts.{name} must be a finite number of seconds ≥ 0, got {v!r}")
 
     @classmethod
-    def of(cls, stages: Sequence[Stage], build_s: Sequence[float], group_s: Sequence[float]) -> FixedCosts:
+    def of(
+        cls,
+        stages: Sequence[Stage],
+        build_s: Sequence[float],
+        group_s: Sequence[float],
+        degrees: Sequence[tuple[int, int, int]],
+    ) -> FixedCosts:
         """From one start-up, per model-stage: its stage, the seconds its slowest rank took to
         build its engine (0: none built, e.g. a rank held none of its units) and to form its
-        groups. Each kind's cost is the mean over the model-stages that built one."""
-        if not len(stages) == len(build_s) == len(group_s):
+        groups, and its (TP, PP, DP). Each engine kind's cost is the mean over the model-stages
+        that built one; the communicators' a and b are the non-negative least-squares fit of the
+        group times to (communicators, ranks) — b stays unknown unless the start-up formed
+        communicators of different widths."""
+        if not len(stages) == len(build_s) == len(group_s) == len(degrees):
             raise ValueError(
-                f"FixedCosts.of: {len(stages)} stages, {len(build_s)} build and {len(group_s)} group times"
+                f"FixedCosts.of: {len(stages)} stages, {len(build_s)} build times, "
+                f"{len(group_s)} group times and {len(degrees)} layouts"
             )
 
         def mean(xs: list[float]) -> float | None:
@@ -89,20 +131,30 @@ class FixedCosts:
 
         gen = [b for s, b in zip(stages, build_s, strict=True) if s is Stage.GEN]
         other = [b for s, b in zip(stages, build_s, strict=True) if s is not Stage.GEN]
-        return cls(mean(gen), mean(other), mean(list(group_s)))
+        rows = [(*communicators(d), g) for d, g in zip(degrees, group_s, strict=True) if g > 0]
+        rows = [r for r in rows if r[0] > 0]  # a model-stage of one GPU forms no communicator
+        if not rows:
+            return cls(mean(gen), mean(other), None)
+        widths = {r / n for n, r, _ in rows}
+        if len(widths) < 2:  # one width: a and b cannot be told apart, a takes it all
+            return cls(mean(gen), mean(other), sum(g for *_, g in rows) / sum(n for n, *_ in rows))
+        x = np.array([r[:2] for r in rows], dtype=np.float64)
+        a, b = nonnegative_lstsq(x, np.array([r[2] for r in rows], dtype=np.float64))
+        return cls(mean(gen), mean(other), float(a), float(b))
 
     def describe(self) -> str:
         def s(v: float | None) -> str:
             return "none built" if v is None else f"{v:.2f} s"
 
+        per_rank = "" if self.per_rank_s is None else f" + {self.per_rank_s * 1e3:.2f} ms per rank"
         return (
             f"a generation engine {s(self.gen_rebuild_s)}, another engine {s(self.other_rebuild_s)}, "
-            f"a model-stage's groups {s(self.regroup_s)}"
+            f"a communicator {s(self.communicator_s)}{per_rank if self.communicator_s is not None else ''}"
         )
 
-    def as_weights(self) -> tuple[float | None, float | None, float | None]:
+    def as_weights(self) -> tuple[float | None, ...]:
         """The estimator's fixed-cost weights, in feature order."""
-        return (self.gen_rebuild_s, self.other_rebuild_s, self.regroup_s)
+        return (self.gen_rebuild_s, self.other_rebuild_s, self.communicator_s, self.per_rank_s)
 
 
 def staged(problem: PlanningProblem, est: TransitionEstimate) -> TransitionEstimate:
@@ -149,6 +201,7 @@ class TransitionEstimator(Protocol):
 # as a share of it (a rebuild for a new layout is not exactly the first build: caches are warm,
 # imports done); a few measured transitions outweigh it
 SEED_SPREAD = 0.5
+SEED_FLOOR_SD = (0.0, 0.1, 0.1, 0.1, 0.01)  # ... and at least this (seconds; per rank: 10 ms)
 
 
 class DagEstimator:
@@ -157,24 +210,27 @@ class DagEstimator:
     The weights are the non-negative least-squares fit of the measured transitions (the newest
     ``window``, each older one down-weighted by ``forgetting``) with a Gaussian prior: the DAG's
     timing is trusted (w₀ = 1, sd 0.3), the fixed costs start at 0 with no trust (sd 100 s) or at
-    the start-up builds (``seed``, sd half of them). Solved exactly with the constraint (a
-    clipped recursive update stalls where a prior is above the truth)."""
+    the start-up builds (``seed``, sd half of them; a second per rank, sd 1 s, where the
+    start-up could not tell). Solved exactly with the constraint (a clipped recursive update
+    stalls where a prior is above the truth)."""
 
     def __init__(self, forgetting: float = 0.95, window: int = 64) -> None:
         self.forgetting, self.window = forgetting, window
-        self._prior = np.array([1.0, 0.0, 0.0, 0.0])
-        self._prior_sd = np.array([0.1**0.5, 100.0, 100.0, 100.0])  # trust the DAG, not fixed costs
+        self._prior = np.zeros(FEATURES)
+        self._prior[0] = 1.0
+        # trust the DAG, not fixed costs (a rank's share of a communicator: ≤ a second or so)
+        self._prior_sd = np.array([0.1**0.5, 100.0, 100.0, 100.0, 1.0])
         self._seen: list[tuple[np.ndarray, float]] = []  # (features, measured s), oldest first
         self.weights = self._prior.copy()
 
     def seed(self, fixed: FixedCosts) -> None:
         """Start the fixed-cost weights from the job's own start-up builds (``FixedCosts``), where
         no transition has measured them yet; the DAG's weight is kept."""
-        learned = [any(f[i] for f, _ in self._seen) for i in range(4)]
+        learned = [any(f[i] for f, _ in self._seen) for i in range(FEATURES)]
         for i, v in enumerate(fixed.as_weights(), start=1):
             if v is None or learned[i]:  # not measured, or a transition measured it already
                 continue
-            self._prior[i], self._prior_sd[i] = v, max(SEED_SPREAD * v, 0.1)
+            self._prior[i], self._prior_sd[i] = v, max(SEED_SPREAD * v, SEED_FLOOR_SD[i])
         self.weights = self._fit()
 
     def observe(self, estimate: TransitionEstimate, measured_s: float) -> None:
@@ -214,11 +270,11 @@ class DagEstimator:
             )
         done = tr.gpu_done()
         gen = sum(1 for n in resharded if target.workflow.get(n).stage is Stage.GEN)
+        comms, ranks = regroup_features(target, changed)  # a re-laid-out model-stage regroups too
         features = (
-            tr.l_tran_s,
-            0.0 if sunk else float(gen),
-            0.0 if sunk else float(len(resharded) - gen),
-            0.0 if sunk else float(len(changed)),  # a re-laid-out model-stage forms new groups too
+            (tr.l_tran_s, 0.0, 0.0, 0.0, 0.0)
+            if sunk
+            else (tr.l_tran_s, float(gen), float(len(resharded) - gen), comms, ranks)
         )
         seconds = float(np.dot(self.weights, features))
         return TransitionEstimate(

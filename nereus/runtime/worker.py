@@ -91,6 +91,7 @@ class Worker:
         self.rebuilds = 0.0  # seconds engines spent being built since the last look (``take_rebuilds``)
         self.built: dict[str, float] = {}  # the latest bind's: model-stage → seconds building its engine
         self.grouped: dict[str, float] = {}  # and → seconds forming its process groups
+        self.degrees: dict[str, tuple[int, int, int]] = {}  # and → (TP, PP, DP) of those groups
         self.holder = StateHolder(gpu, self.device)
         self.engines: dict[str, Backend] = {}
         self.groups: dict[str, Groups] = {}
@@ -215,6 +216,8 @@ class Worker:
                 grid_of(plan.candidate(ms.name), self.rank_of), self.model_of(ms.name), self.rank
             )
             self.grouped[ms.name] = time.perf_counter() - started
+            c = plan.candidate(ms.name)
+            self.degrees[ms.name] = (c.layout.tp, c.layout.pp, c.dp)
         self._train_side(plan)
         held = dict(self.holder.by_stage())
         self.holder.units = dict(held)
@@ -276,7 +279,8 @@ class Worker:
         t = torch.tensor(rows, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         stages = [self.workflow.get(n).stage for n in names]
-        return FixedCosts.of(stages, t[:, 0].tolist(), t[:, 1].tolist())
+        degrees = [self.degrees.get(n, (1, 1, 1)) for n in names]
+        return FixedCosts.of(stages, t[:, 0].tolist(), t[:, 1].tolist(), degrees)
 
     def take_rebuilds(self) -> float:
         """Seconds spent building and re-binding engines since the last call."""

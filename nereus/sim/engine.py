@@ -267,7 +267,8 @@ class _Run:
         build_s, group_s = self.hw.startup(
             [engine_of(plan, c.model_stage, self.s.models) for c in plan.candidates]
         )
-        self.controller.started(FixedCosts.of(stages, build_s, group_s))
+        degrees = [(c.layout.tp, c.layout.pp, c.dp) for c in plan.candidates]
+        self.controller.started(FixedCosts.of(stages, build_s, group_s, degrees))
 
     def _weight_sync(self, plan: Plan, k: int) -> dict[str, float]:
         """The measured seconds per op class of the async weight sync: the actor's trainer
