@@ -42,6 +42,7 @@ from nereus.spec import (
 )
 from nereus.spec.cluster import GIB
 from nereus.spec.files import brief, one_line, shorten
+from nereus.spec.model import check_context
 from nereus.spec.workload import MAX_TOKENS, WorkloadSpec
 from nereus.telemetry import read_node
 from nereus.transition import command as transition_command
@@ -197,6 +198,18 @@ def _problem(args: argparse.Namespace) -> PlanningProblem:
             fixed_shapes=tuple((name, dp, micro) for name, _, dp, micro in fixes),
         )
     prompt = args.prompt_len or workload.prompt_len
+    if prompt > workload.max_prompt_len:
+        raise ConfigError(
+            f"{_flag(args, 'prompt_len')} {prompt} exceeds {workload.name}'s max_prompt_len "
+            f"{workload.max_prompt_len}"
+        )
+    longest = _flag(args, "seq_len_p95" if args.seq_len_p95 else "seq_len")
+    if p95 > workload.max_response_len:
+        raise ConfigError(
+            f"{longest} {p95} exceeds {workload.name}'s max_response_len {workload.max_response_len}"
+        )
+    for m in {m.name: m for m in models.values()}.values():
+        check_context(m, prompt, p95, f"{_flag(args, 'prompt_len')} + {longest}")
     kwargs: dict[str, Any] = {}
     if calibration is not None:
         kwargs["efficiencies"] = calibration.efficiencies()
@@ -216,7 +229,7 @@ def _problem(args: argparse.Namespace) -> PlanningProblem:
         raise ConfigError(f"{origin}: {exc}" if origin else str(exc)) from None
 
 
-_FIX = re.compile(r"([a-z]+\.[a-z]+)=tp(\d+),pp(\d+),dp(\d+)(?:,mb(\d+))?")
+_FIX = re.compile(r"([a-z]+\.[a-z]+)=tp([0-9]+),pp([0-9]+),dp([0-9]+)(?:,mb([0-9]+))?")
 
 
 def parse_fix(text: str, workload: WorkloadSpec) -> tuple[str, Layout, int, int]:
@@ -237,9 +250,9 @@ def parse_fix(text: str, workload: WorkloadSpec) -> tuple[str, Layout, int, int]
     for what, value in (("tp", tp), ("pp", pp)):
         if value < 1 or not is_power_of_two(value) or value > MAX_TP:
             raise ConfigError(f"--fix {name}: {what} must be a power of two in [1, {MAX_TP}], got {value}")
-    if not 1 <= dp <= MAX_GPUS or micro > 1 << 24:
+    if not 1 <= dp <= MAX_GPUS or micro > 1 << 24 or (m.group(5) is not None and micro < 1):
         raise ConfigError(
-            f"--fix {name}: dp must be in [1, {MAX_GPUS}] and mb at most {1 << 24}, got dp {dp}, mb {micro}"
+            f"--fix {name}: dp must be in [1, {MAX_GPUS}] and mb in [1, {1 << 24}], got dp {dp}, mb {micro}"
         )
     return name, Layout(tp, pp), dp, micro
 

@@ -90,8 +90,12 @@ def test_bad_simulate_flags(flag: str, value: str, line: str, capsys: pytest.Cap
         ),
         (
             ["--episode", "0-5:all:nan"],
-            "--episode '0-5:all:nan': expected START-END:SCOPE:FACTOR with SCOPE one of inter, intra, "
-            "compute, all (episode factor must be in (0, 1], got nan)",
+            "--episode '0-5:all:nan': episode factor must be in (0, 1], got nan",
+        ),
+        (
+            ["--episode", "foo"],
+            "--episode 'foo': expected START-END:SCOPE:FACTOR with SCOPE one of inter, intra, compute, "
+            "all, e.g. 100-140:inter:0.5",
         ),
     ],
 )

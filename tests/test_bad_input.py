@@ -78,7 +78,7 @@ FINITE = "expected a finite number, got"
         ("models", "--model", {"rms_norm_eps": ".nan"}, f"key 'rms_norm_eps': {FINITE} nan"),
         ("models", "--model", {"rope_theta": ".inf"}, f"key 'rope_theta': {FINITE} inf"),
         ("models", "--model", {"rms_norm_eps": "-1.0e-5"}, "rms_norm_eps must be positive, got -1e-05"),
-        ("models", "--model", {"hidden_size": "1e30"}, "key 'hidden_size': expected int, got '1e30'"),
+        ("models", "--model", {"hidden_size": "1e30"}, "key 'hidden_size': expected int, got 1e+30"),
         ("models", "--model", {"hidden_size": "1.0e+30"}, "key 'hidden_size': expected int, got 1e+30"),
         (
             "models",

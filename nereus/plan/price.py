@@ -109,6 +109,14 @@ class PriceQuery:
                 )
             if self.concurrency and self.stage is not Stage.GEN:
                 raise ConfigError("--concurrency prices generation (sequences decoded at once per replica)")
+            if self.micro_batch and self.stage is Stage.GEN:
+                raise ConfigError("--micro-batch prices training and inference; --stage is gen")
+            share = -(-self.sequences // self.dp)
+            if self.micro_batch > share:
+                raise ConfigError(
+                    f"--micro-batch {self.micro_batch}: more than a replica's {share} sequences "
+                    f"(--sequences {self.sequences} / --dp {self.dp})"
+                )
             return
         if self.concurrency:
             raise ConfigError("--concurrency prices generation; --stage is train")

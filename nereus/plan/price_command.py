@@ -20,6 +20,7 @@ from nereus.errors import ConfigError
 from nereus.plan.calibration import CalibrationStore
 from nereus.plan.price import Price, PriceQuery, price
 from nereus.spec import load_cluster, load_model
+from nereus.spec.model import check_context
 from nereus.spec.workload import Precision, Recompute, Stage
 
 NOT_FITTING = 3
@@ -35,11 +36,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--sequences", required=True, type=int, help="sequences the stage processes")
     p.add_argument("--prompt-len", required=True, type=int, help="mean prompt tokens")
     p.add_argument("--seq-len", required=True, type=int, help="mean response tokens")
-    p.add_argument("--seq-len-p95", type=int, default=0, help="p95 response tokens (memory)")
-    p.add_argument("--micro-batch", type=int, default=0, help="per-replica micro-batch (train, inf)")
-    p.add_argument("--global-batch", type=int, default=0, help="train: sequences per optimizer step")
+    p.add_argument("--seq-len-p95", type=int, default=None, help="p95 response tokens (memory)")
+    p.add_argument("--micro-batch", type=int, default=None, help="per-replica micro-batch (train, inf)")
+    p.add_argument("--global-batch", type=int, default=None, help="train: sequences per optimizer step")
     p.add_argument("--recompute", choices=[r.value for r in Recompute], default=Recompute.NONE.value)
-    p.add_argument("--concurrency", type=int, default=0, help="gen: sequences decoded at once per replica")
+    p.add_argument("--concurrency", type=int, default=None, help="gen: sequences decoded at once per replica")
     p.add_argument("--precision", choices=[x.value for x in Precision], default=Precision.BF16_MIXED.value)
     p.add_argument(
         "--overlap-dp-sync",
@@ -68,11 +69,20 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
 
+OPTIONAL = ("seq_len_p95", "micro_batch", "global_batch", "concurrency")  # unset: the default
+
+
 def run(args: argparse.Namespace, out: Console) -> int:
+    for name in OPTIONAL:  # 0 is not "unset": a value given must be one
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}: expected a positive integer, got {value}")
+    p95, micro, batch, concurrency = (getattr(args, name) or 0 for name in OPTIONAL)
     model, cluster = load_model(args.model), load_cluster(args.cluster)
+    check_context(model, args.prompt_len, max(args.seq_len, p95), "--prompt-len + --seq-len(-p95)")
     query = PriceQuery(
         Stage(args.stage), args.tp, args.pp, args.dp, args.sequences, args.prompt_len, args.seq_len,
-        args.seq_len_p95, args.micro_batch, args.global_batch, Recompute(args.recompute), args.concurrency,
+        p95, micro, batch, Recompute(args.recompute), concurrency,
         Precision(args.precision), overlap_dp_sync=args.overlap_dp_sync, paged_kv=args.paged_kv,
         kv_memory_fraction=args.kv_memory_fraction, fsdp=args.fsdp,
     )  # fmt: skip

@@ -46,7 +46,7 @@ from nereus.plan.frontier import frontier
 from nereus.plan.layout import Plan
 from nereus.plan.overlap import step_latency
 from nereus.plan.placement import place
-from nereus.plan.problem import PlanningProblem
+from nereus.plan.problem import PlanningProblem, SearchSpace
 from nereus.plan.program import CoupledChoice, SolverMemo, StageChoice, StageSolver, solve_coupled
 from nereus.spec.cluster import GIB
 from nereus.spec.workload import ExecutionMode, ModelStage, Stage, Workflow
@@ -66,13 +66,28 @@ class SearchResult:
     timings: Mapping[str, float] = field(default_factory=dict)  # per phase, milliseconds
 
 
+def _held(space: SearchSpace, name: str) -> str:
+    """Why a held (``--fix``) model-stage may have no layout: what holding it asks for."""
+    layout, shape = space.fixed_layout(name), space.fixed_shape(name)
+    if layout is None and shape is None:
+        return ""
+    held = f"{layout}" if layout is not None else "its layout"
+    if shape is not None:
+        held += f"·dp{shape[0]}" + (f" mb{shape[1]}" if shape[1] else "")
+    return (
+        f" as held ({held}): it needs tp·pp·dp GPUs of the pool, tp dividing the attention heads, "
+        "pp at most the layers and, for a trainer, dp dividing the global batch and a micro-batch "
+        "(at most the workload's) dividing each replica's share"
+    )
+
+
 def binding_constraint(problem: PlanningProblem, tables: dict[str, CandidateTable]) -> str:
     """One line on why nothing fits: the model-stage whose smallest footprint is furthest over."""
     limit = problem.capacity_bytes - problem.reserved_bytes
     worst_name, worst = "", -INF
     for name, t in tables.items():
         if len(t) == 0:
-            return f"{name} has no layout on {problem.gpus} GPUs"
+            return f"{name} has no layout on {problem.gpus} GPUs{_held(problem.space, name)}"
         smallest = float(t.active.min())
         if smallest - limit > worst:
             worst_name, worst = name, smallest - limit

@@ -20,8 +20,9 @@ import json
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console
 
@@ -29,6 +30,8 @@ from nereus.errors import ConfigError, InfeasibleError, NereusError
 from nereus.runtime import outdir, signing
 from nereus.runtime.signals import exit_code
 from nereus.runtime.signals import name as signal_name
+
+T = TypeVar("T")
 
 FEASIBLE_LISTED_UP_TO = 64  # worker counts tried for the message of an infeasible one
 
@@ -72,6 +75,14 @@ def node(args: argparse.Namespace, out: Console) -> int:
 
 
 # ------------------------------------------------------------------ the preflight
+def _keyed(key: str, load: Callable[[str], T], value: str) -> T:
+    """``load(value)``, its error naming the experiment's ``key`` (``workload: unknown …``)."""
+    try:
+        return load(value)
+    except ConfigError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+
+
 def preflight(spec: Any, folder: Path, resume: bool, force: bool = False, local: bool = True) -> None:
     """Everything a worker would reject, checked before any process starts or file is written:
     one ``ConfigError`` (exit 2) naming the cause. ``local``: ``nereus run``'s checks of the
@@ -82,7 +93,7 @@ def preflight(spec: Any, folder: Path, resume: bool, force: bool = False, local:
     from nereus.runtime.engines import engines_of, job_models
     from nereus.spec import load_cluster, load_model, load_workload
 
-    workload = load_workload(spec.workload)
+    workload = _keyed("workload", load_workload, spec.workload)
     stages = [ms.name for ms in workload.workflow().model_stages]
     for name in spec.engines:
         if name not in stages:
@@ -95,9 +106,9 @@ def preflight(spec: Any, folder: Path, resume: bool, force: bool = False, local:
                 f"drift (step {event.step}): oom_stage {event.oom_stage!r} is not a model-stage of "
                 f"{workload.name} (allowed: {', '.join(stages)})"
             )
-    model = load_model(spec.model)
+    model = _keyed("model", load_model, spec.model)
     engines = engines_of(spec, workload, job_models(model))
-    cluster = load_cluster(spec.cluster)
+    cluster = _keyed("cluster", load_cluster, spec.cluster)
     if spec.workers > cluster.total_gpus:
         raise ConfigError(
             f"workers: {spec.workers} exceeds the {cluster.total_gpus} GPUs of cluster {cluster.name}"
@@ -108,7 +119,7 @@ def preflight(spec: Any, folder: Path, resume: bool, force: bool = False, local:
         )
     if spec.tokenizer:
         check_folder(spec.tokenizer)
-    policy_config(spec.policy)
+    _keyed("policy", policy_config, spec.policy)
     for role in ("actor", "reward", "critic"):
         path = spec.weights_of(role)
         if path and not (Path(path) / "config.json").is_file():
@@ -322,7 +333,10 @@ def _run(args: argparse.Namespace, out: Console) -> int:
             raise ConfigError(f"--steps: expected a positive integer, got {args.steps}")
         import dataclasses
 
-        spec = dataclasses.replace(spec, steps=args.steps)
+        try:
+            spec = dataclasses.replace(spec, steps=args.steps)
+        except ValueError as exc:
+            raise ConfigError(f"--steps: {exc}") from None
     folder = args.out or Path("runs") / spec.name
     preflight(spec, folder, args.resume, args.force)
     from nereus.runtime.local import launch_local

@@ -211,8 +211,9 @@ class ExperimentSpec:
             raise ValueError(
                 "dataset and data: name one prompt file (data: in verl or qa layout, or dataset:)"
             )
-        if self.seed < 0 or self.checkpoint_every < 0:
-            raise ValueError("seed and checkpoint_every must be non-negative")
+        for name in ("seed", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
         pool = set(range(self.workers))
         for e in sorted(self.drift, key=lambda e: e.step):
             gone = set(e.lose) | set(e.kill) | set(e.unhealthy)

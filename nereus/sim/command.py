@@ -23,6 +23,7 @@ from nereus.sim.trace import GpuSupply, SpotTrace
 from nereus.sim.truth import Episode
 from nereus.spec import Role, load_cluster, load_model, load_workload
 from nereus.spec.files import OutputFolder, brief
+from nereus.spec.model import check_context
 from nereus.spec.registry import trace_path
 from nereus.spec.workload import MAX_STALENESS, ExecutionMode
 
@@ -188,6 +189,9 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         raise ConfigError(f"--offset must be in [0, {len(trace.counts)}) ticks, got {args.offset}")
     if not (0 < args.speedup <= MAX_SPEEDUP and 0 <= args.noise <= MAX_NOISE):
         raise ConfigError(f"--speedup must be in (0, {MAX_SPEEDUP:g}] and --noise in [0, {MAX_NOISE:g}]")
+    curve = _curve(args.seq_curve)
+    points = {0, args.steps - 1} | {k for k in curve.steps if k < args.steps}
+    check_context(model, workload.prompt_len, max(curve.at(k)[1] for k in points), "--seq-curve (its p95)")
     try:
         supply = GpuSupply(
             trace, args.gpus_per_instance, max_gpus, args.min_gpus, args.offset, args.speedup, args.seed
@@ -200,7 +204,7 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         {r: model for r in Role},
         cluster,
         supply,
-        _curve(args.seq_curve),
+        curve,
         args.steps,
         args.seed,
         args.noise,

@@ -74,6 +74,11 @@ class SeqCurve:
         p95: list[float] = []
         for row in reader:
             line = reader.line_num
+            if None in row:  # more fields than the header names
+                raise ConfigError(
+                    f"{path}: line {line}: {len(row) - 1 + len(row[None])} fields, the header names "
+                    f"{len(reader.fieldnames or [])} ({', '.join(reader.fieldnames or [])})"
+                )
             try:
                 step = int(row["step"])
             except (TypeError, ValueError):

@@ -7,12 +7,28 @@ from enum import StrEnum, auto
 from pathlib import Path
 
 from nereus.spec.domains import FailureDomains
-from nereus.spec.schema import coerce_enums, load_spec, require_at_most, require_finite, require_positive
+from nereus.spec.schema import (
+    coerce_enums,
+    load_spec,
+    require_at_least,
+    require_at_most,
+    require_finite,
+    require_positive,
+)
 
 GIB = 1024**3
 MAX_NODES = 1 << 16
 MAX_GPUS_PER_NODE = 1024
 MAX_RATE = 1e6  # TFLOP/s, GB/s, µs and GiB: a million of any is beyond hardware of this age
+SPEEDS = (
+    "gpu_memory_gib",
+    "peak_bf16_tflops",
+    "hbm_bandwidth_gbs",
+    "intra_node_bandwidth_gbs",
+    "inter_node_bandwidth_gbs",
+    "storage_read_gbs",
+)
+MIN_RATE = 1e-3  # TFLOP/s, GB/s and GiB: a thousandth of any is below hardware that runs a model
 
 
 class Vendor(StrEnum):
@@ -88,6 +104,7 @@ class ClusterSpec:
         )
         require_finite(self, *rates)
         require_at_most(self, MAX_RATE, *rates)
+        require_at_least(self, MIN_RATE, *SPEEDS)
         require_at_most(self, MAX_NODES, "nodes")
         require_at_most(self, MAX_GPUS_PER_NODE, "gpus_per_node")
         for name in ("intra_node_latency_us", "inter_node_latency_us", "runtime_reserved_gib"):

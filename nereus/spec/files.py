@@ -90,7 +90,7 @@ def read_text(path: Path, what: str, limit: int = MAX_CONFIG_BYTES) -> str:
     if len(data) > limit:
         raise ConfigError(f"{what} {path}: more than {limit} bytes (allowed: at most {limit})")
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # a byte-order mark (as Excel writes UTF-8) is not text
     except UnicodeDecodeError as exc:
         raise ConfigError(
             f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})"

@@ -281,3 +281,14 @@ class ModelSpec:
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """KV cache per token for the whole model: K and V, every layer, every KV head."""
         return 2 * self.num_hidden_layers * self.kv_size * dtype_bytes
+
+
+def check_context(model: ModelSpec, prompt_len: int, response_len: float, flags: str) -> None:
+    """Refuse sequences longer than ``model``'s context: a prompt of ``prompt_len`` tokens and a
+    response of ``response_len`` (its longest priced length), named as ``flags`` in the error."""
+    total = prompt_len + response_len
+    if total > model.max_position_embeddings:
+        raise ConfigError(
+            f"{flags}: {prompt_len} + {response_len:.0f} = {total:.0f} tokens exceed {model.name}'s "
+            f"max_position_embeddings {model.max_position_embeddings}"
+        )

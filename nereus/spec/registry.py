@@ -69,6 +69,10 @@ def _resolve(kind: str, name_or_path: str, what: str) -> Path:
 
 def load_model(name_or_path: str) -> ModelSpec:
     """A shipped model name, our YAML, a Hugging Face ``config.json``, or a directory holding one."""
+    if not name_or_path.strip():
+        raise ConfigError(
+            "model: empty name (allowed: a shipped model, a model YAML, a config.json or its folder)"
+        )
     path = _resolve("models", name_or_path, "model")
     if _is_dir(path):
         path = path / "config.json"
@@ -102,7 +106,7 @@ def load_workload(algo_or_path: str) -> WorkloadSpec:
 def trace_path(name_or_path: str) -> Path:
     """A shipped GPU-availability trace (``configs/traces/<name>.json``) or a trace file."""
     path = Path(name_or_path)
-    if path.suffix == ".json" or os.sep in name_or_path:
+    if path.suffix == ".json" or os.sep in name_or_path or _is_dir(path):
         if not _exists(path):
             raise ConfigError(f"trace file {shorten(name_or_path, 200)} does not exist")
         return path

@@ -4,7 +4,9 @@ Unknown keys are refused, types are checked (bool is not an int, an int is accep
 NaN and infinities are not numbers, integers beyond 2^53 are refused), and every error names the
 file, the dotted key and the expected type, in one line. YAML is read through ``files.read_text``
 (a regular file of at most 1 MiB, UTF-8) and composed by a loader that refuses more than
-``MAX_ALIASES`` aliases and deep nesting before anything is expanded (no alias bombs).
+``MAX_ALIASES`` aliases and deep nesting before anything is expanded (no alias bombs), that
+refuses a key given twice in one mapping (YAML would keep the last silently), and that reads
+``1e3`` as the number it is (YAML 1.2; PyYAML's YAML 1.1 wants ``1.0e+3``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -21,7 +24,7 @@ from typing import Any, TypeVar
 import yaml
 from yaml.composer import ComposerError
 from yaml.constructor import ConstructorError
-from yaml.nodes import Node, ScalarNode
+from yaml.nodes import MappingNode, Node, ScalarNode
 
 from nereus.errors import ConfigError
 from nereus.spec.files import MAX_CONFIG_BYTES, MAX_DEPTH, MAX_INT_DIGITS, brief, read_text, shorten
@@ -76,6 +79,29 @@ class _Loader(yaml.SafeLoader):
         except (ValueError, OverflowError) as exc:
             raise ConstructorError(None, None, brief(str(exc)), node.start_mark) from None
 
+    def construct_mapping(self, node: Node, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, MappingNode):
+            seen: set[tuple[str, str]] = set()
+            for key_node, _ in node.value:
+                if not isinstance(key_node, ScalarNode) or key_node.tag == MERGE_TAG:
+                    continue
+                key = (key_node.tag, str(key_node.value))
+                if key in seen:
+                    raise ConstructorError(
+                        None, None, f"key '{shorten(key[1])}' given twice", key_node.start_mark
+                    )
+                seen.add(key)
+        return super().construct_mapping(node, deep)  # type: ignore[arg-type]
+
+
+MERGE_TAG = "tag:yaml.org,2002:merge"
+# YAML 1.2's floats: an exponent without a dot or sign (1e3, 2E-5) is a number, not a string
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
 
 def load_yaml(path: Path) -> dict[str, Any]:
     """Read a YAML file whose top level must be a mapping."""
@@ -120,6 +146,15 @@ def require_at_most(obj: object, limit: float, *names: str) -> None:
         value = getattr(obj, name)
         if not value <= limit:
             raise ValueError(f"{name} must be at most {_num(limit)}, got {brief(value)}")
+
+
+def require_at_least(obj: object, limit: float, *names: str) -> None:
+    """In ``__post_init__``: every named numeric field must be ≥ ``limit`` (a speed or a size
+    too small to price anything with: its reciprocals overflow)."""
+    for name in names:
+        value = getattr(obj, name)
+        if not value >= limit:
+            raise ValueError(f"{name} must be at least {limit:g}, got {brief(value)}")
 
 
 def require_finite(obj: object, *names: str) -> None:

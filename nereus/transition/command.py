@@ -15,8 +15,8 @@ import argparse
 import json
 import re
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +118,13 @@ class StageEntry:
 
 
 _STAGE_KEYS = {f.name for f in fields(StageEntry)}
+# what ``nereus plan --json`` writes besides: reports, not read back, but a key it never writes is
+# a typo or another tool's file
+_STAGE_REPORTS = {"stage", "latency_s", "peak_mem_gib", "bound_mem_gib"}
+_PLAN_KEYS = {
+    "problem", "stages", "step_latency_s", "search_ms", "solver", "mode", "gpus", "capacity_gib",
+    "critical_path", "exhaustive", "plans",
+}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +134,7 @@ class PlanDoc:
     path: Path
     problem: PlanProblem
     stages: tuple[StageEntry, ...]
+    kinds: Mapping[str, object] = field(default_factory=dict)  # each stage's "stage" as written
 
 
 def add_parser(sub: Any) -> None:
@@ -145,22 +153,34 @@ def read_plan(path: Path) -> PlanDoc:
     for key in ("problem", "stages"):
         if key not in doc:
             raise ConfigError(f"{path}: missing key '{key}' (write it with nereus plan --json)")
+    unknown = sorted(str(k) for k in doc if k not in _PLAN_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"{path}: unknown key {brief(unknown[0])} (allowed: {', '.join(sorted(_PLAN_KEYS))})"
+        )
     problem = doc["problem"]
     if not isinstance(problem, dict):
         raise ConfigError(f"{path}: key 'problem': expected a mapping of {', '.join(PROBLEM_KEYS)}")
     stages = doc["stages"]
     if not isinstance(stages, list) or not 1 <= len(stages) <= MAX_STAGES:
         raise ConfigError(f"{path}: key 'stages': expected a list of 1 to {MAX_STAGES} model-stages")
-    entries = []
+    entries, kinds = [], {}
     for i, s in enumerate(stages):
         if not isinstance(s, dict):
             raise ConfigError(f"{path}: key 'stages[{i}]': expected a mapping, got {brief(s)}")
+        unknown = sorted(str(k) for k in s if k not in _STAGE_KEYS | _STAGE_REPORTS)
+        if unknown:
+            allowed = ", ".join(sorted(_STAGE_KEYS | _STAGE_REPORTS))
+            raise ConfigError(
+                f"{path}: key 'stages[{i}]': unknown key {brief(unknown[0])} (allowed: {allowed})"
+            )
         entries.append(
             build(StageEntry, {k: v for k, v in s.items() if k in _STAGE_KEYS}, str(path), f"stages[{i}].")
         )
+        kinds[entries[-1].name] = s.get("stage")
     parsed = build(PlanProblem, problem, str(path), "problem.")
     parsed.check(path)
-    return PlanDoc(path, parsed, tuple(entries))
+    return PlanDoc(path, parsed, tuple(entries), kinds)
 
 
 def parse_gpus(text: str, pool: int, source: Path) -> frozenset[int]:
@@ -187,6 +207,13 @@ def plan_from_json(doc: PlanDoc, problem: PlanningProblem) -> Plan:
     cands = []
     for i, s in enumerate(doc.stages):
         where = f"{path}: stages[{i}]"
+        written = doc.kinds.get(s.name)
+        if written is not None and s.name in {m.name for m in problem.workflow.model_stages}:
+            kind = problem.workflow.get(s.name).stage.value
+            if written != kind:
+                raise ConfigError(
+                    f"{where} ({shorten(s.name, 30)}): key 'stage' is {brief(written)}, not {kind}"
+                )
         bad = sorted(g for g in s.gpus if not 0 <= g < len(pool))
         if bad:
             raise ConfigError(

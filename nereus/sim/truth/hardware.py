@@ -44,15 +44,19 @@ class Episode:
     @classmethod
     def parse(cls, text: str) -> Episode:
         """``START-END:SCOPE:FACTOR``, e.g. ``100-140:inter:0.5`` (congested network)."""
+        form = f"expected START-END:SCOPE:FACTOR with SCOPE one of {', '.join(SCOPES)}"
+        parts = text.split(":")
+        bounds = parts[0].split("-") if len(parts) == 3 else []
         try:
-            steps, scope, factor = text.split(":")
-            start, end = steps.split("-")
-            return cls(int(start), int(end), scope, float(factor))
+            start, end, factor = int(bounds[0]), int(bounds[1]), float(parts[2])
+        except (IndexError, ValueError):
+            raise ConfigError(f"--episode {brief(text)}: {form}, e.g. 100-140:inter:0.5") from None
+        if len(bounds) != 2:
+            raise ConfigError(f"--episode {brief(text)}: {form}, e.g. 100-140:inter:0.5")
+        try:
+            return cls(start, end, parts[1], factor)
         except ValueError as exc:
-            raise ConfigError(
-                f"--episode {brief(text)}: expected START-END:SCOPE:FACTOR with SCOPE one of "
-                f"{', '.join(SCOPES)} ({shorten(str(exc))})"
-            ) from None
+            raise ConfigError(f"--episode {brief(text)}: {shorten(str(exc), 200)}") from None
 
     def covers(self, op: str, step: int) -> bool:
         """Whether op class ``op`` (its name, e.g. ``allreduce.inter``) is slowed at ``step``."""

@@ -1,0 +1,181 @@
+"""Bad input found by probing the commands: each gets one line naming the field, exit 2.
+
+Duplicate YAML keys (YAML keeps the last silently), speeds too small to price with, sequences
+longer than the model's context or the workload's limits, ``0`` where "unset" was meant to be
+left out, a micro-batch no replica can fill, plan JSON with keys ``nereus plan`` never writes,
+a CSV with more fields than its header; and what must keep working: ``1e3`` in YAML, a CSV
+with a byte-order mark.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.bad_input import (  # noqa: F401 - _in_tmp: the autouse fixture
+    E_PLAN,
+    E_SIM,
+    E_TR,
+    PLAN,
+    SIM,
+    _in_tmp,
+    cli,
+    plan_file,
+    refused,
+    shipped,
+    with_flag,
+    write,
+)
+
+pytestmark = pytest.mark.pure
+
+PRICE = ["price", "--model", "tiny-llama", "--cluster", "h100-ib", "--tp", "1", "--pp", "1", "--dp", "2"]
+PRICE += ["--sequences", "256", "--prompt-len", "100", "--seq-len", "100"]
+E_PRICE = "nereus price: error: "
+
+
+def test_a_yaml_key_given_twice_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    text = shipped("clusters", "h100-ib") + "gpus_per_node: 4\n"  # gpus_per_node is there already
+    line = refused(with_flag(PLAN, "--cluster", write("c.yaml", text)), capsys)
+    assert line.startswith(f"{E_PLAN}c.yaml: line ") and line.endswith("(key 'gpus_per_node' given twice)")
+
+
+def test_yaml_exponents_without_a_dot_are_numbers(capsys: pytest.CaptureFixture[str]) -> None:
+    """PyYAML reads ``1e3`` as text (YAML 1.1); a user who wrote a number gets one."""
+    text = shipped("clusters", "h100-ib", peak_bf16_tflops="9.89e2", storage_read_gbs="2e0")
+    code, _, err = cli(["describe", "cluster", write("c.yaml", text)], capsys)
+    assert code == 0, err
+
+
+@pytest.mark.parametrize(
+    "field", ["peak_bf16_tflops", "hbm_bandwidth_gbs", "inter_node_bandwidth_gbs", "gpu_memory_gib"]
+)
+def test_a_speed_too_small_to_price_with_is_refused(field: str, capsys: pytest.CaptureFixture[str]) -> None:
+    text = shipped("clusters", "h100-ib", **{field: "1.0e-300"})
+    line = refused(with_flag(PLAN, "--cluster", write("c.yaml", text)), capsys)
+    assert line == f"{E_PLAN}c.yaml: {field} must be at least 0.001, got 1e-300"
+
+
+@pytest.mark.parametrize(
+    ("extra", "line"),
+    [
+        (["--prompt-len", "5000"], "--prompt-len 5000 exceeds ppo's max_prompt_len 1024"),
+        (["--seq-len", "9000"], "--seq-len 9000 exceeds ppo's max_response_len 8192"),
+        (
+            ["--seq-len", "1000", "--seq-len-p95", "1900", "--prompt-len", "512"],
+            "--prompt-len + --seq-len-p95: 512 + 1900 = 2412 tokens exceed tiny-llama's "
+            "max_position_embeddings 2048",
+        ),
+        (
+            ["--fix", "actor.train=tp1,pp1,dp2,mb0"],
+            "--fix actor.train: dp must be in [1, 1048576] and mb in [1, 16777216], got dp 2, mb 0",
+        ),
+        (
+            ["--fix", "actor.train=tp\uff14,pp1,dp2"],  # a full-width digit is not a digit here
+            "--fix: expected MODEL_STAGE=tpT,ppP,dpD[,mbB] (e.g. actor.train=tp4,pp1,dp2), "
+            "got 'actor.train=tp\uff14,pp1,dp2'",
+        ),
+    ],
+)
+def test_plan_lengths_and_fixes_beyond_their_limits(
+    extra: list[str], line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [a for a in PLAN if a not in ("--seq-len", "32")] if "--seq-len" in extra else [*PLAN]
+    assert refused([*argv, *extra], capsys) == f"{E_PLAN}{line}"
+
+
+@pytest.mark.parametrize(
+    ("extra", "line"),
+    [
+        (["--micro-batch", "0"], "--micro-batch: expected a positive integer, got 0"),
+        (["--concurrency", "0", "--stage", "gen"], "--concurrency: expected a positive integer, got 0"),
+        (["--seq-len-p95", "0"], "--seq-len-p95: expected a positive integer, got 0"),
+        (
+            ["--micro-batch", "1000", "--stage", "inf"],
+            "--micro-batch 1000: more than a replica's 128 sequences (--sequences 256 / --dp 2)",
+        ),
+        (
+            ["--micro-batch", "8", "--stage", "gen"],
+            "--micro-batch prices training and inference; --stage is gen",
+        ),
+        (
+            ["--seq-len-p95", "4000", "--stage", "inf"],
+            "--prompt-len + --seq-len(-p95): 100 + 4000 = 4100 tokens exceed tiny-llama's "
+            "max_position_embeddings 2048",
+        ),
+    ],
+)
+def test_price_flags_that_are_not_a_choice(
+    extra: list[str], line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [*PRICE, *extra] if "--stage" in extra else [*PRICE, "--stage", "inf", *extra]
+    assert refused(argv, capsys) == f"{E_PRICE}{line}"
+    code, _, err = cli([*PRICE, "--stage", "inf", "--micro-batch", "8", "--json"], capsys)
+    assert code == 0, err  # a micro-batch a replica fills is priced
+
+
+def test_plan_json_with_keys_nereus_plan_never_writes(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = plan_file(capsys, "a.json", "--gpus", "16", "--seq-len", "1024")
+    write("b.json", json.dumps({**doc, "gpu": 16}))
+    line = refused(["transition", "--from", "a.json", "--to", "b.json"], capsys)
+    assert line.startswith(f"{E_TR}b.json: unknown key 'gpu' (allowed: capacity_gib, critical_path, ")
+    doc["stages"][0]["stage"] = "foo"
+    write("c.json", json.dumps(doc))
+    line = refused(["transition", "--from", "a.json", "--to", "c.json"], capsys)
+    assert line == f"{E_TR}c.json: stages[0] (actor.gen): key 'stage' is 'foo', not gen"
+    doc["stages"][0] = {**doc["stages"][0], "stage": "gen", "tpp": 2}
+    write("d.json", json.dumps(doc))
+    line = refused(["transition", "--from", "a.json", "--to", "d.json"], capsys)
+    assert line.startswith(f"{E_TR}d.json: key 'stages[0]': unknown key 'tpp' (allowed: ")
+
+
+def test_sequence_curves_beyond_the_context_and_rows_beyond_the_header(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    line = refused([*SIM, "--seq-curve", "growth:3000:4000:10"], capsys)
+    assert line.startswith(f"{E_SIM}--seq-curve (its p95): ") and "max_position_embeddings 2048" in line
+    write("long.csv", "step,mean_len,p95_len\n0,500,800,9\n")
+    line = refused([*SIM, "--seq-curve", "long.csv"], capsys)
+    assert line == f"{E_SIM}long.csv: line 2: 4 fields, the header names 3 (step, mean_len, p95_len)"
+    write("bom.csv", "\ufeffstep,mean_len,p95_len\n0,100,120\n5,200,240\n")  # as Excel writes UTF-8
+    code, _, err = cli([*SIM, "--seq-curve", "bom.csv", "--out", "sim"], capsys)
+    assert code == 0, err
+
+
+def test_a_trace_folder_and_an_empty_model_name(capsys: pytest.CaptureFixture[str]) -> None:
+    write("tr/x.json", "{}")
+    line = refused(["simulate", "--trace", "tr", *SIM[3:]], capsys)
+    assert line == f"{E_SIM}trace tr: is a folder, not a file"
+    line = refused(["plan", "--model", "", *PLAN[3:]], capsys)
+    assert line == (
+        f"{E_PLAN}model: empty name (allowed: a shipped model, a model YAML, a config.json or its folder)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "line"),
+    [
+        ({"workload": "nonexistent"}, "workload: unknown algorithm 'nonexistent'"),
+        ({"policy": "bogus"}, "policy: unknown policy 'bogus'"),
+        ({"seed": "-1"}, "seed must be non-negative, got -1"),
+    ],
+)
+def test_experiment_errors_name_their_key(
+    changes: dict[str, str], line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write("e.yaml", shipped("experiments", "grpo-tiny", **changes))
+    assert line in refused(["run", path, "--out", "out"], capsys)
+
+
+def test_run_steps_beyond_the_limit_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    path = write("e.yaml", shipped("experiments", "grpo-tiny"))
+    line = refused(["run", path, "--steps", "10000001", "--out", "out"], capsys)
+    assert line == "nereus run: error: --steps: steps must be at most 10000000, got 10000001"
+
+
+def test_a_held_layout_that_cannot_exist_says_what_holding_it_asks(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    line = refused([*PLAN, "--fix", "actor.train=tp1,pp1,dp2,mb3"], capsys, code=3)
+    assert line.startswith(f"{E_PLAN}actor.train has no layout on 4 GPUs as held (tp1·pp1·dp2 mb3): it needs")
