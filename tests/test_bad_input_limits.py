@@ -179,3 +179,11 @@ def test_a_held_layout_that_cannot_exist_says_what_holding_it_asks(
 ) -> None:
     line = refused([*PLAN, "--fix", "actor.train=tp1,pp1,dp2,mb3"], capsys, code=3)
     assert line.startswith(f"{E_PLAN}actor.train has no layout on 4 GPUs as held (tp1·pp1·dp2 mb3): it needs")
+
+
+def test_flags_that_would_do_nothing_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    line = refused([*SIM, "--max-staleness", "3"], capsys)
+    assert line == f"{E_SIM}--max-staleness sets asynchronous RL; ppo runs sync here (add --mode async)"
+    plan_file(capsys, "a.json", "--gpus", "16", "--seq-len", "1024")
+    line = refused(["transition", "--from", "a.json", "--to", "a.json", "--lost", ",,,"], capsys)
+    assert line == f"{E_TR}--lost: expected GPU ids like 3,8-11, got ',,,'"

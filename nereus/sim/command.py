@@ -170,6 +170,12 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
     workload = load_workload(args.algo)
     if args.mode is not None:
         workload = replace(workload, mode=ExecutionMode(args.mode))
+    if workload.mode is not ExecutionMode.ASYNC:
+        for flag, value in (("--max-staleness", args.max_staleness), ("--in-flight", args.in_flight)):
+            if value is not None:
+                raise ConfigError(
+                    f"{flag} sets asynchronous RL; {workload.name} runs sync here (add --mode async)"
+                )
     trace = SpotTrace.load(trace_path(args.trace))
     for flag, value in (("--steps", args.steps), ("--gpus-per-instance", args.gpus_per_instance)):
         if value <= 0:

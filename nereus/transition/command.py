@@ -187,6 +187,8 @@ def parse_gpus(text: str, pool: int, source: Path) -> frozenset[int]:
     """``"3,8-11"`` → {3, 8, 9, 10, 11}; every id must lie in the pool of ``source`` (0…pool-1),
     checked before a range is expanded."""
     out: set[int] = set()
+    if text.strip() and not text.replace(",", "").strip():
+        raise ConfigError(f"--lost: expected GPU ids like 3,8-11, got {brief(text)}")
     for part in filter(None, (p.strip() for p in text.split(","))):
         match = re.fullmatch(r"(\d{1,9})(?:-(\d{1,9}))?", part)
         if match is None:
