@@ -33,6 +33,7 @@ from nereus.control.deferral import Deferral
 from nereus.control.fallback import in_place_instead
 from nereus.control.options import Options, Planner
 from nereus.control.policy import POLICIES, ControllerConfig, policy_config
+from nereus.control.revocations import RevocationHistory
 from nereus.control.settling import PoolAge
 from nereus.control.telemetry import Telemetry
 from nereus.control.transition_cost import (
@@ -104,6 +105,9 @@ class Controller:
             offer_floor=not self.config.hold_layouts,  # static's DP follows the pool
         )  # fmt: skip
         self.pool_age = PoolAge(self.domains)  # how settled the pool is (``nereus.control.settling``)
+        # a cluster YAML's revocable nodes: the rate and its age factors learned from the pool
+        # the job sees (a trace's domains come with their history already)
+        self.history = RevocationHistory(self.domains) if domains is None and self.domains else None
         self.headroom = headroom
         self.state = State.STEADY
         self.decisions: list[Decision] = []
@@ -212,6 +216,10 @@ class Controller:
         """What every step's telemetry changes: the length growth, calibration and the pool's
         age (the options are priced at it)."""
         self._growth, self._last_len = self._grown(t.seq_len_mean), t.seq_len_mean
+        if self.history is not None:
+            self.history.observe(t)
+            self.pool_age.domains = learned = self.history.domains()
+            self.options = replace(self.options, domains=learned)
         self.options = self.options.at(self.pool_age.observe(t))
         self._calibrate(t)
 
@@ -275,6 +283,8 @@ class Controller:
         """A move off the GPUs outside ``pool`` while they still hold their state (a shrink the
         launcher asked for): the best plan on ``pool`` and the transition to it, or Keep with the
         reason nothing fits there."""
+        if self.history is not None:
+            self.history.draining(pool)
         problem = self.problem(pool, seq)
         try:
             target = self.planner(problem).plan
