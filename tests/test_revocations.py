@@ -98,6 +98,7 @@ def test_a_controller_on_a_yaml_cluster_prices_what_it_has_seen() -> None:
     assert ctl.options.domains is not None and not ctl.options.domains.at_risk
     d = ctl.observe(_tel(1, 300.0, _without(7)))
     assert d is not None  # the pool shrank under the plan
+    assert d.to_json()["revocation_rate"] == pytest.approx(1 / (6 * 300 / 3600 + PRIOR_HOURS))
     learned = ctl.options.domains
     assert learned is not None and learned.at_risk and learned.age_factors
     assert ctl.pool_age.domains == learned and ctl.domains.revocations_per_hour == 0.0

@@ -106,6 +106,8 @@ class Decision:
     transition: TransitionEstimate | None = None
     current_risk_s: float = 0.0  # expected restart seconds per step of the current plan
     target_risk_s: float = 0.0  # … and of the target
+    # revocations per revocable instance-hour the risks were priced at (None: nothing revocable)
+    revocation_rate: float | None = None
 
     @property
     def action(self) -> Action:
@@ -143,6 +145,7 @@ class Decision:
             "horizon_steps": self.horizon_steps,
             "current_risk_s": self.current_risk_s,
             "target_risk_s": self.target_risk_s,
+            "revocation_rate": self.revocation_rate,
             # the world re-forms at this boundary: engine rebuilds are not the transition's cost
             "sunk_rebuilds": self.transition is not None and self.transition.sunk,
         }

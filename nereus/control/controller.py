@@ -341,9 +341,10 @@ class Controller:
         expected = None if current is None else current + risk  # with the restart it risks
         # an urgent move's target runs until the pool next changes: its options are weighed over that
         h = self.monitor.horizon_now(POOL, t.step) if urgent else horizon([f for f in fired if not f.urgent])
+        d = self.options.domains
         base = Decision(
             t.step, t.time_s, tuple(fired), urgent, Verdict.KEEP, "", current, horizon_steps=h,
-            current_risk_s=risk,
+            current_risk_s=risk, revocation_rate=None if d is None else d.revocations_per_hour,
         )  # fmt: skip
         options = self._options(problem)
         if not options or urgent or is_widened(self.plan, self.workload):  # ``nereus.control.widened``
