@@ -391,10 +391,12 @@ class Leader:
 
 DECISION_KEYS = (
     "verdict", "urgent", "triggers", "reason", "target_label", "current_latency_s", "target_latency_s",
-    "delta_s", "l_tran_s", "payback_steps", "horizon_steps", "sunk_rebuilds",
+    "delta_s", "l_tran_s", "payback_steps", "horizon_steps", "sunk_rebuilds", "current_risk_s",
+    "target_risk_s", "revocation_rate",
 )  # fmt: skip
 """What a step's metrics row keeps of the controller's decision: the verdict and why, and the
-numbers admission weighed (predicted step latencies, ΔL, L_tran, payback and horizon in steps)."""
+numbers admission weighed (predicted step latencies, ΔL, L_tran, payback and horizon in steps,
+the risks priced and the revocation rate they were priced at)."""
 
 
 def _free(taken: set[int]) -> int:
