@@ -20,7 +20,7 @@ GIB = 1024**3
 MAX_NODES = 1 << 16
 MAX_GPUS_PER_NODE = 1024
 MAX_RATE = 1e6  # TFLOP/s, GB/s, µs and GiB: a million of any is beyond hardware of this age
-SPEEDS = (
+SPEEDS = (  # sizes and speeds: positive, and at least MIN_RATE
     "gpu_memory_gib",
     "peak_bf16_tflops",
     "hbm_bandwidth_gbs",
@@ -80,27 +80,12 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         coerce_enums(self, vendor=Vendor, collective_library=CollectiveLibrary)
-        require_positive(
-            self,
-            "nodes",
-            "gpus_per_node",
-            "gpu_memory_gib",
-            "peak_bf16_tflops",
-            "hbm_bandwidth_gbs",
-            "intra_node_bandwidth_gbs",
-            "inter_node_bandwidth_gbs",
-            "storage_read_gbs",
-        )
+        require_positive(self, "nodes", "gpus_per_node", *SPEEDS)
         rates = (
-            "gpu_memory_gib",
-            "peak_bf16_tflops",
-            "hbm_bandwidth_gbs",
-            "intra_node_bandwidth_gbs",
-            "inter_node_bandwidth_gbs",
+            *SPEEDS,
             "intra_node_latency_us",
             "inter_node_latency_us",
             "runtime_reserved_gib",
-            "storage_read_gbs",
         )
         require_finite(self, *rates)
         require_at_most(self, MAX_RATE, *rates)
