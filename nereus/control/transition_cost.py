@@ -18,10 +18,9 @@ count of regroups cannot price. w is fitted by non-negative least squares to the
 transitions (``DagEstimator``), starting from the pure DAG model w = (1, 0, 0, 0, 0) — or, once
 the job reports what building its engines and groups took at start-up (``FixedCosts``,
 ``DagEstimator.seed``), from those seconds: a first move is then priced with the rebuilds it will
-pay, not as free. At a
-boundary where the job's world re-forms anyway (a worker joined or left), every engine and group
-is rebuilt whether the plan changes or not: those costs are sunk, the features count the DAG
-alone (``sunk``), and the fit learns from the DAG's measured seconds only.
+pay, not as free. At a boundary where the job's world re-forms anyway (a worker joined or left),
+every engine and group is rebuilt whether the plan changes or not: those costs are sunk, the
+features count the DAG alone (``sunk``), and the fit learns from the DAG's measured seconds only.
 """
 
 from __future__ import annotations
