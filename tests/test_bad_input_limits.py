@@ -48,9 +48,7 @@ def test_yaml_exponents_without_a_dot_are_numbers(capsys: pytest.CaptureFixture[
     assert code == 0, err
 
 
-@pytest.mark.parametrize(
-    "field", ["peak_bf16_tflops", "hbm_bandwidth_gbs", "inter_node_bandwidth_gbs", "gpu_memory_gib"]
-)
+@pytest.mark.parametrize("field", ["peak_bf16_tflops", "hbm_bandwidth_gbs", "inter_node_bandwidth_gbs"])
 def test_a_speed_too_small_to_price_with_is_refused(field: str, capsys: pytest.CaptureFixture[str]) -> None:
     text = shipped("clusters", "h100-ib", **{field: "1.0e-300"})
     line = refused(with_flag(PLAN, "--cluster", write("c.yaml", text)), capsys)

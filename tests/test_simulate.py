@@ -153,8 +153,10 @@ def test_same_seed_same_output_and_episodes_slow_the_network() -> None:
     assert [r.to_json() for r in a.records] == [r.to_json() for r in b.records]
     slow = simulate(_scenario(SHIPPED[1], steps=12, seed=3, episodes=(Episode(0, 12, "all", 0.5),)), "always")
     assert slow.total_s > a.total_s
-    with pytest.raises(ConfigError, match="START-END:SCOPE:FACTOR"):
+    with pytest.raises(ConfigError, match="episode scope must be one of inter, intra, compute, all"):
         Episode.parse("3-9:wifi:0.5")
+    with pytest.raises(ConfigError, match="START-END:SCOPE:FACTOR"):
+        Episode.parse("3-9:inter")
 
 
 def test_simulate_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,15 +20,14 @@ GIB = 1024**3
 MAX_NODES = 1 << 16
 MAX_GPUS_PER_NODE = 1024
 MAX_RATE = 1e6  # TFLOP/s, GB/s, µs and GiB: a million of any is beyond hardware of this age
-SPEEDS = (  # sizes and speeds: positive, and at least MIN_RATE
-    "gpu_memory_gib",
+SPEEDS = (  # positive, and at least MIN_RATE: their reciprocals price every op
     "peak_bf16_tflops",
     "hbm_bandwidth_gbs",
     "intra_node_bandwidth_gbs",
     "inter_node_bandwidth_gbs",
     "storage_read_gbs",
 )
-MIN_RATE = 1e-3  # TFLOP/s, GB/s and GiB: a thousandth of any is below hardware that runs a model
+MIN_RATE = 1e-3  # TFLOP/s and GB/s: a thousandth of either is below hardware that runs a model
 
 
 class Vendor(StrEnum):
@@ -80,8 +79,9 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         coerce_enums(self, vendor=Vendor, collective_library=CollectiveLibrary)
-        require_positive(self, "nodes", "gpus_per_node", *SPEEDS)
+        require_positive(self, "nodes", "gpus_per_node", "gpu_memory_gib", *SPEEDS)
         rates = (
+            "gpu_memory_gib",
             *SPEEDS,
             "intra_node_latency_us",
             "inter_node_latency_us",
