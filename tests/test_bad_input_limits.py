@@ -13,6 +13,7 @@ import json
 
 import pytest
 
+from nereus.plan.report import PLAN_KEYS, STAGE_REPORT_KEYS
 from tests.bad_input import (  # noqa: F401 - _in_tmp: the autouse fixture
     E_PLAN,
     E_SIM,
@@ -114,6 +115,13 @@ def test_price_flags_that_are_not_a_choice(
 
 
 def test_plan_json_with_keys_nereus_plan_never_writes(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = cli([*PLAN, "--json", "--exhaustive", "--all"], capsys)
+    assert code == 0, err
+    written = json.loads(out)  # every key nereus plan writes is one a plan read back may hold
+    assert {"exhaustive", "plans", "problem"} <= set(written) <= PLAN_KEYS
+    assert {k for stage in written["stages"] for k in stage} == STAGE_REPORT_KEYS | {
+        "name", "tp", "pp", "dp", "gpus", "micro_batch", "recompute"
+    }  # fmt: skip
     doc = plan_file(capsys, "a.json", "--gpus", "16", "--seq-len", "1024")
     write("b.json", json.dumps({**doc, "gpu": 16}))
     line = refused(["transition", "--from", "a.json", "--to", "b.json"], capsys)

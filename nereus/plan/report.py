@@ -57,6 +57,16 @@ def stage_reports(problem: PlanningProblem, result: SearchResult) -> list[StageR
     return reports
 
 
+# the keys of a ``nereus plan --json`` object (``plan_json``'s, the problem the CLI adds, and
+# ``--exhaustive``'s reports), and the report keys of its stage entries beside their layout:
+# a plan read back (``nereus transition``, ``--anchor``) may hold these and no others
+PLAN_KEYS = frozenset({
+    "step_latency_s", "search_ms", "solver", "mode", "gpus", "capacity_gib", "critical_path", "stages",
+    "problem", "exhaustive", "plans",
+})  # fmt: skip
+STAGE_REPORT_KEYS = frozenset({"stage", "latency_s", "peak_mem_gib", "bound_mem_gib"})
+
+
 def plan_json(problem: PlanningProblem, result: SearchResult) -> dict[str, Any]:
     """The ``nereus plan --json`` object."""
     reports = stage_reports(problem, result)

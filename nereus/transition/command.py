@@ -26,7 +26,7 @@ from rich.table import Table
 from nereus.errors import ConfigError, InfeasibleError
 from nereus.plan.layout import Candidate, Layout, Plan, is_power_of_two
 from nereus.plan.problem import PlanningProblem
-from nereus.plan.report import gpu_ranges
+from nereus.plan.report import PLAN_KEYS, STAGE_REPORT_KEYS, gpu_ranges
 from nereus.spec.cluster import GIB
 from nereus.spec.files import brief, load_json, shorten
 from nereus.spec.schema import build
@@ -118,13 +118,6 @@ class StageEntry:
 
 
 _STAGE_KEYS = {f.name for f in fields(StageEntry)}
-# what ``nereus plan --json`` writes besides: reports, not read back, but a key it never writes is
-# a typo or another tool's file
-_STAGE_REPORTS = {"stage", "latency_s", "peak_mem_gib", "bound_mem_gib"}
-_PLAN_KEYS = {
-    "problem", "stages", "step_latency_s", "search_ms", "solver", "mode", "gpus", "capacity_gib",
-    "critical_path", "exhaustive", "plans",
-}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,10 +146,10 @@ def read_plan(path: Path) -> PlanDoc:
     for key in ("problem", "stages"):
         if key not in doc:
             raise ConfigError(f"{path}: missing key '{key}' (write it with nereus plan --json)")
-    unknown = sorted(str(k) for k in doc if k not in _PLAN_KEYS)
+    unknown = sorted(str(k) for k in doc if k not in PLAN_KEYS)
     if unknown:
         raise ConfigError(
-            f"{path}: unknown key {brief(unknown[0])} (allowed: {', '.join(sorted(_PLAN_KEYS))})"
+            f"{path}: unknown key {brief(unknown[0])} (allowed: {', '.join(sorted(PLAN_KEYS))})"
         )
     problem = doc["problem"]
     if not isinstance(problem, dict):
@@ -168,9 +161,9 @@ def read_plan(path: Path) -> PlanDoc:
     for i, s in enumerate(stages):
         if not isinstance(s, dict):
             raise ConfigError(f"{path}: key 'stages[{i}]': expected a mapping, got {brief(s)}")
-        unknown = sorted(str(k) for k in s if k not in _STAGE_KEYS | _STAGE_REPORTS)
+        unknown = sorted(str(k) for k in s if k not in _STAGE_KEYS | STAGE_REPORT_KEYS)
         if unknown:
-            allowed = ", ".join(sorted(_STAGE_KEYS | _STAGE_REPORTS))
+            allowed = ", ".join(sorted(_STAGE_KEYS | STAGE_REPORT_KEYS))
             raise ConfigError(
                 f"{path}: key 'stages[{i}]': unknown key {brief(unknown[0])} (allowed: {allowed})"
             )
