@@ -342,10 +342,17 @@ def _gpu_worker(
     backend: str,
     device: str,
 ) -> None:
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
     dev = torch.device(device)
     if dev.type == "cuda":
+        dev = torch.device("cuda", dev.index or 0)  # set_device needs an index: "cuda" alone is refused
         torch.cuda.set_device(dev)
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{store}",
+        rank=0,
+        world_size=1,
+        device_id=dev if dev.type == "cuda" else None,
+    )
     model = load_model(model_name)
     res = _measure(0, 1, model, (1, 1, 1), sizes, repeats, Precision.BF16_MIXED, dev, full_tensors(model))
     Path(out, "gpu.json").write_text(json.dumps(res))
@@ -425,6 +432,25 @@ def plot(rows: list[dict[str, Any]], gpu: dict[str, Any] | None, out: Path) -> N
     plt.close(fig)
 
 
+def gpu_only(out: Path, repeats: int) -> None:
+    """``--gpu-only``: llama-125m on one GPU, bf16-mixed, written to ``engine_gpu.json``."""
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/engine.py --gpu-only: no CUDA or ROCm GPU is visible")
+    started, load_before = time.perf_counter(), os.getloadavg()
+    gpu = run_gpu("llama-125m", GPU_SIZES, repeats)
+    for op in ("gen", "train"):
+        r = gpu[op]
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (unknown peak)"
+        print(f"gpu {gpu['device_name']}: {op} {r['tokens_per_s']:.0f} tok/s, MFU {mfu}", flush=True)
+    extra = {
+        "mode": "gpu-only",
+        "torch": torch.__version__,
+        "seconds": {"total": time.perf_counter() - started},
+        "load_average": {"before": load_before, "after": os.getloadavg()},
+    }
+    print(f"wrote {write('engine_gpu', TARGETS, gpu, extra, out)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -432,9 +458,17 @@ def main() -> None:
         action="store_true",
         help="tiny-llama only, two layouts, small batches, one repeat, workers from a fork server",
     )
+    ap.add_argument(
+        "--gpu-only",
+        action="store_true",
+        help="only the one-GPU bf16 part (engine_gpu.json): for a GPU box whose CPU layouts are not wanted",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
+    if args.gpu_only:
+        gpu_only(args.out, args.repeats)
+        return
     started, load_before = time.perf_counter(), os.getloadavg()
     models = ["tiny-llama"] if args.quick else ["tiny-llama", "llama-125m"]
     layouts = list(QUICK_LAYOUTS if args.quick else LAYOUTS)

@@ -158,6 +158,36 @@ def test_engine_benchmark_quick(tmp_path: Path) -> None:
     assert (tmp_path / "engine_vllm.png").stat().st_size > 0
 
 
+@pytest.mark.timeout(120)
+def test_engine_gpu_part_on_cpu_twin(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-GPU part (``run_gpu``) run on gloo and the CPU: the same worker, timing and FLOP
+    accounting as on a GPU; no known peak, so no MFU."""
+    monkeypatch.syspath_prepend(str(BENCH))  # the spawned worker imports the script by name too
+    import engine  # type: ignore[import-not-found]
+
+    sizes = {"gen_rows": 2, "prompt": 8, "new_tokens": 4, "train_rows": 2, "seq": 16, "micro_batches": 1}
+    r = engine.run_gpu("tiny-llama", sizes, 1, backend="gloo", device="cpu")
+    assert r["device_name"] == "cpu" and r["peak_bf16_flops"] is None and r["layout"]["tp"] == 1
+    for op in ("gen", "train"):
+        x = r[op]
+        assert x["tokens"] > 0 and x["flops_per_s"] == pytest.approx(x["flops"] / x["seconds"])
+        assert x["mfu"] is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_engine_gpu_only_without_a_gpu_says_so(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: tests/gpu/run.sh runs the GPU part")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "engine.py"), "--gpu-only", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "no CUDA or ROCm GPU is visible" in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.timeout(240)
 def test_e2e_local_benchmark_quick(tmp_path: Path) -> None:
     doc = run_quick("e2e_local.py", tmp_path)
