@@ -49,8 +49,17 @@ def machine() -> dict[str, Any]:
         "torch": version("torch"),
         "numpy": version("numpy"),
         "pyscipopt": version("pyscipopt"),
-        "device": "cpu",
+        "device": _device(),
     }
+
+
+def _device() -> str:
+    """The GPU a benchmark that imported torch can see (``NVIDIA H200``), else ``cpu``; the
+    planner's benchmarks, which never import torch, say ``cpu``."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} ×{torch.cuda.device_count()}"
+    return "cpu"
 
 
 def write(
