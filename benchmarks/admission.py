@@ -180,9 +180,11 @@ def _mean(values: list[float | None]) -> float | None:
 
 def _model(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The planner's model against the truth over a policy's windows (``Summary.model_error``):
-    mean predicted / true step and its MAPE on the plans run, per model-stage, and for the
-    opportunistic moves admitted the predicted gain and cost per move against the realized ones
-    (``urgent_moves``: the rest, whose plan left could not run)."""
+    mean predicted / true step and its MAPE on the plans run, per model-stage; for the
+    opportunistic moves admitted the predicted latency gain and cost per move against the
+    realized ones, and the risk change ΔL also held (``urgent_moves``: the rest, whose plan left
+    could not run); and the risk priced per step against the seconds revocations and restarts
+    took."""
     models = [r["model"] for r in rows]
     stages = sorted({n for m in models for n in m["stage_ratio"]})
     counts = ("moves", "urgent_moves")

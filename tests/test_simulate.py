@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from nereus.cli import main
 from nereus.errors import ConfigError
 from nereus.sim import Episode, GpuSupply, Scenario, SeqCurve, SpotTrace, simulate
+from nereus.sim.records import StepRecord, Summary
 from nereus.spec import Role, load_cluster, load_model, load_workload, names
 from nereus.spec.registry import trace_path
 
@@ -213,3 +215,31 @@ def test_breakdown_adds_up_and_the_model_is_compared_with_the_truth() -> None:
     assert err["moves"] + err["urgent_moves"] == len(moved) and all(r.moved_from_s for r in moved)
     urgent = [r for r in moved if r.decision and r.decision.get("urgent")]
     assert err["urgent_moves"] == len(urgent)  # gains are read over the opportunistic moves only
+
+
+def _record(k: int, step_s: float, decision: dict[str, object] | None, **kw: Any) -> StepRecord:
+    plan = {"actor.gen": "tp1·pp1·dp8"}
+    return StepRecord(k, 0.0, 8, 100.0, 120.0, plan, step_s, decision=decision, **kw)
+
+
+def test_a_moves_predicted_gain_is_its_latencys_and_the_risk_is_checked_apart() -> None:
+    """ΔL holds the change in risk, which no quiet step shows: the predicted gain compared with
+    the realized one is the latency's; the risk priced is compared with the seconds lost."""
+    move = {"urgent": False, "verdict": "admit", "current_latency_s": 300.0, "target_latency_s": 200.0,
+            "delta_s": 60.0, "l_tran_s": 20.0, "current_risk_s": 0.0, "target_risk_s": 40.0}  # fmt: skip
+    keep = {"urgent": False, "verdict": "keep", "current_risk_s": 30.0, "target_risk_s": 90.0}
+    records = (
+        _record(0, 300.0, None),
+        _record(1, 200.0, move, moved_from_s=290.0, quiet_s=195.0, transition_s=25.0),
+        _record(2, 200.0, keep, preempted=True),  # lost: its 200 s are the risk realized
+        _record(2, 210.0, keep, restart_s=10.0),
+    )
+    s = Summary("nereus", 300.0, 935.0, 1, 0, 0, 1, 0, 0.0, 3, records)
+    err = s.model_error()
+    assert err["moves"] == 1 and err["urgent_moves"] == 0
+    assert err["move_gain_predicted_s"] == pytest.approx(100.0)  # 300 − 200, not ΔL's 60
+    assert err["move_gain_realized_s"] == pytest.approx(95.0)
+    assert err["move_risk_gain_predicted_s"] == pytest.approx(-40.0)
+    assert err["move_cost_predicted_s"] == pytest.approx(20.0)
+    assert err["risk_predicted_s"] == pytest.approx((40.0 + 30.0 + 30.0) / 3)  # the target after a move
+    assert err["risk_realized_s"] == pytest.approx((0.0 + 200.0 + 10.0) / 3)

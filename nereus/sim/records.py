@@ -184,9 +184,14 @@ class Summary:
         """How the planner's model saw the plans this run ran: per completed step, its predicted
         step over the truth's quiet one (``step_ratio``: mean predicted / truth; ``step_mape``),
         the same per model-stage (``stage_ratio``), and for the moves admitted: predicted gain
-        per step and cost (the admission's ΔL and L_tran) against the realized ones (the truth's
-        quiet step of the plan left minus that of the plan moved to; the move's true seconds),
-        over the opportunistic moves (``moves``; ``urgent_moves`` counts the rest)."""
+        per step and cost against the realized ones, over the opportunistic moves (``moves``;
+        ``urgent_moves`` counts the rest). The gain is the step latency's (current minus target
+        latency, against the truth's quiet step of the plan left minus that of the plan moved
+        to); the admission's ΔL also holds the change in risk, which no quiet step shows
+        (``move_risk_gain_predicted_s``: current minus target risk per move). The risk itself is
+        checked over the steps a decision priced (``risk_predicted_s``: the risk of the plan the
+        decision left running, or moved to; ``risk_realized_s``: the seconds those steps lost to
+        revocations and restarts, per step)."""
         seen = [r for r in self.records if not r.lost and r.predicted_s and r.quiet_s]
         ratios = [r.predicted_s / r.quiet_s for r in seen if r.predicted_s and r.quiet_s]
         stage: dict[str, list[float]] = {}
@@ -199,9 +204,15 @@ class Summary:
         # gains are read for opportunistic moves only: an urgent move's plan left had lost GPUs
         # and could not run, so "the plan left minus the plan moved to" means nothing there
         moves = [r for r in every if r.decision and not r.decision.get("urgent")]
-        gain_pred = [float(r.decision["delta_s"] or 0.0) for r in moves if r.decision]
+        gain_pred = [_latency_gain(r.decision) for r in moves if r.decision]
         gain_real = [(r.moved_from_s or 0.0) - (r.quiet_s or 0.0) for r in moves]
         cost_pred = [float(r.decision["l_tran_s"] or 0.0) for r in moves if r.decision]
+        risk_gain = [_risk(r.decision, "current") - _risk(r.decision, "target") for r in moves if r.decision]
+        priced = [r for r in self.records if r.decision]
+        risk_pred = [
+            _risk(r.decision, "target" if _moved(r.decision) else "current") for r in priced if r.decision
+        ]
+        risk_real = [(r.step_s if r.lost else 0.0) + r.restart_s for r in priced]
         return {
             "step_ratio": sum(ratios) / len(ratios) if ratios else None,
             "step_mape": sum(abs(x - 1.0) for x in ratios) / len(ratios) if ratios else None,
@@ -212,6 +223,9 @@ class Summary:
             "move_gain_realized_s": sum(gain_real) / len(moves) if moves else None,
             "move_cost_predicted_s": sum(cost_pred) / len(moves) if moves else None,
             "move_cost_realized_s": sum(r.transition_s for r in moves) / len(moves) if moves else None,
+            "move_risk_gain_predicted_s": sum(risk_gain) / len(moves) if moves else None,
+            "risk_predicted_s": sum(risk_pred) / len(priced) if priced else None,
+            "risk_realized_s": sum(risk_real) / len(priced) if priced else None,
         }
 
     def _async_json(self) -> dict[str, float]:
@@ -223,3 +237,20 @@ class Summary:
             "mean_sync_s": sum(a.sync_s for a in steps) / len(steps),
             "mean_staleness": sum(a.staleness for a in steps) / len(steps),
         }
+
+
+def _risk(decision: Mapping[str, Any], which: str) -> float:
+    return float(decision.get(f"{which}_risk_s") or 0.0)
+
+
+def _moved(decision: Mapping[str, Any]) -> bool:
+    """The decision's target runs next (admitted, or restarted onto)."""
+    return decision.get("verdict") in ("admit", "restart")
+
+
+def _latency_gain(decision: Mapping[str, Any]) -> float:
+    """A move's predicted gain in step latency: ΔL less the change in risk it also holds."""
+    current, target = decision.get("current_latency_s"), decision.get("target_latency_s")
+    if current is not None and target is not None:
+        return float(current) - float(target)
+    return float(decision.get("delta_s") or 0.0) - (_risk(decision, "current") - _risk(decision, "target"))
