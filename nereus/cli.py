@@ -411,6 +411,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         owner.error("the following arguments are required: name")
     if args.command == "describe" and args.kind == "node" and args.name is not None:
         owner.error(f"describe node takes no name (it reads the node it runs on), got {brief(args.name)}")
+    if args.command == "describe" and args.kind != "model" and args.seq_len is not None:
+        owner.error(f"describe {args.kind} takes no --seq-len (it sets a model's attention FLOPs)")
     return args
 
 

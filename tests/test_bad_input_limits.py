@@ -193,3 +193,11 @@ def test_flags_that_would_do_nothing_are_refused(capsys: pytest.CaptureFixture[s
     plan_file(capsys, "a.json", "--gpus", "16", "--seq-len", "1024")
     line = refused(["transition", "--from", "a.json", "--to", "a.json", "--lost", ",,,"], capsys)
     assert line == f"{E_TR}--lost: expected GPU ids like 3,8-11, got ',,,'"
+    line = refused([*SIM, "--gamma", "0.3"], capsys)  # static admits by its own rule
+    assert line == f"{E_SIM}--gamma sets nereus's payback bar; --policies 'static' has no nereus"
+    line = refused(["describe", "cluster", "h100-ib", "--seq-len", "1024"], capsys)
+    assert line.startswith(
+        "nereus describe: error: describe cluster takes no --seq-len (it sets a model's attention"
+    )
+    code, _, err = cli(["describe", "model", "tiny-llama", "--seq-len", "64"], capsys)
+    assert code == 0, err

@@ -106,7 +106,7 @@ def add_parser(sub: Any) -> None:
         default=DEFAULT_POLICIES,
         help="comma list: nereus, static, always, periodic:K; references: static-best, oracle",
     )
-    p.add_argument("--gamma", default="0.5", help="γ for nereus; a comma list sweeps it")
+    p.add_argument("--gamma", help="γ for nereus (default 0.5); a comma list sweeps it")
     p.add_argument("--steps", type=int_in(1, MAX_STEPS), default=200)
     p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
     p.add_argument("--gpus-per-instance", type=int_in(1, 1024), default=1)
@@ -272,7 +272,10 @@ def _writers(summaries: list[Summary], doc: dict[str, Any], title: str) -> dict[
 
 def run(args: argparse.Namespace, out: Console) -> int:
     scenario = scenario_from(args)
-    plan = runs(args.policies, _gammas(args.gamma))
+    plan = runs(args.policies, _gammas("0.5" if args.gamma is None else args.gamma))
+    if args.gamma is not None and all(policy != "nereus" for _, policy, _ in plan):
+        policies = brief(args.policies)
+        raise ConfigError(f"--gamma sets nereus's payback bar; --policies {policies} has no nereus")
     stem = scenario.supply.trace.name
     actor = scenario.models[Role.ACTOR].name
     folder = args.out or Path("runs") / "sim" / f"{stem}-{actor}-{scenario.workload.name}"
