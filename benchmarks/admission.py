@@ -183,11 +183,11 @@ def _model(rows: list[dict[str, Any]]) -> dict[str, Any]:
     mean predicted / true step and its MAPE on the plans run, per model-stage; for the
     opportunistic moves admitted the predicted latency gain and cost per move against the
     realized ones, and the risk change ΔL also held (``urgent_moves``: the rest, whose plan left
-    could not run); and the risk priced per step against the seconds revocations and restarts
-    took."""
+    could not run); and the steps the risk priced, try by try: lost tries expected against lost
+    (summed over the windows) and the seconds per try expected against lost."""
     models = [r["model"] for r in rows]
     stages = sorted({n for m in models for n in m["stage_ratio"]})
-    counts = ("moves", "urgent_moves")
+    counts = ("moves", "urgent_moves", "priced_tries", "lost_tries", "lost_tries_predicted")
     keys = [k for k in models[0] if k != "stage_ratio" and k not in counts]
     return {
         **{k: _mean([m[k] for m in models]) for k in keys},

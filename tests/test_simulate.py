@@ -222,17 +222,19 @@ def _record(k: int, step_s: float, decision: dict[str, object] | None, **kw: Any
     return StepRecord(k, 0.0, 8, 100.0, 120.0, plan, step_s, decision=decision, **kw)
 
 
-def test_a_moves_predicted_gain_is_its_latencys_and_the_risk_is_checked_apart() -> None:
+def test_a_moves_predicted_gain_is_its_latencys_and_the_risk_is_checked_try_by_try() -> None:
     """ΔL holds the change in risk, which no quiet step shows: the predicted gain compared with
-    the realized one is the latency's; the risk priced is compared with the seconds lost."""
+    the realized one is the latency's. A plan's risk R = L·p/(1 − p) counts the reruns a lost
+    step needs, and each rerun is priced again: each try is checked against p = R/(L + R)."""
     move = {"urgent": False, "verdict": "admit", "current_latency_s": 300.0, "target_latency_s": 200.0,
             "delta_s": 60.0, "l_tran_s": 20.0, "current_risk_s": 0.0, "target_risk_s": 40.0}  # fmt: skip
-    keep = {"urgent": False, "verdict": "keep", "current_risk_s": 30.0, "target_risk_s": 90.0}
+    keep = {"urgent": False, "verdict": "keep", "current_latency_s": 170.0, "current_risk_s": 30.0,
+            "target_risk_s": 90.0}  # fmt: skip
     records = (
         _record(0, 300.0, None),
         _record(1, 200.0, move, moved_from_s=290.0, quiet_s=195.0, transition_s=25.0),
-        _record(2, 200.0, keep, preempted=True),  # lost: its 200 s are the risk realized
-        _record(2, 210.0, keep, restart_s=10.0),
+        _record(2, 200.0, keep, preempted=True),  # lost: run again
+        _record(2, 210.0, keep),
     )
     s = Summary("nereus", 300.0, 935.0, 1, 0, 0, 1, 0, 0.0, 3, records)
     err = s.model_error()
@@ -241,5 +243,8 @@ def test_a_moves_predicted_gain_is_its_latencys_and_the_risk_is_checked_apart() 
     assert err["move_gain_realized_s"] == pytest.approx(95.0)
     assert err["move_risk_gain_predicted_s"] == pytest.approx(-40.0)
     assert err["move_cost_predicted_s"] == pytest.approx(20.0)
-    assert err["risk_predicted_s"] == pytest.approx((40.0 + 30.0 + 30.0) / 3)  # the target after a move
-    assert err["risk_realized_s"] == pytest.approx((0.0 + 200.0 + 10.0) / 3)
+    assert err["priced_tries"] == 3 and err["lost_tries"] == 1
+    # p: 40/240 on the target moved to, then 30/200 twice on the plan kept
+    assert err["lost_tries_predicted"] == pytest.approx(40 / 240 + 2 * 30 / 200)
+    assert err["lost_s_predicted"] == pytest.approx((200 * 40 / 240 + 2 * 170 * 30 / 200) / 3)
+    assert err["lost_s_realized"] == pytest.approx(200.0 / 3)

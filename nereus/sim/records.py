@@ -188,10 +188,13 @@ class Summary:
         ``urgent_moves`` counts the rest). The gain is the step latency's (current minus target
         latency, against the truth's quiet step of the plan left minus that of the plan moved
         to); the admission's ΔL also holds the change in risk, which no quiet step shows
-        (``move_risk_gain_predicted_s``: current minus target risk per move). The risk itself is
-        checked over the steps a decision priced (``risk_predicted_s``: the risk of the plan the
-        decision left running, or moved to; ``risk_realized_s``: the seconds those steps lost to
-        revocations and restarts, per step)."""
+        (``move_risk_gain_predicted_s``: current minus target risk per move). The risk is checked try by
+        try over the steps a decision priced (``priced_tries``; a lost step's rerun is a try of
+        its own): a plan's risk R = L·p/(1 − p) (+ its restart risk) is the work lost per
+        completed step over all its tries, so each try is lost with p = R/(L + R) (an upper bound
+        where a restart is at risk too). ``lost_tries_predicted`` sums p over the tries and
+        ``lost_tries`` counts those lost; ``lost_s_predicted`` and ``lost_s_realized`` are the
+        seconds per try, L·p against the lost tries' seconds."""
         seen = [r for r in self.records if not r.lost and r.predicted_s and r.quiet_s]
         ratios = [r.predicted_s / r.quiet_s for r in seen if r.predicted_s and r.quiet_s]
         stage: dict[str, list[float]] = {}
@@ -209,10 +212,8 @@ class Summary:
         cost_pred = [float(r.decision["l_tran_s"] or 0.0) for r in moves if r.decision]
         risk_gain = [_risk(r.decision, "current") - _risk(r.decision, "target") for r in moves if r.decision]
         priced = [r for r in self.records if r.decision]
-        risk_pred = [
-            _risk(r.decision, "target" if _moved(r.decision) else "current") for r in priced if r.decision
-        ]
-        risk_real = [(r.step_s if r.lost else 0.0) + r.restart_s for r in priced]
+        tries = [_try_loss(r.decision, r.step_s) for r in priced if r.decision]  # (p, L·p) per try
+        lost = [r.step_s for r in priced if r.lost]
         return {
             "step_ratio": sum(ratios) / len(ratios) if ratios else None,
             "step_mape": sum(abs(x - 1.0) for x in ratios) / len(ratios) if ratios else None,
@@ -224,8 +225,11 @@ class Summary:
             "move_cost_predicted_s": sum(cost_pred) / len(moves) if moves else None,
             "move_cost_realized_s": sum(r.transition_s for r in moves) / len(moves) if moves else None,
             "move_risk_gain_predicted_s": sum(risk_gain) / len(moves) if moves else None,
-            "risk_predicted_s": sum(risk_pred) / len(priced) if priced else None,
-            "risk_realized_s": sum(risk_real) / len(priced) if priced else None,
+            "priced_tries": len(priced),
+            "lost_tries": len(lost),
+            "lost_tries_predicted": sum(p for p, _ in tries),
+            "lost_s_predicted": sum(x for _, x in tries) / len(priced) if priced else None,
+            "lost_s_realized": sum(lost) / len(priced) if priced else None,
         }
 
     def _async_json(self) -> dict[str, float]:
@@ -243,9 +247,16 @@ def _risk(decision: Mapping[str, Any], which: str) -> float:
     return float(decision.get(f"{which}_risk_s") or 0.0)
 
 
-def _moved(decision: Mapping[str, Any]) -> bool:
-    """The decision's target runs next (admitted, or restarted onto)."""
-    return decision.get("verdict") in ("admit", "restart")
+def _try_loss(decision: Mapping[str, Any], step_s: float) -> tuple[float, float]:
+    """The probability that the step this decision priced is lost, p = R/(L + R) from the risk
+    R = L·p/(1 − p) of the plan that runs it (the target where the decision moved), and the
+    seconds it expects that try to lose, L·p (L: the predicted latency, else the step's)."""
+    which = "target" if decision.get("verdict") in ("admit", "restart") else "current"
+    risk = _risk(decision, which)
+    latency = decision.get(f"{which}_latency_s")
+    latency = step_s if latency is None else float(latency)
+    p = risk / (latency + risk) if risk > 0 else 0.0
+    return p, latency * p
 
 
 def _latency_gain(decision: Mapping[str, Any]) -> float:
