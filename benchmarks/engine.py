@@ -432,16 +432,20 @@ def plot(rows: list[dict[str, Any]], gpu: dict[str, Any] | None, out: Path) -> N
     plt.close(fig)
 
 
+def print_gpu(gpu: dict[str, Any]) -> None:
+    for op in ("gen", "train"):
+        r = gpu[op]
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (unknown peak)"
+        print(f"gpu {gpu['device_name']}: {op} {r['tokens_per_s']:.0f} tok/s, MFU {mfu}", flush=True)
+
+
 def gpu_only(out: Path, repeats: int) -> None:
     """``--gpu-only``: llama-125m on one GPU, bf16-mixed, written to ``engine_gpu.json``."""
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/engine.py --gpu-only: no CUDA or ROCm GPU is visible")
     started, load_before = time.perf_counter(), os.getloadavg()
     gpu = run_gpu("llama-125m", GPU_SIZES, repeats)
-    for op in ("gen", "train"):
-        r = gpu[op]
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (unknown peak)"
-        print(f"gpu {gpu['device_name']}: {op} {r['tokens_per_s']:.0f} tok/s, MFU {mfu}", flush=True)
+    print_gpu(gpu)
     extra = {
         "mode": "gpu-only",
         "torch": torch.__version__,
@@ -492,10 +496,7 @@ def main() -> None:
     gpu = None
     if torch.cuda.is_available():
         gpu = run_gpu("llama-125m", GPU_SIZES, repeats)
-        for op in ("gen", "train"):
-            r = gpu[op]
-            mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (unknown peak)"
-            print(f"gpu {gpu['device_name']}: {op} {r['tokens_per_s']:.0f} tok/s, MFU {mfu}", flush=True)
+        print_gpu(gpu)
     else:
         print("no CUDA: GPU/MFU part skipped (gpu: null)", flush=True)
     print(

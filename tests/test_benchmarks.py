@@ -174,7 +174,6 @@ def test_engine_gpu_part_on_cpu_twin(monkeypatch: pytest.MonkeyPatch) -> None:
         assert x["mfu"] is None
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
 def test_engine_gpu_only_without_a_gpu_says_so(tmp_path: Path) -> None:
     import torch
 

@@ -188,8 +188,8 @@ class Summary:
         ``urgent_moves`` counts the rest). The gain is the step latency's (current minus target
         latency, against the truth's quiet step of the plan left minus that of the plan moved
         to); the admission's ΔL also holds the change in risk, which no quiet step shows
-        (``move_risk_gain_predicted_s``: current minus target risk per move). The risk is checked try by
-        try over the steps a decision priced (``priced_tries``; a lost step's rerun is a try of
+        (``move_risk_gain_predicted_s``: current minus target risk per move). The risk is
+        checked try by try over the steps a decision priced (``priced_tries``; a lost step's rerun is a try of
         its own): a plan's risk R = L·p/(1 − p) (+ its restart risk) is the work lost per
         completed step over all its tries, so each try is lost with p = R/(L + R) (an upper bound
         where a restart is at risk too). ``lost_tries_predicted`` sums p over the tries and
@@ -260,8 +260,6 @@ def _try_loss(decision: Mapping[str, Any], step_s: float) -> tuple[float, float]
 
 
 def _latency_gain(decision: Mapping[str, Any]) -> float:
-    """A move's predicted gain in step latency: ΔL less the change in risk it also holds."""
-    current, target = decision.get("current_latency_s"), decision.get("target_latency_s")
-    if current is not None and target is not None:
-        return float(current) - float(target)
-    return float(decision.get("delta_s") or 0.0) - (_risk(decision, "current") - _risk(decision, "target"))
+    """An opportunistic move's predicted gain in step latency (its current plan is valid, so
+    both latencies are known): ΔL less the change in risk it also holds."""
+    return float(decision["current_latency_s"]) - float(decision["target_latency_s"])
