@@ -3,8 +3,10 @@
 - A tiny PPO job on 2 nodes (2 workers each) grows by a node while it runs: the newcomers present
   the job's secret, join at a step boundary and the controller Extends onto them; a stranger
   without the secret is refused and logged; then the grown node is set DOWN: the survivors
-  detect it, replan from intact units and finish. The exported actor equals that of the same job
-  run without any of it (``nereus run``, 4 local workers).
+  detect it, replan from intact units and finish. The job's own nodes are reserved and the grown
+  ones revocable (``reserved_nodes: 2``, rate unknown), so the lost node is a revocation: the
+  job learns a rate from it and prices the decision that answers it with that. The exported
+  actor equals that of the same job run without any of it (``nereus run``, 4 local workers).
 - SLURM's preemption signal (``scancel --signal=USR2``): the job checkpoints at its next
   boundary, submitit requeues it, and the requeued job resumes to the same final state.
 - A job array of 4 planner runs.
@@ -32,6 +34,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from nereus.spec.registry import config_root
 from tests.slurm_cluster import FINAL_STATES, SlurmCluster
 
 pytestmark = [pytest.mark.slurm]
@@ -40,7 +43,7 @@ EXPERIMENT = """
 name: {name}
 workload: ppo-tiny
 model: tiny-llama
-cluster: local-slurm
+cluster: {cluster}
 workers: 4
 steps: {steps}
 seed: 5
@@ -50,6 +53,10 @@ max_new_tokens: 2
 rl: {{lr: 0.002, critic_lr: 0.01, kl_coef: 0.01}}
 checkpoint_every: {every}
 """
+
+
+def experiment(name: str, steps: int, every: int, cluster: str = "local-slurm") -> str:
+    return EXPERIMENT.format(name=name, steps=steps, every=every, cluster=cluster)
 
 
 def launch(cluster: SlurmCluster, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -98,10 +105,10 @@ class Reference:
     background once its SLURM job is past the events it checks (the job's remaining steps and
     SLURM's requeue hold leave the cores idle part of the time), and waits for it at the end."""
 
-    def __init__(self, tmp: Path, name: str, steps: int, every: int) -> None:
+    def __init__(self, tmp: Path, name: str, steps: int, every: int, cluster: str = "local-slurm") -> None:
         self.exp, self.out = tmp / f"{name}-ref.yaml", tmp / f"{name}-ref"
         self.err = tmp / f"{name}-ref.err"
-        self.exp.write_text(EXPERIMENT.format(name=name, steps=steps, every=every))
+        self.exp.write_text(experiment(name, steps, every, cluster))
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Reference:
@@ -141,9 +148,13 @@ def test_grow_stranger_and_node_down_keep_training_on_track(
         slurm_cluster.node_resume(node)
     slurm_cluster.wait_idle()
     steps, every = 30, 4
+    # the job's own two nodes are reserved, the two it grows by revocable (rate unknown): losing
+    # one without a drain is a revocation the job learns its rate from
+    spot = tmp_path / "local-slurm-spot.yaml"
+    spot.write_text((config_root() / "clusters" / "local-slurm.yaml").read_text() + "reserved_nodes: 2\n")
     exp = tmp_path / "elastic.yaml"
-    exp.write_text(EXPERIMENT.format(name="elastic", steps=steps, every=every))
-    ref = Reference(tmp_path, "elastic", steps, every)
+    exp.write_text(experiment("elastic", steps, every, str(spot)))
+    ref = Reference(tmp_path, "elastic", steps, every, str(spot))
     jobid, job = submitted(
         launch(
             slurm_cluster, "submit", str(exp), "--site", "local", "--nodes", "2", "--jobs-root", str(tmp_path)
@@ -198,6 +209,9 @@ def test_grow_stranger_and_node_down_keep_training_on_track(
     kinds = [t["kind"] for r in done for t in r["transitions"]]  # type: ignore[union-attr]
     assert any("extend" in k for k in kinds), kinds  # onto the newcomers
     assert "recovered" in kinds, kinds  # then in place from intact units, or from the checkpoint
+    decisions = [r["decision"] for r in done if r.get("decision")]
+    lost = [d for d in decisions if any(t.startswith("gpu-loss") for t in d["triggers"])]  # type: ignore[index]
+    assert lost and 0 < lost[0]["revocation_rate"] <= 1 / 24 + 1e-9, decisions  # type: ignore[index, operator]
     assert_same_actor(job, ref.actor())
 
 
@@ -205,7 +219,7 @@ def test_grow_stranger_and_node_down_keep_training_on_track(
 def test_preemption_checkpoints_requeues_and_resumes(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     steps, every = 12, 4
     exp = tmp_path / "preempted.yaml"
-    exp.write_text(EXPERIMENT.format(name="preempted", steps=steps, every=every))
+    exp.write_text(experiment("preempted", steps, every))
     jobid, job = submitted(
         launch(
             slurm_cluster, "submit", str(exp), "--site", "local", "--nodes", "2", "--jobs-root", str(tmp_path)
@@ -320,7 +334,7 @@ def torchrun_job(slurm_cluster: SlurmCluster, tmp_path: Path) -> Iterator[Callab
             slurm_cluster.node_resume(node)
         slurm_cluster.wait_idle()
         exp = tmp_path / f"{name}.yaml"
-        exp.write_text(EXPERIMENT.format(name=name, steps=TORCHRUN_STEPS, every=TORCHRUN_EVERY))
+        exp.write_text(experiment(name, TORCHRUN_STEPS, TORCHRUN_EVERY))
         jobid, job = submitted(
             launch(
                 slurm_cluster, "submit", str(exp), "--site", "local", "--nodes", "4", "--launcher",
