@@ -125,9 +125,11 @@ def check_plan(spec: ExperimentSpec, gpus: int, flag: str = "--nodes") -> None:
     from nereus.plan.problem import PlanningProblem, SeqStats
     from nereus.plan.search import search
     from nereus.spec import Head, Role, load_cluster, load_model, load_workload
+    from nereus.spec.model import check_runnable
 
     workload = load_workload(spec.workload)
     actor = load_model(spec.model)
+    check_runnable(actor)
     cluster = load_cluster(spec.cluster)
     what = f"{spec.workload} on {spec.model}"
     if gpus > cluster.total_gpus:

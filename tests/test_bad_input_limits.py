@@ -10,10 +10,16 @@ with a byte-order mark.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 
+from launch.experiment import check_plan
+from nereus.errors import ConfigError
 from nereus.plan.report import PLAN_KEYS, STAGE_REPORT_KEYS
+from nereus.runtime.experiment import ExperimentSpec
+from nereus.spec.schema import build
 from tests.bad_input import (  # noqa: F401 - _in_tmp: the autouse fixture
     E_PLAN,
     E_SIM,
@@ -201,3 +207,23 @@ def test_flags_that_would_do_nothing_are_refused(capsys: pytest.CaptureFixture[s
     )
     code, _, err = cli(["describe", "model", "tiny-llama", "--seq-len", "64"], capsys)
     assert code == 0, err
+
+
+def test_a_model_the_runtime_cannot_rotate_is_refused_before_anything_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An odd head_dim prices (the planner needs no rotation) but cannot run: RoPE rotates pairs."""
+    model = write("odd.yaml", shipped("models", "tiny-llama", hidden_size="66", num_attention_heads="2",
+                                      num_key_value_heads="1"))  # fmt: skip
+    code, _, err = cli(with_flag(PLAN, "--model", model), capsys)
+    assert code == 0, err
+    exp = write("e.yaml", shipped("experiments", "grpo-tiny", model=str(Path(model).resolve())))
+    line = refused(["run", exp, "--out", "out"], capsys)
+    assert line == (
+        "nereus run: error: model: odd's head_dim 33 is odd; the runtime's rotary embeddings need an even "
+        "head_dim (set head_dim, or hidden_size / num_attention_heads, to an even number)"
+    )
+    assert not Path("out").exists()  # nothing written
+    spec = build(ExperimentSpec, yaml.safe_load(Path(exp).read_text()), exp)
+    with pytest.raises(ConfigError, match="head_dim 33 is odd"):  # the login node's check too
+        check_plan(spec, 4)

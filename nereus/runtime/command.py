@@ -92,6 +92,7 @@ def preflight(spec: Any, folder: Path, resume: bool, force: bool = False, local:
     from nereus.rl.tokenizer import CharTokenizer
     from nereus.runtime.engines import engines_of, job_models
     from nereus.spec import load_cluster, load_model, load_workload
+    from nereus.spec.model import check_runnable
 
     workload = _keyed("workload", load_workload, spec.workload)
     stages = [ms.name for ms in workload.workflow().model_stages]
@@ -107,6 +108,7 @@ def preflight(spec: Any, folder: Path, resume: bool, force: bool = False, local:
                 f"{workload.name} (allowed: {', '.join(stages)})"
             )
     model = _keyed("model", load_model, spec.model)
+    check_runnable(model)
     engines = engines_of(spec, workload, job_models(model))
     cluster = _keyed("cluster", load_cluster, spec.cluster)
     if spec.workers > cluster.total_gpus:

@@ -283,6 +283,16 @@ class ModelSpec:
         return 2 * self.num_hidden_layers * self.kv_size * dtype_bytes
 
 
+def check_runnable(model: ModelSpec) -> None:
+    """Refuse a model the runtime cannot run though the planner can price it: the engines rotate
+    query and key pairs over the whole head (RoPE), so ``head_dim`` must be even."""
+    if model.head_dim % 2:
+        raise ConfigError(
+            f"model: {model.name}'s head_dim {model.head_dim} is odd; the runtime's rotary embeddings "
+            f"need an even head_dim (set head_dim, or hidden_size / num_attention_heads, to an even number)"
+        )
+
+
 def check_context(model: ModelSpec, prompt_len: int, response_len: float, flags: str) -> None:
     """Refuse sequences longer than ``model``'s context: a prompt of ``prompt_len`` tokens and a
     response of ``response_len`` (its longest priced length), named as ``flags`` in the error."""
