@@ -84,6 +84,25 @@ def test_admission_benchmark_quick(one_process: Runs) -> None:
 
 
 @pytest.mark.timeout(480)
+def test_risk_windows_reads_the_admission_benchmark(one_process: Runs, tmp_path: Path) -> None:
+    doc, out = quick_doc(one_process, "admission.py")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "risk_windows.py"), "--results", str(out),
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = json.loads((tmp_path / "risk-windows.json").read_text())["results"]
+    assert set(table) == set(doc["results"])
+    for name, traces in table.items():
+        windows = [w for p in doc["results"][name]["policies"].values() for w in p["windows"]]
+        assert sum(e["seen"] for e in traces.values()) == sum(w["model"]["lost_tries"] for w in windows)
+        for e in traces.values():
+            assert 0 <= e["young_lost_ticks_windows"] <= e["young_held_ticks_windows"]
+            assert e["young_held_ticks_windows"] <= e["young_held_ticks_trace"]
+
+
+@pytest.mark.timeout(480)
 def test_coordination_benchmark_quick(one_process: Runs) -> None:
     doc, out = quick_doc(one_process, "coordination.py")
     summary = doc["summary"]

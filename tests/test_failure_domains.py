@@ -146,6 +146,19 @@ def test_supply_knows_its_reserved_floor_and_revocation_rate(tmp_path: Path) -> 
     assert all(g in supply.pool_at(t) for t in (0.0, 700.0, 1e6) for g in d.reserved)
 
 
+def test_age_counts_split_a_traces_ticks_by_the_pools_age(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"metadata": {"gap_seconds": 300}, "data": [4, 4, 2, 2, 4, 4, 4, 3]}))
+    supply = GpuSupply(SpotTrace.load(path), gpus_per_instance=1, max_gpus=8, min_gpus=1)
+    # revocable held per tick: 3 3 1 1 3 3 3 2; ages 0 1 0 1 0 1 2 → bins 0, 1, 2–3
+    exposed, drops = supply.age_counts()
+    assert exposed[:3] == [3, 3, 1] and drops[:3] == [0, 1, 1] and sum(exposed) == 7
+    for cut in range(8):  # a window's counts keep the ages the whole trace gives its ticks
+        a, b = supply.age_counts(0, cut), supply.age_counts(cut)
+        assert [x + y for x, y in zip(a[0], b[0], strict=True)] == exposed
+        assert [x + y for x, y in zip(a[1], b[1], strict=True)] == drops
+
+
 def test_when_reserved_gpus_hold_one_trainer_the_most_exposed_gets_them() -> None:
     """8 reserved GPUs, two trainers of 8-GPU replicas: the critic with one replica (lost with any
     of its instances) gets them, not the actor with two (both must be lost) — even when the

@@ -155,15 +155,7 @@ class GpuSupply:
         instances binned by their age in ticks (0, 1, 2–3, 4–7, … , ≥ 64), each bin's drops per
         tick over the mean's, shrunk toward 1 by ``AGE_PRIOR_EVENTS`` pseudo-events so a thin
         bin says little. In simulated seconds."""
-        held = self._held_revocable()
-        exposed, drops = [0] * len(AGE_BINS), [0] * len(AGE_BINS)
-        age = 0
-        for a, b in itertools.pairwise(held):
-            if a > 0:
-                k = bisect.bisect_right(AGE_BINS, age) - 1
-                exposed[k] += 1
-                drops[k] += b < a
-            age = 0 if b != a else age + 1
+        exposed, drops = self.age_counts()
         ticks = sum(exposed)
         if ticks == 0 or sum(drops) == 0:
             return ()
@@ -173,6 +165,21 @@ class GpuSupply:
             (lo * tick_s, (d + AGE_PRIOR_EVENTS) / (n * mean + AGE_PRIOR_EVENTS))
             for lo, n, d in zip(AGE_BINS, exposed, drops, strict=True)
         )
+
+    def age_counts(self, first: int = 0, end: int | None = None) -> tuple[list[int], list[int]]:
+        """Per age bin (``AGE_BINS``, ticks since the pool last changed): the ticks of the trace
+        in ``[first, end)`` that held revocable instances, and those after which the pool lost
+        some. Ages count from the trace's start, whatever ``first``."""
+        held = self._held_revocable()
+        exposed, drops = [0] * len(AGE_BINS), [0] * len(AGE_BINS)
+        age = 0
+        for tick, (a, b) in enumerate(itertools.pairwise(held)):
+            if a > 0 and first <= tick and (end is None or tick < end):
+                k = bisect.bisect_right(AGE_BINS, age) - 1
+                exposed[k] += 1
+                drops[k] += b < a
+            age = 0 if b != a else age + 1
+        return exposed, drops
 
     def domains(self) -> FailureDomains:
         """The reserved floor's GPUs and the trace's revocation history, as the planner knows
