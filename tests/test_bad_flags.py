@@ -180,6 +180,15 @@ PROBLEM_KEYS += "seq_len_p95, urgent"
             lambda d: d["stages"][0].update(tp=3),
             "b.json: 'stages[0]' tp must be a power of two up to 1024, got 3",
         ),
+        (
+            lambda d: d["stages"][0].update(tp=64),
+            "b.json: stages[0] (actor.gen): tp 64 must divide the 32 attention heads (llama-3.1-8b: 32 "
+            "attention heads, 8 KV heads; allowed tp: 1, 2, 4, 8, 16, 32)",
+        ),
+        (
+            lambda d: d["stages"][0].update(pp=64),
+            "b.json: stages[0] (actor.gen): pp 64 exceeds llama-3.1-8b's 32 layers",
+        ),
         (lambda d: d["stages"][0].pop("dp"), "b.json: missing key 'stages[0].dp' (expected int)"),
         (
             lambda d: d["stages"][0].update(gpus="0123"),

@@ -140,7 +140,7 @@ def test_refusals_name_the_reason() -> None:
     assert refusal("vllm", h32) == "" and refusal("vllm", h32, tp=4) == ""
     assert "head_dim 16" in refusal("vllm", load_model("tiny-llama"))
     assert "pp must be 1" in refusal("vllm", h32, pp=2)
-    assert "do not split over tp=8" in refusal("vllm", h32, tp=8)
+    assert "tp 8 must divide the 4 attention heads" in refusal("vllm", h32, tp=8)
     assert "value head" in refusal("vllm", h32.with_head(Head.VALUE))
 
 

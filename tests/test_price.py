@@ -10,6 +10,7 @@ spec and 3 when the held layout cannot run.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -155,6 +156,59 @@ def test_bad_or_impossible_fixes(
     assert main([*PLAN, "--fix", fix]) == code
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+def _hf(folder: Path, heads: int, kv: int) -> str:
+    """A Llama config.json with ``heads`` attention heads and ``kv`` KV heads (head_dim 128)."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 128 * heads, "intermediate_size": 512 * heads,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "num_hidden_layers": 60,
+        "vocab_size": 64000, "max_position_embeddings": 8192,
+    }))  # fmt: skip
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv", "tp", "message"),
+    [
+        (48, 6, 4, "--tp 4 and the 6 KV heads must divide one another (m: 48 attention heads, 6 KV heads; "
+                   "allowed tp: 1, 2)"),
+        (6, 3, 2, "--tp 2 and the 3 KV heads must divide one another (m: 6 attention heads, 3 KV heads; "
+                  "allowed tp: 1)"),
+        (12, 12, 8, "--tp 8 must divide the 12 attention heads (m: 12 attention heads, 12 KV heads; "
+                    "allowed tp: 1, 2, 4)"),
+        (28, 4, 8, "--tp 8 must divide the 28 attention heads (m: 28 attention heads, 4 KV heads; "
+                   "allowed tp: 1, 2, 4)"),
+    ],
+)  # fmt: skip
+def test_a_tp_the_heads_cannot_split_is_refused(
+    heads: int, kv: int, tp: int, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The runtime's rule (nereus.state.geometry.check_layout): tp divides the attention heads, and
+    tp and the KV heads divide one another. A tp that breaks it is not priced (3 // 2 KV heads)."""
+    model = _hf(tmp_path / "m", heads, kv)
+    flags = ["--stage", "gen", "--pp", "1", "--dp", "1", "--sequences", "8", "--prompt-len", "8",
+             "--seq-len", "8"]  # fmt: skip
+    assert main(["price", "--model", model, "--cluster", CLUSTER, *flags, "--tp", str(tp)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"nereus price: error: {message}\n", err
+    assert main(["price", "--model", model, "--cluster", CLUSTER, *flags, "--tp", "1"]) in (0, 3)
+
+
+def test_a_fix_the_heads_cannot_split_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = _hf(tmp_path / "m", 48, 6)
+    plan = ["plan", "--model", model, "--algo", "ppo", "--cluster", CLUSTER, "--gpus", "64", "--seq-len",
+            "2048"]  # fmt: skip
+    for fix, message in (
+        ("actor.gen=tp4,pp1,dp1", "--fix actor.gen: tp 4 and the 6 KV heads must divide one another (m: 48 "
+                                  "attention heads, 6 KV heads; allowed tp: 1, 2)"),
+        ("actor.train=tp64,pp1,dp1", "--fix actor.train: tp 64 must divide the 48 attention heads (m: 48 "
+                                     "attention heads, 6 KV heads; allowed tp: 1, 2)"),
+        ("actor.train=tp2,pp64,dp1", "--fix actor.train: pp 64 exceeds m's 60 layers"),
+    ):  # fmt: skip
+        assert main([*plan, "--fix", fix]) == 2
+        assert capsys.readouterr().err == f"nereus plan: error: {message}\n"
 
 
 def test_engine_flags_price_overlap_and_paged_kv(capsys: pytest.CaptureFixture[str]) -> None:

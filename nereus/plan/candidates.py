@@ -171,14 +171,11 @@ def layouts(problem: PlanningProblem, model_stage: ModelStage) -> list[Layout]:
     model = problem.model_of(model_stage)
     max_pp = 1 if model_stage.name in problem.space.flat else model.num_hidden_layers
     result = []
-    tp = 1
-    while tp <= min(problem.max_tp, problem.gpus):
-        if model.num_attention_heads % tp == 0:
-            pp = 1
-            while pp <= max_pp and tp * pp <= problem.gpus:
-                result.append(Layout(tp, pp))
-                pp *= 2
-        tp *= 2
+    for tp in model.tp_options(min(problem.max_tp, problem.gpus)):  # the state geometry's rule
+        pp = 1
+        while pp <= max_pp and tp * pp <= problem.gpus:
+            result.append(Layout(tp, pp))
+            pp *= 2
     return result
 
 

@@ -228,10 +228,9 @@ def price(
             f"--tp {query.tp} exceeds the {cluster.gpus_per_node} GPUs of a node of {cluster.name} "
             "(tensor parallelism stays inside a node)"
         )
-    if model.num_attention_heads % query.tp:
-        raise ConfigError(
-            f"--tp {query.tp} must divide the model's {model.num_attention_heads} attention heads"
-        )
+    refusal = model.tp_refusal(query.tp, cluster.gpus_per_node)  # the planner's and the runtime's rule
+    if refusal:
+        raise ConfigError(f"--{refusal}")
     if query.pp > model.num_hidden_layers:
         raise ConfigError(f"--pp {query.pp} exceeds the model's {model.num_hidden_layers} layers")
     if query.gpus > cluster.total_gpus:

@@ -196,6 +196,52 @@ class ModelSpec:
         fields["name"] = name or path.parent.name or path.stem
         return build(cls, fields, str(path))
 
+    # ---------------------------------------------------------------- tensor parallelism
+    def tp_conflict(self, tp: int) -> str:
+        """Why ``tp`` ranks cannot shard this model's attention Megatron-style ("" when they can):
+        tp must divide the attention heads, and tp and the KV heads must divide one another (tp
+        above the KV heads replicates each KV head over tp / kv ranks, as Megatron and vLLM do).
+        The one rule the planner, ``nereus price``, plan files and the state geometry share."""
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        if tp < 1 or heads % tp:
+            return f"tp {tp} must divide the {heads} attention heads"
+        if kv % tp and tp % kv:
+            return f"tp {tp} and the {kv} KV heads must divide one another"
+        return ""
+
+    def tp_options(self, upto: int | None = None) -> tuple[int, ...]:
+        """The power-of-two tp up to ``upto`` (default: the attention heads, beyond which none
+        does) that shard this model (``tp_conflict`` is "")."""
+        out, tp = [], 1
+        while tp <= (self.num_attention_heads if upto is None else upto):
+            if not self.tp_conflict(tp):
+                out.append(tp)
+            tp *= 2
+        return tuple(out)
+
+    def tp_refusal(self, tp: int, upto: int | None = None) -> str:
+        """``tp_conflict`` for a user ("" when none): with the head counts and the power-of-two tp
+        up to ``upto`` that would do, e.g. ``tp 4 and the 6 KV heads must divide one another
+        (m: 48 attention heads, 6 KV heads; allowed tp: 1, 2)``."""
+        conflict = self.tp_conflict(tp)
+        if not conflict:
+            return ""
+        allowed = ", ".join(str(t) for t in self.tp_options(upto))
+        return (
+            f"{conflict} ({self.name}: {self.num_attention_heads} attention heads, "
+            f"{self.num_key_value_heads} KV heads; allowed tp: {allowed})"
+        )
+
+    def layout_conflict(self, tp: int, pp: int) -> str:
+        """Why a (tp, pp) replica cannot shard this model ("" when it can): ``tp_conflict``, or
+        more pipeline stages than layers. What ``nereus.state.geometry.check_layout`` enforces."""
+        conflict = self.tp_conflict(tp)
+        if conflict:
+            return conflict
+        if pp > self.num_hidden_layers:
+            return f"pp {pp} exceeds the {self.num_hidden_layers} layers"
+        return ""
+
     def with_head(self, head: Head) -> ModelSpec:
         """The same backbone with another output head (a critic or reward model from an actor)."""
         return self if head is self.head else dataclasses.replace(self, head=head)

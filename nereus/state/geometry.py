@@ -81,13 +81,9 @@ class TensorSpec:
 
 def check_layout(model: ModelSpec, layout: Layout) -> None:
     """Raise ValueError when ``layout`` cannot shard ``model`` Megatron-style."""
-    heads, kv = model.num_attention_heads, model.num_key_value_heads
-    if heads % layout.tp:
-        raise ValueError(f"{model.name}: tp {layout.tp} must divide the {heads} attention heads")
-    if kv % layout.tp and layout.tp % kv:
-        raise ValueError(f"{model.name}: tp {layout.tp} and the {kv} KV heads must divide one another")
-    if layout.pp > model.num_hidden_layers:
-        raise ValueError(f"{model.name}: pp {layout.pp} exceeds the {model.num_hidden_layers} layers")
+    conflict = model.layout_conflict(layout.tp, layout.pp)  # the planner's candidates keep the same rule
+    if conflict:
+        raise ValueError(f"{model.name}: {conflict}")
 
 
 @lru_cache(maxsize=256)

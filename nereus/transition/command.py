@@ -203,12 +203,18 @@ def plan_from_json(doc: PlanDoc, problem: PlanningProblem) -> Plan:
     for i, s in enumerate(doc.stages):
         where = f"{path}: stages[{i}]"
         written = doc.kinds.get(s.name)
-        if written is not None and s.name in {m.name for m in problem.workflow.model_stages}:
-            kind = problem.workflow.get(s.name).stage.value
-            if written != kind:
+        if s.name in {m.name for m in problem.workflow.model_stages}:
+            ms = problem.workflow.get(s.name)
+            if written is not None and written != ms.stage.value:
                 raise ConfigError(
-                    f"{where} ({shorten(s.name, 30)}): key 'stage' is {brief(written)}, not {kind}"
+                    f"{where} ({shorten(s.name, 30)}): key 'stage' is {brief(written)}, not {ms.stage.value}"
                 )
+            model = problem.model_of(ms)  # a layout the runtime can shard (the planner's own rule)
+            refusal = model.tp_refusal(s.tp)
+            if not refusal and s.pp > model.num_hidden_layers:
+                refusal = f"pp {s.pp} exceeds {model.name}'s {model.num_hidden_layers} layers"
+            if refusal:
+                raise ConfigError(f"{where} ({shorten(s.name, 30)}): {refusal}")
         bad = sorted(g for g in s.gpus if not 0 <= g < len(pool))
         if bad:
             raise ConfigError(

@@ -18,9 +18,5 @@ def unservable(model: ModelSpec, tp: int = 1, pp: int = 1) -> str:
         return f"{model.name}: head_dim {model.head_dim} is not one of vLLM's {sorted(CPU_HEAD_DIMS)}"
     if pp != 1:
         return f"pipeline parallel generation (pp={pp}) is not served by the vllm engine; pp must be 1"
-    if model.num_attention_heads % tp:
-        return f"{model.name}: {model.num_attention_heads} attention heads do not split over tp={tp}"
-    kv = model.num_key_value_heads
-    if (tp % kv if tp > kv else kv % tp) != 0:
-        return f"{model.name}: {kv} KV heads do not split or replicate evenly over tp={tp}"
-    return ""
+    conflict = model.tp_conflict(tp)  # vLLM splits heads as the planner and the state geometry do
+    return f"{model.name}: {conflict}" if conflict else ""
