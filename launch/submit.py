@@ -46,6 +46,7 @@ from launch.render import DEFAULT_RESTARTS, LAUNCHERS, MAX_RESTARTS, Rendered, R
 from launch.site import Site, load_site, parse_time, site_ref
 from launch.sweep import check_argv, load_sweep
 from nereus.errors import ConfigError
+from nereus.runtime.command import preflight
 from nereus.runtime.pool import ShrinkRequest
 
 
@@ -212,6 +213,9 @@ def prepare_experiment(path: Path, opts: Options) -> Prepared:
     exp = exp.resolved(placement)
     check_plan(exp.spec, placement.tasks)
     folder = _planned_folder(opts.jobs_root, exp.name)
+    # what a worker would refuse (policy, engines, verifier, init: and tokenizer folders), before
+    # the job queues; the checks that import torch run on the compute nodes
+    preflight(exp.spec, folder / "run", resume=False, local=False, child=False)
     req = _request(
         job_name=exp.name, folder=str(folder / "logs"), python=opts.python, nodes=placement.nodes,
         tasks_per_node=placement.tasks_per_node, time_min=time_min, partition=partition, account=account,

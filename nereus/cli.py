@@ -34,7 +34,6 @@ from nereus.sim import command as simulate_command
 from nereus.spec import (
     Algorithm,
     ExecutionMode,
-    Role,
     load_cluster,
     load_model,
     load_workload,
@@ -43,6 +42,7 @@ from nereus.spec import (
 from nereus.spec.cluster import GIB
 from nereus.spec.files import brief, one_line, shorten
 from nereus.spec.model import check_context
+from nereus.spec.registry import load_role_models
 from nereus.spec.workload import MAX_TOKENS, WorkloadSpec
 from nereus.telemetry import read_node
 from nereus.transition import command as transition_command
@@ -174,10 +174,7 @@ def _problem(args: argparse.Namespace) -> PlanningProblem:
     p95 = args.seq_len_p95 or args.seq_len
     if p95 < args.seq_len:
         raise ConfigError(f"{_flag(args, 'seq_len_p95')} {p95} must be at least --seq-len {args.seq_len}")
-    models = {
-        role: load_model(workload.models[role.value]) if role.value in workload.models else model
-        for role in Role
-    }
+    models = load_role_models(workload, model)
     calibration = None
     if args.calibration:
         path = Path(args.calibration)
@@ -193,6 +190,15 @@ def _problem(args: argparse.Namespace) -> PlanningProblem:
     if fixes:
         if len({name for name, *_ in fixes}) != len(fixes):
             raise ConfigError("--fix: a model-stage is named twice")
+        for name, layout, _, _ in fixes:  # the layouts the runtime can shard (the planner's rule)
+            m = models[workload.workflow().get(name).role]
+            refusal = m.tp_refusal(layout.tp)
+            if refusal:
+                raise ConfigError(f"--fix {name}: {refusal}")
+            if layout.pp > m.num_hidden_layers:
+                raise ConfigError(
+                    f"--fix {name}: pp {layout.pp} exceeds {m.name}'s {m.num_hidden_layers} layers"
+                )
         space = dataclasses.replace(
             space.holding({name: layout for name, layout, _, _ in fixes}),
             fixed_shapes=tuple((name, dp, micro) for name, _, dp, micro in fixes),
@@ -213,6 +219,8 @@ def _problem(args: argparse.Namespace) -> PlanningProblem:
     kwargs: dict[str, Any] = {}
     if calibration is not None:
         kwargs["efficiencies"] = calibration.efficiencies()
+    # reserved and revocable nodes, as the job's controller places with them
+    kwargs["domains"] = cluster.failure_domains()
     try:
         return PlanningProblem(
             workload,

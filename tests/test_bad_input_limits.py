@@ -142,6 +142,36 @@ def test_plan_json_with_keys_nereus_plan_never_writes(capsys: pytest.CaptureFixt
     assert line.startswith(f"{E_TR}d.json: key 'stages[0]': unknown key 'tpp' (allowed: ")
 
 
+def test_plan_json_with_a_tp_the_heads_cannot_split(capsys: pytest.CaptureFixture[str]) -> None:
+    """48 heads, 6 KV heads: tp 4 divides the heads but neither divides nor is a multiple of the KV
+    heads; the planner never picks it, and a plan file holding it is refused where it is read."""
+    config = {"model_type": "llama", "hidden_size": 6144, "intermediate_size": 16384,
+              "num_attention_heads": 48, "num_key_value_heads": 6, "num_hidden_layers": 60,
+              "vocab_size": 64000, "max_position_embeddings": 8192}  # fmt: skip
+    model = str(Path(write("odd-30b/config.json", json.dumps(config))).parent.resolve())
+    plan = ["plan", "--model", model, "--algo", "ppo", "--cluster", "h100-ib", "--seq-len", "2048"]
+    docs = {}
+    for gpus in ("64", "128"):
+        code, out, err = cli([*plan, "--gpus", gpus, "--json"], capsys)
+        assert code == 0, err
+        docs[gpus] = json.loads(out)
+        assert {s["tp"] for s in docs[gpus]["stages"]} <= {1, 2}, docs[gpus]["stages"]
+        write(f"{gpus}.json", out)
+    code, _, err = cli(["transition", "--from", "64.json", "--to", "128.json", "--json"], capsys)
+    assert code == 0, err  # the planner's own plans shard (tp4 crashed here in the state geometry)
+    gen = next(i for i, s in enumerate(docs["64"]["stages"]) if s["name"] == "actor.gen")
+    stage = docs["64"]["stages"][gen]
+    stage["tp"], stage["pp"] = 4, max(stage["pp"] * stage["tp"] // 4, 1)  # the same GPUs at tp4
+    stage["dp"] = max(len(stage["gpus"]) // (stage["tp"] * stage["pp"]), 1)
+    write("bad.json", json.dumps(docs["64"]))
+    want = (
+        f"bad.json: stages[{gen}] (actor.gen): tp 4 and the 6 KV heads must divide one another "
+        "(odd-30b: 48 attention heads, 6 KV heads; allowed tp: 1, 2)"
+    )
+    assert refused(["transition", "--from", "bad.json", "--to", "128.json"], capsys) == f"{E_TR}{want}"
+    assert refused([*plan, "--gpus", "64", "--anchor", "bad.json"], capsys) == f"{E_PLAN}{want}"
+
+
 def test_sequence_curves_beyond_the_context_and_rows_beyond_the_header(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -227,3 +257,51 @@ def test_a_model_the_runtime_cannot_rotate_is_refused_before_anything_starts(
     spec = build(ExperimentSpec, yaml.safe_load(Path(exp).read_text()), exp)
     with pytest.raises(ConfigError, match="head_dim 33 is odd"):  # the login node's check too
         check_plan(spec, 4)
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc")
+def test_an_out_folder_the_file_system_refuses_is_refused_before_the_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``access`` says root may write /proc; creating a folder there fails. That is found before
+    the simulation runs, not after it."""
+    line = refused([*SIM, "--out", "/proc/x"], capsys)
+    assert line == f"{E_SIM}--out /proc/x: cannot create it (/proc is not writable)"
+
+
+def test_simulates_default_folder_stays_under_runs_sim_whatever_the_names(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    text = shipped("models", "tiny-llama") + 'name: "../../escaped/meta-llama/x"\n'
+    model = write("m.yaml", text)
+    code, _, err = cli(with_flag(SIM, "--model", model), capsys)
+    assert code == 0, err
+    made = [p for p in Path(".").rglob("summary.json")]
+    assert len(made) == 1 and made[0].parent.parent == Path("runs/sim"), made
+    assert ".." not in made[0].parent.name and "/" not in made[0].parent.name
+
+
+def test_a_json_key_given_twice_is_refused_as_in_yaml(capsys: pytest.CaptureFixture[str]) -> None:
+    config = '{"model_type": "llama", "hidden_size": 64, "hidden_size": 128, "num_attention_heads": 4}'
+    line = refused(["describe", "model", write("config.json", config)], capsys)
+    assert line == "nereus describe: error: config.json: not valid JSON: key 'hidden_size' given twice"
+    trace = write("t.json", '{"metadata": {"gap_seconds": 300}, "data": [8, 8], "data": [1]}')
+    line = refused(with_flag(SIM, "--trace", trace), capsys)
+    assert line == f"{E_SIM}t.json: not valid JSON: key 'data' given twice"
+
+
+@pytest.mark.parametrize("value", ["020", "1:20", "0b11", "-07"])
+def test_yaml_11_octal_binary_and_base_60_numbers_are_refused(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """PyYAML reads ``nodes: 020`` as 16 and ``1:20`` as 80 (YAML 1.1): a user meant neither."""
+    line = refused(
+        ["describe", "cluster", write("c.yaml", shipped("clusters", "h100-ib", nodes=value))], capsys
+    )
+    assert line.startswith("nereus describe: error: c.yaml: line ") and line.endswith(
+        f"is not valid YAML ('{value}' reads as octal, binary or base 60 in YAML 1.1; write it in decimal)"
+    )
+    code, _, err = cli(
+        ["describe", "cluster", write("c.yaml", shipped("clusters", "h100-ib", nodes="0x10"))], capsys
+    )
+    assert code == 0, err  # hexadecimal is YAML 1.2 too

@@ -126,6 +126,9 @@ def test_the_key_file_is_private_and_never_overwritten(tmp_path: Path) -> None:
     (tmp_path / "bad.key").write_text("abc\n")
     with pytest.raises(ConfigError, match="expected 64 hex digits"):
         signing.read_key(tmp_path / "bad.key")
+    (tmp_path / "binary.key").write_bytes(b"\xff\xfe\xfa")  # not text: the same one line
+    with pytest.raises(ConfigError, match=r"binary\.key: expected 64 hex digits"):
+        signing.read_key(tmp_path / "binary.key")
 
 
 def test_identity_names_both_models_and_workloads(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from nereus.cli import main
 from nereus.control.admission import Decision, Option, Profit, Rule, Verdict, admit, restart_instead
 from nereus.control.controller import Controller
 from nereus.control.reserved import fitting_layouts, reserved_option
@@ -25,6 +26,7 @@ from nereus.plan.search import search
 from nereus.sim import GpuSupply, SpotTrace
 from nereus.spec import Stage, load_cluster
 from nereus.spec.domains import FailureDomains
+from nereus.spec.registry import config_root
 from tests.helpers import make_problem
 
 pytestmark = pytest.mark.pure
@@ -268,3 +270,31 @@ def test_no_reserved_option_without_risk_or_under_a_policys_own_holds() -> None:
     static = dataclasses.replace(static, space=static.space.holding(held))  # a static policy's holds
     best = exposed._options(static)[0]
     assert best.risk_s > 0 and reserved_option(static, best, domains, exposed.options.plan) is None
+
+
+def test_nereus_plan_places_with_the_cluster_yamls_reserved_nodes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``nereus plan`` places as the job's controller does: with ``reserved_nodes: 1`` each
+    trainer keeps one replica on node 0 (without it both of the actor's sit there)."""
+
+    def trainers(cluster: str) -> dict[str, list[list[int]]]:
+        argv = ["plan", "--model", "llama-3.1-8b", "--algo", "ppo", "--cluster", cluster, "--gpus", "16"]
+        assert main([*argv, "--seq-len", "1024", "--json"]) == 0
+        stages = json.loads(capsys.readouterr().out)["stages"]
+        out = {}
+        for s in stages:
+            if s["name"].endswith(".train"):
+                n = s["tp"] * s["pp"]
+                out[s["name"]] = [s["gpus"][i * n : (i + 1) * n] for i in range(s["dp"])]
+        return out
+
+    text = (config_root() / "clusters" / "h100-ib.yaml").read_text()
+    (tmp_path / "spot.yaml").write_text(text + "reserved_nodes: 1\n")
+    spot = trainers(str(tmp_path / "spot.yaml"))
+    assert all(any(max(r) < 8 for r in replicas) for replicas in spot.values()), spot
+    plain = trainers("h100-ib")
+    assert not all(any(max(r) < 8 for r in replicas) for replicas in plain.values()), plain
+    (tmp_path / "rate.yaml").write_text(text + "revocations_per_node_hour: 5\n")
+    with pytest.raises(ConfigError, match="revocations_per_node_hour needs reserved_nodes"):
+        load_cluster(str(tmp_path / "rate.yaml"))

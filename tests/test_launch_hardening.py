@@ -407,3 +407,23 @@ def test_a_folder_that_cannot_be_written_is_one_line(
     code, _, err = launch(["grow", str(folder), "--nodes", "1"], capsys, factory=factory)
     assert code == 2 and "grow-1.sbatch: Permission denied" in err and len(err.splitlines()) == 1
     assert read_record(folder).grows == ()
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"policy": "foo"}, "policy: unknown policy 'foo'"),
+        ({"verifier": "nosuch"}, "unknown verifier 'nosuch'"),
+        ({"engines": {"bogus.gen": "vllm"}}, "engines.bogus.gen: not a model-stage of ppo-tiny"),
+        ({"init": {"actor": "/nonexistent"}}, "init.actor: /nonexistent is not a Hugging Face checkpoint"),
+        ({"tokenizer": "/nonexistent"}, "tokenizer: /nonexistent holds no Hugging Face tokenizer"),
+    ],
+)
+def test_the_launcher_refuses_what_a_worker_would(
+    changes: dict[str, Any], message: str, tmp_path: Path, capsys: Any, factory: Any
+) -> None:
+    """``nereus run``'s checks run on the login node before the job queues (those that need no
+    torch), not on the compute node after it waited for its allocation."""
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(yaml.safe_dump({**yaml.safe_load(PPO_TINY.read_text()), **changes}))
+    refused(["submit", str(exp)], message, tmp_path, capsys, factory)

@@ -13,7 +13,7 @@ from nereus.errors import ConfigError
 from nereus.sim import Episode, GpuSupply, Scenario, SeqCurve, SpotTrace, simulate
 from nereus.sim.records import StepRecord, Summary
 from nereus.spec import Role, load_cluster, load_model, load_workload, names
-from nereus.spec.registry import trace_path
+from nereus.spec.registry import config_root, trace_path
 
 pytestmark = pytest.mark.pure
 
@@ -248,3 +248,77 @@ def test_a_moves_predicted_gain_is_its_latencys_and_the_risk_is_checked_try_by_t
     assert err["lost_tries_predicted"] == pytest.approx(40 / 240 + 2 * 30 / 200)
     assert err["lost_s_predicted"] == pytest.approx((200 * 40 / 240 + 2 * 170 * 30 / 200) / 3)
     assert err["lost_s_realized"] == pytest.approx(200.0 / 3)
+
+
+@pytest.mark.parametrize("policy", ["static", "nereus"])
+def test_a_pool_that_empties_mid_run_stalls_the_job_until_gpus_return(policy: str, tmp_path: Path) -> None:
+    """Spot traces hold zeros (the shipped us-east-2b at ticks 89-91): with no reserved floor the
+    boundary that finds no GPU waits for the pool to come back, and the run goes on."""
+    trace = SpotTrace.load(write_trace(tmp_path, [16, 16, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16]))
+    model = load_model("llama-3.1-8b")
+    supply = GpuSupply(trace, 2, 32, 0, speedup=5.0, seed=3)
+    scenario = Scenario(load_workload("ppo"), {r: model for r in Role}, load_cluster("a100-64gb-hdr100"),
+                        supply, SeqCurve.growth(1147, 3722, 20), 6, 3)  # fmt: skip
+    s = simulate(scenario, policy)
+    assert len([r for r in s.records if not r.lost]) == 6
+    assert sum(r.stalled_s for r in s.records) > 0
+
+
+def test_a_tick_start_computed_in_floating_point_is_in_its_tick(tmp_path: Path) -> None:
+    """At speed-up 7, 3·(300/7)·7/300 is 2.999…: the time the pool next changes must read as tick
+    3, or a run waiting for it spins forever."""
+    trace = SpotTrace.load(write_trace(tmp_path, list(range(1, 200))))
+    for speedup in (7.0, 1000.0, 3.0, 0.3):
+        supply = GpuSupply(trace, 1, 400, 0, speedup=speedup)
+        gap = 300.0 / speedup
+        assert [supply.tick(k * gap) for k in range(199)] == list(range(199))
+        assert supply.next_change_after(5 * gap) == pytest.approx(6 * gap)
+
+
+def test_a_trace_too_fast_to_price_or_empty_to_its_end_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["simulate", "--model", "llama-3.1-8b", "--algo", "ppo", "--cluster", "h200-ib", "--steps", "3"]
+    fast = write_trace(tmp_path, [8, 0, 8, 0, 8, 0, 8, 0], gap=0.001)
+    assert main([*base, "--trace", str(fast), "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "trace trace: revocations come 3.6e+06 times per simulated hour" in err
+    assert "gap_seconds 0.001 at speed-up 1 is too fast" in err and not (tmp_path / "a").exists()
+    (tmp_path / "ends").mkdir()
+    empty = write_trace(tmp_path / "ends", [8, 8, 0, 0], gap=10)
+    assert (
+        main([*base, "--trace", str(empty), "--out", str(tmp_path / "b")]) == 3
+    )  # cannot run, as infeasible
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the trace holds no GPU from tick 2 to its end (4 ticks)" in err
+    assert not (tmp_path / "b").exists()
+
+
+def test_simulate_reads_the_workloads_models_as_plan_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A workload YAML's ``models:`` gives each role its model in ``simulate`` as in ``plan``."""
+    workload = tmp_path / "ppo-small.yaml"
+    text = (config_root() / "workloads" / "ppo.yaml").read_text()
+    workload.write_text(text + "models: {critic: llama-3.3-70b, reward: llama-3.3-70b}\n")
+    trace = write_trace(tmp_path, [64, 64, 64, 64])  # 64 GPUs: room for 70B models
+    steps = {}
+    for algo in ("ppo", str(workload)):
+        out = tmp_path / Path(algo).stem
+        argv = ["simulate", "--trace", str(trace), "--model", "llama-3.1-8b", "--algo", algo, "--cluster"]
+        assert main([*argv, "h200-ib", "--steps", "2", "--policies", "static", "--out", str(out)]) == 0
+        steps[algo] = json.loads((out / "summary.json").read_text())
+    small, large = (s["static"]["mean_step_s"] for s in steps.values())
+    assert large > 1.1 * small  # a 70B critic and reward model price above 8B ones
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text + "models: {critic: nosuch}\n")
+    other = tmp_path / "other.yaml"  # a reference model of another vocabulary reads other tokens
+    other.write_text(text + "models: {ref: qwen3-14b}\n")
+    argv = ["simulate", "--trace", str(trace), "--model", "llama-3.1-8b", "--algo", str(other), "--cluster"]
+    assert main([*argv, "h200-ib", "--steps", "2", "--out", str(tmp_path / "y")]) == 2
+    assert (
+        "other: key 'models.ref': qwen3-14b's vocabulary (151936) is not the actor" in capsys.readouterr().err
+    )
+    argv = ["simulate", "--trace", str(trace), "--model", "llama-3.1-8b", "--algo", str(bad), "--cluster"]
+    assert main([*argv, "h200-ib", "--steps", "2", "--out", str(tmp_path / "x")]) == 2
+    assert "bad: key 'models.critic': unknown model 'nosuch'" in capsys.readouterr().err

@@ -83,10 +83,14 @@ def _keyed(key: str, load: Callable[[str], T], value: str) -> T:
         raise ConfigError(f"{key}: {exc}") from None
 
 
-def preflight(spec: Any, folder: Path, resume: bool, force: bool = False, local: bool = True) -> None:
+def preflight(
+    spec: Any, folder: Path, resume: bool, force: bool = False, local: bool = True, child: bool = True
+) -> None:
     """Everything a worker would reject, checked before any process starts or file is written:
     one ``ConfigError`` (exit 2) naming the cause. ``local``: ``nereus run``'s checks of the
-    output folder and of a plan for ``spec.workers`` (a launched job's world is SLURM's)."""
+    output folder and of a plan for ``spec.workers`` (a launched job's world is SLURM's).
+    ``child``: also the checks that import torch, in a child process (the login node's launcher
+    runs the rest: names, folders, the verifier)."""
     from nereus.control.controller import policy_config
     from nereus.rl.hf_tokenizer import check_folder
     from nereus.rl.tokenizer import CharTokenizer
@@ -133,7 +137,11 @@ def preflight(spec: Any, folder: Path, resume: bool, force: bool = False, local:
         first = check_checkpoint(folder, {"model": model.name, "workload": workload.name}) + 1
     if local:
         check_plan(spec, spec.workers, spec.max_new_tokens_at(first))
-    if _child_has_work(spec, engines):
+    if not child:
+        from nereus.rl.verifiers import get_verifier
+
+        get_verifier(spec.verifier)
+    elif _child_has_work(spec, engines):
         _checks_in_a_child(spec)
 
 

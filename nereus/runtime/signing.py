@@ -44,12 +44,12 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 def read_key(path: Path) -> bytes:
     """The key in ``path`` (hex, as ``create_key`` writes it)."""
     try:
-        text = Path(path).read_text().strip()
+        raw = Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the checkpoint key ({exc.strerror})") from None
     try:
-        key = bytes.fromhex(text)
-    except ValueError:
+        key = bytes.fromhex(raw.decode("ascii").strip())
+    except ValueError:  # not hex, or not text at all (UnicodeDecodeError is a ValueError)
         key = b""
     if len(key) < KEY_BYTES:
         raise ConfigError(f"{path}: expected {2 * KEY_BYTES} hex digits (the key nereus run wrote)")

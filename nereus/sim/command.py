@@ -24,7 +24,7 @@ from nereus.sim.truth import Episode
 from nereus.spec import Role, load_cluster, load_model, load_workload
 from nereus.spec.files import OutputFolder, brief
 from nereus.spec.model import check_context
-from nereus.spec.registry import trace_path
+from nereus.spec.registry import load_role_models, trace_path
 from nereus.spec.workload import MAX_STALENESS, ExecutionMode
 
 DEFAULT_POLICIES = "nereus,static,always,periodic:3"
@@ -197,7 +197,10 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         raise ConfigError(f"--speedup must be in (0, {MAX_SPEEDUP:g}] and --noise in [0, {MAX_NOISE:g}]")
     curve = _curve(args.seq_curve)
     points = {0, args.steps - 1} | {k for k in curve.steps if k < args.steps}
-    check_context(model, workload.prompt_len, max(curve.at(k)[1] for k in points), "--seq-curve (its p95)")
+    models = load_role_models(workload, model)  # the workload's ``models:``, as ``nereus plan`` reads them
+    longest = max(curve.at(k)[1] for k in points)
+    for m in {m.name: m for m in models.values()}.values():
+        check_context(m, workload.prompt_len, longest, "--seq-curve (its p95)")
     try:
         supply = GpuSupply(
             trace, args.gpus_per_instance, max_gpus, args.min_gpus, args.offset, args.speedup, args.seed
@@ -207,7 +210,7 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         raise ConfigError(str(exc)) from None
     return Scenario(
         workload,
-        {r: model for r in Role},
+        models,
         cluster,
         supply,
         curve,
@@ -278,7 +281,9 @@ def run(args: argparse.Namespace, out: Console) -> int:
         raise ConfigError(f"--gamma sets nereus's payback bar; --policies {policies} has no nereus")
     stem = scenario.supply.trace.name
     actor = scenario.models[Role.ACTOR].name
-    folder = args.out or Path("runs") / "sim" / f"{stem}-{actor}-{scenario.workload.name}"
+    # names come from files a user wrote (``name: meta-llama/Llama-3.1-8B``): one folder under runs/sim
+    default = re.sub(r"\.{2,}|[^A-Za-z0-9._-]+", "_", f"{stem}-{actor}-{scenario.workload.name}").lstrip(".")
+    folder = args.out or Path("runs") / "sim" / (default or "sim")
     names = [_file_name(label) for label, _, _ in plan] + ["summary.json", "timeline.png"]
     target = OutputFolder.check(folder, COMMAND, names, force=args.force)  # before anything runs
     summaries = []

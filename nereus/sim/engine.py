@@ -119,6 +119,22 @@ class _Run:
             waited += nxt - self.t
             self.t = nxt
 
+    def wait_for_gpus(self) -> float:
+        """Simulated seconds until the pool holds a GPU again (the clock moves there)."""
+        waited = 0.0
+        while not self.pool():
+            nxt = self.s.supply.next_change_after(self.t)
+            if nxt is None:
+                counts = self.s.supply.trace.counts
+                empty = len(counts) - next((i for i, c in enumerate(reversed(counts)) if c > 0), len(counts))
+                raise SimulationError(
+                    f"the trace holds no GPU from tick {empty} to its end ({len(counts)} ticks); give "
+                    "the pool a floor (--min-gpus) or end the run sooner (--steps, --speedup)"
+                )
+            waited += nxt - self.t
+            self.t = nxt
+        return waited
+
     def step(self, k: int, prev: Telemetry | None) -> tuple[StepRecord, Telemetry]:
         seq = self.s.lengths(k)
         start = self.t
@@ -138,6 +154,8 @@ class _Run:
             )
             self._started(plan)
         ctl = self.controller
+        if not self.pool():  # every GPU is gone: the job stalls until some come back
+            stalled_s += self.wait_for_gpus()
         pool = self.pool()  # what the boundary sees; changes after it surface at the next one
         decision = ctl.observe(replace(prev, pool=pool, time_s=self.t)) if prev is not None else None
         moved: list[TransitionRecord] = []

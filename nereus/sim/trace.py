@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nereus.errors import ConfigError
-from nereus.spec.domains import FailureDomains
+from nereus.spec.domains import MAX_RATE_PER_HOUR, FailureDomains
 from nereus.spec.files import MAX_DATA_BYTES, brief, load_json
 
 MIN_GAP_S, MAX_GAP_S = 1e-3, 1e9  # seconds per tick
 MAX_COUNT = 1 << 20  # instances in one tick
 AGE_BINS = (0, 1, 2, 4, 8, 16, 32, 64)  # ticks since the pool last changed: each bin's first
+TICK_TOLERANCE = 1e-9  # relative: a time this close below a tick's start is in that tick
 AGE_PRIOR_EVENTS = 2.0  # pseudo-events at the mean rate that each age bin's estimate starts from
 
 
@@ -99,7 +100,11 @@ class GpuSupply:
             raise ValueError("speedup must be positive")
 
     def tick(self, time_s: float) -> int:
-        t = int(time_s * self.speedup // self.trace.gap_seconds) + self.offset_ticks
+        # a tick's start computed in floating point (``next_change_after``'s k·gap/speedup) may
+        # land a hair before it (3·(300/7)·7/300 = 2.999…): it belongs to that tick, or a run
+        # waiting for the pool to change would never get past it
+        x = time_s * self.speedup / self.trace.gap_seconds
+        t = int(x + TICK_TOLERANCE * max(1.0, x)) + self.offset_ticks
         return min(t, len(self.trace.counts) - 1)
 
     def _instances(self, tick: int) -> tuple[int, ...]:
@@ -187,6 +192,13 @@ class GpuSupply:
         rate's dependence on the time since the pool last changed too."""
         reserved = frozenset(range(self.reserved_instances * self.gpus_per_instance))
         events, fractions = self.revocation_events()
+        fastest = max(events, self.revocations_per_hour())
+        if fastest > MAX_RATE_PER_HOUR:
+            raise ConfigError(
+                f"trace {self.trace.name}: revocations come {fastest:.3g} times per simulated hour, "
+                f"more than {MAX_RATE_PER_HOUR:g}: its gap_seconds {self.trace.gap_seconds:g} at speed-up "
+                f"{self.speedup:g} is too fast to simulate (a larger gap_seconds or a smaller --speedup)"
+            )
         return FailureDomains(
             reserved, self.gpus_per_instance, self.revocations_per_hour(), events, fractions,
             self.age_factors(),

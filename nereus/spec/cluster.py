@@ -102,6 +102,11 @@ class ClusterSpec:
         if self.revocations_per_node_hour < 0:
             rate = self.revocations_per_node_hour
             raise ValueError(f"revocations_per_node_hour must be non-negative, got {rate}")
+        if self.revocations_per_node_hour > 0 and self.reserved_nodes is None:
+            raise ValueError(
+                "revocations_per_node_hour needs reserved_nodes (nodes [0, reserved_nodes) are held, "
+                f"later ones revocable; allowed: 0 to {self.nodes})"
+            )
         if self.runtime_reserved_gib >= self.gpu_memory_gib:
             raise ValueError("runtime_reserved_gib must be below gpu_memory_gib")
         expected = _LIBRARY_OF[self.vendor]

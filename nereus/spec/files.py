@@ -132,11 +132,26 @@ def _depth(value: object, limit: int) -> bool:
     return False
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose keys are all different (JSON keeps the last of two silently; a YAML
+    config refuses the same)."""
+    doc: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in doc:
+            raise _JsonRefusedError(f"key {brief(key)} given twice")
+        doc[key] = value
+    return doc
+
+
 def parse_json(text: str, source: str) -> Any:
     """A JSON document from ``text``; NaN, Infinity, huge integers and deep nesting are refused."""
     try:
         doc = json.loads(
-            text, parse_constant=_refuse_constant, parse_int=_bounded_int, parse_float=_bounded_float
+            text,
+            parse_constant=_refuse_constant,
+            parse_int=_bounded_int,
+            parse_float=_bounded_float,
+            object_pairs_hook=_unique_keys,
         )
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{source}: line {exc.lineno}: not valid JSON ({exc.msg})") from None
@@ -181,6 +196,16 @@ def _owner(folder: Path) -> tuple[str, tuple[str, ...]] | None:
     return lines[0].strip(), tuple(n for n in lines[1:] if n and "/" not in n and n != MARKER)
 
 
+def _accepts_folders(parent: Path) -> bool:
+    """A folder can be made in ``parent`` (``access`` says yes for root even where the file
+    system refuses, as in /proc): make one and remove it."""
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=parent, prefix=".nereus-probe-"))
+    except OSError:
+        return False
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class OutputFolder:
     """A folder a command may write ``names`` into, checked before anything is written."""
@@ -189,6 +214,7 @@ class OutputFolder:
     command: str
     mine: bool  # new, empty, or marked by this command: we mark it and may remove our stale files
     previous: tuple[str, ...] = ()  # what our marker says we wrote last time
+    flag: str = "--out"  # the option that named it, for errors
 
     @classmethod
     def check(
@@ -214,9 +240,9 @@ class OutputFolder:
                 parent = parent.parent
             if not parent.is_dir():
                 raise ConfigError(f"{where}: {parent} is a file, not a folder")
-            if not _writable(parent):
+            if not _writable(parent) or not _accepts_folders(parent):
                 raise ConfigError(f"{where}: cannot create it ({parent} is not writable)")
-            return cls(path, command, mine=True)
+            return cls(path, command, mine=True, flag=flag)
         if not path.is_dir():
             raise ConfigError(f"{where}: is a file, not a folder (allowed: a new or empty folder)")
         if not _writable(path):
@@ -227,11 +253,11 @@ class OutputFolder:
             raise ConfigError(f"{where}: cannot list the folder ({exc.strerror})") from None
         owner = _owner(path) if MARKER in entries else None
         if not entries:
-            folder = cls(path, command, mine=True)
+            folder = cls(path, command, mine=True, flag=flag)
         elif owner is not None and owner[0] == command:
-            folder = cls(path, command, mine=True, previous=owner[1])
+            folder = cls(path, command, mine=True, previous=owner[1], flag=flag)
         elif force:
-            folder = cls(path, command, mine=False)
+            folder = cls(path, command, mine=False, flag=flag)
         else:
             by = f" (it holds output of nereus {brief(owner[0], 20)})" if owner else ""
             raise ConfigError(
@@ -263,11 +289,16 @@ class OutputFolder:
         """Write every file (``name → writer(path)``), each atomically; in a folder of our own,
         first mark it (so an interrupted write leaves a folder we may overwrite), then remove the
         files our last run wrote that this one does not."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        if self.mine:
-            self._mark((*self.previous, *files))
-        for name, write in files.items():
-            self._atomic(name, write)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            if self.mine:
+                self._mark((*self.previous, *files))
+            for name, write in files.items():
+                self._atomic(name, write)
+        except OSError as exc:  # checked at the start; the disk or the folder changed since
+            raise ConfigError(
+                f"{self.flag} {shorten(str(self.path), 200)}: cannot write ({exc.strerror or exc})"
+            ) from None
         if self.mine:
             for stale in set(self.previous) - set(files):
                 target = self.path / stale

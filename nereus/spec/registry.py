@@ -9,7 +9,7 @@ from nereus.errors import ConfigError
 from nereus.spec.cluster import ClusterSpec
 from nereus.spec.files import brief, shorten
 from nereus.spec.model import ModelSpec
-from nereus.spec.workload import Algorithm, WorkloadSpec
+from nereus.spec.workload import Algorithm, Role, WorkloadSpec
 
 KINDS = ("models", "clusters", "workloads", "traces")
 
@@ -116,3 +116,23 @@ def trace_path(name_or_path: str) -> Path:
             f"unknown trace {brief(name_or_path)} (choices: {', '.join(names('traces'))}, or a JSON file)"
         )
     return shipped
+
+
+def load_role_models(workload: WorkloadSpec, model: ModelSpec) -> dict[Role, ModelSpec]:
+    """Each role's model: the workload's ``models:`` entry where it names one, else ``model``
+    (the job's, ``--model``); an entry that does not load names its key."""
+    out: dict[Role, ModelSpec] = {}
+    for role in Role:
+        name = workload.models.get(role.value)
+        try:
+            out[role] = model if name is None else load_model(name)
+        except ConfigError as exc:
+            raise ConfigError(f"{workload.name}: key 'models.{role.value}': {exc}") from None
+    actor = out[Role.ACTOR]
+    for role, m in out.items():  # every role reads the actor's token ids
+        if m.vocab_size != actor.vocab_size:
+            raise ConfigError(
+                f"{workload.name}: key 'models.{role.value}': {m.name}'s vocabulary ({m.vocab_size}) is "
+                f"not the actor {actor.name}'s ({actor.vocab_size}); every role reads the actor's tokens"
+            )
+    return out

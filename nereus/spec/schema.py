@@ -74,6 +74,16 @@ class _Loader(yaml.SafeLoader):
                     f"an integer of {digits} digits, at most {MAX_INT_DIGITS} allowed",
                     node.start_mark,
                 )
+        if isinstance(node, ScalarNode) and node.tag in (INT_TAG, FLOAT_TAG):
+            text = str(node.value)
+            if ":" in text or _OLD_OCTAL.match(text) or _OLD_BINARY.match(text):
+                raise ConstructorError(
+                    None,
+                    None,
+                    f"{shorten(text, 20)!r} reads as octal, binary or base 60 in YAML 1.1; "
+                    "write it in decimal",
+                    node.start_mark,
+                )
         try:
             return super().construct_object(node, deep)
         except (ValueError, OverflowError) as exc:
@@ -95,6 +105,10 @@ class _Loader(yaml.SafeLoader):
 
 
 MERGE_TAG = "tag:yaml.org,2002:merge"
+INT_TAG, FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+# YAML 1.1's readings PyYAML keeps that YAML 1.2 (and a reader) does not: 020 is 16, 1:20 is 80
+_OLD_OCTAL = re.compile(r"^[-+]?0[0-9_]+$")
+_OLD_BINARY = re.compile(r"^[-+]?0b[01_]+$")
 # YAML 1.2's floats: an exponent without a dot or sign (1e3, 2E-5) is a number, not a string
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
