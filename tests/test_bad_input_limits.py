@@ -19,8 +19,10 @@ from launch.experiment import check_plan
 from nereus.errors import ConfigError
 from nereus.plan.report import PLAN_KEYS, STAGE_REPORT_KEYS
 from nereus.runtime.experiment import ExperimentSpec
+from nereus.spec.registry import config_root
 from nereus.spec.schema import build
 from tests.bad_input import (  # noqa: F401 - _in_tmp: the autouse fixture
+    A100,
     E_PLAN,
     E_SIM,
     E_TR,
@@ -305,3 +307,18 @@ def test_yaml_11_octal_binary_and_base_60_numbers_are_refused(
         ["describe", "cluster", write("c.yaml", shipped("clusters", "h100-ib", nodes="0x10"))], capsys
     )
     assert code == 0, err  # hexadecimal is YAML 1.2 too
+
+
+def test_a_plan_for_a_cluster_named_by_its_file_is_the_same_cluster(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    plan_file(capsys, "a.json", "--gpus", "16", "--seq-len", "1024")  # --cluster a100-64gb-hdr100
+    path = str(config_root() / "clusters" / "a100-64gb-hdr100.yaml")
+    argv = with_flag(A100, "--cluster", path)
+    code, _, err = cli([*argv, "--gpus", "16", "--seq-len", "1500", "--anchor", "a.json"], capsys)
+    assert code == 0, err
+    other = with_flag(A100, "--cluster", "h100-ib")
+    line = refused([*other, "--gpus", "16", "--seq-len", "1500", "--anchor", "a.json"], capsys)
+    assert line.startswith(
+        f"{E_PLAN}--anchor a.json: the plan is for cluster 'a100-64gb-hdr100', not 'h100-ib'"
+    )

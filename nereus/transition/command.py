@@ -29,6 +29,7 @@ from nereus.plan.problem import PlanningProblem
 from nereus.plan.report import PLAN_KEYS, STAGE_REPORT_KEYS, gpu_ranges
 from nereus.spec.cluster import GIB
 from nereus.spec.files import brief, load_json, shorten
+from nereus.spec.registry import load_cluster, load_model, load_workload
 from nereus.spec.schema import build
 from nereus.spec.workload import MAX_TOKENS, ExecutionMode, Recompute
 from nereus.transition.between import (
@@ -41,6 +42,27 @@ from nereus.transition.between import (
 
 # what must agree between the two plans (the pool, lengths and headroom may differ)
 SAME = ("model", "algo", "cluster", "mode")
+_LOADERS: dict[str, Callable[[str], object]] = {
+    "model": load_model,
+    "algo": load_workload,
+    "cluster": load_cluster,
+}
+
+
+def same_setting(key: str, a: object, b: object) -> bool:
+    """Whether two plans' ``key`` (one of ``SAME``) name the same thing: the same text, or a
+    name and a path (``h200-ib``, ``configs/clusters/h200-ib.yaml``) that load the same spec."""
+    if a == b:
+        return True
+    load = _LOADERS.get(key)
+    if load is None:
+        return False
+    try:
+        return load(str(a)) == load(str(b))
+    except ConfigError:
+        return False
+
+
 PROBLEM_KEYS = ("model", "algo", "cluster", "gpus", "seq_len", "seq_len_p95", "prompt_len", "mode",
                 "max_tp", "headroom", "urgent", "calibration")  # fmt: skip
 MAX_GPUS = 1 << 20  # --gpus, a plan's pool
@@ -246,7 +268,7 @@ def load_plan(
     for key, value in (expect or {}).items():
         theirs = getattr(doc.problem, key)
         theirs = theirs.value if isinstance(theirs, ExecutionMode) else theirs
-        if theirs != value:
+        if not same_setting(key, theirs, value):
             raise ConfigError(
                 f"{flag} {path}: the plan is for {key} {brief(theirs)}, not {brief(value)} "
                 f"(allowed: a plan of the same {', '.join(SAME)})"
@@ -260,7 +282,7 @@ def run(
     a_doc, b_doc = read_plan(args.source), read_plan(args.target)
     for key in SAME:
         a, b = getattr(a_doc.problem, key), getattr(b_doc.problem, key)
-        if a != b:
+        if not same_setting(key, a, b):
             raise ConfigError(
                 f"plans are for different {key}s: {brief(str(a))} ({args.source}) vs "
                 f"{brief(str(b))} ({args.target})"
