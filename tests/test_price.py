@@ -259,8 +259,11 @@ def test_kv_memory_fraction_sizes_the_engines_kv_from_free_memory(capsys: pytest
     assert trt.limit_bytes == pytest.approx(rest + 0.9 * (cluster.gpu_memory_bytes - reserve - rest))
     gen = ["--stage", "gen", "--tp", "1", "--pp", "1", "--dp", "1", "--sequences", "8", "--prompt-len", "8",
            "--seq-len", "8"]  # fmt: skip
-    assert main([*BASE, *gen, "--kv-memory-fraction", "1.5"]) == 2
-    assert "--kv-memory-fraction: expected a number in [0, 1]" in capsys.readouterr().err
+    for bad in ("1.5", "0"):  # 0 given is not "unset": the KV would get no memory
+        assert main([*BASE, *gen, "--kv-memory-fraction", bad]) == 2
+        assert "--kv-memory-fraction: expected a number in (0, 1]" in capsys.readouterr().err
+    assert main([*BASE, *gen, "--concurrency", "100000"]) == 2  # more than a replica decodes
+    assert "--concurrency 100000: more than a replica's" in capsys.readouterr().err
     train = ["--stage", "train", "--tp", "1", "--pp", "1", "--dp", "1", "--sequences", "8",
              "--prompt-len", "8", "--seq-len", "8", "--kv-memory-fraction", "0.9"]  # fmt: skip
     assert main([*BASE, *train]) == 2

@@ -112,6 +112,11 @@ class PriceQuery:
             if self.micro_batch and self.stage is Stage.GEN:
                 raise ConfigError("--micro-batch prices training and inference; --stage is gen")
             share = -(-self.sequences // self.dp)
+            if self.concurrency > share:
+                raise ConfigError(
+                    f"--concurrency {self.concurrency}: more than a replica's {share} sequences "
+                    f"(--sequences {self.sequences} / --dp {self.dp})"
+                )
             if self.micro_batch > share:
                 raise ConfigError(
                     f"--micro-batch {self.micro_batch}: more than a replica's {share} sequences "

@@ -61,8 +61,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--kv-memory-fraction",
         type=float,
-        default=0.0,
-        help="gen: the engine's KV cache takes this share of the memory free after weights "
+        default=None,
+        help="gen: the engine's KV cache takes this share, in (0, 1], of the memory free after weights "
         "(TensorRT-LLM free_gpu_memory_fraction; default: the planner's headroom)",
     )
     p.add_argument("--calibration", type=Path, help="calibration JSON (efficiencies per op class)")
@@ -77,6 +77,8 @@ def run(args: argparse.Namespace, out: Console) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')}: expected a positive integer, got {value}")
+    if args.kv_memory_fraction is not None and not 0.0 < args.kv_memory_fraction <= 1.0:
+        raise ConfigError(f"--kv-memory-fraction: expected a number in (0, 1], got {args.kv_memory_fraction}")
     p95, micro, batch, concurrency = (getattr(args, name) or 0 for name in OPTIONAL)
     model, cluster = load_model(args.model), load_cluster(args.cluster)
     check_context(model, args.prompt_len, max(args.seq_len, p95), "--prompt-len + --seq-len(-p95)")
@@ -84,7 +86,7 @@ def run(args: argparse.Namespace, out: Console) -> int:
         Stage(args.stage), args.tp, args.pp, args.dp, args.sequences, args.prompt_len, args.seq_len,
         p95, micro, batch, Recompute(args.recompute), concurrency,
         Precision(args.precision), overlap_dp_sync=args.overlap_dp_sync, paged_kv=args.paged_kv,
-        kv_memory_fraction=args.kv_memory_fraction, fsdp=args.fsdp,
+        kv_memory_fraction=args.kv_memory_fraction or 0.0, fsdp=args.fsdp,
     )  # fmt: skip
     efficiencies = None
     if args.calibration:
