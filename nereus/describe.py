@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from nereus.errors import ConfigError
 from nereus.plan.report import gpu_ranges
 from nereus.spec import load_cluster, load_model
 from nereus.spec.cluster import GIB
@@ -27,6 +28,11 @@ def run(args: argparse.Namespace, out: Console, read_node: Callable[[], NodeInve
         return _describe_node(read_node(), args.json, out)
     if args.kind == "model":
         m = load_model(args.name)
+        if args.seq_len and args.seq_len > m.max_position_embeddings:
+            raise ConfigError(
+                f"--seq-len {args.seq_len} exceeds {m.name}'s max_position_embeddings "
+                f"{m.max_position_embeddings}"
+            )
         ctx = (args.seq_len + 1) / 2 if args.seq_len else 0.0
         doc: dict[str, Any] = {
             "name": m.name,

@@ -209,7 +209,7 @@ def test_bad_traces(doc: str, line: str, capsys: pytest.CaptureFixture[str]) -> 
     assert refused(with_flag(SIM, "--trace", "t.json"), capsys) == f"{E_SIM}t.json: {line}"
 
 
-TOKENS = "expected a number of tokens in (0, 16777216], got"
+TOKENS = "expected a number of tokens in [1, 16777216], got"
 
 
 @pytest.mark.parametrize(
@@ -219,6 +219,7 @@ TOKENS = "expected a number of tokens in (0, 16777216], got"
         ("0,100,inf", f"line 2: field 'p95_len': {TOKENS} 'inf'"),
         ("0,-100,200", f"line 2: field 'mean_len': {TOKENS} '-100'"),
         ("0,1e30,1e31", f"line 2: field 'mean_len': {TOKENS} '1e30'"),
+        ("0,0.001,0.002", f"line 2: field 'mean_len': {TOKENS} '0.001'"),  # fractions of a token
         ("-5,100,200", "line 2: field 'step': expected an integer in [0, 1000000000], got -5"),
         ("0,1\x0000,200", "line 2: field 'mean_len': expected a number, got '1\\x0000'"),
     ],
@@ -226,6 +227,12 @@ TOKENS = "expected a number of tokens in (0, 16777216], got"
 def test_bad_sequence_length_curves(rows: str, line: str, capsys: pytest.CaptureFixture[str]) -> None:
     write("c.csv", f"step,mean_len,p95_len\n{rows}\n")
     assert refused([*SIM, "--seq-curve", "c.csv"], capsys) == f"{E_SIM}c.csv: {line}"
+
+
+def test_a_curve_written_with_spaces_after_its_commas_reads(capsys: pytest.CaptureFixture[str]) -> None:
+    write("c.csv", "step, mean_len, p95_len\n0, 100, 120\n1, 110, 130\n")
+    code, _, err = cli([*SIM, "--seq-curve", "c.csv"], capsys)
+    assert code == 0, err
 
 
 # ------------------------------------------------------------------ experiment names

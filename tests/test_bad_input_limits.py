@@ -322,3 +322,18 @@ def test_a_plan_for_a_cluster_named_by_its_file_is_the_same_cluster(
     assert line.startswith(
         f"{E_PLAN}--anchor a.json: the plan is for cluster 'a100-64gb-hdr100', not 'h100-ib'"
     )
+
+
+def test_describe_and_the_config_root_refuse_what_they_cannot_use(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    line = refused(["describe", "model", "tiny-llama", "--seq-len", "100000"], capsys)
+    assert (
+        line == "nereus describe: error: --seq-len 100000 exceeds tiny-llama's max_position_embeddings 2048"
+    )
+    monkeypatch.setenv("NEREUS_CONFIGS", "/nonexistent-configs")
+    line = refused(["describe", "model", "tiny-llama"], capsys)
+    assert line == (
+        "nereus describe: error: NEREUS_CONFIGS=/nonexistent-configs: not a folder "
+        "(unset it for the shipped configs/)"
+    )

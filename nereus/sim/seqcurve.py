@@ -65,7 +65,7 @@ class SeqCurve:
 
     @classmethod
     def _parse(cls, path: Path, text: str) -> SeqCurve:
-        reader = csv.DictReader(text.splitlines())
+        reader = csv.DictReader(text.splitlines(), skipinitialspace=True)  # "step, mean_len, p95_len"
         missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
         if missing:
             raise ConfigError(f"{path}: line 1: missing column '{missing[0]}' (need {', '.join(COLUMNS)})")
@@ -98,10 +98,10 @@ class SeqCurve:
                     raise ConfigError(
                         f"{path}: line {line}: field '{col}': expected a number, got {brief(row[col])}"
                     ) from None
-                if not (math.isfinite(v) and 0 < v <= MAX_LEN):
+                if not (math.isfinite(v) and 1 <= v <= MAX_LEN):
                     raise ConfigError(
                         f"{path}: line {line}: field '{col}': expected a number of tokens in "
-                        f"(0, {MAX_LEN:.0f}], got {brief(row[col])}"
+                        f"[1, {MAX_LEN:.0f}], got {brief(row[col])}"
                     )
                 values.append(v)
             if steps and step <= steps[-1]:
