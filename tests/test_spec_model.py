@@ -9,6 +9,7 @@ import pytest
 
 from nereus.errors import ConfigError
 from nereus.spec import Head, ModelFamily, load_model
+from nereus.spec.model import check_runnable
 
 pytestmark = pytest.mark.pure
 
@@ -135,6 +136,27 @@ def test_hf_config_errors_name_the_key(tmp_path: Path) -> None:
     (bad / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": "big"}))
     with pytest.raises(ConfigError, match="hidden_size"):
         load_model(str(bad))
+
+
+def test_a_yarn_model_is_priced_to_its_longer_context_and_not_run(tmp_path: Path) -> None:
+    """Qwen2.5's long-context setup (its model card): YaRN, factor 4 over 32,768 positions. The
+    planner prices any RoPE alike; the runtime applies default and llama3 RoPE only."""
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    d = _hf_config(tmp_path, model_type="qwen2", hidden_size=3584, intermediate_size=18944,
+                   num_attention_heads=28, num_key_value_heads=4, num_hidden_layers=28, vocab_size=152064,
+                   max_position_embeddings=32768, rope_scaling=yarn, attention_bias=False)  # fmt: skip
+    m = load_model(str(d))
+    assert m.rope_kind == "yarn" and m.rope_scaling is None and m.max_position_embeddings == 131072
+    assert m.attention_bias  # transformers' Qwen2 has q/k/v biases whatever the key says
+    assert m.param_count() == 7_615_616_512  # Qwen2.5-7B's card
+    with pytest.raises(ConfigError, match="rope_type yarn is priced but not run"):
+        check_runnable(m)
+    assert (
+        load_model("llama-3.1-8b").rope_kind == "llama3" and load_model("tiny-llama").rope_kind == "default"
+    )
+    (tmp_path / "su").mkdir()
+    with pytest.raises(ConfigError, match=r"key 'rope_type': expected one of default, llama3, .*got 'su'"):
+        load_model(str(_hf_config(tmp_path / "su", rope_scaling={"type": "su", "factor": 2.0})))
 
 
 def test_unknown_model_lists_choices() -> None:

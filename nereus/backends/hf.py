@@ -126,8 +126,8 @@ def check_compatible(model: ModelSpec, found: ModelSpec, directory: Path) -> Non
     everything that changes the function (RoPE, norm epsilon, a tied LM head)."""
     keys = [
         "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-        "intermediate_size", "vocab_size", "qk_norm", "attention_bias", "rope_theta", "rope_scaling",
-        "rms_norm_eps",
+        "intermediate_size", "vocab_size", "qk_norm", "attention_bias", "rope_theta", "rope_type",
+        "rope_scaling", "rms_norm_eps",
     ]  # fmt: skip
     if model.head is Head.LM:
         keys.append("tie_word_embeddings")

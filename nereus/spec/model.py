@@ -47,6 +47,11 @@ class Head(StrEnum):
     VALUE = "value"
 
 
+ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn", "longrope")  # transformers' names
+RUNNABLE_ROPE = ("default", "llama3")
+UNMODELLED_ROPE = tuple(t for t in ROPE_TYPES if t not in RUNNABLE_ROPE)
+
+
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
     """Llama 3's frequency-dependent RoPE scaling (``"rope_type": "llama3"`` in ``config.json``)."""
@@ -69,20 +74,38 @@ class RopeScaling:
             )
 
 
-def _rope_from_hf(data: dict[str, Any], path: Path) -> tuple[float | None, RopeScaling | None]:
-    """(rope_theta, scaling) from ``rope_scaling`` + ``rope_theta`` (transformers 4) or
-    ``rope_parameters`` (transformers 5). Only the default and ``llama3`` rope types are modelled."""
+def _rope_from_hf(data: dict[str, Any], path: Path) -> tuple[float | None, RopeScaling | None, str, int]:
+    """(rope_theta, scaling, rope type, positions) from ``rope_scaling`` + ``rope_theta``
+    (transformers 4) or ``rope_parameters`` (transformers 5). ``llama3`` scaling is modelled; the
+    other types transformers knows are kept by name (priced like any RoPE, not run), and reach
+    ``factor`` × the original positions, as vLLM serves them; positions 0: the config's."""
     params = data.get("rope_parameters") or data.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise ConfigError(f"{path}: key 'rope_parameters': expected a mapping, got {brief(params)}")
     theta = params.get("rope_theta", data.get("rope_theta"))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
-        return theta, None
+        return theta, None, "default", 0
+    if kind not in ROPE_TYPES:
+        raise ConfigError(
+            f"{path}: key 'rope_type': expected one of {', '.join(ROPE_TYPES)}, got {brief(kind)}"
+        )
     if kind != "llama3":
-        raise ConfigError(f"{path}: key 'rope_type': expected one of default, llama3, got {brief(kind)}")
+        factor = params.get("factor", 1.0)
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not 1.0 <= factor <= 1e6:
+            raise ConfigError(
+                f"{path}: key 'rope_scaling.factor': expected a number in [1, 1e6], got {brief(factor)}"
+            )
+        original = params.get("original_max_position_embeddings") or data.get("max_position_embeddings") or 0
+        if isinstance(original, bool) or not isinstance(original, int) or original < 0:
+            raise ConfigError(
+                f"{path}: key 'rope_scaling.original_max_position_embeddings': expected a positive integer, "
+                f"got {brief(original)}"
+            )
+        return theta, None, str(kind), int(original * factor)
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    return theta, build(RopeScaling, {k: params.get(k) for k in keys}, str(path), prefix="rope_scaling.")
+    scaling = build(RopeScaling, {k: params.get(k) for k in keys}, str(path), prefix="rope_scaling.")
+    return theta, scaling, "llama3", 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,6 +128,9 @@ class ModelSpec:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
     rope_scaling: RopeScaling | None = None
+    # a RoPE kind priced but not run (yarn, linear, dynamic, longrope: the engines apply default
+    # and llama3 only); "": default, or llama3 with ``rope_scaling`` (``rope_kind`` says which)
+    rope_type: str = ""
     head: Head = Head.LM
     hf_repo: str = ""  # where the official weights live, for reference
 
@@ -130,6 +156,13 @@ class ModelSpec:
         require_at_most(self, MAX_VOCAB, "vocab_size")
         require_at_most(self, MAX_POSITIONS, "max_position_embeddings")
         require_at_most(self, 1e12, "rope_theta")
+        if self.rope_type and self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type must be one of {', '.join(ROPE_TYPES)}, got {brief(self.rope_type)}")
+        if self.rope_type and self.rope_type != self.rope_kind:
+            raise ValueError(
+                f"rope_type {self.rope_type}: rope_scaling holds llama3's factors (rope_type llama3), "
+                "and only them"
+            )
         if not self.rms_norm_eps < 1:
             raise ValueError(f"rms_norm_eps must be below 1, got {self.rms_norm_eps}")
         if not 0 <= self.head_dim <= MAX_WIDTH:
@@ -148,6 +181,13 @@ class ModelSpec:
                 f"num_attention_heads {self.num_attention_heads} must be a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
+
+    @property
+    def rope_kind(self) -> str:
+        """The RoPE this model uses: ``rope_type`` if set, else llama3 or default."""
+        if self.rope_type in UNMODELLED_ROPE:
+            return self.rope_type
+        return "default" if self.rope_scaling is None else "llama3"
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -183,16 +223,22 @@ class ModelSpec:
             "max_position_embeddings",
         }
         fields: dict[str, Any] = {k: v for k, v in data.items() if k in keep and v is not None}
-        theta, scaling = _rope_from_hf(data, path)
+        theta, scaling, kind, positions = _rope_from_hf(data, path)
         if theta is not None:
             fields["rope_theta"] = theta
         if scaling is not None:
             fields["rope_scaling"] = dataclasses.asdict(scaling)
+        if kind not in RUNNABLE_ROPE:
+            fields["rope_type"] = kind
+        if positions > fields.get("max_position_embeddings", 0):
+            fields["max_position_embeddings"] = positions
         fields.setdefault("num_key_value_heads", data.get("num_attention_heads"))
         fields["family"] = family.value
         fields["qk_norm"] = family is ModelFamily.QWEN3
         if family is ModelFamily.QWEN2:
-            fields.setdefault("attention_bias", True)  # Qwen2 always has q/k/v bias
+            fields["attention_bias"] = (
+                True  # transformers' Qwen2 always has q/k/v bias, whatever the key says
+            )
         fields["name"] = name or path.parent.name or path.stem
         return build(cls, fields, str(path))
 
@@ -331,7 +377,13 @@ class ModelSpec:
 
 def check_runnable(model: ModelSpec) -> None:
     """Refuse a model the runtime cannot run though the planner can price it: the engines rotate
-    query and key pairs over the whole head (RoPE), so ``head_dim`` must be even."""
+    query and key pairs over the whole head (RoPE), so ``head_dim`` must be even, and apply the
+    default and llama3 RoPE only."""
+    if model.rope_kind not in RUNNABLE_ROPE:
+        raise ConfigError(
+            f"model: {model.name}'s rope_type {model.rope_kind} is priced but not run (the runtime's "
+            f"engines apply {' and '.join(RUNNABLE_ROPE)} RoPE)"
+        )
     if model.head_dim % 2:
         raise ConfigError(
             f"model: {model.name}'s head_dim {model.head_dim} is odd; the runtime's rotary embeddings "

@@ -18,7 +18,9 @@ def config_root() -> Path:
     """``$NEREUS_CONFIGS`` if set, else the repository's ``configs/``."""
     env = os.environ.get("NEREUS_CONFIGS")
     if env and not Path(env).is_dir():
-        raise ConfigError(f"NEREUS_CONFIGS={shorten(env, 200)}: not a folder (unset it for the shipped configs/)")
+        raise ConfigError(
+            f"NEREUS_CONFIGS={shorten(env, 200)}: not a folder (unset it for the shipped configs/)"
+        )
     return Path(env) if env else Path(__file__).resolve().parents[2] / "configs"
 
 
