@@ -189,6 +189,19 @@ PROBLEM_KEYS += "seq_len_p95, urgent"
             lambda d: d["stages"][0].update(pp=64),
             "b.json: stages[0] (actor.gen): pp 64 exceeds llama-3.1-8b's 32 layers",
         ),
+        (
+            lambda d: d["stages"][5].update(dp=3),
+            "b.json: stages[5] (actor.train): dp 3 does not divide ppo's global batch 128",
+        ),
+        (
+            lambda d: d["stages"][5].update(dp=2, micro_batch=24),
+            "b.json: stages[5] (actor.train): micro_batch 24 does not divide a replica's 64 of the "
+            "global batch",
+        ),
+        (
+            lambda d: d["stages"][1].update(dp=2, micro_batch=100000),
+            "b.json: stages[1] (actor.inf): micro_batch 100000 exceeds a replica's 256 sequences",
+        ),
         (lambda d: d["stages"][0].pop("dp"), "b.json: missing key 'stages[0].dp' (expected int)"),
         (
             lambda d: d["stages"][0].update(gpus="0123"),

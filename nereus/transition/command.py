@@ -31,7 +31,7 @@ from nereus.spec.cluster import GIB
 from nereus.spec.files import brief, load_json, shorten
 from nereus.spec.registry import load_cluster, load_model, load_workload
 from nereus.spec.schema import build
-from nereus.spec.workload import MAX_TOKENS, ExecutionMode, Recompute
+from nereus.spec.workload import MAX_TOKENS, ExecutionMode, ModelStage, Recompute, Stage
 from nereus.transition.between import (
     NoSourceError,
     Transition,
@@ -217,6 +217,23 @@ def parse_gpus(text: str, pool: int, source: Path) -> frozenset[int]:
     return frozenset(out)
 
 
+def _batch_refusal(problem: PlanningProblem, ms: ModelStage, dp: int, micro: int) -> str:
+    """Why ``dp`` replicas of micro-batch ``micro`` cannot run ``ms`` ("" when they can): a
+    trainer's replicas take equal shares of the global batch in whole micro-batches; no replica
+    takes more sequences than its share of the step's."""
+    w = problem.workload
+    if ms.stage is Stage.TRAIN:
+        if w.global_batch % dp:
+            return f"dp {dp} does not divide {w.name}'s global batch {w.global_batch}"
+        if (w.global_batch // dp) % micro:
+            return (
+                f"micro_batch {micro} does not divide a replica's {w.global_batch // dp} of the global batch"
+            )
+        return ""
+    share = -(-w.sequences(ms) // dp)
+    return f"micro_batch {micro} exceeds a replica's {share} sequences" if micro > share else ""
+
+
 def plan_from_json(doc: PlanDoc, problem: PlanningProblem) -> Plan:
     """The ``Plan`` a printed plan describes, validated against ``problem``'s workflow and pool."""
     path = doc.path
@@ -235,6 +252,7 @@ def plan_from_json(doc: PlanDoc, problem: PlanningProblem) -> Plan:
             refusal = model.tp_refusal(s.tp)
             if not refusal and s.pp > model.num_hidden_layers:
                 refusal = f"pp {s.pp} exceeds {model.name}'s {model.num_hidden_layers} layers"
+            refusal = refusal or _batch_refusal(problem, ms, s.dp, s.micro_batch)
             if refusal:
                 raise ConfigError(f"{where} ({shorten(s.name, 30)}): {refusal}")
         bad = sorted(g for g in s.gpus if not 0 <= g < len(pool))
