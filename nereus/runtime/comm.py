@@ -164,15 +164,21 @@ def gather_parts(
     return out
 
 
+# what gloo says when a peer is gone: mid-collective (closed, reset, broken pipe, timed out), or
+# while a new group connects to it (``connectFullMesh failed ... Connect timeout`` or refused)
+PEER_GONE = (
+    "Connection closed", "Connection reset", "Connection refused", "Broken pipe", "Timed out", "timed out",
+    "Connect timeout", "connectFullMesh failed",
+)  # fmt: skip
+
+
 def is_peer_failure(exc: BaseException) -> bool:
-    """A collective failed because a peer is gone (gloo closes the connection; NCCL reports a
-    backend error), as opposed to a bug in this process."""
+    """A collective, or a group forming, failed because a peer is gone (gloo closes or cannot
+    open the connection; NCCL reports a backend error), as opposed to a bug in this process."""
     if isinstance(exc, dist.DistError):
         return True
     text = str(exc)
-    return isinstance(exc, RuntimeError) and any(
-        s in text for s in ("Connection closed", "Connection reset", "Broken pipe", "Timed out", "timed out")
-    )
+    return isinstance(exc, RuntimeError) and any(s in text for s in PEER_GONE)
 
 
 def reduce_max(x: float) -> float:
