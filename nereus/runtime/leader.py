@@ -40,7 +40,14 @@ from nereus.runtime.monitor import (
     straggler_s,
     telemetry,
 )  # fmt: skip
-from nereus.runtime.pool import SHRINK_GLOB, Change, drain_gpus, read_shrink_requests
+from nereus.runtime.pool import (
+    SHRINK_GLOB,
+    Change,
+    drain_gpus,
+    joiner_gpu,
+    node_blocks,
+    read_shrink_requests,
+)
 from nereus.runtime.rollout import Rollouts
 from nereus.runtime.worker import Worker
 from nereus.spec import ClusterSpec
@@ -305,9 +312,15 @@ class Leader:
         deadline = time.monotonic() + JOIN_WAIT_S
         taken = set(self.m.members)
         limit = self.cluster.total_gpus
+        blocks: dict[str, int] | None = None  # node → its block of GPU ids, read at the first request
         while True:
             for req in self.m.pending_joins():
-                gpu = req.gpu if req.gpu is not None and req.gpu not in taken else _free(taken)
+                if req.gpu is not None and req.gpu not in taken:
+                    gpu = req.gpu
+                else:
+                    if blocks is None:
+                        blocks = node_blocks(self.m.hosts(), self.cluster.gpus_per_node)
+                    gpu = joiner_gpu(req.host, taken, blocks, self.cluster.gpus_per_node, limit)
                 if gpu >= limit:
                     self.m.refuse(req, f"the cluster has {limit} GPUs and all are in the job")
                     continue
@@ -397,13 +410,6 @@ DECISION_KEYS = (
 """What a step's metrics row keeps of the controller's decision: the verdict and why, and the
 numbers admission weighed (predicted step latencies, ΔL, L_tran, payback and horizon in steps,
 the risks priced and the revocation rate they were priced at)."""
-
-
-def _free(taken: set[int]) -> int:
-    g = 0
-    while g in taken:
-        g += 1
-    return g
 
 
 def measured_setup(spec: ExperimentSpec, out: Path, log: Callable[[str], None]) -> JobSetup:

@@ -288,7 +288,7 @@ class Membership:
         answer: object = None
         bad = ""
         while answer is None:
-            body = {"ticket": ticket, "time": time.time(), "host": socket.gethostname()[:64],
+            body = {"ticket": ticket, "time": time.time(), "host": self.node[:64],  # SLURM's node name
                     "pid": os.getpid(), "gpu": gpu}  # fmt: skip
             try:
                 self.store.queue_push(JOIN_QUEUE, self.signed.envelope(JOIN_QUEUE, body))

@@ -113,3 +113,37 @@ class Change:
     def after_drain(self) -> tuple[int, ...]:
         """Members once the drained processes are gone."""
         return tuple(g for g in self.members if g not in self.draining)
+
+
+def lowest_free(taken: set[int]) -> int:
+    """The lowest GPU id not in ``taken``."""
+    g = 0
+    while g in taken:
+        g += 1
+    return g
+
+
+def node_blocks(hosts: dict[int, str], per_node: int) -> dict[str, int]:
+    """Each member node's block of GPU ids (block b: ids b·per_node … (b+1)·per_node − 1): where
+    its lowest id lies. The planner reads node k as ids k·per_node … (``ClusterSpec.node_of``)."""
+    out: dict[str, int] = {}
+    for g, host in sorted(hosts.items()):
+        if host:
+            out.setdefault(host, g // per_node)
+    return out
+
+
+def joiner_gpu(node: str, taken: set[int], blocks: dict[str, int], per_node: int, limit: int) -> int:
+    """The GPU id of a newcomer on ``node``: the lowest free id in its node's block, a node new to
+    the job taking the lowest block none of whose ids is taken (``blocks`` learns it), so that a
+    node's GPUs are one node to the planner and to the failure domains whatever order its
+    processes ask in; the lowest free id where no block fits."""
+    block = blocks.get(node)
+    if block is None:
+        used = set(blocks.values()) | {g // per_node for g in taken}
+        block = next((b for b in range(limit // per_node) if b not in used), None)
+        if block is None:
+            return lowest_free(taken)
+        blocks[node] = block
+    free = [g for g in range(block * per_node, (block + 1) * per_node) if g not in taken]
+    return free[0] if free else lowest_free(taken)
