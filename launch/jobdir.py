@@ -83,6 +83,8 @@ class ArrayTask:
     def __post_init__(self) -> None:
         if self.index < 0:
             raise ValueError(f"index must be non-negative, got {self.index}")
+        if self.job_id and not (self.job_id.isascii() and _JOB_ID.fullmatch(self.job_id)):
+            raise ValueError(f"job_id: {self.job_id!r} is not a job id (digits, or A_i of an array)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -128,10 +130,16 @@ class JobRecord:
         for name in ("site", "partition", "account", "python"):
             if has_control(getattr(self, name)):
                 raise ValueError(control_error(name, getattr(self, name)))
+        if self.version != 1:
+            raise ValueError(f"version must be 1 (what this nereus-launch writes), got {self.version!r}")
         if self.executor == "local":  # process ids: cancel signals them
             bad = [i for i in self.all_job_ids if not i.isascii() or not i.isdigit()]
             if bad:
                 raise ValueError(f"job_ids: a local job's ids are process ids, got {bad[0]!r}")
+        else:  # handed to scancel, sacct and squeue: an id, never an option ("--me" cancels all)
+            bad = [i for i in self.all_job_ids if not (i.isascii() and _JOB_ID.fullmatch(i))]
+            if bad:
+                raise ValueError(f"job_ids: {bad[0]!r} is not a SLURM job id (digits, or A_i of an array)")
 
     @property
     def current_nodes(self) -> int:

@@ -10,6 +10,7 @@ with a byte-order mark.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ import yaml
 from launch.experiment import check_plan
 from nereus.errors import ConfigError
 from nereus.plan.report import PLAN_KEYS, STAGE_REPORT_KEYS
-from nereus.runtime.experiment import ExperimentSpec
+from nereus.runtime.experiment import DriftEvent, ExperimentSpec
 from nereus.spec.registry import config_root
 from nereus.spec.schema import build
 from tests.bad_input import (  # noqa: F401 - _in_tmp: the autouse fixture
@@ -337,3 +338,21 @@ def test_describe_and_the_config_root_refuse_what_they_cannot_use(
         "nereus describe: error: NEREUS_CONFIGS=/nonexistent-configs: not a folder "
         "(unset it for the shipped configs/)"
     )
+
+
+def test_an_experiment_a_worker_would_crash_on_is_refused_before_it_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A top_p of 0 (the sampler keeps at least one token) and responses past the model's
+    context (vLLM refuses its max_model_len) used to start the workers and die with a traceback."""
+    path = write("e.yaml", shipped("experiments", "grpo-tiny").replace("rl:\n", "rl:\n  top_p: 0\n"))
+    line = refused(["run", path, "--out", "out"], capsys)
+    assert line == "nereus run: error: e.yaml: 'rl' top_p must be in (0, 1], got 0.0"
+    path = write("e.yaml", shipped("experiments", "grpo-tiny", max_new_tokens="3000"))
+    line = refused(["run", path, "--out", "out"], capsys)
+    assert line.endswith("max_prompt_len + max_new_tokens: 32 + 3000 = 3032 tokens exceed tiny-llama-h32's "
+                         "max_position_embeddings 2048")  # fmt: skip
+    assert not Path("out").exists()
+    spec = build(ExperimentSpec, yaml.safe_load(shipped("experiments", "grpo-tiny")), "e.yaml")
+    late = replace(spec, drift=(*spec.drift, DriftEvent(step=100, max_new_tokens=1_000_000)))
+    assert late.longest_response() == spec.longest_response()  # after the last step: never asked for

@@ -186,6 +186,19 @@ def test_a_foreign_folder_needs_force(tmp_path: Path) -> None:
     (tmp_path / "thesis.tex").write_text("x")
     with pytest.raises(ConfigError, match=r"is not empty \(thesis.tex\) and nereus run did not create it"):
         outdir.check(tmp_path, resume=False, force=False)
+    outdir.prepare(tmp_path, resume=False, force=True)  # the run's files go beside the user's
+    assert (tmp_path / "thesis.tex").read_text() == "x" and outdir.is_ours(tmp_path)
+
+
+def test_force_never_removes_a_users_own_files_of_a_runs_names(tmp_path: Path) -> None:
+    """A folder nereus run did not create: its ``checkpoints/`` or ``hf/`` are the user's."""
+    (tmp_path / "checkpoints" / "epoch10").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "epoch10" / "model.pt").write_text("weights")
+    (tmp_path / "notes.txt").write_text("mine")
+    before = _snapshot(tmp_path)
+    with pytest.raises(ConfigError, match=r"checkpoints is there and nereus run did not write it; --force"):
+        outdir.prepare(tmp_path, resume=False, force=True)
+    assert _snapshot(tmp_path) == before
 
 
 def test_out_must_be_a_writable_folder(tmp_path: Path) -> None:

@@ -168,6 +168,15 @@ def test_tampered_job_record_is_refused_before_a_grow_job_is_written(
     (folder / "job.json").write_text(json.dumps({**record, "executor": "local", "job_ids": ["1;id"]}))
     code, _, err = launch(["cancel", str(folder)], capsys)
     assert code == 2 and "job_ids: a local job's ids are process ids, got '1;id'" in err
+    # SLURM ids reach scancel, sacct and squeue: "--me" would cancel every job the user has
+    for ids in (["--me"], ["-u", "root"], ["1,2,3"]):
+        (folder / "job.json").write_text(json.dumps({**record, "executor": "slurm", "job_ids": ids}))
+        for command in ("cancel", "status"):
+            code, _, err = launch([command, str(folder)], capsys, factory=factory)
+            assert code == 2 and f"job_ids: {ids[0]!r} is not a SLURM job id" in err, err
+    (folder / "job.json").write_text(json.dumps({**record, "version": 99}))
+    code, _, err = launch(["status", str(folder)], capsys, factory=factory)
+    assert code == 2 and "version must be 1" in err, err
 
 
 def test_a_request_refuses_what_the_checks_missed() -> None:

@@ -96,7 +96,7 @@ def preflight(
     from nereus.rl.tokenizer import CharTokenizer
     from nereus.runtime.engines import engines_of, job_models
     from nereus.spec import load_cluster, load_model, load_workload
-    from nereus.spec.model import check_runnable
+    from nereus.spec.model import check_context, check_runnable
 
     workload = _keyed("workload", load_workload, spec.workload)
     stages = [ms.name for ms in workload.workflow().model_stages]
@@ -113,6 +113,11 @@ def preflight(
             )
     model = _keyed("model", load_model, spec.model)
     check_runnable(model)
+    # a generation engine holds the longest prompt and response (vLLM refuses past the context)
+    longest = spec.longest_response()
+    key = "max_new_tokens" if longest >= workload.max_response_len else "max_response_len"
+    check_context(model, workload.max_prompt_len, max(longest, workload.max_response_len),
+                  f"{workload.name}'s max_prompt_len + {key}")  # fmt: skip
     engines = engines_of(spec, workload, job_models(model))
     cluster = _keyed("cluster", load_cluster, spec.cluster)
     if spec.workers > cluster.total_gpus:

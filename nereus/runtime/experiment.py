@@ -89,9 +89,11 @@ class RlSpec:
         require_finite(self, *names, "gamma", "lam", "temperature", "top_p")
         require_positive(self, "lr", "critic_lr", "clip_eps", "temperature")
         require_at_most(self, 1e6, *names, "temperature")
-        for name in ("gamma", "lam", "top_p"):
+        for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if not 0 < self.top_p <= 1:  # the nucleus keeps at least the likeliest token
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         for name in ("weight_decay", "max_grad_norm", "vf_clip", "kl_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
@@ -274,8 +276,8 @@ class ExperimentSpec:
         return limit
 
     def longest_response(self) -> int:
-        """The largest ``max_new_tokens`` the job will ask for (drift included)."""
-        return max([self.max_new_tokens, *(e.max_new_tokens for e in self.drift)])
+        """The largest ``max_new_tokens`` the job will ask for (drift included, up to its last step)."""
+        return max([self.max_new_tokens, *(e.max_new_tokens for e in self.drift if e.step < self.steps)])
 
     def lost_at(self, step: int) -> tuple[int, ...]:
         """Workers that leave at the boundary before ``step``."""

@@ -3,9 +3,11 @@
 A run writes into a folder that does not exist yet (it is created 0700), that is empty (a
 ``control/`` folder of shrink requests may wait there), or — with ``--resume`` — that holds the
 checkpoint it continues. The folder then carries a marker (``.nereus-output``, holding ``run``).
-Any other folder, a previous run's included, needs ``--force``; then the previous run's files
-(``RUN_FILES``) are replaced, and nothing else in the folder is touched. ``check`` writes
-nothing; ``prepare`` writes only after every check passed.
+Any other folder, a previous run's included, needs ``--force``; then a previous run's files
+(``RUN_FILES``, in a folder with the marker) are replaced, and nothing else in the folder is
+touched. In a folder without the marker ``--force`` removes nothing: a name a run would write
+that is already there (a user's own ``checkpoints/``) is refused. ``check`` writes nothing;
+``prepare`` writes only after every check passed.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ MARK = "run"
 INPUTS = frozenset({"control"})  # shrink requests (nereus-launch shrink) may wait before the run
 RUN_FILES = (
     "metrics.jsonl", ".metrics.jsonl.tmp", "report.png", "report.tmp.png", "membership.log", "tensorboard",
-    "checkpoints", "hf", "tasks.jsonl", "rendezvous.json", KEY_FILE, MARKER,
+    "checkpoints", "hf", "tasks.jsonl", "rendezvous.json", "vllm", KEY_FILE, MARKER,
 )  # fmt: skip
 
 
@@ -55,6 +57,13 @@ def check(path: Path, resume: bool, force: bool) -> None:
         raise ConfigError(f"--out: {path} {what}; expected a folder")
     if not os.access(found, os.W_OK | os.X_OK):
         raise ConfigError(f"--out: {path} is not writable ({found} does not let this user write)")
+    if force and path.is_dir() and not is_ours(path):
+        clash = [n for n in RUN_FILES if (path / n).exists() or (path / n).is_symlink()]
+        if clash:
+            raise ConfigError(
+                f"--out: {path / clash[0]} is there and nereus run did not write it; --force replaces a "
+                "previous run's files only (move it away, or choose another --out)"
+            )
     if resume or force or not path.exists():
         return
     entries = sorted(e.name for e in path.iterdir() if e.name not in INPUTS)
@@ -67,7 +76,7 @@ def check(path: Path, resume: bool, force: bool) -> None:
     shown = ", ".join(entries[:3]) + (", …" if len(entries) > 3 else "")
     raise ConfigError(
         f"--out: {path} is not empty ({shown}) and nereus run did not create it; pass --force to write "
-        "into it (only a run's own files there are replaced)"
+        "the run's files beside what is there (nothing of yours is replaced)"
     )
 
 
@@ -78,7 +87,7 @@ def prepare(path: Path, resume: bool, force: bool) -> bytes:
     path = Path(path)
     check(path, resume, force)
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if force:
+    if force and is_ours(path):  # a previous run's files; a folder not ours holds none (``check``)
         for name in RUN_FILES:
             old = path / name
             if old.is_dir() and not old.is_symlink():
