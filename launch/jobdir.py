@@ -172,6 +172,17 @@ def write_record(folder: Path, record: JobRecord) -> None:
     atomic_write(folder / RECORD, record.to_json())
 
 
+def check_owner(folder: Path) -> None:
+    """Only the user who owns a job folder changes its job (grow, shrink, cancel): what they write
+    there (``job.json``, shrink requests) must stay theirs to read, root included."""
+    try:
+        owner = folder.stat().st_uid
+    except OSError as exc:
+        raise ConfigError(f"JOB: cannot read {folder} ({exc.strerror})") from None
+    if owner != os.getuid():
+        raise ConfigError(f"JOB: {folder} belongs to uid {owner}, not this user (uid {os.getuid()})")
+
+
 def read_record(folder: Path) -> JobRecord:
     path = folder / RECORD
     if not path.is_file():

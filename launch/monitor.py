@@ -23,7 +23,7 @@ from typing import Any, TextIO
 
 from submitit.slurm.slurm import SlurmInfoWatcher, read_job_id
 
-from launch.jobdir import STATES_DONE, JobRecord, read_record, write_record
+from launch.jobdir import STATES_DONE, JobRecord, check_owner, read_record, write_record
 from nereus.errors import ConfigError
 
 Runner = Callable[[Sequence[str]], tuple[int, str, str]]  # argv -> (exit code, stdout, stderr)
@@ -179,6 +179,7 @@ def _descendants(pid: int) -> list[int]:
 def cancel(folder: Path, run: Runner = run_command) -> list[str]:
     """Cancel the job and its grow jobs (SLURM: ``scancel``; local: SIGINT to submitit's controller
     and the tasks under it). Returns the ids cancelled."""
+    check_owner(folder)
     record = read_record(folder)
     ids = list(record.all_job_ids)
     if not ids:

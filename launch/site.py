@@ -43,6 +43,10 @@ _DAYS = re.compile(r"([0-9]{1,9})-([0-9]{1,9})(?::([0-9]{1,9}))?(?::([0-9]{1,9})
 _CLOCK = re.compile(r"([0-9]{1,9})(?::([0-9]{1,9}))?(?::([0-9]{1,9}))?")
 
 
+MAX_SIGNAL_DELAY_S = 65535  # sbatch --signal=SIG@TIME takes at most this many seconds
+MAX_TIME_DAYS = 365
+
+
 def parse_time(text: str, flag: str = "--time") -> int:
     """Minutes in a SLURM time limit; a ``ConfigError`` naming ``flag`` when it is not one."""
     check_text(flag, str(text))
@@ -62,6 +66,8 @@ def parse_time(text: str, flag: str = "--time") -> int:
             seconds = (parts[0] * 60 + parts[1]) * 60 + parts[2]
     if not seconds:
         raise ConfigError(f"{flag}: expected a positive time limit as {TIME_FORMATS}, got {shown(text)}")
+    if seconds > MAX_TIME_DAYS * 86400:
+        raise ConfigError(f"{flag}: {shown(text)} is more than {MAX_TIME_DAYS} days")
     return math.ceil(seconds / 60)
 
 
@@ -110,6 +116,11 @@ class Site:
         for name in ("cpus_per_task", "signal_delay_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.signal_delay_s > MAX_SIGNAL_DELAY_S:
+            raise ValueError(
+                f"signal_delay_s must be at most {MAX_SIGNAL_DELAY_S} (sbatch --signal), "
+                f"got {self.signal_delay_s}"
+            )
         if self.max_nodes < 0:
             raise ValueError(f"max_nodes must be non-negative, got {self.max_nodes}")
         if self.partitions and self.partition and self.partition not in self.partitions:

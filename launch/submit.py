@@ -35,6 +35,7 @@ from launch.jobdir import (
     JobRecord,
     Shrink,
     atomic_write,
+    check_owner,
     create_folder,
     now_iso,
     read_record,
@@ -182,6 +183,12 @@ def _common(opts: Options, site: Site) -> tuple[str, str, int]:
         site.check_partition(partition)
     account = opts.account if opts.account is not None else site.account
     time_min = parse_time(opts.time) if opts.time is not None else parse_time(site.time, "time")
+    if time_min * 60 <= site.signal_delay_s:  # USR2 (checkpoint, requeue) would come as the job starts
+        flag = "--time" if opts.time is not None else f"site {site.name}: time"
+        raise ConfigError(
+            f"{flag}: {time_min} min is not longer than site {site.name}'s signal_delay_s "
+            f"{site.signal_delay_s} s (the checkpoint-and-requeue warning)"
+        )
     return partition, account, time_min
 
 
@@ -313,6 +320,7 @@ def commit(prep: Prepared, factory: ExecutorFactory = submitit_executor) -> tupl
 
 def grow(folder: Path, nodes: int, factory: ExecutorFactory = submitit_executor) -> tuple[Grow, JobRecord]:
     """Submit ``nodes`` more nodes as a new job whose tasks run the node entry with ``join=True``."""
+    check_owner(folder)
     record = read_record(folder)
     if record.kind != "experiment":
         raise ConfigError(f"JOB: {folder} is an {record.kind} job; only an experiment grows")
@@ -355,6 +363,7 @@ def grow(folder: Path, nodes: int, factory: ExecutorFactory = submitit_executor)
 
 def shrink(folder: Path, nodes: int) -> tuple[Path, JobRecord]:
     """Ask the running job to drain ``nodes`` nodes (``control/shrink-<unix_ms>.json``)."""
+    check_owner(folder)
     record = read_record(folder)
     if record.kind != "experiment":
         raise ConfigError(f"JOB: {folder} is an {record.kind} job; only an experiment shrinks")
@@ -364,6 +373,8 @@ def shrink(folder: Path, nodes: int) -> tuple[Path, JobRecord]:
         raise ConfigError(
             f"--nodes: must be below the job's {current} node(s) (allowed: {allowed}), got {nodes}"
         )
+    if record.state in STATES_DONE:
+        raise ConfigError(f"JOB: {record.name} is {record.state}; only a running job shrinks")
     request = ShrinkRequest(nodes)
     path = write_shrink(folder, request)
     record = replace(record, shrinks=(*record.shrinks, Shrink(nodes, now_iso(), request.file)))

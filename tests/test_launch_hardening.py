@@ -9,6 +9,7 @@ are one line; bad files, numbers and job ids are one line and exit 2, never a tr
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -436,3 +437,38 @@ def test_the_launcher_refuses_what_a_worker_would(
     exp = tmp_path / "exp.yaml"
     exp.write_text(yaml.safe_dump({**yaml.safe_load(PPO_TINY.read_text()), **changes}))
     refused(["submit", str(exp)], message, tmp_path, capsys, factory)
+
+
+def test_time_limits_the_requeue_warning_cannot_fit_are_refused(
+    tmp_path: Path, capsys: Any, factory: Any
+) -> None:
+    site = site_file(tmp_path, signal_delay_s=120)
+    args = ["submit", str(PPO_TINY), "--site", str(site), "--local", "--dry-run"]
+    code, _, err = launch([*args, "--time", "2"], capsys)
+    assert code == 2 and "--time: 2 min is not longer than site mysite's signal_delay_s 120 s" in err, err
+    code, _, err = launch([*args, "--time", "999999999-0"], capsys)
+    assert code == 2 and "--time: '999999999-0' is more than 365 days" in err, err
+    code, _, err = launch(["submit", str(PPO_TINY), "--site", str(site_file(tmp_path, signal_delay_s=100000)),
+                           "--local", "--dry-run"], capsys)  # fmt: skip
+    assert code == 2 and "signal_delay_s must be at most 65535" in err, err
+
+
+def test_a_finished_or_someone_elses_job_is_not_changed(tmp_path: Path, capsys: Any, factory: Any) -> None:
+    root = tmp_path / "jobs"
+    assert launch(["submit", str(PPO_TINY), "--nodes", "2", "--jobs-root", str(root)], capsys,
+                  factory=factory)[0] == 0  # fmt: skip
+    (folder,) = root.iterdir()
+    record = json.loads((folder / "job.json").read_text())
+    (folder / "job.json").write_text(json.dumps({**record, "state": "COMPLETED"}))
+    code, _, err = launch(["shrink", str(folder), "--nodes", "1"], capsys, factory=factory)
+    assert code == 2 and "is COMPLETED; only a running job shrinks" in err, err
+    assert not (folder / "control").exists() or not list((folder / "control").iterdir())
+    if os.geteuid() == 0:  # only root can hand the folder to another user
+        (folder / "job.json").write_text(json.dumps(record))
+        os.chown(folder, 65534, -1)
+        before = (folder / "job.json").read_text()
+        for args in (["shrink", str(folder), "--nodes", "1"], ["cancel", str(folder)],
+                     ["grow", str(folder), "--nodes", "1"]):  # fmt: skip
+            code, _, err = launch(args, capsys, factory=factory)
+            assert code == 2 and "belongs to uid 65534, not this user" in err, (args, err)
+        assert (folder / "job.json").read_text() == before
