@@ -161,6 +161,17 @@ def test_bad_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         PromptDataset.load(tmp_path / "d.csv", TOK, 64)
     with pytest.raises(ConfigError, match="dataset file does not exist"):
         PromptDataset.load(tmp_path / "none.jsonl", TOK, 64)
+    (tmp_path / "dir.jsonl").mkdir()
+    with pytest.raises(ConfigError, match=r"dir\.jsonl: a folder, not a dataset file"):
+        PromptDataset.load(tmp_path / "dir.jsonl", TOK, 64)
+    nan = write(tmp_path, ['{"prompt": "1+2=", "answer": NaN}'], "nan.jsonl")
+    with pytest.raises(
+        ConfigError, match=r"nan\.jsonl:1: not valid JSON \(NaN is not a number a record may hold\)"
+    ):
+        PromptDataset.load(nan, TOK, 64)
+    bom = tmp_path / "bom.jsonl"  # a byte-order mark, as Windows tools write one: read as UTF-8
+    bom.write_bytes("\ufeff".encode() + "\n".join(GOOD).encode())
+    assert len(PromptDataset.load(bom, TOK, 64).records) == 2
     with pytest.raises(ConfigError, match="no records"):
         PromptDataset.load(write(tmp_path, [""]), TOK, 64)
     parquet = tmp_path / "d.parquet"

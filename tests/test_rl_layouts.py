@@ -134,3 +134,11 @@ def test_the_experiment_names_its_data(tmp_path: Path) -> None:
     exp.write_text("name: e\nworkload: grpo-tiny\nmodel: tiny-llama\ndata: {train: t, colour: 1}\n")
     with pytest.raises(ConfigError, match=r"unknown key 'data\.colour' \(allowed: answer_key, layout"):
         ExperimentSpec.load(exp)
+
+
+@pytest.mark.parametrize("template", ["{question.__class__} {question}", "{question} {question!r}",
+                                      "{question} {question:>10}", "{x} {question}"])  # fmt: skip
+def test_a_template_substitutes_a_bare_question_only(template: str) -> None:
+    with pytest.raises(ValueError, match=r"only a bare \{question\} may be substituted"):
+        RecordLayout("qa", template=template)
+    assert RecordLayout("qa", template="Q: {question} {{A}}:").template == "Q: {question} {{A}}:"

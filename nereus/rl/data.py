@@ -123,7 +123,7 @@ def _rows(path: Path) -> list[tuple[str, int, object]]:
             raise ConfigError(f"{path}: not a readable Parquet file ({exc})") from None
         return [(f"{path}:row {i}", i, r) for i, r in enumerate(rows, 1)]
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # a byte-order mark, as Windows tools write
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read ({exc})") from None
     out: list[tuple[str, int, object]] = []
@@ -131,10 +131,17 @@ def _rows(path: Path) -> list[tuple[str, int, object]]:
         if not line.strip():
             continue
         try:
-            out.append((f"{path}:{n}", n, json.loads(line)))
+            out.append((f"{path}:{n}", n, json.loads(line, parse_constant=_no_constant)))
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+        except ValueError as exc:
+            raise ConfigError(f"{path}:{n}: not valid JSON ({exc})") from None
     return out
+
+
+def _no_constant(name: str) -> object:
+    """JSON's NaN and Infinity are not values a record holds (an answer of NaN read as "nan")."""
+    raise ValueError(f"{name} is not a number a record may hold")
 
 
 @lru_cache(maxsize=4)
@@ -173,6 +180,8 @@ class PromptDataset:
             raise ConfigError(
                 f"{path}: unknown dataset format {path.suffix!r} (allowed: {', '.join(SUFFIXES)})"
             )
+        if path.is_dir():
+            raise ConfigError(f"{path}: a folder, not a dataset file")
         if not path.is_file():
             raise ConfigError(f"{path}: dataset file does not exist")
         records: list[TaskRecord] = []

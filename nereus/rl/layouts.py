@@ -14,6 +14,7 @@ file, the row and the column. Pure (no torch).
 
 from __future__ import annotations
 
+import string
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,12 +41,9 @@ class RecordLayout:
             raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {self.name!r}")
         if "{question}" not in self.template:
             raise ValueError(f"template must contain {{question}}, got {self.template!r}")
-        try:
-            self.template.format(question="")
-        except (KeyError, IndexError, ValueError) as exc:
-            raise ValueError(
-                f"template {self.template!r}: only {{question}} may be substituted ({exc})"
-            ) from None
+        why = _template_error(self.template)
+        if why:
+            raise ValueError(f"template {self.template!r}: {why}")
 
     @property
     def answer(self) -> str:
@@ -122,3 +120,15 @@ def _task(
     if not prompt:
         raise ConfigError(f"{where}: the prompt is empty")
     return TaskRecord(prompt, answer, str(rid), messages, source)
+
+
+def _template_error(template: str) -> str:
+    """Why ``template`` is not text with bare ``{question}`` fields ("" when it is): no attribute,
+    index, conversion or format spec of it (``{question.__class__}``), braces written ``{{ }}``."""
+    try:
+        fields = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(template) if f is not None]
+    except ValueError as exc:
+        return f"not a format string ({exc}; write {{{{ and }}}} for braces)"
+    if any((f, spec, conv) != ("question", "", None) for f, spec, conv in fields):
+        return "only a bare {question} may be substituted (write {{ and }} for braces)"
+    return ""
