@@ -240,10 +240,17 @@ def test_an_infeasible_worker_count_exits_2_before_writing_anything(tmp_path: Pa
     ]
     assert not out.exists()
     out.mkdir()
+    (out / ".nereus-output").write_text("run\n")  # a previous run's folder: --force would replace its files
     (out / "metrics.jsonl").write_text("{}\n")
     forced = run(experiment(tmp_path, "two", steps=1, workers=2), out, "--force")
     assert forced.returncode == 2 and "workers: no plan" in forced.stderr
-    assert [p.name for p in out.iterdir()] == ["metrics.jsonl"]  # --force waits for every check
+    assert sorted(p.name for p in out.iterdir()) == [".nereus-output", "metrics.jsonl"]  # every check first
+    (out / ".nereus-output").unlink()  # not a run's folder: its metrics.jsonl is the user's, never replaced
+    forced = run(experiment(tmp_path, "two", steps=1, workers=2), out, "--force")
+    assert (
+        forced.returncode == 2 and "metrics.jsonl is there and nereus run did not write it" in forced.stderr
+    )
+    assert [p.name for p in out.iterdir()] == ["metrics.jsonl"]
 
 
 def test_init_folders_without_weights_exit_2(tmp_path: Path) -> None:
