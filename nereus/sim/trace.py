@@ -192,7 +192,8 @@ class GpuSupply:
         rate's dependence on the time since the pool last changed too."""
         reserved = frozenset(range(self.reserved_instances * self.gpus_per_instance))
         events, fractions = self.revocation_events()
-        fastest = max(events, self.revocations_per_hour())
+        rate = self.revocations_per_hour()
+        fastest = max(events, rate)
         if fastest > MAX_RATE_PER_HOUR:
             raise ConfigError(
                 f"trace {self.trace.name}: revocations come {fastest:.3g} times per simulated hour, "
@@ -200,7 +201,7 @@ class GpuSupply:
                 f"{self.speedup:g} is too fast to simulate (a larger gap_seconds or a smaller --speedup)"
             )
         return FailureDomains(
-            reserved, self.gpus_per_instance, self.revocations_per_hour(), events, fractions,
+            reserved, self.gpus_per_instance, rate, events, fractions,
             self.age_factors(),
         )  # fmt: skip
 
