@@ -1,6 +1,7 @@
 """Shared pieces of the engine's single-rank tests: tiny transformers models (the oracle), their
 checkpoints, and a one-rank engine. fp32 on CPU: Llama 3 with llama3 RoPE scaling, Qwen3 with tied
-embeddings and q/k norms, Qwen2 with q/k/v bias, all with O(1) random weights.
+embeddings and q/k norms, Qwen2 with q/k/v bias, Mistral with a 6-token sliding window, all with
+O(1) random weights.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ SHAPE = {
     "head_dim": 16,
     "max_position_embeddings": 64,
 }
-KINDS = ("llama", "qwen3", "qwen2")
+KINDS = ("llama", "qwen3", "qwen2", "mistral")
+WINDOW = 6  # the Mistral model's sliding window
 LAYOUT = Layout(1, 1)
 
 
@@ -57,9 +59,12 @@ def hf_model(kind: str, seed: int = 0) -> transformers.PreTrainedModel:
     elif kind == "qwen3":
         cfg = transformers.Qwen3Config(**SHAPE, tie_word_embeddings=True, rope_theta=1e6)
         cls = transformers.Qwen3ForCausalLM
-    else:
+    elif kind == "qwen2":
         cfg = transformers.Qwen2Config(**SHAPE, tie_word_embeddings=False)
         cls = transformers.Qwen2ForCausalLM
+    else:  # a window much shorter than the test sequences (12-28 tokens)
+        cfg = transformers.MistralConfig(**SHAPE, sliding_window=WINDOW, tie_word_embeddings=False)
+        cls = transformers.MistralForCausalLM
     torch.manual_seed(seed)
     model = cls(cfg)
     reinit(model, seed)

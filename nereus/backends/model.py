@@ -1,12 +1,14 @@
-"""The torch-native decoder: one pipeline stage of a Llama-family model (Llama 3, Qwen2, Qwen3).
+"""The torch-native decoder: one pipeline stage of a Llama-family model (Llama 3, Qwen2, Qwen3,
+Mistral).
 
 RMSNorm, rotary embeddings (with Llama 3's frequency scaling), grouped-query attention (Qwen3's
-per-head q/k RMSNorm, Qwen2's q/k/v bias) and a SwiGLU MLP, written to match Hugging Face's
-``modeling_llama`` / ``modeling_qwen3`` operation for operation, with the same state-dict names:
-``model.embed_tokens.weight``, ``model.layers.<i>.…``, ``model.norm.weight``, ``lm_head.weight``
-and, for a critic or reward model, ``score.weight`` (``*ForSequenceClassification``'s head, applied
-to every position). A ``DecoderStage`` holds the layers of one pipeline stage (global layer
-indices, so names are unchanged); the whole model is the stage with every layer.
+per-head q/k RMSNorm, Qwen2's q/k/v bias, Mistral's sliding window) and a SwiGLU MLP, written to
+match Hugging Face's ``modeling_llama`` / ``modeling_qwen3`` operation for operation, with the
+same state-dict names: ``model.embed_tokens.weight``, ``model.layers.<i>.…``,
+``model.norm.weight``, ``lm_head.weight`` and, for a critic or reward model, ``score.weight``
+(``*ForSequenceClassification``'s head, applied to every position). A ``DecoderStage`` holds the
+layers of one pipeline stage (global layer indices, so names are unchanged); the whole model is
+the stage with every layer.
 
 Tensor parallelism needs nothing here: attention reads its local head counts from the shapes of
 its projections' outputs, so the same module runs on a TP shard after ``parallelize_module``.
@@ -164,12 +166,18 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(model.hidden_size, model.rms_norm_eps) if last else None
 
 
-def attention_mask(valid: Tensor, query_slots: Tensor) -> Tensor:
+def attention_mask(valid: Tensor, query_slots: Tensor, window: int = 0) -> Tensor:
     """Boolean (B, 1, Tq, Tk) mask: a query at cache slot s sees valid keys at slots ≤ s, and
-    always itself (so a padding row is never empty). ``valid`` is (B, Tk); ``query_slots`` (Tq,)."""
+    always itself (so a padding row is never empty). ``valid`` is (B, Tk); ``query_slots`` (Tq,).
+    With a ``window`` (sliding-window attention), only keys fewer than ``window`` positions back:
+    the query's position minus the key's < window, as transformers and vLLM mask it."""
     keys = torch.arange(valid.shape[1], device=valid.device)
     causal = keys[None, :] <= query_slots[:, None]
     seen = causal[None] & valid.bool()[:, None, :]
+    if window:
+        key_pos = positions_of(valid)
+        query_pos = key_pos[:, query_slots]
+        seen &= (query_pos[:, :, None] - key_pos[:, None, :]) < window
     seen |= keys[None, None, :] == query_slots[None, :, None]
     return seen[:, None]
 
@@ -232,10 +240,13 @@ class DecoderStage(nn.Module):
         slots = torch.arange(start, start + t, device=x.device)
         if positions is None:
             positions = positions_of(valid)[:, start : start + t]
+        spec = self.spec
         mask = attention_mask(valid, slots)
+        windowed = attention_mask(valid, slots, spec.sliding_window) if spec.sliding_window else mask
         cos, sin = rotary(self.inv_freq, positions, x.dtype)
-        for i, layer in enumerate(self.model.layers.values()):
-            x = layer(x, cos, sin, mask, caches[i] if caches is not None else None, start)
+        for i, (name, layer) in enumerate(self.model.layers.items()):
+            seen = windowed if spec.slides(int(name)) else mask
+            x = layer(x, cos, sin, seen, caches[i] if caches is not None else None, start)
         if not self.last:
             return x
         assert self.model.norm is not None

@@ -97,6 +97,14 @@ def _attn_flops(model: ModelSpec, rep: ReplicaFacts, tokens_times_ctx: FloatArra
     return result
 
 
+def _decode_context(model: ModelSpec, prompt: float, response: float) -> float:
+    """Mean tokens a decode step attends to (and reads from the KV cache) per layer, over a
+    response of ``response`` tokens after ``prompt``: prompt + response / 2 without a window."""
+    if response <= 0:
+        return float(model.attended(prompt))
+    return float(model.causal_sum(prompt + response) - model.causal_sum(prompt)) / response
+
+
 class CostModel:
     """Latency and memory of every candidate shape of a planning problem."""
 
@@ -402,7 +410,7 @@ class CostModel:
         prompt = seq.prompt_len
         prefill_tokens = per_replica * prompt
         chunks = np.ceil(prefill_tokens / PREFILL_CHUNK_TOKENS)
-        prefill_ctx = per_replica * prompt * (prompt + 1.0) / 2.0
+        prefill_ctx = per_replica * model.causal_sum(prompt)  # attended pairs (a window caps them)
         prefill = self._compute(
             gemm_per_token * prefill_tokens,
             _attn_flops(model, rep, prefill_ctx),
@@ -413,7 +421,7 @@ class CostModel:
         # decode: continuous batching keeps `conc` sequences in flight; the longest (p95) ends it.
         # With pp stages, min(conc, pp) micro-groups circulate; a step = pp slots of one group.
         steps = per_replica * seq.response_len / conc + (seq.response_p95 - seq.response_len)
-        ctx = prompt + seq.response_len / 2.0
+        ctx = _decode_context(model, prompt, seq.response_len)
         per_group = conc / np.minimum(conc, rep.pp)
         weights = np.maximum(rep.params_first, rep.params_last) * 2.0
         kv_tok = kv_bytes_per_token_rank(model, rep.kv_heads, layers)
@@ -429,7 +437,8 @@ class CostModel:
             per_group * ctx,
         )
         slots = steps * rep.pp
-        pool = kv_pool_tokens(conc, prompt, seq.response_len, seq.max_len, paged)
+        longest = model.kv_held(seq.max_len, PREFILL_CHUNK_TOKENS)
+        pool = kv_pool_tokens(conc, model.attended(prompt + seq.response_len / 2.0), longest, paged)
         terms = {
             "prefill": prefill,
             "decode": Cost.slower(t_mem, t_cmp) * slots,
@@ -438,8 +447,10 @@ class CostModel:
             "pp_comm": self._p2p(rep, per_group * h * ACT_BYTES, rep_span) * slots,
         }
         if paged:  # recompute preemption: the preempted sequences' tokens are prefilled again
-            redo, redo_len = preempted_tokens(conc, pool, prompt, seq.response_len)
-            redo_ctx = redo * (redo_len + 1.0) / 2.0
+            redo, redo_len = preempted_tokens(conc, pool, model.attended(prompt + seq.response_len))
+            redo_ctx = np.where(
+                redo_len > 0, redo / np.maximum(redo_len, 1.0) * model.causal_sum(redo_len), 0.0
+            )
             chunk = np.maximum(np.ceil(redo / PREFILL_CHUNK_TOKENS), 1.0)
             terms["preemption"] = self._compute(
                 gemm_per_token * redo,

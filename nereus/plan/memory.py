@@ -215,26 +215,26 @@ def _blocks(tokens: FloatArray | float) -> FloatArray:
     return result
 
 
-def kv_pool_tokens(
-    concurrency: FloatArray, prompt_len: float, response_len: float, max_len: float, paged: bool
-) -> FloatArray:
-    """Tokens of KV cache a generation replica holds per rank for ``concurrency`` sequences.
+def kv_pool_tokens(concurrency: FloatArray, held_mean: float, held_max: float, paged: bool) -> FloatArray:
+    """Tokens of KV cache a generation replica holds per rank for ``concurrency`` sequences, where
+    a sequence holds ``held_mean`` tokens on average over its generation (prompt + half the mean
+    response) and ``held_max`` at its longest (prompt + p95 response); both per layer on average,
+    so a sliding window caps them (``ModelSpec.attended``, ``ModelSpec.kv_held``).
 
-    Reserved (``paged=False``): every sequence at the longest length, ``max_len`` (prompt + p95
-    response) — what our vLLM engine is given, so it never preempts. Paged: whole blocks for the
-    mean occupancy of a sequence over its generation, prompt + half the mean response, per
-    concurrent sequence; never less than one sequence of ``max_len`` (vLLM refuses a
-    max_model_len its pool cannot hold), so the p95 sequence still fits. A paged pool may run
-    out when the batch's sequences grow together: ``preempted_tokens`` prices the recomputation.
+    Reserved (``paged=False``): every sequence at ``held_max`` — what our vLLM engine is given,
+    so it never preempts. Paged: whole blocks for the mean occupancy per concurrent sequence;
+    never less than one sequence of ``held_max`` (vLLM refuses a max_model_len its pool cannot
+    hold), so the p95 sequence still fits. A paged pool may run out when the batch's sequences
+    grow together: ``preempted_tokens`` prices the recomputation.
     """
     conc = np.asarray(concurrency, dtype=np.float64)
     if not paged:
-        return conc * max_len
-    return np.maximum(conc * _blocks(prompt_len + response_len / 2.0), _blocks(max_len))
+        return conc * held_max
+    return np.maximum(conc * _blocks(held_mean), _blocks(held_max))
 
 
 def preempted_tokens(
-    concurrency: FloatArray, pool_tokens: FloatArray, prompt_len: float, response_len: float
+    concurrency: FloatArray, pool_tokens: FloatArray, held_end: float
 ) -> tuple[FloatArray, FloatArray]:
     """(tokens recomputed, their mean length) when ``concurrency`` sequences that start together
     grow in a pool of ``pool_tokens`` (vLLM's recompute preemption: when a running sequence needs
@@ -242,14 +242,15 @@ def preempted_tokens(
     is prefilled again, prompt and generated tokens, when it resumes).
 
     Lockstep growth: with c sequences at length x each the pool holds K/x of them, so from
-    x = a = K/c to x = b = prompt + response the running set shrinks as K/x and the sequences
+    x = a = K/c to x = b = ``held_end`` (prompt + response, per layer on average: a sliding
+    window stops the growth at the window) the running set shrinks as K/x and the sequences
     preempted at length x number K/x² dx: recomputed tokens ∫ₐᵇ x · K/x² dx = c · a · ln(b/a),
     over c(1 − a/b) sequences. Only the first wave starts in lockstep; its preemptions and
     completions stagger the later ones, which then sit near the mean occupancy (not priced).
     """
     conc = np.asarray(concurrency, dtype=np.float64)
     a = np.asarray(pool_tokens, dtype=np.float64) / np.maximum(conc, 1.0)
-    b = prompt_len + response_len
+    b = held_end
     over = b > a
     ratio = np.where(over, b / np.minimum(a, b), 1.0)
     tokens: FloatArray = np.where(over, conc * a * np.log(ratio), 0.0)
@@ -277,7 +278,8 @@ def generation_memory(
     logits = _logit_bytes(model, rep.tp, conc)
     zero = np.zeros_like(working)
 
-    pool = conc * max_len if pool_tokens is None else np.asarray(pool_tokens, dtype=np.float64)
+    longest = model.kv_held(max_len, PREFILL_CHUNK_TOKENS)
+    pool = conc * longest if pool_tokens is None else np.asarray(pool_tokens, dtype=np.float64)
 
     def stage(params: FloatArray, layers: FloatArray, acts: FloatArray) -> _Terms:
         kv = pool * kv_bytes_per_token_rank(model, rep.kv_heads, layers)

@@ -10,7 +10,10 @@ import dataclasses
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import numpy as np
+from numpy.typing import NDArray
 
 from nereus.errors import ConfigError
 from nereus.spec.files import brief, load_json
@@ -22,6 +25,7 @@ from nereus.spec.schema import (
     require_finite,
     require_positive,
 )
+from nereus.spec.window import window_from_hf
 
 # Upper bounds far beyond any real model: beyond them a value is a typo (or hostile) and the cost
 # model's arithmetic would overflow.
@@ -31,6 +35,8 @@ MAX_LAYERS = 4096
 MAX_INTERMEDIATE = 1 << 20
 MAX_VOCAB = 1 << 24
 MAX_POSITIONS = 1 << 27
+
+FloatLike = TypeVar("FloatLike", float, NDArray[np.float64])  # a length, or an array of them
 
 
 class ModelFamily(StrEnum):
@@ -131,6 +137,10 @@ class ModelSpec:
     # a RoPE kind priced but not run (yarn, linear, dynamic, longrope: the engines apply default
     # and llama3 only); "": default, or llama3 with ``rope_scaling`` (``rope_kind`` says which)
     rope_type: str = ""
+    # sliding-window attention (Mistral; Qwen2/3 with use_sliding_window): layers from index
+    # max_window_layers on attend to the last sliding_window tokens; 0: no layer slides
+    sliding_window: int = 0
+    max_window_layers: int = 0
     head: Head = Head.LM
     hf_repo: str = ""  # where the official weights live, for reference
 
@@ -176,11 +186,26 @@ class ModelSpec:
                     f"{self.num_attention_heads}; set head_dim"
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        self._check_window()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} must be a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
+
+    def _check_window(self) -> None:
+        if not 0 <= self.sliding_window <= MAX_POSITIONS:
+            raise ValueError(
+                f"sliding_window must be in [0, {MAX_POSITIONS}] (0: none), got {brief(self.sliding_window)}"
+            )
+        if not 0 <= self.max_window_layers <= self.num_hidden_layers:
+            raise ValueError(
+                f"max_window_layers must be in [0, num_hidden_layers {self.num_hidden_layers}], "
+                f"got {brief(self.max_window_layers)}"
+            )
+        if not self.sliding_window or self.max_window_layers == self.num_hidden_layers:
+            object.__setattr__(self, "sliding_window", 0)  # one spelling of "no layer slides"
+            object.__setattr__(self, "max_window_layers", 0)
 
     @property
     def rope_kind(self) -> str:
@@ -239,6 +264,8 @@ class ModelSpec:
             fields["attention_bias"] = (
                 True  # transformers' Qwen2 always has q/k/v bias, whatever the key says
             )
+        window, first = window_from_hf(data, family.value, path)
+        fields["sliding_window"], fields["max_window_layers"] = window, first
         fields["name"] = name or path.parent.name or path.stem
         return build(cls, fields, str(path))
 
@@ -370,6 +397,49 @@ class ModelSpec:
         """Forward FLOPs of a causal pass over ``length`` tokens (mean context (length+1)/2)."""
         return length * self.forward_flops_per_token((length + 1.0) / 2.0)
 
+    # ---------------------------------------------------------------- sliding window
+    @property
+    def sliding_layers(self) -> int:
+        """Layers that attend to the last ``sliding_window`` tokens only (0: none)."""
+        return self.num_hidden_layers - self.max_window_layers if self.sliding_window else 0
+
+    def slides(self, layer: int) -> bool:
+        """Whether global layer ``layer`` attends to a sliding window."""
+        return self.sliding_window > 0 and layer >= self.max_window_layers
+
+    def attended(self, length: FloatLike) -> FloatLike:
+        """Tokens a token at ``length`` (1-based) attends to, and holds in KV, per layer on
+        average over the layers: ``length`` in a full layer, at most the window in a sliding one."""
+        if not self.sliding_window:
+            return length
+        s = self.sliding_layers / self.num_hidden_layers
+        out: FloatLike = (1.0 - s) * length + s * np.minimum(length, self.sliding_window)
+        return out
+
+    def kv_held(self, length: FloatLike, in_flight: float) -> FloatLike:
+        """Tokens of KV cache a sequence of ``length`` holds at most, per layer on average: all of
+        them in a full layer; in a sliding layer the window and the ``in_flight`` tokens of a
+        prefill chunk (vLLM frees the blocks that leave the window once a step is processed,
+        so it admits a request for window − 1 + max_num_batched_tokens tokens)."""
+        if not self.sliding_window:
+            return length
+        s = self.sliding_layers / self.num_hidden_layers
+        out: FloatLike = (1.0 - s) * length + s * np.minimum(length, self.sliding_window - 1 + in_flight)
+        return out
+
+    def causal_sum(self, length: FloatLike) -> FloatLike:
+        """Σ ``attended(p)`` over p = 1 … ``length``: a causal pass's attended pairs per layer
+        on average (length·(length+1)/2 without a window)."""
+        full = length * (length + 1.0) / 2.0
+        if not self.sliding_window:
+            return full
+        w = float(self.sliding_window)
+        inside = np.minimum(length, w)
+        windowed = inside * (inside + 1.0) / 2.0 + np.maximum(length - w, 0.0) * w
+        s = self.sliding_layers / self.num_hidden_layers
+        out: FloatLike = (1.0 - s) * full + s * windowed
+        return out
+
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """KV cache per token for the whole model: K and V, every layer, every KV head."""
         return 2 * self.num_hidden_layers * self.kv_size * dtype_bytes
@@ -377,12 +447,17 @@ class ModelSpec:
 
 def check_runnable(model: ModelSpec) -> None:
     """Refuse a model the runtime cannot run though the planner can price it: the engines rotate
-    query and key pairs over the whole head (RoPE), so ``head_dim`` must be even, and apply the
-    default and llama3 RoPE only."""
+    query and key pairs over the whole head (RoPE), so ``head_dim`` must be even, apply the
+    default and llama3 RoPE only, and vLLM serves a sliding window on every layer or none."""
     if model.rope_kind not in RUNNABLE_ROPE:
         raise ConfigError(
             f"model: {model.name}'s rope_type {model.rope_kind} is priced but not run (the runtime's "
             f"engines apply {' and '.join(RUNNABLE_ROPE)} RoPE)"
+        )
+    if model.sliding_window and model.max_window_layers:
+        raise ConfigError(
+            f"model: {model.name} slides a window over layers {model.max_window_layers}+ only; it is "
+            "priced but not run (vLLM serves a sliding window on every layer or on none)"
         )
     if model.head_dim % 2:
         raise ConfigError(

@@ -121,6 +121,7 @@ class VllmEngine:
                 kv_cache_memory_bytes=setup.kv_cache_bytes(state, opts, max_len),
                 logprobs_mode="processed_logprobs", disable_log_stats=False,
                 enable_sleep_mode=opts.sleep and device.type == "cuda", enable_prefix_caching=False,
+                max_num_batched_tokens=setup.max_batched_tokens(state.model),
             )  # fmt: skip
         _live.append(self)
         self._can_sleep, self._sleeping = opts.sleep and device.type == "cuda", False

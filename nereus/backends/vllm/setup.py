@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import warnings
 from collections.abc import Iterator, Mapping
@@ -22,11 +23,15 @@ import torch
 
 from nereus.backends import hf
 from nereus.backends.protocol import EngineOptions
+from nereus.spec.model import ModelSpec
 from nereus.state.buffers import BufferKind
 from nereus.state.holder import TORCH_DTYPE, RankState
 
 KV_ROUNDING = 128  # tokens: vLLM's CPU block size, the largest of its block sizes
 MIN_KV_BYTES = 1 << 20
+# vLLM's max_num_batched_tokens, set for a sliding-window model (whose admission depends on it):
+# the chunked-prefill default the planner prices (``nereus.plan.memory.PREFILL_CHUNK_TOKENS``)
+PREFILL_CHUNK_TOKENS = 8192
 
 
 def dtype_of(state: RankState) -> torch.dtype:
@@ -35,14 +40,25 @@ def dtype_of(state: RankState) -> torch.dtype:
 
 def kv_cache_bytes(state: RankState, options: EngineOptions, max_model_len: int) -> int:
     """Per-rank KV room: the plan's budget when it gives one, else room for ``max_num_seqs``
-    sequences of ``max_model_len`` tokens (rounded up to whole blocks) in the weights' dtype."""
+    sequences of ``max_model_len`` tokens (rounded up to whole blocks) in the weights' dtype; with
+    a sliding window, of what vLLM admits a sequence for (``ModelSpec.kv_held``: the window and
+    a prefill chunk) and one more block, where the window starts mid-block."""
     if options.kv_cache_bytes:
         return max(options.kv_cache_bytes, MIN_KV_BYTES)
     m, tp = state.model, state.layout.tp
     kv_heads = max(1, m.num_key_value_heads // tp)
     per_token = 2 * m.num_hidden_layers * kv_heads * m.head_dim * dtype_of(state).itemsize
-    tokens = -(-max_model_len // KV_ROUNDING) * KV_ROUNDING
+    held = float(m.kv_held(float(max_model_len), PREFILL_CHUNK_TOKENS))
+    tokens = -(-math.ceil(held) // KV_ROUNDING) * KV_ROUNDING
+    if held < max_model_len:
+        tokens += KV_ROUNDING
     return max(MIN_KV_BYTES, max(1, options.max_num_seqs or 1) * tokens * per_token)
+
+
+def max_batched_tokens(model: ModelSpec) -> int | None:
+    """vLLM's max_num_batched_tokens: for a sliding-window model the prefill chunk its KV budget
+    assumes (``kv_cache_bytes``); None (vLLM's default) otherwise."""
+    return PREFILL_CHUNK_TOKENS if model.sliding_window else None
 
 
 def model_folder(root: Path, state: RankState) -> Path:

@@ -1,11 +1,12 @@
 """Generation the way vLLM runs it: chunked prefill, continuous-batching decode, KV preemption.
 
 A decode iteration at batch B reads the stage's weights once and each sequence's KV cache
-(context × KV bytes per token) and runs the weight GEMMs at m = B: its time is the slower of the
-HBM stream (at the fitted achieved bandwidth) and the GEMMs (``gemm.py``), plus a fixed per-step
-overhead (scheduler, sampling, launches) and two TP all-reduces of B·h per layer. Throughput
-therefore rises with B, quickly while weights dominate and then sub-linearly as KV reads and the
-GEMMs catch up. Pipeline stages take turns on B/pp micro-groups (no decode speed-up, more KV room).
+(context × KV bytes per token; a sliding-window layer reads its window only) and runs the weight
+GEMMs at m = B: its time is the slower of the HBM stream (at the fitted achieved bandwidth) and
+the GEMMs (``gemm.py``), plus a fixed per-step overhead (scheduler, sampling, launches) and two
+TP all-reduces of B·h per layer. Throughput therefore rises with B, quickly while weights
+dominate and then sub-linearly as KV reads and the GEMMs catch up. Pipeline stages take turns on
+B/pp micro-groups (no decode speed-up, more KV room).
 
 KV cache: the engine's pool is what the GPU has free after weights and the prefill working set
 (``free_bytes``). If the sequences in flight at their full length need more, vLLM preempts: a
@@ -37,7 +38,7 @@ def iteration(acc: Acc, s: Shard, pl: Placement, batch: float, context: float, t
     """``times`` decode iterations at ``batch`` sequences of mean ``context`` tokens."""
     c, p = acc.cluster, acc.p
     group = max(batch / pl.pp, 1.0)
-    nbytes = 2.0 * s.stage_params(pl.pp) + group * context * s.kv_bytes_per_token()
+    nbytes = 2.0 * s.stage_params(pl.pp) + group * s.attended(context) * s.kv_bytes_per_token()
     t_mem = nbytes / (c.hbm_bandwidth_gbs * 1e9 * p.decode_hbm_eff)
     t_gemm = s.layers * sum(gemm_seconds(m, n, k, c, p) for m, n, k in s.gemms(group))
     if s.lm_head:
@@ -100,7 +101,9 @@ def generation(
     acc = Acc(cluster, p)
     redo = preempted * per_replica
     prefill_tokens = per_replica * lengths.prompt + redo * (lengths.prompt + lengths.response_mean / 2)
-    sum_sq = per_replica * lengths.prompt**2 + redo * (lengths.prompt + lengths.response_mean / 2) ** 2
+    sum_sq = per_replica * s.causal_square(lengths.prompt) + redo * s.causal_square(
+        lengths.prompt + lengths.response_mean / 2
+    )
     _prefill(acc, s, pl, prefill_tokens, sum_sq, per_replica + redo)
     steady = per_replica * lengths.response_mean / eff_conc
     iteration(acc, s, pl, eff_conc, lengths.prompt + lengths.response_mean / 2, steady)

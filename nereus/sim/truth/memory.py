@@ -107,5 +107,11 @@ def generation_fixed(s: Shard, pp: int, tp: int, concurrency: float) -> float:
 
 
 def kv_blocks_bytes(s: Shard, tokens: float) -> float:
-    """KV bytes of ``tokens`` tokens of one sequence, in whole blocks."""
-    return math.ceil(tokens / KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS * s.kv_bytes_per_token()
+    """KV bytes of ``tokens`` tokens of one sequence, in whole blocks. A sliding layer keeps the
+    blocks its window touches (vLLM frees the ones that fall out of it): at most one more than the
+    window fills."""
+    blocks = math.ceil(tokens / KV_BLOCK_TOKENS)
+    if s.window:
+        kept = min(blocks, math.ceil(s.window / KV_BLOCK_TOKENS) + 1)
+        return ((1.0 - s.sliding) * blocks + s.sliding * kept) * KV_BLOCK_TOKENS * s.kv_bytes_per_token()
+    return blocks * KV_BLOCK_TOKENS * s.kv_bytes_per_token()

@@ -29,22 +29,29 @@ class Shard:
     lm_head: bool
     heads: float  # query heads per rank
     head_dim: int
+    window: int = 0  # sliding-window attention: tokens a sliding layer attends to (0: none)
+    sliding: float = 0.0  # the share of the busiest stage's layers that slide
 
     @staticmethod
     def of(model: ModelSpec, tp: int, pp: int) -> Shard:
         if tp < 1 or pp < 1:
             raise ValueError(f"tp and pp must be positive, got {tp}, {pp}")
         kv_heads = max(model.num_key_value_heads // tp, 1)
+        layers = math.ceil(model.num_hidden_layers / pp)
+        # the first stage is the busiest; its layers 0 … layers-1 slide from max_window_layers on
+        sliding = max(layers - model.max_window_layers, 0) / layers if model.sliding_window else 0.0
         return Shard(
             h=model.hidden_size,
             q=model.q_size / tp,
             kv=float(kv_heads * model.head_dim),
             inter=float(math.ceil(model.intermediate_size / tp)),
             vocab=float(math.ceil(model.vocab_size / tp)),
-            layers=math.ceil(model.num_hidden_layers / pp),
+            layers=layers,
             lm_head=model.head is Head.LM,
             heads=model.num_attention_heads / tp,
             head_dim=model.head_dim,
+            window=model.sliding_window,
+            sliding=sliding,
         )
 
     def layer_params(self) -> float:
@@ -66,6 +73,21 @@ class Shard:
             (t, 2 * self.inter, self.h),
             (t, self.h, self.inter),
         ]
+
+    def attended(self, context: float) -> float:
+        """Keys a decode step at ``context`` tokens reads per layer, averaged over the layers (a
+        sliding layer reads the last ``window`` only)."""
+        if not self.window:
+            return context
+        return (1.0 - self.sliding) * context + self.sliding * min(context, self.window)
+
+    def causal_square(self, length: float) -> float:
+        """The attention of a causal pass over ``length`` tokens as an equivalent squared length
+        (QKᵀ over half the square): length², or 2·w·length − w² in a layer of window w < length."""
+        if not self.window or length <= self.window:
+            return length * length
+        w = float(self.window)
+        return (1.0 - self.sliding) * length * length + self.sliding * (2.0 * w * length - w * w)
 
     def kv_bytes_per_token(self) -> float:
         """bf16 K and V of one token on this rank's layers."""
