@@ -33,7 +33,8 @@ def run(args: argparse.Namespace, out: Console, read_node: Callable[[], NodeInve
                 f"--seq-len {args.seq_len} exceeds {m.name}'s max_position_embeddings "
                 f"{m.max_position_embeddings}"
             )
-        ctx = (args.seq_len + 1) / 2 if args.seq_len else 0.0
+        # mean tokens attended per token of a causal pass ((L + 1) / 2; a sliding window caps it)
+        ctx = float(m.causal_sum(float(args.seq_len))) / args.seq_len if args.seq_len else 0.0
         doc: dict[str, Any] = {
             "name": m.name,
             "family": m.family.value,
@@ -56,8 +57,15 @@ def run(args: argparse.Namespace, out: Console, read_node: Callable[[], NodeInve
                     "vocab_size",
                     "tie_word_embeddings",
                     "qk_norm",
+                    "attention_bias",
+                    "rms_norm_eps",
+                    "rope_theta",
+                    "max_position_embeddings",
+                    "sliding_window",
+                    "max_window_layers",
                 )
             },
+            "rope": m.rope_kind,
         }
     else:
         c = load_cluster(args.name)

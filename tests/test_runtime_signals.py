@@ -268,6 +268,28 @@ def test_init_folders_without_weights_exit_2(tmp_path: Path) -> None:
     assert not out.exists()
 
 
+def test_an_init_folder_with_weights_the_model_does_not_have_exits_2(tmp_path: Path) -> None:
+    """MLP biases (a config that hid its ``mlp_bias``): another architecture, never dropped."""
+    import safetensors.torch
+    import torch
+
+    from tests.test_runtime_e2e import _hf_checkpoint
+
+    actor = _hf_checkpoint(tmp_path / "actor", "lm", 11)
+    tensors = safetensors.torch.load_file(actor / "model.safetensors")
+    for i in (0, 1):
+        tensors[f"model.layers.{i}.mlp.down_proj.bias"] = torch.zeros(tensors["model.norm.weight"].shape)
+    safetensors.torch.save_file(tensors, actor / "model.safetensors")
+    out = tmp_path / "out"
+    proc = run(experiment(tmp_path, "init", steps=1, extra=f"init: {{actor: {actor}}}\n"), out)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f"nereus run: error: init.actor: {actor} holds model.layers.0.mlp.down_proj.bias and 1 more, which "
+        "tiny-llama does not have (another architecture: its config.json does not describe these weights)"
+    ]
+    assert not out.exists()
+
+
 @pytest.mark.timeout(120)
 def test_a_second_sigint_kills_the_workers_at_once(tmp_path: Path) -> None:
     out = tmp_path / "out"

@@ -122,9 +122,21 @@ class SafetensorsReader:
             t: torch.Tensor = self._open[path].get_tensor(name)
         except Exception as exc:  # safetensors raises its own error types for corrupt files
             raise ConfigError(f"{path}: cannot read tensor '{name}' ({exc})") from None
+        if not t.is_floating_point() or t.element_size() < 2:
+            raise ConfigError(
+                f"{path}: tensor '{name}' is {str(t.dtype).removeprefix('torch.')}; expected bf16, fp16 or "
+                "fp32 weights (a quantized checkpoint must be dequantized first)"
+            )
         if shape is not None and tuple(t.shape) != shape:
             raise ConfigError(f"{path}: tensor '{name}' has shape {tuple(t.shape)}, the model needs {shape}")
         return t
+
+
+def unused_is_harmless(name: str) -> bool:
+    """A checkpoint tensor a model-stage may leave unread: an LM head (a critic or reward model
+    from a causal LM; a tied model's copy), a value head (an actor from a reward model), RoPE's
+    inverse frequencies (older transformers saved them)."""
+    return name in ("lm_head.weight", "score.weight") or name.endswith("rotary_emb.inv_freq")
 
 
 def check_compatible(model: ModelSpec, found: ModelSpec, directory: Path) -> None:

@@ -285,6 +285,13 @@ def torch_checks(spec: Any) -> None:
         if missing:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
             raise ConfigError(f"init.{role}: {path} has no weights for {missing[0]}{more}")
+        unused = sorted(n for n in reader.names() - needed if not hf.unused_is_harmless(n))
+        if unused:
+            more = f" and {len(unused) - 1} more" if len(unused) > 1 else ""
+            raise ConfigError(
+                f"init.{role}: {path} holds {unused[0]}{more}, which {wanted.name} does not have "
+                "(another architecture: its config.json does not describe these weights)"
+            )
 
 
 CHILD = "from nereus.runtime.command import _child_main; _child_main()"

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -21,11 +21,11 @@ from nereus.spec.schema import (
     build,
     coerce_enums,
     load_spec,
+    require_at_least,
     require_at_most,
     require_finite,
     require_positive,
 )
-from nereus.spec.window import window_from_hf
 
 # Upper bounds far beyond any real model: beyond them a value is a typo (or hostile) and the cost
 # model's arithmetic would overflow.
@@ -80,40 +80,6 @@ class RopeScaling:
             )
 
 
-def _rope_from_hf(data: dict[str, Any], path: Path) -> tuple[float | None, RopeScaling | None, str, int]:
-    """(rope_theta, scaling, rope type, positions) from ``rope_scaling`` + ``rope_theta``
-    (transformers 4) or ``rope_parameters`` (transformers 5). ``llama3`` scaling is modelled; the
-    other types transformers knows are kept by name (priced like any RoPE, not run), and reach
-    ``factor`` × the original positions, as vLLM serves them; positions 0: the config's."""
-    params = data.get("rope_parameters") or data.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise ConfigError(f"{path}: key 'rope_parameters': expected a mapping, got {brief(params)}")
-    theta = params.get("rope_theta", data.get("rope_theta"))
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return theta, None, "default", 0
-    if kind not in ROPE_TYPES:
-        raise ConfigError(
-            f"{path}: key 'rope_type': expected one of {', '.join(ROPE_TYPES)}, got {brief(kind)}"
-        )
-    if kind != "llama3":
-        factor = params.get("factor", 1.0)
-        if isinstance(factor, bool) or not isinstance(factor, int | float) or not 1.0 <= factor <= 1e6:
-            raise ConfigError(
-                f"{path}: key 'rope_scaling.factor': expected a number in [1, 1e6], got {brief(factor)}"
-            )
-        original = params.get("original_max_position_embeddings") or data.get("max_position_embeddings") or 0
-        if isinstance(original, bool) or not isinstance(original, int) or original < 0:
-            raise ConfigError(
-                f"{path}: key 'rope_scaling.original_max_position_embeddings': expected a positive integer, "
-                f"got {brief(original)}"
-            )
-        return theta, None, str(kind), int(original * factor)
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    scaling = build(RopeScaling, {k: params.get(k) for k in keys}, str(path), prefix="rope_scaling.")
-    return theta, scaling, "llama3", 0
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSpec:
     """A decoder-only transformer with RMSNorm, RoPE, GQA attention and a SwiGLU MLP."""
@@ -159,6 +125,10 @@ class ModelSpec:
             "rope_theta",
         )
         require_finite(self, "rms_norm_eps", "rope_theta")
+        # below these the engines' arithmetic is not a model's: RoPE's inverse frequencies
+        # overflow, and an epsilon under fp32's resolution of a mean square is no epsilon
+        require_at_least(self, 1.0, "rope_theta")
+        require_at_least(self, 1e-12, "rms_norm_eps")
         require_at_most(self, MAX_WIDTH, "hidden_size")
         require_at_most(self, MAX_LAYERS, "num_hidden_layers")
         require_at_most(self, MAX_HEADS, "num_attention_heads", "num_key_value_heads")
@@ -221,51 +191,12 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, path: Path, name: str | None = None) -> ModelSpec:
-        """Read a Hugging Face ``config.json`` (keys we do not model, e.g. dropout, are ignored)."""
-        data = load_json(path, "model config")
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: top level must be a JSON object, got {type(data).__name__}")
-        model_type = data.get("model_type")
-        families = ", ".join(f.value for f in ModelFamily)
-        try:
-            family = ModelFamily(str(model_type))
-        except ValueError:
-            raise ConfigError(
-                f"{path}: key 'model_type': expected one of {families}, got {brief(model_type)}"
-            ) from None
-        keep = {
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "intermediate_size",
-            "vocab_size",
-            "head_dim",
-            "tie_word_embeddings",
-            "attention_bias",
-            "rms_norm_eps",
-            "rope_theta",
-            "max_position_embeddings",
-        }
-        fields: dict[str, Any] = {k: v for k, v in data.items() if k in keep and v is not None}
-        theta, scaling, kind, positions = _rope_from_hf(data, path)
-        if theta is not None:
-            fields["rope_theta"] = theta
-        if scaling is not None:
-            fields["rope_scaling"] = dataclasses.asdict(scaling)
-        if kind not in RUNNABLE_ROPE:
-            fields["rope_type"] = kind
-        if positions > fields.get("max_position_embeddings", 0):
-            fields["max_position_embeddings"] = positions
-        fields.setdefault("num_key_value_heads", data.get("num_attention_heads"))
-        fields["family"] = family.value
-        fields["qk_norm"] = family is ModelFamily.QWEN3
-        if family is ModelFamily.QWEN2:
-            fields["attention_bias"] = (
-                True  # transformers' Qwen2 always has q/k/v bias, whatever the key says
-            )
-        window, first = window_from_hf(data, family.value, path)
-        fields["sliding_window"], fields["max_window_layers"] = window, first
+        """Read a Hugging Face ``config.json`` as transformers reads it (``nereus.spec.hf_config``:
+        keys that do not change the function, e.g. dropout, are ignored; keys that change it in
+        a way this model does not describe are refused)."""
+        from nereus.spec.hf_config import hf_fields  # reads this module's types
+
+        fields = hf_fields(load_json(path, "model config"), path)
         fields["name"] = name or path.parent.name or path.stem
         return build(cls, fields, str(path))
 
@@ -453,6 +384,11 @@ def check_runnable(model: ModelSpec) -> None:
         raise ConfigError(
             f"model: {model.name}'s rope_type {model.rope_kind} is priced but not run (the runtime's "
             f"engines apply {' and '.join(RUNNABLE_ROPE)} RoPE)"
+        )
+    if model.attention_bias and model.family is not ModelFamily.QWEN2:
+        raise ConfigError(
+            f"model: {model.name} is a {model.family.value} with attention_bias; the engines' q/k/v "
+            f"biases are Qwen2's (transformers' {model.family.value} adds an o_proj bias): set family qwen2"
         )
     if model.sliding_window and model.max_window_layers:
         raise ConfigError(

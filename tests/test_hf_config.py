@@ -1,0 +1,169 @@
+"""A Hugging Face ``config.json`` read as transformers reads it (``nereus.spec.hf_config``): its
+defaults for missing keys, and a one-line refusal of keys that change the function in a way the
+model does not describe (so no engine loads such a checkpoint and computes something else);
+checkpoint tensors that are not bf16/fp16/fp32 weights are refused by the reader.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from nereus.backends import hf
+from nereus.errors import ConfigError
+from nereus.spec.model import ModelSpec, check_runnable
+from tests.engine_oracle import transformers
+
+pytestmark = pytest.mark.pure
+
+TINYLLAMA: dict[str, Any] = {  # TinyLlama/TinyLlama-1.1B-Chat-v1.0
+    "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000,
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+}  # fmt: skip
+CLASSES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+}
+
+
+def _read(tmp_path: Path, cfg: dict[str, Any]) -> ModelSpec:
+    path = tmp_path / "m" / "config.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(cfg))
+    return ModelSpec.from_hf_config(path)
+
+
+def _transformers_params(cfg: dict[str, Any]) -> int:
+    config_cls, model_cls = CLASSES[cfg["model_type"]]
+    with torch.device("meta"):
+        model = model_cls(config_cls(**{k: v for k, v in cfg.items() if k != "model_type"}))
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"hidden_act": "relu2"}, "hidden_act"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"model_type": "qwen3", "attention_bias": True}, "attention_bias"),
+        (
+            {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+            "quantization_config",
+        ),
+        ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quantization_config"),
+    ],
+)
+def test_keys_that_change_the_function_unmodelled_are_refused(
+    tmp_path: Path, change: dict[str, Any], key: str
+) -> None:
+    with pytest.raises(ConfigError, match=f"key '{key}'") as err:
+        _read(tmp_path, {**TINYLLAMA, **change})
+    assert "\n" not in str(err.value)
+
+
+def test_a_multimodal_wrapper_names_its_text_config(tmp_path: Path) -> None:
+    wrapper = {
+        "model_type": "qwen2",
+        "text_config": {k: v for k, v in TINYLLAMA.items() if k != "model_type"},
+    }
+    with pytest.raises(ConfigError, match="key 'text_config': a multimodal model's nested language model"):
+        _read(tmp_path, wrapper)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {},
+        {"hidden_act": "swish", "mlp_bias": False, "attention_bias": False},
+        {"model_type": "mistral", "attention_bias": True, "sliding_window": None},  # transformers ignores it
+        {"model_type": "qwen2", "attention_bias": False},  # transformers' Qwen2 has q/k/v biases anyway
+        {"model_type": "qwen3", "head_dim": 64},
+    ],
+)
+def test_parameters_are_what_transformers_builds(tmp_path: Path, change: dict[str, Any]) -> None:
+    cfg = {**TINYLLAMA, **change}
+    assert _read(tmp_path, cfg).param_count() == _transformers_params(cfg)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_missing_keys_take_transformers_defaults(tmp_path: Path, family: str) -> None:
+    cfg = {k: v for k, v in TINYLLAMA.items() if k not in ("rms_norm_eps", "max_position_embeddings")}
+    cfg["model_type"] = family
+    spec = _read(tmp_path, cfg)
+    theirs = CLASSES[family][0]()
+    assert spec.rms_norm_eps == theirs.rms_norm_eps == 1e-6
+    assert spec.max_position_embeddings == theirs.max_position_embeddings
+
+
+def test_run_refuses_a_yaml_llama_with_attention_bias() -> None:
+    """The engines' q/k/v biases are Qwen2's; exported as a llama, transformers would add an
+    o_proj bias the checkpoint does not have."""
+    import dataclasses
+
+    from nereus.spec import load_model
+
+    spec = dataclasses.replace(load_model("tiny-llama"), attention_bias=True)
+    with pytest.raises(ConfigError, match="set family qwen2"):
+        check_runnable(spec)
+    check_runnable(load_model("tiny-qwen2"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8, torch.int32, torch.bool])
+def test_the_reader_refuses_weights_that_are_not_floating_point(tmp_path: Path, dtype: torch.dtype) -> None:
+    save_file({"model.norm.weight": torch.ones(4).to(dtype)}, tmp_path / hf.SINGLE)
+    reader = hf.SafetensorsReader(tmp_path)
+    with pytest.raises(ConfigError, match=r"tensor 'model.norm.weight' is .*; expected bf16, fp16 or fp32"):
+        reader.get("model.norm.weight", (4,))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_reader_takes_floating_point_weights(tmp_path: Path, dtype: torch.dtype) -> None:
+    save_file({"model.norm.weight": torch.ones(4).to(dtype)}, tmp_path / hf.SINGLE)
+    assert hf.SafetensorsReader(tmp_path).get("model.norm.weight", (4,)).dtype == dtype
+
+
+def test_harmless_unused_tensors() -> None:
+    assert hf.unused_is_harmless("lm_head.weight") and hf.unused_is_harmless("score.weight")
+    assert hf.unused_is_harmless("model.layers.3.self_attn.rotary_emb.inv_freq")
+    assert not hf.unused_is_harmless("model.layers.0.mlp.down_proj.bias")
+    assert not hf.unused_is_harmless("model.layers.0.self_attn.q_proj.weight_scale_inv")
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("rope_theta", 1e-300), ("rope_theta", 0.5), ("rms_norm_eps", 1e-300)]
+)
+def test_absurdly_small_rope_theta_and_epsilon_are_refused(tmp_path: Path, key: str, value: float) -> None:
+    with pytest.raises(ConfigError, match=f"{key} must be at least"):
+        _read(tmp_path, {**TINYLLAMA, key: value})
+
+
+def test_describe_says_what_it_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from nereus.cli import main
+
+    cfg = {**TINYLLAMA, "model_type": "mistral", "sliding_window": 1024, "max_position_embeddings": 32768}
+    path = tmp_path / "m" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(cfg))
+    assert main(["describe", "model", str(path), "--json", "--seq-len", "4096"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["sliding_window"], doc["max_window_layers"], doc["rope"]) == (1024, 0, "default")
+    assert (doc["rms_norm_eps"], doc["max_position_embeddings"], doc["attention_bias"]) == (
+        1e-5,
+        32768,
+        False,
+    )
+    spec = _read(tmp_path, cfg)
+    # a token attends to 1,024 tokens at most: the mean over a 4,096-token pass is far below 2,048.5
+    assert doc["flops_per_token"] == spec.forward_flops_per_token(float(spec.causal_sum(4096.0)) / 4096)
+    assert spec.causal_sum(4096.0) / 4096 < 1024
