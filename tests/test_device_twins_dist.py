@@ -33,6 +33,13 @@ def test_the_vllm_engine_on_the_cpu(tmp_path: Path) -> None:
     vllm_checks.run_isolated(vllm_checks.check_vllm_engine, "cpu", str(tmp_path))
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is installed by `make install`")
+def test_a_sliding_window_in_vllm_on_the_cpu(tmp_path: Path) -> None:
+    """vLLM's windowed attention against the torch-native engine's, fp32."""
+    vllm_checks.run_isolated(vllm_checks.check_vllm_window, "cpu", str(tmp_path))
+
+
 @pytest.mark.timeout(240)
 def test_a_zero_copy_reshard_against_bare_messages_on_the_cpu(tmp_path: Path) -> None:
     """The twin of the GPU runner's zero-copy reshard, on gloo: the same bytes as the packed path

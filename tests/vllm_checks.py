@@ -7,7 +7,8 @@ the CPU (fp32), each in a spawned process of its own (vLLM's state is process-wi
   ones);
 - a weight sync: new weights into the state, ``rebind``, and generation follows them;
 - sleep and wake: on a GPU shared with a trainer the engine frees its memory after generating
-  and takes it back for the next sync (vLLM's sleep mode; a no-op on the CPU).
+  and takes it back for the next sync (vLLM's sleep mode; a no-op on the CPU);
+- a sliding window: vLLM's windowed attention kernel against the torch-native engine's mask.
 """
 
 from __future__ import annotations
@@ -128,6 +129,47 @@ def check_vllm_engine(device: str, tmp: str) -> None:
         assert engine.sync_s > 0
         after = agrees("synced")
         assert not torch.equal(before, after), "the weight sync changed nothing"
+        engine.close()
+        groups.destroy()
+    finally:
+        abort_world()
+
+
+def check_vllm_window(device: str, tmp: str) -> None:
+    """A Mistral-style model whose 4-token sliding window is shorter than its 14-token sequences:
+    vLLM's log-probs (its windowed attention kernel on the device) equal the torch-native engine's
+    windowed scores, and are far from what full attention would give."""
+    import dataclasses
+
+    from nereus.backends.vllm import VllmEngine
+    from nereus.spec.model import ModelFamily
+
+    devices = Devices(torch.device(device, 0) if device == "cuda" else torch.device("cpu"))
+    if devices.accelerated:
+        torch.cuda.set_device(devices.device)
+    init_world(devices, dist.FileStore(str(Path(tmp) / "store"), 1), 0, 1, timedelta(seconds=120))
+    try:
+        model = dataclasses.replace(load_model(MODEL), family=ModelFamily.MISTRAL, sliding_window=4)
+        one = Layout(1, 1)
+        precision = Precision.BF16_MIXED if devices.accelerated else Precision.FP32
+        policy = StatePolicy.of(Stage.GEN, precision)
+        state = RankState.from_full("actor.gen", model, one, 0, 0, policy, _weights(0), None, devices.device)
+        groups = Groups.build(Grid(one, (0,)), model, 0)
+        options = EngineOptions(max_num_seqs=4, max_model_len=32, workdir=Path(tmp))
+        engine = VllmEngine(state, groups, options=options)
+        native = TorchNativeEngine(state, groups, device=devices.device)
+        prompts = _prompts()
+        out = engine.generate(prompts, [0, 1, 2, 3], SamplingParams(NEW, greedy=True))
+        tolerance = BF16_LOGPROB if devices.accelerated else FP32_LOGPROB
+        err = float((out.logprobs - _scored(native, prompts, out.tokens)).abs().max())
+        assert err <= tolerance, f"vLLM's windowed log-probs differ from the torch-native scores by {err:.3g}"
+        full_state = RankState.from_full(
+            "actor.gen", dataclasses.replace(model, sliding_window=0), one, 0, 0, policy, _weights(0), None,
+            devices.device,
+        )  # fmt: skip
+        full = TorchNativeEngine(full_state, groups, device=devices.device)
+        apart = float((out.logprobs - _scored(full, prompts, out.tokens)).abs().max())
+        assert apart > 4 * tolerance, f"the window changes the scores by {apart:.3g} only"
         engine.close()
         groups.destroy()
     finally:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every check that needs a GPU, in one place, for a GPU box (about 8 minutes on one GPU). Install a
+# Every check that needs a GPU, in one place, for a GPU box (about 9 minutes on one GPU). Install a
 # GPU build of torch first:
 #   make install TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'
 #   (ROCm: --index-url https://download.pytorch.org/whl/rocm6.4), and for `describe node`:

@@ -26,3 +26,8 @@ pytestmark = [
 @pytest.mark.timeout(600)
 def test_vllm_generates_syncs_and_sleeps_on_the_gpu(tmp_path: Path) -> None:
     vllm_checks.run_isolated(vllm_checks.check_vllm_engine, "cuda", str(tmp_path), timeout=540)
+
+
+@pytest.mark.timeout(600)
+def test_vllm_slides_the_window_the_trainer_slides_on_the_gpu(tmp_path: Path) -> None:
+    vllm_checks.run_isolated(vllm_checks.check_vllm_window, "cuda", str(tmp_path), timeout=540)
