@@ -227,6 +227,19 @@ def test_resume_continues_from_the_latest_checkpoint(tmp_path: Path, finished_pp
     assert meta["logical_state"]["actor.train"]["updates"] == 5 * 2  # two updates of 8 per step
 
 
+def test_resuming_a_run_that_trained_every_step_starts_nothing(
+    tmp_path: Path, finished_ppo_run: Path
+) -> None:
+    """Its latest checkpoint is after its last step: one line, exit 0, no worker, no file touched."""
+    run_dir = tmp_path / "runs" / "resume"
+    shutil.copytree(finished_ppo_run, run_dir, symlinks=True)
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    _, proc = nereus_run(tmp_path, "resume", 2, False, "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nothing to resume" in proc.stdout and "after step 1, the last of its 2 steps" in proc.stdout
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

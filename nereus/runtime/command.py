@@ -85,9 +85,10 @@ def _keyed(key: str, load: Callable[[str], T], value: str) -> T:
 
 def preflight(
     spec: Any, folder: Path, resume: bool, force: bool = False, local: bool = True, child: bool = True
-) -> None:
+) -> int:
     """Everything a worker would reject, checked before any process starts or file is written:
-    one ``ConfigError`` (exit 2) naming the cause. ``local``: ``nereus run``'s checks of the
+    one ``ConfigError`` (exit 2) naming the cause. Returns the first step to run (after a
+    ``resume``'s checkpoint; 0 otherwise). ``local``: ``nereus run``'s checks of the
     output folder and of a plan for ``spec.workers`` (a launched job's world is SLURM's).
     ``child``: also the checks that import torch, in a child process (the login node's launcher
     runs the rest: names, folders, the verifier)."""
@@ -148,6 +149,7 @@ def preflight(
         get_verifier(spec.verifier)
     elif _child_has_work(spec, engines):
         _checks_in_a_child(spec)
+    return first
 
 
 def _child_has_work(spec: Any, engines: dict[str, str]) -> bool:
@@ -360,7 +362,14 @@ def _run(args: argparse.Namespace, out: Console) -> int:
         except ValueError as exc:
             raise ConfigError(f"--steps: {exc}") from None
     folder = args.out or Path("runs") / spec.name
-    preflight(spec, folder, args.resume, args.force)
+    first = preflight(spec, folder, args.resume, args.force)
+    if first >= spec.steps:  # --resume of a run that trained every step: no worker to start
+        out.print(
+            f"{spec.name}: nothing to resume; {folder} holds a checkpoint after step {first - 1}, the "
+            f"last of its {spec.steps} steps (a larger --steps trains further)",
+            soft_wrap=True,
+        )
+        return 0
     from nereus.runtime.local import launch_local
 
     out.print(
