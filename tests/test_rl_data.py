@@ -4,6 +4,7 @@ file:line and field), the global sample order under any DP split, and collation.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -188,6 +189,23 @@ def test_parquet_round_trip(tmp_path: Path) -> None:
     records = generate_tasks("max", 20, seed=1)
     pq.write_table(pa.Table.from_pylist([r.to_json() for r in records]), tmp_path / "d.parquet")
     assert PromptDataset.load(tmp_path / "d.parquet", TOK, 64).records == tuple(records)
+
+
+@pytest.mark.parametrize(
+    ("row", "field"),
+    [
+        ({"prompt": "1+2=", "answer": float("nan")}, "answer"),
+        ({"prompt": "1+2=", "answer": "3", "extra": {"score": [1.0, float("inf")]}}, "extra.score[1]"),
+    ],
+)
+def test_parquet_nan_is_refused_naming_the_row_and_field(tmp_path: Path, row: dict, field: str) -> None:
+    """As in JSONL: an answer of NaN would become the text "nan"."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    good = {**row, "answer": 3.0} if field == "answer" else {**row, "extra": {"score": [1.0, 2.0]}}
+    pq.write_table(pa.Table.from_pylist([good, row]), tmp_path / "d.parquet")
+    with pytest.raises(ConfigError, match=rf"d\.parquet:row 2: field '{re.escape(field)}': NaN and Infinity"):
+        PromptDataset.load(tmp_path / "d.parquet", TOK, 64)
 
 
 def test_jsonl_round_trip_and_default_ids(tmp_path: Path) -> None:

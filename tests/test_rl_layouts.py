@@ -134,6 +134,9 @@ def test_the_experiment_names_its_data(tmp_path: Path) -> None:
     exp.write_text("name: e\nworkload: grpo-tiny\nmodel: tiny-llama\ndata: {train: t, colour: 1}\n")
     with pytest.raises(ConfigError, match=r"unknown key 'data\.colour' \(allowed: answer_key, layout"):
         ExperimentSpec.load(exp)
+    exp.write_text("name: e\nworkload: grpo-tiny\nmodel: tiny-llama\ndata: {train: ''}\n")
+    with pytest.raises(ConfigError, match=r"'data' train must name a JSONL or Parquet file, got ''"):
+        ExperimentSpec.load(exp)
 
 
 @pytest.mark.parametrize("template", ["{question.__class__} {question}", "{question} {question!r}",

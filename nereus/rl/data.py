@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -121,6 +122,12 @@ def _rows(path: Path) -> list[tuple[str, int, object]]:
             rows: list[Any] = pq.read_table(path).to_pylist()
         except Exception as exc:  # pyarrow raises its own error types for corrupt files
             raise ConfigError(f"{path}: not a readable Parquet file ({exc})") from None
+        for i, r in enumerate(rows, 1):
+            where = _nonfinite(r)
+            if where is not None:
+                raise ConfigError(
+                    f"{path}:row {i}: field '{where}': NaN and Infinity are not values a record holds"
+                )
         return [(f"{path}:row {i}", i, r) for i, r in enumerate(rows, 1)]
     try:
         lines = path.read_text(encoding="utf-8-sig").splitlines()  # a byte-order mark, as Windows tools write
@@ -137,6 +144,23 @@ def _rows(path: Path) -> list[tuple[str, int, object]]:
         except ValueError as exc:
             raise ConfigError(f"{path}:{n}: not valid JSON ({exc})") from None
     return out
+
+
+def _nonfinite(value: object, at: str = "") -> str | None:
+    """Where in a Parquet record a NaN or infinite float sits (dotted path), or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return at or "."
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found = _nonfinite(v, f"{at}.{k}" if at else str(k))
+            if found is not None:
+                return found
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            found = _nonfinite(v, f"{at}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 def _no_constant(name: str) -> object:

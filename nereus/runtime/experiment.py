@@ -62,6 +62,8 @@ class DataSpec:
     source_key: str = "data_source"
 
     def __post_init__(self) -> None:
+        if not self.train.strip():
+            raise ValueError("train must name a JSONL or Parquet file, got ''")
         self.record_layout()  # validates layout and template
 
     def record_layout(self) -> RecordLayout:
