@@ -190,11 +190,20 @@ def _problem(args: argparse.Namespace) -> PlanningProblem:
     if fixes:
         if len({name for name, *_ in fixes}) != len(fixes):
             raise ConfigError("--fix: a model-stage is named twice")
+        most = space.max_tp or cluster.gpus_per_node
         for name, layout, _, _ in fixes:  # the layouts the runtime can shard (the planner's rule)
             m = models[workload.workflow().get(name).role]
             refusal = m.tp_refusal(layout.tp)
             if refusal:
                 raise ConfigError(f"--fix {name}: {refusal}")
+            if layout.tp > most:
+                why = (
+                    f"exceeds --max-tp {space.max_tp}"
+                    if space.max_tp
+                    else f"exceeds the {cluster.gpus_per_node} GPUs of a node of {cluster.name} (tensor "
+                    f"parallelism stays inside a node; --max-tp {layout.tp} lets it cross)"
+                )
+                raise ConfigError(f"--fix {name}: tp {layout.tp} {why}")
             if layout.pp > m.num_hidden_layers:
                 raise ConfigError(
                     f"--fix {name}: pp {layout.pp} exceeds {m.name}'s {m.num_hidden_layers} layers"
