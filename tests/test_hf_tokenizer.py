@@ -95,6 +95,31 @@ def test_decoding_stops_at_eos_and_drops_special_tokens(folder: Path) -> None:
         tok.decode([-1])
 
 
+def test_a_generation_configs_eos_ids_also_end_a_response(folder: Path, tmp_path: Path) -> None:
+    """An instruct model's folder lists its end-of-turn ids in generation_config.json (Llama 3.1:
+    [128001, 128008, 128009]); generation stops at any of them, as transformers and vLLM do."""
+    import shutil
+
+    tok = HfTokenizer(str(folder), chat=False)
+    assert tok.stop_ids == (tok.eos_id,)
+    instruct = tmp_path / "instruct"
+    shutil.copytree(folder, instruct)
+    (instruct / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.pad_id, tok.eos_id]}))
+    both = HfTokenizer(str(instruct), chat=False)
+    assert both.stop_ids == (tok.eos_id, tok.pad_id)  # the tokenizer's eos first
+    answer = both.encode(" The answer is 42.")
+    assert both.decode([*answer, tok.pad_id, *both.encode(" and more")]) == " The answer is 42."
+    (instruct / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.eos_id, "top_p": 0.9}))
+    assert HfTokenizer(str(instruct)).stop_ids == (tok.eos_id,)
+    for bad in ('{"eos_token_id": "2"}', '{"eos_token_id": [1, 100000]}', '{"eos_token_id": [true]}'):
+        (instruct / "generation_config.json").write_text(bad)
+        with pytest.raises(
+            ConfigError, match=r"generation_config.json: key 'eos_token_id': expected a token id"
+        ):
+            HfTokenizer(str(instruct))
+    assert CharTokenizer().stop_ids == (CharTokenizer().eos_id,)
+
+
 def test_which_tokenizer_a_job_takes(folder: Path, tmp_path: Path) -> None:
     weights_only = tmp_path / "weights"
     weights_only.mkdir()

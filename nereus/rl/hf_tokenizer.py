@@ -4,9 +4,12 @@
 ``chat_template``) through ``transformers.AutoTokenizer``, offline: nothing is fetched from the
 hub at run time, and a folder without a tokenizer is a one-line ``ConfigError``. Prompts go through
 the chat template (a user turn, then the generation prompt) when the tokenizer has one and
-``chat`` is on; else they are encoded as plain text with the tokenizer's special tokens. Decoding
-stops at the first end-of-sequence id and drops special tokens, so a verifier sees the response's
-text. The value is a frozen dataclass of its folder and ``chat`` only: the runtime sends it to
+``chat`` is on; else they are encoded as plain text with the tokenizer's special tokens. A
+response ends at the tokenizer's eos or at any ``eos_token_id`` of the folder's
+``generation_config.json`` (an instruct model's end of turn, e.g. Llama 3.1's ``<|eot_id|>`` and
+``<|eom_id|>``, Qwen's ``<|im_end|>`` and ``<|endoftext|>``), as transformers' ``generate`` and
+vLLM stop. Decoding stops at the first of them and drops special tokens, so a verifier sees the
+response's text. The value is a frozen dataclass of its folder and ``chat`` only: the runtime sends it to
 every worker as such and each loads the files itself. Edge module (files; imports transformers
 when built).
 """
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from nereus.errors import ConfigError
+from nereus.spec.files import brief
 
 FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -37,11 +41,32 @@ def check_folder(folder: str | Path) -> None:
         )
 
 
+def _generation_eos(folder: Path, vocab: int) -> tuple[int, ...]:
+    """``eos_token_id`` (an id or a list of them) of ``folder/generation_config.json``, if any."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return ()
+    from nereus.spec.files import load_json
+
+    doc = load_json(path, "generation config")
+    raw = doc.get("eos_token_id") if isinstance(doc, dict) else None
+    if raw is None:
+        return ()
+    ids = raw if isinstance(raw, list) else [raw]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids):
+        raise ConfigError(
+            f"{path}: key 'eos_token_id': expected a token id or a list of ids in [0, {vocab}), "
+            f"got {brief(raw)}"
+        )
+    return tuple(ids)
+
+
 @dataclass(frozen=True, slots=True)
 class HfTokenizer:
     folder: str
     chat: bool = True  # prompts through the chat template, when the tokenizer has one
     _tok: Any = field(init=False, repr=False, compare=False)
+    _stop: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_folder(self.folder)
@@ -56,10 +81,18 @@ class HfTokenizer:
         if tok.eos_token_id is None:
             raise ConfigError(f"tokenizer: {self.folder} has no eos token (tokenizer_config.json: eos_token)")
         object.__setattr__(self, "_tok", tok)
+        eos = int(tok.eos_token_id)
+        more = _generation_eos(Path(self.folder), len(tok))
+        object.__setattr__(self, "_stop", (eos, *sorted(set(more) - {eos})))
 
     @property
     def eos_id(self) -> int:
         return int(self._tok.eos_token_id)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids that end a response: the eos first, then the generation config's others."""
+        return self._stop
 
     @property
     def pad_id(self) -> int:
@@ -110,7 +143,7 @@ class HfTokenizer:
             i = int(raw)
             if i < 0:
                 raise ValueError(f"token id {i} is negative")
-            if i == self.eos_id:
+            if i in self._stop:
                 break
             kept.append(i)
         return str(self._tok.decode(kept, skip_special_tokens=True))

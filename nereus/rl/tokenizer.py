@@ -36,6 +36,11 @@ class Tokenizer(Protocol):
     def eos_id(self) -> int: ...
 
     @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids that end a response (the eos first)."""
+        ...
+
+    @property
     def vocab_size(self) -> int: ...
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]: ...
@@ -78,6 +83,7 @@ class CharTokenizer:
     pad_id = PAD_ID
     bos_id = BOS_ID
     eos_id = EOS_ID
+    stop_ids = (EOS_ID,)
 
     @property
     def vocab_size(self) -> int:

@@ -144,9 +144,9 @@ def sampling(setup: JobSetup, max_new: int, greedy: bool = False) -> SamplingPar
     """The experiment's sampling of a step's responses (``greedy``: ReMax's baseline)."""
     rl, tok = setup.spec.rl, setup.tokenizer
     if greedy:
-        return SamplingParams(max_new, greedy=True, stop_token_ids=(tok.eos_id,), pad_token_id=tok.pad_id)
+        return SamplingParams(max_new, greedy=True, stop_token_ids=tok.stop_ids, pad_token_id=tok.pad_id)
     return SamplingParams(
-        max_new, temperature=rl.temperature, top_p=rl.top_p, stop_token_ids=(tok.eos_id,),
+        max_new, temperature=rl.temperature, top_p=rl.top_p, stop_token_ids=tok.stop_ids,
         pad_token_id=tok.pad_id, seed=setup.spec.seed,
     )  # fmt: skip
 
