@@ -167,3 +167,24 @@ def test_describe_says_what_it_read(tmp_path: Path, capsys: pytest.CaptureFixtur
     # a token attends to 1,024 tokens at most: the mean over a 4,096-token pass is far below 2,048.5
     assert doc["flops_per_token"] == spec.forward_flops_per_token(float(spec.causal_sum(4096.0)) / 4096)
     assert spec.causal_sum(4096.0) / 4096 < 1024
+
+
+def test_an_export_carries_its_companion_files_and_never_replaces_its_own(tmp_path: Path) -> None:
+    from nereus.spec import load_model
+
+    model = load_model("tiny-llama")
+    tensors = {"model.norm.weight": torch.ones(model.hidden_size)}
+    src = tmp_path / "tok"
+    src.mkdir()
+    (src / "tokenizer.json").write_text('{"version": "1.0"}')
+    (src / "generation_config.json").write_text('{"eos_token_id": [1, 2]}')
+    hf.save(tmp_path / "out", model, tensors, (src / "tokenizer.json", src / "generation_config.json"))
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+    ]  # fmt: skip
+    assert (tmp_path / "out" / "generation_config.json").read_text() == '{"eos_token_id": [1, 2]}'
+    (src / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="may not replace the checkpoint's own"):
+        hf.save(tmp_path / "other", model, tensors, (src / "config.json",))
+    assert not (tmp_path / "other").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left

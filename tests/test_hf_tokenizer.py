@@ -118,6 +118,9 @@ def test_a_generation_configs_eos_ids_also_end_a_response(folder: Path, tmp_path
         ):
             HfTokenizer(str(instruct))
     assert CharTokenizer().stop_ids == (CharTokenizer().eos_id,)
+    names = {p.name for p in both.companions()}  # what an exported model carries
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= names
+    assert all(p.parent == instruct for p in both.companions()) and CharTokenizer().companions() == ()
 
 
 def test_which_tokenizer_a_job_takes(folder: Path, tmp_path: Path) -> None:

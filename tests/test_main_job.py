@@ -5,7 +5,7 @@ builds them), GRPO on 4 local workers loses a worker and regains it. Checked: th
 at least 0.2 (mean of the last 3 steps against the first 3); the loss is recovered in place; on the
 regain the controller admits an opportunistic in-place transition whose predicted payback is
 within γ·H, and ``nereus run`` ends with that payback, predicted and measured; the exported actor
-loads in ``transformers``.
+loads in ``transformers``, with its tokenizer.
 """
 
 from __future__ import annotations
@@ -74,3 +74,8 @@ def test_the_main_job_learns_and_admits_a_transition_that_pays_back(tmp_path: Pa
 
     actor = transformers.AutoModelForCausalLM.from_pretrained(out / "hf" / "actor")
     assert actor.config.vocab_size == len(transformers.AutoTokenizer.from_pretrained(assets.model))
+    # the export carries its tokenizer (chat template included), so it serves as it is
+    exported = transformers.AutoTokenizer.from_pretrained(out / "hf" / "actor")
+    original = transformers.AutoTokenizer.from_pretrained(assets.model)
+    chat = [{"role": "user", "content": "What is 12 plus 30?"}]
+    assert exported.apply_chat_template(chat) == original.apply_chat_template(chat)

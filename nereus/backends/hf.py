@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -169,12 +169,19 @@ def full_reader(
     return full
 
 
-def save(directory: Path, model: ModelSpec, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Write ``config.json`` and safetensors (sharded above ``SHARD_BYTES``), atomically."""
+def save(
+    directory: Path, model: ModelSpec, tensors: Mapping[str, torch.Tensor], companions: Sequence[Path] = ()
+) -> None:
+    """Write ``config.json`` and safetensors (sharded above ``SHARD_BYTES``), atomically, with
+    copies of the ``companions`` files (a tokenizer's; never a config or a weights file)."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
+        for path in companions:
+            if path.name == "config.json" or path.suffix == ".safetensors" or path.name == INDEX:
+                raise ValueError(f"{path}: a companion file may not replace the checkpoint's own")
+            shutil.copyfile(path, tmp / path.name)
         dtype = next(iter(tensors.values())).dtype if tensors else torch.float32
         (tmp / "config.json").write_text(json.dumps(hf_config(model, dtype), indent=2) + "\n")
         files: list[dict[str, torch.Tensor]] = [{}]

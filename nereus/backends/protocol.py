@@ -209,8 +209,9 @@ class Backend(Protocol):
         """Read this rank's shards of a Hugging Face checkpoint into the state buffers."""
         ...
 
-    def save_hf(self, directory: Path) -> None:
-        """Write the model-stage's weights as a Hugging Face checkpoint (from replica 0)."""
+    def save_hf(self, directory: Path, companions: Sequence[Path] = ()) -> None:
+        """Write the model-stage's weights as a Hugging Face checkpoint (from replica 0), with
+        copies of the ``companions`` files (a tokenizer's, a generation config) beside them."""
         ...
 
     def close(self) -> None:

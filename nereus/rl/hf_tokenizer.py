@@ -26,6 +26,11 @@ from nereus.errors import ConfigError
 from nereus.spec.files import brief
 
 FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# what a model folder carries beside its weights for transformers and vLLM to serve it
+COMPANIONS = (
+    *FILES, "merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+    "chat_template.json", "generation_config.json",
+)  # fmt: skip
 
 
 def has_tokenizer(folder: str | Path) -> bool:
@@ -88,6 +93,11 @@ class HfTokenizer:
     @property
     def eos_id(self) -> int:
         return int(self._tok.eos_token_id)
+
+    def companions(self) -> tuple[Path, ...]:
+        """This tokenizer's files (and its folder's generation config), for an exported model."""
+        folder = Path(self.folder)
+        return tuple(folder / name for name in COMPANIONS if (folder / name).is_file())
 
     @property
     def stop_ids(self) -> tuple[int, ...]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -49,6 +50,11 @@ class Tokenizer(Protocol):
 
     def unknown(self, text: str) -> str | None:
         """The first character ``encode`` would refuse, or None."""
+        ...
+
+    def companions(self) -> tuple[Path, ...]:
+        """Files an exported model carries so that transformers and vLLM read it with this
+        tokenizer (none for the character tokenizer)."""
         ...
 
 
@@ -103,6 +109,9 @@ class CharTokenizer:
         if eos:
             ids.append(EOS_ID)
         return ids
+
+    def companions(self) -> tuple[Path, ...]:
+        return ()
 
     def unknown(self, text: str) -> str | None:
         """The first character of ``text`` that ``encode`` refuses, or None."""

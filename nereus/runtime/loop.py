@@ -418,7 +418,8 @@ class JobLoop(Acting):
     # ------------------------------------------------------------------ the end
     def _finish(self) -> None:
         if "actor.train" in self.worker.engines:
-            self.worker.engines["actor.train"].save_hf(self.out / "hf" / "actor")
+            companions = self.setup.tokenizer.companions()  # so the export serves as it is
+            self.worker.engines["actor.train"].save_hf(self.out / "hf" / "actor", companions)
         if self.leader is not None:
             self.leader.finish()
 

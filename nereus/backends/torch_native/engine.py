@@ -109,5 +109,5 @@ class TorchNativeEngine:
         replica 0."""
         return weights.full_state(self.bound, kind)
 
-    def save_hf(self, directory: Path) -> None:
-        weights.save_hf(self.bound, directory)
+    def save_hf(self, directory: Path, companions: Sequence[Path] = ()) -> None:
+        weights.save_hf(self.bound, directory, companions)

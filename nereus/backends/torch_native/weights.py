@@ -5,6 +5,7 @@ Edge module (torch.distributed).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from torch import Tensor
@@ -47,9 +48,9 @@ def full_state(b: BoundStage, kind: BufferKind = BufferKind.PARAM) -> dict[str, 
     return None if flats is None else assemble(b.state, flats)
 
 
-def save_hf(b: BoundStage, directory: Path) -> None:
+def save_hf(b: BoundStage, directory: Path, companions: Sequence[Path] = ()) -> None:
     """Write the model-stage's weights as a Hugging Face checkpoint (from replica 0's first rank;
-    collective over replica 0)."""
+    collective over replica 0), ``companions`` copied beside them."""
     tensors = full_state(b)
     if tensors is not None:
-        hf.save(directory, b.model, tensors)
+        hf.save(directory, b.model, tensors, companions)

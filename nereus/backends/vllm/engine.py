@@ -270,14 +270,14 @@ class VllmEngine:
         )
         self._load(self.state)
 
-    def save_hf(self, directory: Path) -> None:
+    def save_hf(self, directory: Path, companions: Sequence[Path] = ()) -> None:
         from nereus.backends import hf
 
         if self.coord.dp != 0:
             return
         flats = gather_flats(self.state, self.groups, BufferKind.PARAM, everywhere=False)
         if flats is not None:
-            hf.save(directory, self.state.model, assemble(self.state, flats))
+            hf.save(directory, self.state.model, assemble(self.state, flats), companions)
 
     def close(self) -> None:
         """Shut the engine down and drop vLLM's groups (the state buffers stay the holder's)."""
