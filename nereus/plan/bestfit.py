@@ -77,6 +77,14 @@ class FreeGpus:
             taken.extend(self._pop(node, min(count - len(taken), free)))
         return tuple(sorted(taken))
 
+    def take_block(self, count: int) -> tuple[int, ...] | None:
+        """``count`` GPUs of one node — the fullest node that holds them all (best fit on the
+        block) — or nothing (None) when no node has ``count`` free."""
+        for free in range(count, self.gpn + 1) if count <= self.gpn else ():
+            if self.buckets[free]:
+                return self._pop(self.buckets[free][0], count)
+        return None
+
     def take_within(self, count: int, allowed: frozenset[int]) -> tuple[int, ...] | None:
         """Take ``count`` free GPUs all in ``allowed`` — one node's when ``count`` fits in a node
         (best fit), else the fewest nodes — or nothing (None) when ``allowed`` lacks them."""
@@ -144,15 +152,18 @@ def _nodes(gpus: Sequence[int], gpn: int) -> int:
 
 @functools.lru_cache(maxsize=512)
 def _spread(profile: Occupancy, gpn: int, size: int, tp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Replicas of ``size`` GPUs (TP ``tp``) placed one by one by best fit on a pool of this
-    occupancy: for each DP degree d (index d), the nodes spanned by the worst TP group, the
-    worst replica and the worst DP group (one rank position across replicas) of the first d."""
+    """Replicas of ``size`` GPUs (TP ``tp``) placed on a pool of this occupancy as placement
+    places them: d replicas that fit one node together go into one node when one has room for
+    them all (``FreeGpus.take_block``), else one by one by best fit. For each DP degree d (index
+    d), the nodes spanned by the worst TP group, the worst replica and the worst DP group (one rank
+    position across replicas) of the first d."""
     pool = [n * gpn + i for n, free in enumerate(profile) for i in range(free)]
     free = FreeGpus(pool, gpn)
     count = len(pool) // size
     tp_n, rep_n, dp_n = (np.ones(count + 1, dtype=np.int64) for _ in range(3))
     positions: list[set[int]] = [set() for _ in range(size)]
     worst = (1, 1, 1)
+    roomiest = max(profile)
     for d in range(1, count + 1):
         gpus = free.take(size)
         for i, g in enumerate(gpus):
@@ -162,7 +173,7 @@ def _spread(profile: Occupancy, gpn: int, size: int, tp: int) -> tuple[np.ndarra
             max(worst[1], _nodes(gpus, gpn)),
             max(len(p) for p in positions),
         )
-        tp_n[d], rep_n[d], dp_n[d] = worst
+        tp_n[d], rep_n[d], dp_n[d] = (1, 1, 1) if d * size <= roomiest else worst
     return tp_n, rep_n, dp_n
 
 

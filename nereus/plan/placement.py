@@ -4,9 +4,11 @@ Each stage's replicas are placed from the pool independently (stages are seriali
 GPUs; async generation takes its GPUs first and the rest share what remains). Replicas go largest
 first, each on the node with the fewest free GPUs that still fits it (whole nodes for replicas
 larger than a node), so every TP group and every replica that fits in a node stays in one node —
-the assumption the cost model's link choice makes. Within a stage, model-stages are visited in
-workflow order, so the actor's model-stages land on the same GPUs across stages and its weight
-sync stays local.
+the assumption the cost model's link choice makes. A trainer's replicas that fit one node together
+go into the fullest node that holds them all, so its DP group (the gradient all-reduce) stays
+inside one node too (one by one, best fit would fill a part-used node first and split the group).
+Within a stage, model-stages are visited in workflow order, so the actor's model-stages land on
+the same GPUs across stages and its weight sync stays local.
 
 With failure domains (``FailureDomains``: reserved GPUs and revocable instances), placement is
 reserved-first for trainers: one replica of every training model-stage — the only state that
@@ -42,14 +44,23 @@ def _place_group(
     owned: dict[str, list[tuple[int, ...]]] = {ms.name: [] for ms in model_stages}
     if domains is not None:
         owned.update(_reserved_first(model_stages, shapes, free, anchor, domains))
-    todo: list[str] = []
+    todo: list[tuple[str, int]] = []
+    trainers = {ms.name for ms in model_stages if ms.stage is Stage.TRAIN}
     for ms in model_stages:
         kept = _anchored(ms.name, shapes[ms.name], free, anchor, shapes[ms.name].dp - len(owned[ms.name]))
         owned[ms.name].extend(kept)
-        todo.extend([ms.name] * (shapes[ms.name].dp - len(owned[ms.name])))
-    todo.sort(key=lambda name: -shapes[name].layout.size)  # stable: workflow order kept
-    for name in todo:
-        owned[name].append(free.take(shapes[name].layout.size))
+        todo.append((ms.name, shapes[ms.name].dp - len(owned[ms.name])))
+    todo.sort(key=lambda item: -shapes[item[0]].layout.size)  # stable: workflow order kept
+    for name, count in todo:
+        size = shapes[name].layout.size
+        # a trainer's replicas that fit one node together share one: its DP group (gradient
+        # all-reduce) stays inside it. Replicas with no DP collective fill part-used nodes first.
+        block = free.take_block(count * size) if count > 1 and name in trainers else None
+        if block is not None:
+            owned[name].extend(block[i * size : (i + 1) * size] for i in range(count))
+            continue
+        for _ in range(count):
+            owned[name].append(free.take(size))
     return [
         Candidate(
             ms.name,
