@@ -20,7 +20,7 @@ from rich.table import Table
 
 from nereus import __version__
 from nereus import describe as describe_command
-from nereus.errors import ConfigError, NereusError
+from nereus.errors import ConfigError, InfeasibleError, NereusError
 from nereus.plan import price_command
 from nereus.plan.calibration import CalibrationStore
 from nereus.plan.exhaustive import ExhaustiveTooLargeError, all_plans, exhaustive
@@ -43,7 +43,7 @@ from nereus.spec.cluster import GIB
 from nereus.spec.files import brief, one_line, shorten
 from nereus.spec.model import check_context
 from nereus.spec.registry import load_role_models
-from nereus.spec.workload import MAX_TOKENS, WorkloadSpec
+from nereus.spec.workload import MAX_TOKENS, Stage, WorkloadSpec
 from nereus.telemetry import read_node
 from nereus.transition import command as transition_command
 from nereus.transition.command import MAX_GPUS, MAX_TP
@@ -122,6 +122,10 @@ def _parser() -> Parser:
     plan.add_argument("--max-tp", type=_power_of_two, help="largest TP degree (default: node size)")
     plan.add_argument("--headroom", type=_fraction, default=DEFAULT_HEADROOM, help="memory kept free")
     plan.add_argument("--urgent", action="store_true", help="also try recomputation, smaller batches")
+    plan.add_argument(
+        "--pipelined-gen", action="store_true",
+        help="let generation span pipeline stages (the torch-native engine; vLLM, the default, does not)",
+    )  # fmt: skip
     plan.add_argument("--calibration", type=Path, help="calibration JSON (efficiencies per op class)")
     plan.add_argument("--solver", choices=[s.value for s in Solver], default=Solver.DP.value)
     plan.add_argument("--exhaustive", action="store_true", help="also count every valid plan")
@@ -186,6 +190,12 @@ def _problem(args: argparse.Namespace) -> PlanningProblem:
     space = SearchSpace.urgent() if args.urgent else SearchSpace()
     if args.max_tp:
         space = dataclasses.replace(space, max_tp=args.max_tp)
+    flat = (
+        ()
+        if getattr(args, "pipelined_gen", False)
+        else tuple(ms.name for ms in workload.workflow().model_stages if ms.stage is Stage.GEN)
+    )  # generation on vLLM, which does not pipeline (as `nereus run` plans it)
+    space = dataclasses.replace(space, flat=flat)
     fixes = [parse_fix(text, workload) for text in getattr(args, "fix", None) or ()]
     if fixes:
         if len({name for name, *_ in fixes}) != len(fixes):
@@ -207,6 +217,11 @@ def _problem(args: argparse.Namespace) -> PlanningProblem:
             if layout.pp > m.num_hidden_layers:
                 raise ConfigError(
                     f"--fix {name}: pp {layout.pp} exceeds {m.name}'s {m.num_hidden_layers} layers"
+                )
+            if layout.pp > 1 and name in space.flat:
+                raise ConfigError(
+                    f"--fix {name}: pp {layout.pp}: vLLM does not pipeline generation (--pipelined-gen "
+                    "plans the torch-native engine's)"
                 )
         space = dataclasses.replace(
             space.holding({name: layout for name, layout, _, _ in fixes}),
@@ -291,6 +306,13 @@ def _plan(args: argparse.Namespace, out: Console) -> int:
         result = solve(problem, Solver(args.solver))
     except ExhaustiveTooLargeError as exc:
         raise ConfigError(f"--solver {args.solver}: {exc} (allowed: fewer --gpus, or --solver dp)") from None
+    except InfeasibleError as exc:
+        if problem.space.flat:  # say what the default engine costs
+            raise InfeasibleError(
+                f"{exc} (generation at pp 1, as vLLM runs it; --pipelined-gen lets the torch-native "
+                "engine pipeline it)"
+            ) from None
+        raise
     doc = plan_json(problem, result)
     doc["problem"] = {k: getattr(args, k) for k in transition_command.PROBLEM_KEYS}
     doc["problem"]["mode"] = problem.workload.mode.value

@@ -128,8 +128,8 @@ def test_plan_gpus_beyond_the_cluster(capsys: pytest.CaptureFixture[str]) -> Non
 
 # ------------------------------------------------------------------ plan JSON for transition
 Change = Callable[[dict[str, Any]], object]
-PROBLEM_KEYS = "algo, calibration, cluster, gpus, headroom, max_tp, mode, model, prompt_len, seq_len, "
-PROBLEM_KEYS += "seq_len_p95, urgent"
+PROBLEM_KEYS = "algo, calibration, cluster, gpus, headroom, max_tp, mode, model, pipelined_gen, "
+PROBLEM_KEYS += "prompt_len, seq_len, seq_len_p95, urgent"
 
 
 @pytest.mark.parametrize(

@@ -256,7 +256,18 @@ def test_transition_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixt
     a = _plan_file(tmp_path, capsys, "a.json", "--gpus", "16", "--seq-len", "2048")
     other = tmp_path / "other.json"
     code, out, _ = run(
-        ["plan", "--model", "qwen3-14b", *PLAN_A100[3:], "--gpus", "16", "--seq-len", "2048"], capsys
+        [
+            "plan",
+            "--model",
+            "qwen3-14b",
+            *PLAN_A100[3:],
+            "--gpus",
+            "16",
+            "--seq-len",
+            "2048",
+            "--pipelined-gen",
+        ],
+        capsys,
     )
     other.write_text(out)
     doc = json.loads(a.read_text())

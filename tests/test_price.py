@@ -269,3 +269,22 @@ def test_kv_memory_fraction_sizes_the_engines_kv_from_free_memory(capsys: pytest
              "--prompt-len", "8", "--seq-len", "8", "--kv-memory-fraction", "0.9"]  # fmt: skip
     assert main([*BASE, *train]) == 2
     assert "--kv-memory-fraction prices generation" in capsys.readouterr().err
+
+
+def test_generation_is_planned_at_pp_1_as_vllm_runs_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM (the default generation engine) does not pipeline: ``nereus plan`` keeps generation at
+    pp 1 as ``nereus run`` does, unless ``--pipelined-gen`` (the torch-native engine) says
+    otherwise; a held generation layout with pp > 1 needs the flag."""
+    plan = ["plan", "--model", "llama-3.3-70b", "--algo", "ppo", "--cluster", "h100-ib", "--seq-len", "1024",
+            "--json"]  # fmt: skip
+    assert main([*plan, "--gpus", "64", "--pipelined-gen"]) == 0
+    free = {s["name"]: s for s in json.loads(capsys.readouterr().out)["stages"]}
+    assert free["actor.gen"]["pp"] > 1  # what the torch-native engine would run here
+    assert main([*plan, "--gpus", "64"]) == 3  # vLLM's tp8·pp1 does not fit beside the trainers
+    assert "--pipelined-gen lets the torch-native engine pipeline it" in capsys.readouterr().err
+    assert main([*plan, "--gpus", "128"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {s["name"]: s["pp"] for s in doc["stages"]}["actor.gen"] == 1
+    assert doc["problem"]["pipelined_gen"] is False
+    assert main([*plan, "--gpus", "128", "--fix", "actor.gen=tp8,pp2,dp2"]) == 2
+    assert "--fix actor.gen: pp 2: vLLM does not pipeline generation" in capsys.readouterr().err

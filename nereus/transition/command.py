@@ -64,7 +64,7 @@ def same_setting(key: str, a: object, b: object) -> bool:
 
 
 PROBLEM_KEYS = ("model", "algo", "cluster", "gpus", "seq_len", "seq_len_p95", "prompt_len", "mode",
-                "max_tp", "headroom", "urgent", "calibration")  # fmt: skip
+                "max_tp", "headroom", "urgent", "calibration", "pipelined_gen")  # fmt: skip
 MAX_GPUS = 1 << 20  # --gpus, a plan's pool
 MAX_TP = 1024  # --max-tp, a plan's tp and pp
 MAX_STAGES = 64  # model-stages in a plan
@@ -86,6 +86,7 @@ class PlanProblem:
     headroom: float
     urgent: bool
     calibration: str | None
+    pipelined_gen: bool = False  # absent from plans printed before the flag: generation at pp 1
 
     def check(self, path: Path) -> None:
         """Every value in range (types are ``build``'s); errors name ``path`` and the key."""
