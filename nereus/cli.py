@@ -153,7 +153,7 @@ def _parser() -> Parser:
     run_command.add_node_parser(sub)
 
     lst = sub.add_parser("list", help="shipped models, clusters, algorithms or traces")
-    lst.add_argument("kind", choices=["models", "clusters", "algos", "traces"])
+    lst.add_argument("kind", choices=["models", "clusters", "algos", "algorithms", "traces"])
     return p
 
 
@@ -289,6 +289,15 @@ def parse_fix(text: str, workload: WorkloadSpec) -> tuple[str, Layout, int, int]
     return name, Layout(tp, pp), dp, micro
 
 
+def _pipelined_fits(problem: PlanningProblem) -> bool:
+    """Whether ``problem`` has a plan once generation may span pipeline stages."""
+    try:
+        solve(dataclasses.replace(problem, space=dataclasses.replace(problem.space, flat=())), Solver.DP)
+    except InfeasibleError:
+        return False
+    return True
+
+
 def _plan(args: argparse.Namespace, out: Console) -> int:
     if args.all and not args.exhaustive:
         raise ConfigError("--all lists the plans of --exhaustive; add --exhaustive")
@@ -307,10 +316,10 @@ def _plan(args: argparse.Namespace, out: Console) -> int:
     except ExhaustiveTooLargeError as exc:
         raise ConfigError(f"--solver {args.solver}: {exc} (allowed: fewer --gpus, or --solver dp)") from None
     except InfeasibleError as exc:
-        if problem.space.flat:  # say what the default engine costs
+        if problem.space.flat and _pipelined_fits(problem):  # say what the default engine costs
             raise InfeasibleError(
-                f"{exc} (generation at pp 1, as vLLM runs it; --pipelined-gen lets the torch-native "
-                "engine pipeline it)"
+                f"{exc} (generation at pp 1, as vLLM runs it; --pipelined-gen, the torch-native "
+                "engine's pipelined generation, has a plan)"
             ) from None
         raise
     doc = plan_json(problem, result)
@@ -397,7 +406,8 @@ def _print_plan(problem: PlanningProblem, result: SearchResult, out: Console) ->
     out.print(
         f"step latency [bold]{result.step_latency_s:.3f} s[/] "
         f"(critical path {' → '.join(doc['critical_path'])}) · "
-        f"capacity {problem.capacity_bytes / GIB:.1f} GiB per GPU after {problem.headroom:.0%} headroom · "
+        f"capacity {problem.capacity_bytes / GIB:.1f} GiB per GPU after "
+        f"{problem.headroom * 100:g}% headroom · "
         f"search {result.search_ms:.1f} ms ({result.solver})"
     )
 
@@ -432,7 +442,7 @@ def _print_explain(problem: PlanningProblem, result: SearchResult, out: Console)
 
 # ------------------------------------------------------------------ list
 def _list(args: argparse.Namespace, out: Console) -> int:
-    items = [a.value for a in Algorithm] if args.kind == "algos" else names(args.kind)
+    items = [a.value for a in Algorithm] if args.kind in ("algos", "algorithms") else names(args.kind)
     for item in items:
         out.print(item)
     return 0

@@ -255,7 +255,7 @@ def test_transition_lost_gpus(lost: str, line: str, capsys: pytest.CaptureFixtur
 
 
 # ------------------------------------------------------------------ argparse errors
-CHOICES = "(choose from 'models', 'clusters', 'algos', 'traces')"
+CHOICES = "(choose from 'models', 'clusters', 'algos', 'algorithms', 'traces')"
 
 
 @pytest.mark.parametrize(

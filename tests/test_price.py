@@ -281,7 +281,12 @@ def test_generation_is_planned_at_pp_1_as_vllm_runs_it(capsys: pytest.CaptureFix
     free = {s["name"]: s for s in json.loads(capsys.readouterr().out)["stages"]}
     assert free["actor.gen"]["pp"] > 1  # what the torch-native engine would run here
     assert main([*plan, "--gpus", "64"]) == 3  # vLLM's tp8·pp1 does not fit beside the trainers
-    assert "--pipelined-gen lets the torch-native engine pipeline it" in capsys.readouterr().err
+    assert (
+        "--pipelined-gen, the torch-native engine's pipelined generation, has a plan"
+        in capsys.readouterr().err
+    )
+    assert main([*plan, "--gpus", "8"]) == 3  # nothing fits either way: no hint
+    assert "--pipelined-gen" not in capsys.readouterr().err
     assert main([*plan, "--gpus", "128"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert {s["name"]: s["pp"] for s in doc["stages"]}["actor.gen"] == 1

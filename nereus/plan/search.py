@@ -77,7 +77,7 @@ def _held(space: SearchSpace, name: str) -> str:
     return (
         f" as held ({held}): it needs tp·pp·dp GPUs of the pool, tp dividing the attention heads, "
         "pp at most the layers and, for a trainer, dp dividing the global batch and a micro-batch "
-        "(at most the workload's) dividing each replica's share"
+        "dividing each replica's share"
     )
 
 
@@ -98,7 +98,7 @@ def binding_constraint(problem: PlanningProblem, tables: dict[str, CandidateTabl
         return (
             f"{worst_name} needs ≥ {t.active[i] / GIB + problem.reserved_bytes / GIB:.1f} GiB per GPU "
             f"at tp·pp ≤ {int((t.gpus // t.dp).max())} ({t.shape(i)}); capacity "
-            f"{cap:.1f} GiB after {problem.headroom:.0%} headroom on {problem.cluster.name}"
+            f"{cap:.1f} GiB after {problem.headroom * 100:g}% headroom on {problem.cluster.name}"
         )
     wf = problem.workflow
     min_gpus = {s: sum(int(tables[m.name].gpus.min()) for m in wf.by_stage(s)) for s in wf.stages}
@@ -110,7 +110,7 @@ def binding_constraint(problem: PlanningProblem, tables: dict[str, CandidateTabl
             return f"{what} needs ≥ {need} GPUs for its concurrent model-stages; the pool has {problem.gpus}"
     return (
         f"model-stages fit alone but not together: with the idle state of other stages co-resident, "
-        f"no combination stays under {cap:.1f} GiB per GPU after {problem.headroom:.0%} headroom "
+        f"no combination stays under {cap:.1f} GiB per GPU after {problem.headroom * 100:g}% headroom "
         f"on {problem.gpus} GPUs of {problem.cluster.name}"
     )
 
