@@ -24,7 +24,8 @@ from nereus.errors import ConfigError, InfeasibleError, NereusError
 from nereus.plan import price_command
 from nereus.plan.calibration import CalibrationStore
 from nereus.plan.exhaustive import ExhaustiveTooLargeError, all_plans, exhaustive
-from nereus.plan.layout import Layout, is_power_of_two
+from nereus.plan.fixes import held_space
+from nereus.plan.layout import is_power_of_two
 from nereus.plan.problem import DEFAULT_HEADROOM, PlanningProblem, SearchSpace, SeqStats
 from nereus.plan.report import gpu_ranges, plan_json, stage_reports
 from nereus.plan.search import SearchResult
@@ -43,7 +44,7 @@ from nereus.spec.cluster import GIB
 from nereus.spec.files import brief, one_line, shorten
 from nereus.spec.model import check_context
 from nereus.spec.registry import load_role_models
-from nereus.spec.workload import MAX_TOKENS, Stage, WorkloadSpec
+from nereus.spec.workload import MAX_TOKENS, Stage
 from nereus.telemetry import read_node
 from nereus.transition import command as transition_command
 from nereus.transition.command import MAX_GPUS, MAX_TP
@@ -196,37 +197,8 @@ def _problem(args: argparse.Namespace) -> PlanningProblem:
         else tuple(ms.name for ms in workload.workflow().model_stages if ms.stage is Stage.GEN)
     )  # generation on vLLM, which does not pipeline (as `nereus run` plans it)
     space = dataclasses.replace(space, flat=flat)
-    fixes = [parse_fix(text, workload) for text in getattr(args, "fix", None) or ()]
-    if fixes:
-        if len({name for name, *_ in fixes}) != len(fixes):
-            raise ConfigError("--fix: a model-stage is named twice")
-        most = space.max_tp or cluster.gpus_per_node
-        for name, layout, _, _ in fixes:  # the layouts the runtime can shard (the planner's rule)
-            m = models[workload.workflow().get(name).role]
-            refusal = m.tp_refusal(layout.tp)
-            if refusal:
-                raise ConfigError(f"--fix {name}: {refusal}")
-            if layout.tp > most:
-                why = (
-                    f"exceeds --max-tp {space.max_tp}"
-                    if space.max_tp
-                    else f"exceeds the {cluster.gpus_per_node} GPUs of a node of {cluster.name} (tensor "
-                    f"parallelism stays inside a node; --max-tp {layout.tp} lets it cross)"
-                )
-                raise ConfigError(f"--fix {name}: tp {layout.tp} {why}")
-            if layout.pp > m.num_hidden_layers:
-                raise ConfigError(
-                    f"--fix {name}: pp {layout.pp} exceeds {m.name}'s {m.num_hidden_layers} layers"
-                )
-            if layout.pp > 1 and name in space.flat:
-                raise ConfigError(
-                    f"--fix {name}: pp {layout.pp}: vLLM does not pipeline generation (--pipelined-gen "
-                    "plans the torch-native engine's)"
-                )
-        space = dataclasses.replace(
-            space.holding({name: layout for name, layout, _, _ in fixes}),
-            fixed_shapes=tuple((name, dp, micro) for name, _, dp, micro in fixes),
-        )
+    fixes = tuple(getattr(args, "fix", None) or ())
+    space = held_space(space, fixes, workload, models, cluster) if fixes else space
     prompt = args.prompt_len or workload.prompt_len
     if prompt > workload.max_prompt_len:
         raise ConfigError(
@@ -259,34 +231,6 @@ def _problem(args: argparse.Namespace) -> PlanningProblem:
     except ValueError as exc:
         origin = getattr(args, "origin", None)
         raise ConfigError(f"{origin}: {exc}" if origin else str(exc)) from None
-
-
-_FIX = re.compile(r"([a-z]+\.[a-z]+)=tp([0-9]+),pp([0-9]+),dp([0-9]+)(?:,mb([0-9]+))?")
-
-
-def parse_fix(text: str, workload: WorkloadSpec) -> tuple[str, Layout, int, int]:
-    """``MODEL_STAGE=tpT,ppP,dpD[,mbB]`` → (model-stage, layout, dp, micro-batch or 0)."""
-    m = _FIX.fullmatch(text.strip())
-    if m is None:
-        raise ConfigError(
-            f"--fix: expected MODEL_STAGE=tpT,ppP,dpD[,mbB] (e.g. actor.train=tp4,pp1,dp2), got {brief(text)}"
-        )
-    name = m.group(1)
-    allowed = [ms.name for ms in workload.workflow().model_stages]
-    if name not in allowed:
-        raise ConfigError(
-            f"--fix: {workload.name} has no model-stage {brief(name)} (allowed: {', '.join(allowed)})"
-        )
-    tp, pp, dp = (int(m.group(i)) for i in (2, 3, 4))
-    micro = int(m.group(5) or 0)
-    for what, value in (("tp", tp), ("pp", pp)):
-        if value < 1 or not is_power_of_two(value) or value > MAX_TP:
-            raise ConfigError(f"--fix {name}: {what} must be a power of two in [1, {MAX_TP}], got {value}")
-    if not 1 <= dp <= MAX_GPUS or micro > 1 << 24 or (m.group(5) is not None and micro < 1):
-        raise ConfigError(
-            f"--fix {name}: dp must be in [1, {MAX_GPUS}] and mb in [1, {1 << 24}], got dp {dp}, mb {micro}"
-        )
-    return name, Layout(tp, pp), dp, micro
 
 
 def _pipelined_fits(problem: PlanningProblem) -> bool:
