@@ -253,19 +253,26 @@ def test_an_infeasible_worker_count_exits_2_before_writing_anything(tmp_path: Pa
     assert [p.name for p in out.iterdir()] == ["metrics.jsonl"]
 
 
+def _refused_init(tmp_path: Path, actor: Path) -> str:
+    """``nereus run`` with ``actor`` as the actor's ``init:`` folder: its one error line (exit 2,
+    nothing written)."""
+    out = tmp_path / "out"
+    proc = run(experiment(tmp_path, "init", steps=1, extra=f"init: {{actor: {actor}}}\n"), out)
+    assert proc.returncode == 2
+    assert not out.exists()
+    [line] = proc.stderr.splitlines()
+    return line
+
+
 def test_init_folders_without_weights_exit_2(tmp_path: Path) -> None:
     from tests.test_runtime_e2e import _hf_checkpoint
 
     actor = _hf_checkpoint(tmp_path / "actor", "lm", 11)
     (actor / "model.safetensors").unlink()
-    out = tmp_path / "out"
-    proc = run(experiment(tmp_path, "init", steps=1, extra=f"init: {{actor: {actor}}}\n"), out)
-    assert proc.returncode == 2
-    assert proc.stderr.splitlines() == [
+    assert _refused_init(tmp_path, actor) == (
         f"nereus run: error: init.actor: {actor} has no weights ({actor}: no model.safetensors or "
         "model.safetensors.index.json)"
-    ]
-    assert not out.exists()
+    )
 
 
 def test_an_init_folder_with_weights_the_model_does_not_have_exits_2(tmp_path: Path) -> None:
@@ -280,14 +287,10 @@ def test_an_init_folder_with_weights_the_model_does_not_have_exits_2(tmp_path: P
     for i in (0, 1):
         tensors[f"model.layers.{i}.mlp.down_proj.bias"] = torch.zeros(tensors["model.norm.weight"].shape)
     safetensors.torch.save_file(tensors, actor / "model.safetensors")
-    out = tmp_path / "out"
-    proc = run(experiment(tmp_path, "init", steps=1, extra=f"init: {{actor: {actor}}}\n"), out)
-    assert proc.returncode == 2
-    assert proc.stderr.splitlines() == [
+    assert _refused_init(tmp_path, actor) == (
         f"nereus run: error: init.actor: {actor} holds model.layers.0.mlp.down_proj.bias and 1 more, which "
         "tiny-llama does not have (another architecture: its config.json does not describe these weights)"
-    ]
-    assert not out.exists()
+    )
 
 
 @pytest.mark.timeout(120)
