@@ -114,6 +114,8 @@ def test_the_window_is_read_as_transformers_reads_it(
         ({**QWEN2, "use_sliding_window": True, "layer_types": ["local"] * 4}, "layer_types"),
         ({**QWEN2, "model_type": "llama", "layer_types": ["sliding_attention"] * 4}, "layer_types"),
         ({**MISTRAL_7B_V01, "layer_types": ["sliding_attention"] * 32}, "layer_types"),
+        ({**MISTRAL_7B_V01, "layer_types": 5}, "layer_types"),  # not a list: one line, no traceback
+        ({**QWEN2, "use_sliding_window": True, "sliding_window": 8, "layer_types": "full"}, "layer_types"),
     ],
 )
 def test_a_bad_window_is_one_line_naming_the_key(tmp_path: Path, cfg: dict[str, Any], key: str) -> None:

@@ -58,7 +58,8 @@ def window_from_hf(data: dict[str, Any], family: str, path: Path) -> tuple[int, 
     """``(sliding_window, max_window_layers)`` of a ``config.json`` of ``family``."""
     layers = data.get("num_hidden_layers")
     if family == "mistral":
-        if "layer_types" in data and "sliding_attention" in (data["layer_types"] or ()):
+        types = data.get("layer_types")
+        if types is not None and _first_sliding(types, layers, path) is not None:
             raise ConfigError(
                 f"{path}: key 'layer_types': a Mistral config with per-layer attention types is a "
                 "Ministral model (not supported: expected model_type llama, mistral, qwen2 or qwen3 "
