@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.membership import JOIN_QUEUE, JoinRefusedError, Membership, Rendezvous
+from nereus.runtime.membership import JOIN_QUEUE, JoinRefusedError, LeftBehindError, Membership, Rendezvous
 from nereus.runtime.signed import BoundedLog, SignedStore
 from tests.helpers import free_port
 
@@ -196,3 +196,38 @@ def test_survivors_re_form_the_world_in_place_after_a_member_dies(tmp_path: Path
         assert got["survivors"] == [0, 1] and got["sum"] == 2.0 and got["kept"] == [float(g)] * 4
         assert got["s"] < 10.0  # detected within seconds (the heartbeat goes stale after 4 s)
     assert "lost GPUs [2]" in (tmp_path / "m.log").read_text()
+
+
+def _left_behind(gpu: int, port: int, out: str) -> None:
+    """GPU 0 (the leader, the store's host) finishes and goes while GPU 1 still recovers."""
+    torch.set_num_threads(1)
+    m = (
+        Membership.host(SECRET, 0, "127.0.0.1", port, log=Path(out) / "m.log")
+        if gpu == 0
+        else Membership.connect(Rendezvous("127.0.0.1", port), SECRET, gpu)
+    )
+    m.form((0, 1), 0)
+    dist.barrier()
+    if gpu == 0:
+        os._exit(0)  # the job ended without this member: its store goes with it
+    time.sleep(1.0)
+    try:
+        m.recover(grace_s=2)
+    except LeftBehindError as exc:
+        Path(out, "left.txt").write_text(str(exc))
+    os._exit(0)
+
+
+@pytest.mark.timeout(120)
+def test_a_member_that_loses_the_store_while_recovering_leaves_the_job(tmp_path: Path) -> None:
+    """Not a crash (a SLURM job whose training finished was marked FAILED by one such rank): the
+    member learns it is left behind and leaves (``Outcome.LEFT``, exit 0)."""
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_left_behind, args=(g, port, str(tmp_path))) for g in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert "GPU 1 lost the job's store recovering generation 0" in (tmp_path / "left.txt").read_text()

@@ -40,6 +40,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -60,7 +61,7 @@ from nereus.runtime.comm import all_gather, barrier, broadcast, is_peer_failure,
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.job import JobSetup, algorithm_step, first_state, initial_plan, make_worker
 from nereus.runtime.leader import Leader, measured_setup
-from nereus.runtime.membership import Membership
+from nereus.runtime.membership import LeftBehindError, Membership
 from nereus.runtime.metrics import StepRecord, drop_rows_after
 from nereus.runtime.monitor import Notice, StepResult, gather_reports
 from nereus.runtime.pending import share as share_pending
@@ -189,7 +190,12 @@ class JobLoop(Acting):
                     raise
                 failed = True
             if failed:
-                self._survive(oom)  # outside the handler: its traceback pins the old groups
+                try:
+                    self._survive(oom)  # outside the handler: its traceback pins the old groups
+                except LeftBehindError as exc:  # the job went on without this GPU
+                    print(f"nereus: {exc}; leaving the job", file=sys.stderr, flush=True)
+                    self.m.close()
+                    return Outcome.LEFT
             elif outcome is not None:
                 return outcome
         self._finish()

@@ -64,6 +64,12 @@ TICKET = re.compile(r"[0-9a-f]{32}")
 __all__ = ["JoinRefusedError", "JoinRequest", "Membership", "Rendezvous", "node_address", "node_name", "sign"]
 
 
+class LeftBehindError(RuntimeError):
+    """This GPU is not in the next generation: it checked in too late (blocked past the grace in
+    a collective with a dead peer, say), or the job's store went away while it recovered (the
+    others went on and the job ended). It leaves the job; the job's outcome is the leader's."""
+
+
 class JoinRefusedError(PermissionError):
     """The leader refused this process's join request."""
 
@@ -230,7 +236,14 @@ class Membership:
         survivors, at ``generation + 1``."""
         g = self.generation
         self.abandon()
-        self.signed.put(f"recover/{g}/alive/{self.gpu}", {"gpu": self.gpu, "oom": oom})
+        try:
+            self.signed.put(f"recover/{g}/alive/{self.gpu}", {"gpu": self.gpu, "oom": oom})
+        except dist.DistError as exc:
+            if self.leader:  # its own store: a failure here is the job's
+                raise
+            raise LeftBehindError(
+                f"GPU {self.gpu} lost the job's store recovering generation {g}: {exc}"
+            ) from None
         key = f"recover/{g}/members"
         if self.leader:
             deadline = time.monotonic() + grace_s
@@ -248,12 +261,17 @@ class Membership:
                 f"generation {g}: lost GPUs {lost}; survivors {list(survivors)}; out of memory {self.oom}"
             )
             return survivors
-        answer = self.signed.wait_valid(
-            key, grace_s + 30, lambda why: self.log(f"ignored {key}: {why}", "recover")
-        )
+        try:
+            answer = self.signed.wait_valid(
+                key, grace_s + 30, lambda why: self.log(f"ignored {key}: {why}", "recover")
+            )
+        except dist.DistError as exc:
+            raise LeftBehindError(
+                f"GPU {self.gpu} lost the job's store recovering generation {g}: {exc}"
+            ) from None
         survivors = _gpu_list(answer, "members")
         if self.gpu not in survivors:
-            raise RuntimeError(f"GPU {self.gpu} checked in too late for generation {g + 1}")
+            raise LeftBehindError(f"GPU {self.gpu} checked in too late for generation {g + 1}")
         pairs = answer.get("oom", []) if isinstance(answer, dict) else []
         self.oom = {int(m): str(s) for m, s in pairs if isinstance(m, int) and isinstance(s, str)}
         return survivors
