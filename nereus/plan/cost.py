@@ -100,9 +100,13 @@ def _attn_flops(model: ModelSpec, rep: ReplicaFacts, tokens_times_ctx: FloatArra
 def _decode_context(model: ModelSpec, prompt: float, response: float) -> float:
     """Mean tokens a decode step attends to (and reads from the KV cache) per layer, over a
     response of ``response`` tokens after ``prompt``: prompt + response / 2 without a window."""
-    if response <= 0:
-        return float(model.attended(prompt))
-    return float(model.causal_sum(prompt + response) - model.causal_sum(prompt)) / response
+    full = prompt + response / 2.0
+    if not model.sliding_window or response <= 0:
+        return float(model.attended(full))
+    # what the window takes off the mean: Σ (p − attended(p)) over the response's positions
+    capped = model.causal_sum(prompt + response) - model.causal_sum(prompt)
+    whole = response * (2.0 * prompt + response + 1.0) / 2.0
+    return full - float(whole - capped) / response
 
 
 class CostModel:
