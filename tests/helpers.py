@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import multiprocessing as mp
 import random
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -71,6 +73,21 @@ def free_port() -> int:
 
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def spawned(
+    target: Callable[[int, int, str], None], ranks: int, out: Path, timeout_s: float = 90
+) -> list[int | None]:
+    """``target(rank, port, out)`` for ranks 0 … ``ranks`` − 1 in spawned processes sharing a
+    free ``port``; their exit codes (None: still running after ``timeout_s``)."""
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, port, str(out))) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout_s)
+    return [p.exitcode for p in procs]
 
 
 def benchmark_module(script: str) -> ModuleType:

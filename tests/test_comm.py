@@ -12,14 +12,13 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from nereus.control.action import Keep
 from nereus.runtime import comm
 from nereus.runtime.codec import MAX_BYTES, MessageError, decode, encode
 from nereus.runtime.monitor import Notice
 from nereus.runtime.pool import Change
-from tests.helpers import free_port
+from tests.helpers import spawned
 
 pytestmark = pytest.mark.dist
 
@@ -68,14 +67,7 @@ def _rank(rank: int, port: int, folder: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_small_messages_take_one_collective_and_large_ones_arrive_whole(tmp_path: Path) -> None:
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(100)
-    assert [p.exitcode for p in procs] == [0] * WORLD
+    assert spawned(_rank, WORLD, tmp_path, timeout_s=100) == [0] * WORLD
     got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(WORLD)]
     for r, g in enumerate(got):
         assert g["small"] == "quiet" and g["small_calls"] == ["broadcast"], (r, g)

@@ -4,7 +4,6 @@ after a member dies (survivors keep their tensors; the dead one is detected with
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import threading
 import time
@@ -16,7 +15,7 @@ import torch.distributed as dist
 
 from nereus.runtime.membership import JOIN_QUEUE, JoinRefusedError, LeftBehindError, Membership, Rendezvous
 from nereus.runtime.signed import BoundedLog, SignedStore
-from tests.helpers import free_port
+from tests.helpers import spawned
 
 pytestmark = pytest.mark.dist
 
@@ -146,14 +145,21 @@ def test_rendezvous_file_is_private_and_waits_for_its_launch(tmp_path: Path) -> 
         Rendezvous("", 0)
 
 
-def _member(gpu: int, port: int, out: str) -> None:
+def joined(gpu: int, port: int, out: str, members: tuple[int, ...]) -> Membership:
+    """GPU ``gpu`` in generation 0 of ``members`` (GPU 0 the leader, hosting the store on
+    ``port`` and logging to ``out/m.log``), in a spawned process of a test."""
     torch.set_num_threads(1)
     m = (
         Membership.host(SECRET, 0, "127.0.0.1", port, log=Path(out) / "m.log")
         if gpu == 0
         else Membership.connect(Rendezvous("127.0.0.1", port), SECRET, gpu)
     )
-    m.form((0, 1, 2), 0)
+    m.form(members, 0)
+    return m
+
+
+def _member(gpu: int, port: int, out: str) -> None:
+    m = joined(gpu, port, out, (0, 1, 2))
     kept = torch.full((4,), float(gpu))
     sub = dist.new_group([0, 1])
     dist.barrier()
@@ -183,14 +189,7 @@ def _member(gpu: int, port: int, out: str) -> None:
 @pytest.mark.timeout(120)
 def test_survivors_re_form_the_world_in_place_after_a_member_dies(tmp_path: Path) -> None:
 
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_member, args=(g, port, str(tmp_path))) for g in range(3)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(90)
-    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert spawned(_member, 3, tmp_path) == [0, 0, 0]
     for g in (0, 1):
         got = json.loads((tmp_path / f"{g}.json").read_text())
         assert got["survivors"] == [0, 1] and got["sum"] == 2.0 and got["kept"] == [float(g)] * 4
@@ -200,13 +199,7 @@ def test_survivors_re_form_the_world_in_place_after_a_member_dies(tmp_path: Path
 
 def _left_behind(gpu: int, port: int, out: str) -> None:
     """GPU 0 (the leader, the store's host) finishes and goes while GPU 1 still recovers."""
-    torch.set_num_threads(1)
-    m = (
-        Membership.host(SECRET, 0, "127.0.0.1", port, log=Path(out) / "m.log")
-        if gpu == 0
-        else Membership.connect(Rendezvous("127.0.0.1", port), SECRET, gpu)
-    )
-    m.form((0, 1), 0)
+    m = joined(gpu, port, out, (0, 1))
     dist.barrier()
     if gpu == 0:
         os._exit(0)  # the job ended without this member: its store goes with it
@@ -222,12 +215,5 @@ def _left_behind(gpu: int, port: int, out: str) -> None:
 def test_a_member_that_loses_the_store_while_recovering_leaves_the_job(tmp_path: Path) -> None:
     """Not a crash (a SLURM job whose training finished was marked FAILED by one such rank): the
     member learns it is left behind and leaves (``Outcome.LEFT``, exit 0)."""
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_left_behind, args=(g, port, str(tmp_path))) for g in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(90)
-    assert [p.exitcode for p in procs] == [0, 0]
+    assert spawned(_left_behind, 2, tmp_path) == [0, 0]
     assert "GPU 1 lost the job's store recovering generation 0" in (tmp_path / "left.txt").read_text()

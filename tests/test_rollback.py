@@ -23,27 +23,20 @@ import torch
 import torch.distributed as dist
 
 from nereus.runtime.comm import barrier
-from nereus.runtime.membership import Membership, Rendezvous
 from nereus.state.buffers import BufferKind
 from tests.device_checks import small_plan
 from tests.helpers import free_port
 from tests.rollback_helpers import StandInWorker, moved_plan, stand_in_loop, trainer_at, update
+from tests.test_membership import joined
 
 pytestmark = pytest.mark.dist
 
-SECRET = bytes(range(32))
 GPUS = (0, 1, 2, 3)
 TRAINERS = (0, 1)  # the plan's actor.train replicas; GPU 3 joined later and holds none
 
 
 def _rank(gpu: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    m = (
-        Membership.host(SECRET, 0, "127.0.0.1", port, log=Path(out) / "m.log")
-        if gpu == 0
-        else Membership.connect(Rendezvous("127.0.0.1", port), SECRET, gpu)
-    )
-    m.form(GPUS, 0)
+    m = joined(gpu, port, out, GPUS)
     plan, moved = small_plan(), moved_plan(small_plan())
     worker = StandInWorker(gpu, {"actor.train": trainer_at()} if gpu in TRAINERS else {})
     loop = stand_in_loop(worker, plan, 0, gpu == 0, m)
