@@ -28,12 +28,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from nereus.backends.optim import AdamWConfig
 from nereus.spec.registry import config_root
 from tests.slurm_cluster import FINAL_STATES, SlurmCluster
 
@@ -121,7 +124,7 @@ class Reference:
             _running.append(self.proc)
         return self
 
-    def actor(self) -> dict[str, torch.Tensor]:
+    def actor(self) -> Actor:
         proc = self.start().proc
         assert proc is not None
         try:
@@ -130,14 +133,54 @@ class Reference:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
         assert proc.returncode == 0, self.err.read_text()[-3000:]
-        return load_file(str(self.out / "hf" / "actor" / "model.safetensors"))
+        return Actor.of(self.out)
 
 
-def assert_same_actor(job: Path, ref: dict[str, torch.Tensor]) -> None:
-    got = load_file(str(job / "run" / "hf" / "actor" / "model.safetensors"))
-    assert set(got) == set(ref)
-    for name in got:
-        assert torch.allclose(got[name], ref[name], atol=2e-4, rtol=0), name
+@dataclass(frozen=True)
+class Actor:
+    """A run's exported actor, and the RMS of each weight's gradients over the run: the square
+    root of AdamW's second moment in the run's last checkpoint (the run's final step)."""
+
+    weights: dict[str, torch.Tensor]
+    grad_rms: dict[str, torch.Tensor]
+
+    @staticmethod
+    def of(run: Path) -> Actor:
+        weights = load_file(str(run / "hf" / "actor" / "model.safetensors"))
+        last = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+        flat = run.parent / f"{run.parent.name}-{run.name}-{last.name}.pt"
+        dcp_to_torch_save(last, flat)
+        state = torch.load(flat, weights_only=True)
+        flat.unlink()
+        return Actor(weights, {n: state[f"actor.train/exp_avg_sq/{n}"].sqrt() for n in weights})
+
+
+def assert_same_actor(job: Path, ref: Actor) -> None:
+    """The job's actor equals the untouched run's to 2e-4 wherever a gradient moved it.
+
+    A weight whose gradient stayed below AdamW's eps in both runs (RMS < eps) moves by rounding
+    residue: its gradient cancels in exact arithmetic (e.g. through advantages that sum to zero)
+    and what fp32 leaves of it depends on the reduction order, which another DP layout changes;
+    AdamW divides that residue by eps, so such a weight can move by a fraction of the learning
+    rate either way. Measured: 1 weight of 250,432, gradient RMS 2.5e-11, differed by 3.2e-4,
+    the next largest difference anywhere was 3.5e-5. Those weights are exempt only while they
+    are a sliver of the model (≤ 0.1%), and a gradient lost or doubled in the job fails here
+    since it leaves the other run's RMS above eps."""
+    got = Actor.of(job / "run")
+    assert set(got.weights) == set(ref.weights)
+    eps, noise, total = AdamWConfig().eps, 0, 0
+    for name, weight in got.weights.items():
+        rms = torch.maximum(got.grad_rms[name], ref.grad_rms[name])
+        residue = (rms > 0) & (rms < eps)
+        noise += int(residue.sum())
+        total += weight.numel()
+        off = (weight - ref.weights[name]).abs().masked_fill(residue, 0)
+        assert float(off.max()) <= 2e-4, (name, float(off.max()), [int(i) for i in _where_max(off)])
+    assert noise <= total // 1000, (noise, total)
+
+
+def _where_max(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return torch.unravel_index(t.argmax(), t.shape)
 
 
 @pytest.mark.timeout(420)
@@ -277,7 +320,7 @@ def test_bootstrap_takes_ranks_from_mpi_under_srun(slurm_cluster: SlurmCluster) 
 # ------------------------------------------------------------------ --launcher torchrun
 TORCHRUN_STEPS, TORCHRUN_EVERY = 60, 4
 _references: dict[tuple[int, int], Reference] = {}
-_actors: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+_actors: dict[tuple[int, int], Actor] = {}
 
 
 def torchrun_reference(tmp: Path) -> Reference:
