@@ -48,6 +48,13 @@ def occupancy(pool: Sequence[int], gpus_per_node: int) -> Occupancy:
     return tuple(sorted((int(c) for c in counts), reverse=True))
 
 
+def pool_span(pool: Sequence[int], gpus_per_node: int) -> float:
+    """The span of a group holding GPUs on every node of ``pool``: its size on one node, the
+    GPUs of its nodes otherwise (beyond one node's: priced between nodes)."""
+    nodes = len({g // gpus_per_node for g in pool})
+    return float(len(pool) if nodes <= 1 else nodes * gpus_per_node)
+
+
 class FreeGpus:
     """Free GPU ids per node, with nodes bucketed by how many GPUs they have free."""
 

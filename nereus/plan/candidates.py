@@ -344,7 +344,7 @@ def price_rows(
             parts = {name: c for name, c in done.parts.items() if name != "weight_sync"}
             base = twin.prices.base_totals[k]
             if syncs and sync is None:
-                sync = cost.weight_sync(rows.replicas)
+                sync = cost.weight_sync(rows.replicas, model_stage)
         else:
             terms, mem = cost.evaluate_rows(
                 model_stage,

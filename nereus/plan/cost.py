@@ -50,7 +50,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from nereus.plan.bestfit import anchored, group_spans, occupancy
+from nereus.plan.bestfit import anchored, group_spans, occupancy, pool_span
 from nereus.plan.costterms import Cost, LatencyTerms, collective, compute, exposed, memory_bound
 from nereus.plan.layout import Layout
 from nereus.plan.links import Links
@@ -69,11 +69,15 @@ from nereus.plan.opclass import Collective, OpClass
 from nereus.plan.problem import PlanningProblem
 from nereus.plan.replica import FloatArray, IntArray, ReplicaFacts
 from nereus.spec.model import ModelSpec
-from nereus.spec.workload import ModelStage, Recompute, Stage
+from nereus.spec.workload import ExecutionMode, ModelStage, Recompute, Stage
 
 __all__ = ["Cost", "CostModel", "LatencyTerms", "collective", "compute", "memory_bound"]
 
 Spans = tuple[FloatArray, FloatArray, FloatArray]  # per row: TP group, replica, DP group (GPUs)
+# async: a trainer's share of the weight sync that ends each step (``CostModel._async_sync``)
+SYNC_WAIT = "sync_wait"
+# the terms of the step's weight sync, not of the model-stage's own work (``nereus price``)
+STEP_SYNCS = ("weight_sync", SYNC_WAIT)
 ADAM_BYTES_PER_PARAM = 30.0
 # Megatron-Core's default bucket: max(4e7, 1e6·dp) parameters ("larger DP sizes need larger
 # buckets to ensure collectives do not become latency-bound"); PyTorch DDP's is 25 MiB
@@ -127,6 +131,11 @@ class CostModel:
         # running model-stages that stay where they are, priced where they run at their shape
         self.anchored = {a[0]: a[1:] for a in anchored(problem)}
         self.workflow = problem.workflow  # (built anew on every ``problem.workflow``)
+        # async: generation runs on GPUs of its own, and its weights arrive from the trainer's,
+        # across the pool the two share (``_weight_sync``)
+        self.gen_apart = problem.workload.mode is ExecutionMode.ASYNC
+        self.pool_span = pool_span(problem.pool, problem.cluster.gpus_per_node)
+        self.pool_per_node = len(problem.pool) / len({self.links.node_of(g) for g in problem.pool})
 
     # ------------------------------------------------------------ dispatch
     def evaluate_rows(
@@ -158,7 +167,9 @@ class CostModel:
             fsdp = model_stage.name in self.fsdp
             terms, mem = self._training(model, rep, dpf, micro, recompute, spans, overlap or fsdp, fsdp)
         if self.syncs(model_stage):
-            terms["weight_sync"] = self._weight_sync(rep)
+            terms["weight_sync"] = self._weight_sync(rep, model_stage)
+        elif self.gen_apart and model_stage.stage is Stage.TRAIN:
+            terms[SYNC_WAIT] = self._async_sync(dpf)
         return LatencyTerms(MappingProxyType(terms)), mem
 
     def syncs(self, model_stage: ModelStage) -> bool:
@@ -166,9 +177,9 @@ class CostModel:
         latency term, ``weight_sync``)."""
         return self.workflow.sync_source(model_stage.name) is not None
 
-    def weight_sync(self, replicas: ReplicaFacts) -> Cost:
-        """The ``weight_sync`` term of rows with these layout facts."""
-        return self._weight_sync(replicas)
+    def weight_sync(self, replicas: ReplicaFacts, model_stage: ModelStage) -> Cost:
+        """The ``weight_sync`` term of ``model_stage``'s rows with these layout facts."""
+        return self._weight_sync(replicas, model_stage)
 
     def evaluate(
         self,
@@ -202,10 +213,35 @@ class CostModel:
             sizes = (layer * tokens / rep.tp, 4.0 * model.q_size * tokens_ctx / rep.tp)
         return compute(self.problem.cluster, eff, gemm_flops, attn_flops, sizes, self.track)
 
-    def _weight_sync(self, rep: ReplicaFacts) -> Cost:
-        """Receiving updated bf16 weights from the colocated trainer at the step boundary."""
+    def _weight_sync(self, rep: ReplicaFacts, model_stage: ModelStage) -> Cost:
+        """Receiving updated bf16 weights from the colocated trainer at the step boundary, inside
+        the receiving replica; async generation's, ``_async_sync``."""
+        if self.gen_apart and model_stage.stage is Stage.GEN:
+            return self._async_sync(np.asarray(rep.size, dtype=np.float64))
         nbytes = np.maximum(rep.params_first, rep.params_last) * 2.0
         return collective(self.links, Collective.BROADCAST, rep.size, 2.0, nbytes, self.track)
+
+    def _async_sync(self, rows: FloatArray) -> Cost:
+        """Async: the weight sync that ends a step, shaped like ``rows``. Generation runs on GPUs
+        of its own, so the actor's whole bf16 weights go from the trainer's GPUs to the
+        generator's, across the pool the two share: between nodes once it spans more than one,
+        each node's GPUs carrying a share of them over the node's NICs (NCCL's hierarchical
+        rings; the truth broadcasts them over the union of both sides' GPUs,
+        ``sim.truth.asynchrony``), inside the node at the receiver's whole bytes otherwise.
+        The sync runs after both sides (the truth's step is max(generation, inference + training)
+        + sync, ``sim.truth.asynchrony.Pipeline``), so it is priced on both, generation's
+        ``weight_sync`` and each trainer's ``SYNC_WAIT``: the step's max over the two sides is
+        then max(gen, inf + train) + sync."""
+        gen = self.workflow.by_stage(Stage.GEN)
+        if not gen or self.workflow.sync_source(gen[0].name) is None:
+            return Cost({})
+        nbytes = 2.0 * float(self.problem.model_of(gen[0]).param_count())
+        if self.pool_span > self.links.gpus_per_node:
+            nbytes /= self.pool_per_node
+        one = np.ones_like(rows, dtype=np.float64)
+        return collective(
+            self.links, Collective.BROADCAST, self.pool_span * one, 2.0, nbytes * one, self.track
+        )
 
     def spans(self, rep: ReplicaFacts, dp: FloatArray, name: str = "") -> Spans:
         """Per row, the spans of its TP groups, replicas and DP groups on this problem's pool:

@@ -30,7 +30,7 @@ import numpy as np
 from nereus.errors import ConfigError
 from nereus.plan.calibration import Efficiencies
 from nereus.plan.candidates import Shape, estimate
-from nereus.plan.cost import CostModel, LatencyTerms
+from nereus.plan.cost import STEP_SYNCS, CostModel, LatencyTerms
 from nereus.plan.evaluate import class_shapes, unsized
 from nereus.plan.layout import Layout, is_power_of_two
 from nereus.plan.problem import DEFAULT_HEADROOM, PlanningProblem, SearchSpace, SeqStats
@@ -213,7 +213,7 @@ class Price:
 
 
 def _seconds(terms: LatencyTerms) -> tuple[float, dict[str, float], dict[str, float]]:
-    own = {name: part for name, part in terms.parts.items() if name != "weight_sync"}
+    own = {name: part for name, part in terms.parts.items() if name not in STEP_SYNCS}
     by_term = {name: float(np.sum(part.total)) for name, part in own.items()}
     by_class: dict[str, float] = {}
     for part in own.values():
@@ -270,6 +270,6 @@ def price(
         )
         shapes = {
             op.value: (c.size, c.group)
-            for op, c in class_shapes(terms, ("weight_sync",), unsized(query.stage)).items()
+            for op, c in class_shapes(terms, STEP_SYNCS, unsized(query.stage)).items()
         }
     return Price(model_stage.name, est.shape, total, by_class, by_term, peak, limit, shapes)

@@ -37,12 +37,20 @@ from nereus.plan.layout import Layout, Plan
 from nereus.plan.problem import PlanningProblem, SearchSpace, SeqStats
 from nereus.plan.search import search
 from nereus.sim.moving import engine_of, true_moving_seconds
-from nereus.sim.observe import merged, pair, quiet_truth, steady_step
+from nereus.sim.observe import (
+    holds_step_sync,
+    merged,
+    pair,
+    quiet_truth,
+    steady_step,
+    step_sync,
+    with_step_sync,
+)
 from nereus.sim.records import Scenario, SimulationError, StepRecord, Summary
 from nereus.sim.seeding import Seeding
 from nereus.sim.truth import PARAMS, Hardware, StageResult
-from nereus.sim.truth.asynchrony import AsyncStep, Pipeline, sync_step, weight_sync_seconds
-from nereus.spec.workload import ExecutionMode, Role, Stage
+from nereus.sim.truth.asynchrony import AsyncStep, Pipeline, sync_step
+from nereus.spec.workload import ExecutionMode, Stage
 
 __all__ = ["STATIC_BEST", "Scenario", "SimulationError", "StepRecord", "Summary", "simulate"]
 
@@ -182,15 +190,15 @@ class _Run:
         if not self.layouts_seen or self.layouts_seen[-1] != layouts:
             self.layouts_seen.append(layouts)
         quiet = self._quiet(plan, seq)  # the truth's, on a quiet machine
-        sync = self._weight_sync(plan, k) if self.pipeline is not None else {}
+        quiet_sync = step_sync(self.s.models, self.s.cluster, plan)  # async: the step's weight sync
+        sync = self.hw.run(quiet_sync, k) if quiet_sync else {}
         times, own, measurements, peaks = self._measure(plan, pool, seq, k, quiet, sync)
         step_s, pipelined = self._step_time(plan, times, own, sync)
         predicted = price(ctl.problem(pool, seq), shapes_of(plan))  # the model's view of this step
-        quiet_stage = {n: sum(r.seconds.values()) for n, r in quiet.items()}
+        quiet_stage = self._quiet_stages(plan, quiet)
         moved_from = None
         if decision is not None and isinstance(decision.action, Move):
-            left = self._quiet(before, seq)
-            moved_from = steady_step(before, {n: sum(r.seconds.values()) for n, r in left.items()})
+            moved_from = steady_step(before, self._quiet_stages(before, self._quiet(before, seq)))
         oom = self._oom(plan, peaks, {n: r.resident_bytes for n, r in quiet.items()})
         restart_s = 0.0
         if oom and not self.free:  # the step is lost: the job crashes and restarts from its checkpoint
@@ -239,6 +247,12 @@ class _Run:
         )
         return record, telemetry
 
+    def _quiet_stages(self, plan: Plan, quiet: Mapping[str, StageResult]) -> dict[str, float]:
+        """Each model-stage's quiet seconds, the async weight sync on those that hold it (as the
+        planner prices them): their ``steady_step`` is the truth's step without noise or waits."""
+        seconds = {n: sum(r.seconds.values()) for n, r in quiet.items()}
+        return with_step_sync(plan, seconds, sum(step_sync(self.s.models, self.s.cluster, plan).values()))
+
     def _measure(
         self, plan: Plan, pool: tuple[int, ...], seq: SeqStats, k: int,
         quiet: Mapping[str, StageResult], sync: Mapping[str, float],
@@ -255,8 +269,8 @@ class _Run:
         for c in plan.candidates:
             measured = self.hw.run(quiet[c.model_stage].seconds, k)  # episodes and noise on top
             own[c.model_stage] = sum(measured.values())
-            if sync and plan.stage_of(c) is Stage.GEN:  # async: the generator's telemetry has the sync
-                measured = merged(measured, sync)
+            if holds_step_sync(plan, c.model_stage):  # async: generator's and trainers' telemetry
+                measured = merged(measured, sync)  # has the step's weight sync
             times[c.model_stage] = sum(measured.values())
             roofline = plan.stage_of(c) is Stage.GEN
             measurements.extend(pair(ideal.by_class[c.model_stage], measured, sized[c.model_stage], roofline))
@@ -287,17 +301,6 @@ class _Run:
         )
         degrees = [(c.layout.tp, c.layout.pp, c.dp) for c in plan.candidates]
         self.controller.started(FixedCosts.of(stages, build_s, group_s, degrees))
-
-    def _weight_sync(self, plan: Plan, k: int) -> dict[str, float]:
-        """The measured seconds per op class of the async weight sync: the actor's trainer
-        broadcasts its new weights to the generation engine's GPUs."""
-        (gen,) = plan.workflow.by_stage(Stage.GEN)
-        trainer = plan.workflow.sync_source(gen.name)
-        gpus = {c.model_stage: c.gpus for c in plan.candidates}
-        if trainer is None:
-            return {}
-        model = self.s.models[Role.ACTOR]
-        return self.hw.run(weight_sync_seconds(model, self.s.cluster, gpus[trainer], gpus[gen.name]), k)
 
     def _flush(self, keep: bool) -> int:
         """Async, at a transition, a restart or a crash: keep or drop the rollouts generated

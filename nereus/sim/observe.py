@@ -21,7 +21,7 @@ from nereus.plan.layout import Plan
 from nereus.plan.opclass import OpClass
 from nereus.plan.problem import SeqStats
 from nereus.sim.truth import Lengths, Placement, StageResult, run_stage
-from nereus.sim.truth.asynchrony import sync_step
+from nereus.sim.truth.asynchrony import sync_step, weight_sync_seconds
 from nereus.spec.cluster import ClusterSpec
 from nereus.spec.model import ModelSpec
 from nereus.spec.workload import ExecutionMode, Role, Stage, WorkloadSpec
@@ -116,6 +116,32 @@ def quiet_truth(
         syncs = plan.workflow.sync_source(ms.name) is not None and not own_sync
         out[ms.name] = run_stage(model, w, cluster, ms.stage, where, w.sequences(ms), lengths, free, syncs)
     return out
+
+
+def step_sync(models: Mapping[Role, ModelSpec], cluster: ClusterSpec, plan: Plan) -> dict[str, float]:
+    """Async: the truth's quiet seconds per op class of the weight sync that ends a step (the
+    actor's trainer broadcasts its new weights to the generation engine's GPUs); ``{}`` in sync
+    mode, where each receiver's sync is its own (``quiet_truth``)."""
+    if plan.mode is not ExecutionMode.ASYNC:
+        return {}
+    (gen,) = plan.workflow.by_stage(Stage.GEN)
+    trainer = plan.workflow.sync_source(gen.name)
+    if trainer is None:
+        return {}
+    gpus = {c.model_stage: c.gpus for c in plan.candidates}
+    return weight_sync_seconds(models[Role.ACTOR], cluster, gpus[trainer], gpus[gen.name])
+
+
+def holds_step_sync(plan: Plan, name: str) -> bool:
+    """Whether model-stage ``name``'s own time, as its worker times it, holds the async weight
+    sync that ends the step: generation receives it, each trainer waits on it (the planner
+    prices it on both sides, ``nereus.plan.cost.CostModel._async_sync``)."""
+    return plan.mode is ExecutionMode.ASYNC and plan.workflow.get(name).stage in (Stage.GEN, Stage.TRAIN)
+
+
+def with_step_sync(plan: Plan, seconds: Mapping[str, float], sync_s: float) -> dict[str, float]:
+    """Model-stage seconds with the step's async weight sync on the model-stages that hold it."""
+    return {n: t + (sync_s if holds_step_sync(plan, n) else 0.0) for n, t in seconds.items()}
 
 
 def steady_step(plan: Plan, seconds: Mapping[str, float]) -> float:

@@ -20,9 +20,9 @@ from nereus.plan.links import Links
 from nereus.plan.problem import PlanningProblem
 from nereus.plan.search import search
 from nereus.plan.sweep import measurements, probes, seconds_spent
-from nereus.sim.observe import pair, quiet_truth
+from nereus.sim.observe import holds_step_sync, merged, pair, quiet_truth, step_sync
 from nereus.sim.records import Scenario
-from nereus.sim.truth import PARAMS, Hardware, collectives
+from nereus.sim.truth import PARAMS, Hardware, StageResult, collectives
 from nereus.spec.workload import Stage
 
 SEED_REPEATS = 8  # the oracle's probe counts as this many samples of each measurement
@@ -78,8 +78,13 @@ class Seeding:
         ideal = price(replace(problem, efficiencies=Efficiencies.unit()), shapes_of(plan))
         sized = ideal_shapes(problem, shapes_of(plan))
         quiet = quiet_truth(self.s.workload, self.s.models, self.s.cluster, plan, problem.seq)
+        sync = step_sync(self.s.models, self.s.cluster, plan)  # async: held by gen and trainers
+
+        def seconds(n: str, r: StageResult) -> dict[str, float]:
+            return merged(r.seconds, sync) if holds_step_sync(plan, n) else dict(r.seconds)
+
         self._seed = [
-            tuple(pair(ideal.by_class[n], r.seconds, sized[n], plan.workflow.get(n).stage is Stage.GEN))
+            tuple(pair(ideal.by_class[n], seconds(n, r), sized[n], plan.workflow.get(n).stage is Stage.GEN))
             for n, r in quiet.items()
         ]
         self._seed_memory = [
