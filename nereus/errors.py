@@ -19,3 +19,8 @@ class InfeasibleError(NereusError):
     """No plan satisfies memory and the GPU pool (exit 3). The message names the binding constraint."""
 
     exit_code = 3
+
+
+class TooFewGpusError(NereusError):
+    """The GPUs a loss left cannot run the job: no plan fits them (the leader's; exit 1). Its
+    latest checkpoint stays; under SLURM the job is requeued to resume from it."""

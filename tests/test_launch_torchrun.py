@@ -378,6 +378,30 @@ def test_a_restarted_leader_requeues_the_job_a_bounded_number_of_times(
     assert scontrol.read_text() == "requeue 77\n"
 
 
+def test_a_leader_short_of_gpus_after_a_loss_requeues_a_bounded_number_of_times(
+    monkeypatch: pytest.MonkeyPatch, scontrol: Path
+) -> None:
+    """The GPUs a loss left cannot run the job: under SLURM the leader requeues it (it resumes
+    from its checkpoint), at most three times; outside SLURM the one-line error stands."""
+    from nereus.control.action import Outcome
+    from nereus.errors import TooFewGpusError
+    from nereus.runtime import node
+
+    short = TooFewGpusError("the 2 GPUs left [0, 2] cannot run the job (stage inf needs ≥ 3 GPUs)")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with pytest.raises(TooFewGpusError, match=r"^the 2 GPUs left \[0, 2\] cannot run the job"):
+        node._requeue_short_of_gpus(short)
+    assert not scontrol.exists()
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    assert node._requeue_short_of_gpus(short) is Outcome.PREEMPTED
+    assert scontrol.read_text() == "requeue 77\n"
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
+    with pytest.raises(TooFewGpusError, match=r"requeued 3 time\(s\) already: not again"):
+        node._requeue_short_of_gpus(short)
+    assert scontrol.read_text() == "requeue 77\n"
+
+
 def test_only_sigusr2_stops_a_torchrun_worker_at_a_boundary() -> None:
     from nereus.runtime import node
 

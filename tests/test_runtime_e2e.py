@@ -129,6 +129,23 @@ def test_a_killed_worker_is_survived_and_training_stays_on_track(tmp_path: Path,
         assert r["reward"] == pytest.approx(s["reward"], abs=1e-6)
 
 
+@pytest.mark.timeout(300)
+def test_a_loss_that_leaves_too_few_gpus_ends_the_job_and_keeps_its_checkpoint(tmp_path: Path) -> None:
+    """Two of four workers killed at once: PPO's three inference model-stages cannot run on the
+    two left. The leader says so in one line and the job ends (it used to crash on the planner's
+    error); its checkpoints and metrics up to the loss stay, to resume from on more GPUs."""
+    out, proc = nereus_run(tmp_path, "short", 6, "drift:\n  - {step: 3, kill: [2, 3]}\n")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert (
+        "nereus run: error: the 2 GPUs left [0, 1] cannot run the job (stage inf needs ≥ 3 GPUs"
+        in proc.stderr
+    ), proc.stderr[-3000:]
+    assert "its latest checkpoint stays: resume from it on more GPUs" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert [r["step"] for r in metrics(out)] == [0, 1, 2]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000002"
+
+
 @pytest.mark.timeout(400)
 def test_shrink_drains_a_worker_in_place_and_preemption_resumes_on_track(
     tmp_path: Path, untouched: Path

@@ -51,6 +51,7 @@ import torch
 from nereus.control.action import Action, Move, Outcome, RecordKind, Restart, TransitionRecord
 from nereus.control.telemetry import Telemetry
 from nereus.devices import StageOutOfMemoryError
+from nereus.errors import InfeasibleError, TooFewGpusError
 from nereus.plan import sweep
 from nereus.plan.calibration import CalibrationStore
 from nereus.plan.layout import Plan
@@ -407,12 +408,17 @@ class JobLoop(Acting):
                     f"step {self.step}: {oom} ran out of memory {self.oom_tries} times; no plan the "
                     "controller found fits (lower max_new_tokens or the batch, or add GPUs)"
                 )
-        action: Action = broadcast(
-            self.leader.recover(self.plan, self.telemetry, self.step, rebuilt, oom)
-            if self.leader is not None
-            else None,
-            Action,
-        )
+        decided: Action | None = None
+        if self.leader is not None:
+            try:
+                decided = self.leader.recover(self.plan, self.telemetry, self.step, rebuilt, oom)
+            except InfeasibleError as exc:  # the others see the leader leave and leave too
+                members = list(self.m.members)
+                raise TooFewGpusError(
+                    f"the {len(members)} GPUs left {members} cannot run the job ({exc}); "
+                    "its latest checkpoint stays: resume from it on more GPUs"
+                ) from None
+        action: Action = broadcast(decided, Action)
         moved = self._act(action, rebind=True)
         if not isinstance(action, Restart):
             self.worker.weight_sync(self.plan)  # the rollback dropped the weight copies

@@ -36,7 +36,7 @@ from typing import Any
 
 from nereus.control.action import Outcome
 from nereus.devices import Devices, activate, launched
-from nereus.errors import ConfigError, NereusError
+from nereus.errors import ConfigError, NereusError, TooFewGpusError
 from nereus.runtime import checkpoint as ckpt
 from nereus.runtime.bootstrap import Bootstrap, bootstrap, torchrun_on_slurm
 from nereus.runtime.experiment import ExperimentSpec
@@ -48,6 +48,7 @@ from nereus.runtime.signing import KEY_BYTES
 
 RDZV = "rendezvous.json"
 STORE_PROBE_S = 10.0  # a restarted worker: how long the job's store may take to answer
+MAX_SHORT_REQUEUES = 3  # requeues of a job whose GPUs left after a loss could not run it
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +113,11 @@ def main(job_dir: str, join: bool = False) -> Outcome:
             signal.signal(signal.SIGUSR2, _requeue_after_checkpoint)
         preemption = Preemption(stop_signals(boot.source)).install()
         resume = ckpt.latest(job.run / "checkpoints") is not None
-        status = JobLoop.start(m, spec, job.run, resume, job.path / "control", preemption=preemption).run()
+        loop = JobLoop.start(m, spec, job.run, resume, job.path / "control", preemption=preemption)
+        try:
+            status = loop.run()
+        except TooFewGpusError as exc:
+            return _requeue_short_of_gpus(exc)
         if status is Outcome.PREEMPTED:
             preemption.hand_over(m.leader)
         return status
@@ -195,6 +200,21 @@ def _requeue_lost_leader(boot: Bootstrap) -> Outcome:
         f"requeueing the job (requeue {done + 1} of at most {limit}) to resume from its checkpoint",
         file=sys.stderr,
     )
+    requeue()
+    return Outcome.PREEMPTED
+
+
+def _requeue_short_of_gpus(exc: TooFewGpusError) -> Outcome:
+    """The leader, when the GPUs a loss left cannot run the job: under SLURM, requeue it (it
+    resumes from its latest checkpoint on the allocation SLURM gives it again), at most
+    ``MAX_SHORT_REQUEUES`` times; ``preempted`` then (SLURM ends this launch). Elsewhere, or past
+    that, the error stands."""
+    if not os.environ.get("SLURM_JOB_ID", "").isdigit():
+        raise exc
+    done = _env_int("SLURM_RESTART_COUNT")
+    if done >= MAX_SHORT_REQUEUES:
+        raise TooFewGpusError(f"{exc}; the job was requeued {done} time(s) already: not again") from None
+    print(f"GPU 0: {exc}: requeueing the job to resume from it", file=sys.stderr, flush=True)
     requeue()
     return Outcome.PREEMPTED
 

@@ -14,6 +14,7 @@ model-stage), spoken to only through the Backend protocol. Edge module (torch.di
 
 from __future__ import annotations
 
+import datetime
 import gc
 import time
 from collections.abc import Callable, Mapping
@@ -62,6 +63,10 @@ from nereus.transition.between import Transition
 from nereus.transition.execute import Executor
 from nereus.transition.wire import consumed_on
 
+# the weight sync's group (``Worker.bind``): a peer that dies mid-sync surfaces within this, as
+# it did with a group of the walk's own (``Executor``'s default)
+SYNC_TIMEOUT = datetime.timedelta(seconds=60)
+
 
 class Worker:
     """One worker process's part of the job. ``gpu`` is its GPU id in plans, which never changes;
@@ -104,6 +109,7 @@ class Worker:
         self.weights_of: Callable[[str], str] = lambda role: ""  # role → its Hugging Face folder, if any
         self.exchange: Any = None  # the group inference and training results travel in (None: the world)
         self.train_side: Any = None  # async: the group of every rank but generation's (None: the world)
+        self.sync_group: Any = None  # the weight sync's group, formed with the others at ``bind``
         self.train_side_member = True  # async: this rank holds some model-stage other than actor.gen
         self.pending: dict[int, Batch] = {}  # async: batches generated ahead, by the step that trains on them
         self.set_world(tuple(range(dist.get_world_size())) if dist.is_initialized() else (gpu,))
@@ -120,7 +126,7 @@ class Worker:
         destroying the world closes this process's connections."""
         self.groups = {}
         self.engines = {}
-        self.train_side, self.train_side_member = None, True
+        self.train_side, self.train_side_member, self.sync_group = None, True, None
 
     @property
     def rank(self) -> int:
@@ -205,9 +211,10 @@ class Worker:
         dist.barrier()  # every worker is done with the old groups before any tears them down
         for g in self.groups.values():
             g.destroy()
-        if self.train_side is not None:
-            dist.destroy_process_group(self.train_side)
-        self.groups, self.train_side = {}, None
+        for group in (self.train_side, self.sync_group):
+            if group is not None:
+                dist.destroy_process_group(group)
+        self.groups, self.train_side, self.sync_group = {}, None, None
         dist.barrier()  # and has torn them down before any connects new ones
         self.built, self.grouped = {}, {}
         for ms in self.workflow.model_stages:
@@ -219,6 +226,7 @@ class Worker:
             c = plan.candidate(ms.name)
             self.degrees[ms.name] = (c.layout.tp, c.layout.pp, c.dp)
         self._train_side(plan)
+        self.sync_group = dist.new_group(backend=dist.get_backend(), timeout=SYNC_TIMEOUT)
         held = dict(self.holder.by_stage())
         self.holder.units = dict(held)
         engines: dict[str, Backend] = {}
@@ -343,6 +351,17 @@ class Worker:
         if closing:
             gc.collect()  # modules hold reference cycles: free their buffers now, not at some later GC
 
+    def _sync_group(self) -> Any:
+        """The weight sync's group of this binding; None (the walk forms its own) before the
+        first ``bind`` or once the world it belonged to is gone."""
+        if self.sync_group is None:
+            return None
+        try:
+            dist.get_process_group_ranks(self.sync_group)
+        except (KeyError, ValueError, RuntimeError):  # destroyed with its world (a new generation)
+            self.sync_group = None
+        return self.sync_group
+
     def weight_sync(self, plan: Plan) -> float:
         """Trainers' weights into their receivers (actor.gen, actor.inf, critic.inf), as one DAG of
         restores from the trainers' units."""
@@ -364,7 +383,7 @@ class Worker:
         rank_of = {ms.name: STAGE_ORDER.index(ms.stage) for ms in self.workflow.model_stages}
         dag = build_dag(ordered, rank_of, self.links, 2**62)
         try:
-            Executor(dag, ordered, self.holder, self.gpu_of_rank).run()
+            Executor(dag, ordered, self.holder, self.gpu_of_rank, group=self._sync_group()).run()
         finally:
             staging.release_all()
             recycle.release()

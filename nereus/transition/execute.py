@@ -26,9 +26,11 @@ A round whose staged messages would need more than ``staging_budget`` bytes with
 batches (``wire.batches``), each reusing the same regions, so staging stays bounded (and counted
 by the ledger) however large the model.
 
-gloo on CPU, NCCL/RCCL on GPU, the same code. The transition's process group is created at the
+gloo on CPU, NCCL/RCCL on GPU, the same code. A transition's process group is created at the
 start and destroyed at the end, with a short timeout: a peer that dies surfaces as an error
-naming the node and the rank instead of a hang.
+naming the node and the rank instead of a hang. A walk that runs every step (the weight sync) is
+given a group its caller formed once per binding (``group``): no per-step connect, where a peer
+dying mid-connect would hold the others for gloo's connect retries (minutes) instead of failing.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -134,6 +137,7 @@ class Executor:
         zero_copy: bool = True,
         staging: Staging | None = None,
         staging_budget: int = STAGING_BUDGET,
+        group: Any = None,
     ) -> None:
         if not dag.feasible:
             raise TransitionError(f"the transition is infeasible: {dag.reason}")
@@ -150,6 +154,7 @@ class Executor:
         self.states = dict(states or {})
         self.storage = storage
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.group = group  # the caller's, kept after the walk (None: one of the walk's own)
         self.sent = self.received = 0
         self.messages: list[tuple[int, int, int, int]] = []  # (node, from rank, to rank, bytes) sent
         self.node_seconds: dict[int, float] = {}  # wall time of each node this rank took part in
@@ -189,10 +194,12 @@ class Executor:
         holder then still holds every complete unit it had (nothing half-written is installed, and
         a unit a failed node had begun to free, kind by kind, is dropped)."""
         self._adopt()
-        # every rank has torn down its previous groups before anyone connects a new one: gloo
-        # reports a peer still tearing down as "connection closed" during the new group's connect
-        dist.barrier()
-        group = dist.new_group(backend=dist.get_backend(), timeout=self.timeout)
+        group = self.group
+        if group is None:
+            # every rank has torn down its previous groups before anyone connects a new one: gloo
+            # reports a peer still tearing down as "connection closed" during the new group's connect
+            dist.barrier()
+            group = dist.new_group(backend=dist.get_backend(), timeout=self.timeout)
         # and every rank's connections are up before anyone starts: gloo connects pairs lazily
         # per rank, so a peer that fails its first node could otherwise break a slower rank's
         # connect, which then surfaces outside the node that failed
@@ -205,7 +212,8 @@ class Executor:
                     self._wave(mine, group, on_node)
                     done += len(mine)
         finally:
-            dist.destroy_process_group(group)
+            if self.group is None:
+                dist.destroy_process_group(group)
         self.holder.by_stage()  # checks: one unit per model-stage again (ids stay the DAG's)
         return Report(done, self.sent, self.received, tuple(sorted(self.holder.units)))
 
