@@ -191,6 +191,8 @@ def read_record(folder: Path) -> JobRecord:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"JOB: cannot read {path} ({exc})") from None
+    except RecursionError:
+        raise ConfigError(f"JOB: cannot read {path} (JSON nested too deeply)") from None
     if not isinstance(data, dict):
         raise ConfigError(f"JOB: {path} is not a JSON object")
     return build(JobRecord, data, str(path))

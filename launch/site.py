@@ -32,6 +32,9 @@ RESERVED_SBATCH = frozenset(
     {
         "account", "array", "cpus-per-task", "error", "gpus-per-node", "job-name", "nodes",
         "ntasks-per-node", "open-mode", "output", "partition", "signal", "time", "wckey",
+        # the script and its launch: a wrapped command replaces it, the others move or hold it
+        "wrap", "ntasks", "chdir", "export", "dependency", "hold", "wait", "test-only", "parsable",
+        "requeue", "no-requeue",
     }
 )  # fmt: skip
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -182,6 +182,37 @@ def test_a_used_folder_needs_force_and_force_replaces_only_the_runs_files(tmp_pa
     assert (out / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.parametrize(
+    ("damage", "error"),
+    [
+        ("metrics-bytes", r"metrics.jsonl cannot be read \(not UTF-8 text\)"),
+        ("metrics-folder", r"metrics.jsonl cannot be read \(Is a directory\)"),
+        ("tensorboard-file", r"tensorboard is not a folder"),
+        ("hf-file", r"hf is not a folder"),
+    ],
+)
+def test_resume_refuses_a_run_whose_own_files_are_damaged(tmp_path: Path, damage: str, error: str) -> None:
+    """Each used to fail in the workers (the hf file only at the export, after training)."""
+    out = tmp_path / "run"
+    outdir.prepare(out, resume=False, force=False)
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    (out / "checkpoints").mkdir()
+    outdir.check(out, resume=True, force=False)
+    name, kind = damage.split("-")
+    target = out / ("metrics.jsonl" if name == "metrics" else name)
+    if target.is_file():
+        target.unlink()
+    if kind == "bytes":
+        target.write_bytes(b'{"step": 0}\n\xff\xfe junk\n')
+    elif kind == "folder":
+        target.mkdir()
+    else:
+        target.write_text("")
+    refused = rf"^--out: .*{error}; --resume needs the run's own \(move it away\)$"
+    with pytest.raises(ConfigError, match=refused):
+        outdir.check(out, resume=True, force=False)
+
+
 def test_a_foreign_folder_needs_force(tmp_path: Path) -> None:
     (tmp_path / "thesis.tex").write_text("x")
     with pytest.raises(ConfigError, match=r"is not empty \(thesis.tex\) and nereus run did not create it"):

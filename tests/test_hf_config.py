@@ -133,6 +133,45 @@ def test_the_reader_takes_floating_point_weights(tmp_path: Path, dtype: torch.dt
     assert hf.SafetensorsReader(tmp_path).get("model.norm.weight", (4,)).dtype == dtype
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_the_reader_refuses_weights_that_are_not_finite(tmp_path: Path, bad: float) -> None:
+    w = torch.ones(4)
+    w[2] = bad
+    save_file({"model.norm.weight": w}, tmp_path / hf.SINGLE)
+    with pytest.raises(ConfigError, match=r"tensor 'model.norm.weight' holds NaN or Infinity$"):
+        hf.SafetensorsReader(tmp_path).get("model.norm.weight", (4,))
+
+
+def test_the_header_check_reads_dtype_and_shape_without_the_data(tmp_path: Path) -> None:
+    save_file(
+        {"a": torch.ones(4, 2), "b": torch.ones(3).to(torch.int32), "c": torch.ones(2, dtype=torch.bfloat16)},
+        tmp_path / hf.SINGLE,
+    )
+    reader = hf.SafetensorsReader(tmp_path)
+    reader.check_header("a", (4, 2))
+    reader.check_header("c", (2,))
+    with pytest.raises(ConfigError, match=r"tensor 'a' has shape \(4, 2\), the model needs \(2, 4\)$"):
+        reader.check_header("a", (2, 4))
+    with pytest.raises(ConfigError, match=r"tensor 'b' is I32; expected bf16, fp16 or fp32"):
+        reader.check_header("b", (3,))
+
+
+@pytest.mark.parametrize(
+    ("index", "error"),
+    [
+        ("[" * 5000 + "]" * 5000, "not valid JSON \\(nested deeper than"),
+        ('{"weight_map": [1]}', "key 'weight_map' must map tensor names to file names"),
+        ('{"weight_map": {"a": 3}}', "key 'weight_map' must map tensor names to file names"),
+        ("{}", "key 'weight_map' must map tensor names to file names"),
+    ],
+)
+def test_a_bad_weights_index_is_one_line(tmp_path: Path, index: str, error: str) -> None:
+    (tmp_path / hf.INDEX).write_text(index)
+    with pytest.raises(ConfigError, match=error) as info:
+        hf.SafetensorsReader(tmp_path)
+    assert "\n" not in str(info.value)
+
+
 def test_harmless_unused_tensors() -> None:
     assert hf.unused_is_harmless("lm_head.weight") and hf.unused_is_harmless("score.weight")
     assert hf.unused_is_harmless("model.layers.3.self_attn.rotary_emb.inv_freq")

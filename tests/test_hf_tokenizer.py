@@ -154,6 +154,27 @@ def test_bad_folders_are_one_line_errors(tmp_path: Path) -> None:
         untemplated.encode_messages([{"role": "user", "content": "hi"}])
 
 
+@pytest.mark.parametrize(
+    ("template", "error"),
+    [
+        ("{% for m in messages %}", "TemplateSyntaxError"),
+        ('{{ raise_exception("no system turn") }}', "TemplateError"),
+    ],
+)
+def test_a_chat_template_that_does_not_render_is_one_line(tmp_path: Path, template: str, error: str) -> None:
+    """Found when the tokenizer is built (preflight builds it), not in the workers' first step;
+    a template that refuses a later conversation is one line too."""
+    refused = rf"^tokenizer: .*: its chat_template does not render: {error}: "
+    with pytest.raises(ConfigError, match=refused) as info:
+        HfTokenizer(str(build(tmp_path / "bad", template=template)))
+    assert "\n" not in str(info.value)
+    picky = "{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}x"
+    tok = HfTokenizer(str(build(tmp_path / "picky", template=picky)))
+    with pytest.raises(ConfigError, match=r"does not render: TemplateError: user first$"):
+        tok.encode_messages([{"role": "system", "content": "hi"}])
+    assert HfTokenizer(str(build(tmp_path / "plain", template=picky)), chat=False).encode("hi")
+
+
 def test_crosses_the_control_channel_as_its_folder(folder: Path) -> None:
     tok = HfTokenizer(str(folder))
     doc = json.loads(encode(tok))

@@ -234,9 +234,10 @@ def test_bad_site_file(tmp_path: Path, capsys: Any) -> None:
     site.write_text((ROOT / "slurm/templates/local.yaml").read_text() + "gpus: 4\n")
     code, _, err = launch(["submit", str(PPO_TINY), "--site", str(site), "--dry-run"], capsys)
     assert code == 2 and "unknown key 'gpus' (allowed: account, cpus_per_task, description, env," in err
-    site.write_text("vendor: cpu\nsbatch: {nodes: 3}\n")
-    code, _, err = launch(["submit", str(PPO_TINY), "--site", str(site), "--dry-run"], capsys)
-    assert code == 2 and "sbatch: 'nodes' is not a flag the site may set" in err
+    for flag in ("nodes", "wrap", "ntasks", "chdir", "export", "dependency"):  # wrap: replaces the script
+        site.write_text(f"vendor: cpu\nsbatch: {{{flag}: x}}\n")
+        code, _, err = launch(["submit", str(PPO_TINY), "--site", str(site), "--dry-run"], capsys)
+        assert code == 2 and f"sbatch: '{flag}' is not a flag the site may set" in err, err
 
 
 def test_missing_experiment_and_job_folders(tmp_path: Path, capsys: Any) -> None:

@@ -293,6 +293,28 @@ def test_an_init_folder_with_weights_the_model_does_not_have_exits_2(tmp_path: P
     )
 
 
+def test_an_init_tensor_of_the_wrong_shape_or_dtype_exits_2_before_the_workers(tmp_path: Path) -> None:
+    """Read from the safetensors header in preflight: no output folder is left (the workers used
+    to find it, after the run's folder was made)."""
+    import safetensors.torch
+    import torch
+
+    from tests.test_runtime_e2e import _hf_checkpoint
+
+    name = "model.layers.0.mlp.up_proj.weight"
+    for change, detail in (
+        (lambda t: torch.zeros(3, 3), "has shape (3, 3), the model needs"),
+        (lambda t: t.to(torch.int32), "is I32; expected bf16, fp16 or fp32 weights"),
+    ):
+        actor = _hf_checkpoint(tmp_path / "actor", "lm", 11)
+        tensors = safetensors.torch.load_file(actor / "model.safetensors")
+        tensors[name] = change(tensors[name])
+        safetensors.torch.save_file(tensors, actor / "model.safetensors")
+        line = _refused_init(tmp_path, actor)
+        assert line.startswith(f"nereus run: error: init.actor: {actor}/model.safetensors: tensor '{name}' ")
+        assert detail in line, line
+
+
 @pytest.mark.timeout(120)
 def test_a_second_sigint_kills_the_workers_at_once(tmp_path: Path) -> None:
     out = tmp_path / "out"

@@ -21,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from nereus.errors import ConfigError
+from nereus.spec.files import parse_json
 from nereus.spec.model import Head, ModelFamily, ModelSpec
 
 ARCHITECTURE = {
@@ -32,6 +33,8 @@ ARCHITECTURE = {
 SHARD_BYTES = 4 << 30  # safetensors files are split above this size, as save_pretrained does
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+# safetensors header dtypes ``get`` accepts (floating, two bytes or more)
+HEADER_FLOATS = frozenset({"BF16", "F16", "F32", "F64"})
 
 
 def read_config(directory: Path) -> ModelSpec:
@@ -100,7 +103,12 @@ class SafetensorsReader:
             raise ConfigError(f"{directory}: no {SINGLE} or {INDEX}")
         try:
             if source == index:
-                weight_map = json.loads(index.read_text())["weight_map"]
+                doc = parse_json(index.read_text(), str(index))
+                weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+                if not isinstance(weight_map, dict) or not all(
+                    isinstance(n, str) and isinstance(f, str) for n, f in weight_map.items()
+                ):
+                    raise ConfigError(f"{index}: key 'weight_map' must map tensor names to file names")
                 self.files = {name: self.directory / f for name, f in weight_map.items()}
             else:
                 with safe_open(str(single), "pt") as f:
@@ -111,6 +119,25 @@ class SafetensorsReader:
 
     def names(self) -> set[str]:
         return set(self.files)
+
+    def check_header(self, name: str, shape: tuple[int, ...]) -> None:
+        """``get``'s dtype and shape checks from the file's header alone (no tensor data read):
+        what preflight checks before any worker starts."""
+        path = self.files[name]
+        try:
+            if path not in self._open:
+                self._open[path] = safe_open(str(path), "pt")
+            view = self._open[path].get_slice(name)
+            dtype, found = str(view.get_dtype()), tuple(int(d) for d in view.get_shape())
+        except Exception as exc:  # safetensors raises its own error types for corrupt files
+            raise ConfigError(f"{path}: cannot read tensor '{name}' ({exc})") from None
+        if dtype not in HEADER_FLOATS:
+            raise ConfigError(
+                f"{path}: tensor '{name}' is {dtype}; expected bf16, fp16 or fp32 weights (a quantized "
+                "checkpoint must be dequantized first)"
+            )
+        if found != shape:
+            raise ConfigError(f"{path}: tensor '{name}' has shape {found}, the model needs {shape}")
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         if name not in self.files:
@@ -129,6 +156,8 @@ class SafetensorsReader:
             )
         if shape is not None and tuple(t.shape) != shape:
             raise ConfigError(f"{path}: tensor '{name}' has shape {tuple(t.shape)}, the model needs {shape}")
+        if not bool(torch.isfinite(t).all()):
+            raise ConfigError(f"{path}: tensor '{name}' holds NaN or Infinity")
         return t
 
 

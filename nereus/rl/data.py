@@ -143,6 +143,8 @@ def _rows(path: Path) -> list[tuple[str, int, object]]:
             raise ConfigError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
         except ValueError as exc:
             raise ConfigError(f"{path}:{n}: not valid JSON ({exc})") from None
+        except RecursionError:
+            raise ConfigError(f"{path}:{n}: not valid JSON (nested too deeply)") from None
     return out
 
 

@@ -86,6 +86,8 @@ class HfTokenizer:
         if tok.eos_token_id is None:
             raise ConfigError(f"tokenizer: {self.folder} has no eos token (tokenizer_config.json: eos_token)")
         object.__setattr__(self, "_tok", tok)
+        if self.templated:  # a template that does not render fails here, not in the workers
+            self.encode_messages([{"role": "user", "content": "1 + 1 = ?"}])
         eos = int(tok.eos_token_id)
         more = _generation_eos(Path(self.folder), len(tok))
         object.__setattr__(self, "_stop", (eos, *sorted(set(more) - {eos})))
@@ -138,7 +140,13 @@ class HfTokenizer:
         """A conversation's ids through the chat template, ending with the generation prompt."""
         if not getattr(self._tok, "chat_template", None):
             raise ConfigError(f"tokenizer: {self.folder} has no chat_template for chat-message prompts")
-        out = self._tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        try:
+            out = self._tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # jinja2's errors: a broken template, or its raise_exception()
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(
+                f"tokenizer: {self.folder}: its chat_template does not render: {type(exc).__name__}: {first}"
+            ) from None
         ids = out["input_ids"] if isinstance(out, Mapping) else out
         return [int(i) for i in ids]
 

@@ -280,13 +280,19 @@ def torch_checks(spec: Any) -> None:
         absent = sorted({str(f) for f in reader.files.values() if not f.is_file()})
         if absent:
             raise ConfigError(f"init.{role}: {path}: the weights index names {absent[0]}, which is missing")
-        needed = {s.source for s in shards(wanted, Layout(1, 1), 0, 0)}
+        shapes = {s.source: s.full_shape for s in shards(wanted, Layout(1, 1), 0, 0)}
+        needed = set(shapes)
         if head is Head.VALUE:
             needed.discard("score.weight")  # a value head may start from an LM checkpoint (zeros)
         missing = sorted(needed - reader.names())
         if missing:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
             raise ConfigError(f"init.{role}: {path} has no weights for {missing[0]}{more}")
+        for name in sorted(needed & reader.names()):  # from the headers: no tensor is read
+            try:
+                reader.check_header(name, shapes[name])
+            except ConfigError as exc:
+                raise ConfigError(f"init.{role}: {exc}") from None
         unused = sorted(n for n in reader.names() - needed if not hf.unused_is_harmless(n))
         if unused:
             more = f" and {len(unused) - 1} more" if len(unused) > 1 else ""

@@ -28,6 +28,32 @@ RUN_FILES = (
 )  # fmt: skip
 
 
+# what a resumed run reads or writes into, by kind (a file where a folder belongs, or the
+# reverse, fails in the workers, some only after training: at export)
+RUN_FOLDERS = ("tensorboard", "checkpoints", "hf")
+RUN_TEXT = ("metrics.jsonl", "tasks.jsonl", "membership.log")
+
+
+def _resumable(path: Path) -> None:
+    """A previous run's files are of the kind a resume needs: its folders folders, its text
+    files readable UTF-8 files."""
+    for name in RUN_FOLDERS:
+        if (path / name).exists() and not (path / name).is_dir():
+            raise ConfigError(
+                f"--out: {path / name} is not a folder; --resume needs the run's own (move it away)"
+            )
+    for name in RUN_TEXT:
+        if not (path / name).exists():
+            continue
+        try:
+            (path / name).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+            raise ConfigError(
+                f"--out: {path / name} cannot be read ({why}); --resume needs the run's own (move it away)"
+            ) from None
+
+
 def _existing_ancestor(path: Path) -> Path:
     p = path.absolute()
     while not p.exists() and not p.is_symlink() and p != p.parent:
@@ -64,6 +90,8 @@ def check(path: Path, resume: bool, force: bool) -> None:
                 f"--out: {path / clash[0]} is there and nereus run did not write it; --force replaces a "
                 "previous run's files only (move it away, or choose another --out)"
             )
+    if resume and path.is_dir():
+        _resumable(path)
     if resume or force or not path.exists():
         return
     entries = sorted(e.name for e in path.iterdir() if e.name not in INPUTS)
