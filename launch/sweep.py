@@ -93,15 +93,20 @@ def load_sweep(path: Path) -> Sweep:
 
 def check_argv(sweep: Sweep, path: Path) -> None:
     """Parse every task's command line with the ``nereus`` parser: one line naming the first bad one."""
-    from nereus.cli import _parser  # the planner CLI's own parser: no torch
+    from nereus.cli import _parser, _problem  # the planner CLI's own parser and checks: no torch
 
     parser = _parser()
     for index, point in enumerate(sweep.points()):
         err = io.StringIO()
         try:
             with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-                parser.parse_args(sweep.argv(point))
+                args = parser.parse_args(sweep.argv(point))
         except SystemExit:
             lines = err.getvalue().strip().splitlines()
             why = lines[-1] if lines else "rejected by the nereus parser"
             raise ConfigError(f"{path}: task {index} {point}: {why}") from None
+        if args.command == "plan":  # the names and sizes it would refuse on a compute node
+            try:
+                _problem(args)
+            except ConfigError as exc:
+                raise ConfigError(f"{path}: task {index} {point}: {exc}") from None

@@ -271,6 +271,11 @@ ENTRY = '{"window": 8, "samples": %s, "memory": %s}'
     [
         ("{", "line 1: not valid JSON (Expecting property name enclosed in double quotes)"),
         ('{"format": 3, "clusters": {}}', "key 'format': expected 1 or 2 (this Nereus reads both), got 3"),
+        (
+            '{"format": true, "clusters": {}}',
+            "key 'format': expected 1 or 2 (this Nereus reads both), got True",
+        ),
+        ("[]", "expected a JSON object with keys format and clusters, got []"),
         ('{"format": 1, "clusters": []}', "key 'clusters': expected a mapping"),
         (
             '{"format": 1, "clusters": {"h200-ib": {}}}',

@@ -467,3 +467,12 @@ def test_bad_sweep(tmp_path: Path, capsys: Any) -> None:
     sweep.write_text("command: simulate\ngrid: {gpus: [2]}\n")
     code, _, err = launch(["array", str(sweep), "--dry-run"], capsys)
     assert code == 2 and "command must be one of plan, got 'simulate'" in err
+    # what every task would refuse on a compute node: an unknown model, more GPUs than the cluster
+    sweep.write_text("command: plan\nargs: {model: nonexistent, algo: ppo, cluster: local-cpu, seq-len: 8}\n"
+                     "grid: {gpus: [2]}\n")  # fmt: skip
+    code, _, err = launch(["array", str(sweep), "--dry-run"], capsys)
+    assert code == 2 and "task 0 {'gpus': 2}: " in err and "unknown model 'nonexistent'" in err, err
+    sweep.write_text("command: plan\nargs: {model: tiny-llama, algo: ppo, cluster: local-cpu, seq-len: 8}\n"
+                     "grid: {gpus: [2, 100000]}\n")  # fmt: skip
+    code, _, err = launch(["array", str(sweep), "--dry-run"], capsys)
+    assert code == 2 and "task 1 {'gpus': 100000}: --gpus 100000 exceeds cluster local-cpu" in err, err

@@ -323,9 +323,11 @@ def _zero(value: object) -> bool:
 
 def _read(path: Path) -> dict[str, object]:
     doc = load_json(path, "calibration file")
-    if not isinstance(doc, dict) or doc.get("format") not in READABLE_FORMATS:
-        got = brief(doc.get("format")) if isinstance(doc, dict) else "not a mapping"
-        raise ConfigError(f"{path}: key 'format': expected 1 or 2 (this Nereus reads both), got {got}")
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: expected a JSON object with keys format and clusters, got {brief(doc)}")
+    fmt = doc.get("format")
+    if isinstance(fmt, bool) or fmt not in READABLE_FORMATS:  # True == 1 in Python
+        raise ConfigError(f"{path}: key 'format': expected 1 or 2 (this Nereus reads both), got {brief(fmt)}")
     if not isinstance(doc.get("clusters"), dict):
         raise ConfigError(f"{path}: key 'clusters': expected a mapping")
     return doc

@@ -138,7 +138,8 @@ def _rows(path: Path) -> list[tuple[str, int, object]]:
         if not line.strip():
             continue
         try:
-            out.append((f"{path}:{n}", n, json.loads(line, parse_constant=_no_constant)))
+            row = json.loads(line, parse_constant=_no_constant, object_pairs_hook=_once)
+            out.append((f"{path}:{n}", n, row))
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
         except ValueError as exc:
@@ -163,6 +164,16 @@ def _nonfinite(value: object, at: str = "") -> str | None:
             if found is not None:
                 return found
     return None
+
+
+def _once(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """A JSON object whose keys are unique (json keeps the last of a repeated one, silently)."""
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"field {key!r} repeats")
+        out[key] = value
+    return out
 
 
 def _no_constant(name: str) -> object:
