@@ -146,7 +146,7 @@ GOOD = ['{"prompt": "1+2=", "answer": "3"}', '{"prompt": "copy 12=", "answer": "
         ('["1+2=", "3"]', "", "expected a JSON object with fields prompt, answer, id"),
         ('{"prompt": "1+2=", ', "", "not valid JSON"),
         ("[" * 100_000 + "]" * 100_000, "", "not valid JSON (nested too deeply)"),
-        ('{"prompt": "1+2=", "prompt": "2+2=", "answer": "3"}', "", "(field 'prompt' repeats)"),
+        ('{"prompt": "1+2=", "prompt": "2+2=", "answer": "3"}', "", "(key 'prompt' given twice)"),
     ],
 )
 def test_bad_records_name_file_line_and_field(tmp_path: Path, line: str, field: str, detail: str) -> None:

@@ -30,6 +30,7 @@ from nereus.errors import ConfigError
 from nereus.rl.layouts import RecordLayout
 from nereus.rl.tasks import TaskRecord
 from nereus.rl.tokenizer import Tokenizer
+from nereus.spec.files import unique_keys
 from nereus.state.emu import sample_range
 
 FIELDS = ("prompt", "answer", "id")
@@ -138,7 +139,7 @@ def _rows(path: Path) -> list[tuple[str, int, object]]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line, parse_constant=_no_constant, object_pairs_hook=_once)
+            row = json.loads(line, parse_constant=_no_constant, object_pairs_hook=unique_keys)
             out.append((f"{path}:{n}", n, row))
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
@@ -164,16 +165,6 @@ def _nonfinite(value: object, at: str = "") -> str | None:
             if found is not None:
                 return found
     return None
-
-
-def _once(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    """A JSON object whose keys are unique (json keeps the last of a repeated one, silently)."""
-    out: dict[str, object] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"field {key!r} repeats")
-        out[key] = value
-    return out
 
 
 def _no_constant(name: str) -> object:

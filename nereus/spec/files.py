@@ -132,7 +132,7 @@ def _depth(value: object, limit: int) -> bool:
     return False
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """An object whose keys are all different (JSON keeps the last of two silently; a YAML
     config refuses the same)."""
     doc: dict[str, Any] = {}
@@ -151,7 +151,7 @@ def parse_json(text: str, source: str) -> Any:
             parse_constant=_refuse_constant,
             parse_int=_bounded_int,
             parse_float=_bounded_float,
-            object_pairs_hook=_unique_keys,
+            object_pairs_hook=unique_keys,
         )
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{source}: line {exc.lineno}: not valid JSON ({exc.msg})") from None
