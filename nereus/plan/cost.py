@@ -169,7 +169,9 @@ class CostModel:
         if self.syncs(model_stage):
             terms["weight_sync"] = self._weight_sync(rep, model_stage)
         elif self.gen_apart and model_stage.stage is Stage.TRAIN:
-            terms[SYNC_WAIT] = self._async_sync(dpf)
+            wait = self._async_sync(dpf)
+            if wait.by_class:  # (none when generation receives no trainer's weights)
+                terms[SYNC_WAIT] = wait
         return LatencyTerms(MappingProxyType(terms)), mem
 
     def syncs(self, model_stage: ModelStage) -> bool:
