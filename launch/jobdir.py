@@ -229,6 +229,8 @@ def write_secret(folder: Path) -> None:
 def find_job(ref: str, root: Path) -> Path:
     """A job folder from a path, or from a SLURM job id (or a grow job's) found under ``root``."""
     check_text("JOB", ref)
+    if not ref.strip():
+        raise ConfigError("JOB: expected a job folder or a SLURM job id, got an empty value")
     path = Path(ref)
     try:
         is_dir = path.is_dir()

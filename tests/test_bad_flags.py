@@ -294,6 +294,14 @@ CHOICES = "(choose from 'models', 'clusters', 'algos', 'algorithms', 'traces')"
             ["simulate", "--trace"],
             f"{E_SIM}argument --trace: expected one argument (see nereus simulate --help)",
         ),
+        (  # Path("") is the current folder, which the simulation would write into
+            ["simulate", "--out", ""],
+            f"{E_SIM}argument --out: must be a path, got an empty value (see nereus simulate --help)",
+        ),
+        (
+            ["run", "x.yaml", "--out", " "],
+            "nereus run: error: argument --out: must be a path, got an empty value (see nereus run --help)",
+        ),
     ],
 )
 def test_argparse_errors_are_one_line(argv: list[str], line: str, capsys: pytest.CaptureFixture[str]) -> None:

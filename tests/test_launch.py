@@ -250,6 +250,9 @@ def test_missing_experiment_and_job_folders(tmp_path: Path, capsys: Any) -> None
     assert code == 2 and "has no job.json (not a nereus-launch job folder)" in err
     code, _, err = launch(["cancel", "424242", "--jobs-root", str(tmp_path)], capsys)
     assert code == 2 and "no job with id 424242" in err
+    for command in ("status", "logs", "cancel"):  # "" would be the current folder
+        code, _, err = launch([command, ""], capsys)
+        assert code == 2 and "JOB: expected a job folder or a SLURM job id, got an empty value" in err, err
 
 
 def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sbatch: str) -> None:

@@ -47,6 +47,7 @@ def test_bad_traces_name_the_field(tmp_path: Path, doc: str, pattern: str) -> No
     ("text", "pattern"),
     [
         ("step,mean_len\n0,100\n", "missing column 'p95_len'"),
+        ("step,step,mean_len,p95_len\n0,1,8,12\n", "line 1: column 'step' is named twice"),
         ("step,mean_len,p95_len\n0,100,120\n0,110,130\n", "line 3: field 'step': steps must increase"),
         ("step,mean_len,p95_len\n0,100,90\n", "line 2: field 'p95_len'"),
         ("step,mean_len,p95_len\n0,abc,90\n", "line 2: field 'mean_len'"),

@@ -30,6 +30,7 @@ from nereus.errors import ConfigError, InfeasibleError, NereusError
 from nereus.runtime import outdir, signing
 from nereus.runtime.signals import exit_code
 from nereus.runtime.signals import name as signal_name
+from nereus.spec.files import nonempty_path
 
 T = TypeVar("T")
 
@@ -39,7 +40,7 @@ FEASIBLE_LISTED_UP_TO = 64  # worker counts tried for the message of an infeasib
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("run", help="run an RL experiment on local worker processes")
     p.add_argument("experiment", type=Path, help="configs/experiments/<name>.yaml")
-    p.add_argument("--out", type=Path, default=None, help="results folder (default runs/<name>)")
+    p.add_argument("--out", type=nonempty_path, default=None, help="results folder (default runs/<name>)")
     p.add_argument("--steps", type=int, default=None, help="override the experiment's step count")
     p.add_argument(
         "--resume", action="store_true", help="continue from the latest checkpoint in the results folder"

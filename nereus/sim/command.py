@@ -22,7 +22,7 @@ from nereus.sim.seqcurve import SeqCurve
 from nereus.sim.trace import GpuSupply, SpotTrace
 from nereus.sim.truth import Episode
 from nereus.spec import Role, load_cluster, load_model, load_workload
-from nereus.spec.files import OutputFolder, brief
+from nereus.spec.files import OutputFolder, brief, nonempty_path
 from nereus.spec.model import check_context
 from nereus.spec.registry import load_role_models, trace_path
 from nereus.spec.workload import MAX_STALENESS, ExecutionMode
@@ -129,7 +129,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--out",
-        type=Path,
+        type=nonempty_path,
         help="output folder (default runs/sim/<trace>-<model>-<algo>): new, empty, or one simulate wrote",
     )
     p.add_argument("--force", action="store_true", help="write into an --out folder holding other files")

@@ -66,9 +66,13 @@ class SeqCurve:
     @classmethod
     def _parse(cls, path: Path, text: str) -> SeqCurve:
         reader = csv.DictReader(text.splitlines(), skipinitialspace=True)  # "step, mean_len, p95_len"
-        missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
+        names = list(reader.fieldnames or [])
+        missing = [c for c in COLUMNS if c not in names]
         if missing:
             raise ConfigError(f"{path}: line 1: missing column '{missing[0]}' (need {', '.join(COLUMNS)})")
+        twice = [c for c in COLUMNS if names.count(c) > 1]  # csv keeps the last of two silently
+        if twice:
+            raise ConfigError(f"{path}: line 1: column '{twice[0]}' is named twice")
         steps: list[int] = []
         mean: list[float] = []
         p95: list[float] = []

@@ -13,6 +13,7 @@ Writing: a command writes only into a folder that is new, empty, or marked as it
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -305,3 +306,11 @@ class OutputFolder:
                 if target.is_file() and not target.is_symlink():
                     target.unlink()
             self._mark(files)
+
+
+def nonempty_path(text: str) -> Path:
+    """An argparse type for a path flag: an empty value is refused (``Path("")`` is the current
+    folder, which a run or a simulation would then write into)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must be a path, got an empty value")
+    return Path(text)
