@@ -378,6 +378,46 @@ def test_a_restarted_leader_requeues_the_job_a_bounded_number_of_times(
     assert scontrol.read_text() == "requeue 77\n"
 
 
+def test_a_worker_left_behind_by_a_recovery_asks_to_rejoin_while_the_job_runs(
+    job_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Healthy but late to a recovery (held in a connect to a dead peer): it rejoins as its own
+    GPU through the signed join path while the job's store answers, and leaves when it does not
+    (the job is over) or when the leader refuses it."""
+    from nereus.control.action import Outcome
+    from nereus.devices import launched
+    from nereus.runtime import node
+    from nereus.runtime.membership import JoinRefusedError, Rendezvous
+
+    joins: list[Any] = []
+    monkeypatch.setattr(node, "_join", lambda *args: joins.append(args) or Outcome.DONE)
+    monkeypatch.setattr(node, "STORE_PROBE_S", 0.3)
+    folder = node.JobFolder(job_folder)
+    spec, devices = folder.spec(), launched()
+
+    def rejoin(rdzv: Rendezvous) -> Outcome:
+        return node._rejoin_left_behind(folder, spec, b"k", rdzv, 3, (), devices)
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    gone = Rendezvous("127.0.0.1", s.getsockname()[1], "slurm-77-0")
+    s.close()  # nothing listens there: the job is over
+    assert rejoin(gone) is Outcome.LEFT and not joins
+    with socket.socket() as live:
+        live.bind(("127.0.0.1", 0))
+        live.listen(1)
+        rdzv = Rendezvous("127.0.0.1", live.getsockname()[1], "slurm-77-0")
+        assert rejoin(rdzv) is Outcome.DONE
+        ((_, _, _, at, gpu, _, _),) = joins
+        assert (at, gpu) == (rdzv, 3)  # its own GPU id
+
+        def refused(*args: Any) -> Outcome:
+            raise JoinRefusedError("join refused: the job is ending")
+
+        monkeypatch.setattr(node, "_join", refused)
+        assert rejoin(rdzv) is Outcome.LEFT
+
+
 def test_a_leader_short_of_gpus_after_a_loss_requeues_a_bounded_number_of_times(
     monkeypatch: pytest.MonkeyPatch, scontrol: Path
 ) -> None:

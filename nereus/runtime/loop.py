@@ -120,6 +120,7 @@ class JobLoop(Acting):
         self.faulted: set[int] = set()  # steps whose scripted fault has struck
         self.preemption = preemption or Preemption()
         self.dropped = 0  # async: batches generated ahead that a transition dropped, since the last record
+        self.left_behind = False  # the job went on without this healthy GPU (``LeftBehindError``)
 
     # ------------------------------------------------------------------ the two ways in
     @classmethod
@@ -196,6 +197,7 @@ class JobLoop(Acting):
                 except LeftBehindError as exc:  # the job went on without this GPU
                     print(f"nereus: {exc}; leaving the job", file=sys.stderr, flush=True)
                     self.m.close()
+                    self.left_behind = True
                     return Outcome.LEFT
             elif outcome is not None:
                 return outcome

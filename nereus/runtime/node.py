@@ -24,6 +24,7 @@ checkpoint (submitit's requeue is not in these processes). Edge module.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -120,9 +121,12 @@ def main(job_dir: str, join: bool = False) -> Outcome:
             return _requeue_short_of_gpus(exc)
         if status is Outcome.PREEMPTED:
             preemption.hand_over(m.leader)
-        return status
     finally:
         m.close()
+    if loop.left_behind:
+        assert rdzv is not None  # every member learnt it before the first generation
+        return _rejoin_left_behind(job, spec, secret, rdzv, m.gpu, stop_signals(boot.source), devices)
+    return status
 
 
 def stop_signals(source: str) -> tuple[int, ...]:
@@ -142,12 +146,15 @@ def _join(
     try:
         preemption = Preemption(signals).install()
         _, generation, members = m.request_join(gpu)
-        status = JobLoop.enter(m, spec, job.run, generation, members, preemption).run()
+        loop = JobLoop.enter(m, spec, job.run, generation, members, preemption)
+        status = loop.run()
         if status is Outcome.PREEMPTED:
             preemption.hand_over(m.leader)
-        return status
     finally:
         m.close()
+    if loop.left_behind:
+        return _rejoin_left_behind(job, spec, secret, rdzv, m.gpu, signals, devices)
+    return status
 
 
 def _rejoin(
@@ -202,6 +209,26 @@ def _requeue_lost_leader(boot: Bootstrap) -> Outcome:
     )
     requeue()
     return Outcome.PREEMPTED
+
+
+def _rejoin_left_behind(
+    job: JobFolder, spec: ExperimentSpec, secret: bytes, rdzv: Rendezvous, gpu: int,
+    signals: tuple[int, ...], devices: Devices,
+) -> Outcome:  # fmt: skip
+    """A healthy worker the job went on without (it checked in to a recovery too late, held in a
+    connect to a dead peer): ask to be admitted again as its own GPU, through the signed join
+    path a newcomer takes, while the job's store answers; ``left`` when it does not (the job is
+    over)."""
+    if not store_answers(rdzv):
+        return Outcome.LEFT
+    gc.unfreeze()  # the run froze its objects (``JobLoop.run``): let the old state go
+    gc.collect()
+    print(f"GPU {gpu}: left behind by a recovery; asking to rejoin the job", file=sys.stderr, flush=True)
+    try:
+        return _join(job, spec, secret, rdzv, gpu, signals, devices)
+    except JoinRefusedError as exc:
+        print(f"GPU {gpu}: {exc}; leaving the job", file=sys.stderr, flush=True)
+        return Outcome.LEFT
 
 
 def _requeue_short_of_gpus(exc: TooFewGpusError) -> Outcome:
