@@ -4,10 +4,12 @@ after a member dies (survivors keep their tensors; the dead one is detected with
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -60,6 +62,33 @@ def test_a_join_without_the_secret_is_refused_and_logged(tmp_path: Path) -> None
     assert f_out["answer"] == (5, 1, (0, 1, 5))
     text = log.read_text()
     assert "refused join request" in text and "bad secret" in text and "accepted join request" in text
+
+
+def _host_and_wait(ports: Any) -> None:
+    m = Membership.host(SECRET, address="127.0.0.1")
+    ports.put(m.rendezvous.port)
+    time.sleep(120)  # until killed
+
+
+@pytest.mark.timeout(120)
+def test_a_join_whose_leader_goes_away_before_answering_is_refused() -> None:
+    """The job ended (its leader and store gone) while a newcomer, or a worker left behind asking
+    to rejoin, waited for an answer: one line, not the store's error (a traceback)."""
+    ctx = multiprocessing.get_context("spawn")
+    ports = ctx.Queue()
+    leader = ctx.Process(target=_host_and_wait, args=(ports,))
+    leader.start()
+    try:
+        newcomer = Membership.connect(Rendezvous("127.0.0.1", ports.get(timeout=60)), SECRET, -1)
+        out: dict[str, object] = {}
+        asking = threading.Thread(target=_ask, args=(newcomer, out, 3, 60))
+        asking.start()
+        time.sleep(1.0)  # the request is queued, no answer yet
+    finally:
+        leader.kill()
+        leader.join()
+    asking.join(30)
+    assert "the job's rendezvous closed before answering" in str(out.get("refused")), out
 
 
 def test_replayed_forged_and_malformed_requests_are_refused_never_fatal(tmp_path: Path) -> None:

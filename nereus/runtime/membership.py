@@ -313,17 +313,10 @@ class Membership:
             except dist.DistError as exc:  # the leader's store went away: the job ended or failed
                 raise JoinRefusedError(f"the job's rendezvous closed before answering ({exc})") from None
             repush = min(deadline, time.monotonic() + REPUSH_S)
-            while answer is None and time.monotonic() < repush:
-                try:
-                    answer = self.signed.read(key)
-                except UnauthenticError as exc:
-                    bad = bad if "missing" in str(exc) else str(exc)
-                    time.sleep(0.05)
-                if answer is None and self._unverified(ticket):
-                    raise JoinRefusedError(
-                        "join refused: the job's leader could not verify this request with the job's "
-                        "secret (a bad secret?)"
-                    )
+            try:
+                answer, bad = self._await_answer(key, ticket, repush, bad)
+            except dist.DistError as exc:  # the store went away while we waited: the job ended
+                raise JoinRefusedError(f"the job's rendezvous closed before answering ({exc})") from None
             if answer is None and time.monotonic() >= deadline:
                 why = (
                     f"; an answer that does not verify with this secret ({bad}): a bad secret?" if bad else ""
@@ -337,6 +330,23 @@ class Membership:
             raise JoinRefusedError(f"join refused by the job's leader: {answer['refused']}")
         self.gpu = int(answer["gpu"])
         return self.gpu, int(answer["generation"]), _gpu_list(answer, "members")
+
+    def _await_answer(self, key: str, ticket: str, until: float, bad: str) -> tuple[object, str]:
+        """The leader's answer at ``key`` if one verifies before ``until`` (else None), and the
+        last reason an answer did not verify."""
+        answer: object = None
+        while answer is None and time.monotonic() < until:
+            try:
+                answer = self.signed.read(key)
+            except UnauthenticError as exc:
+                bad = bad if "missing" in str(exc) else str(exc)
+                time.sleep(0.05)
+            if answer is None and self._unverified(ticket):
+                raise JoinRefusedError(
+                    "join refused: the job's leader could not verify this request with the job's "
+                    "secret (a bad secret?)"
+                )
+        return answer, bad
 
     def _unverified(self, ticket: str) -> bool:
         """Whether the leader noted that a request with this ticket did not verify, and that note
