@@ -172,6 +172,20 @@ def test_a_bad_weights_index_is_one_line(tmp_path: Path, index: str, error: str)
     assert "\n" not in str(info.value)
 
 
+def test_a_rope_scaling_past_any_context_names_rope_scaling(tmp_path: Path) -> None:
+    """It named ``max_position_embeddings`` (a key the user did not write) and a 2^53 limit."""
+    yarn = {"rope_type": "yarn", "factor": 1e6, "original_max_position_embeddings": 10**12}
+    with pytest.raises(
+        ConfigError, match=r"key 'rope_scaling': factor 1000000.0 × 1000000000000 original positions exceeds"
+    ):
+        _read(tmp_path, {**TINYLLAMA, "rope_scaling": yarn})
+    spec = _read(
+        tmp_path,
+        {**TINYLLAMA, "rope_scaling": {**yarn, "factor": 4.0, "original_max_position_embeddings": 2048}},
+    )
+    assert spec.max_position_embeddings == 8192
+
+
 def test_harmless_unused_tensors() -> None:
     assert hf.unused_is_harmless("lm_head.weight") and hf.unused_is_harmless("score.weight")
     assert hf.unused_is_harmless("model.layers.3.self_attn.rotary_emb.inv_freq")

@@ -18,6 +18,7 @@ from typing import Any
 
 from nereus.errors import ConfigError
 from nereus.spec.files import brief
+from nereus.spec.model import MAX_POSITIONS as MAX_CONTEXT
 from nereus.spec.model import ROPE_TYPES, RUNNABLE_ROPE, ModelFamily, RopeScaling
 from nereus.spec.schema import build
 from nereus.spec.window import window_from_hf
@@ -126,6 +127,11 @@ def _rope(data: dict[str, Any], path: Path) -> tuple[float | None, RopeScaling |
             raise ConfigError(
                 f"{path}: key 'rope_scaling.original_max_position_embeddings': expected a positive integer, "
                 f"got {brief(original)}"
+            )
+        if original * factor > MAX_CONTEXT:
+            raise ConfigError(
+                f"{path}: key 'rope_scaling': factor {brief(factor)} × {original} original positions exceeds "
+                f"{MAX_CONTEXT} positions"
             )
         return theta, None, str(kind), int(original * factor)
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
