@@ -145,8 +145,9 @@ def with_step_sync(plan: Plan, seconds: Mapping[str, float], sync_s: float) -> d
 
 
 def steady_step(plan: Plan, seconds: Mapping[str, float]) -> float:
-    """A plan's step from its model-stages' seconds, without waits or syncs: synchronous, each
-    stage's slowest in turn; asynchronous, generation beside inference and training."""
+    """A plan's step from its model-stages' seconds, without waits: synchronous, each stage's
+    slowest in turn; asynchronous, generation beside inference and training (given seconds
+    ``with_step_sync``, max(gen, inf + train) + sync, the truth's steady step)."""
     wf = plan.workflow
     if plan.mode is not ExecutionMode.ASYNC:
         return sync_step([seconds[m.name] for m in wf.by_stage(s)] for s in wf.stages)
