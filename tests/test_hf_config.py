@@ -119,7 +119,7 @@ def test_run_refuses_a_yaml_llama_with_attention_bias() -> None:
     check_runnable(load_model("tiny-qwen2"))
 
 
-@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8, torch.int32, torch.bool])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8, torch.int32, torch.bool, torch.float64])
 def test_the_reader_refuses_weights_that_are_not_floating_point(tmp_path: Path, dtype: torch.dtype) -> None:
     save_file({"model.norm.weight": torch.ones(4).to(dtype)}, tmp_path / hf.SINGLE)
     reader = hf.SafetensorsReader(tmp_path)

@@ -33,8 +33,9 @@ ARCHITECTURE = {
 SHARD_BYTES = 4 << 30  # safetensors files are split above this size, as save_pretrained does
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-# safetensors header dtypes ``get`` accepts (floating, two bytes or more)
-HEADER_FLOATS = frozenset({"BF16", "F16", "F32", "F64"})
+# the weights ``get`` takes, and their names in a safetensors header
+FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+HEADER_FLOATS = frozenset({"BF16", "F16", "F32"})
 
 
 def read_config(directory: Path) -> ModelSpec:
@@ -149,7 +150,7 @@ class SafetensorsReader:
             t: torch.Tensor = self._open[path].get_tensor(name)
         except Exception as exc:  # safetensors raises its own error types for corrupt files
             raise ConfigError(f"{path}: cannot read tensor '{name}' ({exc})") from None
-        if not t.is_floating_point() or t.element_size() < 2:
+        if t.dtype not in FLOATS:
             raise ConfigError(
                 f"{path}: tensor '{name}' is {str(t.dtype).removeprefix('torch.')}; expected bf16, fp16 or "
                 "fp32 weights (a quantized checkpoint must be dequantized first)"
