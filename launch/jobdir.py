@@ -31,6 +31,7 @@ from launch.inputs import check_text, control_error, has_control, shown
 from launch.render import DEFAULT_RESTARTS, LAUNCHERS, MAX_RESTARTS, job_name_error
 from nereus.errors import ConfigError
 from nereus.runtime.pool import ShrinkRequest
+from nereus.spec.files import parse_json
 from nereus.spec.schema import build
 
 RECORD = "job.json"
@@ -188,11 +189,10 @@ def read_record(folder: Path) -> JobRecord:
     if not path.is_file():
         raise ConfigError(f"JOB: {folder} has no {RECORD} (not a nereus-launch job folder)")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except (OSError, ValueError) as exc:
         raise ConfigError(f"JOB: cannot read {path} ({exc})") from None
-    except RecursionError:
-        raise ConfigError(f"JOB: cannot read {path} (JSON nested too deeply)") from None
+    data = parse_json(text, f"JOB: {path}")
     if not isinstance(data, dict):
         raise ConfigError(f"JOB: {path} is not a JSON object")
     return build(JobRecord, data, str(path))

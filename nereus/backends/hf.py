@@ -33,8 +33,7 @@ ARCHITECTURE = {
 SHARD_BYTES = 4 << 30  # safetensors files are split above this size, as save_pretrained does
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-# the weights ``get`` takes, and their names in a safetensors header
-FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+# the weights ``get`` takes (bf16, fp16, fp32), as a safetensors header names them
 HEADER_FLOATS = frozenset({"BF16", "F16", "F32"})
 
 
@@ -121,14 +120,17 @@ class SafetensorsReader:
     def names(self) -> set[str]:
         return set(self.files)
 
-    def check_header(self, name: str, shape: tuple[int, ...]) -> None:
-        """``get``'s dtype and shape checks from the file's header alone (no tensor data read):
-        what preflight checks before any worker starts."""
+    def _file(self, path: Path) -> Any:
+        if path not in self._open:
+            self._open[path] = safe_open(str(path), "pt")
+        return self._open[path]
+
+    def check_header(self, name: str, shape: tuple[int, ...] | None = None) -> None:
+        """``name``'s dtype and (given) shape from its file's header alone, no tensor data read:
+        what preflight checks before any worker starts, and ``get`` before it reads."""
         path = self.files[name]
         try:
-            if path not in self._open:
-                self._open[path] = safe_open(str(path), "pt")
-            view = self._open[path].get_slice(name)
+            view = self._file(path).get_slice(name)
             dtype, found = str(view.get_dtype()), tuple(int(d) for d in view.get_shape())
         except Exception as exc:  # safetensors raises its own error types for corrupt files
             raise ConfigError(f"{path}: cannot read tensor '{name}' ({exc})") from None
@@ -137,26 +139,18 @@ class SafetensorsReader:
                 f"{path}: tensor '{name}' is {dtype}; expected bf16, fp16 or fp32 weights (a quantized "
                 "checkpoint must be dequantized first)"
             )
-        if found != shape:
+        if shape is not None and found != shape:
             raise ConfigError(f"{path}: tensor '{name}' has shape {found}, the model needs {shape}")
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         if name not in self.files:
             raise ConfigError(f"{self.directory}: tensor '{name}' is missing from the checkpoint")
+        self.check_header(name, shape)
         path = self.files[name]
         try:
-            if path not in self._open:
-                self._open[path] = safe_open(str(path), "pt")
-            t: torch.Tensor = self._open[path].get_tensor(name)
+            t: torch.Tensor = self._file(path).get_tensor(name)
         except Exception as exc:  # safetensors raises its own error types for corrupt files
             raise ConfigError(f"{path}: cannot read tensor '{name}' ({exc})") from None
-        if t.dtype not in FLOATS:
-            raise ConfigError(
-                f"{path}: tensor '{name}' is {str(t.dtype).removeprefix('torch.')}; expected bf16, fp16 or "
-                "fp32 weights (a quantized checkpoint must be dequantized first)"
-            )
-        if shape is not None and tuple(t.shape) != shape:
-            raise ConfigError(f"{path}: tensor '{name}' has shape {tuple(t.shape)}, the model needs {shape}")
         if not bool(torch.isfinite(t).all()):
             raise ConfigError(f"{path}: tensor '{name}' holds NaN or Infinity")
         return t

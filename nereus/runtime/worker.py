@@ -109,7 +109,9 @@ class Worker:
         self.weights_of: Callable[[str], str] = lambda role: ""  # role → its Hugging Face folder, if any
         self.exchange: Any = None  # the group inference and training results travel in (None: the world)
         self.train_side: Any = None  # async: the group of every rank but generation's (None: the world)
-        self.sync_group: Any = None  # the weight sync's group, formed with the others at ``bind``
+        # the weight sync's group, formed with the others at ``bind`` (None until then, and once
+        # the world re-forms: ``release``; the walk then forms one of its own)
+        self.sync_group: Any = None
         self.train_side_member = True  # async: this rank holds some model-stage other than actor.gen
         self.pending: dict[int, Batch] = {}  # async: batches generated ahead, by the step that trains on them
         self.set_world(tuple(range(dist.get_world_size())) if dist.is_initialized() else (gpu,))
@@ -351,17 +353,6 @@ class Worker:
         if closing:
             gc.collect()  # modules hold reference cycles: free their buffers now, not at some later GC
 
-    def _sync_group(self) -> Any:
-        """The weight sync's group of this binding; None (the walk forms its own) before the
-        first ``bind`` or once the world it belonged to is gone."""
-        if self.sync_group is None:
-            return None
-        try:
-            dist.get_process_group_ranks(self.sync_group)
-        except (KeyError, ValueError, RuntimeError):  # destroyed with its world (a new generation)
-            self.sync_group = None
-        return self.sync_group
-
     def weight_sync(self, plan: Plan) -> float:
         """Trainers' weights into their receivers (actor.gen, actor.inf, critic.inf), as one DAG of
         restores from the trainers' units."""
@@ -383,7 +374,7 @@ class Worker:
         rank_of = {ms.name: STAGE_ORDER.index(ms.stage) for ms in self.workflow.model_stages}
         dag = build_dag(ordered, rank_of, self.links, 2**62)
         try:
-            Executor(dag, ordered, self.holder, self.gpu_of_rank, group=self._sync_group()).run()
+            Executor(dag, ordered, self.holder, self.gpu_of_rank, group=self.sync_group).run()
         finally:
             staging.release_all()
             recycle.release()

@@ -190,15 +190,16 @@ class _Run:
         if not self.layouts_seen or self.layouts_seen[-1] != layouts:
             self.layouts_seen.append(layouts)
         quiet = self._quiet(plan, seq)  # the truth's, on a quiet machine
-        quiet_sync = step_sync(self.s.models, self.s.cluster, plan)  # async: the step's weight sync
+        quiet_sync = self._step_sync(plan)  # async: the step's weight sync
         sync = self.hw.run(quiet_sync, k) if quiet_sync else {}
         times, own, measurements, peaks = self._measure(plan, pool, seq, k, quiet, sync)
         step_s, pipelined = self._step_time(plan, times, own, sync)
         predicted = price(ctl.problem(pool, seq), shapes_of(plan))  # the model's view of this step
-        quiet_stage = self._quiet_stages(plan, quiet)
+        quiet_stage = self._quiet_stages(plan, quiet, quiet_sync)
         moved_from = None
         if decision is not None and isinstance(decision.action, Move):
-            moved_from = steady_step(before, self._quiet_stages(before, self._quiet(before, seq)))
+            left = self._quiet_stages(before, self._quiet(before, seq), self._step_sync(before))
+            moved_from = steady_step(before, left)
         oom = self._oom(plan, peaks, {n: r.resident_bytes for n, r in quiet.items()})
         restart_s = 0.0
         if oom and not self.free:  # the step is lost: the job crashes and restarts from its checkpoint
@@ -247,11 +248,17 @@ class _Run:
         )
         return record, telemetry
 
-    def _quiet_stages(self, plan: Plan, quiet: Mapping[str, StageResult]) -> dict[str, float]:
-        """Each model-stage's quiet seconds, the async weight sync on those that hold it (as the
-        planner prices them): their ``steady_step`` is the truth's step without noise or waits."""
+    def _step_sync(self, plan: Plan) -> dict[str, float]:
+        return step_sync(self.s.models, self.s.cluster, plan)
+
+    def _quiet_stages(
+        self, plan: Plan, quiet: Mapping[str, StageResult], sync: Mapping[str, float]
+    ) -> dict[str, float]:
+        """Each model-stage's quiet seconds, the async weight sync (``sync``, quiet) on those that
+        hold it, as the planner prices them: their ``steady_step`` is the truth's step without
+        noise or waits."""
         seconds = {n: sum(r.seconds.values()) for n, r in quiet.items()}
-        return with_step_sync(plan, seconds, sum(step_sync(self.s.models, self.s.cluster, plan).values()))
+        return with_step_sync(plan, seconds, sum(sync.values()))
 
     def _measure(
         self, plan: Plan, pool: tuple[int, ...], seq: SeqStats, k: int,
