@@ -92,7 +92,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 def case(name: str, gpus: int, response: float) -> dict[str, Any]:
     sc = admission.scenario(name, admission.TRACES[0], 0, 2, seed=0)
     seq = SeqStats(sc.workload.prompt_len, response, response * 1.12)
-    base = PlanningProblem(sc.workload, sc.models, sc.cluster, tuple(range(gpus)), seq)
+    base = PlanningProblem(sc.workload, sc.models, sc.cluster, tuple(range(gpus)), seq, space=sc.space)
     holds: dict[tuple[int, int], PlanningProblem] = {}
     priors: dict[tuple[int, int], Plan] = {}
     for tp in DEGREES:

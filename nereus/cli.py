@@ -44,7 +44,7 @@ from nereus.spec.cluster import GIB
 from nereus.spec.files import brief, one_line, shorten
 from nereus.spec.model import check_context
 from nereus.spec.registry import load_role_models
-from nereus.spec.workload import MAX_TOKENS, Stage
+from nereus.spec.workload import MAX_TOKENS
 from nereus.telemetry import read_node
 from nereus.transition import command as transition_command
 from nereus.transition.command import MAX_GPUS, MAX_TP
@@ -191,11 +191,8 @@ def _problem(args: argparse.Namespace) -> PlanningProblem:
     space = SearchSpace.urgent() if args.urgent else SearchSpace()
     if args.max_tp:
         space = dataclasses.replace(space, max_tp=args.max_tp)
-    flat = (
-        ()
-        if getattr(args, "pipelined_gen", False)
-        else tuple(ms.name for ms in workload.workflow().model_stages if ms.stage is Stage.GEN)
-    )  # generation on vLLM, which does not pipeline (as `nereus run` plans it)
+    # generation on vLLM, which does not pipeline (as `nereus run` plans it)
+    flat = SearchSpace.engines(workload, getattr(args, "pipelined_gen", False)).flat
     space = dataclasses.replace(space, flat=flat)
     fixes = tuple(getattr(args, "fix", None) or ())
     space = held_space(space, fixes, workload, models, cluster) if fixes else space

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -10,10 +11,12 @@ import pytest
 
 from nereus.cli import main
 from nereus.errors import ConfigError
+from nereus.plan.problem import PlanningProblem
 from nereus.sim import Episode, GpuSupply, Scenario, SeqCurve, SpotTrace, simulate
 from nereus.sim.records import StepRecord, Summary
 from nereus.spec import Role, load_cluster, load_model, load_workload, names
 from nereus.spec.registry import config_root, trace_path
+from nereus.spec.workload import ExecutionMode
 
 pytestmark = pytest.mark.pure
 
@@ -323,3 +326,33 @@ def test_simulate_reads_the_workloads_models_as_plan_does(
     argv = ["simulate", "--trace", str(trace), "--model", "llama-3.1-8b", "--algo", str(bad), "--cluster"]
     assert main([*argv, "h200-ib", "--steps", "2", "--out", str(tmp_path / "x")]) == 2
     assert "bad: key 'models.critic': unknown model 'nosuch'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_every_plan_of_every_policy_keeps_generation_unpipelined_unless_asked(
+    pipelined: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM, the default generation engine, does not pipeline: every problem any policy plans (first
+    plan, replans, restarts, the oracle's probe, static-best's tries) keeps actor.gen at pp 1, as
+    ``nereus run`` and ``nereus plan`` do; ``pipelined_gen`` (the torch-native engine) lifts it."""
+    spaces: list[tuple[str, ...]] = []
+    post = PlanningProblem.__post_init__
+
+    def record(self: PlanningProblem) -> None:
+        post(self)
+        spaces.append(self.space.flat)
+
+    monkeypatch.setattr(PlanningProblem, "__post_init__", record)
+    trace = write_trace(tmp_path, [4, 4, 7, 9, 16, 16, 8, 16, 16, 16])
+    model = load_model("llama-3.1-8b")
+    for mode in ("sync", "async"):
+        workload = replace(load_workload("grpo"), mode=ExecutionMode(mode))
+        supply = GpuSupply(SpotTrace.load(trace), 2, 32, 8, speedup=5.0, seed=11)
+        curve = SeqCurve.growth(1147.5, 3722, 25)
+        scenario = Scenario(workload, {r: model for r in Role}, load_cluster("a100-64gb-hdr100"), supply,
+                            curve, 10, 11, pipelined_gen=pipelined)  # fmt: skip
+        assert scenario.space.flat == (() if pipelined else ("actor.gen",))
+        for policy in ("nereus", "static-best"):
+            simulate(scenario, policy)
+    assert len(spaces) > 20
+    assert set(spaces) == {() if pipelined else ("actor.gen",)}

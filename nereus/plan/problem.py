@@ -11,7 +11,7 @@ from nereus.plan.layout import Layout, Plan
 from nereus.spec.cluster import GIB, ClusterSpec
 from nereus.spec.domains import FailureDomains
 from nereus.spec.model import Head, ModelSpec
-from nereus.spec.workload import ModelStage, Recompute, Role, Workflow, WorkloadSpec
+from nereus.spec.workload import ModelStage, Recompute, Role, Stage, Workflow, WorkloadSpec
 
 DEFAULT_HEADROOM = 0.10  # paper §2.4: feasibility keeps 10% of GPU memory free
 # ``ModelSpec.with_head`` of a job's models (a new validated spec each call), kept: a replan asks it
@@ -106,6 +106,14 @@ class SearchSpace:
     def holding(self, layouts: Mapping[str, Layout]) -> SearchSpace:
         """The same space with these model-stages' layouts held fixed (DP and GPUs still free)."""
         return replace(self, fixed_layouts=tuple(sorted(layouts.items())))
+
+    @classmethod
+    def engines(cls, workload: WorkloadSpec, pipelined_gen: bool = False) -> SearchSpace:
+        """The space of the default engines: generation on vLLM, which does not pipeline (pp 1);
+        ``pipelined_gen``: the torch-native engine's generation, which does."""
+        if pipelined_gen:
+            return cls()
+        return cls(flat=tuple(ms.name for ms in workload.workflow().model_stages if ms.stage is Stage.GEN))
 
 
 @dataclass(frozen=True, slots=True)

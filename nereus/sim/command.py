@@ -102,6 +102,10 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--cluster", required=True)
     p.add_argument(
+        "--pipelined-gen", action="store_true",
+        help="let generation span pipeline stages (the torch-native engine; vLLM, the default, does not)",
+    )  # fmt: skip
+    p.add_argument(
         "--policies",
         default=DEFAULT_POLICIES,
         help="comma list: nereus, static, always, periodic:K; references: static-best, oracle",
@@ -220,6 +224,7 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         episodes,
         max_staleness=workload.max_staleness if args.max_staleness is None else args.max_staleness,
         in_flight=workload.in_flight.value if args.in_flight is None else args.in_flight,
+        pipelined_gen=args.pipelined_gen,
     )
 
 

@@ -88,8 +88,9 @@ class _Run:
         if self.controller is not None:
             return self.controller.problem(pool, seq)
         problem = PlanningProblem(
-            self.s.workload, self.s.models, self.s.cluster, pool, seq, domains=self.domains
-        )
+            self.s.workload, self.s.models, self.s.cluster, pool, seq, space=self.s.space,
+            domains=self.domains,
+        )  # fmt: skip
         self.seeding.sweep(pool)
         return replace(problem, efficiencies=self.seeding.store(problem).efficiencies())
 
@@ -115,14 +116,15 @@ class _Run:
                 for space in (*(held if self.hold and self.controller is None else ()), problem.space,
                               SearchSpace(), SearchSpace.urgent()):  # fmt: skip
                     try:
-                        return search(replace(problem, space=space)).plan, waited
+                        return search(replace(problem, space=space.keeping(self.s.space))).plan, waited
                     except InfeasibleError:
                         pass
             nxt = self.s.supply.next_change_after(self.t)
             if nxt is None:
+                flat = "; generation at pp 1, as vLLM runs it" if self.s.space.flat else ""
                 raise SimulationError(
                     f"no plan fits the {len(pool)} GPUs the trace settles at "
-                    f"(responses of {seq.response_len:.0f} tokens)"
+                    f"(responses of {seq.response_len:.0f} tokens{flat})"
                 )
             waited += nxt - self.t
             self.t = nxt
@@ -158,6 +160,7 @@ class _Run:
                 plan,
                 self.config,
                 self.seeding.store(),
+                space=self.s.space,
                 domains=self.domains,
             )
             self._started(plan)

@@ -8,7 +8,7 @@ from typing import Any
 
 from nereus.control.action import TransitionRecord
 from nereus.errors import InfeasibleError
-from nereus.plan.problem import SeqStats
+from nereus.plan.problem import SearchSpace, SeqStats
 from nereus.sim.seqcurve import SeqCurve
 from nereus.sim.trace import GpuSupply
 from nereus.sim.truth import Episode
@@ -41,6 +41,8 @@ class Scenario:
     in_flight: str = "drain"  # async: rollouts generated ahead at a transition or restart: kept or dropped
     # the job times collectives by size and group before its first plan (``nereus.plan.sweep``)
     collective_sweep: bool = True
+    # generation on the torch-native engine, which pipelines; default: vLLM's, at pp 1
+    pipelined_gen: bool = False
 
     def __post_init__(self) -> None:
         if self.steps <= 0:
@@ -54,6 +56,11 @@ class Scenario:
                 f"max_gpus {self.supply.max_gpus} exceeds cluster {self.cluster.name} "
                 f"({self.cluster.total_gpus} GPUs)"
             )
+
+    @property
+    def space(self) -> SearchSpace:
+        """The job's engine limits, which every plan of every policy keeps (``nereus run``'s)."""
+        return SearchSpace.engines(self.workload, self.pipelined_gen)
 
     def lengths(self, step: int) -> SeqStats:
         mean, p95 = self.curve.at(step)
