@@ -15,16 +15,15 @@ import numpy as np
 from nereus.plan.layout import Layout, Plan
 from nereus.plan.opclass import Link
 from nereus.plan.problem import PlanningProblem
-from nereus.state.buffers import StatePolicy
 from nereus.transition.classes import (
     SECONDS,
     Builder,
     Derived,
     FallbackError,
     Ints,
-    headed_geometry,
     remember,
     rows_of,
+    stage_geometry,
     unique_rows,
 )
 from nereus.transition.dag import Flow, Primitive
@@ -46,9 +45,7 @@ def derive(
             if ms.name in skip:
                 continue
             old, new = current.candidate(ms.name), target.candidate(ms.name)
-            geo = headed_geometry(
-                problem.models[ms.role], ms.head, StatePolicy.of(ms.stage, problem.workload.precision)
-            )
+            geo = stage_geometry(problem.models[ms.role], ms.head, ms.stage, problem.workload.precision)
             cur = rows_of(old)
             b.hold(cur, geo, old.layout)
             tgt = rows_of(new)

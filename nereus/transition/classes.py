@@ -34,6 +34,7 @@ from numpy.typing import NDArray
 from nereus.plan.layout import Candidate, Layout
 from nereus.plan.opclass import Link
 from nereus.spec.model import Head, ModelSpec
+from nereus.spec.workload import Precision, Stage
 from nereus.state.buffers import StatePolicy
 from nereus.transition.dag import Flow, Primitive
 from nereus.transition.links import LinkModel
@@ -85,6 +86,23 @@ class FallbackError(Exception):
 _GEOMETRY: dict[tuple[ModelSpec, Head, StatePolicy], Geometry] = {}
 
 
+_STAGED: dict[tuple[int, Head, Stage, Precision], tuple[ModelSpec, Geometry]] = {}
+
+
+def stage_geometry(model: ModelSpec, head: Head, stage: Stage, precision: Precision) -> Geometry:
+    """``headed_geometry`` of a model-stage's state (``StatePolicy.of``), memoised on the model
+    object: a ModelSpec's hash walks every field, and each transition asks it of every stage."""
+    key = (id(model), head, stage, precision)
+    hit = _STAGED.get(key)
+    if hit is not None and hit[0] is model:
+        return hit[1]
+    geo = headed_geometry(model, head, StatePolicy.of(stage, precision))
+    if len(_STAGED) >= 64:
+        _STAGED.clear()
+    _STAGED[key] = (model, geo)  # the model held: its id stays unique while the entry lives
+    return geo
+
+
 def headed_geometry(model: ModelSpec, head: Head, policy: StatePolicy) -> Geometry:
     """``geometry(model.with_head(head), policy)`` without re-making the headed model each time."""
     key = (model, head, policy)
@@ -96,8 +114,21 @@ def headed_geometry(model: ModelSpec, head: Head, policy: StatePolicy) -> Geomet
     return out
 
 
+_ROWS: dict[int, tuple[Candidate, Ints]] = {}
+
+
 def rows_of(c: Candidate) -> Ints:
-    return np.asarray(c.gpus, dtype=np.int64).reshape(c.dp, c.layout.size)
+    """A candidate's GPUs, one row per replica (read-only; memoised on the candidate: a plan's are
+    priced against many targets, and 1,024 GPU ids take ~10 µs to convert)."""
+    hit = _ROWS.get(id(c))
+    if hit is not None and hit[0] is c:
+        return hit[1]
+    rows = np.asarray(c.gpus, dtype=np.int64).reshape(c.dp, c.layout.size)
+    rows.flags.writeable = False
+    if len(_ROWS) >= 256:
+        _ROWS.clear()
+    _ROWS[id(c)] = (c, rows)  # the candidate held: its id stays unique while the entry lives
+    return rows
 
 
 def unique_rows(a: Ints) -> tuple[Ints, Ints]:
