@@ -45,7 +45,7 @@ from typing import Any
 from common import RESULTS, write
 
 from nereus.plan.layout import Plan
-from nereus.plan.problem import PlanningProblem, SeqStats
+from nereus.plan.problem import PlanningProblem, SearchSpace, SeqStats
 from nereus.plan.search import search
 from nereus.spec import Role, load_cluster, load_model, load_workload
 from nereus.spec.workload import STAGE_ORDER
@@ -77,13 +77,14 @@ DRIFTS = {
 
 
 def problem(gpus: int, response: int) -> PlanningProblem:
-    model = load_model(MODEL)
+    model, workload = load_model(MODEL), load_workload("ppo")
     return PlanningProblem(
-        load_workload("ppo"),
+        workload,
         {r: model for r in Role},
         load_cluster(CLUSTER),
         tuple(range(gpus)),
         SeqStats.fixed(256, response),
+        space=SearchSpace.engines(workload),  # generation at pp 1, as vLLM runs it
     )
 
 
