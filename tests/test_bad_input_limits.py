@@ -327,7 +327,7 @@ def test_a_plan_for_a_cluster_named_by_its_file_is_the_same_cluster(
 
 
 def test_describe_and_the_config_root_refuse_what_they_cannot_use(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     line = refused(["describe", "model", "tiny-llama", "--seq-len", "100000"], capsys)
     assert (
@@ -339,6 +339,15 @@ def test_describe_and_the_config_root_refuse_what_they_cannot_use(
         "nereus describe: error: NEREUS_CONFIGS=/nonexistent-configs: not a folder "
         "(unset it for the shipped configs/)"
     )
+    empty = tmp_path / "configs"  # a folder, but not laid out as configs/ is: it listed nothing
+    empty.mkdir()
+    monkeypatch.setenv("NEREUS_CONFIGS", str(empty))
+    for argv in (["list", "models"], ["plan", "--model", "tiny-llama", "--algo", "ppo", "--cluster", "x",
+                                       "--gpus", "2", "--seq-len", "10"]):  # fmt: skip
+        line = refused(argv, capsys)
+        assert line.endswith(f"NEREUS_CONFIGS={empty}: no models/ folder in it (it replaces the shipped "
+                             "configs/, whose layout it needs: models/, clusters/, workloads/, traces/; "
+                             "unset it for those)"), line  # fmt: skip
 
 
 def test_an_experiment_a_worker_would_crash_on_is_refused_before_it_starts(

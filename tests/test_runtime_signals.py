@@ -275,6 +275,24 @@ def test_init_folders_without_weights_exit_2(tmp_path: Path) -> None:
     )
 
 
+def test_an_init_index_naming_a_folder_calls_it_not_a_file(tmp_path: Path) -> None:
+    import json
+
+    import safetensors.torch
+
+    from tests.test_runtime_e2e import _hf_checkpoint
+
+    actor = _hf_checkpoint(tmp_path / "actor", "lm", 11)
+    names = list(safetensors.torch.load_file(actor / "model.safetensors"))
+    (actor / "model.safetensors").unlink()
+    (actor / "shards").mkdir()
+    index = {"weight_map": dict.fromkeys(names, "shards")}
+    (actor / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert _refused_init(tmp_path, actor) == (
+        f"nereus run: error: init.actor: {actor}: the weights index names {actor}/shards, which is not a file"
+    )
+
+
 def test_an_init_folder_with_weights_the_model_does_not_have_exits_2(tmp_path: Path) -> None:
     """MLP biases (a config that hid its ``mlp_bias``): another architecture, never dropped."""
     import safetensors.torch

@@ -15,7 +15,7 @@ from nereus.plan.problem import PlanningProblem
 from nereus.sim import Episode, GpuSupply, Scenario, SeqCurve, SpotTrace, simulate
 from nereus.sim.records import StepRecord, Summary
 from nereus.spec import Role, load_cluster, load_model, load_workload, names
-from nereus.spec.registry import config_root, trace_path
+from nereus.spec.registry import config_root, load_role_models, trace_path
 from nereus.spec.workload import ExecutionMode
 
 pytestmark = pytest.mark.pure
@@ -356,3 +356,14 @@ def test_every_plan_of_every_policy_keeps_generation_unpipelined_unless_asked(
             simulate(scenario, policy)
     assert len(spaces) > 20
     assert set(spaces) == {() if pipelined else ("actor.gen",)}
+
+
+def test_an_actor_override_of_another_vocabulary_names_models_actor() -> None:
+    """The workload's own actor against the job's model, which the other roles run: the clash is
+    the ``models.actor`` entry's, not the first role that runs the job's model."""
+    workload = replace(load_workload("ppo"), models={"actor": "qwen3-14b"})
+    with pytest.raises(ConfigError) as info:
+        load_role_models(workload, load_model("llama-3.1-8b"))
+    message = str(info.value)
+    assert "key 'models.actor': qwen3-14b's vocabulary (151936)" in message
+    assert "job's model llama-3.1-8b (128256), which critic, ref, reward run" in message

@@ -278,9 +278,10 @@ def torch_checks(spec: Any) -> None:
             reader = hf.SafetensorsReader(folder)
         except ConfigError as exc:
             raise ConfigError(f"init.{role}: {path} has no weights ({exc})") from None
-        absent = sorted({str(f) for f in reader.files.values() if not f.is_file()})
+        absent = sorted({f for f in reader.files.values() if not f.is_file()})
         if absent:
-            raise ConfigError(f"init.{role}: {path}: the weights index names {absent[0]}, which is missing")
+            what = "not a file" if absent[0].exists() else "missing"
+            raise ConfigError(f"init.{role}: {path}: the weights index names {absent[0]}, which is {what}")
         shapes = {s.source: s.full_shape for s in shards(wanted, Layout(1, 1), 0, 0)}
         needed = set(shapes)
         if head is Head.VALUE:

@@ -29,7 +29,14 @@ def names(kind: str) -> list[str]:
     if kind not in KINDS:
         raise ConfigError(f"unknown config kind {kind!r} (choices: {', '.join(KINDS)})")
     pattern = "*.json" if kind == "traces" else "*.yaml"
-    return sorted(p.stem for p in (config_root() / kind).glob(pattern))
+    folder = config_root() / kind
+    env = os.environ.get("NEREUS_CONFIGS")
+    if env and not folder.is_dir():
+        raise ConfigError(
+            f"NEREUS_CONFIGS={shorten(env, 200)}: no {kind}/ folder in it (it replaces the shipped "
+            f"configs/, whose layout it needs: {', '.join(f'{k}/' for k in KINDS)}; unset it for those)"
+        )
+    return sorted(p.stem for p in folder.glob(pattern))
 
 
 def _exists(path: Path) -> bool:
@@ -134,9 +141,19 @@ def load_role_models(workload: WorkloadSpec, model: ModelSpec) -> dict[Role, Mod
             raise ConfigError(f"{workload.name}: key 'models.{role.value}': {exc}") from None
     actor = out[Role.ACTOR]
     for role, m in out.items():  # every role reads the actor's token ids
-        if m.vocab_size != actor.vocab_size:
+        if m.vocab_size == actor.vocab_size:
+            continue
+        if role.value in workload.models:
             raise ConfigError(
                 f"{workload.name}: key 'models.{role.value}': {m.name}'s vocabulary ({m.vocab_size}) is "
                 f"not the actor {actor.name}'s ({actor.vocab_size}); every role reads the actor's tokens"
             )
+        # the role runs the job's model (--model); the actor is the workload's own
+        roles = [r.value for r, x in out.items() if x is m and r.value not in workload.models]
+        runs = f"{', '.join(roles)} {'runs' if len(roles) == 1 else 'run'}"
+        raise ConfigError(
+            f"{workload.name}: key 'models.actor': {actor.name}'s vocabulary ({actor.vocab_size}) is not "
+            f"that of the job's model {m.name} ({m.vocab_size}), which {runs}; every role reads "
+            "the actor's tokens (name their models under models:, or pick another --model)"
+        )
     return out
