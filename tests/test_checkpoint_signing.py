@@ -182,6 +182,25 @@ def test_a_used_folder_needs_force_and_force_replaces_only_the_runs_files(tmp_pa
     assert (out / "notes.txt").read_text() == "mine"
 
 
+def test_discard_undoes_a_refused_fresh_run_but_never_a_checkpoint_or_a_users_file(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    outdir.prepare(out, resume=False, force=False)
+    (out / "metrics.jsonl").write_text("")
+    (out / "checkpoints").mkdir()
+    assert outdir.discard(out, created=True) and not out.exists()
+    outdir.prepare(out, resume=False, force=False)
+    (out / "notes.txt").write_text("mine")  # a folder that held the user's file stays, with it
+    assert outdir.discard(out, created=True) and [p.name for p in out.iterdir()] == ["notes.txt"]
+    out = tmp_path / "trained"
+    outdir.prepare(out, resume=False, force=False)
+    (out / "checkpoints" / "step-0").mkdir(parents=True)
+    before = _snapshot(out)
+    assert not outdir.discard(out, created=True) and _snapshot(out) == before
+    mine = tmp_path / "mine"  # no marker: not a run's folder
+    (mine / "checkpoints").mkdir(parents=True)
+    assert not outdir.discard(mine, created=True) and (mine / "checkpoints").is_dir()
+
+
 @pytest.mark.parametrize(
     ("damage", "error"),
     [

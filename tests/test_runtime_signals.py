@@ -275,6 +275,22 @@ def test_init_folders_without_weights_exit_2(tmp_path: Path) -> None:
     )
 
 
+def test_nan_init_weights_the_workers_find_leave_nothing_behind(tmp_path: Path) -> None:
+    """NaN is found where the weights are read (preflight reads headers only): the run's folder,
+    made before the workers started, is removed again, as for any refusal before it starts."""
+    import safetensors.torch
+
+    from tests.test_runtime_e2e import _hf_checkpoint
+
+    actor = _hf_checkpoint(tmp_path / "actor", "lm", 11)
+    tensors = safetensors.torch.load_file(actor / "model.safetensors")
+    name = "model.layers.1.mlp.up_proj.weight"
+    tensors[name][0, 0] = float("nan")
+    safetensors.torch.save_file(tensors, actor / "model.safetensors")
+    line = _refused_init(tmp_path, actor)
+    assert line.endswith(f"{actor}/model.safetensors: tensor '{name}' holds NaN or Infinity"), line
+
+
 def test_an_init_index_naming_a_folder_calls_it_not_a_file(tmp_path: Path) -> None:
     import json
 

@@ -370,6 +370,7 @@ def _run(args: argparse.Namespace, out: Console) -> int:
         except ValueError as exc:
             raise ConfigError(f"--steps: {exc}") from None
     folder = args.out or Path("runs") / spec.name
+    created = not folder.exists()  # the run makes it: a refused fresh run removes it again
     first = preflight(spec, folder, args.resume, args.force)
     if first >= spec.steps:  # --resume of a run that trained every step: no worker to start
         out.print(
@@ -388,8 +389,10 @@ def _run(args: argparse.Namespace, out: Console) -> int:
     if end.signum is not None:
         print(f"nereus run: {_stopped(end.signum, end.forced, end.checkpoint)}", file=sys.stderr)
         return end.code
-    if end.code == ConfigError.exit_code:
-        return end.code  # the leader printed the one line
+    if end.code == ConfigError.exit_code:  # the leader printed the one line
+        if not args.resume:  # bad input the workers found (NaN init weights): nothing half-written
+            outdir.discard(folder, created)
+        return end.code
     if end.code != 0:
         raise NereusError(f"the job's leader (GPU 0) failed with exit code {end.code}; see above")
     from nereus.runtime.report import read_metrics, summary

@@ -12,6 +12,7 @@ that is already there (a user's own ``checkpoints/``) is refused. ``check`` writ
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -129,3 +130,24 @@ def prepare(path: Path, resume: bool, force: bool) -> bytes:
     if resume or key_file.exists():
         return read_key(key_file)
     return create_key(key_file)
+
+
+def discard(path: Path, created: bool) -> bool:
+    """Undo a fresh run that stopped on bad input before its first checkpoint: remove the files it
+    wrote (``RUN_FILES``, in a folder with the marker) and, when the run ``created`` the folder,
+    the folder once empty. A folder holding a checkpoint is kept whole. Returns whether anything
+    was removed."""
+    path = Path(path)
+    ckpts = path / "checkpoints"
+    if not is_ours(path) or (ckpts.is_dir() and any(ckpts.iterdir())):
+        return False
+    for name in RUN_FILES:
+        old = path / name
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        elif old.exists() or old.is_symlink():
+            old.unlink(missing_ok=True)
+    if created:
+        with contextlib.suppress(OSError):
+            path.rmdir()  # only when empty: a control/ request or a user's file keeps it
+    return True
