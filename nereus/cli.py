@@ -138,7 +138,8 @@ def _parser() -> Parser:
     )
     plan.add_argument(
         "--fix", action="append", default=[], metavar="MODEL_STAGE=tpT,ppP,dpD[,mbB]",
-        help="hold a model-stage's layout (e.g. your verl setup's) and search the rest; repeatable",
+        help="hold a model-stage's layout (e.g. your verl setup's) and search the rest, on Nereus's "
+        "engines (trainers ZeRO-0; `nereus price --fsdp` prices an FSDP trainer); repeatable",
     )  # fmt: skip
 
     desc = sub.add_parser("describe", help="derived facts of a model or a cluster; this node's GPUs")

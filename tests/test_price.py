@@ -20,6 +20,7 @@ from nereus.plan.cost import CostModel
 from nereus.plan.layout import Layout
 from nereus.plan.price import PriceQuery, price
 from nereus.plan.problem import PlanningProblem, SeqStats
+from nereus.plan.replica import stage_params
 from nereus.spec import Role, load_cluster, load_model, load_workload
 from nereus.spec.workload import Stage
 
@@ -149,6 +150,13 @@ def test_fix_holds_the_named_layouts_and_searches_the_rest(capsys: pytest.Captur
         ("actor.train=tp8,pp1,dp8", 3, "actor.train"),  # 64 GPUs of a 32-GPU pool
         ("actor.train=tp4,pp1,dp3", 3, "actor.train"),  # 3 replicas cannot split a global batch of 128
         ("actor.gen=tp16,pp1,dp1", 2, "--fix actor.gen: tp 16 exceeds the 8 GPUs of a node of"),  # as price
+        # verl's FSDP layout on our ZeRO-0 trainer: says where an FSDP trainer is priced
+        (
+            "actor.train=tp1,pp1,dp8",
+            3,
+            "Nereus's trainers shard nothing over DP (ZeRO-0): `nereus price "
+            "--fsdp` prices an FSDP trainer (verl's) in this layout",
+        ),
     ],
 )
 def test_bad_or_impossible_fixes(
@@ -230,10 +238,20 @@ def test_fsdp_prices_gathers_and_reduce_scatters_behind_compute(capsys: pytest.C
              "--prompt-len", "1", "--seq-len", "8191", "--global-batch", "64", "--micro-batch", "1",
              "--recompute", "selective", "--json"]  # fmt: skip
     a100 = ["price", "--model", MODEL, "--cluster", "a100-80gb-dgx"]
-    assert main([*a100, *train]) == 3  # 8B unsharded does not fit (--fsdp memory is not sharded)
+    assert main([*a100, *train]) == 3  # 8B unsharded (our engine, ZeRO-0) does not fit
     serial = json.loads(capsys.readouterr().out)
-    assert main([*a100, *train, "--fsdp"]) == 3
+    assert main([*a100, *train, "--fsdp"]) == 0  # torchtitan's layout: state sharded over 64 GPUs
     fsdp = json.loads(capsys.readouterr().out)
+    assert fsdp["fits"] and fsdp["peak_mem_gib"] < serial["peak_mem_gib"] - 100
+    half = list(train)
+    half[half.index("--dp") + 1] = "32"
+    assert main([*a100, *half, "--fsdp"]) == 0
+    # the sharded state (fp32 master, Adam's moments, fp32 gradients: 16 B a parameter) over dp,
+    # nothing else: 32 → 64 GPUs frees 16·P/64 bytes
+    params = stage_params(load_model(MODEL), Layout(1, 1))[0]
+    assert json.loads(capsys.readouterr().out)["peak_mem_gib"] - fsdp["peak_mem_gib"] == pytest.approx(
+        16 * params / 64 / 2**30, rel=1e-9
+    )
     assert 0 < fsdp["by_term"]["dp_sync"] < serial["by_term"]["dp_sync"]
     assert (
         fsdp["by_class"]["allgather.inter"] > 0 and fsdp["by_term"]["compute"] == serial["by_term"]["compute"]

@@ -384,6 +384,7 @@ class CostModel:
             w.sequence_parallel,
             w.flash_attention,
             self.problem.efficiencies.memory(Stage.TRAIN),
+            shard=dp if fsdp else None,
         )
         return terms, mem
 

@@ -162,8 +162,18 @@ def trainer_memory(
     sequence_parallel: bool,
     flash: bool,
     correction: float = 1.0,
+    shard: FloatArray | None = None,
 ) -> MemoryTerms:
-    """A training replica under 1F1B: stage p holds min(pp − p, a) micro-batches of activations."""
+    """A training replica under 1F1B: stage p holds min(pp − p, a) micro-batches of activations.
+
+    ``shard``: the DP degree an FSDP (ZeRO-3) engine shards its state over (``nereus price
+    --fsdp``; ours shards nothing, ZeRO-0). Each GPU then keeps 1/dp of the fp32 parameters (the
+    master copy), Adam's moments and the fp32 gradients, and gathers the rest as compute needs
+    it: the root unit's parameters (embedding, final norm, head: torchtitan wraps each block as a
+    unit and the model as the root, gathered through the step) and two blocks (the one computing
+    and the one prefetched, FSDP2 ``reshard_after_forward``), in the compute dtype. Backward also
+    holds the root's unsharded gradients (compute dtype) and one block's in the reduce dtype
+    (fp32) until its reduce-scatter (PyTorch FSDP2 docs: ``fully_shard``, ``MixedPrecisionPolicy``)."""
     weight_b, optim_b, grad_b = _TRAIN_BYTES[precision]
     tokens = np.asarray(micro_batch, dtype=np.float64) * seq_len
     layer_act = layer_activation_bytes(model, rep.tp, tokens, seq_len, recompute, sequence_parallel, flash)
@@ -177,10 +187,22 @@ def trainer_memory(
     acts_first = in_flight * rep.layers_first * layer_act + working + np.where(rep.single_stage, logits, 0.0)
     acts_last = rep.layers_last * layer_act + working + logits
 
-    def stage(params: FloatArray, acts: FloatArray) -> _Terms:
-        return (params * weight_b, params * optim_b, params * grad_b, acts, np.zeros_like(acts))
+    def stage(params: FloatArray, layers: FloatArray, acts: FloatArray) -> _Terms:
+        if shard is None:
+            return (params * weight_b, params * optim_b, params * grad_b, acts, np.zeros_like(acts))
+        block = model.layer_params() / rep.tp
+        root = np.maximum(params - layers * block, 0.0)
+        gathered = (root + np.minimum(layers, 2.0) * block) * weight_b
+        # the sharded fp32 parameters are the master copy (mixed) or the weights themselves (fp32)
+        state_b = optim_b + (weight_b if precision is Precision.FP32 else 0.0)
+        grads = params * grad_b / shard + root * ACT_BYTES + np.minimum(layers, 1.0) * block * grad_b
+        return (gathered, params * state_b / shard, grads, acts, np.zeros_like(acts))
 
-    return _worst(stage(rep.params_first, acts_first), stage(rep.params_last, acts_last), correction)
+    return _worst(
+        stage(rep.params_first, rep.layers_first, acts_first),
+        stage(rep.params_last, rep.layers_last, acts_last),
+        correction,
+    )
 
 
 def inference_memory(

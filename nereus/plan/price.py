@@ -13,7 +13,8 @@ sizes its KV cache as f of the GPU memory left free once weights, working activa
 runtime reserve are allocated, instead of the planner's 10% headroom on the whole GPU
 (TensorRT-LLM's ``KvCacheConfig.free_gpu_memory_fraction``, default 0.9), ``fsdp`` a trainer that
 shards its parameters and gathers them layer by layer behind compute (FSDP, ZeRO-3:
-``CostModel._fsdp_sync``; its memory is still priced unsharded, an upper bound). The model-stage priced is
+``CostModel._fsdp_sync``; its parameters, gradients and optimizer state sharded over DP,
+``memory.trainer_memory``). The model-stage priced is
 the actor's (``actor.gen``, ``actor.train``) or, for inference, the reference model's
 (``ref.inf``, no weight sync): the stage's own work, without the step's weight synchronisation.
 Pure (no torch, no processes).

@@ -55,8 +55,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--fsdp",
         action="store_true",
-        help="train: price an engine that shards parameters and gathers them behind compute (FSDP, "
-        "ZeRO-3; memory still priced unsharded)",
+        help="train: price an engine that shards its state over DP and gathers parameters behind "
+        "compute (FSDP, ZeRO-3: verl's and torchtitan's trainers)",
     )
     p.add_argument(
         "--kv-memory-fraction",

@@ -95,10 +95,17 @@ def binding_constraint(problem: PlanningProblem, tables: dict[str, CandidateTabl
     i = int(np.argmin(t.active))
     cap = problem.cluster.gpu_memory_gib * (1 - problem.headroom)
     if worst > 0:
+        held = problem.space.fixed_layout(worst_name) is not None and worst_name.endswith(".train")
+        zero = (
+            "; Nereus's trainers shard nothing over DP (ZeRO-0): `nereus price --fsdp` prices an FSDP "
+            "trainer (verl's) in this layout"
+            if held
+            else ""
+        )
         return (
             f"{worst_name} needs ≥ {t.active[i] / GIB + problem.reserved_bytes / GIB:.1f} GiB per GPU "
             f"at tp·pp ≤ {int((t.gpus // t.dp).max())} ({t.shape(i)}); capacity "
-            f"{cap:.1f} GiB after {problem.headroom * 100:g}% headroom on {problem.cluster.name}"
+            f"{cap:.1f} GiB after {problem.headroom * 100:g}% headroom on {problem.cluster.name}{zero}"
         )
     wf = problem.workflow
     min_gpus = {s: sum(int(tables[m.name].gpus.min()) for m in wf.by_stage(s)) for s in wf.stages}
