@@ -28,7 +28,7 @@ slurm_pid=""
 echo "== slurm layer =="
 cat "$work/slurm.log"
 echo "== dist and e2e layers =="
-"$py" -m pytest -q -m "not pure and not slurm" "$@"
+"$py" -m pytest -q -m "not pure and not slurm" --durations=20 "$@"
 rest=$?
 echo "== exit codes: pure $pure, slurm $slurm, dist and e2e $rest =="
 ok "$pure" && ok "$slurm" && ok "$rest"
