@@ -167,8 +167,21 @@ def test_bad_numbers_in_configs(
         ),
         (
             "drift: [{step: 1, unhealthy: [0]}]",
-            "drift at step 1: worker 0 hosts the controller and cannot leave",
+            "drift at step 1: worker 0 hosts the controller and cannot leave or hang",
         ),
+        (
+            "drift: [{step: 1, kill: [1], hang: [0]}]",
+            "drift at step 1: worker 0 hosts the controller and cannot leave or hang",
+        ),
+        (
+            "drift: [{step: 1, kill: [1], hang: [1]}]",
+            "'drift[0]' step 1: a worker that hangs is not lost, gained or out of memory",
+        ),
+        (
+            "drift: [{step: 1, kill: [1], hang: [2], hang_s: 0}]",
+            "'drift[0]' hang_s must be in (0, 600] seconds, got 0.0",
+        ),
+        ("drift: [{step: 1, kill: [1], hang: [7]}]", "drift at step 1: worker 7 outside 0…3"),
         ("drift: [{step: 1, unhealthy: [9]}]", "drift at step 1: worker 9 outside 0…3"),
     ],
 )

@@ -129,6 +129,28 @@ def test_a_killed_worker_is_survived_and_training_stays_on_track(tmp_path: Path,
         assert r["reward"] == pytest.approx(s["reward"], abs=1e-6)
 
 
+@pytest.mark.timeout(400)
+def test_a_worker_that_hangs_through_a_recovery_rejoins_the_job(tmp_path: Path) -> None:
+    """Worker 4 of five is killed in step 3 and worker 3 hangs in the recovery (SIGSTOP for 10 s,
+    its heartbeat too, before it checks in). The job recovers on the three that answered and goes
+    on; when worker 3 wakes, it finds itself left behind, asks to rejoin as GPU 3 through the
+    signed join path a newcomer takes, and is admitted at a boundary: the job ends on four GPUs,
+    every step once. (Before, a left-behind local worker left the job.)"""
+    exp = tmp_path / "hung.yaml"
+    text = BASE.format(name="hung", steps=16).replace("workers: 4", "workers: 5")
+    exp.write_text(text + "drift:\n  - {step: 3, kill: [4], hang: [3], hang_s: 10}\n")
+    out = tmp_path / "runs" / "hung"
+    proc = cli_run(exp, out, timeout=380)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(16))
+    log = (out / "membership.log").read_text()
+    assert "lost GPUs [3, 4]" in log, log[-2000:]
+    assert "GPU 3: left behind by a recovery; asking to rejoin the job" in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r"accepted join request from .* as GPU 3", log), log[-2000:]
+    assert rows[3]["gpus"] == 3 and rows[-1]["gpus"] == 4, [r["gpus"] for r in rows]
+
+
 @pytest.mark.timeout(300)
 def test_a_loss_that_leaves_too_few_gpus_ends_the_job_and_keeps_its_checkpoint(tmp_path: Path) -> None:
     """Two of four workers killed at once: PPO's three inference model-stages cannot run on the

@@ -26,6 +26,7 @@ MAX_NAME = 64
 MAX_WORKERS = 1 << 16
 MAX_STEPS = 10_000_000
 MAX_TOKENS = 1 << 24
+MAX_HANG_S = 600.0  # a scripted hang (drift) lasts at most this long
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,8 +128,12 @@ class DriftEvent:
     at the boundary before ``step``, which join the running job; ``oom``: workers on which
     ``oom_stage``'s work raises ``torch.OutOfMemoryError`` once in ``step`` (a fault injected where a
     real one would come from); ``unhealthy``: workers whose GPU health check reports a fatal XID at
-    the boundary before ``step`` (the leader treats them as lost); ``max_new_tokens``: the response
-    length limit from ``step`` on."""
+    the boundary before ``step`` (the leader treats them as lost); ``hang``: workers whose
+    processes, when ``step`` fails (a worker killed in it), let go of their groups and stop
+    (SIGSTOP: every thread, the heartbeat's too) for ``hang_s`` seconds before they check in to
+    the recovery: a worker stuck that long (in a connect to a dead peer, say), which the job
+    recovers without and which then asks to rejoin; ``max_new_tokens``: the response length limit
+    from ``step`` on."""
 
     step: int
     lose: tuple[int, ...] = ()
@@ -137,6 +142,8 @@ class DriftEvent:
     oom: tuple[int, ...] = ()
     oom_stage: str = "actor.train"
     unhealthy: tuple[int, ...] = ()
+    hang: tuple[int, ...] = ()
+    hang_s: float = 20.0
     max_new_tokens: int = 0  # 0: unchanged
 
     def __post_init__(self) -> None:
@@ -153,6 +160,10 @@ class DriftEvent:
             raise ValueError(f"max_new_tokens must be in [0, {MAX_TOKENS}], got {brief(self.max_new_tokens)}")
         if set(self.oom) & (set().union(*gone) | set(self.gain)):
             raise ValueError(f"step {self.step}: a worker that runs out of memory stays in the job")
+        if set(self.hang) & (set().union(*gone) | set(self.gain) | set(self.oom)):
+            raise ValueError(f"step {self.step}: a worker that hangs is not lost, gained or out of memory")
+        if not 0.0 < self.hang_s <= MAX_HANG_S:
+            raise ValueError(f"hang_s must be in (0, {MAX_HANG_S:g}] seconds, got {brief(self.hang_s)}")
         if self.oom_stage.count(".") != 1:
             raise ValueError(
                 f"oom_stage: expected a model-stage (<model>.<stage>), got {brief(self.oom_stage)}"
@@ -221,13 +232,15 @@ class ExperimentSpec:
         pool = set(range(self.workers))
         for e in sorted(self.drift, key=lambda e: e.step):
             gone = set(e.lose) | set(e.kill) | set(e.unhealthy)
-            if 0 in gone:
-                raise ValueError(f"drift at step {e.step}: worker 0 hosts the controller and cannot leave")
-            for w in (*e.lose, *e.kill, *e.unhealthy, *e.gain, *e.oom):
+            if 0 in gone | set(e.hang):
+                raise ValueError(
+                    f"drift at step {e.step}: worker 0 hosts the controller and cannot leave or hang"
+                )
+            for w in (*e.lose, *e.kill, *e.unhealthy, *e.gain, *e.oom, *e.hang):
                 if not 0 <= w < self.workers:
                     raise ValueError(f"drift at step {e.step}: worker {w} outside 0…{self.workers - 1}")
-            if not (gone | set(e.oom)) <= pool:
-                missing = sorted((gone | set(e.oom)) - pool)
+            if not (gone | set(e.oom) | set(e.hang)) <= pool:
+                missing = sorted((gone | set(e.oom) | set(e.hang)) - pool)
                 raise ValueError(f"drift at step {e.step}: workers {missing} are not in the pool")
             if set(e.gain) & pool:
                 raise ValueError(
@@ -292,6 +305,10 @@ class ExperimentSpec:
     def unhealthy_at(self, step: int) -> tuple[int, ...]:
         """Workers whose GPU reports a fatal XID at the boundary before ``step``."""
         return tuple(sorted(w for e in self.drift if e.step == step for w in e.unhealthy))
+
+    def hung_at(self, step: int) -> dict[int, float]:
+        """Workers that freeze when ``step`` fails, and for how many seconds."""
+        return {w: e.hang_s for e in self.drift if e.step == step for w in e.hang}
 
     def killed_at(self, step: int) -> tuple[int, ...]:
         """Workers killed in the middle of ``step``."""

@@ -31,12 +31,17 @@ import sys
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from nereus.errors import NereusError
 from nereus.runtime import outdir, signing
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.signals import STOP_SIGNALS, exit_code, start, stopped_by
+
+if TYPE_CHECKING:  # the supervisor imports no torch
+    from nereus.control.action import Outcome
+    from nereus.devices import Devices
+    from nereus.runtime.preemption import Preemption
 
 RDZV = "rendezvous.json"
 # What every initial worker imports before it takes part, imported once by the fork server.
@@ -181,7 +186,8 @@ def member_main(
 ) -> None:  # fmt: skip
     """An initial worker process: GPU 0 hosts the store; the others connect to it. Exits 0 when
     the job is done, with the stop signal's code when it stopped, with a ``NereusError``'s code
-    (2 for a ``ConfigError``; the leader prints its one line) when it refused to go on."""
+    (2 for a ``ConfigError``; the leader prints its one line) when it refused to go on. A worker
+    a recovery went on without (it hung, or checked in too late) asks to rejoin (``_rejoin``)."""
     from nereus.runtime.preemption import Preemption
 
     preemption = Preemption(STOP_SIGNALS).install()  # first: the signals were held until now
@@ -210,17 +216,24 @@ def member_main(
     def spawn(g: int) -> None:
         start([ctx.Process(target=joiner_main, args=(g, spec, out, secret, key), name=f"nereus-gpu{g}")])
 
-    status, error = Outcome.DONE, None
+    status, error, behind = Outcome.DONE, None, False
     try:
         m.form(members, 0)
         local = spawn if gpu == 0 else None
-        status = JobLoop.start(m, spec, folder, resume, folder / "control", local, preemption).run()
+        loop = JobLoop.start(m, spec, folder, resume, folder / "control", local, preemption)
+        status = loop.run()
+        behind = loop.left_behind
     except NereusError as exc:
         error = exc
     finally:
         m.close()
     if error is not None:
         _fail(gpu == 0, error)
+    if behind:
+        try:
+            status = _rejoin(gpu, spec, folder, secret, preemption, devices)
+        except NereusError as exc:
+            _fail(False, exc)
     if status is Outcome.PREEMPTED:
         _exit(exit_code(preemption.signum or signal.SIGTERM))
 
@@ -234,25 +247,72 @@ def joiner_main(gpu: int | None, spec: ExperimentSpec, out: str, secret: bytes, 
     from nereus.control.action import Outcome
     from nereus.devices import activate, choose
     from nereus.runtime import checkpoint as ckpt
-    from nereus.runtime.loop import JobLoop
-    from nereus.runtime.membership import Membership, Rendezvous
 
     devices = choose(gpu or 0, spec.workers)
     activate(devices)
     ckpt.use_key(key)
     folder = Path(out)
-    m = Membership.connect(
-        Rendezvous.read(folder / RDZV), secret, -1, node=f"local-new{gpu}", devices=devices
-    )
-    status, error = Outcome.DONE, None
     try:
-        _, generation, members = m.request_join(gpu)
-        status = JobLoop.enter(m, spec, folder, generation, members, preemption).run()
+        status, behind = _enter(gpu, spec, folder, secret, preemption, devices)
     except NereusError as exc:
-        error = exc
-    finally:
-        m.close()
-    if error is not None:
-        _fail(False, error)
+        _fail(False, exc)
+    if behind:
+        try:
+            status = _rejoin(gpu, spec, folder, secret, preemption, devices)
+        except NereusError as exc:
+            _fail(False, exc)
     if status is Outcome.PREEMPTED:
         _exit(exit_code(preemption.signum or signal.SIGTERM))
+
+
+def _enter(
+    gpu: int | None, spec: ExperimentSpec, folder: Path, secret: bytes, preemption: Preemption,
+    devices: Devices,
+) -> tuple[Outcome, bool]:  # fmt: skip
+    """Ask the running job to admit this process (as ``gpu``; None: the next free one) and take
+    part from the boundary it is admitted at. Returns (outcome, whether a recovery went on
+    without it)."""
+    from nereus.runtime.loop import JobLoop
+    from nereus.runtime.membership import Membership, Rendezvous
+
+    name = f"local-new{gpu}" if gpu is not None else "local-new"
+    m = Membership.connect(Rendezvous.read(folder / RDZV), secret, -1, node=name, devices=devices)
+    try:
+        _, generation, members = m.request_join(gpu)
+        loop = JobLoop.enter(m, spec, folder, generation, members, preemption)
+        return loop.run(), loop.left_behind
+    finally:
+        m.close()
+
+
+def _rejoin(
+    gpu: int | None, spec: ExperimentSpec, folder: Path, secret: bytes, preemption: Preemption,
+    devices: Devices,
+) -> Outcome:  # fmt: skip
+    """A healthy worker the job went on without (it hung, or checked in to a recovery too late):
+    ask to be admitted again as its own GPU, through the signed join path a newcomer takes, for as
+    long as the job's store answers; ``left`` when it does not (the job is over) or the leader
+    refuses."""
+    import gc
+
+    from nereus.control.action import Outcome
+    from nereus.runtime.membership import JoinRefusedError, Rendezvous
+
+    while True:
+        path = folder / RDZV  # removed when the job is over
+        try:
+            rdzv = Rendezvous.read(path, timeout_s=0.0) if path.is_file() else None
+        except (OSError, ValueError, KeyError, TimeoutError):
+            rdzv = None
+        if rdzv is None or not rdzv.answers():
+            return Outcome.LEFT
+        gc.unfreeze()  # the run froze its objects (``JobLoop.run``): let the old state go
+        gc.collect()
+        print(f"GPU {gpu}: left behind by a recovery; asking to rejoin the job", file=sys.stderr, flush=True)
+        try:
+            status, behind = _enter(gpu, spec, folder, secret, preemption, devices)
+        except JoinRefusedError as exc:
+            print(f"GPU {gpu}: {exc}; leaving the job", file=sys.stderr, flush=True)
+            return Outcome.LEFT
+        if not behind:
+            return status

@@ -38,15 +38,11 @@ Edge module (torch.distributed, processes).
 from __future__ import annotations
 
 import gc
-import os
-import signal
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-
-import torch
 
 from nereus.control.action import Action, Move, Outcome, RecordKind, Restart, TransitionRecord
 from nereus.control.telemetry import Telemetry
@@ -56,6 +52,7 @@ from nereus.plan import sweep
 from nereus.plan.calibration import CalibrationStore
 from nereus.plan.layout import Plan
 from nereus.runtime import checkpoint as ckpt
+from nereus.runtime import faults
 from nereus.runtime.acting import Acting
 from nereus.runtime.asynchrony import async_step
 from nereus.runtime.comm import all_gather, barrier, broadcast, is_peer_failure, reduce_max
@@ -118,6 +115,7 @@ class JobLoop(Acting):
         self.moved: list[TransitionRecord] = []  # a recovery's, reported with the next step
         self.ooms_at, self.oom_tries = -1, 0  # out-of-memory recoveries of one step, so far
         self.faulted: set[int] = set()  # steps whose scripted fault has struck
+        self.frozen: set[int] = set()  # steps whose scripted hang has struck
         self.preemption = preemption or Preemption()
         self.dropped = 0  # async: batches generated ahead that a transition dropped, since the last record
         self.left_behind = False  # the job went on without this healthy GPU (``LeftBehindError``)
@@ -195,7 +193,7 @@ class JobLoop(Acting):
                 try:
                     self._survive(oom)  # outside the handler: its traceback pins the old groups
                 except LeftBehindError as exc:  # the job went on without this GPU
-                    print(f"nereus: {exc}; leaving the job", file=sys.stderr, flush=True)
+                    print(f"nereus: {exc}; the job went on without it", file=sys.stderr, flush=True)
                     self.m.close()
                     self.left_behind = True
                     return Outcome.LEFT
@@ -256,7 +254,7 @@ class JobLoop(Acting):
         worker.optimes.clear()
         worker.generation.clear()
         kill = self.m.gpu in spec.killed_at(step) and step >= self.first_step
-        hook = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if kill else None
+        hook = faults.kill if kill else None
         worker.memory.clear()
         worker.fault = None
         if self.m.gpu in spec.unhealthy_at(step + 1):  # reported at this step's boundary
@@ -264,7 +262,7 @@ class JobLoop(Acting):
         oom = spec.oom_at(step).get(self.m.gpu)
         if oom is not None and step not in self.faulted:  # a scripted out-of-memory error, once
             self.faulted.add(step)
-            worker.fault = _out_of_memory_in(oom)
+            worker.fault = faults.out_of_memory_in(oom)
         if self.setup.workload.mode is ExecutionMode.ASYNC:
             res = async_step(worker, self.plan, self.setup, step, spec.max_new_tokens_at, hook)
             sync_s = worker.weight_sync(self.plan)
@@ -367,6 +365,11 @@ class JobLoop(Acting):
         can fail too, so it runs where a failure is caught)."""
         before = self.m.members
         self.worker.release()
+        hang = self.spec.hung_at(self.step).get(self.m.gpu)
+        if hang is not None and self.step not in self.frozen:  # a scripted freeze, once
+            self.frozen.add(self.step)
+            self.m.abandon()  # its groups go first: no peer waits on it in a collective
+            faults.hang(hang)  # then it checks in late: its heartbeat stopped too
         survivors = self.m.recover(oom=oom)
         self.m.form(survivors, self.m.generation + 1)
         self.worker.set_world(survivors)
@@ -436,13 +439,3 @@ class JobLoop(Acting):
             self.worker.engines["actor.train"].save_hf(self.out / "hf" / "actor", companions)
         if self.leader is not None:
             self.leader.finish()
-
-
-def _out_of_memory_in(model_stage: str) -> Callable[[str], None]:
-    """A fault at the start of ``model_stage``'s work: the error a GPU raises when memory runs out."""
-
-    def fault(name: str) -> None:
-        if name == model_stage:
-            raise torch.OutOfMemoryError(f"{name}: an injected out-of-memory error (the experiment's drift)")
-
-    return fault

@@ -27,10 +27,8 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,18 +175,8 @@ def _rejoin(
 
 
 def store_answers(rdzv: Rendezvous, timeout_s: float | None = None) -> bool:
-    """Whether something accepts connections at the job's store within ``timeout_s`` (default
-    ``STORE_PROBE_S``; a client TCPStore would retry for its whole 30-minute timeout when the
-    leader is gone)."""
-    deadline = time.monotonic() + (STORE_PROBE_S if timeout_s is None else timeout_s)
-    while True:
-        try:
-            with socket.create_connection((rdzv.host, rdzv.port), timeout=2.0):
-                return True
-        except OSError:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.5)
+    """Whether the job's store answers within ``timeout_s`` (default ``STORE_PROBE_S``)."""
+    return rdzv.answers(STORE_PROBE_S if timeout_s is None else timeout_s)
 
 
 def _requeue_lost_leader(boot: Bootstrap) -> Outcome:

@@ -50,6 +50,19 @@ class Rendezvous:
                 raise TimeoutError(f"{path}: the job's leader wrote no rendezvous in {timeout_s:.0f} s")
             time.sleep(0.1)
 
+    def answers(self, timeout_s: float = 10.0) -> bool:
+        """Whether something accepts connections at this store within ``timeout_s`` (a client
+        TCPStore would retry for its whole 30-minute timeout when the leader is gone)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with socket.create_connection((self.host, self.port), timeout=2.0):
+                    return True
+            except OSError:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.5)
+
 
 def node_address() -> str:
     """This node's address for the store: ``NEREUS_RDZV_HOST``, else the host name's address."""
