@@ -137,13 +137,13 @@ def test_a_worker_that_hangs_through_a_recovery_rejoins_the_job(tmp_path: Path) 
     signed join path a newcomer takes, and is admitted at a boundary: the job ends on four GPUs,
     every step once. (Before, a left-behind local worker left the job.)"""
     exp = tmp_path / "hung.yaml"
-    text = BASE.format(name="hung", steps=16).replace("workers: 4", "workers: 5")
+    text = BASE.format(name="hung", steps=24).replace("workers: 4", "workers: 5")
     exp.write_text(text + "drift:\n  - {step: 3, kill: [4], hang: [3], hang_s: 10}\n")
     out = tmp_path / "runs" / "hung"
     proc = cli_run(exp, out, timeout=380)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(out)
-    assert [r["step"] for r in rows] == list(range(16))
+    assert [r["step"] for r in rows] == list(range(24))
     log = (out / "membership.log").read_text()
     assert "lost GPUs [3, 4]" in log, log[-2000:]
     assert "GPU 3: left behind by a recovery; asking to rejoin the job" in proc.stderr, proc.stderr[-3000:]
