@@ -404,7 +404,10 @@ def test_default_output_folder_is_named_after_the_workload_not_its_path(
 def test_infeasible_simulation_exits_3(capsys: pytest.CaptureFixture[str]) -> None:
     write("t.json", json.dumps({"metadata": {"gap_seconds": 300}, "data": [3]}))
     got = refused([*with_flag(SIM, "--trace", "t.json"), "--out", "o"], capsys, code=3)
-    assert got == f"{E_SIM}no plan fits the 3 GPUs the trace settles at (responses of 500 tokens)"
+    assert got == (
+        f"{E_SIM}no plan fits the 3 GPUs the trace settles at (responses of 500 tokens; generation at pp "
+        "1, as vLLM runs it)"
+    )
     assert not Path("o").exists()
 
 

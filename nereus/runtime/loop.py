@@ -365,7 +365,7 @@ class JobLoop(Acting):
         can fail too, so it runs where a failure is caught)."""
         before = self.m.members
         self.worker.release()
-        hang = self.spec.hung_at(self.step).get(self.m.gpu)
+        hang = self.spec.hung_at(self.step).get(self.m.gpu) if self.spec is not None else None
         if hang is not None and self.step not in self.frozen:  # a scripted freeze, once
             self.frozen.add(self.step)
             self.m.abandon()  # its groups go first: no peer waits on it in a collective

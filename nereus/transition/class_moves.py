@@ -77,6 +77,25 @@ def _q_index(cl: Layout, sub: Layout) -> Ints:
     return out
 
 
+_SLOTS: dict[tuple[Layout, Layout], Ints] = {}
+
+
+def _merge_slots(sub: Layout, tl: Layout) -> Ints:
+    """A Merge's slots: [j, r] is the rank of ``tl`` that the j-th sub-unit's rank r becomes."""
+    out = _SLOTS.get((sub, tl))
+    if out is None:
+        mt, mp, pos = tl.tp // sub.tp, tl.pp // sub.pp, sub.positions()
+        out = _SLOTS[sub, tl] = np.asarray(
+            [
+                [(pq * mp + jp) * tl.tp + tq * mt + jt for tq, pq in pos]
+                for jp in range(mp)
+                for jt in range(mt)
+            ],
+            np.int64,
+        )
+    return out
+
+
 _GROUPS: dict[tuple[Layout, Layout], Ints] = {}
 _TAKES: dict[tuple[Geometry, Layout, Layout], Ints] = {}
 
@@ -172,18 +191,8 @@ class _Moves(Builder):
 
     def merge_reshape(self, stage: str, geo: Geometry, cl: Layout, cur: Ints, tl: Layout, tgt: Ints) -> None:
         sub = cl
-        mt, mp = tl.tp // sub.tp, tl.pp // sub.pp
-        m = mt * mp
-        pos = sub.positions()
-        at = np.asarray(
-            [
-                [(pq * mp + jp) * tl.tp + tq * mt + jt for tq, pq in pos]
-                for jp in range(mp)
-                for jt in range(mt)
-            ],
-            np.int64,
-        )
-        slots = tgt[:, at].reshape(len(tgt) * m, sub.size)
+        m = (tl.tp // sub.tp) * (tl.pp // sub.pp)
+        slots = tgt[:, _merge_slots(sub, tl)].reshape(len(tgt) * m, sub.size)
         kept, owner = self._slots(cur, cl, sub, slots)
         kept_si = np.flatnonzero(kept)
         kept_unit = owner[slots[kept_si, 0]]
@@ -217,10 +226,14 @@ class _Moves(Builder):
         pats, of = unique_rows(np.stack([intra.astype(np.int64), dep_of], 1))
         keys = []
         for link_bit, dep in pats.tolist():
-            link = Link.INTRA if link_bit else Link.INTER
-            flows = tuple(Flow(r, b, link) for r, b in enumerate(rows.recv))
-            est = self.links.node_seconds(_M, flows, m - 1, rows.local, distinct=True)
-            keys.append((est, moved, tl.size, dep_sets[dep]))
+            memo = (self.links, geo, sub, tl, _M, link_bit)
+            out = SECONDS.get(memo)
+            if out is None:
+                link = Link.INTRA if link_bit else Link.INTER
+                flows = tuple(Flow(r, b, link) for r, b in enumerate(rows.recv))
+                est = self.links.node_seconds(_M, flows, m - 1, rows.local, distinct=True)
+                out = remember(memo, est, moved, tl.size)
+            keys.append((*out, dep_sets[dep]))
         ports = [2 * tgt, 2 * tgt + 1] if moved else []
         self.classes(stage, _M, keys, of, None, ports)
 
@@ -252,13 +265,15 @@ class _Moves(Builder):
         kept_gpu[tgt[kept_si].ravel()] = True
         members = cur[taking][:, grp]  # (replica, j, T_sub rank)
         taken = kept_gpu[members]
-        rest = np.take_along_axis(members, np.argsort(taken, axis=1, kind="stable"), axis=1)
+        order = taken.argsort(axis=1, kind="stable")  # per (replica, rank): its free members first
+        rest = members[np.arange(len(taking))[:, None, None], order, np.arange(sub.size)[None, None, :]]
         n_kept = np.bincount(kept_unit, minlength=len(cur))[taking]
-        jmask = np.arange(k)[None, :] < (k - n_kept)[:, None]
+        n_left = k - n_kept
+        jmask = np.arange(k)[None, :] < n_left[:, None]
         free = rest[jmask].reshape(-1, sub.size)
         n_free = len(free)
         pool = np.vstack([free, tgt[kept_si]])
-        pool_owner = np.concatenate([np.broadcast_to(taking[:, None], jmask.shape)[jmask], kept_unit])
+        pool_owner = np.concatenate([np.repeat(taking, n_left), kept_unit])  # row-major, as ``rest[jmask]``
         self._round_robin(dst, pool)
         fed = min(len(dst), len(pool))
         # the Splits: each split replica's kept sub-units and the free ones that feed a copy
@@ -290,7 +305,7 @@ class _Moves(Builder):
                 out = remember(memo, est, sum(f.bytes for f in flows), len(flows))
             keys.append((*out, frozenset[int]()))
         take_of = _takes(geo, cl, sub)[flat]
-        self.acq[U[kmask]] += np.broadcast_to(take_of, U.shape)[kmask]
+        self.acq[U[kmask]] += (kmask * take_of)[kmask]  # each kept rank's take (slots are disjoint)
         recv_ports = np.where(kmask, 2 * U + 1, -1)
         split_cls = np.full(len(cur), -1, np.int64)
         if len(splits):

@@ -206,8 +206,12 @@ class Builder:
         member = cls_of_pattern[of] if len(of) else of
         base = len(self.out)
         for k, c in index.items():
-            mine = member == c if len(index) > 1 else slice(None)
-            count = int(np.count_nonzero(member == c)) if len(index) > 1 else len(member)
+            if len(index) > 1:
+                sel = member == c
+                mine: Ints | slice = sel
+                count = int(np.count_nonzero(sel))
+            else:
+                mine, count = slice(None), len(member)
             rounds = 1
             if src is not None and k[0] > 0 and count > 1:
                 rounds = int(np.bincount(src[mine]).max())
@@ -235,9 +239,13 @@ class Builder:
         np.bitwise_or.at(mask, rows[hit], np.left_shift(1, cls[hit] - base))
         if more is not None:
             mask |= np.where(more >= 0, np.left_shift(1, np.maximum(more - base, 0)), 0)
-        codes, of = np.unique(mask, return_inverse=True)
-        sets = [frozenset(base + b for b in range(63) if code >> b & 1) for code in codes.tolist()]
-        return of.reshape(-1), sets
+        if n and (mask == mask[0]).all():  # every target alike (replicas that move alike): one set
+            codes, of = [int(mask[0])], np.zeros(n, np.int64)
+        else:
+            unique, inverse = np.unique(mask, return_inverse=True)
+            codes, of = unique.tolist(), inverse.reshape(-1)
+        sets = [frozenset(base + b for b in range(63) if code >> b & 1) for code in codes]
+        return of, sets
 
     def extends(
         self, stage: str, geo: Geometry, lay: Layout, dst: Ints, pool: Ints, extra: Ints
