@@ -77,37 +77,20 @@ def _q_index(cl: Layout, sub: Layout) -> Ints:
     return out
 
 
-_SLOTS: dict[tuple[Layout, Layout], Ints] = {}
-
-
-def _merge_slots(sub: Layout, tl: Layout) -> Ints:
-    """A Merge's slots: [j, r] is the rank of ``tl`` that the j-th sub-unit's rank r becomes."""
-    out = _SLOTS.get((sub, tl))
-    if out is None:
-        mt, mp, pos = tl.tp // sub.tp, tl.pp // sub.pp, sub.positions()
-        out = _SLOTS[sub, tl] = np.asarray(
-            [
-                [(pq * mp + jp) * tl.tp + tq * mt + jt for tq, pq in pos]
-                for jp in range(mp)
-                for jt in range(mt)
-            ],
-            np.int64,
-        )
-    return out
-
-
 _GROUPS: dict[tuple[Layout, Layout], Ints] = {}
 _TAKES: dict[tuple[Geometry, Layout, Layout], Ints] = {}
 
 
-def _split_groups(cl: Layout, sub: Layout) -> Ints:
-    """The Split's all-gather groups: [j, r] is the j-th old rank of the group of T_sub rank r."""
-    out = _GROUPS.get((cl, sub))
+def _sub_units(big: Layout, sub: Layout) -> Ints:
+    """[j, r]: the rank of ``big`` that is rank r of its j-th ``sub`` unit. A Split of ``big``
+    all-gathers column r (the group of T_sub rank r); a Merge into ``big`` lays its j-th slot's
+    ranks there (memoised per layout pair)."""
+    out = _GROUPS.get((big, sub))
     if out is None:
-        kt, kp, pos = cl.tp // sub.tp, cl.pp // sub.pp, sub.positions()
-        out = _GROUPS[cl, sub] = np.asarray(
+        kt, kp, pos = big.tp // sub.tp, big.pp // sub.pp, sub.positions()
+        out = _GROUPS[big, sub] = np.asarray(
             [
-                [(pq * kp + bp) * cl.tp + tq * kt + bt for tq, pq in pos]
+                [(pq * kp + bp) * big.tp + tq * kt + bt for tq, pq in pos]
                 for bp in range(kp)
                 for bt in range(kt)
             ],
@@ -192,7 +175,7 @@ class _Moves(Builder):
     def merge_reshape(self, stage: str, geo: Geometry, cl: Layout, cur: Ints, tl: Layout, tgt: Ints) -> None:
         sub = cl
         m = (tl.tp // sub.tp) * (tl.pp // sub.pp)
-        slots = tgt[:, _merge_slots(sub, tl)].reshape(len(tgt) * m, sub.size)
+        slots = tgt[:, _sub_units(tl, sub)].reshape(len(tgt) * m, sub.size)
         kept, owner = self._slots(cur, cl, sub, slots)
         kept_si = np.flatnonzero(kept)
         kept_unit = owner[slots[kept_si, 0]]
@@ -240,7 +223,7 @@ class _Moves(Builder):
     def split_reshape(self, stage: str, geo: Geometry, cl: Layout, cur: Ints, sub: Layout, tgt: Ints) -> None:
         kt, kp = cl.tp // sub.tp, cl.pp // sub.pp
         k, gpn = kt * kp, self.gpn
-        grp = _split_groups(cl, sub)
+        grp = _sub_units(cl, sub)
         kept, owner = self._slots(cur, cl, sub, tgt)
         kept_si = np.flatnonzero(kept)
         kept_unit = owner[tgt[kept_si, 0]]
