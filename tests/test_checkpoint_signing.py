@@ -182,7 +182,9 @@ def test_a_used_folder_needs_force_and_force_replaces_only_the_runs_files(tmp_pa
     assert (out / "notes.txt").read_text() == "mine"
 
 
-def test_discard_undoes_a_refused_fresh_run_but_never_a_checkpoint_or_a_users_file(tmp_path: Path) -> None:
+def test_discard_undoes_a_refused_fresh_run_but_never_a_step_a_checkpoint_or_a_users_file(
+    tmp_path: Path,
+) -> None:
     out = tmp_path / "run"
     outdir.prepare(out, resume=False, force=False)
     (out / "metrics.jsonl").write_text("")
@@ -196,6 +198,10 @@ def test_discard_undoes_a_refused_fresh_run_but_never_a_checkpoint_or_a_users_fi
     (out / "checkpoints" / "step-0").mkdir(parents=True)
     before = _snapshot(out)
     assert not outdir.discard(out, created=True) and _snapshot(out) == before
+    out = tmp_path / "stepped"  # a metrics row: a step ran, its results stay
+    outdir.prepare(out, resume=False, force=False)
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert not outdir.discard(out, created=True) and (out / "metrics.jsonl").is_file()
     mine = tmp_path / "mine"  # no marker: not a run's folder
     (mine / "checkpoints").mkdir(parents=True)
     assert not outdir.discard(mine, created=True) and (mine / "checkpoints").is_dir()

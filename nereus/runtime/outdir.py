@@ -133,13 +133,14 @@ def prepare(path: Path, resume: bool, force: bool) -> bytes:
 
 
 def discard(path: Path, created: bool) -> bool:
-    """Undo a fresh run that stopped on bad input before its first checkpoint: remove the files it
-    wrote (``RUN_FILES``, in a folder with the marker) and, when the run ``created`` the folder,
-    the folder once empty. A folder holding a checkpoint is kept whole. Returns whether anything
-    was removed."""
+    """Undo a fresh run that stopped on bad input before its first step: remove the files it wrote
+    (``RUN_FILES``, in a folder with the marker) and, when the run ``created`` the folder, the
+    folder once empty. A folder holding a checkpoint or a metrics row is kept whole. Returns
+    whether anything was removed."""
     path = Path(path)
-    ckpts = path / "checkpoints"
-    if not is_ours(path) or (ckpts.is_dir() and any(ckpts.iterdir())):
+    ckpts, rows = path / "checkpoints", path / "metrics.jsonl"
+    trained = (ckpts.is_dir() and any(ckpts.iterdir())) or (rows.is_file() and rows.stat().st_size > 0)
+    if not is_ours(path) or trained:
         return False
     for name in RUN_FILES:
         old = path / name
