@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nereus.plan.replica import FloatArray, ReplicaFacts
+from nereus.plan.replica import FloatArray, ReplicaFacts, layer_params_per_rank
 from nereus.spec.model import Head, ModelSpec
 from nereus.spec.workload import Precision, Recompute, Stage
 
@@ -190,7 +190,7 @@ def trainer_memory(
     def stage(params: FloatArray, layers: FloatArray, acts: FloatArray) -> _Terms:
         if shard is None:
             return (params * weight_b, params * optim_b, params * grad_b, acts, np.zeros_like(acts))
-        block = model.layer_params() / rep.tp
+        block = np.asarray([layer_params_per_rank(model, int(t)) for t in rep.tp])  # one block, per GPU
         root = np.maximum(params - layers * block, 0.0)
         gathered = (root + np.minimum(layers, 2.0) * block) * weight_b
         # the sharded fp32 parameters are the master copy (mixed) or the weights themselves (fp32)

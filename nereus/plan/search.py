@@ -95,7 +95,8 @@ def binding_constraint(problem: PlanningProblem, tables: dict[str, CandidateTabl
     i = int(np.argmin(t.active))
     cap = problem.cluster.gpu_memory_gib * (1 - problem.headroom)
     if worst > 0:
-        held = problem.space.fixed_layout(worst_name) is not None and worst_name.endswith(".train")
+        train = {ms.name for ms in problem.workflow.by_stage(Stage.TRAIN)}
+        held = problem.space.fixed_layout(worst_name) is not None and worst_name in train
         zero = (
             "; Nereus's trainers shard nothing over DP (ZeRO-0): `nereus price --fsdp` prices an FSDP "
             "trainer (verl's) in this layout"

@@ -117,12 +117,7 @@ def prepare(path: Path, resume: bool, force: bool) -> bytes:
     check(path, resume, force)
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     if force and is_ours(path):  # a previous run's files; a folder not ours holds none (``check``)
-        for name in RUN_FILES:
-            old = path / name
-            if old.is_dir() and not old.is_symlink():
-                shutil.rmtree(old)
-            elif old.exists() or old.is_symlink():
-                old.unlink()
+        _remove_run_files(path)
     marker = path / f"{MARKER}.tmp"
     marker.write_text(MARK + "\n")
     os.replace(marker, path / MARKER)
@@ -142,13 +137,18 @@ def discard(path: Path, created: bool) -> bool:
     trained = (ckpts.is_dir() and any(ckpts.iterdir())) or (rows.is_file() and rows.stat().st_size > 0)
     if not is_ours(path) or trained:
         return False
-    for name in RUN_FILES:
-        old = path / name
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
-        elif old.exists() or old.is_symlink():
-            old.unlink(missing_ok=True)
+    _remove_run_files(path)
     if created:
         with contextlib.suppress(OSError):
             path.rmdir()  # only when empty: a control/ request or a user's file keeps it
     return True
+
+
+def _remove_run_files(path: Path) -> None:
+    """Remove what a run writes (``RUN_FILES``) from ``path``, nothing else."""
+    for name in RUN_FILES:
+        old = path / name
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old)
+        elif old.exists() or old.is_symlink():
+            old.unlink()
