@@ -6,10 +6,13 @@ visible GPUs>``; otherwise on the CPU (``NEREUS_DEVICE=cpu`` forces the CPU, ``=
 GPU). Tensors on GPUs move over NCCL (RCCL on ROCm, under the same ``nccl`` name), small control
 messages and CPU tensors over gloo in both cases: the world is one process group with a backend
 per device type (``cpu:gloo,cuda:nccl``), so each collective takes the backend of its tensors'
-device. NCCL is told to surface a dead peer as an error instead of hanging
-(``TORCH_NCCL_ASYNC_ERROR_HANDLING``), and a broken world's communicators are aborted before it is
-destroyed (``abort_world``). A worker uses as many CPU threads as its node gives it: the CPUs it
-may run on, shared among the node's workers.
+device. NCCL is told to surface a failed or timed-out collective as an error in the waiting rank,
+aborting its communicators but keeping the process and its state (``TORCH_NCCL_ASYNC_ERROR_HANDLING``
+= 2, CleanUpOnly; torch's default, 3, tears the process down), and a broken world's communicators
+are aborted before it is destroyed (``abort_world``). Every collective of a formed world times out
+after the job's ``collective_timeout_s`` (``set_world_timeout``): a peer that froze surfaces then.
+A worker uses as many CPU threads as its node gives it: the CPUs it may run on, shared among the
+node's workers.
 Edge module (torch).
 """
 
@@ -32,6 +35,10 @@ CHOICES = ("auto", "cpu", "cuda")
 TENSORS_ON_CPU = "gloo"
 TENSORS_ON_GPU = "nccl"  # NCCL on NVIDIA, RCCL on ROCm
 CONTROL = "gloo"
+# torch's ErrorHandlingMode (ProcessGroupNCCL.hpp): 2 is CleanUpOnly, which aborts the failed
+# collective's communicators and raises in the rank that waits on it; 1 and 3 tear the process
+# down, and with it the state an in-place recovery keeps
+NCCL_ERROR_HANDLING = "2"
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,8 +125,14 @@ def activate(devices: Devices) -> None:
     """Make ``devices`` this process's: the current GPU, NCCL's error handling, the CPU threads."""
     torch.set_num_threads(devices.threads)
     if devices.accelerated:
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # a dead peer raises, never hangs
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", NCCL_ERROR_HANDLING)
         torch.cuda.set_device(devices.device)
+
+
+def set_world_timeout(timeout: timedelta) -> None:
+    """Every later collective of the world (each backend of it) fails after ``timeout``; forming it
+    had its own, longer one (members arrive when they are ready)."""
+    dist.group.WORLD.set_timeout(timeout)  # type: ignore[union-attr]
 
 
 def init_world(devices: Devices, store: Any, rank: int, world_size: int, timeout: timedelta) -> None:

@@ -182,6 +182,17 @@ def test_bad_numbers_in_configs(
             "'drift[0]' hang_s must be in (0, 600] seconds, got 0.0",
         ),
         ("drift: [{step: 1, kill: [1], hang: [7]}]", "drift at step 1: worker 7 outside 0…3"),
+        (
+            "drift: [{step: 1, freeze: [2], hang: [2], kill: [1]}]",
+            "'drift[0]' step 1: a worker that freezes is not lost, gained, out of memory or hung",
+        ),
+        (
+            "drift: [{step: 1, freeze: [0]}]",
+            "drift at step 1: worker 0 hosts the controller and cannot leave or hang",
+        ),
+        ("drift: [{step: 1, freeze: [4]}]", "drift at step 1: worker 4 outside 0…3"),
+        ("collective_timeout_s: 0.5", "collective_timeout_s must be in [1, 86400] seconds, got 0.5"),
+        ("collective_timeout_s: .nan", f"key 'collective_timeout_s': {FINITE} nan"),
         ("drift: [{step: 1, unhealthy: [9]}]", "drift at step 1: worker 9 outside 0…3"),
     ],
 )

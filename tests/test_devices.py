@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import nereus
-from nereus.devices import CPU, Devices, choose, launched, node_threads
+from nereus.devices import CPU, NCCL_ERROR_HANDLING, Devices, choose, launched, node_threads
 from nereus.errors import ConfigError
 
 pytestmark = pytest.mark.pure
@@ -74,3 +74,18 @@ def test_a_launched_worker_takes_its_local_rank_from_torchrun_or_slurm() -> None
     assert launched({**env, "SLURM_CPUS_PER_TASK": "3"}, local_rank=5).threads == 3  # SLURM's grant wins
     assert launched({**env, "NEREUS_THREADS": "2", "SLURM_CPUS_PER_TASK": "3"}).threads == 2  # then ours
     assert launched(env).device == CPU and launched(env, local_rank=0).threads == cpus
+
+
+def test_nccl_errors_raise_in_the_waiting_rank_and_keep_the_process() -> None:
+    """The value set for TORCH_NCCL_ASYNC_ERROR_HANDLING is, in the installed torch's own header,
+    the mode that cleans up (aborts the communicators, so the waiting rank raises) without tearing
+    the process down. torch's default, 3 (SkipCleanUp), tears it down: a survivor of a dead or
+    frozen peer would lose the state an in-place recovery keeps."""
+    header = Path(torch.__file__).parent / "include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp"
+    if not header.is_file():
+        pytest.skip("this torch ships no ProcessGroupNCCL.hpp")
+    text = header.read_text()
+    modes = dict(re.findall(r"(\w+) = (\d+)", text[text.index("enum ErrorHandlingMode") :][:200]))
+    assert modes["CleanUpOnly"] == NCCL_ERROR_HANDLING
+    assert "a != CleanUpOnly" in re.search(r"#define SHOULD_TEAR_DOWN\(a\)[^\n]*", text).group(0)  # type: ignore[union-attr]
+    assert "a != CleanUpOnly" not in re.search(r"#define SHOULD_CLEAN_UP\(a\)[^\n]*", text).group(0)  # type: ignore[union-attr]

@@ -245,4 +245,4 @@ def test_a_member_that_loses_the_store_while_recovering_leaves_the_job(tmp_path:
     """Not a crash (a SLURM job whose training finished was marked FAILED by one such rank): the
     member learns it is left behind and leaves (``Outcome.LEFT``, exit 0)."""
     assert spawned(_left_behind, 2, tmp_path) == [0, 0]
-    assert "GPU 1 lost the job's store recovering generation 0" in (tmp_path / "left.txt").read_text()
+    assert "GPU 1 found the job's store gone recovering generation 0" in (tmp_path / "left.txt").read_text()

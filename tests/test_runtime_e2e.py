@@ -138,13 +138,49 @@ def test_a_worker_that_hangs_through_a_recovery_rejoins_the_job(tmp_path: Path) 
     on; when worker 3 wakes, it finds itself left behind, asks to rejoin as GPU 3 through the
     signed join path a newcomer takes, and is admitted at a boundary: the job ends on four GPUs,
     every step once. (Before, a left-behind local worker left the job.)"""
-    exp = tmp_path / "hung.yaml"
     text = BASE.format(name="hung", steps=2000).replace("workers: 4", "workers: 5")
-    exp.write_text(text + "drift:\n  - {step: 3, kill: [4], hang: [3], hang_s: 10}\n")
-    out = tmp_path / "runs" / "hung"
+    out, err = run_until_back(
+        tmp_path, "hung", text + "drift:\n  - {step: 3, kill: [4], hang: [3], hang_s: 10}\n"
+    )
+    rows = metrics(out)
+    log = (out / "membership.log").read_text()
+    assert "lost GPUs [3, 4]" in log, log[-2000:]
+    assert "GPU 3: left behind by a recovery; asking to rejoin the job" in err, err[-3000:]
+    assert re.search(r"accepted join request from .* as GPU 3", log), log[-2000:]
+    assert rows[3]["gpus"] == 3 and rows[-1]["gpus"] == 4, [r["gpus"] for r in rows]
+
+
+@pytest.mark.timeout(400)
+def test_a_worker_that_freezes_mid_step_is_timed_out_recovered_without_and_rejoins(tmp_path: Path) -> None:
+    """Worker 3 of four freezes in the middle of step 3 (SIGSTOP for 20 s, every thread, holding
+    its connections: a node that stopped answering). The others' collectives wait for it only the
+    experiment's ``collective_timeout_s`` (5 s here; torch's own default is 30 min), then the job
+    recovers on the three that answer, the step runs again, and the frozen worker, once it wakes,
+    finds itself left behind and rejoins as GPU 3: the job trains on four GPUs again, every step
+    once."""
+    text = BASE.format(name="frozen", steps=2000) + "collective_timeout_s: 5\n"
+    started = time.monotonic()
+    out, err = run_until_back(tmp_path, "frozen", text + "drift:\n  - {step: 3, freeze: [3], hang_s: 20}\n")
+    rows = metrics(out)
+    log = (out / "membership.log").read_text()
+    assert "lost GPUs [3]" in log, log[-2000:]
+    assert "GPU 3: left behind by a recovery; asking to rejoin the job" in err, err[-3000:]
+    assert re.search(r"accepted join request from .* as GPU 3", log), log[-2000:]
+    assert rows[3]["gpus"] == 3 and rows[-1]["gpus"] == 4, [r["gpus"] for r in rows]
+    recovered = [t for t in rows[3]["transitions"] if t["kind"] == "recovered"]  # type: ignore[union-attr]
+    assert recovered and recovered[0]["lost"] == [3], rows[3]["transitions"]
+    assert time.monotonic() - started < 300  # not the 30 minutes a frozen peer held the job before
+
+
+def run_until_back(tmp: Path, name: str, text: str) -> tuple[Path, str]:
+    """Run ``text`` until a row after row 4 trains on four GPUs again (steps take 0.2–2 s here),
+    then stop the job with SIGUSR2 at its next boundary; the run's folder and its stderr."""
+    exp = tmp / f"{name}.yaml"
+    exp.write_text(text)
+    out = tmp / "runs" / name
     cmd = [sys.executable, "-m", "nereus.cli", "run", str(exp), "--out", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 150  # steps take 0.2–2 s here: stop once GPU 3 trains again
+    deadline = time.monotonic() + 150
     while time.monotonic() < deadline and proc.poll() is None:
         lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").is_file() else []
         if any('"gpus": 4' in line for line in lines[4:]):
@@ -155,11 +191,7 @@ def test_a_worker_that_hangs_through_a_recovery_rejoins_the_job(tmp_path: Path) 
     assert proc.returncode == 144, err[-3000:]  # stopped by SIGUSR2, as asked
     rows = metrics(out)
     assert [r["step"] for r in rows] == list(range(len(rows)))
-    log = (out / "membership.log").read_text()
-    assert "lost GPUs [3, 4]" in log, log[-2000:]
-    assert "GPU 3: left behind by a recovery; asking to rejoin the job" in err, err[-3000:]
-    assert re.search(r"accepted join request from .* as GPU 3", log), log[-2000:]
-    assert rows[3]["gpus"] == 3 and rows[-1]["gpus"] == 4, [r["gpus"] for r in rows]
+    return out, err
 
 
 @pytest.mark.timeout(300)

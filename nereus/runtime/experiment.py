@@ -27,6 +27,10 @@ MAX_WORKERS = 1 << 16
 MAX_STEPS = 10_000_000
 MAX_TOKENS = 1 << 24
 MAX_HANG_S = 600.0  # a scripted hang (drift) lasts at most this long
+# how long a collective waits for a peer before the job counts it lost: NCCL's and Megatron's
+# default (10 min), bounded to a day
+COLLECTIVE_TIMEOUT_S = 600.0
+COLLECTIVE_TIMEOUT_RANGE_S = (1.0, 86_400.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,8 +136,11 @@ class DriftEvent:
     processes, when ``step`` fails (a worker killed in it), let go of their groups and stop
     (SIGSTOP: every thread, the heartbeat's too) for ``hang_s`` seconds before they check in to
     the recovery: a worker stuck that long (in a connect to a dead peer, say), which the job
-    recovers without and which then asks to rejoin; ``max_new_tokens``: the response length limit
-    from ``step`` on."""
+    recovers without and which then asks to rejoin; ``freeze``: workers whose processes stop
+    (SIGSTOP) for ``hang_s`` seconds in the middle of ``step``, after generation, holding their
+    connections, as a node that froze: the others' collectives time out after the experiment's
+    ``collective_timeout_s``, the job recovers without them, and they ask to rejoin when they wake;
+    ``max_new_tokens``: the response length limit from ``step`` on."""
 
     step: int
     lose: tuple[int, ...] = ()
@@ -143,6 +150,7 @@ class DriftEvent:
     oom_stage: str = "actor.train"
     unhealthy: tuple[int, ...] = ()
     hang: tuple[int, ...] = ()
+    freeze: tuple[int, ...] = ()
     hang_s: float = 20.0
     max_new_tokens: int = 0  # 0: unchanged
 
@@ -162,6 +170,10 @@ class DriftEvent:
             raise ValueError(f"step {self.step}: a worker that runs out of memory stays in the job")
         if set(self.hang) & (set().union(*gone) | set(self.gain) | set(self.oom)):
             raise ValueError(f"step {self.step}: a worker that hangs is not lost, gained or out of memory")
+        if set(self.freeze) & (set().union(*gone) | set(self.gain) | set(self.oom) | set(self.hang)):
+            raise ValueError(
+                f"step {self.step}: a worker that freezes is not lost, gained, out of memory or hung"
+            )
         if not 0.0 < self.hang_s <= MAX_HANG_S:
             raise ValueError(f"hang_s must be in (0, {MAX_HANG_S:g}] seconds, got {brief(self.hang_s)}")
         if self.oom_stage.count(".") != 1:
@@ -199,6 +211,10 @@ class ExperimentSpec:
     # experiments: DTensor's tensor-parallel collectives are not timed apart, so a fitted GEMM
     # efficiency alone steers the planner to TP layouts that gloo makes slower.
     calibrate: bool = False
+    # Seconds a collective of the step waits for a peer before the job counts the peer lost (a
+    # frozen node, a stuck kernel) and recovers without it; the longest wait a healthy step has
+    # (a rank idle while another generates, a checkpoint, an engine being built) must fit in it.
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     # The engine of each model-stage (``actor.gen: <engine>``), from ``nereus.backends.registry``;
     # a model-stage not named runs on the default engine (vLLM for generation when it is
     # installed and serves the model, torch-native otherwise).
@@ -215,6 +231,10 @@ class ExperimentSpec:
         require_at_most(self, MAX_STEPS, "steps", "checkpoint_every")
         require_at_most(self, MAX_TOKENS, "max_new_tokens")
         require_finite(self, "reward_coef")
+        low, high = COLLECTIVE_TIMEOUT_RANGE_S
+        if not low <= (timeout := self.collective_timeout_s) <= high:
+            bounds = f"[{low:g}, {high:g}] seconds"
+            raise ValueError(f"collective_timeout_s must be in {bounds}, got {brief(timeout)}")
         for name, engine in self.engines.items():
             if name.count(".") != 1:
                 raise ValueError(f"engines: {name!r} is not a model-stage (<model>.<stage>, e.g. actor.gen)")
@@ -232,15 +252,16 @@ class ExperimentSpec:
         pool = set(range(self.workers))
         for e in sorted(self.drift, key=lambda e: e.step):
             gone = set(e.lose) | set(e.kill) | set(e.unhealthy)
-            if 0 in gone | set(e.hang):
+            if 0 in gone | set(e.hang) | set(e.freeze):
                 raise ValueError(
                     f"drift at step {e.step}: worker 0 hosts the controller and cannot leave or hang"
                 )
-            for w in (*e.lose, *e.kill, *e.unhealthy, *e.gain, *e.oom, *e.hang):
+            for w in (*e.lose, *e.kill, *e.unhealthy, *e.gain, *e.oom, *e.hang, *e.freeze):
                 if not 0 <= w < self.workers:
                     raise ValueError(f"drift at step {e.step}: worker {w} outside 0…{self.workers - 1}")
-            if not (gone | set(e.oom) | set(e.hang)) <= pool:
-                missing = sorted((gone | set(e.oom) | set(e.hang)) - pool)
+            staying = set(e.oom) | set(e.hang) | set(e.freeze)
+            if not (gone | staying) <= pool:
+                missing = sorted((gone | staying) - pool)
                 raise ValueError(f"drift at step {e.step}: workers {missing} are not in the pool")
             if set(e.gain) & pool:
                 raise ValueError(
@@ -309,6 +330,10 @@ class ExperimentSpec:
     def hung_at(self, step: int) -> dict[int, float]:
         """Workers that freeze when ``step`` fails, and for how many seconds."""
         return {w: e.hang_s for e in self.drift if e.step == step for w in e.hang}
+
+    def frozen_at(self, step: int) -> dict[int, float]:
+        """Workers that freeze in the middle of ``step``, and for how many seconds."""
+        return {w: e.hang_s for e in self.drift if e.step == step for w in e.freeze}
 
     def killed_at(self, step: int) -> tuple[int, ...]:
         """Workers killed in the middle of ``step``."""

@@ -9,6 +9,7 @@ controller, membership and failures, is ``nereus.runtime.loop``. Edge module (to
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,6 +124,7 @@ def make_worker(gpu: int, setup: JobSetup, devices: Devices, workdir: Path | Non
         spec.longest_response(),
     )  # fmt: skip
     worker.weights_of = spec.weights_of
+    worker.collective_timeout = datetime.timedelta(seconds=spec.collective_timeout_s)
     return worker
 
 

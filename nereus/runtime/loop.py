@@ -42,6 +42,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 
 from nereus.control.action import Action, Move, Outcome, RecordKind, Restart, TransitionRecord
@@ -115,7 +116,7 @@ class JobLoop(Acting):
         self.moved: list[TransitionRecord] = []  # a recovery's, reported with the next step
         self.ooms_at, self.oom_tries = -1, 0  # out-of-memory recoveries of one step, so far
         self.faulted: set[int] = set()  # steps whose scripted fault has struck
-        self.frozen: set[int] = set()  # steps whose scripted hang has struck
+        self.frozen: set[int] = set()  # steps whose scripted hang or freeze has struck
         self.preemption = preemption or Preemption()
         self.dropped = 0  # async: batches generated ahead that a transition dropped, since the last record
         self.left_behind = False  # the job went on without this healthy GPU (``LeftBehindError``)
@@ -128,6 +129,7 @@ class JobLoop(Acting):
     ) -> JobLoop:  # fmt: skip
         """Every initial member: the setup, the first plan, fresh or checkpointed state."""
         setup: JobSetup = broadcast(measured_setup(spec, out, m.log) if m.leader else None, JobSetup)
+        m.time_collectives_out(timedelta(seconds=spec.collective_timeout_s))
         worker = make_worker(m.gpu, setup, m.devices, out)
         worker.set_world(m.members)
         resume_from = ckpt.agreed_latest(out / "checkpoints", resume)
@@ -152,6 +154,7 @@ class JobLoop(Acting):
     ) -> JobLoop:  # fmt: skip
         """A newcomer whose join was accepted: form the generation, receive the job's state, and
         finish the boundary with the others."""
+        m.time_collectives_out(timedelta(seconds=spec.collective_timeout_s))  # from its first one
         m.form(members, generation)
         received: tuple[JobSetup, Plan, Change] = broadcast(None, tuple[JobSetup, Plan, Change])
         setup, plan, change = received
@@ -254,7 +257,8 @@ class JobLoop(Acting):
         worker.optimes.clear()
         worker.generation.clear()
         kill = self.m.gpu in spec.killed_at(step) and step >= self.first_step
-        hook = faults.kill if kill else None
+        freeze = spec.frozen_at(step).get(self.m.gpu) if step not in self.frozen else None
+        hook = faults.kill if kill else self._freeze(step, freeze) if freeze is not None else None
         worker.memory.clear()
         worker.fault = None
         if self.m.gpu in spec.unhealthy_at(step + 1):  # reported at this step's boundary
@@ -285,6 +289,15 @@ class JobLoop(Acting):
         )
         sync_s = worker.weight_sync(self.plan)
         return StepResult(step, rollouts, metrics, time.perf_counter() - t0, sync_s)
+
+    def _freeze(self, step: int, seconds: float) -> Callable[[], None]:
+        """A scripted freeze in ``step`` (once): this process stops, holding its connections."""
+
+        def freeze() -> None:
+            self.frozen.add(step)
+            faults.hang(seconds)
+
+        return freeze
 
     def _checkpoint_if_due(self, step: int) -> bool:
         every, last = self.spec.checkpoint_every, step + 1 == self.spec.steps

@@ -47,7 +47,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-from nereus.devices import CPU, Devices, abort_world, init_world
+from nereus.devices import CPU, Devices, abort_world, init_world, set_world_timeout
 from nereus.runtime.rendezvous import Rendezvous, listening_socket, node_address, node_name
 from nereus.runtime.signed import SECRET_MIN_BYTES, BoundedLog, SignedStore, UnauthenticError, sign
 
@@ -57,6 +57,8 @@ MAX_REQUEST_AGE_S = 300.0  # a join request older than this is a replay
 MAX_REQUESTS_PER_BOUNDARY = 64  # more wait for the next boundary (a flood delays, never blocks)
 MAX_REQUEST_BYTES = 4096
 REPUSH_S = 30.0  # a newcomer with no answer pushes its request again, freshly timed
+STORE_GONE_S = 3.0  # a member recovering: the job's store not answering this long is gone (a
+# client write would only fail after torch has printed its stack)
 UNVERIFIED_GRACE_S = 5.0  # a newcomer the leader cannot verify gives up after this long
 JOIN_QUEUE = "join/queue"
 TICKET = re.compile(r"[0-9a-f]{32}")
@@ -98,7 +100,8 @@ class Membership:
         self.gpu = gpu
         self.leader = leader
         self.journal = BoundedLog(log)
-        self.timeout = timeout
+        self.timeout = timeout  # forming a generation (members arrive when they are ready)
+        self.collective_timeout: timedelta | None = None  # then each collective (the job's setting)
         self.members: tuple[int, ...] = ()
         self.generation = -1
         self._listener = listener  # kept open: the store serves on its descriptor
@@ -166,8 +169,17 @@ class Membership:
             len(self.members),
             self.timeout,
         )
+        if self.collective_timeout is not None:
+            set_world_timeout(self.collective_timeout)
         self.signed.put(f"host/{self.gpu}", {"node": self.node})
         self.start_heartbeat()
+
+    def time_collectives_out(self, timeout: timedelta) -> None:
+        """Each collective of this generation and the next fails after ``timeout`` (a peer that
+        froze mid-step surfaces then, as a lost peer)."""
+        self.collective_timeout = timeout
+        if dist.is_initialized():
+            set_world_timeout(timeout)
 
     def hosts(self) -> dict[int, str]:
         """The node each member runs on (a member whose entry does not verify counts as a node of
@@ -236,6 +248,8 @@ class Membership:
         survivors, at ``generation + 1``."""
         g = self.generation
         self.abandon()
+        if not self.leader and not self.rendezvous.answers(STORE_GONE_S):  # the job ended meanwhile
+            raise LeftBehindError(f"GPU {self.gpu} found the job's store gone recovering generation {g}")
         try:
             self.signed.put(f"recover/{g}/alive/{self.gpu}", {"gpu": self.gpu, "oom": oom})
         except dist.DistError as exc:

@@ -112,6 +112,8 @@ class Worker:
         # the weight sync's group, formed with the others at ``bind`` (None until then, and once
         # the world re-forms: ``release``; the walk then forms one of its own)
         self.sync_group: Any = None
+        # how long the step's collectives wait for a peer (None: torch's default); the job's setting
+        self.collective_timeout: datetime.timedelta | None = None
         self.train_side_member = True  # async: this rank holds some model-stage other than actor.gen
         self.pending: dict[int, Batch] = {}  # async: batches generated ahead, by the step that trains on them
         self.set_world(tuple(range(dist.get_world_size())) if dist.is_initialized() else (gpu,))
@@ -222,7 +224,10 @@ class Worker:
         for ms in self.workflow.model_stages:
             started = time.perf_counter()
             self.groups[ms.name] = Groups.build(
-                grid_of(plan.candidate(ms.name), self.rank_of), self.model_of(ms.name), self.rank
+                grid_of(plan.candidate(ms.name), self.rank_of),
+                self.model_of(ms.name),
+                self.rank,
+                self.collective_timeout,
             )
             self.grouped[ms.name] = time.perf_counter() - started
             c = plan.candidate(ms.name)
@@ -256,7 +261,7 @@ class Worker:
         )
         self.train_side_member = self.rank in ranks
         if len(ranks) < len(self.rank_of):
-            self.train_side = dist.new_group(ranks)
+            self.train_side = dist.new_group(ranks, timeout=self.collective_timeout)
 
     def close(self) -> None:
         """Shut every engine down (the job is over for this worker); the units stay."""
