@@ -15,12 +15,16 @@ GPU, their CPU twins (``tests/test_device_twins.py``) with the CPU.
   its waves' time against the bare messages' time (issue 21);
 - the start-up collective sweep (``nereus.runtime.sweep``) over the world's backend for the
   device (NCCL with one GPU per rank, gloo on the CPU): every probe timed on every rank alike, and
-  the calibration it gives.
+  the calibration it gives;
+- a peer that stops answering (it never enters the collective): the rank waiting on it raises a
+  peer failure after the world's collective timeout and lives on to report it (NCCL's error
+  handling as ``activate`` sets it: the communicators aborted, the process kept).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 import zlib
 from datetime import timedelta
@@ -31,7 +35,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nereus.devices import Devices, StageMemory, StageOutOfMemoryError, abort_world, init_world
+from nereus.devices import (
+    Devices,
+    StageMemory,
+    StageOutOfMemoryError,
+    abort_world,
+    activate,
+    init_world,
+    set_world_timeout,
+    synchronize,
+)
 from nereus.plan.calibration import Efficiencies
 from nereus.plan.layout import Candidate, Layout, Plan
 from nereus.plan.opclass import Collective, OpClass
@@ -374,3 +387,40 @@ def check_sweep(
     inside = {p.nbytes: t for p, t in timed if p.op_class is OpClass.ALLREDUCE_INTRA and len(p.gpus) == 2}
     assert not timed_bound or inside[2**20] > inside[4096], inside
     return timed
+
+
+def _silent_peer_worker(rank: int, backend: str, timeout_s: float, tmp: str) -> None:
+    from nereus.runtime.comm import is_peer_failure
+
+    devices = Devices(torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu"))
+    activate(devices)  # NCCL's error handling too, as a worker sets it
+    init_world(devices, dist.FileStore(f"{tmp}/store", 2), rank, 2, timedelta(seconds=120))
+    set_world_timeout(timedelta(seconds=timeout_s))
+    t = torch.ones(1024, device=devices.device)
+    dist.all_reduce(t)  # both ranks: the communicators exist
+    synchronize(devices)
+    if rank == 1:  # stops answering: never enters the next collective, keeps its connections
+        time.sleep(timeout_s + (15 if devices.accelerated else 4))  # NCCL's watchdog polls: it lags
+        os._exit(0)
+    started, result = time.monotonic(), {"raised": False}
+    try:
+        dist.all_reduce(t)
+        synchronize(devices)
+        dist.all_reduce(t)  # NCCL: a communicator the watchdog aborted refuses the next one
+        synchronize(devices)
+    except Exception as exc:
+        result = {"raised": True, "peer_failure": is_peer_failure(exc), "error": str(exc)[:300]}
+    result["seconds"] = time.monotonic() - started
+    Path(tmp, "silent.json").write_text(json.dumps(result))
+    abort_world()
+    os._exit(0)  # alive to report: the error did not tear this process down
+
+
+def check_a_silent_peer_times_out(backend: str, tmp: Path, timeout_s: float = 3.0) -> dict[str, object]:
+    """Two ranks; rank 1 stops answering. Rank 0's collective raises a peer failure after the
+    world's ``timeout_s`` (not torch's 30 minutes), and rank 0 is still alive to write so."""
+    mp.spawn(_silent_peer_worker, args=(backend, timeout_s, str(tmp)), nprocs=2, join=True)
+    result = json.loads((tmp / "silent.json").read_text())
+    assert result["raised"] and result["peer_failure"], result
+    assert 0.8 * timeout_s <= result["seconds"] <= timeout_s + 60, result
+    return result

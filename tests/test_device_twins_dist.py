@@ -1,7 +1,8 @@
 """The CPU twins of the GPU runner's transition on the device, zero-copy reshard, start-up
-collective sweep (``tests/gpu/test_runtime_gpu.py``) and vLLM checks (``tests/gpu/test_vllm_gpu.py``):
-the same functions (``tests/device_checks.py``, ``tests/vllm_checks.py``) in gloo worlds, the
-transition's formed in this process (one rank), the others in spawned ones."""
+collective sweep, silent peer (``tests/gpu/test_runtime_gpu.py``) and vLLM checks
+(``tests/gpu/test_vllm_gpu.py``): the same functions (``tests/device_checks.py``,
+``tests/vllm_checks.py``) in gloo worlds, the transition's formed in this process (one rank), the
+others in spawned ones."""
 
 from __future__ import annotations
 
@@ -47,6 +48,14 @@ def test_a_zero_copy_reshard_against_bare_messages_on_the_cpu(tmp_path: Path) ->
     times are reported, not held to a bound (two shared cores are too noisy for one)."""
     got = checks.check_reshard_against_raw("gloo", tmp_path, 4, "tiny-llama", repeats=1)
     assert got["ratio"] > 0 and got["messages"] and got["bus_fraction"] > 0, got
+
+
+@pytest.mark.timeout(120)
+def test_a_silent_peer_times_out_on_the_cpu(tmp_path: Path) -> None:
+    """The twin of the GPU runner's check: over gloo, rank 0's all-reduce with a rank that stopped
+    answering raises a peer failure after the world's 3 s collective timeout."""
+    result = checks.check_a_silent_peer_times_out("gloo", tmp_path)
+    assert "Timed out" in str(result["error"]), result
 
 
 @pytest.mark.timeout(180)

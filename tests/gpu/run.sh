@@ -11,7 +11,9 @@
 # reshard (issue 21) needs 2 GPUs (4 for tp2·pp2→tp4): within 1.3× of the same messages sent bare over
 # NCCL, and at ≥ 0.5 of NCCL's point-to-point bus bandwidth for the same traffic (one preallocated
 # message per GPU pair); its figures are printed in pytest.log. The start-up collective sweep (issue 19)
-# needs 2 GPUs too: every probe 4 KiB-1 GiB over NCCL, the 1 GiB all-reduce above 10 GB/s.
+# needs 2 GPUs too: every probe 4 KiB-1 GiB over NCCL, the 1 GiB all-reduce above 10 GB/s. So does the
+# silent peer: a rank that stops answering makes its peer's NCCL collective raise after the world's
+# collective timeout (3 s), and that peer lives on (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, as workers set it).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}

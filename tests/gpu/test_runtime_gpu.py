@@ -110,6 +110,15 @@ def test_a_zero_copy_reshard_reaches_the_nccl_bus_bandwidth(reshard: dict[str, A
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank: needs 2 GPUs")
+@pytest.mark.timeout(180)
+def test_a_silent_peer_times_out_over_nccl_and_the_waiting_rank_lives(tmp_path: Path) -> None:
+    """A rank that stops answering: NCCL's watchdog aborts the waiting rank's communicators after
+    the world's collective timeout (3 s here) and that rank raises and lives on (error handling
+    2, as workers set it; torch's default, 3, would have torn it down)."""
+    print(checks.check_a_silent_peer_times_out("nccl", tmp_path))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank: needs 2 GPUs")
 @pytest.mark.timeout(600)
 def test_the_start_up_collective_sweep_over_nccl(tmp_path: Path) -> None:
     """The sweep's probes over NCCL, the whole size range (4 KiB-1 GiB): every rank agrees, and
