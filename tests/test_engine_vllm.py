@@ -240,3 +240,27 @@ def test_generation_statistics(results: dict[str, Any]) -> None:
     assert stats["tokens"] == len(PROMPTS) * NEW
     assert NEW <= stats["decode_steps"] <= len(PROMPTS) * NEW + len(PROMPTS)
     assert 0 < stats["kv_usage"] <= 1 and stats["preemptions"] == 0
+
+
+TIMED_GROUPS = """
+import datetime, os, sys, torch, torch.distributed as dist
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
+from nereus.backends.vllm.world import replica_world
+with replica_world([0], "timed", datetime.timedelta(seconds=7)):
+    ours = dist.new_group([0], backend="gloo", timeout=None)  # as vLLM asks when it sets none
+    theirs = dist.new_group([0], backend="gloo", timeout=datetime.timedelta(seconds=3))
+for g in (ours, theirs):
+    print(g._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_groups_vllm_builds_time_out_with_the_job(tmp_path: Path) -> None:
+    """A group vLLM creates without a timeout gets the job's collective timeout (a frozen peer
+    surfaces in generation too, not after torch's 30 minutes); one it names keeps its own."""
+    import subprocess
+    import sys
+
+    run = [sys.executable, "-c", TIMED_GROUPS, str(tmp_path / "store")]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=100, check=True).stdout
+    assert out.split() == ["7.0", "3.0"], out

@@ -111,7 +111,10 @@ class VllmEngine:
         from vllm import LLM
 
         ident = _agreed_ident(groups, device)
-        with setup.launcher_env(here, local, len(replica)), world.replica_world(replica, ident):
+        with (
+            setup.launcher_env(here, local, len(replica)),
+            world.replica_world(replica, ident, groups.timeout),
+        ):
             self.llm = LLM(
                 model=str(folder), skip_tokenizer_init=True, load_format="dummy",
                 dtype="bfloat16" if setup.dtype_of(state) is torch.bfloat16 else "float32", seed=0,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -44,11 +45,12 @@ _GROUPS = (
 
 
 @contextmanager
-def replica_world(ranks: Sequence[int], ident: str) -> Iterator[None]:
+def replica_world(ranks: Sequence[int], ident: str, timeout: timedelta | None = None) -> Iterator[None]:
     """vLLM builds its groups over ``ranks`` (global ranks of our world, this one among them).
     ``ident``, the same on every rank of the replica and new for each build, names the shared
     memory segments of vLLM's CPU communicator (it would name them after its init method,
-    ``env://``, the same for every job on the node)."""
+    ``env://``, the same for every job on the node). ``timeout``: each collective's on the
+    groups vLLM makes that name none (the job's, so a frozen peer surfaces in generation too)."""
     import vllm.distributed.parallel_state as ps
 
     me = dist.get_rank()
@@ -65,6 +67,8 @@ def replica_world(ranks: Sequence[int], ident: str) -> Iterator[None]:
         if ranks is None or me not in ranks:
             return dist.GroupMember.NON_GROUP_MEMBER
         kwargs["use_local_synchronization"] = True
+        if timeout is not None and not args and kwargs.get("timeout") is None:
+            kwargs["timeout"] = timeout
         return new_group(list(ranks), *args, **kwargs)
 
     def on_replica(self: Any, group_ranks: list[list[int]], *args: Any, **kwargs: Any) -> None:
