@@ -46,6 +46,12 @@ class Groups:
                 g.created.append(pg)
         return g
 
+    def time_out(self, timeout: timedelta) -> None:
+        """Each later collective on these groups fails after ``timeout``."""
+        self.timeout = timeout
+        for pg in self.created:
+            pg.set_timeout(timeout)
+
     def require(self, model: ModelSpec) -> None:
         """Raise unless this rank has every group ``model`` needs on this grid (groups built for
         a model with other KV heads or an untied head would silently skip a reduction)."""

@@ -27,9 +27,11 @@ MAX_WORKERS = 1 << 16
 MAX_STEPS = 10_000_000
 MAX_TOKENS = 1 << 24
 MAX_HANG_S = 600.0  # a scripted hang (drift) lasts at most this long
-# how long a collective waits for a peer before the job counts it lost: NCCL's and Megatron's
-# default (10 min), bounded to a day
+# how long a collective waits for a peer before the job counts it lost, unless the experiment
+# fixes it: NCCL's and Megatron's default (10 min), or this many times the slowest step so far
+# when that is longer (a rank may wait a whole stage for another; a long step must not trip it)
 COLLECTIVE_TIMEOUT_S = 600.0
+COLLECTIVE_TIMEOUT_STEPS = 5.0
 COLLECTIVE_TIMEOUT_RANGE_S = (1.0, 86_400.0)
 
 
@@ -214,7 +216,8 @@ class ExperimentSpec:
     # Seconds a collective of the step waits for a peer before the job counts the peer lost (a
     # frozen node, a stuck kernel) and recovers without it; the longest wait a healthy step has
     # (a rank idle while another generates, a checkpoint, an engine being built) must fit in it.
-    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
+    # None: 600 s, or 5 × the slowest step so far once that is longer (``collective_timeout``).
+    collective_timeout_s: float | None = None
     # The engine of each model-stage (``actor.gen: <engine>``), from ``nereus.backends.registry``;
     # a model-stage not named runs on the default engine (vLLM for generation when it is
     # installed and serves the model, torch-native otherwise).
@@ -232,7 +235,7 @@ class ExperimentSpec:
         require_at_most(self, MAX_TOKENS, "max_new_tokens")
         require_finite(self, "reward_coef")
         low, high = COLLECTIVE_TIMEOUT_RANGE_S
-        if not low <= (timeout := self.collective_timeout_s) <= high:
+        if (timeout := self.collective_timeout_s) is not None and not low <= timeout <= high:
             bounds = f"[{low:g}, {high:g}] seconds"
             raise ValueError(f"collective_timeout_s must be in {bounds}, got {brief(timeout)}")
         for name, engine in self.engines.items():
@@ -279,6 +282,14 @@ class ExperimentSpec:
             raise
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{path}: {exc}") from None
+
+    def collective_timeout(self, slowest_step_s: float = 0.0) -> float:
+        """Seconds each collective waits for a peer: the experiment's, else 600 s or
+        ``COLLECTIVE_TIMEOUT_STEPS`` × the slowest step so far, whichever is longer (at most a day)."""
+        if self.collective_timeout_s is not None:
+            return self.collective_timeout_s
+        auto = max(COLLECTIVE_TIMEOUT_S, COLLECTIVE_TIMEOUT_STEPS * slowest_step_s)
+        return min(auto, COLLECTIVE_TIMEOUT_RANGE_S[1])
 
     def weights_of(self, role: str) -> str:
         """The Hugging Face folder ``role`` starts from: its ``init:`` folder, else the ``model:``

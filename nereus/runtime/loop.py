@@ -120,6 +120,7 @@ class JobLoop(Acting):
         self.preemption = preemption or Preemption()
         self.dropped = 0  # async: batches generated ahead that a transition dropped, since the last record
         self.left_behind = False  # the job went on without this healthy GPU (``LeftBehindError``)
+        self.slowest = 0.0  # seconds of the slowest step this process ran (the collective timeout)
 
     # ------------------------------------------------------------------ the two ways in
     @classmethod
@@ -129,7 +130,7 @@ class JobLoop(Acting):
     ) -> JobLoop:  # fmt: skip
         """Every initial member: the setup, the first plan, fresh or checkpointed state."""
         setup: JobSetup = broadcast(measured_setup(spec, out, m.log) if m.leader else None, JobSetup)
-        m.time_collectives_out(timedelta(seconds=spec.collective_timeout_s))
+        m.time_collectives_out(timedelta(seconds=spec.collective_timeout()))
         worker = make_worker(m.gpu, setup, m.devices, out)
         worker.set_world(m.members)
         resume_from = ckpt.agreed_latest(out / "checkpoints", resume)
@@ -154,7 +155,7 @@ class JobLoop(Acting):
     ) -> JobLoop:  # fmt: skip
         """A newcomer whose join was accepted: form the generation, receive the job's state, and
         finish the boundary with the others."""
-        m.time_collectives_out(timedelta(seconds=spec.collective_timeout_s))  # from its first one
+        m.time_collectives_out(timedelta(seconds=spec.collective_timeout()))  # from its first one
         m.form(members, generation)
         received: tuple[JobSetup, Plan, Change] = broadcast(None, tuple[JobSetup, Plan, Change])
         setup, plan, change = received
@@ -217,6 +218,7 @@ class JobLoop(Acting):
     def _step(self) -> Outcome | None:
         step = self.step
         result = self._rl_step(step)
+        self._stretch_timeout(result.seconds)
         t_ckpt = time.perf_counter()
         saved = self._checkpoint_if_due(step)
         t_monitor = time.perf_counter()
@@ -298,6 +300,18 @@ class JobLoop(Acting):
             faults.hang(seconds)
 
         return freeze
+
+    def _stretch_timeout(self, seconds: float) -> None:
+        """After a step slower than any before it: the collective timeout it implies (unless the
+        experiment fixes one), on the world and this worker's groups."""
+        if seconds <= self.slowest:
+            return
+        before = self.spec.collective_timeout(self.slowest)
+        self.slowest = seconds
+        after = self.spec.collective_timeout(seconds)
+        if after > before:
+            self.m.time_collectives_out(timedelta(seconds=after))
+            self.worker.time_collectives_out(timedelta(seconds=after))
 
     def _checkpoint_if_due(self, step: int) -> bool:
         every, last = self.spec.checkpoint_every, step + 1 == self.spec.steps

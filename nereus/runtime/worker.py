@@ -263,6 +263,15 @@ class Worker:
         if len(ranks) < len(self.rank_of):
             self.train_side = dist.new_group(ranks, timeout=self.collective_timeout)
 
+    def time_collectives_out(self, timeout: datetime.timedelta) -> None:
+        """Each collective on this worker's groups, and on those bound later, fails after
+        ``timeout`` (vLLM's keep the one they were built with, until they are rebuilt)."""
+        self.collective_timeout = timeout
+        for groups in self.groups.values():
+            groups.time_out(timeout)
+        if self.train_side is not None:
+            self.train_side.set_timeout(timeout)
+
     def close(self) -> None:
         """Shut every engine down (the job is over for this worker); the units stay."""
         for engine in self.engines.values():
