@@ -130,7 +130,8 @@ class JobLoop(Acting):
     ) -> JobLoop:  # fmt: skip
         """Every initial member: the setup, the first plan, fresh or checkpointed state."""
         setup: JobSetup = broadcast(measured_setup(spec, out, m.log) if m.leader else None, JobSetup)
-        m.time_collectives_out(timedelta(seconds=spec.collective_timeout()))
+        if spec.collective_timeout_s is not None:  # else from the first step on (``_stretch_timeout``)
+            m.time_collectives_out(timedelta(seconds=spec.collective_timeout_s))
         worker = make_worker(m.gpu, setup, m.devices, out)
         worker.set_world(m.members)
         resume_from = ckpt.agreed_latest(out / "checkpoints", resume)
@@ -155,7 +156,8 @@ class JobLoop(Acting):
     ) -> JobLoop:  # fmt: skip
         """A newcomer whose join was accepted: form the generation, receive the job's state, and
         finish the boundary with the others."""
-        m.time_collectives_out(timedelta(seconds=spec.collective_timeout()))  # from its first one
+        if spec.collective_timeout_s is not None:  # from its first collective on
+            m.time_collectives_out(timedelta(seconds=spec.collective_timeout_s))
         m.form(members, generation)
         received: tuple[JobSetup, Plan, Change] = broadcast(None, tuple[JobSetup, Plan, Change])
         setup, plan, change = received
@@ -302,11 +304,13 @@ class JobLoop(Acting):
         return freeze
 
     def _stretch_timeout(self, seconds: float) -> None:
-        """After a step slower than any before it: the collective timeout it implies (unless the
-        experiment fixes one), on the world and this worker's groups."""
-        if seconds <= self.slowest:
+        """Unless the experiment fixes the collective timeout: after this process's first step
+        (start-up, with engines built and a checkpoint loaded, keeps torch's 30 minutes), and
+        after any step slower than all before it, the timeout that implies, on the world and this
+        worker's groups."""
+        if self.spec.collective_timeout_s is not None or seconds <= self.slowest:
             return
-        before = self.spec.collective_timeout(self.slowest)
+        before = self.spec.collective_timeout(self.slowest) if self.slowest > 0 else 0.0
         self.slowest = seconds
         after = self.spec.collective_timeout(seconds)
         if after > before:
