@@ -212,11 +212,15 @@ class Membership:
         beats = SignedStore(self.store.clone(), self.signed.secret)  # type: ignore[attr-defined]
 
         def beat() -> None:
+            last = time.monotonic()
             while not self._stop.is_set():
+                if time.monotonic() - last > STALE_S and not self.rendezvous.answers(HEARTBEAT_S):
+                    return  # this process was stopped a while and the job ended meanwhile
                 try:
                     beats.put(f"hb/{self.gpu}", {"t": time.time()})
                 except Exception:  # the leader is gone; the main thread will see it
                     return
+                last = time.monotonic()
                 self._stop.wait(HEARTBEAT_S)
 
         self._beat = threading.Thread(target=beat, name=f"nereus-heartbeat-{self.gpu}", daemon=True)
