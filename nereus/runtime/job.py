@@ -124,7 +124,7 @@ def make_worker(gpu: int, setup: JobSetup, devices: Devices, workdir: Path | Non
         spec.longest_response(),
     )  # fmt: skip
     worker.weights_of = spec.weights_of
-    if spec.collective_timeout_s is not None:  # else from the first step on (``JobLoop``)
+    if spec.collective_timeout_s is not None:  # else from the first step on (``JobLoop.run``)
         worker.collective_timeout = datetime.timedelta(seconds=spec.collective_timeout_s)
     return worker
 

@@ -130,7 +130,7 @@ class JobLoop(Acting):
     ) -> JobLoop:  # fmt: skip
         """Every initial member: the setup, the first plan, fresh or checkpointed state."""
         setup: JobSetup = broadcast(measured_setup(spec, out, m.log) if m.leader else None, JobSetup)
-        if spec.collective_timeout_s is not None:  # else from the first step on (``_stretch_timeout``)
+        if spec.collective_timeout_s is not None:  # else from the first step on (``run``)
             m.time_collectives_out(timedelta(seconds=spec.collective_timeout_s))
         worker = make_worker(m.gpu, setup, m.devices, out)
         worker.set_world(m.members)
@@ -179,6 +179,8 @@ class JobLoop(Acting):
         if self.pending is None:
             gc.collect()
         gc.freeze()
+        if self.spec.collective_timeout_s is None:  # start-up had torch's 30 minutes; steps get 600 s
+            self._apply_timeout(self.spec.collective_timeout(self.slowest))
         try:
             return self._run()
         finally:
@@ -304,18 +306,20 @@ class JobLoop(Acting):
         return freeze
 
     def _stretch_timeout(self, seconds: float) -> None:
-        """Unless the experiment fixes the collective timeout: after this process's first step
-        (start-up, with engines built and a checkpoint loaded, keeps torch's 30 minutes), and
-        after any step slower than all before it, the timeout that implies, on the world and this
-        worker's groups."""
+        """Unless the experiment fixes the collective timeout: after a step slower than all
+        before it, the longer timeout that implies (``ExperimentSpec.collective_timeout``)."""
         if self.spec.collective_timeout_s is not None or seconds <= self.slowest:
             return
-        before = self.spec.collective_timeout(self.slowest) if self.slowest > 0 else 0.0
+        before = self.spec.collective_timeout(self.slowest)
         self.slowest = seconds
         after = self.spec.collective_timeout(seconds)
         if after > before:
-            self.m.time_collectives_out(timedelta(seconds=after))
-            self.worker.time_collectives_out(timedelta(seconds=after))
+            self._apply_timeout(after)
+
+    def _apply_timeout(self, seconds: float) -> None:
+        """Each later collective, on the world and this worker's groups, waits at most ``seconds``."""
+        self.m.time_collectives_out(timedelta(seconds=seconds))
+        self.worker.time_collectives_out(timedelta(seconds=seconds))
 
     def _checkpoint_if_due(self, step: int) -> bool:
         every, last = self.spec.checkpoint_every, step + 1 == self.spec.steps

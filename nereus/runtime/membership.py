@@ -203,7 +203,11 @@ class Membership:
         """Leave the current generation: destroy the world and collect every group object, so
         this process's gloo connections close and peers blocked on it fail at once."""
         abort_world()
+        frozen = gc.get_freeze_count()  # the run froze what it built: groups may be among them
+        gc.unfreeze()
         gc.collect()
+        if frozen:
+            gc.freeze()
 
     # ------------------------------------------------------------------ heartbeats
     def start_heartbeat(self) -> None:
