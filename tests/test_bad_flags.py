@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from nereus.spec.files import MARKER, brief, one_line
+from nereus.spec.registry import config_root
 from tests.bad_input import (  # noqa: F401 - _in_tmp: the autouse fixture
     CONFIGS,
     E_PLAN,
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.pure
 
 
 # ------------------------------------------------------------------ numbers in CLI flags
-SPEEDUP = "argument --speedup: must be a number in (0, 1e+06], got"
+SPEEDUP = "argument --speedup: must be a number in [0.001, 1e+06], got"
 NOISE = "argument --noise: must be a number in [0, 1], got"
 STEPS = "argument --steps: must be an integer in [1, 100000], got"
 
@@ -46,6 +47,7 @@ STEPS = "argument --steps: must be an integer in [1, 100000], got"
         ("--speedup", "0", f"{SPEEDUP} '0'"),
         ("--speedup", "-1", f"{SPEEDUP} '-1'"),
         ("--speedup", "inf", f"{SPEEDUP} 'inf'"),
+        ("--speedup", "1e-305", f"{SPEEDUP} '1e-305'"),
         ("--noise", "nan", f"{NOISE} 'nan'"),
         ("--noise", "-0.1", f"{NOISE} '-0.1'"),
         ("--noise", "1e6", f"{NOISE} '1e6'"),
@@ -84,13 +86,18 @@ def test_bad_simulate_flags(flag: str, value: str, line: str, capsys: pytest.Cap
             "--policies: 'periodic:0': periodic:K needs an integer K in [1, 999999999]",
         ),
         (["--policies", "static,static"], "--policies names a run twice: 'static,static'"),
+        (["--policies", "nereus", "--gamma", "0.5,0.5"], "--gamma names a value twice: 0.5,0.5"),
         (
             ["--max-gpus", "4", "--gpus-per-instance", "8"],
             "--gpus-per-instance must be in [1, --max-gpus 4], got 8",
         ),
         (
             ["--episode", "0-5:all:nan"],
-            "--episode '0-5:all:nan': episode factor must be in (0, 1], got nan",
+            "--episode '0-5:all:nan': episode factor must be in [0.001, 1], got nan",
+        ),
+        (
+            ["--episode", "0-5:all:5e-324"],
+            "--episode '0-5:all:5e-324': episode factor must be in [0.001, 1], got 5e-324",
         ),
         (
             ["--episode", "foo"],
@@ -102,6 +109,21 @@ def test_bad_simulate_flags(flag: str, value: str, line: str, capsys: pytest.Cap
 def test_bad_simulate_values(extra: list[str], line: str, capsys: pytest.CaptureFixture[str]) -> None:
     argv = SIM[:-2] + (extra if "--policies" in extra else [*SIM[-2:], *extra])
     assert refused(argv, capsys) == f"{E_SIM}{line}"
+
+
+def test_a_cluster_larger_than_a_simulation_needs_a_cap(capsys: pytest.CaptureFixture[str]) -> None:
+    """A cluster file may name 2^26 GPUs; the simulated pool defaults to all of them, which held a
+    set of every GPU id (a MemoryError). It asks for --max-gpus instead."""
+    text = (config_root() / "clusters" / "local-cpu.yaml").read_text()
+    write(
+        "huge.yaml",
+        text.replace("nodes: 1\n", "nodes: 65536\n").replace("gpus_per_node: 8", "gpus_per_node: 1024"),
+    )
+    argv = [*SIM[:8], "huge.yaml", *SIM[9:]]
+    assert refused(argv, capsys) == (
+        f"{E_SIM}huge has 67108864 GPUs, more than a simulation holds: cap the pool with --max-gpus "
+        "(at most 1048576)"
+    )
 
 
 @pytest.mark.parametrize(
@@ -431,3 +453,14 @@ def test_exhaustive_too_large_is_exit_2(
     assert got == (
         f"{E_PLAN}--solver exhaustive: more than 30,000,000 tuples (allowed: fewer --gpus, or --solver dp)"
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag", "what"), [(PLAN, "--cluster", "cluster"), (SIM, "--trace", "trace")]
+)
+def test_an_empty_config_name_is_named(
+    argv: list[str], flag: str, what: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not "config .: is a folder, not a file": an empty name was the working folder."""
+    line = refused(with_flag(argv, flag, ""), capsys)
+    assert line.startswith(f"nereus {argv[0]}: error: {what}: empty name (choices: "), line

@@ -241,3 +241,21 @@ def test_an_export_carries_its_companion_files_and_never_replaces_its_own(tmp_pa
         hf.save(tmp_path / "other", model, tensors, (src / "config.json",))
     assert not (tmp_path / "other").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left
+
+
+@pytest.mark.parametrize(
+    ("change", "line"),
+    [
+        ({"max_position_embeddings": "abc"}, "key 'max_position_embeddings': expected int, got 'abc'"),
+        ({"max_position_embeddings": [1]}, "key 'max_position_embeddings': expected int, got [1]"),
+        ({"head_dim": 0}, "key 'head_dim': expected a positive integer, got 0"),
+    ],
+)
+def test_a_mistyped_context_or_head_width_is_one_line(
+    tmp_path: Path, change: dict[str, Any], line: str
+) -> None:
+    """Not a TypeError from comparing a string with RoPE's context, nor a head_dim of 0 read as
+    hidden/heads (what our own model files mean by it; transformers would build zero-width heads)."""
+    with pytest.raises(ConfigError) as err:
+        _read(tmp_path, {**TINYLLAMA, **change})
+    assert str(err.value).endswith(line), str(err.value)

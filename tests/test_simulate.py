@@ -163,6 +163,11 @@ def test_same_seed_same_output_and_episodes_slow_the_network() -> None:
         Episode.parse("3-9:wifi:0.5")
     with pytest.raises(ConfigError, match="START-END:SCOPE:FACTOR"):
         Episode.parse("3-9:inter")
+    # overlapping episodes compound, to 0.1% of the speed at most (1e-200 twice once divided by 0)
+    from nereus.sim.truth.hardware import Hardware
+
+    hw = Hardware(0, noise=0.0, episodes=(Episode(0, 5, "all", 1e-3), Episode(0, 5, "all", 1e-3)))
+    assert hw.slowdown("gemm", 2) == 1e-3 and hw.run({"gemm": 1.0}, 2) == {"gemm": 1000.0}
 
 
 def test_simulate_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -22,7 +22,7 @@ from nereus.spec.model import ModelSpec
 from nereus.spec.workload import Role, WorkloadSpec
 from nereus.transition.command import MAX_GPUS, MAX_TP  # a plan file's bounds
 
-_FIX = re.compile(r"([a-z]+\.[a-z]+)=tp([0-9]+),pp([0-9]+),dp([0-9]+)(?:,mb([0-9]+))?")
+_FIX = re.compile(r"([a-z]+\.[a-z]+)=tp([0-9]{1,9}),pp([0-9]{1,9}),dp([0-9]{1,9})(?:,mb([0-9]{1,9}))?")
 
 
 def parse_fix(text: str, workload: WorkloadSpec) -> tuple[str, Layout, int, int]:

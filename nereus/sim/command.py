@@ -32,6 +32,7 @@ COMMAND = "simulate"
 MAX_STEPS = 100_000
 MAX_GPUS = 1 << 20
 MAX_SPEEDUP = 1e6
+MIN_SPEEDUP = 1e-3  # a trace played 1,000× slower than it was recorded
 MAX_NOISE = 1.0
 MAX_RUNS = 16
 
@@ -123,7 +124,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--offset", type=int_in(0, 2**31), default=0, help="trace tick the run starts at")
     p.add_argument(
         "--speedup",
-        type=float_in(0.0, MAX_SPEEDUP, low_open=True),
+        type=float_in(MIN_SPEEDUP, MAX_SPEEDUP),
         default=1.0,
         help="trace seconds per simulated second",
     )
@@ -184,6 +185,11 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
     for flag, value in (("--steps", args.steps), ("--gpus-per-instance", args.gpus_per_instance)):
         if value <= 0:
             raise ConfigError(f"{flag} must be a positive integer, got {value}")
+    if args.max_gpus is None and cluster.total_gpus > MAX_GPUS:  # a cluster file may name more
+        raise ConfigError(
+            f"{cluster.name} has {cluster.total_gpus} GPUs, more than a simulation holds: "
+            f"cap the pool with --max-gpus (at most {MAX_GPUS})"
+        )
     max_gpus = cluster.total_gpus if args.max_gpus is None else args.max_gpus
     if not 0 < max_gpus <= cluster.total_gpus:
         raise ConfigError(
@@ -197,8 +203,10 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         )
     if not 0 <= args.offset < len(trace.counts):
         raise ConfigError(f"--offset must be in [0, {len(trace.counts)}) ticks, got {args.offset}")
-    if not (0 < args.speedup <= MAX_SPEEDUP and 0 <= args.noise <= MAX_NOISE):
-        raise ConfigError(f"--speedup must be in (0, {MAX_SPEEDUP:g}] and --noise in [0, {MAX_NOISE:g}]")
+    if not (MIN_SPEEDUP <= args.speedup <= MAX_SPEEDUP and 0 <= args.noise <= MAX_NOISE):
+        raise ConfigError(
+            f"--speedup must be in [{MIN_SPEEDUP:g}, {MAX_SPEEDUP:g}] and --noise in [0, {MAX_NOISE:g}]"
+        )
     curve = _curve(args.seq_curve)
     points = {0, args.steps - 1} | {k for k in curve.steps if k < args.steps}
     models = load_role_models(workload, model)  # the workload's ``models:``, as ``nereus plan`` reads them
@@ -231,6 +239,8 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
 def runs(policies: str, gammas: list[float]) -> list[tuple[str, str, float]]:
     """(label, policy, γ) for every run; nereus once per γ."""
     out: list[tuple[str, str, float]] = []
+    if len(set(gammas)) != len(gammas):
+        raise ConfigError(f"--gamma names a value twice: {','.join(f'{g:g}' for g in gammas)}")
     names = [p.strip() for p in policies.split(",") if p.strip()]
     if len(names) > MAX_RUNS:
         raise ConfigError(f"--policies: at most {MAX_RUNS} policies, got {len(names)}")

@@ -61,7 +61,11 @@ def hf_fields(data: Any, path: Path) -> dict[str, Any]:
         fields["rope_scaling"] = dataclasses.asdict(scaling)
     if kind not in RUNNABLE_ROPE:
         fields["rope_type"] = kind
-    fields["max_position_embeddings"] = max(fields["max_position_embeddings"], positions)
+    if _is_int(current := fields["max_position_embeddings"]):  # else the typed build names it
+        fields["max_position_embeddings"] = max(current, positions)
+    if "head_dim" in fields and _is_int(fields["head_dim"]) and fields["head_dim"] <= 0:
+        # our model specs read 0 as hidden/heads; transformers would build heads of that width
+        raise ConfigError(f"{path}: key 'head_dim': expected a positive integer, got {fields['head_dim']}")
     fields.setdefault("num_key_value_heads", data.get("num_attention_heads"))
     fields["family"] = family.value
     fields["qk_norm"] = family is ModelFamily.QWEN3
@@ -137,3 +141,7 @@ def _rope(data: dict[str, Any], path: Path) -> tuple[float | None, RopeScaling |
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     scaling = build(RopeScaling, {k: params.get(k) for k in keys}, str(path), prefix="rope_scaling.")
     return theta, scaling, "llama3", 0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -67,6 +67,8 @@ def _shipped_name(text: str) -> bool:
 
 
 def _resolve(kind: str, name_or_path: str, what: str) -> Path:
+    if not name_or_path.strip():  # Path("") is the working folder
+        raise ConfigError(f"{what}: empty name (choices: {', '.join(names(kind))}, or a YAML file)")
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml", ".json") or _is_dir(path) or os.sep in name_or_path:
         if not _exists(path):
@@ -116,6 +118,8 @@ def load_workload(algo_or_path: str) -> WorkloadSpec:
 
 def trace_path(name_or_path: str) -> Path:
     """A shipped GPU-availability trace (``configs/traces/<name>.json``) or a trace file."""
+    if not name_or_path.strip():
+        raise ConfigError(f"trace: empty name (choices: {', '.join(names('traces'))}, or a JSON file)")
     path = Path(name_or_path)
     if path.suffix == ".json" or os.sep in name_or_path or _is_dir(path):
         if not _exists(path):

@@ -22,6 +22,7 @@ from nereus.spec.files import brief, shorten
 
 COMPUTE_CLASSES = frozenset({"gemm", "attention", "memory"})
 SCOPES = ("inter", "intra", "compute", "all")
+MIN_FACTOR = 1e-3  # an episode slows an op class to 0.1% of its speed at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +39,8 @@ class Episode:
             raise ValueError(f"episode steps must satisfy 0 ≤ start < end, got {self.start}-{self.end}")
         if self.scope not in SCOPES:
             raise ValueError(f"episode scope must be one of {', '.join(SCOPES)}, got {brief(self.scope)}")
-        if not 0 < self.factor <= 1:
-            raise ValueError(f"episode factor must be in (0, 1], got {self.factor}")
+        if not MIN_FACTOR <= self.factor <= 1:
+            raise ValueError(f"episode factor must be in [{MIN_FACTOR:g}, 1], got {self.factor}")
 
     @classmethod
     def parse(cls, text: str) -> Episode:
@@ -95,7 +96,7 @@ class Hardware:
         for ep in self.episodes:
             if ep.covers(op, step):
                 factor *= ep.factor
-        return factor
+        return max(factor, MIN_FACTOR)  # overlapping episodes compound, to 0.1% of the speed at most
 
     def run(self, quiet_s: Mapping[str, float], step: int) -> dict[str, float]:
         """Measured seconds per op class at ``step``: the quiet-machine truth, slowed by the
