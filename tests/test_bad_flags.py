@@ -88,6 +88,11 @@ def test_bad_simulate_flags(flag: str, value: str, line: str, capsys: pytest.Cap
         (["--policies", "static,static"], "--policies names a run twice: 'static,static'"),
         (["--policies", "nereus", "--gamma", "0.5,0.5"], "--gamma names a value twice: 0.5,0.5"),
         (
+            ["--max-gpus", "8", "--gpus-per-instance", "3", "--min-gpus", "7"],
+            "--min-gpus 7 needs 3 instances of 3 GPUs, more than --max-gpus 8 holds (2): lower "
+            "--min-gpus or raise --max-gpus",
+        ),
+        (
             ["--max-gpus", "4", "--gpus-per-instance", "8"],
             "--gpus-per-instance must be in [1, --max-gpus 4], got 8",
         ),
@@ -332,6 +337,8 @@ def test_argparse_errors_are_one_line(argv: list[str], line: str, capsys: pytest
 
 def test_messages_stay_on_one_line() -> None:
     assert one_line("a\nb\rc\u2028d\x00") == "a\\nb\\rc\\u2028d\\x00"
+    # bidirectional controls, which make a terminal show a name reordered ("Trojan Source")
+    assert one_line("模型\u202eabc\u2066\u200f") == "模型\\u202eabc\\u2066\\u200f"
     assert brief("x" * 1000) == "'" + "x" * 27 + "..." + "x" * 28 + "'"
     assert brief(10**5000) == "an integer of over 4000 digits"
     assert brief(10**40) == "an integer of 41 digits"

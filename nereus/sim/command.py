@@ -201,6 +201,12 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         raise ConfigError(
             f"--gpus-per-instance must be in [1, --max-gpus {max_gpus}], got {args.gpus_per_instance}"
         )
+    g = args.gpus_per_instance
+    if -(-args.min_gpus // g) > max_gpus // g:  # the floor is whole instances under the cap
+        raise ConfigError(
+            f"--min-gpus {args.min_gpus} needs {-(-args.min_gpus // g)} instances of {g} GPUs, more than "
+            f"--max-gpus {max_gpus} holds ({max_gpus // g}): lower --min-gpus or raise --max-gpus"
+        )
     if not 0 <= args.offset < len(trace.counts):
         raise ConfigError(f"--offset must be in [0, {len(trace.counts)}) ticks, got {args.offset}")
     if not (MIN_SPEEDUP <= args.speedup <= MAX_SPEEDUP and 0 <= args.noise <= MAX_NOISE):

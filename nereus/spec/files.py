@@ -34,7 +34,9 @@ MAX_INT_DIGITS = 30  # an integer in a JSON file (beyond 10^30 nothing is meanin
 SHOWN = 60  # characters of a user value shown in an error line
 MARKER = ".nereus-output"
 
-_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# control characters, line separators, and the bidirectional controls that reorder what a terminal
+# shows (a name with U+202E reads backwards after it)
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 _REPR = reprlib.Repr()
 _REPR.maxstring = SHOWN
 _REPR.maxother = SHOWN
