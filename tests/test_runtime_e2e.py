@@ -139,15 +139,9 @@ def test_a_worker_that_hangs_through_a_recovery_rejoins_the_job(tmp_path: Path) 
     signed join path a newcomer takes, and is admitted at a boundary: the job ends on four GPUs,
     every step once. (Before, a left-behind local worker left the job.)"""
     text = BASE.format(name="hung", steps=2000).replace("workers: 4", "workers: 5")
-    out, err = run_until_back(
-        tmp_path, "hung", text + "drift:\n  - {step: 3, kill: [4], hang: [3], hang_s: 10}\n"
+    rejoins_after(
+        tmp_path, "hung", text + "drift:\n  - {step: 3, kill: [4], hang: [3], hang_s: 10}\n", "3, 4"
     )
-    rows = metrics(out)
-    log = (out / "membership.log").read_text()
-    assert "lost GPUs [3, 4]" in log, log[-2000:]
-    assert "GPU 3: left behind by a recovery; asking to rejoin the job" in err, err[-3000:]
-    assert re.search(r"accepted join request from .* as GPU 3", log), log[-2000:]
-    assert rows[3]["gpus"] == 3 and rows[-1]["gpus"] == 4, [r["gpus"] for r in rows]
 
 
 @pytest.mark.timeout(400)
@@ -160,21 +154,16 @@ def test_a_worker_that_freezes_mid_step_is_timed_out_recovered_without_and_rejoi
     once."""
     text = BASE.format(name="frozen", steps=2000) + "collective_timeout_s: 5\n"
     started = time.monotonic()
-    out, err = run_until_back(tmp_path, "frozen", text + "drift:\n  - {step: 3, freeze: [3], hang_s: 20}\n")
-    rows = metrics(out)
-    log = (out / "membership.log").read_text()
-    assert "lost GPUs [3]" in log, log[-2000:]
-    assert "GPU 3: left behind by a recovery; asking to rejoin the job" in err, err[-3000:]
-    assert re.search(r"accepted join request from .* as GPU 3", log), log[-2000:]
-    assert rows[3]["gpus"] == 3 and rows[-1]["gpus"] == 4, [r["gpus"] for r in rows]
+    rows = rejoins_after(tmp_path, "frozen", text + "drift:\n  - {step: 3, freeze: [3], hang_s: 20}\n", "3")
     recovered = [t for t in rows[3]["transitions"] if t["kind"] == "recovered"]  # type: ignore[union-attr]
     assert recovered and recovered[0]["lost"] == [3], rows[3]["transitions"]
     assert time.monotonic() - started < 300  # not the 30 minutes a frozen peer held the job before
 
 
-def run_until_back(tmp: Path, name: str, text: str) -> tuple[Path, str]:
+def rejoins_after(tmp: Path, name: str, text: str, lost: str) -> list[dict[str, object]]:
     """Run ``text`` until a row after row 4 trains on four GPUs again (steps take 0.2–2 s here),
-    then stop the job with SIGUSR2 at its next boundary; the run's folder and its stderr."""
+    then stop the job with SIGUSR2 at its next boundary. Step 3 lost GPUs ``lost`` and ran on
+    three; GPU 3 found itself left behind and rejoined. The metrics rows."""
     exp = tmp / f"{name}.yaml"
     exp.write_text(text)
     out = tmp / "runs" / name
@@ -191,7 +180,12 @@ def run_until_back(tmp: Path, name: str, text: str) -> tuple[Path, str]:
     assert proc.returncode == 144, err[-3000:]  # stopped by SIGUSR2, as asked
     rows = metrics(out)
     assert [r["step"] for r in rows] == list(range(len(rows)))
-    return out, err
+    log = (out / "membership.log").read_text()
+    assert f"lost GPUs [{lost}]" in log, log[-2000:]
+    assert "GPU 3: left behind by a recovery; asking to rejoin the job" in err, err[-3000:]
+    assert re.search(r"accepted join request from .* as GPU 3", log), log[-2000:]
+    assert rows[3]["gpus"] == 3 and rows[-1]["gpus"] == 4, [r["gpus"] for r in rows]
+    return rows
 
 
 @pytest.mark.timeout(300)
