@@ -9,8 +9,8 @@ per device type (``cpu:gloo,cuda:nccl``), so each collective takes the backend o
 device. NCCL is told to surface a failed or timed-out collective as an error in the waiting rank,
 aborting its communicators but keeping the process and its state (``TORCH_NCCL_ASYNC_ERROR_HANDLING``
 = 2, CleanUpOnly; torch's default, 3, tears the process down), and a broken world's communicators
-are aborted before it is destroyed (``abort_world``). Every collective of a formed world times out
-after the job's ``collective_timeout_s`` (``set_world_timeout``): a peer that froze surfaces then.
+are aborted before it is destroyed (``abort_world``). A step's collectives time out after the
+job's collective timeout (``set_world_timeout``): a peer that froze surfaces then.
 A worker uses as many CPU threads as its node gives it: the CPUs it may run on, shared among the
 node's workers.
 Edge module (torch).

@@ -1,12 +1,13 @@
-"""How long a collective waits for a peer (``collective_timeout_s``): the experiment's number,
-or, from the first step on (``JobLoop.run``), 600 s growing to 5 × the slowest step; a slower step
-stretches it on the world and every group already formed, so a long but healthy step never trips
-it, and a frozen peer surfaces after it."""
+"""How long a collective of a step waits for a peer (``collective_timeout_s``): the experiment's
+number, or 600 s growing to 5 × the slowest step, so a long but healthy step never trips it and a
+frozen peer surfaces after it; set on the world and every group already formed at each step's
+start, and the formation's 30 minutes back for the boundary's work."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,19 +31,33 @@ def test_the_timeout_is_the_experiments_or_grows_with_the_slowest_step() -> None
 
 
 @pytest.mark.pure
-def test_a_slower_step_stretches_the_timeout_on_the_world_and_the_groups() -> None:
+def test_a_step_waits_its_timeout_and_the_boundary_the_formations() -> None:
+    """Around each step the world and the worker's groups get the step's timeout (600 s, or 5 ×
+    the slowest step so far), then the formation's 30 minutes back for the boundary's work (a
+    checkpoint, a move's engine builds, a join)."""
+    import nereus.runtime.loop as loop_module
+
     seen: list[tuple[str, float]] = []
     loop = SimpleNamespace(
-        slowest=0.0, spec=spec(), _apply_timeout=lambda s: JobLoop._apply_timeout(loop, s),  # type: ignore[arg-type]
-        m=SimpleNamespace(time_collectives_out=lambda t: seen.append(("world", t.total_seconds()))),
+        step=0, slowest=0.0, spec=spec(), m=SimpleNamespace(timeout=timedelta(minutes=30)),
         worker=SimpleNamespace(time_collectives_out=lambda t: seen.append(("groups", t.total_seconds()))),
+        _rl_step=lambda step: SimpleNamespace(seconds=[300.0, 20.0][step]),
     )  # fmt: skip
-    for seconds in (0.5, 90.0, 200.0, 150.0, 200.0, 250.0):
-        JobLoop._stretch_timeout(loop, seconds)  # type: ignore[arg-type]
-    assert seen == [("world", 1000.0), ("groups", 1000.0), ("world", 1250.0), ("groups", 1250.0)]
-    assert loop.slowest == 250.0
-    fixed = SimpleNamespace(slowest=0.0, spec=spec(collective_timeout_s=30.0), m=None, worker=None)
-    JobLoop._stretch_timeout(fixed, 1e4)  # type: ignore[arg-type]  # nothing to stretch: fixed
+    loop._time_collectives = lambda s: JobLoop._time_collectives(loop, s)  # type: ignore[arg-type]
+    original = loop_module.set_world_timeout
+    loop_module.set_world_timeout = lambda t: seen.append(("world", t.total_seconds()))
+    try:
+        for k in range(2):
+            loop.step = k
+            with pytest.raises(AttributeError):  # stops at the checkpoint, past what is checked
+                JobLoop._step(loop)  # type: ignore[arg-type]
+    finally:
+        loop_module.set_world_timeout = original
+    assert seen == [
+        ("world", 600.0), ("groups", 600.0), ("world", 1800.0), ("groups", 1800.0),  # step 0
+        ("world", 1500.0), ("groups", 1500.0), ("world", 1800.0), ("groups", 1800.0),  # after 300 s
+    ]  # fmt: skip
+    assert loop.slowest == 300.0
 
 
 GROUPS = """

@@ -243,24 +243,25 @@ def test_generation_statistics(results: dict[str, Any]) -> None:
 
 
 TIMED_GROUPS = """
-import datetime, os, sys, torch, torch.distributed as dist
+import datetime, sys, types, torch, torch.distributed as dist
+import vllm.distributed.parallel_state as ps
+from nereus.backends.vllm import world
 dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
-from nereus.backends.vllm.world import replica_world
-with replica_world([0], "timed", datetime.timedelta(seconds=7)):
-    ours = dist.new_group([0], backend="gloo", timeout=None)  # as vLLM asks when it sets none
-    theirs = dist.new_group([0], backend="gloo", timeout=datetime.timedelta(seconds=3))
-for g in (ours, theirs):
+ps._TP = types.SimpleNamespace(device_group=dist.new_group([0]), cpu_group=dist.new_group([0]))
+ps._PP = types.SimpleNamespace(device_group=dist.GroupMember.NON_GROUP_MEMBER, cpu_group=None)
+world.time_out(datetime.timedelta(seconds=7))
+for g in (ps._TP.device_group, ps._TP.cpu_group):
     print(g._get_backend(torch.device("cpu")).options._timeout.total_seconds())
 """
 
 
 @pytest.mark.timeout(120)
-def test_the_groups_vllm_builds_time_out_with_the_job(tmp_path: Path) -> None:
-    """A group vLLM creates without a timeout gets the job's collective timeout (a frozen peer
-    surfaces in generation too, not after torch's 30 minutes); one it names keeps its own."""
+def test_vllms_groups_take_the_steps_collective_timeout(tmp_path: Path) -> None:
+    """A frozen peer surfaces in generation too: vLLM's groups (a replica's TP, PP, ...) take the
+    step's collective timeout, as ours do; a group this rank is not in is skipped."""
     import subprocess
     import sys
 
     run = [sys.executable, "-c", TIMED_GROUPS, str(tmp_path / "store")]
     out = subprocess.run(run, capture_output=True, text=True, timeout=100, check=True).stdout
-    assert out.split() == ["7.0", "3.0"], out
+    assert out.split() == ["7.0", "7.0"], out

@@ -33,12 +33,11 @@ class Groups:
     kv: Any = None
     created: list[Any] = field(default_factory=list)
     _tp_mesh: DeviceMesh | None = None
-    timeout: timedelta | None = None  # each collective's on these groups (None: torch's default)
 
     @classmethod
     def build(cls, grid: Grid, model: ModelSpec, rank: int, timeout: timedelta | None = None) -> Groups:
         """Collective over the world: every rank calls it for the same grids in the same order."""
-        g = cls(grid, rank, grid.coord(rank) if rank in grid.ranks else Coord(-1, -1, -1), timeout=timeout)
+        g = cls(grid, rank, grid.coord(rank) if rank in grid.ranks else Coord(-1, -1, -1))
         for kind, ranks in grid.all_groups(model):
             pg = dist.new_group(list(ranks), timeout=timeout)
             if rank in ranks:
@@ -48,7 +47,6 @@ class Groups:
 
     def time_out(self, timeout: timedelta) -> None:
         """Each later collective on these groups fails after ``timeout``."""
-        self.timeout = timeout
         for pg in self.created:
             pg.set_timeout(timeout)
 

@@ -213,10 +213,11 @@ class ExperimentSpec:
     # experiments: DTensor's tensor-parallel collectives are not timed apart, so a fitted GEMM
     # efficiency alone steers the planner to TP layouts that gloo makes slower.
     calibrate: bool = False
-    # Seconds a collective of the step waits for a peer before the job counts the peer lost (a
+    # Seconds a collective of a step waits for a peer before the job counts the peer lost (a
     # frozen node, a stuck kernel) and recovers without it; the longest wait a healthy step has
-    # (a rank idle while another generates, a checkpoint, an engine being built) must fit in it.
-    # None: 600 s, or 5 × the slowest step so far once that is longer (``collective_timeout``).
+    # (a rank idle while another generates) must fit in it. The boundary's work (checkpoints,
+    # moves, joins) keeps the 30 minutes of forming a generation. None: 600 s, or 5 × the
+    # slowest step so far once that is longer (``collective_timeout``).
     collective_timeout_s: float | None = None
     # The engine of each model-stage (``actor.gen: <engine>``), from ``nereus.backends.registry``;
     # a model-stage not named runs on the default engine (vLLM for generation when it is

@@ -9,7 +9,6 @@ controller, membership and failures, is ``nereus.runtime.loop``. Edge module (to
 from __future__ import annotations
 
 import dataclasses
-import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,8 +123,6 @@ def make_worker(gpu: int, setup: JobSetup, devices: Devices, workdir: Path | Non
         spec.longest_response(),
     )  # fmt: skip
     worker.weights_of = spec.weights_of
-    if spec.collective_timeout_s is not None:  # else from the first step on (``JobLoop.run``)
-        worker.collective_timeout = datetime.timedelta(seconds=spec.collective_timeout_s)
     return worker
 
 

@@ -47,7 +47,7 @@ from pathlib import Path
 
 from nereus.control.action import Action, Move, Outcome, RecordKind, Restart, TransitionRecord
 from nereus.control.telemetry import Telemetry
-from nereus.devices import StageOutOfMemoryError
+from nereus.devices import StageOutOfMemoryError, set_world_timeout
 from nereus.errors import InfeasibleError, TooFewGpusError
 from nereus.plan import sweep
 from nereus.plan.calibration import CalibrationStore
@@ -120,7 +120,7 @@ class JobLoop(Acting):
         self.preemption = preemption or Preemption()
         self.dropped = 0  # async: batches generated ahead that a transition dropped, since the last record
         self.left_behind = False  # the job went on without this healthy GPU (``LeftBehindError``)
-        self.slowest = 0.0  # seconds of the slowest step this process ran (the collective timeout)
+        self.slowest = 0.0  # seconds of the slowest step this process ran (the step's collective timeout)
 
     # ------------------------------------------------------------------ the two ways in
     @classmethod
@@ -130,8 +130,6 @@ class JobLoop(Acting):
     ) -> JobLoop:  # fmt: skip
         """Every initial member: the setup, the first plan, fresh or checkpointed state."""
         setup: JobSetup = broadcast(measured_setup(spec, out, m.log) if m.leader else None, JobSetup)
-        if spec.collective_timeout_s is not None:  # else from the first step on (``run``)
-            m.time_collectives_out(timedelta(seconds=spec.collective_timeout_s))
         worker = make_worker(m.gpu, setup, m.devices, out)
         worker.set_world(m.members)
         resume_from = ckpt.agreed_latest(out / "checkpoints", resume)
@@ -156,8 +154,6 @@ class JobLoop(Acting):
     ) -> JobLoop:  # fmt: skip
         """A newcomer whose join was accepted: form the generation, receive the job's state, and
         finish the boundary with the others."""
-        if spec.collective_timeout_s is not None:  # from its first collective on
-            m.time_collectives_out(timedelta(seconds=spec.collective_timeout_s))
         m.form(members, generation)
         received: tuple[JobSetup, Plan, Change] = broadcast(None, tuple[JobSetup, Plan, Change])
         setup, plan, change = received
@@ -179,8 +175,6 @@ class JobLoop(Acting):
         if self.pending is None:
             gc.collect()
         gc.freeze()
-        if self.spec.collective_timeout_s is None:  # start-up had torch's 30 minutes; steps get 600 s
-            self._apply_timeout(self.spec.collective_timeout(self.slowest))
         try:
             return self._run()
         finally:
@@ -221,8 +215,10 @@ class JobLoop(Acting):
 
     def _step(self) -> Outcome | None:
         step = self.step
+        self._time_collectives(self.spec.collective_timeout(self.slowest))  # a frozen peer: lost
         result = self._rl_step(step)
-        self._stretch_timeout(result.seconds)
+        self._time_collectives(self.m.timeout.total_seconds())  # the boundary: checkpoints, moves
+        self.slowest = max(self.slowest, result.seconds)
         t_ckpt = time.perf_counter()
         saved = self._checkpoint_if_due(step)
         t_monitor = time.perf_counter()
@@ -305,20 +301,11 @@ class JobLoop(Acting):
 
         return freeze
 
-    def _stretch_timeout(self, seconds: float) -> None:
-        """Unless the experiment fixes the collective timeout: after a step slower than all
-        before it, the longer timeout that implies (``ExperimentSpec.collective_timeout``)."""
-        if self.spec.collective_timeout_s is not None or seconds <= self.slowest:
-            return
-        before = self.spec.collective_timeout(self.slowest)
-        self.slowest = seconds
-        after = self.spec.collective_timeout(seconds)
-        if after > before:
-            self._apply_timeout(after)
-
-    def _apply_timeout(self, seconds: float) -> None:
-        """Each later collective, on the world and this worker's groups, waits at most ``seconds``."""
-        self.m.time_collectives_out(timedelta(seconds=seconds))
+    def _time_collectives(self, seconds: float) -> None:
+        """Each later collective, on the world and this worker's groups, waits at most ``seconds``:
+        in a step the experiment's collective timeout (a peer that froze is then found lost), at
+        the boundary the formation's (a checkpoint, a move's engine builds, a join take minutes)."""
+        set_world_timeout(timedelta(seconds=seconds))
         self.worker.time_collectives_out(timedelta(seconds=seconds))
 
     def _checkpoint_if_due(self, step: int) -> bool:

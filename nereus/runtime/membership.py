@@ -47,7 +47,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-from nereus.devices import CPU, Devices, abort_world, init_world, set_world_timeout
+from nereus.devices import CPU, Devices, abort_world, init_world
 from nereus.runtime.rendezvous import Rendezvous, listening_socket, node_address, node_name
 from nereus.runtime.signed import SECRET_MIN_BYTES, BoundedLog, SignedStore, UnauthenticError, sign
 
@@ -100,8 +100,7 @@ class Membership:
         self.gpu = gpu
         self.leader = leader
         self.journal = BoundedLog(log)
-        self.timeout = timeout  # forming a generation (members arrive when they are ready)
-        self.collective_timeout: timedelta | None = None  # then each collective (the job's setting)
+        self.timeout = timeout  # forming a generation, and each collective outside a step
         self.members: tuple[int, ...] = ()
         self.generation = -1
         self._listener = listener  # kept open: the store serves on its descriptor
@@ -169,17 +168,8 @@ class Membership:
             len(self.members),
             self.timeout,
         )
-        if self.collective_timeout is not None:
-            set_world_timeout(self.collective_timeout)
         self.signed.put(f"host/{self.gpu}", {"node": self.node})
         self.start_heartbeat()
-
-    def time_collectives_out(self, timeout: timedelta) -> None:
-        """Each collective of this generation and the next fails after ``timeout`` (a peer that
-        froze mid-step surfaces then, as a lost peer)."""
-        self.collective_timeout = timeout
-        if dist.is_initialized():
-            set_world_timeout(timeout)
 
     def hosts(self) -> dict[int, str]:
         """The node each member runs on (a member whose entry does not verify counts as a node of

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import sys
 import time
 from collections.abc import Callable, Mapping
 from contextlib import suppress
@@ -112,8 +113,6 @@ class Worker:
         # the weight sync's group, formed with the others at ``bind`` (None until then, and once
         # the world re-forms: ``release``; the walk then forms one of its own)
         self.sync_group: Any = None
-        # how long the step's collectives wait for a peer (None: torch's default); the job's setting
-        self.collective_timeout: datetime.timedelta | None = None
         self.train_side_member = True  # async: this rank holds some model-stage other than actor.gen
         self.pending: dict[int, Batch] = {}  # async: batches generated ahead, by the step that trains on them
         self.set_world(tuple(range(dist.get_world_size())) if dist.is_initialized() else (gpu,))
@@ -224,10 +223,7 @@ class Worker:
         for ms in self.workflow.model_stages:
             started = time.perf_counter()
             self.groups[ms.name] = Groups.build(
-                grid_of(plan.candidate(ms.name), self.rank_of),
-                self.model_of(ms.name),
-                self.rank,
-                self.collective_timeout,
+                grid_of(plan.candidate(ms.name), self.rank_of), self.model_of(ms.name), self.rank
             )
             self.grouped[ms.name] = time.perf_counter() - started
             c = plan.candidate(ms.name)
@@ -261,16 +257,19 @@ class Worker:
         )
         self.train_side_member = self.rank in ranks
         if len(ranks) < len(self.rank_of):
-            self.train_side = dist.new_group(ranks, timeout=self.collective_timeout)
+            self.train_side = dist.new_group(ranks)
 
     def time_collectives_out(self, timeout: datetime.timedelta) -> None:
-        """Each collective on this worker's groups, and on those bound later, fails after
-        ``timeout`` (vLLM's keep the one they were built with, until they are rebuilt)."""
-        self.collective_timeout = timeout
+        """Each later collective on this worker's groups (the model-stages', the train side's,
+        vLLM's) fails after ``timeout``; the weight sync's and a transition's keep their own."""
         for groups in self.groups.values():
             groups.time_out(timeout)
         if self.train_side is not None:
             self.train_side.set_timeout(timeout)
+        if "vllm.distributed.parallel_state" in sys.modules:  # vLLM generates here
+            from nereus.backends.vllm.world import time_out
+
+            time_out(timeout)
 
     def close(self) -> None:
         """Shut every engine down (the job is over for this worker); the units stay."""

@@ -111,10 +111,7 @@ class VllmEngine:
         from vllm import LLM
 
         ident = _agreed_ident(groups, device)
-        with (
-            setup.launcher_env(here, local, len(replica)),
-            world.replica_world(replica, ident, groups.timeout),
-        ):
+        with setup.launcher_env(here, local, len(replica)), world.replica_world(replica, ident):
             self.llm = LLM(
                 model=str(folder), skip_tokenizer_init=True, load_format="dummy",
                 dtype="bfloat16" if setup.dtype_of(state) is torch.bfloat16 else "float32", seed=0,

@@ -45,12 +45,11 @@ _GROUPS = (
 
 
 @contextmanager
-def replica_world(ranks: Sequence[int], ident: str, timeout: timedelta | None = None) -> Iterator[None]:
+def replica_world(ranks: Sequence[int], ident: str) -> Iterator[None]:
     """vLLM builds its groups over ``ranks`` (global ranks of our world, this one among them).
     ``ident``, the same on every rank of the replica and new for each build, names the shared
     memory segments of vLLM's CPU communicator (it would name them after its init method,
-    ``env://``, the same for every job on the node). ``timeout``: each collective's on the
-    groups vLLM makes that name none (the job's, so a frozen peer surfaces in generation too)."""
+    ``env://``, the same for every job on the node)."""
     import vllm.distributed.parallel_state as ps
 
     me = dist.get_rank()
@@ -67,8 +66,6 @@ def replica_world(ranks: Sequence[int], ident: str, timeout: timedelta | None = 
         if ranks is None or me not in ranks:
             return dist.GroupMember.NON_GROUP_MEMBER
         kwargs["use_local_synchronization"] = True
-        if timeout is not None and not args and kwargs.get("timeout") is None:
-            kwargs["timeout"] = timeout
         return new_group(list(ranks), *args, **kwargs)
 
     def on_replica(self: Any, group_ranks: list[list[int]], *args: Any, **kwargs: Any) -> None:
@@ -159,3 +156,14 @@ def release() -> None:
         with suppress(Exception):  # a group of an earlier world: only dropped
             group.destroy()
         setattr(ps, name, None)
+
+
+def time_out(timeout: timedelta) -> None:
+    """Each later collective on vLLM's groups (this rank's replica's) fails after ``timeout``."""
+    import vllm.distributed.parallel_state as ps
+
+    for name in _GROUPS:
+        group = getattr(ps, name, None)
+        for pg in (getattr(group, "device_group", None), getattr(group, "cpu_group", None)):
+            if isinstance(pg, dist.ProcessGroup):
+                pg.set_timeout(timeout)
