@@ -245,11 +245,11 @@ def test_generation_statistics(results: dict[str, Any]) -> None:
 TIMED_GROUPS = """
 import datetime, sys, types, torch, torch.distributed as dist
 import vllm.distributed.parallel_state as ps
-from nereus.backends.vllm import world
+from nereus.backends.registry import time_out_engine_groups
 dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
 ps._TP = types.SimpleNamespace(device_group=dist.new_group([0]), cpu_group=dist.new_group([0]))
 ps._PP = types.SimpleNamespace(device_group=dist.GroupMember.NON_GROUP_MEMBER, cpu_group=None)
-world.time_out(datetime.timedelta(seconds=7))
+time_out_engine_groups(datetime.timedelta(seconds=7))  # as a worker does at a step's start
 for g in (ps._TP.device_group, ps._TP.cpu_group):
     print(g._get_backend(torch.device("cpu")).options._timeout.total_seconds())
 """

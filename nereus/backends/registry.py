@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, cast
 
 from nereus.errors import ConfigError
@@ -158,6 +160,13 @@ def engine_factory(name: str) -> EngineFactory:
         return target
     module, _, attr = target.partition(":")
     return cast("EngineFactory", getattr(importlib.import_module(module), attr))
+
+
+def time_out_engine_groups(timeout: timedelta) -> None:
+    """Each later collective on the communicators engines keep of their own fails after
+    ``timeout``: vLLM's replica groups, once vLLM has built an engine in this process."""
+    if "vllm.distributed.parallel_state" in sys.modules:
+        importlib.import_module("nereus.backends.vllm.world").time_out(timeout)
 
 
 def build_engine(

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import gc
-import sys
 import time
 from collections.abc import Callable, Mapping
 from contextlib import suppress
@@ -39,7 +38,7 @@ from nereus.backends.protocol import (
     TokenBatch,
     TrainStats,
 )
-from nereus.backends.registry import build_engine
+from nereus.backends.registry import build_engine, time_out_engine_groups
 from nereus.control.transition_cost import FixedCosts
 from nereus.devices import CPU, Devices, StageMemory
 from nereus.plan.calibration import Efficiencies
@@ -266,10 +265,7 @@ class Worker:
             groups.time_out(timeout)
         if self.train_side is not None:
             self.train_side.set_timeout(timeout)
-        if "vllm.distributed.parallel_state" in sys.modules:  # vLLM generates here
-            from nereus.backends.vllm.world import time_out
-
-            time_out(timeout)
+        time_out_engine_groups(timeout)
 
     def close(self) -> None:
         """Shut every engine down (the job is over for this worker); the units stay."""
