@@ -263,7 +263,7 @@ class Worker:
         vLLM's) fails after ``timeout``; the weight sync's and a transition's keep their own."""
         for groups in self.groups.values():
             groups.time_out(timeout)
-        if self.train_side is not None:
+        if isinstance(self.train_side, dist.ProcessGroup):  # not this rank's: NON_GROUP_MEMBER
             self.train_side.set_timeout(timeout)
         time_out_engine_groups(timeout)
 
