@@ -265,3 +265,34 @@ def test_vllms_groups_take_the_steps_collective_timeout(tmp_path: Path) -> None:
     run = [sys.executable, "-c", TIMED_GROUPS, str(tmp_path / "store")]
     out = subprocess.run(run, capture_output=True, text=True, timeout=100, check=True).stdout
     assert out.split() == ["7.0", "7.0"], out
+
+
+RELEASED_GROUPS = """
+import sys, types, torch.distributed as dist
+import vllm.distributed.parallel_state as ps
+from nereus.backends.registry import release_engine_groups
+from nereus.backends.vllm import engine
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
+destroyed = []
+ps._TP = types.SimpleNamespace(device_group=dist.new_group([0]), destroy=lambda: destroyed.append("tp"))
+class Built:  # stands in for the process's VllmEngine, which holds our groups of the old world
+    def close(self):
+        engine._live.remove(self)
+engine._live.append(Built())
+dist.destroy_process_group()  # the world failed and is gone, as ``abandon`` leaves it
+release_engine_groups()
+print(ps._TP is None, destroyed, engine._live)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_leaving_a_failed_world_closes_the_engine_and_forgets_vllms_groups(tmp_path: Path) -> None:
+    """After the world is destroyed, the registry's ``release_engine_groups`` shuts the vLLM
+    engine down (it holds our model-stage groups) and drops vLLM's own groups, so this process's
+    connections close and a peer blocked on it fails at once."""
+    import subprocess
+    import sys
+
+    run = [sys.executable, "-c", RELEASED_GROUPS, str(tmp_path / "store")]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=100, check=True).stdout
+    assert out.split() == ["True", "['tp']", "[]"], out

@@ -123,3 +123,41 @@ def test_vllm_named_for_a_model_it_cannot_serve_is_exit_2(tmp_path: Path) -> Non
     line = proc.stderr.strip().splitlines()[-1]
     assert "actor.gen" in line and "head_dim 16" in line, line
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+
+
+OOM_FIRST_STEP = """
+name: oom0
+workload: grpo-tiny
+model: tiny-llama-h32
+workers: 2
+steps: 2
+seed: 0
+policy: nereus
+task: {kind: copy, n: 64, difficulty: 2, length: 2}
+max_new_tokens: 2
+drift:
+  - {step: 0, oom: [1]}
+"""
+
+
+@pytest.mark.timeout(300)
+def test_out_of_memory_in_the_first_step_is_recovered_at_once(tmp_path: Path) -> None:
+    """Worker 1 runs out of memory at actor.train's start in step 0, when vLLM has just built its
+    engine, while the leader waits in the pipeline's first send to it (a send waits with no
+    timeout but its group's creation-time 30 minutes). The failing worker's connections must
+    close for the leader to see the failure: vLLM keeps an optional import's error, whose
+    traceback pinned the engine build's frames and, through them, the model-stages' groups. The
+    recovery takes seconds, not the collective timeout's 10 minutes."""
+    exp = tmp_path / "oom0.yaml"
+    exp.write_text(OOM_FIRST_STEP)
+    out = tmp_path / "oom0"
+    proc = subprocess.run(
+        [sys.executable, "-m", "nereus.cli", "run", str(exp), "--out", str(out)],
+        capture_output=True, text=True, timeout=240, check=False, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = rows(out)
+    assert [r["step"] for r in steps] == [0, 1]
+    recovered = [t for r in steps for t in r["transitions"] if t["kind"] == "recovered"]  # type: ignore[union-attr, index]
+    assert recovered and recovered[0]["oom"] == "actor.train" and recovered[0]["lost"] == []
+    assert float(steps[0]["step_time_s"]) < 120  # type: ignore[arg-type]

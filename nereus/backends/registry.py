@@ -19,7 +19,7 @@ import importlib.util
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from nereus.errors import ConfigError
 
@@ -162,11 +162,29 @@ def engine_factory(name: str) -> EngineFactory:
     return cast("EngineFactory", getattr(importlib.import_module(module), attr))
 
 
+# Engines whose library keeps communicators of its own, process-wide: the library's module that
+# holds them (imported once such an engine was built here) and ours that reaches them, with
+# ``time_out(timeout)`` and ``release_all()``.
+_ENGINE_WORLDS = (("vllm.distributed.parallel_state", "nereus.backends.vllm.world"),)
+
+
+def _engine_worlds() -> list[Any]:
+    return [importlib.import_module(ours) for library, ours in _ENGINE_WORLDS if library in sys.modules]
+
+
 def time_out_engine_groups(timeout: timedelta) -> None:
     """Each later collective on the communicators engines keep of their own fails after
     ``timeout``: vLLM's replica groups, once vLLM has built an engine in this process."""
-    if "vllm.distributed.parallel_state" in sys.modules:
-        importlib.import_module("nereus.backends.vllm.world").time_out(timeout)
+    for world in _engine_worlds():
+        world.time_out(timeout)
+
+
+def release_engine_groups() -> None:
+    """Forget the communicators engines keep of their own, and shut down the engines that use
+    them, after the world they were made in is destroyed: only then do their connections close,
+    so a peer blocked on this process fails at once."""
+    for world in _engine_worlds():
+        world.release_all()
 
 
 def build_engine(

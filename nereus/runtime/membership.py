@@ -32,7 +32,6 @@ Edge module (torch.distributed, sockets, threads).
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import re
@@ -47,7 +46,9 @@ from pathlib import Path
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
+from nereus.backends.registry import release_engine_groups
 from nereus.devices import CPU, Devices, abort_world, init_world
+from nereus.runtime.pins import let_go
 from nereus.runtime.rendezvous import Rendezvous, listening_socket, node_address, node_name
 from nereus.runtime.signed import SECRET_MIN_BYTES, BoundedLog, SignedStore, UnauthenticError, sign
 
@@ -193,11 +194,8 @@ class Membership:
         """Leave the current generation: destroy the world and collect every group object, so
         this process's gloo connections close and peers blocked on it fail at once."""
         abort_world()
-        frozen = gc.get_freeze_count()  # the run froze what it built: groups may be among them
-        gc.unfreeze()
-        gc.collect()
-        if frozen:
-            gc.freeze()
+        release_engine_groups()  # vLLM's own, and its engine holding ours
+        let_go()  # groups frozen with the run's objects, or pinned by a library's stored traceback
 
     # ------------------------------------------------------------------ heartbeats
     def start_heartbeat(self) -> None:

@@ -52,6 +52,12 @@ from nereus.state.holder import RankState
 _live: list[VllmEngine] = []  # the process's engine (vLLM's groups are process-wide: one at a time)
 
 
+def close_all() -> None:
+    """Shut every engine of this process down (the world they were built in has failed)."""
+    for engine in list(_live):
+        engine.close()
+
+
 def request_seed(seed: int, sample_id: int) -> int:
     """A request's sampling seed from the job's seed and the sample's id (63 bits)."""
     return _splitmix64(_splitmix64(seed & MASK64) ^ (sample_id & MASK64)) >> 1

@@ -158,6 +158,15 @@ def release() -> None:
         setattr(ps, name, None)
 
 
+def release_all() -> None:
+    """After a failed world: shut this process's vLLM engine down (it holds our groups of that
+    world) and forget vLLM's groups."""
+    from nereus.backends.vllm import engine
+
+    engine.close_all()
+    release()
+
+
 def time_out(timeout: timedelta) -> None:
     """Each later collective on vLLM's groups (this rank's replica's) fails after ``timeout``."""
     import vllm.distributed.parallel_state as ps
