@@ -58,6 +58,7 @@ def test_a_step_waits_its_timeout_and_the_boundary_the_formations() -> None:
         ("world", 1500.0), ("groups", 1500.0), ("world", 1800.0), ("groups", 1800.0),  # after 300 s
     ]  # fmt: skip
     assert loop.slowest == 300.0
+    assert loop.worker.p2p_timeout == timedelta(seconds=1500)  # the groups formed from now on
 
 
 GROUPS = """
@@ -92,3 +93,43 @@ def test_groups_already_formed_take_a_new_timeout(tmp_path: Path) -> None:
     for p in ranks:
         out = p.communicate(timeout=100)[0].split()
         assert p.returncode == 0 and int(out[0]) > 0 and out[1:] == ["[30.0]", "[4.0]", "5.0"], out
+
+
+P2P = """
+import datetime, sys, time, torch, torch.distributed as dist
+from nereus.backends.grid import Grid
+from nereus.backends.groups import Groups
+from nereus.plan.layout import Layout
+from nereus.spec import load_model
+rank = int(sys.argv[2])
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 2), rank=rank, world_size=2)
+g = Groups.build(Grid(Layout(2, 1), (0, 1)), load_model("tiny-llama"), rank, datetime.timedelta(seconds=2))
+g.time_out(datetime.timedelta(seconds=60))  # the boundary's, for collectives
+dist.barrier(group=g.tp)
+if rank == 0:
+    t = time.monotonic()
+    try:
+        dist.send(torch.ones(4), 1, group=g.tp)  # rank 1 never receives
+        print("sent")
+    except RuntimeError:
+        print(f"{time.monotonic() - t:.1f}")
+else:
+    time.sleep(20)
+"""
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_a_pipeline_send_to_a_silent_peer_fails_after_the_groups_creation_timeout(tmp_path: Path) -> None:
+    """gloo fixes how long a send or receive waits when its group is created (``set_timeout``
+    reaches collectives only): groups formed with the step's timeout bound a pipeline's sends to
+    a frozen peer by it, even while their collectives have the boundary's longer one."""
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", P2P, str(tmp_path / "store"), str(r)], stdout=subprocess.PIPE, text=True
+        )
+        for r in range(2)
+    ]
+    out = ranks[0].communicate(timeout=100)[0].split()
+    ranks[1].kill()
+    assert ranks[0].returncode == 0 and out != ["sent"] and 1.5 <= float(out[0]) < 15, out

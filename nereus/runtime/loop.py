@@ -84,6 +84,13 @@ def start_up_sweep(m: Membership, setup: JobSetup) -> CalibrationStore:
     return sweep.calibration(setup.cluster, timed)
 
 
+def time_groups(worker: Worker, spec: ExperimentSpec, m: Membership) -> None:
+    """The groups a new worker forms: a pipeline's sends and receives wait the first step's
+    collective timeout, their collectives the formation's until the first step sets its own."""
+    worker.p2p_timeout = timedelta(seconds=spec.collective_timeout())
+    worker.collective_timeout = m.timeout
+
+
 @dataclass(frozen=True, slots=True)
 class Boundary:
     """A step boundary after the monitor and the pool change: what its action and metrics need."""
@@ -132,6 +139,7 @@ class JobLoop(Acting):
         setup: JobSetup = broadcast(measured_setup(spec, out, m.log) if m.leader else None, JobSetup)
         worker = make_worker(m.gpu, setup, m.devices, out)
         worker.set_world(m.members)
+        time_groups(worker, spec, m)
         resume_from = ckpt.agreed_latest(out / "checkpoints", resume)
         first = ckpt.step_of(resume_from) + 1 if resume_from is not None else 0
         max_new = spec.max_new_tokens_at(first)
@@ -159,6 +167,7 @@ class JobLoop(Acting):
         setup, plan, change = received
         worker = make_worker(m.gpu, setup, m.devices, out)
         worker.set_world(m.members)
+        time_groups(worker, spec, m)
         if setup.workload.mode is ExecutionMode.ASYNC:
             worker.pending = share_pending(None)
         b = Boundary(change.step, None, change=change)
@@ -215,7 +224,9 @@ class JobLoop(Acting):
 
     def _step(self) -> Outcome | None:
         step = self.step
-        self._time_collectives(self.spec.collective_timeout(self.slowest))  # a frozen peer: lost
+        timeout = self.spec.collective_timeout(self.slowest)
+        self.worker.p2p_timeout = timedelta(seconds=timeout)  # a pipeline's, in groups formed later
+        self._time_collectives(timeout)  # a frozen peer: lost
         result = self._rl_step(step)
         self._time_collectives(self.m.timeout.total_seconds())  # the boundary: checkpoints, moves
         self.slowest = max(self.slowest, result.seconds)

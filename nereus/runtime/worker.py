@@ -104,6 +104,12 @@ class Worker:
         self.optimes: list[OpTime] = []  # this step's op-class timings (for calibration)
         self.memory = StageMemory(self.devices)  # this step's peak memory per model-stage (GPU)
         self.fault: Callable[[str], None] | None = None  # a scripted fault at a stage's start
+        # How long a peer is waited for in the groups ``bind`` forms (None: torch's default): a
+        # pipeline's sends and receives wait ``p2p_timeout`` (the step's collective timeout; gloo
+        # fixes a send's or receive's wait when the group is created, ``set_timeout`` does not
+        # reach it), their collectives ``collective_timeout`` until the next ``time_collectives_out``.
+        self.p2p_timeout: datetime.timedelta | None = None
+        self.collective_timeout: datetime.timedelta | None = None
         self.snapshot = Snapshot(self.device)  # the sources' units at the last step boundaries
         self.health = HealthCheck.of(self.devices)  # its GPU's health, for the boundary report
         self.weights_of: Callable[[str], str] = lambda role: ""  # role → its Hugging Face folder, if any
@@ -221,9 +227,13 @@ class Worker:
         self.built, self.grouped = {}, {}
         for ms in self.workflow.model_stages:
             started = time.perf_counter()
-            self.groups[ms.name] = Groups.build(
-                grid_of(plan.candidate(ms.name), self.rank_of), self.model_of(ms.name), self.rank
-            )
+            groups = Groups.build(
+                grid_of(plan.candidate(ms.name), self.rank_of), self.model_of(ms.name), self.rank,
+                self.p2p_timeout,
+            )  # fmt: skip
+            if self.collective_timeout is not None:
+                groups.time_out(self.collective_timeout)
+            self.groups[ms.name] = groups
             self.grouped[ms.name] = time.perf_counter() - started
             c = plan.candidate(ms.name)
             self.degrees[ms.name] = (c.layout.tp, c.layout.pp, c.dp)
@@ -261,6 +271,7 @@ class Worker:
     def time_collectives_out(self, timeout: datetime.timedelta) -> None:
         """Each later collective on this worker's groups (the model-stages', the train side's,
         vLLM's) fails after ``timeout``; the weight sync's and a transition's keep their own."""
+        self.collective_timeout = timeout
         for groups in self.groups.values():
             groups.time_out(timeout)
         if isinstance(self.train_side, dist.ProcessGroup):  # not this rank's: NON_GROUP_MEMBER
