@@ -169,6 +169,25 @@ def test_a_stop_signal_checkpoints_and_exits_with_its_code(
 
 
 @pytest.mark.timeout(150)
+def test_workers_whose_supervisor_is_killed_stop_at_a_checkpoint(tmp_path: Path) -> None:
+    """The supervisor alone killed outright (SIGKILL, the OOM killer): its workers do not run on
+    headless. Each gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``, set as it starts), and
+    the job stops as a SIGTERM stops it: at the next boundary, after a checkpoint, with no
+    process of the run left."""
+    out, total = tmp_path / "out", 30
+    proc, _, stderr = stop_after(
+        experiment(tmp_path, "orphans", steps=total, every=5), out, 2, signal.SIGKILL, False
+    )
+    assert proc.returncode == -signal.SIGKILL
+    assert not group_left(proc.pid, 60.0)
+    last = steps(out)[-1]
+    assert 2 <= last < total - 1 and steps(out) == list(range(last + 1)), stderr[-3000:]
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{last:06d}"
+    final = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert final["transitions"][-1]["kind"] == "preempted"
+
+
+@pytest.mark.timeout(150)
 def test_a_resume_after_sigint_writes_one_row_per_step(
     tmp_path: Path, sigint_to_the_group: tuple[Path, Path, int, str, str]
 ) -> None:

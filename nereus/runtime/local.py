@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from nereus.errors import NereusError
 from nereus.runtime import outdir, signing
 from nereus.runtime.experiment import ExperimentSpec
-from nereus.runtime.signals import STOP_SIGNALS, exit_code, start, stopped_by
+from nereus.runtime.signals import STOP_SIGNALS, exit_code, start, stop_with, stopped_by
 
 if TYPE_CHECKING:  # the supervisor imports no torch
     from nereus.control.action import Outcome
@@ -114,9 +114,12 @@ def launch_local(spec: ExperimentSpec, out: Path, resume: bool = False, force: b
     secret = secrets.token_bytes(32)
     ctx = _context()
     members = tuple(range(spec.workers))
+    me = os.getpid()
     procs: list[BaseProcess] = [
         ctx.Process(
-            target=member_main, args=(g, members, spec, str(out), secret, key, resume), name=f"nereus-gpu{g}"
+            target=member_main,
+            args=(g, members, spec, str(out), secret, key, resume, me),
+            name=f"nereus-gpu{g}",
         )
         for g in members
     ]
@@ -182,7 +185,7 @@ def _fail(leader: bool, exc: NereusError) -> NoReturn:
 
 def member_main(
     gpu: int, members: tuple[int, ...], spec: ExperimentSpec, out: str, secret: bytes, key: bytes,
-    resume: bool,
+    resume: bool, supervisor: int,
 ) -> None:  # fmt: skip
     """An initial worker process: GPU 0 hosts the store; the others connect to it. Exits 0 when
     the job is done, with the stop signal's code when it stopped, with a ``NereusError``'s code
@@ -191,6 +194,7 @@ def member_main(
     from nereus.runtime.preemption import Preemption
 
     preemption = Preemption(STOP_SIGNALS).install()  # first: the signals were held until now
+    stop_with(supervisor)  # a supervisor killed outright: SIGTERM, the job stops at a checkpoint
 
     from nereus.control.action import Outcome
     from nereus.devices import activate, choose

@@ -16,7 +16,11 @@ them) instead of killing it or raising ``KeyboardInterrupt`` in the middle of an
 
 from __future__ import annotations
 
+import os
+import select
 import signal
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from multiprocessing import resource_tracker
@@ -26,6 +30,41 @@ PREEMPT_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)  # SLURM's preemption (a laun
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)  # nereus run
 REQUEUE_EXIT = 144  # submitit's LocalExecutor requeues a task that exits with this code
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGUSR2: REQUEUE_EXIT}
+
+
+def stop_with(supervisor: int, signum: int = signal.SIGTERM) -> None:
+    """Send ``signum`` to this process once process ``supervisor`` has ended, so a worker whose
+    supervisor was killed outright (SIGKILL, the OOM killer) stops at its next boundary after a
+    checkpoint instead of running on headless. A daemon thread waits on the supervisor's pidfd
+    (Linux; elsewhere it looks once a second). Not the kernel's parent-death signal: a fork
+    server's children keep it alive (they hold its liveness pipe), so it outlives the supervisor."""
+    try:
+        fd = os.pidfd_open(supervisor) if hasattr(os, "pidfd_open") else None
+    except ProcessLookupError:  # already gone
+        os.kill(os.getpid(), signum)
+        return
+    except OSError:  # no pidfds here (an old kernel, a sandbox)
+        fd = None
+
+    def watch() -> None:
+        if fd is not None:
+            select.select([fd], [], [])  # readable once the process has exited
+        else:
+            while _alive(supervisor):
+                time.sleep(1.0)
+        os.kill(os.getpid(), signum)
+
+    threading.Thread(target=watch, name="nereus-supervisor-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process under a reused pid: ours is gone
+        return False
+    return True
 
 
 def exit_code(signum: int) -> int:
