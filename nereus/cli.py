@@ -196,7 +196,7 @@ def _problem(args: argparse.Namespace) -> PlanningProblem:
     flat = SearchSpace.engines(workload, getattr(args, "pipelined_gen", False)).flat
     space = dataclasses.replace(space, flat=flat)
     fixes = tuple(getattr(args, "fix", None) or ())
-    space = held_space(space, fixes, workload, models, cluster) if fixes else space
+    space = held_space(space, fixes, workload, models, cluster, args.gpus) if fixes else space
     prompt = args.prompt_len or workload.prompt_len
     if prompt > workload.max_prompt_len:
         raise ConfigError(

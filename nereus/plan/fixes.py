@@ -79,13 +79,19 @@ def held_space(
     workload: WorkloadSpec,
     models: Mapping[Role, ModelSpec],
     cluster: ClusterSpec,
+    gpus: int,
 ) -> SearchSpace:
-    """``space`` holding the ``--fix`` layouts (texts as given), each checked; one ``ConfigError``
-    naming the flag on the first that cannot be held."""
+    """``space`` holding the ``--fix`` layouts (texts as given) on a pool of ``gpus``, each
+    checked; one ``ConfigError`` naming the flag on the first that cannot be held."""
     held = [parse_fix(text, workload) for text in fixes]
     if len({name for name, *_ in held}) != len(held):
         raise ConfigError("--fix: a model-stage is named twice")
-    for name, layout, _, _ in held:  # the layouts the runtime can shard (the planner's rule)
+    for name, layout, dp, _ in held:  # the layouts the runtime can shard (the planner's rule)
+        if layout.size * dp > gpus:
+            raise ConfigError(
+                f"--fix {name}: tp{layout.tp}·pp{layout.pp}·dp{dp} needs {layout.size * dp} GPUs, "
+                f"more than the {gpus} of --gpus"
+            )
         why = _refusal(name, layout, models[workload.workflow().get(name).role], space, cluster)
         if why:
             raise ConfigError(f"--fix {name}: {why}")
