@@ -67,7 +67,7 @@ def _parser() -> _Parser:
             default=os.environ.get("NEREUS_SITE", "local"),
             help="frontier, nvidia, local or a site YAML (default: $NEREUS_SITE, else local)",
         )
-        q.add_argument("--partition", help="SLURM partition (default: the site's)")
+        q.add_argument("--partition", help="SLURM partition (default: the site's; '' for the cluster's)")
         q.add_argument("--account", help="SLURM account (default: the site's)")
         q.add_argument("--time", help="time limit: MM, HH:MM:SS or D-HH:MM:SS (default: the site's)")
         q.add_argument("--jobs-root", type=Path, default=DEFAULT_ROOT, help=f"where {what} folders go")
