@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-import nereus.runtime.loop as loop_module
+import nereus.runtime.surviving as surviving_module
 from nereus.devices import CPU
 from nereus.plan.layout import Layout
 from nereus.runtime.loop import JobLoop
@@ -116,8 +116,10 @@ def _roll_back_together(loops: list[JobLoop], monkeypatch: pytest.MonkeyPatch) -
             said.append(obj)
         return said[0]
 
-    monkeypatch.setattr(loop_module, "all_gather", lambda obj, tp: [tuple(m) if m else None for m in newest])
-    monkeypatch.setattr(loop_module, "broadcast", broadcast)
+    monkeypatch.setattr(
+        surviving_module, "all_gather", lambda obj, tp: [tuple(m) if m else None for m in newest]
+    )
+    monkeypatch.setattr(surviving_module, "broadcast", broadcast)
     leader._roll_back()
     for lp in loops:
         if lp is not leader:
