@@ -221,11 +221,11 @@ class JobLoop(Acting, Surviving):
 
     def _step(self) -> Outcome | None:
         step = self.step
-        timeout = self.spec.collective_timeout(self.slowest)
-        self.worker.p2p_timeout = timedelta(seconds=timeout)  # a pipeline's, in groups formed later
+        timeout = timedelta(seconds=self.spec.collective_timeout(self.slowest))
+        self.worker.p2p_timeout = timeout  # a pipeline's sends and receives, in groups formed later
         self._time_collectives(timeout)  # a frozen peer: lost
         result = self._rl_step(step)
-        self._time_collectives(self.m.timeout.total_seconds())  # the boundary: checkpoints, moves
+        self._time_collectives(self.m.timeout)  # the boundary: checkpoints, moves
         self.slowest = max(self.slowest, result.seconds)
         t_ckpt = time.perf_counter()
         saved = self._checkpoint_if_due(step)
@@ -309,12 +309,12 @@ class JobLoop(Acting, Surviving):
 
         return freeze
 
-    def _time_collectives(self, seconds: float) -> None:
-        """Each later collective, on the world and this worker's groups, waits at most ``seconds``:
+    def _time_collectives(self, timeout: timedelta) -> None:
+        """Each later collective, on the world and this worker's groups, waits at most ``timeout``:
         in a step the experiment's collective timeout (a peer that froze is then found lost), at
         the boundary the formation's (a checkpoint, a move's engine builds, a join take minutes)."""
-        set_world_timeout(timedelta(seconds=seconds))
-        self.worker.time_collectives_out(timedelta(seconds=seconds))
+        set_world_timeout(timeout)
+        self.worker.time_collectives_out(timeout)
 
     def _checkpoint_if_due(self, step: int) -> bool:
         every, last = self.spec.checkpoint_every, step + 1 == self.spec.steps
