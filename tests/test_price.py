@@ -148,7 +148,7 @@ def test_fix_holds_the_named_layouts_and_searches_the_rest(capsys: pytest.Captur
         ("actor.train=tp3,pp1,dp2", 2, "--fix actor.train: tp must be a power of two"),
         ("actor.train=4,1,2", 2, "--fix: expected MODEL_STAGE=tpT,ppP,dpD[,mbB]"),
         (f"actor.train=tp1,pp1,dp{'1' * 5000}", 2, "--fix: expected MODEL_STAGE=tpT,ppP,dpD[,mbB]"),
-        ("actor.train=tp8,pp1,dp8", 3, "actor.train"),  # 64 GPUs of a 32-GPU pool
+        ("actor.train=tp8,pp1,dp8", 2, "--fix actor.train: tp8·pp1·dp8 needs 64 GPUs, more than the 32"),
         ("actor.train=tp4,pp1,dp3", 3, "actor.train"),  # 3 replicas cannot split a global batch of 128
         ("actor.gen=tp16,pp1,dp1", 2, "--fix actor.gen: tp 16 exceeds the 8 GPUs of a node of"),  # as price
         # verl's FSDP layout on our ZeRO-0 trainer: says where an FSDP trainer is priced

@@ -87,14 +87,14 @@ def held_space(
     if len({name for name, *_ in held}) != len(held):
         raise ConfigError("--fix: a model-stage is named twice")
     for name, layout, dp, _ in held:  # the layouts the runtime can shard (the planner's rule)
+        why = _refusal(name, layout, models[workload.workflow().get(name).role], space, cluster)
+        if why:
+            raise ConfigError(f"--fix {name}: {why}")
         if layout.size * dp > gpus:
             raise ConfigError(
                 f"--fix {name}: tp{layout.tp}·pp{layout.pp}·dp{dp} needs {layout.size * dp} GPUs, "
                 f"more than the {gpus} of --gpus"
             )
-        why = _refusal(name, layout, models[workload.workflow().get(name).role], space, cluster)
-        if why:
-            raise ConfigError(f"--fix {name}: {why}")
     return dataclasses.replace(
         space.holding({name: layout for name, layout, _, _ in held}),
         fixed_shapes=tuple((name, dp, micro) for name, _, dp, micro in held),
