@@ -61,10 +61,11 @@ def test_running_frames_suspended_generators_and_dead_proxies_are_left_alone() -
     target = Group()
     proxies = [weakref.proxy(target)]
     del target
-    let_go()
+    with pytest.raises(ReferenceError):  # the collector's objects hold a dead proxy
+        isinstance(proxies[0], Group)
+    let_go()  # looks past it
     assert isinstance(here, Group)  # this frame's locals are intact
     assert next(gen) == 2  # the generator was not finalized
-    assert len(proxies) == 1
 
 
 def test_let_go_keeps_the_frozen_set_frozen() -> None:
