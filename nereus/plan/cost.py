@@ -16,16 +16,7 @@ Sources, one line each where used:
   time): Kwon et al. 2023 (vLLM) §2, Williams et al. 2009.
 * Adam step: ~30 B of HBM traffic per parameter (read grad, master, m, v; write master, m, v,
   bf16 param).
-* DP gradient sync (``_dp_sync``): our torch_native trainer all-reduces one flat gradient buffer
-  after the last backward (``backends/torch_native/training.flat_grad``): serial. Engines that
-  overlap (``SearchSpace.overlap_dp_sync``) all-reduce buckets as backward fills them, during the
-  last micro-batch's backward only (gradient accumulation skips the sync before it): PyTorch DDP
-  (``bucket_cap_mb`` = 25 MiB, buckets in reverse parameter order, "overlapping computation with
-  communication", DDP notes), Megatron-Core ``DistributedDataParallelConfig.overlap_grad_reduce``
-  (bucket_size max(4e7, 1e6·dp) parameters), FSDP (per-unit reduce-scatter during backward).
-* FSDP / ZeRO-3 (``CostModel.fsdp``, ``nereus price --fsdp`` only): per layer, bf16 parameter
-  all-gathers before forward and backward, fp32 gradient reduce-scatters after backward, each
-  prefetched behind the neighbouring layer's compute (PyTorch FSDP2 docs; Zhao et al. 2023 §3.3).
+* DP gradient sync, FSDP, weight syncs: ``nereus.plan.commcost``.
 * Paged KV (``SearchSpace.paged_kv``): pool at mean occupancy, recompute preemption priced as
   prefill (``memory.kv_pool_tokens``, ``memory.preempted_tokens``; vLLM docs "Preemption").
 
@@ -51,7 +42,8 @@ from types import MappingProxyType
 import numpy as np
 
 from nereus.plan.bestfit import anchored, group_spans, occupancy, pool_span
-from nereus.plan.costterms import Cost, LatencyTerms, collective, compute, exposed, memory_bound
+from nereus.plan.commcost import GRAD_BYTES, CommTerms
+from nereus.plan.costterms import Cost, LatencyTerms, collective, compute, memory_bound
 from nereus.plan.layout import Layout
 from nereus.plan.links import Links
 from nereus.plan.memory import (
@@ -65,7 +57,7 @@ from nereus.plan.memory import (
     preempted_tokens,
     trainer_memory,
 )
-from nereus.plan.opclass import Collective, OpClass
+from nereus.plan.opclass import OpClass
 from nereus.plan.problem import PlanningProblem
 from nereus.plan.replica import FloatArray, IntArray, ReplicaFacts
 from nereus.spec.model import ModelSpec
@@ -79,10 +71,6 @@ SYNC_WAIT = "sync_wait"
 # the terms of the step's weight sync, not of the model-stage's own work (``nereus price``)
 STEP_SYNCS = ("weight_sync", SYNC_WAIT)
 ADAM_BYTES_PER_PARAM = 30.0
-# Megatron-Core's default bucket: max(4e7, 1e6·dp) parameters ("larger DP sizes need larger
-# buckets to ensure collectives do not become latency-bound"); PyTorch DDP's is 25 MiB
-BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK = 4e7, 1e6
-GRAD_BYTES = 4.0  # fp32 gradients in the all-reduce (ours; Megatron's grad_reduce_in_fp32)
 
 
 def _gemm_flops_per_token(model: ModelSpec, rep: ReplicaFacts) -> FloatArray:
@@ -113,7 +101,7 @@ def _decode_context(model: ModelSpec, prompt: float, response: float) -> float:
     return full - float(whole - capped) / response
 
 
-class CostModel:
+class CostModel(CommTerms):
     """Latency and memory of every candidate shape of a planning problem."""
 
     def __init__(
@@ -215,36 +203,6 @@ class CostModel:
             sizes = (layer * tokens / rep.tp, 4.0 * model.q_size * tokens_ctx / rep.tp)
         return compute(self.problem.cluster, eff, gemm_flops, attn_flops, sizes, self.track)
 
-    def _weight_sync(self, rep: ReplicaFacts, model_stage: ModelStage) -> Cost:
-        """Receiving updated bf16 weights from the colocated trainer at the step boundary, inside
-        the receiving replica; async generation's, ``_async_sync``."""
-        if self.gen_apart and model_stage.stage is Stage.GEN:
-            return self._async_sync(np.asarray(rep.size, dtype=np.float64))
-        nbytes = np.maximum(rep.params_first, rep.params_last) * 2.0
-        return collective(self.links, Collective.BROADCAST, rep.size, 2.0, nbytes, self.track)
-
-    def _async_sync(self, rows: FloatArray) -> Cost:
-        """Async: the weight sync that ends a step, shaped like ``rows``. Generation runs on GPUs
-        of its own, so the actor's whole bf16 weights go from the trainer's GPUs to the
-        generator's, across the pool the two share: between nodes once it spans more than one,
-        each node's GPUs carrying a share of them over the node's NICs (NCCL's hierarchical
-        rings; the truth broadcasts them over the union of both sides' GPUs,
-        ``sim.truth.asynchrony``), inside the node at the receiver's whole bytes otherwise.
-        The sync runs after both sides (the truth's step is max(generation, inference + training)
-        + sync, ``sim.truth.asynchrony.Pipeline``), so it is priced on both, generation's
-        ``weight_sync`` and each trainer's ``SYNC_WAIT``: the step's max over the two sides is
-        then max(gen, inf + train) + sync."""
-        gen = self.workflow.by_stage(Stage.GEN)
-        if not gen or self.workflow.sync_source(gen[0].name) is None:
-            return Cost({})
-        nbytes = 2.0 * float(self.problem.model_of(gen[0]).param_count())
-        if self.pool_span > self.links.gpus_per_node:
-            nbytes /= self.pool_per_node
-        one = np.ones_like(rows, dtype=np.float64)
-        return collective(
-            self.links, Collective.BROADCAST, self.pool_span * one, 2.0, nbytes * one, self.track
-        )
-
     def spans(self, rep: ReplicaFacts, dp: FloatArray, name: str = "") -> Spans:
         """Per row, the spans of its TP groups, replicas and DP groups on this problem's pool:
         the layout's own on whole nodes, what best fit makes of them on a fragmented pool
@@ -261,63 +219,6 @@ class CostModel:
             np.where(here, w, np.broadcast_to(x, here.shape)) for x, w in zip(spans, where, strict=True)
         )
         return a, b, c
-
-    def _tp(self, rep: ReplicaFacts, nbytes: FloatArray, span: FloatArray) -> Cost:
-        """One TP all-reduce of ``nbytes`` inside the TP group (spanning ``span`` GPUs)."""
-        return collective(self.links, Collective.ALLREDUCE, span, rep.tp, nbytes, self.track)
-
-    def _p2p(self, rep: ReplicaFacts, nbytes: FloatArray, span: FloatArray) -> Cost:
-        """One pipeline send/recv between neighbouring stages of a replica spanning ``span``
-        GPUs (0 without PP)."""
-        return collective(self.links, Collective.SENDRECV, span, 2.0, nbytes, self.track) * np.where(
-            rep.pp > 1, 1.0, 0.0
-        )
-
-    def _dp_sync(
-        self,
-        rep: ReplicaFacts,
-        dp: FloatArray,
-        grad_bytes: FloatArray,
-        backward: Cost | None,
-        span: FloatArray,
-    ) -> Cost:
-        """The DP gradient all-reduce a step waits for. Serial (``backward`` None): one all-reduce
-        of the whole buffer after backward. Overlapped: n equal buckets of at most
-        ``GRAD_BUCKET_BYTES``, reduced in order behind the last micro-batch's backward
-        (``exposed``). Attributed to the all-reduce's op class; the DP group spans ``span`` GPUs."""
-        if backward is None:
-            return collective(self.links, Collective.ALLREDUCE, span, dp, grad_bytes, self.track)
-        bucket_bytes = np.maximum(BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK * dp) * GRAD_BYTES
-        buckets = np.maximum(np.ceil(grad_bytes / bucket_bytes), 1.0)
-        per_bucket = collective(self.links, Collective.ALLREDUCE, span, dp, grad_bytes / buckets, self.track)
-        return exposed(per_bucket, buckets, backward)
-
-    def _fsdp_sync(
-        self,
-        rep: ReplicaFacts,
-        dp: FloatArray,
-        params: FloatArray,
-        forward: Cost,
-        backward: Cost,
-        span: FloatArray,
-    ) -> Cost:
-        """Per micro-batch, the communication an FSDP (ZeRO-3) trainer waits for: each layer's bf16
-        parameters all-gathered before its forward and again before its backward, and its fp32
-        gradients reduce-scattered after it (FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16,
-        reduce_dtype=fp32)``, torchtitan's default; a reduce-scatter is the first half of a ring
-        all-reduce, so it is priced and calibrated as half an all-reduce). Per layer (a bucket),
-        prefetched one layer ahead: the forward's all-gathers hide behind forward compute, the
-        backward's all-gathers and reduce-scatters behind backward compute; the first layer's
-        gather and the last's reduce-scatter never hide (``exposed``)."""
-        layers = np.maximum(rep.layers_first, 1.0)
-        gather = collective(
-            self.links, Collective.ALLGATHER, span, dp, params * ACT_BYTES / layers, self.track
-        )
-        scatter = (
-            collective(self.links, Collective.ALLREDUCE, span, dp, params * GRAD_BYTES / layers, self.track)
-            * 0.5
-        )
-        return exposed(gather, layers, forward) + exposed(gather + scatter, layers, backward)
 
     # ------------------------------------------------------------ training
     def _training(

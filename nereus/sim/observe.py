@@ -135,7 +135,7 @@ def step_sync(models: Mapping[Role, ModelSpec], cluster: ClusterSpec, plan: Plan
 def holds_step_sync(plan: Plan, name: str) -> bool:
     """Whether model-stage ``name``'s own time, as its worker times it, holds the async weight
     sync that ends the step: generation receives it, each trainer waits on it (the planner
-    prices it on both sides, ``nereus.plan.cost.CostModel._async_sync``)."""
+    prices it on both sides, ``nereus.plan.commcost.CommTerms._async_sync``)."""
     return plan.mode is ExecutionMode.ASYNC and plan.workflow.get(name).stage in (Stage.GEN, Stage.TRAIN)
 
 
