@@ -56,6 +56,28 @@ def test_memory_correction_is_conservative() -> None:
     assert store.efficiencies().memory(Stage.TRAIN) == factor
 
 
+def test_the_fit_is_kept_until_a_sample_or_an_out_of_memory_changes_it() -> None:
+    """``efficiencies()`` is fitted once per change of the store: the same object until an
+    update, a memory sample or an out-of-memory floor, then what a fresh store fits."""
+    store = CalibrationStore("x")
+    store.update(
+        Measurement(OpClass.GEMM, t, t / 0.7, size=s) for t, s in ((0.1, 1e9), (0.2, 4e9), (0.4, 1.6e10))
+    )
+    first = store.efficiencies()
+    assert store.efficiencies() is first
+    changes = [
+        lambda: store.update([Measurement(OpClass.GEMM, 0.3, 0.5, size=2e9)]),
+        lambda: store.update_memory(Stage.TRAIN, 100.0, 120.0),
+        lambda: store.raise_memory_floor(Stage.GEN),
+    ]
+    for change in changes:
+        before = store.efficiencies()
+        change()
+        after = store.efficiencies()
+        assert after is not before and after != before
+        assert after == store._fit()  # what the samples now fit to
+
+
 def test_save_load_roundtrip_and_clusters_kept_apart(tmp_path: Path) -> None:
     path = tmp_path / "cal" / "calibration.json"
     a = CalibrationStore("h200-ib")

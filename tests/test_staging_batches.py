@@ -12,6 +12,7 @@ import pytest
 
 from nereus.state.buffers import staged
 from nereus.transition import Transition
+from nereus.transition.between import plan_transition
 from nereus.transition.dag import Primitive
 from nereus.transition.wire import (
     STAGING_BUDGET,
@@ -19,11 +20,13 @@ from nereus.transition.wire import (
     WirePlan,
     batches,
     kinds_of,
+    rounds,
     staging_bytes,
     takes_part,
     waves,
 )
 from tests.test_ledger_staging import _staged
+from tests.test_transition_classes import INTACT, _pair
 
 pytestmark = pytest.mark.pure
 
@@ -118,3 +121,39 @@ def test_a_budget_below_one_byte_is_refused() -> None:
     tr = _staged()[0]
     with pytest.raises(ValueError, match="staging budget"):
         WirePlan(tr.dag, tr.moves, budget=0)
+
+
+def _each_gpus_own(tr: Transition, budget: int) -> dict[int, int]:
+    """``staging_bytes`` as every GPU's executor computes its part: per wave, its own nodes, per
+    round its ``batches``' need per peer; each peer's largest, summed."""
+    plan = WirePlan(tr.dag, tr.moves, budget=budget)
+    largest: dict[int, dict[int, int]] = defaultdict(dict)
+    for wave in waves(tr.dag):
+        nodes = [tr.dag.nodes[i] for i in wave if tr.dag.nodes[i].primitive is not Primitive.DESTROY]
+        for g in sorted({g for n in nodes for g in (*n.gpus, *n.sends)}):
+            mine = [n for n in nodes if takes_part(n, g)]
+            for j in range(rounds(plan, mine)):
+                for peer, n in batches(plan, mine, g, j).need.items():
+                    largest[g][peer] = max(largest[g].get(peer, 0), n)
+    return {g: sum(per.values()) for g, per in sorted(largest.items()) if sum(per.values())}
+
+
+def test_the_ledger_staging_is_what_each_gpus_executor_prepares() -> None:
+    """``staging_bytes`` (one pass per pair of GPUs) equals what each GPU's executor cuts for
+    itself (``batches`` over its own nodes), at every budget, on random reshards and on the
+    transition goldens' plans (several model-stages, trainers' optimizer state, up to 64 GPUs)."""
+    transitions = list(_staged())
+    for case in INTACT:
+        problem, current, target = _pair(case)
+        if len(problem.pool) <= 64:
+            tr = plan_transition(problem, current, target)
+            if tr.dag.feasible:
+                transitions.append(tr)
+    assert len(transitions) > len(_staged()) + 3
+    staging = 0
+    for tr in transitions:
+        for budget in (1, 4096, 1 << 20, STAGING_BUDGET, 2**62):
+            mine = staging_bytes(tr.dag, tr.moves, budget)
+            assert mine == _each_gpus_own(tr, budget)
+            staging += bool(mine)
+    assert staging > 10

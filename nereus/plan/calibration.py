@@ -146,9 +146,11 @@ class CalibrationStore:
         self._shaped: dict[OpClass, deque[tuple[float, float, float, float]]] = {}
         self._memory: dict[Stage, deque[float]] = {}
         self._floor: dict[Stage, float] = {}  # lower bounds from out-of-memory errors (not persisted)
+        self._fitted: Efficiencies | None = None  # ``efficiencies()`` until the samples change
 
     # ---------------------------------------------------------------- updates
     def update(self, measurements: Iterable[Measurement]) -> None:
+        self._fitted = None
         for m in measurements:
             bucket = self._samples.setdefault(m.op_class, deque(maxlen=self.window))
             bucket.append((m.ideal_s, m.measured_s))
@@ -161,6 +163,7 @@ class CalibrationStore:
         model under-predicted it; repeated out-of-memory errors escalate). Returns the new floor."""
         floor = min(MEMORY_CAP, max(self._floor.get(stage, 1.0), self.memory_factor(stage)) * step)
         self._floor[stage] = floor
+        self._fitted = None
         return floor
 
     def update_memory(self, stage: Stage, predicted_bytes: float, measured_bytes: float) -> None:
@@ -168,6 +171,7 @@ class CalibrationStore:
             raise ValueError("predicted and measured memory must be positive")
         bucket = self._memory.setdefault(stage, deque(maxlen=self.window))
         bucket.append(measured_bytes / predicted_bytes)
+        self._fitted = None
 
     # ---------------------------------------------------------------- fit
     def efficiency(self, op: OpClass) -> float:
@@ -196,6 +200,13 @@ class CalibrationStore:
         return fit_curve(list(shaped), self.efficiency(op)) if shaped else None
 
     def efficiencies(self) -> Efficiencies:
+        """What the samples fit to (kept until the next update: the controller asks every replan,
+        and a curve's fit is a few least-squares solves)."""
+        if self._fitted is None:
+            self._fitted = self._fit()
+        return self._fitted
+
+    def _fit(self) -> Efficiencies:
         curves = {op: c for op in self._shaped if (c := self.curve(op)) is not None}
         return Efficiencies(
             eta=MappingProxyType({op: self.efficiency(op) for op in OpClass}),
@@ -287,6 +298,7 @@ class CalibrationStore:
                 else:
                     bucket = store._memory.setdefault(Stage(name), deque(maxlen=store.window))
                     bucket.extend(float(r) for r in values)
+        store._fitted = None  # (filled past ``update``)
         return store
 
 

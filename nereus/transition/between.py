@@ -24,7 +24,7 @@ from nereus.transition.dag import TransitionDag
 from nereus.transition.links import link_model
 from nereus.transition.move import StageMove
 from nereus.transition.schedule import Schedule
-from nereus.transition.wire import STAGING_BUDGET, staging_bytes
+from nereus.transition.wire import STAGING_BUDGET, WirePlan, staging_bytes
 
 # Staging batch sizes ``with_staging`` tries, largest first: where the default's staging does not
 # fit a GPU beside its state, smaller batches (more of them, the same bytes) may. A chunk larger
@@ -226,8 +226,9 @@ def with_staging(tr: Transition, capacity: int, budgets: Sequence[int] = STAGING
         return tr
     if not budgets or any(b <= 0 for b in budgets):
         raise ValueError(f"staging budgets must be positive byte counts, got {list(budgets)}")
+    wire = WirePlan(dag, tr.moves)  # what moves, for every budget
     for budget in budgets:
-        staging = staging_bytes(dag, tr.moves, budget)
+        staging = staging_bytes(dag, tr.moves, budget, wire)
         if not staging:
             return tr  # nothing stages, in batches of any size
         peak = {g: b + staging.get(g, 0) for g, b in dag.peak.items()}

@@ -154,14 +154,36 @@ def chunks(pieces: tuple[Piece, ...]) -> tuple[Chunk, ...]:
     """Group ``pieces`` (in message order) into the fewest messages that copy nothing a side can
     read or write in place: a piece joins the previous chunk when, on each side, both are in
     place and adjacent, or both are staged."""
-    out: list[Chunk] = []
+    groups: list[tuple[list[Piece], int, int | None, int | None]] = []  # (pieces, numel, src, dst)
     for pc in pieces:
         src = view_at(pc.src, pc.dim, pc.lo, pc.hi)
         dst = view_at(pc.dst, pc.dim, pc.lo, pc.hi)
-        if out:
-            c = out[-1]
-            if _joins(c.src, c.numel, src) and _joins(c.dst, c.numel, dst):
-                out[-1] = Chunk((*c.pieces, pc), c.numel + pc.numel, c.src, c.dst)
+        numel = pc.numel
+        if groups:
+            members, total, at_src, at_dst = groups[-1]
+            if _joins(at_src, total, src) and _joins(at_dst, total, dst):
+                members.append(pc)
+                groups[-1] = (members, total + numel, at_src, at_dst)
                 continue
-        out.append(Chunk((pc,), pc.numel, src, dst))
-    return tuple(out)
+        groups.append(([pc], numel, src, dst))
+    return tuple(Chunk(tuple(members), total, src, dst) for members, total, src, dst in groups)
+
+
+Assembly = tuple[tuple[int, tuple[Piece, ...], tuple[Chunk, ...]], ...]
+
+
+@lru_cache(maxsize=4096)
+def assembly(
+    model: ModelSpec,
+    policy: StatePolicy,
+    need: tuple[Layout, int, int],
+    providers: tuple[tuple[Layout, int, int], ...],
+    provider_policy: StatePolicy | None = None,
+) -> Assembly:
+    """``plan_pieces`` by provider, in provider order: (provider index, its pieces, their
+    ``chunks``). Ranks of one geometry recur across a transition's nodes (every replica of a
+    layout, every transition between the same two layouts), so this is computed once for them."""
+    by_provider: dict[int, list[Piece]] = {}
+    for pc in plan_pieces(model, policy, need, providers, provider_policy):
+        by_provider.setdefault(pc.provider, []).append(pc)
+    return tuple((k, tuple(part), chunks(tuple(part))) for k, part in sorted(by_provider.items()))

@@ -39,7 +39,7 @@ from nereus.state.buffers import BufferKind, StatePolicy, rank_buffers, staged
 from nereus.state.emu import Emu
 from nereus.state.sources import STORAGE
 from nereus.transition.dag import Node, Primitive, TransitionDag
-from nereus.transition.exchange import Chunk, Piece, chunks, plan_pieces
+from nereus.transition.exchange import Chunk, Piece, assembly
 from nereus.transition.move import StageMove
 
 HEADER = 32  # the logical state (updates, version, minibatch, seed) as four int64
@@ -187,12 +187,7 @@ class WirePlan:
                     whole = Transfer(node.id, offer[0][0], gpu, offer[0][1], Carry.WHOLE, ())
                     out[gpu] = Receive(uid, unit.layout, t, p, (whole,))
                     continue
-                pieces = plan_pieces(
-                    move.model, receiver, (unit.layout, t, p), at, provider if restore else None
-                )
-                by_provider: dict[int, list[Piece]] = {}
-                for pc in pieces:
-                    by_provider.setdefault(pc.provider, []).append(pc)
+                parts = assembly(move.model, receiver, (unit.layout, t, p), at, provider if restore else None)
                 transfers = tuple(
                     Transfer(
                         node.id,
@@ -200,10 +195,10 @@ class WirePlan:
                         gpu,
                         offer[k][1],
                         Carry.LOCAL if offer[k][0] == gpu else Carry.PACKED,
-                        tuple(part),
-                        () if offer[k][0] == gpu else chunks(tuple(part)),
+                        part,
+                        () if offer[k][0] == gpu else cut,
                     )
-                    for k, part in sorted(by_provider.items())
+                    for k, part, cut in parts
                 )
                 out[gpu] = Receive(uid, unit.layout, t, p, transfers)
         return out
@@ -343,25 +338,75 @@ def rounds(wire: WirePlan, nodes: Sequence[Node]) -> int:
 
 
 def staging_bytes(
-    dag: TransitionDag, moves: Sequence[StageMove], budget: int = STAGING_BUDGET
+    dag: TransitionDag, moves: Sequence[StageMove], budget: int = STAGING_BUDGET, wire: WirePlan | None = None
 ) -> dict[int, int]:
     """Per GPU, the bytes its staging pool holds at most while ``dag`` runs zero-copy (GPUs that
     stage nothing left out). Each peer's buffer grows to the largest batch's need (``batches``: at
     most ``budget`` bytes unless one chunk is larger, within one buffer kind of one wave) and is
     kept until the transition ends (``nereus.state.staging``), so a GPU holds
     the sum over its peers of each one's largest — on top of whatever state the DAG's ledger has
-    it hold at that moment."""
-    wire = WirePlan(dag, moves, budget=budget)
+    it hold at that moment. ``wire``: the DAG's messages when the caller has them (any budget:
+    what moves does not depend on it).
+
+    What each GPU's executor computes for itself with ``batches``, once per pair of GPUs: the two
+    ends of a pair cut the same chunks into the same batches, so one pass over the pair's chunks
+    gives both ends' needs."""
+    if budget < 1:
+        raise ValueError(f"staging budget: {budget} bytes; it must be at least 1")
+    wire = wire or WirePlan(dag, moves, budget=budget)
     largest: dict[int, dict[int, int]] = {}
     for wave in waves(dag):
-        nodes = [dag.nodes[i] for i in wave if dag.nodes[i].primitive is not Primitive.DESTROY]
-        for g in sorted({g for n in nodes for g in (*n.gpus, *n.sends)}):
-            mine = [n for n in nodes if takes_part(n, g)]
-            for j in range(rounds(wire, mine)):
-                for peer, n in staging_need(wire, mine, g, j).items():
-                    per = largest.setdefault(g, {})
-                    per[peer] = max(per.get(peer, 0), n)
-    return {g: sum(per.values()) for g, per in sorted(largest.items()) if sum(per.values())}
+        for (a, b), flow in _pair_flows(wire, [dag.nodes[i] for i in wave]).items():
+            flow.sort(key=lambda e: (e[0], e[1].src, e[1].dst))
+            for j in range(max(len(e[4]) for e in flow)):
+                need_a, need_b = _pair_need(flow, a, j, budget)
+                for g, peer, n in ((a, b, need_a), (b, a, need_b)):
+                    if n:
+                        per = largest.setdefault(g, {})
+                        per[peer] = max(per.get(peer, 0), n)
+    return {g: sum(per.values()) for g, per in sorted(largest.items())}
+
+
+Flow = list[tuple[int, Transfer, StatePolicy, StatePolicy, tuple[BufferKind, ...]]]
+
+
+def _pair_flows(wire: WirePlan, nodes: Sequence[Node]) -> dict[tuple[int, int], Flow]:
+    """The packed transfers of one wave's ``nodes`` by pair of GPUs (lower GPU first), each with
+    its node's position in the wave, the providers' and receivers' policies and the kinds."""
+    pairs: dict[tuple[int, int], Flow] = {}
+    for at, node in enumerate(nodes):
+        if node.primitive is Primitive.DESTROY or node.source == STORAGE:
+            continue
+        receiver, provider = wire.policies(node)
+        kinds = kinds_of(receiver)
+        for rec in wire.receives(node).values():
+            for x in rec.transfers:
+                if x.carry is Carry.PACKED:
+                    key = (x.src, x.dst) if x.src < x.dst else (x.dst, x.src)
+                    pairs.setdefault(key, []).append((at, x, provider, receiver, kinds))
+    return pairs
+
+
+def _pair_need(flow: Flow, a: int, j: int, budget: int) -> tuple[int, int]:
+    """The staging bytes GPU ``a`` and its peer each hold for the other in round ``j`` of a
+    pair's ``flow`` (sorted as ``batches`` sorts it): the largest batch on each side, cut as
+    ``batches`` cuts it."""
+    mine = theirs = need_a = need_b = 0
+    for _, x, provider, receiver, kinds in flow:
+        if j >= len(kinds):
+            continue
+        send_w, recv_w = dict(provider.kinds)[kinds[j]].itemsize, dict(receiver.kinds)[kinds[j]].itemsize
+        for c in x.chunks:
+            on_src = staged(c.numel * send_w) if c.src is None else 0
+            on_dst = staged(c.numel * recv_w) if c.dst is None else 0
+            here, there = (on_src, on_dst) if x.src == a else (on_dst, on_src)
+            if not (here or there):
+                continue
+            if (mine or theirs) and (mine + here > budget or theirs + there > budget):
+                mine = theirs = 0
+            mine, theirs = mine + here, theirs + there
+            need_a, need_b = max(need_a, mine), max(need_b, theirs)
+    return need_a, need_b
 
 
 def consumed_on(dag: TransitionDag, moves: Sequence[StageMove], gpu: int) -> set[str]:
