@@ -100,6 +100,12 @@ def test_risk_windows_reads_the_admission_benchmark(one_process: Runs, tmp_path:
         for e in traces.values():
             assert 0 <= e["young_lost_ticks_windows"] <= e["young_held_ticks_windows"]
             assert e["young_held_ticks_windows"] <= e["young_held_ticks_trace"]
+            assert 0 <= e["drop_ticks_windows"] <= e["held_ticks_windows"] <= e["held_ticks_trace"]
+            assert 0 <= e["event_share_windows"] <= 1 and 0 < e["event_share_trace"] <= 1
+            per = e["per_policy"]
+            assert set(per) == set(doc["results"][name]["policies"])
+            assert sum(p["seen"] for p in per.values()) == e["seen"]
+            assert e["z_shared"] == pytest.approx(e["z_independent"] / len(per) ** 0.5)
 
 
 @pytest.mark.timeout(480)
