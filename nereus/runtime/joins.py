@@ -56,7 +56,8 @@ class Joins:
     _noted: dict[str, float]
 
     def log(self, line: str, kind: str = "") -> None:
-        raise NotImplementedError
+        """Write ``line`` to the job's membership journal (``Membership.log``)."""
+        raise NotImplementedError  # Membership's own, which comes first in its method order
 
     def request_join(
         self, gpu: int | None = None, timeout_s: float = 3600.0
