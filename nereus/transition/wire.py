@@ -323,14 +323,6 @@ def batches(wire: WirePlan, nodes: Sequence[Node], gpu: int, j: int) -> Batches:
     return Batches(of, count, need)
 
 
-def staging_need(wire: WirePlan, nodes: Sequence[Node], gpu: int, j: int) -> dict[int, int]:
-    """Staging bytes ``gpu``'s zero-copy messages of round ``j`` (buffer kind j of each node's
-    ``kinds_of``) in ``nodes`` (one wave, the nodes it takes part in) need, per peer GPU: its
-    largest batch's (``batches``), what the executor asks its ``Staging`` pool to prepare before
-    the round."""
-    return batches(wire, nodes, gpu, j).need
-
-
 def rounds(wire: WirePlan, nodes: Sequence[Node]) -> int:
     """How many rounds a wave of ``nodes`` runs: its most buffer kinds."""
     moving = [n for n in nodes if n.primitive is not Primitive.DESTROY and n.source != STORAGE]
