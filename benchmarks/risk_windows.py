@@ -30,7 +30,6 @@ Writes ``benchmarks/results/risk-windows.json`` and prints the table.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 from pathlib import Path
@@ -62,15 +61,9 @@ def young_share(s: GpuSupply, first: int = 0, end: int | None = None) -> tuple[i
 def events(s: GpuSupply, first: int = 0, end: int | None = None) -> tuple[int, int, float]:
     """(ticks after which the pool lost revocable instances, ticks holding some, the mean share
     of the revocable instances those events took) over ticks ``[first, end)``, at any age."""
-    held = s._held_revocable()
-    drops, ticks, shares = 0, 0, []
-    for tick, (a, b) in enumerate(itertools.pairwise(held)):
-        if a > 0 and first <= tick and (end is None or tick < end):
-            ticks += 1
-            if b < a:
-                drops += 1
-                shares.append((a - b) / a)
-    return drops, ticks, sum(shares) / len(shares) if shares else 0.0
+    exposed, drops = s.age_counts(first, end)
+    shares = s.revocation_events(first, end)[1]
+    return sum(drops), sum(exposed), sum(shares) / len(shares) if shares else 0.0
 
 
 def deviations(policies: dict[str, Any], trace: str) -> dict[str, Any]:

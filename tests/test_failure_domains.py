@@ -213,6 +213,10 @@ def test_correlated_revocations_take_replicas_together(tmp_path: Path) -> None:
     events, fractions = supply.revocation_events()  # revocable held 3 3 1 1 3 3: one drop, 2 of 3
     assert fractions == pytest.approx((2 / 3,)) and events == pytest.approx(1 / (5 * 300 / 3600))
     assert supply.domains().event_fractions == fractions
+    # a window of ticks [first, end): the drop after tick 1 is inside [0, 2), not [2, end)
+    events, fractions = supply.revocation_events(0, 2)
+    assert fractions == pytest.approx((2 / 3,)) and events == pytest.approx(1 / (2 * 300 / 3600))
+    assert supply.revocation_events(2) == (0.0, ())
 
 
 def test_fitting_layouts_shrink_the_largest_trainer_pipeline_first() -> None:

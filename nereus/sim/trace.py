@@ -146,10 +146,11 @@ class GpuSupply:
         hours = sum(held[:-1]) * self.trace.gap_seconds / self.speedup / 3600.0
         return lost / hours if hours > 0 else 0.0
 
-    def revocation_events(self) -> tuple[float, tuple[float, ...]]:
+    def revocation_events(self, first: int = 0, end: int | None = None) -> tuple[float, tuple[float, ...]]:
         """Revocation events per simulated hour while revocable instances are held, and the
-        share of them each event took: drops in the trace come in bursts, not one by one."""
-        held = self._held_revocable()
+        share of them each event took: drops in the trace come in bursts, not one by one. Over
+        the trace's ticks ``[first, end)`` (``age_counts``' window; the whole trace by default)."""
+        held = self._held_revocable()[first : None if end is None else end + 1]
         fractions = tuple((a - b) / a for a, b in itertools.pairwise(held) if b < a)
         hours = sum(1 for a in held[:-1] if a > 0) * self.trace.gap_seconds / self.speedup / 3600.0
         return (len(fractions) / hours if hours > 0 else 0.0), fractions
