@@ -60,9 +60,7 @@ def stop_with(supervisor: int, signum: int = signal.SIGTERM) -> None:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process under a reused pid: ours is gone
+    except (ProcessLookupError, PermissionError):  # gone, or another user's process under its pid
         return False
     return True
 
