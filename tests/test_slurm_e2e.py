@@ -136,6 +136,34 @@ class Reference:
         return Actor.of(self.out)
 
 
+class Stranger:
+    """``nereus node --join`` with the job's rendezvous and the wrong secret, started in the
+    background as soon as the job is submitted: it waits for the job's rendezvous (a link to the
+    job's own file, which the leader writes once it runs), so its start-up overlaps the job's and
+    its request reaches the leader while the job has most of its steps ahead. Once the leader
+    notes that the request does not verify, the stranger waits ``UNVERIFIED_GRACE_S`` for an
+    authentic answer before it gives up; started after the rendezvous appeared, on a loaded
+    machine, a 30-step job of 0.3-s steps could end inside that wait."""
+
+    def __init__(self, cluster: SlurmCluster, job: Path, folder: Path) -> None:
+        folder.mkdir(mode=0o700)
+        shutil.copy(job / "experiment.yaml", folder / "experiment.yaml")
+        (folder / "rendezvous.json").symlink_to(job / "rendezvous.json")
+        (folder / "secret").write_text("00" * 32)
+        self.err = folder / "stderr"
+        with self.err.open("wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "nereus.cli", "node", str(folder), "--join"],
+                env=cluster.env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+            )  # fmt: skip
+        _running.append(self.proc)
+
+    def result(self, timeout_s: float = 120) -> tuple[int, str]:
+        """Its exit code and standard error."""
+        self.proc.wait(timeout=timeout_s)
+        return self.proc.returncode, self.err.read_text()
+
+
 @dataclass(frozen=True)
 class Actor:
     """A run's exported actor, and the RMS of each weight's gradients over the run: the square
@@ -207,18 +235,7 @@ def test_grow_stranger_and_node_down_keep_training_on_track(
     grow = launch(slurm_cluster, "grow", str(job), "--nodes", "2")  # its workers join once both run
     assert grow.returncode == 0, grow.stderr
     grown = re.search(r"job (\d+)", grow.stdout).group(1)  # type: ignore[union-attr]
-
-    wait_for("the job's rendezvous", (job / "rendezvous.json").is_file, 180, job)
-    # a stranger: the same rendezvous, the wrong secret
-    stranger = tmp_path / "stranger"
-    stranger.mkdir(mode=0o700)
-    shutil.copy(job / "experiment.yaml", stranger / "experiment.yaml")
-    shutil.copy(job / "rendezvous.json", stranger / "rendezvous.json")
-    (stranger / "secret").write_text("00" * 32)
-    refused = slurm_cluster.run(
-        sys.executable, "-m", "nereus.cli", "node", str(stranger), "--join", check=False, timeout=120
-    )
-    assert refused.returncode == 2 and "join refused" in refused.stderr, refused.stderr[-2000:]
+    refused = Stranger(slurm_cluster, job, tmp_path / "stranger")  # started now, beside the job's start
 
     def joined() -> bool:
         return any(
@@ -244,6 +261,8 @@ def test_grow_stranger_and_node_down_keep_training_on_track(
         slurm_cluster.node_resume(node)
     # the grown job's surviving tasks end with the job (nothing waits on the dead node's ranks)
     wait_for("the grow job to end", lambda: slurm_cluster.state(grown) in FINAL_STATES, 60, job)
+    code, err = refused.result()
+    assert code == 2 and "join refused" in err, err[-2000:]
     log = (job / "run" / "membership.log").read_text()
     assert "refused join request" in log and "bad secret" in log
     assert "accepted join request" in log and "lost GPUs" in log
