@@ -47,8 +47,8 @@ $(MAIN_ASSETS)/.built: $(STAMP) nereus/rl/assets.py nereus/rl/tasks.py configs/d
 run: install $(MAIN_ASSETS)/.built
 	$(BIN)/nereus run configs/experiments/main.yaml --force
 
-# Every layer (tests/README.md): the slurm layer beside the pure one (it mostly waits on the
-# scheduler), then the dist and e2e layers alone.
+# Every layer (tests/README.md): the slurm layer and the benchmark smoke runs beside the pure one
+# (the slurm tests mostly wait on the scheduler), then the dist and e2e layers alone.
 test: install
 	tests/run_layers.sh $(BIN)/python
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.bench]  # bench: tests/run_layers.sh runs these in its first phase
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
