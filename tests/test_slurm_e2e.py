@@ -279,7 +279,7 @@ def test_grow_stranger_and_node_down_keep_training_on_track(
 
 @pytest.mark.timeout(420)
 def test_preemption_checkpoints_requeues_and_resumes(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    steps, every = 12, 4
+    steps, every = 20, 4  # the signal comes at step 2: steps left over for a loaded machine
     exp = tmp_path / "preempted.yaml"
     exp.write_text(experiment("preempted", steps, every))
     jobid, job = submitted(
