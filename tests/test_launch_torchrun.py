@@ -390,7 +390,7 @@ def test_a_worker_left_behind_by_a_recovery_asks_to_rejoin_while_the_job_runs(
     from nereus.runtime.membership import JoinRefusedError, Rendezvous
 
     joins: list[Any] = []
-    monkeypatch.setattr(node, "_join", lambda *args: joins.append(args) or Outcome.DONE)
+    monkeypatch.setattr(node, "_enter", lambda *args: joins.append(args) or (Outcome.DONE, None))
     monkeypatch.setattr(node, "STORE_PROBE_S", 0.3)
     folder = node.JobFolder(job_folder)
     spec, devices = folder.spec(), launched()
@@ -411,11 +411,27 @@ def test_a_worker_left_behind_by_a_recovery_asks_to_rejoin_while_the_job_runs(
         ((_, _, _, at, gpu, _, _),) = joins
         assert (at, gpu) == (rdzv, 3)  # its own GPU id
 
-        def refused(*args: Any) -> Outcome:
+        def refused(*args: Any) -> tuple[Outcome, int | None]:
             raise JoinRefusedError("join refused: the job is ending")
 
-        monkeypatch.setattr(node, "_join", refused)
+        monkeypatch.setattr(node, "_enter", refused)
         assert rejoin(rdzv) is Outcome.LEFT
+
+
+def test_a_worker_left_behind_again_asks_again(capsys: pytest.CaptureFixture[str]) -> None:
+    """The loop both launchers share (``nereus.runtime.rejoin``): a worker a later recovery leaves
+    behind again asks again, until a run ends with it in the job; it leaves once the job's store
+    stops answering between two tries."""
+    from nereus.control.action import Outcome
+    from nereus.runtime.rejoin import rejoin
+
+    runs = iter([(Outcome.DONE, True), (Outcome.DONE, True), (Outcome.PREEMPTED, False)])
+    assert rejoin(3, lambda: True, lambda: next(runs)) is Outcome.PREEMPTED
+    assert next(runs, None) is None  # all three runs entered
+    assert capsys.readouterr().err.count("GPU 3: left behind by a recovery; asking to rejoin the job") == 3
+    answers, runs = iter([True, False]), iter([(Outcome.DONE, True)])
+    assert rejoin(3, lambda: next(answers), lambda: next(runs)) is Outcome.LEFT
+    assert next(answers, None) is None and next(runs, None) is None
 
 
 def test_a_leader_short_of_gpus_after_a_loss_requeues_a_bounded_number_of_times(

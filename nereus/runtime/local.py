@@ -294,29 +294,17 @@ def _rejoin(
     devices: Devices,
 ) -> Outcome:  # fmt: skip
     """A healthy worker the job went on without (it hung, or checked in to a recovery too late):
-    ask to be admitted again as its own GPU, through the signed join path a newcomer takes, for as
-    long as the job's store answers; ``left`` when it does not (the job is over) or the leader
-    refuses."""
-    import gc
+    ask to be admitted again as its own GPU while the job's store answers
+    (``nereus.runtime.rejoin``)."""
+    from nereus.runtime.membership import Rendezvous
+    from nereus.runtime.rejoin import rejoin
 
-    from nereus.control.action import Outcome
-    from nereus.runtime.membership import JoinRefusedError, Rendezvous
-
-    while True:
+    def store_answers() -> bool:
         path = folder / RDZV  # removed when the job is over
         try:
             rdzv = Rendezvous.read(path, timeout_s=0.0) if path.is_file() else None
         except (OSError, ValueError, KeyError, TimeoutError):
             rdzv = None
-        if rdzv is None or not rdzv.answers():
-            return Outcome.LEFT
-        gc.unfreeze()  # the run froze its objects (``JobLoop.run``): let the old state go
-        gc.collect()
-        print(f"GPU {gpu}: left behind by a recovery; asking to rejoin the job", file=sys.stderr, flush=True)
-        try:
-            status, behind = _enter(gpu, spec, folder, secret, preemption, devices)
-        except JoinRefusedError as exc:
-            print(f"GPU {gpu}: {exc}; leaving the job", file=sys.stderr, flush=True)
-            return Outcome.LEFT
-        if not behind:
-            return status
+        return rdzv is not None and rdzv.answers()
+
+    return rejoin(gpu, store_answers, lambda: _enter(gpu, spec, folder, secret, preemption, devices))

@@ -24,7 +24,6 @@ checkpoint (submitit's requeue is not in these processes). Edge module.
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import subprocess
@@ -42,6 +41,7 @@ from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.loop import JobLoop
 from nereus.runtime.membership import JoinRefusedError, Membership, Rendezvous, node_address
 from nereus.runtime.preemption import Preemption
+from nereus.runtime.rejoin import rejoin
 from nereus.runtime.signals import PREEMPT_SIGNALS
 from nereus.runtime.signing import KEY_BYTES
 
@@ -140,6 +140,18 @@ def _join(
 ) -> Outcome:  # fmt: skip
     """A newcomer: ask the leader (signed, with the job's secret) to be admitted, as GPU ``gpu``
     (None: the next free one), and take part from the boundary it is admitted at."""
+    status, behind = _enter(job, spec, secret, rdzv, gpu, signals, devices)
+    if behind is not None:
+        return _rejoin_left_behind(job, spec, secret, rdzv, behind, signals, devices)
+    return status
+
+
+def _enter(
+    job: JobFolder, spec: ExperimentSpec, secret: bytes, rdzv: Rendezvous, gpu: int | None,
+    signals: tuple[int, ...], devices: Devices,
+) -> tuple[Outcome, int | None]:  # fmt: skip
+    """``_join``'s admission and run: (outcome, the GPU id it had when a recovery went on without
+    it, else None)."""
     m = Membership.connect(rdzv, secret, -1, devices=devices)
     try:
         preemption = Preemption(signals).install()
@@ -150,9 +162,7 @@ def _join(
             preemption.hand_over(m.leader)
     finally:
         m.close()
-    if loop.left_behind:
-        return _rejoin_left_behind(job, spec, secret, rdzv, m.gpu, signals, devices)
-    return status
+    return status, (m.gpu if loop.left_behind else None)
 
 
 def _rejoin(
@@ -204,19 +214,14 @@ def _rejoin_left_behind(
     signals: tuple[int, ...], devices: Devices,
 ) -> Outcome:  # fmt: skip
     """A healthy worker the job went on without (it checked in to a recovery too late, held in a
-    connect to a dead peer): ask to be admitted again as its own GPU, through the signed join
-    path a newcomer takes, while the job's store answers; ``left`` when it does not (the job is
-    over)."""
-    if not store_answers(rdzv):
-        return Outcome.LEFT
-    gc.unfreeze()  # the run froze its objects (``JobLoop.run``): let the old state go
-    gc.collect()
-    print(f"GPU {gpu}: left behind by a recovery; asking to rejoin the job", file=sys.stderr, flush=True)
-    try:
-        return _join(job, spec, secret, rdzv, gpu, signals, devices)
-    except JoinRefusedError as exc:
-        print(f"GPU {gpu}: {exc}; leaving the job", file=sys.stderr, flush=True)
-        return Outcome.LEFT
+    connect to a dead peer): ask to be admitted again as its own GPU while the job's store
+    answers (``nereus.runtime.rejoin``)."""
+
+    def enter() -> tuple[Outcome, bool]:
+        status, behind = _enter(job, spec, secret, rdzv, gpu, signals, devices)
+        return status, behind is not None
+
+    return rejoin(gpu, lambda: store_answers(rdzv), enter)
 
 
 def _requeue_short_of_gpus(exc: TooFewGpusError) -> Outcome:
