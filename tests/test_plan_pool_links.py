@@ -88,6 +88,32 @@ def test_whole_node_pools_price_as_before() -> None:
     assert _tp_seconds(a, Layout(4, 1), 4) == _tp_seconds(b, Layout(4, 1), 4)
 
 
+def test_whole_nodes_that_powers_of_two_do_not_tile_are_priced_as_placed() -> None:
+    """Nodes of 6 GPUs (Summit's shape): three TP-4 replicas on two whole nodes take 4 + 4 GPUs
+    and straddle the two remainders with the third, so the model prices the TP all-reduce on the
+    inter-node link, as placement puts it; one replica per node stays inside."""
+    base = make_problem(gpus=12)
+    six = dataclasses.replace(base, cluster=dataclasses.replace(base.cluster, gpus_per_node=6))
+    assert occupancy(six.pool, 6) == (6, 6)
+    assert _tp_seconds(six, Layout(4, 1), 3)[1] > 0.0
+    assert _tp_seconds(six, Layout(4, 1), 2) == (pytest.approx(_tp_seconds(base, Layout(4, 1), 2)[0]), 0.0)
+    shapes = {m.name: Shape(Layout(2, 1), 1, 8, Recompute.NONE) for m in six.workflow.model_stages}
+    shapes[_gen(six).name] = Shape(Layout(4, 1), 3, 8, Recompute.NONE)
+    plan = place(six.workflow, six.workload.mode, shapes, six.pool, 6)
+    assert _placed_tp_link(plan, _gen(six).name, Links(six.cluster, six.efficiencies)) is Link.INTER
+    for c in search(six).plan.candidates:  # the searched plan's groups are priced where placed
+        tp_span = placed_spans(c, 6)[0]
+        terms, _ = CostModel(six).evaluate(
+            six.workflow.get(c.model_stage),
+            c.layout,
+            np.array([c.dp]),
+            np.array([c.micro_batch]),
+            c.recompute,
+        )
+        inter = float(terms.parts["tp_comm"].by_class.get(AR_INTER, np.zeros(1))[0]) > 0
+        assert inter == (tp_span > 6), c
+
+
 def test_the_price_key_follows_the_profile() -> None:
     p = make_problem(gpus=16)
     cache = PlanCache()

@@ -13,7 +13,8 @@ how many nodes the worst TP group, the worst replica and the worst DP group span
 measured against ``place`` in ``tests/test_plan_pool_links.py``: the model-stages of one stage
 share the pool there (each is priced as if it had it alone), nodes with equal free GPUs are
 interchangeable here (placement breaks ties by node id), and the anchor and reserved-first rules
-are not replayed. On whole nodes the spans are the layout's (groups inside a node when they fit).
+are not replayed. On whole nodes of a power of two GPUs the spans are the layout's (groups inside a
+node when they fit); whole nodes of another size (6, 12) are replayed like a fragmented pool.
 A model-stage of the running plan that stays where it is at its shape is priced where it runs
 (``anchored``): so the controller's price of the running plan, and the ideal seconds the
 simulator pairs its telemetry with, read the links the plan uses, stage-mates and all.
@@ -40,10 +41,14 @@ Anchored = tuple[str, int, int, int, tuple[float, float, float]]
 
 
 def occupancy(pool: Sequence[int], gpus_per_node: int) -> Occupancy:
-    """Free GPUs per node of ``pool``, largest first; ``()`` when every node is whole."""
+    """Free GPUs per node of ``pool``, largest first; ``()`` when every node is whole and the
+    node holds a power of two of GPUs. Groups (powers of two) tile such a node, so each lies in
+    one node or spans whole ones; on nodes of 6 or 12 GPUs best fit leaves remainders that a
+    later TP group or replica straddles, so those pools keep their profile even when whole."""
     counts = np.bincount(np.asarray(pool, dtype=np.int64) // gpus_per_node)
     counts = counts[counts > 0]
-    if bool((counts == gpus_per_node).all()):
+    tiled = gpus_per_node & (gpus_per_node - 1) == 0
+    if tiled and bool((counts == gpus_per_node).all()):
         return ()
     return tuple(sorted((int(c) for c in counts), reverse=True))
 

@@ -20,10 +20,11 @@ calibration change. ``PlanCache`` keeps, per job (workload, models, cluster, hea
 * placements: the GPUs of chosen shapes, by shapes, pool ids, anchor and failure domains (what a
              drift of the lengths or the calibration that keeps the shapes does not change).
 
-Pool size: on whole nodes (occupancy ``()``) a row's price does not depend on the pool, and the
-rows of a smaller pool are exactly the rows of a larger one with at most that many GPUs, in the
-same order. A table priced for G GPUs therefore serves any pool of G or fewer by a filter on GPUs;
-so does its frontier, because a dominator never needs more GPUs than the candidate it dominates.
+Pool size: on whole nodes of a power of two GPUs (occupancy ``()``) a row's price does not
+depend on the pool, and the rows of a smaller pool are exactly the rows of a larger one with at
+most that many GPUs, in the same order. A table priced for G GPUs therefore serves any pool of G
+or fewer by a filter on GPUs; so does its frontier, because a dominator never needs more GPUs
+than the candidate it dominates.
 On a fragmented pool the occupancy (part of the price key) fixes the pool size, so no such reuse.
 
 Invalidation is by key: a calibration update changes an efficiency, hence the price key, hence
