@@ -8,12 +8,15 @@ from types import MappingProxyType
 import numpy as np
 import pytest
 
+from nereus.errors import ConfigError
 from nereus.plan.calibration import Efficiencies
 from nereus.plan.cost import CostModel, collective, compute
 from nereus.plan.layout import Layout
 from nereus.plan.links import Links
+from nereus.plan.memory import act_bytes
 from nereus.plan.opclass import PRIOR_EFFICIENCY, Collective, Link, OpClass
 from nereus.spec import load_cluster
+from nereus.spec.workload import Precision
 from tests.helpers import make_problem
 
 pytestmark = pytest.mark.pure
@@ -37,7 +40,7 @@ def test_ring_collectives_by_hand() -> None:
 
 def test_compute_uses_class_efficiency() -> None:
     c = load_cluster("h200-ib")
-    t = compute(c, Efficiencies(), 1e15, 2e14)
+    t = compute(c.peak_flops, Efficiencies(), 1e15, 2e14)
     assert float(t.by_class[OpClass.GEMM]) == pytest.approx(1e15 / (PRIOR_EFFICIENCY[OpClass.GEMM] * 989e12))
     assert float(t.by_class[OpClass.ATTENTION]) == pytest.approx(
         2e14 / (PRIOR_EFFICIENCY[OpClass.ATTENTION] * 989e12)
@@ -117,3 +120,25 @@ def test_time_is_attributed_to_op_classes() -> None:
     assert np.all(by_class[OpClass.GEMM] > by_class[OpClass.ATTENTION])
     gen, _ = cost.evaluate(p.workflow.get("actor.gen"), Layout(1, 1), np.array([64]), np.array([8]))
     assert float(gen.by_class[OpClass.DECODE][0]) > 0  # decode is memory-bound at this batch
+
+
+def test_fp32_is_priced_at_the_fp32_peak_with_four_byte_activations() -> None:
+    """A workload of precision fp32 runs its matmuls at the cluster's FP32 rate (67 against 989
+    TFLOP/s on H100), keeps 4-byte activations and moves 4-byte weights; bf16-mixed as before."""
+    bf16 = make_problem(cluster="h100-ib", gpus=8)
+    fp32 = make_problem(cluster="h100-ib", gpus=8, precision=Precision.FP32)
+    name, layout = "actor.train", Layout(4, 1)
+    a, b = _latency(bf16, name, layout, 2, 1), _latency(fp32, name, layout, 2, 1)
+    assert b["compute"] == pytest.approx(a["compute"] * 989 / 67, rel=0.05)
+    ms = bf16.workflow.get(name)
+    mem_a = CostModel(bf16).evaluate(ms, layout, np.array([2]), np.array([1]))[1]
+    mem_b = CostModel(fp32).evaluate(fp32.workflow.get(name), layout, np.array([2]), np.array([1]))[1]
+    assert 1.5 * float(mem_a.activations[0]) < float(mem_b.activations[0]) < 2 * float(mem_a.activations[0])
+    assert act_bytes(Precision.FP32) == 2 * act_bytes(Precision.BF16_MIXED)  # (the fp32 logits stay)
+
+
+def test_fp32_on_a_cluster_without_its_peak_is_one_line() -> None:
+    p = make_problem(cluster="h100-ib", gpus=8, precision=Precision.FP32)
+    p = dataclasses.replace(p, cluster=dataclasses.replace(p.cluster, peak_fp32_tflops=None))
+    with pytest.raises(ConfigError, match="precision fp32 needs peak_fp32_tflops"):
+        CostModel(p)

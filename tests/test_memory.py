@@ -41,19 +41,25 @@ GPT_LIKE = ModelSpec(
 def test_activations_match_korthikanti_without_dropout(tp: int, sp: bool) -> None:
     s, b, h, a = 128, 3, 96, 4
     tokens = np.asarray(float(s * b))
-    got = layer_activation_bytes(GPT_LIKE, np.asarray(float(tp)), tokens, s, Recompute.NONE, sp, flash=False)
+    got = layer_activation_bytes(
+        GPT_LIKE, np.asarray(float(tp)), tokens, s, Recompute.NONE, sp, flash=False, act_b=2.0
+    )
     # Korthikanti Tab. 2: sbh(34/t + 5as/(ht)) with SP, sbh(10 + 24/t + 5as/(ht)) without;
     # dropping the dropout masks (2sbh replicated, as·sb in the score term) leaves 32/t, 8 + 24/t, 4as.
     linear = 32 / tp if sp else 8 + 24 / tp
     expected = s * b * h * (linear + 4 * a * s / (h * tp))
     assert float(got) == pytest.approx(expected)
     # fused (flash) attention and selective recompute drop the score matrices
-    flash = layer_activation_bytes(GPT_LIKE, np.asarray(float(tp)), tokens, s, Recompute.NONE, sp, flash=True)
+    flash = layer_activation_bytes(
+        GPT_LIKE, np.asarray(float(tp)), tokens, s, Recompute.NONE, sp, flash=True, act_b=2.0
+    )
     selective = layer_activation_bytes(
-        GPT_LIKE, np.asarray(float(tp)), tokens, s, Recompute.SELECTIVE, sp, flash=False
+        GPT_LIKE, np.asarray(float(tp)), tokens, s, Recompute.SELECTIVE, sp, flash=False, act_b=2.0
     )
     assert float(flash) == float(selective) == pytest.approx(s * b * h * linear)
-    full = layer_activation_bytes(GPT_LIKE, np.asarray(float(tp)), tokens, s, Recompute.FULL, sp, flash=False)
+    full = layer_activation_bytes(
+        GPT_LIKE, np.asarray(float(tp)), tokens, s, Recompute.FULL, sp, flash=False, act_b=2.0
+    )
     assert float(full) == pytest.approx(2 * s * b * h / (tp if sp else 1))
 
 
@@ -95,7 +101,7 @@ def test_trainer_bytes_per_parameter_and_1f1b_in_flight() -> None:
     assert one(mem.optimizer) == pytest.approx(12 * params)  # fp32 master + Adam m, v
     assert one(mem.grads) == pytest.approx(4 * params)  # fp32 main grads
     per_layer = float(
-        layer_activation_bytes(m, np.asarray(1.0), np.asarray(2048.0), 1024, Recompute.NONE, True, True)
+        layer_activation_bytes(m, np.asarray(1.0), np.asarray(2048.0), 1024, Recompute.NONE, True, True, 2.0)
     )
     # stage 0 of pp 4 holds 4 micro-batches of its 8 layers under 1F1B (the peak stage here)
     assert one(mem.activations) == pytest.approx(4 * 8 * per_layer)

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.pure
 def test_ideal_seconds_follow_the_formulas() -> None:
     cluster, model = load_cluster("h200-ib"), load_model("llama-3.1-8b")
     p = model.param_count()
-    assert gemm_s(model, Layout(2, 1), 1000, 6.0, cluster) == pytest.approx(
+    assert gemm_s(model, Layout(2, 1), 1000, 6.0, cluster.peak_flops) == pytest.approx(
         6 * p / 2 * 1000 / cluster.peak_flops
     )
     assert decode_s(model, Layout(1, 2), 10, 2, cluster) == pytest.approx(
@@ -32,9 +32,15 @@ def test_ideal_seconds_follow_the_formulas() -> None:
 def test_train_times_split_gemm_from_the_dp_allreduce_and_class_its_link() -> None:
     cluster, model = load_cluster("h200-ib"), load_model("tiny-llama")
     per_node = cluster.gpus_per_node
-    inside = train_times("actor.train", model, Layout(1, 1), 100, 2.0, 0.5, 4096, (0, 1), cluster)
-    across = train_times("actor.train", model, Layout(1, 1), 100, 2.0, 0.5, 4096, (0, per_node), cluster)
-    alone = train_times("actor.train", model, Layout(1, 1), 100, 2.0, 0.0, 0, (0,), cluster)
+    inside = train_times(
+        "actor.train", model, Layout(1, 1), 100, 2.0, 0.5, 4096, (0, 1), cluster, cluster.peak_flops
+    )
+    across = train_times(
+        "actor.train", model, Layout(1, 1), 100, 2.0, 0.5, 4096, (0, per_node), cluster, cluster.peak_flops
+    )
+    alone = train_times(
+        "actor.train", model, Layout(1, 1), 100, 2.0, 0.0, 0, (0,), cluster, cluster.peak_flops
+    )
     assert [t.op_class for t in inside] == [OpClass.GEMM, OpClass.ALLREDUCE_INTRA]
     assert [t.op_class for t in across] == [OpClass.GEMM, OpClass.ALLREDUCE_INTER]
     assert [t.op_class for t in alone] == [OpClass.GEMM]

@@ -23,7 +23,6 @@ import numpy as np
 
 from nereus.plan.costterms import Cost, collective, exposed
 from nereus.plan.links import Links
-from nereus.plan.memory import ACT_BYTES
 from nereus.plan.opclass import Collective
 from nereus.plan.problem import PlanningProblem
 from nereus.plan.replica import FloatArray, ReplicaFacts
@@ -45,18 +44,19 @@ class CommTerms:
     gen_apart: bool
     pool_span: float
     pool_per_node: float
+    act_b: float  # bytes of an activation, and of a weight in the compute dtype
 
     def _weight_sync(self, rep: ReplicaFacts, model_stage: ModelStage) -> Cost:
-        """Receiving updated bf16 weights from the colocated trainer at the step boundary, inside
+        """Receiving updated weights (compute dtype) from the colocated trainer at the step boundary, inside
         the receiving replica; async generation's, ``_async_sync``."""
         if self.gen_apart and model_stage.stage is Stage.GEN:
             return self._async_sync(np.asarray(rep.size, dtype=np.float64))
-        nbytes = np.maximum(rep.params_first, rep.params_last) * 2.0
+        nbytes = np.maximum(rep.params_first, rep.params_last) * self.act_b
         return collective(self.links, Collective.BROADCAST, rep.size, 2.0, nbytes, self.track)
 
     def _async_sync(self, rows: FloatArray) -> Cost:
         """Async: the weight sync that ends a step, shaped like ``rows``. Generation runs on GPUs
-        of its own, so the actor's whole bf16 weights go from the trainer's GPUs to the
+        of its own, so the actor's whole weights (compute dtype) go from the trainer's GPUs to the
         generator's, across the pool the two share: between nodes once it spans more than one,
         each node's GPUs carrying a share of them over the node's NICs (NCCL's hierarchical
         rings; the truth broadcasts them over the union of both sides' GPUs,
@@ -68,7 +68,7 @@ class CommTerms:
         gen = self.workflow.by_stage(Stage.GEN)
         if not gen or self.workflow.sync_source(gen[0].name) is None:
             return Cost({})
-        nbytes = 2.0 * float(self.problem.model_of(gen[0]).param_count())
+        nbytes = self.act_b * float(self.problem.model_of(gen[0]).param_count())
         if self.pool_span > self.links.gpus_per_node:
             nbytes /= self.pool_per_node
         one = np.ones_like(rows, dtype=np.float64)
@@ -125,7 +125,7 @@ class CommTerms:
         gather and the last's reduce-scatter never hide (``exposed``)."""
         layers = np.maximum(rep.layers_first, 1.0)
         gather = collective(
-            self.links, Collective.ALLGATHER, span, dp, params * ACT_BYTES / layers, self.track
+            self.links, Collective.ALLGATHER, span, dp, params * self.act_b / layers, self.track
         )
         scatter = (
             collective(self.links, Collective.ALLREDUCE, span, dp, params * GRAD_BYTES / layers, self.track)

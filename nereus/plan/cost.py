@@ -47,9 +47,9 @@ from nereus.plan.costterms import Cost, LatencyTerms, collective, compute, memor
 from nereus.plan.layout import Layout
 from nereus.plan.links import Links
 from nereus.plan.memory import (
-    ACT_BYTES,
     PREFILL_CHUNK_TOKENS,
     MemoryTerms,
+    act_bytes,
     generation_memory,
     inference_memory,
     kv_bytes_per_token_rank,
@@ -114,6 +114,9 @@ class CostModel(CommTerms):
         # ``nereus price --fsdp`` only; the search plans our own engines, which do not shard
         self.fsdp = fsdp
         self.links = Links(problem.cluster, problem.efficiencies)
+        # the matmul peak and the activation bytes of the workload's precision
+        self.peak = problem.cluster.peak_flops_at(problem.workload.precision)
+        self.act_b = act_bytes(problem.workload.precision)
         # free GPUs per node (``()``: whole nodes): where best fit must split groups across nodes
         self.occupancy = occupancy(problem.pool, problem.cluster.gpus_per_node)
         # running model-stages that stay where they are, priced where they run at their shape
@@ -201,7 +204,7 @@ class CostModel(CommTerms):
                 model.hidden_size * (2 * model.q_size + 2 * model.kv_size) + model.mlp_params()
             )
             sizes = (layer * tokens / rep.tp, 4.0 * model.q_size * tokens_ctx / rep.tp)
-        return compute(self.problem.cluster, eff, gemm_flops, attn_flops, sizes, self.track)
+        return compute(self.peak, eff, gemm_flops, attn_flops, sizes, self.track)
 
     def spans(self, rep: ReplicaFacts, dp: FloatArray, name: str = "") -> Spans:
         """Per row, the spans of its TP groups, replicas and DP groups on this problem's pool:
@@ -245,8 +248,8 @@ class CostModel(CommTerms):
         tp_span, rep_span, dp_span = spans
         t_compute = self._compute(gemm_mult * fwd_gemm, attn_mult * fwd_attn, model, rep, tokens, ctx_mb)
         n_ar = (6.0 if recompute is Recompute.FULL else 4.0) * rep.layers_first
-        t_tp = self._tp(rep, tokens * model.hidden_size * ACT_BYTES, tp_span) * n_ar
-        p2p = tokens * model.hidden_size * ACT_BYTES / (rep.tp if w.sequence_parallel else 1.0)
+        t_tp = self._tp(rep, tokens * model.hidden_size * self.act_b, tp_span) * n_ar
+        p2p = tokens * model.hidden_size * self.act_b / (rep.tp if w.sequence_parallel else 1.0)
         t_pp = self._p2p(rep, p2p, rep_span) * 2.0
         slot = t_compute + t_tp + t_pp
         params_gpu = np.maximum(rep.params_first, rep.params_last)
@@ -311,8 +314,8 @@ class CostModel(CommTerms):
             ctx_mb,
         )
         tp_span, rep_span, _ = spans
-        t_tp = self._tp(rep, tokens * model.hidden_size * ACT_BYTES, tp_span) * (2.0 * rep.layers_first)
-        t_pp = self._p2p(rep, tokens * model.hidden_size * ACT_BYTES, rep_span)
+        t_tp = self._tp(rep, tokens * model.hidden_size * self.act_b, tp_span) * (2.0 * rep.layers_first)
+        t_pp = self._p2p(rep, tokens * model.hidden_size * self.act_b, rep_span)
         slot = t_compute + t_tp + t_pp
         terms = {
             "compute": t_compute * chunks,
@@ -361,7 +364,9 @@ class CostModel(CommTerms):
             model, rep, prefill_tokens / chunks, prefill_ctx / chunks,
         )  # fmt: skip
         tp_span, rep_span, _ = spans
-        prefill_tp = self._tp(rep, prefill_tokens / chunks * h * ACT_BYTES, tp_span) * (2.0 * layers * chunks)
+        prefill_tp = self._tp(rep, prefill_tokens / chunks * h * self.act_b, tp_span) * (
+            2.0 * layers * chunks
+        )
         # decode: continuous batching keeps `conc` sequences in flight; the longest (p95) ends it.
         # With pp stages, min(conc, pp) micro-groups circulate; a step = pp slots of one group.
         steps = per_replica * seq.response_len / conc + (seq.response_p95 - seq.response_len)
@@ -387,8 +392,8 @@ class CostModel(CommTerms):
             "prefill": prefill,
             "decode": Cost.slower(t_mem, t_cmp) * slots,
             "tp_comm": prefill_tp
-            + self._tp(rep, per_group * h * ACT_BYTES, tp_span) * (2.0 * layers * slots),
-            "pp_comm": self._p2p(rep, per_group * h * ACT_BYTES, rep_span) * slots,
+            + self._tp(rep, per_group * h * self.act_b, tp_span) * (2.0 * layers * slots),
+            "pp_comm": self._p2p(rep, per_group * h * self.act_b, rep_span) * slots,
         }
         if paged:  # recompute preemption: the preempted sequences' tokens are prefilled again
             redo, redo_len = preempted_tokens(conc, pool, model.attended(prompt + seq.response_len))

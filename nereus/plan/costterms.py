@@ -21,7 +21,6 @@ from nereus.plan.calibration import Efficiencies
 from nereus.plan.links import Links, ring
 from nereus.plan.opclass import Collective, Link, OpClass
 from nereus.plan.replica import FloatArray
-from nereus.spec.cluster import ClusterSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,17 +175,17 @@ def exposed(per_bucket: Cost, buckets: FloatArray, behind: Cost) -> Cost:
 
 
 def compute(
-    cluster: ClusterSpec,
+    peak: float,
     eff: Efficiencies,
     gemm_flops: FloatArray | float,
     attn_flops: FloatArray | float,
     sizes: tuple[FloatArray | float, FloatArray | float] | None = None,
     track: bool = False,
 ) -> Cost:
-    """Matmul and attention FLOPs against the cluster's peak at the calibrated efficiencies;
+    """Matmul and attention FLOPs against ``peak`` FLOP/s (the cluster's at the workload's
+    precision, ``ClusterSpec.peak_flops_at``) at the calibrated efficiencies;
     ``sizes``: (GEMM, attention) FLOPs of one kernel set (a layer, one GPU, one micro-batch), at
     which a class with a shape curve reads its η."""
-    peak = cluster.peak_flops
     g_size, a_size = sizes if sizes is not None else (0.0, 0.0)
     eta_g = eff.at(OpClass.GEMM, g_size) if sizes is not None else eff[OpClass.GEMM]
     eta_a = eff.at(OpClass.ATTENTION, a_size) if sizes is not None else eff[OpClass.ATTENTION]

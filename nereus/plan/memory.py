@@ -33,7 +33,14 @@ from nereus.plan.replica import FloatArray, ReplicaFacts, layer_params_per_rank
 from nereus.spec.model import Head, ModelSpec
 from nereus.spec.workload import Precision, Recompute, Stage
 
-ACT_BYTES = 2  # bf16 activations
+_ACT_BYTES = {Precision.BF16_MIXED: 2.0, Precision.FP32: 4.0}  # activations: the compute dtype
+
+
+def act_bytes(precision: Precision) -> float:
+    """Bytes of one activation element (and of a weight as compute gathers it) at ``precision``."""
+    return _ACT_BYTES[precision]
+
+
 KV_BYTES = 2  # bf16 KV cache
 LOGIT_BYTES = 4  # fp32 logits for log-probs / cross-entropy: Korthikanti et al. 2022, App. (4sbv/t)
 # training holds the loss's fp32 logits and, when backward starts, their gradient of the same size
@@ -113,8 +120,10 @@ def layer_activation_bytes(
     recompute: Recompute,
     sequence_parallel: bool,
     flash: bool,
+    act_b: float,
 ) -> FloatArray:
-    """Bytes one layer keeps for ``tokens`` tokens of a micro-batch until its backward pass."""
+    """Bytes one layer keeps for ``tokens`` tokens of a micro-batch until its backward pass
+    (``act_b`` bytes an element, ``act_bytes``)."""
     tp = np.asarray(tp, dtype=np.float64)
     if recompute is Recompute.FULL:
         elems = model.hidden_size / tp if sequence_parallel else np.full_like(tp, model.hidden_size)
@@ -123,7 +132,7 @@ def layer_activation_bytes(
         elems = _layer_act_elems(
             model, tp, sequence_parallel, flash or recompute is Recompute.SELECTIVE, seq_len
         )
-    result: FloatArray = tokens * elems * ACT_BYTES
+    result: FloatArray = tokens * elems * act_b
     return result
 
 
@@ -175,10 +184,15 @@ def trainer_memory(
     holds the root's unsharded gradients (compute dtype) and one block's in the reduce dtype
     (fp32) until its reduce-scatter (PyTorch FSDP2 docs: ``fully_shard``, ``MixedPrecisionPolicy``)."""
     weight_b, optim_b, grad_b = _TRAIN_BYTES[precision]
+    act_b = act_bytes(precision)
     tokens = np.asarray(micro_batch, dtype=np.float64) * seq_len
-    layer_act = layer_activation_bytes(model, rep.tp, tokens, seq_len, recompute, sequence_parallel, flash)
+    layer_act = layer_activation_bytes(
+        model, rep.tp, tokens, seq_len, recompute, sequence_parallel, flash, act_b
+    )
     working = (
-        layer_activation_bytes(model, rep.tp, tokens, seq_len, Recompute.NONE, sequence_parallel, flash)
+        layer_activation_bytes(
+            model, rep.tp, tokens, seq_len, Recompute.NONE, sequence_parallel, flash, act_b
+        )
         if recompute is Recompute.FULL
         else np.zeros_like(layer_act)
     )  # a fully recomputed layer rebuilds its activations during backward
@@ -195,7 +209,7 @@ def trainer_memory(
         gathered = (root + np.minimum(layers, 2.0) * block) * weight_b
         # the sharded fp32 parameters are the master copy (mixed) or the weights themselves (fp32)
         state_b = optim_b + (weight_b if precision is Precision.FP32 else 0.0)
-        grads = params * grad_b / shard + root * ACT_BYTES + np.minimum(layers, 1.0) * block * grad_b
+        grads = params * grad_b / shard + root * act_b + np.minimum(layers, 1.0) * block * grad_b
         return (gathered, params * state_b / shard, grads, acts, np.zeros_like(acts))
 
     return _worst(
@@ -218,7 +232,9 @@ def inference_memory(
     """A forward-only replica: weights plus one layer's working set and the logits of a micro-batch."""
     weight_b = _WEIGHT_BYTES[precision]
     tokens = np.asarray(micro_batch, dtype=np.float64) * seq_len
-    working = layer_activation_bytes(model, rep.tp, tokens, seq_len, Recompute.NONE, sequence_parallel, flash)
+    working = layer_activation_bytes(
+        model, rep.tp, tokens, seq_len, Recompute.NONE, sequence_parallel, flash, act_bytes(precision)
+    )
     logits = _logit_bytes(model, rep.tp, tokens)
     zero = np.zeros_like(working)
     first: _Terms = (
@@ -296,7 +312,9 @@ def generation_memory(
     weight_b = _WEIGHT_BYTES[precision]
     conc = np.asarray(concurrency, dtype=np.float64)
     prefill_tokens = np.minimum(conc * prompt_len, PREFILL_CHUNK_TOKENS)
-    working = layer_activation_bytes(model, rep.tp, prefill_tokens, prompt_len, Recompute.NONE, False, True)
+    working = layer_activation_bytes(
+        model, rep.tp, prefill_tokens, prompt_len, Recompute.NONE, False, True, act_bytes(precision)
+    )
     logits = _logit_bytes(model, rep.tp, conc)
     zero = np.zeros_like(working)
 

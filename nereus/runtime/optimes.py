@@ -46,10 +46,10 @@ def rank_params(model: ModelSpec, layout: Layout) -> float:
     return model.param_count() / (layout.tp * layout.pp)
 
 
-def gemm_s(
-    model: ModelSpec, layout: Layout, tokens: int, flops_per_param: float, cluster: ClusterSpec
-) -> float:
-    return flops_per_param * rank_params(model, layout) * tokens / cluster.peak_flops
+def gemm_s(model: ModelSpec, layout: Layout, tokens: int, flops_per_param: float, peak_flops: float) -> float:
+    """Ideal matmul seconds of ``tokens`` on one rank at ``peak_flops`` (the cluster's at the
+    workload's precision, ``ClusterSpec.peak_flops_at``, as the planner prices them)."""
+    return flops_per_param * rank_params(model, layout) * tokens / peak_flops
 
 
 def decode_s(
@@ -64,9 +64,9 @@ def measurements(times: list[OpTime]) -> tuple[Measurement, ...]:
 
 def train_times(
     name: str, model: ModelSpec, layout: Layout, tokens: int, seconds: float, dp_s: float, dp_bytes: int,
-    dp_gpus: tuple[int, ...], cluster: ClusterSpec,
+    dp_gpus: tuple[int, ...], cluster: ClusterSpec, peak_flops: float,
 ) -> list[OpTime]:  # fmt: skip
-    out = [OpTime(name, OpClass.GEMM, gemm_s(model, layout, tokens, 6.0, cluster), seconds - dp_s)]
+    out = [OpTime(name, OpClass.GEMM, gemm_s(model, layout, tokens, 6.0, peak_flops), seconds - dp_s)]
     if dp_bytes and len(dp_gpus) > 1:
         links = Links(cluster, Efficiencies.unit())
         link = links.group_link(dp_gpus)

@@ -105,7 +105,8 @@ class StageWork:
             started = time.perf_counter()
             out = self._timed(name, lambda: eng.forward(r.batch(rows), micro_batches=micro))
             tokens = int(r.valid[rows.start : rows.stop].sum())
-            ideal = gemm_s(self.model_of(name), c.layout, tokens, 2.0, self.cluster)
+            peak = self.cluster.peak_flops_at(self.workload.precision)
+            ideal = gemm_s(self.model_of(name), c.layout, tokens, 2.0, peak)
             self.optimes.append(OpTime(name, OpClass.GEMM, ideal, time.perf_counter() - started))
             if place.reports:
                 part = (rows.start, [out])
@@ -143,6 +144,7 @@ class StageWork:
                 self.optimes += train_times(
                     name, self.model_of(name), c.layout, stats.tokens, stats.seconds, stats.dp_allreduce_s,
                     stats.dp_allreduce_bytes, dp_gpus, self.cluster,
+                    self.cluster.peak_flops_at(self.workload.precision),
                 )  # fmt: skip
                 total += stats.loss
         return from_rank(total, self.rank_of[c.gpus[0]], self.exchange)

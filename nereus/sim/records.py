@@ -15,7 +15,7 @@ from nereus.sim.truth import Episode
 from nereus.sim.truth.asynchrony import AsyncStep
 from nereus.spec.cluster import ClusterSpec
 from nereus.spec.model import ModelSpec
-from nereus.spec.workload import Role, WorkloadSpec
+from nereus.spec.workload import Precision, Role, WorkloadSpec
 
 IN_FLIGHT = ("drain", "drop")
 
@@ -51,6 +51,11 @@ class Scenario:
             raise ValueError(f"max_staleness must be non-negative, got {self.max_staleness}")
         if self.in_flight not in IN_FLIGHT:
             raise ValueError(f"in_flight must be one of {', '.join(IN_FLIGHT)}, got {self.in_flight!r}")
+        if self.workload.precision is not Precision.BF16_MIXED:  # the truth's state and kernels are bf16
+            raise ValueError(
+                f"precision {self.workload.precision.value}: the simulator's hardware truth models "
+                "bf16-mixed training only (allowed: bf16-mixed)"
+            )
         if self.supply.max_gpus > self.cluster.total_gpus:
             raise ValueError(
                 f"max_gpus {self.supply.max_gpus} exceeds cluster {self.cluster.name} "

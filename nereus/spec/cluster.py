@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from enum import StrEnum, auto
 from pathlib import Path
 
+from nereus.errors import ConfigError
 from nereus.spec.domains import FailureDomains
 from nereus.spec.schema import (
     coerce_enums,
@@ -15,6 +16,7 @@ from nereus.spec.schema import (
     require_finite,
     require_positive,
 )
+from nereus.spec.workload import Precision
 
 GIB = 1024**3
 MAX_NODES = 1 << 16
@@ -65,6 +67,9 @@ class ClusterSpec:
     gpu_model: str
     gpu_memory_gib: float  # HBM per GPU (one MI250X GCD counts as one GPU)
     peak_bf16_tflops: float  # dense, no sparsity
+    # dense FP32 matmul rate (PyTorch's default: TF32 off); None: not given, and a workload of
+    # precision fp32 cannot be priced on this cluster
+    peak_fp32_tflops: float | None = None
     hbm_bandwidth_gbs: float
     intra_node_bandwidth_gbs: float  # NVLink / Infinity Fabric / shared memory
     inter_node_bandwidth_gbs: float  # node NIC bandwidth / GPUs per node
@@ -97,6 +102,10 @@ class ClusterSpec:
                 raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
         if self.reserved_nodes is not None and not 0 <= self.reserved_nodes <= self.nodes:
             raise ValueError(f"reserved_nodes must be in [0, nodes={self.nodes}], got {self.reserved_nodes}")
+        if self.peak_fp32_tflops is not None:
+            require_finite(self, "peak_fp32_tflops")
+            require_at_least(self, MIN_RATE, "peak_fp32_tflops")
+            require_at_most(self, MAX_RATE, "peak_fp32_tflops")
         require_finite(self, "revocations_per_node_hour")
         require_at_most(self, MAX_RATE, "revocations_per_node_hour")
         if self.revocations_per_node_hour < 0:
@@ -131,6 +140,18 @@ class ClusterSpec:
     @property
     def peak_flops(self) -> float:
         return self.peak_bf16_tflops * 1e12
+
+    def peak_flops_at(self, precision: Precision) -> float:
+        """FLOP/s of the matmuls a workload of ``precision`` runs (bf16-mixed: bf16 tensor cores;
+        fp32: ``peak_fp32_tflops``, refused in one line when the cluster does not give it)."""
+        if precision is Precision.BF16_MIXED:
+            return self.peak_flops
+        if self.peak_fp32_tflops is None:
+            raise ConfigError(
+                f"cluster {self.name}: precision fp32 needs peak_fp32_tflops (dense FP32 TFLOPS per GPU) "
+                "in the cluster's YAML (allowed: a positive number; or precision bf16-mixed)"
+            )
+        return self.peak_fp32_tflops * 1e12
 
     def failure_domains(self) -> FailureDomains | None:
         """Reserved and revocable nodes as the YAML marks them; None when nothing is revocable."""
