@@ -417,7 +417,8 @@ def test_out_folder_of_our_own_is_rewritten(capsys: pytest.CaptureFixture[str]) 
 
 def test_nothing_is_written_when_a_later_check_fails(capsys: pytest.CaptureFixture[str]) -> None:
     got = refused([*SIM[:-2], "--policies", "nereus,greedy", "--out", "new/o"], capsys)
-    assert got.startswith(f"{E_SIM}unknown policy 'greedy'")
+    assert got.startswith(f"{E_SIM}--policies: unknown policy 'greedy' (choices: nereus, static, always, ")
+    assert got.endswith("oracle, static-best)")
     assert os.listdir(".") == []
 
 

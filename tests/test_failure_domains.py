@@ -219,6 +219,25 @@ def test_correlated_revocations_take_replicas_together(tmp_path: Path) -> None:
     assert supply.revocation_events(2) == (0.0, ())
 
 
+def test_a_long_history_prices_each_distinct_fraction_once() -> None:
+    """A trace of many ticks holds thousands of events but few distinct fractions: the risk is the
+    per-event mean over all of them, computed once per fraction (a 2·10⁵-tick trace without a
+    floor took a minute per policy when every event was priced on every plan)."""
+    fractions = tuple([0.25] * 30_000 + [0.5] * 20_000 + [1.0] * 10_000)
+    many = FailureDomains(frozenset(range(4)), 2, 0.0, 2.0, fractions)
+    assert many.fraction_counts == ((0.25, 30_000), (0.5, 20_000), (1.0, 10_000))
+    few = FailureDomains(frozenset(range(4)), 2, 0.0, 2.0, (0.25, 0.25, 0.25, 0.5, 0.5, 1.0))
+    replicas, gpus = [(4, 5), (6, 7)], (4, 5, 8, 9)
+    for held in (2, 4, 7):
+        assert many.all_lost_probability(replicas, 1800.0, held) == pytest.approx(
+            few.all_lost_probability(replicas, 1800.0, held), rel=1e-12
+        )
+        assert many.any_lost_probability(gpus, 1800.0, held) == pytest.approx(
+            few.any_lost_probability(gpus, 1800.0, held), rel=1e-12
+        )
+    assert many.any_lost_probability(gpus, 1800.0, 4) > 0.0
+
+
 def test_fitting_layouts_shrink_the_largest_trainer_pipeline_first() -> None:
     """One replica of every trainer must fit the reserved GPUs together: the largest replica
     shrinks first, its pipeline halved before its tensor parallelism; None where they already fit

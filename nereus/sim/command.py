@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from nereus.control.controller import policy_config
+from nereus.control.policy import POLICIES, policy_config
 from nereus.errors import ConfigError
 from nereus.sim.engine import STATIC_BEST, Scenario, Summary, simulate
 from nereus.sim.records import IN_FLIGHT
@@ -25,7 +25,7 @@ from nereus.spec import Role, load_cluster, load_model, load_workload
 from nereus.spec.files import OutputFolder, brief, nonempty_path
 from nereus.spec.model import check_context
 from nereus.spec.registry import load_role_models, trace_path
-from nereus.spec.workload import MAX_STALENESS, ExecutionMode
+from nereus.spec.workload import MAX_STALENESS, ExecutionMode, Precision
 
 DEFAULT_POLICIES = "nereus,static,always,periodic:3"
 COMMAND = "simulate"
@@ -175,6 +175,11 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
     workload = load_workload(args.algo)
     if args.mode is not None:
         workload = replace(workload, mode=ExecutionMode(args.mode))
+    if workload.precision is not Precision.BF16_MIXED:
+        raise ConfigError(
+            f"--algo {brief(args.algo)}: precision {workload.precision.value}; the simulator's hardware "
+            "truth models bf16-mixed training only (allowed: bf16-mixed)"
+        )
     if workload.mode is not ExecutionMode.ASYNC:
         for flag, value in (("--max-staleness", args.max_staleness), ("--in-flight", args.in_flight)):
             if value is not None:
@@ -255,7 +260,11 @@ def runs(policies: str, gammas: list[float]) -> list[tuple[str, str, float]]:
         if name.startswith("periodic:") and (period is None or int(period.group(1)) <= 0):
             raise ConfigError(f"--policies: {brief(name)}: periodic:K needs an integer K in [1, 999999999]")
         if name != STATIC_BEST:
-            policy_config(name)  # refuses unknown names before anything runs
+            try:
+                policy_config(name)  # refuses unknown names before anything runs
+            except ConfigError:  # the simulator also runs the reference static-best
+                choices = ", ".join((*POLICIES, STATIC_BEST))
+                raise ConfigError(f"--policies: unknown policy {brief(name)} (choices: {choices})") from None
         if name == "nereus" and len(gammas) > 1:
             out.extend((f"nereus(γ={g:g})", name, g) for g in gammas)
         else:
@@ -303,7 +312,7 @@ def run(args: argparse.Namespace, out: Console) -> int:
     stem = scenario.supply.trace.name
     actor = scenario.models[Role.ACTOR].name
     # names come from files a user wrote (``name: meta-llama/Llama-3.1-8B``): one folder under runs/sim
-    default = re.sub(r"\.{2,}|[^A-Za-z0-9._-]+", "_", f"{stem}-{actor}-{scenario.workload.name}").lstrip(".")
+    default = re.sub(r"\.{2,}|[^A-Za-z0-9._-]+", "_", f"{stem}-{actor}-{scenario.workload.name}").lstrip(".-")
     folder = args.out or Path("runs") / "sim" / (default or "sim")
     names = [_file_name(label) for label, _, _ in plan] + ["summary.json", "timeline.png"]
     target = OutputFolder.check(folder, COMMAND, names, force=args.force)  # before anything runs
@@ -311,9 +320,10 @@ def run(args: argparse.Namespace, out: Console) -> int:
     for label, policy, gamma in plan:
         summaries.append(replace(simulate(scenario, policy, gamma), policy=label))
     doc = {s.policy: s.to_json() for s in summaries}
-    title = (
+    supply, g = scenario.supply, scenario.supply.gpus_per_instance
+    title = (  # the pool's bounds in whole instances, as the run holds them
         f"{scenario.workload.algorithm.value} {actor} on {scenario.cluster.name}, trace {stem} "
-        f"(×{args.gpus_per_instance} GPUs, {args.min_gpus}–{scenario.supply.max_gpus})"
+        f"(×{g} GPUs, {supply.reserved_instances * g}–{supply.max_gpus // g * g})"
     )
     target.write(_writers(summaries, doc, title))
     if args.json:

@@ -31,7 +31,7 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MAX_RATE_PER_HOUR = 1e6
 MAX_TERMS = 100_000  # inclusion–exclusion terms before replicas are treated as independent
@@ -51,6 +51,9 @@ class FailureDomains:
     event_fractions: tuple[float, ...] = ()  # share of the revocable instances each event took
     # (seconds since the pool last changed, rate multiplier) from that age on; () = always 1
     age_factors: tuple[tuple[float, float], ...] = ()
+    # the distinct event fractions and how often each occurred: a risk prices each once, however
+    # long the history (a trace of 10⁵ ticks holds thousands of events and a few dozen fractions)
+    fraction_counts: tuple[tuple[float, int], ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "reserved", frozenset(self.reserved))
@@ -67,6 +70,7 @@ class FailureDomains:
             raise ValueError(f"events_per_hour must be in [0, {MAX_RATE_PER_HOUR:g}], got {events}")
         if any(not 0.0 < f <= 1.0 for f in self.event_fractions):
             raise ValueError("event_fractions must lie in (0, 1]")
+        object.__setattr__(self, "fraction_counts", tuple(sorted(Counter(self.event_fractions).items())))
         ages = tuple((float(a), float(m)) for a, m in self.age_factors)
         object.__setattr__(self, "age_factors", ages)
         if ages and (
@@ -147,9 +151,9 @@ class FailureDomains:
         """Events at ``events_per_hour`` over ``hours``, each revoking ⌈f · held⌉ random
         instances (f from the history), each a loss with probability ``hit(held, drawn)``."""
         per_event = 0.0
-        for f in self.event_fractions:
+        for f, count in self.fraction_counts:
             k = min(held, max(1, math.ceil(f * held - 1e-9)))
-            per_event += hit(held, k)
+            per_event += count * hit(held, k)
         per_event /= len(self.event_fractions)
         return -math.expm1(-self.events_per_hour * hours * per_event)
 
