@@ -338,7 +338,7 @@ def _print_plan(problem: PlanningProblem, result: SearchResult, out: Console) ->
             str(cand.layout.tp),
             str(cand.layout.pp),
             str(cand.dp),
-            gpu_ranges(cand.gpus),
+            gpu_ranges(cand.gpus, in_rank_order=True),
             micro,
             f"{r.estimate.latency_s:.3f}",
             f"{r.peak_bytes / GIB:.1f}",
@@ -398,6 +398,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     owner = sub.choices.get(args.command, parser)
     if extra:
         owner.error(f"unrecognized arguments: {shorten(' '.join(extra))}")
+    if args.command == "plan" and args.json and args.explain:
+        owner.error("--explain prints a breakdown table; it does not combine with --json (choose one)")
     if args.command == "describe" and args.kind != "node" and args.name is None:
         owner.error("the following arguments are required: name")
     if args.command == "describe" and args.kind == "node" and args.name is not None:
@@ -407,9 +409,14 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+PIPED_WIDTH = 400  # columns of tables written to a pipe or file (rich's default there is 80)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     out = Console(highlight=False)
+    if not out.is_terminal and "COLUMNS" not in os.environ:  # piped or redirected: never cut a cell
+        out = Console(highlight=False, width=PIPED_WIDTH)
     try:
         if args.command == "plan":
             return _plan(args, out)

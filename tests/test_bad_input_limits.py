@@ -223,8 +223,11 @@ def test_run_steps_beyond_the_limit_is_one_line(capsys: pytest.CaptureFixture[st
 def test_a_held_layout_that_cannot_exist_says_what_holding_it_asks(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    line = refused([*PLAN, "--fix", "actor.train=tp1,pp1,dp2,mb3"], capsys, code=3)
-    assert line.startswith(f"{E_PLAN}actor.train has no layout on 4 GPUs as held (tp1·pp1·dp2 mb3): it needs")
+    line = refused([*PLAN, "--fix", "actor.train=tp1,pp1,dp2,mb3"], capsys)  # no pool runs it: bad input
+    assert line.startswith(
+        f"{E_PLAN}--fix actor.train: mb 3 must divide a replica's share of the global batch"
+    )
+    assert line.endswith("(allowed: 1, 2, 4, 8, 16, 32, 64)")
 
 
 def test_flags_that_would_do_nothing_are_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -62,6 +62,9 @@ def _transformers_params(cfg: dict[str, Any]) -> int:
             "quantization_config",
         ),
         ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quantization_config"),
+        ({"num_local_experts": 8, "num_experts_per_tok": 2}, "num_local_experts"),
+        ({"model_type": "qwen2", "num_experts": 60}, "num_experts"),
+        ({"rope_scaling": [1, 2]}, "rope_scaling"),
     ],
 )
 def test_keys_that_change_the_function_unmodelled_are_refused(

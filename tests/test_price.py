@@ -149,7 +149,17 @@ def test_fix_holds_the_named_layouts_and_searches_the_rest(capsys: pytest.Captur
         ("actor.train=4,1,2", 2, "--fix: expected MODEL_STAGE=tpT,ppP,dpD[,mbB]"),
         (f"actor.train=tp1,pp1,dp{'1' * 5000}", 2, "--fix: expected MODEL_STAGE=tpT,ppP,dpD[,mbB]"),
         ("actor.train=tp8,pp1,dp8", 2, "--fix actor.train: tp8·pp1·dp8 needs 64 GPUs, more than the 32"),
-        ("actor.train=tp4,pp1,dp3", 3, "actor.train"),  # 3 replicas cannot split a global batch of 128
+        (
+            "actor.train=tp4,pp1,dp3",
+            2,
+            "--fix actor.train: dp 3 must divide the global batch 128 (allowed dp: 1, 2,",
+        ),
+        (
+            "actor.train=tp4,pp1,dp4,mb3",
+            2,
+            "--fix actor.train: mb 3 must divide a replica's share of the global",
+        ),
+        ("foo=tp2,pp1,dp8", 2, "ppo has no model-stage 'foo' (allowed: actor.gen"),
         ("actor.gen=tp16,pp1,dp1", 2, "--fix actor.gen: tp 16 exceeds the 8 GPUs of a node of"),  # as price
         # verl's FSDP layout on our ZeRO-0 trainer: says where an FSDP trainer is priced
         (

@@ -2,9 +2,10 @@
 
 Each held layout is checked by the runtime's rules before the search sees it, each refusal one
 line naming the flag: tp must shard the attention heads (``ModelSpec.tp_refusal``) and stay inside
-a node (or under ``--max-tp``), pp at most the layers, and a generation model-stage on vLLM (the
-default, ``SearchSpace.flat``) at pp 1. The search then holds those shapes and searches the rest
-(``SearchSpace.holding``, ``fixed_shapes``).
+a node (or under ``--max-tp``), pp at most the layers, a generation model-stage on vLLM (the
+default, ``SearchSpace.flat``) at pp 1, a trainer's dp dividing the global batch and its
+micro-batch a replica's share, and no more replicas than sequences. The search then holds those
+shapes and searches the rest (``SearchSpace.holding``, ``fixed_shapes``).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from nereus.plan.problem import SearchSpace
 from nereus.spec.cluster import ClusterSpec
 from nereus.spec.files import brief
 from nereus.spec.model import ModelSpec
-from nereus.spec.workload import Role, WorkloadSpec
+from nereus.spec.workload import ModelStage, Role, Stage, WorkloadSpec
 from nereus.transition.command import MAX_GPUS, MAX_TP  # a plan file's bounds
 
-_FIX = re.compile(r"([a-z]+\.[a-z]+)=tp([0-9]{1,9}),pp([0-9]{1,9}),dp([0-9]{1,9})(?:,mb([0-9]{1,9}))?")
+_FIX = re.compile(r"([^=\s]{1,64})=tp([0-9]{1,9}),pp([0-9]{1,9}),dp([0-9]{1,9})(?:,mb([0-9]{1,9}))?")
 
 
 def parse_fix(text: str, workload: WorkloadSpec) -> tuple[str, Layout, int, int]:
@@ -73,6 +74,24 @@ def _refusal(name: str, layout: Layout, model: ModelSpec, space: SearchSpace, cl
     return ""
 
 
+def _batch_refusal(workload: WorkloadSpec, model_stage: ModelStage, dp: int, micro: int) -> str:
+    """Why ``dp`` replicas (micro-batch ``micro``, 0: the workload's) cannot split the model-stage's
+    sequences as the runtime does ("" when they can): a trainer's replicas take equal shares of
+    every optimizer step, and its micro-batch divides a share."""
+    if model_stage.stage is not Stage.TRAIN:
+        n = workload.sequences(model_stage)
+        return f"dp {dp} exceeds the {n} sequences it processes per step" if dp > n else ""
+    batch = workload.global_batch
+    if batch % dp:
+        allowed = ", ".join(str(d) for d in range(1, batch + 1) if batch % d == 0)
+        return f"dp {dp} must divide the global batch {batch} (allowed dp: {allowed})"
+    share = batch // dp
+    if micro and share % micro:
+        allowed = ", ".join(str(b) for b in range(1, share + 1) if share % b == 0)
+        return f"mb {micro} must divide a replica's share of the global batch, {share} (allowed: {allowed})"
+    return ""
+
+
 def held_space(
     space: SearchSpace,
     fixes: Sequence[str],
@@ -86,7 +105,7 @@ def held_space(
     held = [parse_fix(text, workload) for text in fixes]
     if len({name for name, *_ in held}) != len(held):
         raise ConfigError("--fix: a model-stage is named twice")
-    for name, layout, dp, _ in held:  # the layouts the runtime can shard (the planner's rule)
+    for name, layout, dp, micro in held:  # the layouts the runtime can shard (the planner's rule)
         why = _refusal(name, layout, models[workload.workflow().get(name).role], space, cluster)
         if why:
             raise ConfigError(f"--fix {name}: {why}")
@@ -95,6 +114,9 @@ def held_space(
                 f"--fix {name}: tp{layout.tp}·pp{layout.pp}·dp{dp} needs {layout.size * dp} GPUs, "
                 f"more than the {gpus} of --gpus"
             )
+        why = _batch_refusal(workload, workload.workflow().get(name), dp, micro)
+        if why:
+            raise ConfigError(f"--fix {name}: {why}")
     return dataclasses.replace(
         space.holding({name: layout for name, layout, _, _ in held}),
         fixed_shapes=tuple((name, dp, micro) for name, _, dp, micro in held),

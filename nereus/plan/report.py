@@ -100,11 +100,12 @@ def plan_json(problem: PlanningProblem, result: SearchResult) -> dict[str, Any]:
     }
 
 
-def gpu_ranges(gpus: tuple[int, ...]) -> str:
-    """``(0,1,2,3,8,9)`` → ``0-3,8-9``."""
+def gpu_ranges(gpus: tuple[int, ...], in_rank_order: bool = False) -> str:
+    """``(0,1,2,3,8,9)`` → ``0-3,8-9``; ``in_rank_order`` keeps the order given (a placed
+    model-stage's ranks, whose runs of tp are its TP groups): ``(9,10,11,8)`` → ``9-11,8``."""
     if not gpus:
         return ""
-    ordered = sorted(gpus)
+    ordered = list(gpus) if in_rank_order else sorted(gpus)
     parts, start, prev = [], ordered[0], ordered[0]
     for g in ordered[1:]:
         if g != prev + 1:
@@ -117,4 +118,7 @@ def gpu_ranges(gpus: tuple[int, ...]) -> str:
 
 def plan_summary(plan: Plan) -> dict[str, str]:
     """``{model-stage: "tp1·pp1·dp2 @ 0-1"}``."""
-    return {c.model_stage: f"{c.layout}·dp{c.dp} @ {gpu_ranges(c.gpus)}" for c in plan.candidates}
+    return {
+        c.model_stage: f"{c.layout}·dp{c.dp} @ {gpu_ranges(c.gpus, in_rank_order=True)}"
+        for c in plan.candidates
+    }

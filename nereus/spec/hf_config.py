@@ -6,8 +6,10 @@ a key missing from the file takes transformers' default for the family (``rms_no
 change the function in a way ``ModelSpec`` does not describe are refused in one line naming the
 key, so that no engine loads such a checkpoint and computes something else: an activation other
 than SiLU, MLP biases, Llama's or Qwen3's ``attention_bias`` (q/k/v and o_proj biases; Qwen2's is
-q/k/v only and always on, Mistral has none whatever the key says), quantized weights, and a
-multimodal wrapper's nested ``text_config``.
+q/k/v only and always on, Mistral has none whatever the key says), quantized weights, a
+multimodal wrapper's nested ``text_config``, and an expert count (a mixture-of-experts config
+relabelled with a dense family's ``model_type``: transformers would build it dense and drop the
+experts' weights).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ MAX_POSITIONS = {  # transformers' defaults
     ModelFamily.QWEN3: 32768,
 }
 SILU = ("silu", "swish")  # transformers' ACT2FN names for x·sigmoid(x)
+# expert counts of the MoE families (Mixtral, Qwen2/3-MoE, DeepSeek, OLMoE, DBRX-style configs)
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
 def hf_fields(data: Any, path: Path) -> dict[str, Any]:
@@ -97,6 +101,13 @@ def _refuse_unmodelled(data: dict[str, Any], family: ModelFamily, path: Path) ->
             f"{path}: key 'attention_bias': expected false ({family.value} with attention_bias has "
             f"q, k, v and o_proj biases, which are not modelled), got {brief(bias)}"
         )
+    for key in MOE_KEYS:
+        experts = data.get(key)
+        if experts not in (None, 0, 1, False):
+            raise ConfigError(
+                f"{path}: key {key!r}: mixture-of-experts models are not supported (a {family.value} "
+                f"config reads as a dense model; expected no experts), got {brief(experts)}"
+            )
     if data.get("quantization_config") is not None:
         raise ConfigError(
             f"{path}: key 'quantization_config': quantized checkpoints are not supported (the engines "
@@ -109,9 +120,10 @@ def _rope(data: dict[str, Any], path: Path) -> tuple[float | None, RopeScaling |
     (transformers 4) or ``rope_parameters`` (transformers 5). ``llama3`` scaling is modelled; the
     other types transformers knows are kept by name (priced like any RoPE, not run), and reach
     ``factor`` × the original positions, as vLLM serves them; positions 0: the config's."""
-    params = data.get("rope_parameters") or data.get("rope_scaling") or {}
+    key = "rope_parameters" if data.get("rope_parameters") else "rope_scaling"
+    params = data.get(key) or {}
     if not isinstance(params, dict):
-        raise ConfigError(f"{path}: key 'rope_parameters': expected a mapping, got {brief(params)}")
+        raise ConfigError(f"{path}: key {key!r}: expected a mapping, got {brief(params)}")
     theta = params.get("rope_theta", data.get("rope_theta"))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":

@@ -76,6 +76,11 @@ def _resolve(kind: str, name_or_path: str, what: str) -> Path:
         return path
     shipped = config_root() / kind / f"{name_or_path}.yaml"
     if not _shipped_name(name_or_path) or not _is_file(shipped):
+        if _is_file(path):  # a file of another kind, not a misspelt name
+            raise ConfigError(
+                f"{what} file {shorten(name_or_path, 200)}: expected a .yaml, .yml or .json file "
+                f"(or a shipped {what}: {', '.join(names(kind))})"
+            )
         raise ConfigError(f"unknown {what} {brief(name_or_path)} (choices: {', '.join(names(kind))})")
     return shipped
 
@@ -127,6 +132,11 @@ def trace_path(name_or_path: str) -> Path:
         return path
     shipped = config_root() / "traces" / f"{name_or_path}.json"
     if not _shipped_name(name_or_path) or not _is_file(shipped):
+        if _is_file(path):  # a file of another kind, not a misspelt name
+            raise ConfigError(
+                f"trace file {shorten(name_or_path, 200)}: expected a .json file "
+                f"(or a shipped trace: {', '.join(names('traces'))})"
+            )
         raise ConfigError(
             f"unknown trace {brief(name_or_path)} (choices: {', '.join(names('traces'))}, or a JSON file)"
         )

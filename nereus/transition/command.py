@@ -370,7 +370,7 @@ def _print(tr: Transition, doc: dict[str, Any], out: Console) -> None:
             f"{'*' if n.id in on_path else ''}{n.id}",
             n.primitive.value + (f" ← {n.source}" if n.source else ""),
             n.model_stage,
-            gpu_ranges(n.gpus),
+            gpu_ranges(tuple(set(n.gpus))),
             f"{n.bytes / GIB:.2f}",
             f"{n.est_s:.3f}",
             f"{sched.start[n.id]:.3f}",

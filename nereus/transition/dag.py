@@ -141,7 +141,7 @@ class TransitionDag:
                     "id": n.id,
                     "primitive": n.primitive.value,
                     "stage": n.model_stage,
-                    "gpus": list(n.gpus),
+                    "gpus": list(dict.fromkeys(n.gpus)),  # each GPU once (an extend's sources, then targets)
                     "bytes": n.bytes,
                     "est_s": n.est_s,
                 }
