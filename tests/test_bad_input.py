@@ -15,6 +15,7 @@ import pytest
 from nereus.errors import ConfigError
 from nereus.plan.calibration import CalibrationStore, Measurement
 from nereus.plan.opclass import OpClass
+from nereus.runtime.command import check_weights
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.spec import ModelSpec
 from nereus.spec.files import brief
@@ -201,6 +202,40 @@ def test_bad_numbers_in_experiments(extra: str, line: str) -> None:
     with pytest.raises(ConfigError) as err:
         ExperimentSpec.load(Path("exp.yaml"))
     assert str(err.value) == f"exp.yaml: {line}"
+
+
+def test_a_model_folder_without_safetensors_is_refused_not_started_from_random_weights() -> None:
+    """A Hugging Face folder whose weights are a ``pytorch_model.bin`` (or absent) would start every
+    role from random weights and the bundled tokenizer: refused in one line naming what is there.
+    ``model:`` naming the folder's ``config.json`` is that folder."""
+    config = json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 176,
+                         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+                         "vocab_size": 512})  # fmt: skip
+    write("m/config.json", config)
+    write("m/pytorch_model.bin", "x")
+    for model in ("m", "m/config.json"):
+        write("exp.yaml", f"name: x\nworkload: ppo-tiny\nmodel: {model}\n")
+        spec = ExperimentSpec.load(Path("exp.yaml"))
+        with pytest.raises(ConfigError) as err:
+            check_weights(spec)
+        assert str(err.value).startswith("model: m holds no *.safetensors weights (found pytorch_model.bin)")
+    write("m/model.safetensors", "x")  # (its contents are the engines' to check)
+    assert spec.weights_of("actor") == "m" and spec.weights_of("critic") == "m"
+    check_weights(spec)
+    write("exp.yaml", "name: x\nworkload: ppo-tiny\nmodel: tiny-llama\n")  # shipped: random by design
+    shipped_spec = ExperimentSpec.load(Path("exp.yaml"))
+    check_weights(shipped_spec)
+    assert shipped_spec.weights_of("actor") == ""
+
+
+def test_init_weights_for_a_model_the_workload_does_not_run_are_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    write("c/config.json", "{}")
+    write("exp.yaml", "name: x\nworkload: grpo-tiny\nmodel: tiny-llama\ninit: {critic: c}\n")
+    got = refused(["run", "exp.yaml", "--out", "o"], capsys)
+    assert got == "nereus run: error: init.critic: grpo-tiny has no critic model (its models: actor, ref)"
+    assert not Path("o").exists()
 
 
 GAP = "field 'metadata.gap_seconds': expected a number of seconds in [0.001, 1e+09], got"
@@ -410,6 +445,9 @@ def test_yaml_size_depth_and_odd_files(capsys: pytest.CaptureFixture[str]) -> No
     assert got == f"{E_PLAN}config /dev/zero: not a regular file"
     got = refused(["describe", "model", "x" * 5000], capsys)
     assert got.startswith("nereus describe: error: unknown model 'xxxxxxxx") and len(got) < 300
+    write("m.txt", "hidden_size: 64\n")  # a file of another kind is named as a file, not an unknown name
+    got = refused(["describe", "model", "m.txt"], capsys)
+    assert got.startswith("nereus describe: error: model file m.txt: expected a .yaml, .yml or .json file")
 
 
 def test_hf_config_json(capsys: pytest.CaptureFixture[str]) -> None:

@@ -103,6 +103,9 @@ def test_generation_is_seeded(llama_engine: TorchNativeEngine) -> None:
         assert not torch.equal(a.tokens[r], c.tokens[r])
     d = eng.generate(prompts, [3, 4, 5], p)  # sample ids key the draws too
     assert not torch.equal(a.tokens, d.tokens)
+    # what the engine did, as vLLM's reports it (metrics read 0 tokens for this engine)
+    assert a.stats.tokens == int(a.valid.sum()) > 0 and a.stats.decode_steps == a.tokens.shape[1]
+    assert 0.0 < a.stats.kv_usage <= 1.0 and a.stats.preemptions == 0
 
 
 def test_row_does_not_depend_on_its_batch(llama_engine: TorchNativeEngine) -> None:

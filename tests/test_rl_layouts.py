@@ -131,6 +131,11 @@ def test_the_experiment_names_its_data(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match="dataset and data: name one prompt file"):
         ExperimentSpec.load(exp)
+    exp.write_text(  # a task's settings beside a prompt file would do nothing
+        "name: e\nworkload: grpo-tiny\nmodel: tiny-llama\ntask: {kind: copy, n: 64}\ndata: {train: b.jsonl}\n"
+    )
+    with pytest.raises(ConfigError, match="task and data: the generated task's settings do nothing"):
+        ExperimentSpec.load(exp)
     exp.write_text("name: e\nworkload: grpo-tiny\nmodel: tiny-llama\ndata: {train: t, colour: 1}\n")
     with pytest.raises(ConfigError, match=r"unknown key 'data\.colour' \(allowed: answer_key, layout"):
         ExperimentSpec.load(exp)

@@ -166,6 +166,46 @@ def test_another_workload_is_refused_naming_both(finished: Path, tmp_path: Path)
     assert snapshot(out) == before
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("kind", "key", "value", "message"),
+    [
+        ("models", "intermediate_size", "128", "with intermediate_size 176; this run's has 128"),
+        ("workloads", "precision", "bf16-mixed", "with precision 'fp32'; this run's has 'bf16-mixed'"),
+    ],
+)
+def test_the_same_names_with_other_state_are_refused(
+    finished: Path, tmp_path: Path, kind: str, key: str, value: str, message: str
+) -> None:
+    """Hugging Face folders are often all called ``model``, and a workload YAML is edited in
+    place: a checkpoint of another architecture or precision under the same names is refused in
+    one line before anything loads (it was a size mismatch or a missing key in every worker)."""
+    out = tmp_path / "out"
+    shutil.copytree(finished, out, symlinks=True)
+    before = snapshot(out)
+    source = (
+        Path(__file__).parents[1]
+        / "configs"
+        / kind
+        / f"{'tiny-llama' if kind == 'models' else 'ppo-tiny'}.yaml"
+    )
+    changed = tmp_path / source.name
+    lines = [
+        f"{key}: {value}" if line.startswith(f"{key}:") else line for line in source.read_text().splitlines()
+    ]
+    changed.write_text("\n".join(lines) + "\n")
+    exp = experiment(tmp_path, 3)
+    field = "model" if kind == "models" else "workload"
+    exp.write_text(exp.read_text().replace(f"{field}: ", f"{field}: {changed} # ", 1))
+    proc = resume(exp, out)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = proc.stderr.splitlines()
+    assert (
+        line.startswith(f"nereus run: error: --resume: {latest(out)} was written for ") and message in line
+    ), line
+    assert snapshot(out) == before
+
+
 @pytest.mark.timeout(150)
 def test_the_untouched_checkpoint_resumes(finished: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"

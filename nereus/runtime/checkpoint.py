@@ -69,9 +69,10 @@ def saved_stages(worker: Worker) -> list[str]:
     return [ms.name for ms in worker.workflow.model_stages if worker.workflow.sync_source(ms.name) is None]
 
 
-def identity(worker: Worker) -> dict[str, str]:
-    """What the checkpoint's state belongs to: a resume with another model or workload is refused."""
-    return {"model": worker.models[Role.ACTOR].name, "workload": worker.workload.name}
+def identity(worker: Worker) -> dict[str, Any]:
+    """What the checkpoint's state belongs to (``signing.run_identity``): a resume with another
+    model, architecture, algorithm or precision is refused."""
+    return signing.run_identity(worker.models[Role.ACTOR], worker.workload)
 
 
 def _state_dict(worker: Worker, plan: Plan) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from nereus.errors import ConfigError, InfeasibleError, NereusError
 from nereus.runtime import outdir, signing
 from nereus.runtime.signals import exit_code
 from nereus.runtime.signals import name as signal_name
-from nereus.spec.files import nonempty_path
+from nereus.spec.files import nonempty_path, shorten
 
 T = TypeVar("T")
 
@@ -133,6 +133,13 @@ def preflight(
     if spec.tokenizer:
         check_folder(spec.tokenizer)
     _keyed("policy", policy_config, spec.policy)
+    check_weights(spec)
+    roles = {ms.role.value for ms in workload.workflow().model_stages}
+    for role in ("critic", "reward"):  # weights for a model the workload does not run would do nothing
+        if getattr(spec.init, role) and role not in roles:
+            raise ConfigError(
+                f"init.{role}: {workload.name} has no {role} model (its models: {', '.join(sorted(roles))})"
+            )
     for role in ("actor", "reward", "critic"):
         path = spec.weights_of(role)
         if path and not (Path(path) / "config.json").is_file():
@@ -141,7 +148,7 @@ def preflight(
         outdir.check(folder, resume, force)
     first = 0
     if resume:
-        first = check_checkpoint(folder, {"model": model.name, "workload": workload.name}) + 1
+        first = check_checkpoint(folder, signing.run_identity(model, workload)) + 1
     if local:
         check_plan(spec, spec.workers, spec.max_new_tokens_at(first))
     if not child:
@@ -151,6 +158,23 @@ def preflight(
     elif _child_has_work(spec, engines):
         _checks_in_a_child(spec)
     return first
+
+
+def check_weights(spec: Any) -> None:
+    """A ``model:`` folder the actor starts from holds safetensors weights: a folder without them
+    (``pytorch_model.bin`` only, or a config alone) would silently start every role from random
+    weights. A shipped model or a model YAML starts from random weights by design."""
+    folder = spec.model_folder()
+    if folder is None or spec.init.path("actor") or any(folder.glob("*.safetensors")):
+        return
+    found = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+    what = f"found {', '.join(found[:3])}" if found else "no weight files"
+    raise ConfigError(
+        f"model: {shorten(str(folder), 200)} holds no *.safetensors weights ({what}); every role would "
+        "start from random weights (allowed: a folder with safetensors — transformers' "
+        "save_pretrained(..., safe_serialization=True) writes them —, init.actor naming one, or a "
+        "shipped model or model YAML for random weights)"
+    )
 
 
 def _child_has_work(spec: Any, engines: dict[str, str]) -> bool:
@@ -169,7 +193,7 @@ def _child_has_work(spec: Any, engines: dict[str, str]) -> bool:
     return not imports_known(engines, default_cache())
 
 
-def check_checkpoint(folder: Path, expected: dict[str, str]) -> int:
+def check_checkpoint(folder: Path, expected: dict[str, Any]) -> int:
     """``--resume``: the latest checkpoint under ``folder`` verifies with the run's key and was
     written for ``expected``'s model and workload. Returns its step."""
     ckpts = folder / "checkpoints"

@@ -250,6 +250,11 @@ class ExperimentSpec:
             raise ValueError(
                 "dataset and data: name one prompt file (data: in verl or qa layout, or dataset:)"
             )
+        if (self.dataset or self.data is not None) and self.task != TaskSpec():
+            raise ValueError(
+                f"task and {'dataset' if self.dataset else 'data'}: the generated task's settings do "
+                "nothing when a prompt file is named (allowed: one of task:, data:, dataset:)"
+            )
         for name in ("seed", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
@@ -292,14 +297,24 @@ class ExperimentSpec:
         auto = max(COLLECTIVE_TIMEOUT_S, COLLECTIVE_TIMEOUT_STEPS * slowest_step_s)
         return min(auto, COLLECTIVE_TIMEOUT_RANGE_S[1])
 
+    def model_folder(self) -> Path | None:
+        """The Hugging Face folder ``model:`` names: the folder itself, or the folder of a
+        ``config.json`` named directly; None for a shipped model or a model YAML."""
+        path = Path(self.model)
+        if path.is_dir():
+            return path
+        return path.parent if path.name == "config.json" and path.is_file() else None
+
     def weights_of(self, role: str) -> str:
         """The Hugging Face folder ``role`` starts from: its ``init:`` folder, else the ``model:``
-        folder when it holds weights (a value head then starts at zero), else none."""
+        folder when it holds weights (a value head then starts at zero), else none (random
+        weights: a shipped model or a model YAML; ``nereus run`` refuses a model folder without
+        weights, ``command.check_weights``)."""
         named = self.init.path(role)
         if named:
             return named
-        folder = Path(self.model)
-        if folder.is_dir() and any(folder.glob("*.safetensors")):
+        folder = self.model_folder()
+        if folder is not None and any(folder.glob("*.safetensors")):
             return str(folder)
         return ""
 

@@ -24,10 +24,15 @@ import os
 import re
 import secrets
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nereus.errors import ConfigError
+
+if TYPE_CHECKING:
+    from nereus.spec.model import ModelSpec
+    from nereus.spec.workload import WorkloadSpec
 
 MANIFEST = "manifest.json"
 SIGNATURE = "manifest.sig"
@@ -186,14 +191,52 @@ def verify(folder: Path, key: bytes, rank: int = 0, world: int = 1) -> Manifest:
     return Manifest(folder, dict(files))
 
 
-def check_identity(path: Path, meta: dict[str, Any], expected: dict[str, str], prefix: str = "") -> None:
-    """A checkpoint resumes only the model and workload that wrote it (``meta.json``'s)."""
+# the model fields that shape a checkpoint's tensors (every role's model is the actor's, with a
+# head): a folder of the same name holding another architecture must not be resumed into
+STATE_FIELDS = (
+    "family", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "intermediate_size", "vocab_size", "head_dim", "tie_word_embeddings", "qk_norm", "attention_bias",
+)  # fmt: skip
+
+
+def run_identity(model: ModelSpec, workload: WorkloadSpec) -> dict[str, Any]:
+    """What a checkpoint's state belongs to (``meta.json``): the model's and workload's names, the
+    model's state-shaping fields, and the workload's algorithm (which trainers hold state) and
+    precision (whether fp32 master weights exist)."""
+    arch = {f: getattr(model, f) for f in STATE_FIELDS}
+    return {
+        "model": model.name,
+        "workload": workload.name,
+        "architecture": {k: v.value if isinstance(v, Enum) else v for k, v in arch.items()},
+        "algorithm": workload.algorithm.value,
+        "precision": workload.precision.value,
+    }
+
+
+def check_identity(path: Path, meta: dict[str, Any], expected: dict[str, Any], prefix: str = "") -> None:
+    """A checkpoint resumes only the model and workload that wrote it (``meta.json``'s): the same
+    names, and — where the checkpoint records them (written since they were) — the same
+    architecture, algorithm and precision, the first difference named in one line."""
     found = {k: meta.get(k) for k in ("model", "workload")}
     if found != {k: expected[k] for k in ("model", "workload")}:
         raise ConfigError(
             f"{prefix}{path} was written for model {found['model']} and workload {found['workload']}; "
             f"this run has model {expected['model']} and workload {expected['workload']}"
         )
+    arch = meta.get("architecture")
+    if isinstance(arch, dict):
+        for field, want in expected["architecture"].items():
+            if field in arch and arch[field] != want:
+                raise ConfigError(
+                    f"{prefix}{path} was written for a model {expected['model']} with {field} "
+                    f"{arch[field]!r}; this run's has {want!r} (another architecture under the same name)"
+                )
+    for key in ("algorithm", "precision"):
+        if key in meta and meta[key] != expected[key]:
+            raise ConfigError(
+                f"{prefix}{path} was written for workload {expected['workload']} with {key} "
+                f"{meta[key]!r}; this run's has {expected[key]!r} (its state does not fit)"
+            )
 
 
 # ------------------------------------------------------------------ the latest pointer

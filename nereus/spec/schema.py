@@ -200,6 +200,9 @@ def _type_name(tp: Any) -> str:
         return f"mapping of {_type_name(val)}"
     if tp is type(None):
         return "null"
+    if dataclasses.is_dataclass(tp):  # a nested section: name its keys, not our class
+        keys = [f.name for f in dataclasses.fields(tp) if f.init]
+        return f"a mapping with keys {', '.join(keys[:8])}{', …' if len(keys) > 8 else ''}"
     return getattr(tp, "__name__", str(tp))
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nereus.backends.protocol import Generation, TokenBatch
+from nereus.backends.protocol import Generation, GenerationStats, TokenBatch
 from nereus.backends.sampling import SamplingParams, sample
 from nereus.backends.torch_native.stage import BoundStage
 from nereus.spec.model import Head
@@ -77,7 +77,10 @@ def generate(
         slot = plen + step
         valid[:, slot] = alive[-1].long()
         out = b.run_pass(tok[:, None], valid[:, : slot + 1], caches, slot, (count + step)[:, None])
+    kept = torch.stack(alive, 1).long().cpu()
+    # what the engine did, as vLLM's reports it: tokens generated, passes over the batch (the
+    # prefill and each decode), the share of the (preallocated) KV cache filled at the end
+    stats = GenerationStats(int(kept.sum()), len(tokens), min(1.0, (plen + len(tokens)) / capacity))
     return Generation(
-        prompts.ids, prompts.valid, torch.stack(tokens, 1).cpu(), torch.stack(alive, 1).long().cpu(),
-        torch.stack(logps, 1).cpu(),
-    )  # fmt: skip
+        prompts.ids, prompts.valid, torch.stack(tokens, 1).cpu(), kept, torch.stack(logps, 1).cpu(), stats
+    )
