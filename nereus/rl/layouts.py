@@ -79,7 +79,12 @@ def _column(raw: Mapping[str, Any], key: str, where: str) -> Any:
     value: Any = raw
     for part in key.split("."):
         if not isinstance(value, Mapping) or part not in value:
-            raise ConfigError(f"{where}: missing column {key!r}")
+            there = ", ".join(sorted(str(k) for k in value)[:12]) if isinstance(value, Mapping) else ""
+            found = f"the row has {there}; " if there else ""
+            raise ConfigError(
+                f"{where}: missing column {key!r} ({found}data.prompt_key, question_key, answer_key and "
+                "source_key name the columns)"
+            )
         value = value[part]
     return value
 

@@ -171,9 +171,9 @@ def check_weights(spec: Any) -> None:
     what = f"found {', '.join(found[:3])}" if found else "no weight files"
     raise ConfigError(
         f"model: {shorten(str(folder), 200)} holds no *.safetensors weights ({what}); every role would "
-        "start from random weights (allowed: a folder with safetensors — transformers' "
-        "save_pretrained(..., safe_serialization=True) writes them —, init.actor naming one, or a "
-        "shipped model or model YAML for random weights)"
+        "start from random weights (allowed: a folder with *.safetensors, as transformers' "
+        "save_pretrained writes by default; init.actor naming one; or a shipped model or a model "
+        "YAML for random weights)"
     )
 
 
@@ -294,18 +294,22 @@ def torch_checks(spec: Any) -> None:
         if not path:
             continue
         folder, wanted = Path(path), model.with_head(head)
+        # where the user named these weights: an init: entry, else the model: folder
+        label = (
+            f"init.{role}" if spec.init.path(role) else ("model" if role == "actor" else f"model ({role})")
+        )
         try:
             hf.check_compatible(wanted, hf.read_config(folder), folder)
         except ConfigError as exc:
-            raise ConfigError(f"init.{role}: {exc}") from None
+            raise ConfigError(f"{label}: {exc}") from None
         try:
             reader = hf.SafetensorsReader(folder)
         except ConfigError as exc:
-            raise ConfigError(f"init.{role}: {path} has no weights ({exc})") from None
+            raise ConfigError(f"{label}: {path} has no weights ({exc})") from None
         absent = sorted({f for f in reader.files.values() if not f.is_file()})
         if absent:
             what = "not a file" if absent[0].exists() else "missing"
-            raise ConfigError(f"init.{role}: {path}: the weights index names {absent[0]}, which is {what}")
+            raise ConfigError(f"{label}: {path}: the weights index names {absent[0]}, which is {what}")
         shapes = {s.source: s.full_shape for s in shards(wanted, Layout(1, 1), 0, 0)}
         needed = set(shapes)
         if head is Head.VALUE:
@@ -313,17 +317,17 @@ def torch_checks(spec: Any) -> None:
         missing = sorted(needed - reader.names())
         if missing:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-            raise ConfigError(f"init.{role}: {path} has no weights for {missing[0]}{more}")
+            raise ConfigError(f"{label}: {path} has no weights for {missing[0]}{more}")
         for name in sorted(needed & reader.names()):  # from the headers: no tensor is read
             try:
                 reader.check_header(name, shapes[name])
             except ConfigError as exc:
-                raise ConfigError(f"init.{role}: {exc}") from None
+                raise ConfigError(f"{label}: {exc}") from None
         unused = sorted(n for n in reader.names() - needed if not hf.unused_is_harmless(n))
         if unused:
             more = f" and {len(unused) - 1} more" if len(unused) > 1 else ""
             raise ConfigError(
-                f"init.{role}: {path} holds {unused[0]}{more}, which {wanted.name} does not have "
+                f"{label}: {path} holds {unused[0]}{more}, which {wanted.name} does not have "
                 "(another architecture: its config.json does not describe these weights)"
             )
 
