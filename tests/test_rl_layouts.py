@@ -150,3 +150,12 @@ def test_a_template_substitutes_a_bare_question_only(template: str) -> None:
     with pytest.raises(ValueError, match=r"only a bare \{question\} may be substituted"):
         RecordLayout("qa", template=template)
     assert RecordLayout("qa", template="Q: {question} {{A}}:").template == "Q: {question} {{A}}:"
+
+
+def test_a_float_answer_column_reads_as_written_in_positional_notation() -> None:
+    """Parquet float columns: str(1e16) is '1e+16', which a verifier reads as 1."""
+    from nereus.rl.layouts import _text
+
+    assert [_text(v, "f: row 0", "answer") for v in (1e16, 72.0, 3.5, 2.5e-3, 18)] == [
+        "10000000000000000", "72", "3.5", "0.0025", "18",
+    ]  # fmt: skip

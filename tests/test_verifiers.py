@@ -21,6 +21,7 @@ from nereus.rl.math_answers import (
 )
 from nereus.rl.verifiers import (
     VERIFIERS,
+    answer_math,
     boxed_math,
     by_source,
     exact,
@@ -244,7 +245,8 @@ def test_registry_names_and_error() -> None:
     assert get_verifier("boxed") is boxed_math
     assert get_verifier("exact") is exact
     assert get_verifier("by_source") is by_source
-    allowed = "boxed, by_source, exact, exact_answer, exact_match, gsm8k, math, none"
+    assert get_verifier("answer_line") is answer_math
+    allowed = "answer_line, boxed, by_source, exact, exact_answer, exact_match, gsm8k, math, none"
     assert ", ".join(sorted(VERIFIERS)) == allowed
     with pytest.raises(ConfigError, match=rf"^unknown verifier 'regex' \(allowed: {allowed}\)$"):
         get_verifier("regex")
@@ -267,10 +269,11 @@ def test_by_source_placeholder_names_score_by_source() -> None:
         ("lighteval/MATH", boxed_math),
         ("HuggingFaceH4/MATH-500", boxed_math),
         ("math", boxed_math),
-        ("math_dapo", boxed_math),
+        ("math_dapo", answer_math),
         ("numina_synthetic_math", boxed_math),
         ("numina_cn_k12", boxed_math),
-        ("aime2024", boxed_math),
+        ("aime2024", answer_math),
+        ("AIME_2024", answer_math),
         ("MyOrg/Hard-Math", boxed_math),
     ],
 )
@@ -300,3 +303,60 @@ def test_score_by_source_checks_every_source_and_length_first() -> None:
         score_by_source(["#### 1", "#### 2"], ["1", "2"], ["gsm8k", "squad"])
     with pytest.raises(ValueError, match="2 responses, 2 answers and 1 sources"):
         score_by_source(["1", "2"], ["1", "2"], ["gsm8k"])
+
+
+# ------------------------------------------------------------------ answers real models write
+MATRIX = "\\begin{pmatrix} 3 \\\\ -1 \\end{pmatrix}"
+
+
+@pytest.mark.parametrize(
+    ("verifier", "response", "answer", "reward"),
+    [
+        # a later markdown heading after the answer's marker (verl's strict pattern takes 18)
+        (gsm8k, "#### 18\n\n#### Step 2: verify 9*2", "18", 1.0),
+        (gsm8k, "#### The answer is 18", "18", 1.0),
+        # TeX thousands separators, an en dash for minus
+        (gsm8k, "\\boxed{1{,}234}", "1234", 1.0),
+        (gsm8k, "#### 1,\\!234", "1234", 1.0),
+        (gsm8k, "so \\boxed{1\\,234}", "1,234", 1.0),
+        (gsm8k, "The answer is \u20133", "-3", 1.0),
+        (gsm8k, "pages 3\u20135", "5", 1.0),  # after a digit a dash is an operator
+        # integers compare exactly; a decimal within 1e-6 of a fraction still counts
+        (boxed_math, "\\boxed{1048575}", "1048576", 0.0),
+        (boxed_math, "\\boxed{999999}", "1000000", 0.0),
+        (boxed_math, "\\boxed{0.333333}", "\\frac{1}{3}", 1.0),
+        (boxed_math, "\\boxed{\\frac{4}{2}}", "2", 1.0),
+        # a matrix's rows, spaced or not; a two-letter left-hand side
+        (boxed_math, f"\\boxed{{{MATRIX}}}", "\\begin{pmatrix}3\\\\-1\\end{pmatrix}", 1.0),
+        (boxed_math, f"\\boxed{{{MATRIX}}}", "\\begin{pmatrix}3-1\\end{pmatrix}", 0.0),
+        (boxed_math, "\\boxed{BC=12}", "12", 1.0),
+        # DAPO-Math and AIME: the final "Answer:" line (else the last box)
+        (answer_math, "Let me think.\nAnswer: 42", "42", 1.0),
+        (answer_math, "... \\boxed{41}\nAnswer: 42", "42", 1.0),
+        (answer_math, "Answer: \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        (answer_math, "no line, but \\boxed{42}", "42", 1.0),
+        (answer_math, "Answer: 41", "42", 0.0),
+        (answer_math, "Answer: 42" + " more reasoning" * 40, "42", 0.0),  # not near the end
+        (answer_math, "nothing", "42", 0.0),
+    ],
+)  # fmt: skip
+def test_answers_real_models_write(verifier: object, response: str, answer: str, reward: float) -> None:
+    assert verifier(response, answer) == reward  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        "The answer is 0." + "3" * 5000,  # cut off in a run of digits: past Python's 4,300-digit limit
+        "3." + "1415926535" * 450,
+        "\\boxed{" + "5" * 5000 + "}",
+        "\\boxed{\\frac{" + "1" * 5000 + "}{2}}",
+        "\\boxed{" + "1+\\frac{1}{" * 500 + "2" + "}" * 500 + "}",  # deeper than Python recurses
+        "\\boxed{" + "\\text{" * 16000 + "a" + "}" * 16000 + "}",  # quadratic when normalised
+        "Answer: " + "9" * 5000,
+    ],
+)
+def test_degenerate_responses_score_zero_and_never_raise(response: str) -> None:
+    """One response must not stop a step: a verifier scores it 0 (quickly), whatever it holds."""
+    for verifier in (gsm8k, boxed_math, answer_math):
+        assert verifier(response, "5") == 0.0

@@ -14,9 +14,11 @@ file, the row and the column. Pure (no torch).
 
 from __future__ import annotations
 
+import math
 import string
 from collections.abc import Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 from nereus.errors import ConfigError
@@ -93,7 +95,12 @@ def _text(value: Any, where: str, key: str) -> str:
     """A string column (a number in a ground-truth column reads as its text)."""
     if isinstance(value, bool) or not isinstance(value, str | int | float):
         raise ConfigError(f"{where}: column {key!r}: expected a string, got {value!r}")
-    text = str(value)
+    # a float column as written in positional notation (str(1e16) is '1e+16', which reads as 1)
+    text = (
+        format(Decimal(repr(value)), "f") if isinstance(value, float) and math.isfinite(value) else str(value)
+    )
+    if text.endswith(".0") and isinstance(value, float):
+        text = text[:-2]
     if not text.strip():
         raise ConfigError(f"{where}: column {key!r}: must not be empty")
     return text

@@ -1,15 +1,20 @@
 """Final answers in model text (pure: stdlib only): the number a GSM8K solution ends with, the last
 ``\\boxed{}`` of a MATH solution, and when two MATH answers are the same.
 
-GSM8K (``gsm8k_number``): the number after the last ``####``, or (flexible extraction, as verl's
-and lm-eval's "flexible-extract") the last number in the text when there is no marker. A number
-may carry a sign, a ``$``, thousands commas and decimals; ``1,234``, ``$1234`` and ``1234.`` are
-the same, and numbers compare by exact value (``3.50 == 3.5``, ``-0 == 0``).
+GSM8K (``gsm8k_number``): the number right after the last ``####`` that one follows (a later
+``#### Step 2`` heading does not count), or (flexible extraction, as verl's and lm-eval's
+"flexible-extract") the last number in the text when there is no marker. A number may carry a
+sign (a Unicode minus or an en dash too), a ``$``, thousands commas (TeX's ``{,}`` and ``\\,``
+as well) and decimals; ``1,234``, ``$1234`` and ``1234.`` are the same, and numbers compare by
+exact value (``3.50 == 3.5``, ``-0 == 0``). A number of more than ``MAX_NUMBER_CHARS`` characters
+(a response cut off in a run of digits) is not read.
 
 MATH (``last_boxed``, ``normalize_math``, ``math_equal``): the content of the last ``\\boxed{...}``
 or ``\\fbox{...}`` with nested braces balanced. Two answers are equal when their normal forms are
-the same string, or when both are numbers (an integer, a decimal, ``\\frac{a}{b}`` or ``a/b``)
-within a relative 1e-6. The normal form follows Hendrycks et al.'s MATH ``strip_string``, in order:
+the same string, or when both are the same number (an integer, a decimal, ``\\frac{a}{b}`` or
+``a/b``): exactly, or within a relative 1e-6 when either is written with decimals. DAPO-style
+"Answer: X" lines are read by ``answer_line``. The normal form follows Hendrycks et al.'s MATH
+``strip_string``, in order:
 
 * ``\\\\frac`` (a doubled backslash before a command name) → ``\\frac``
 * ``\\$``, ``$``, ``\\left``, ``\\right``, ``\\displaystyle``, degree signs (``^\\circ``,
@@ -18,7 +23,8 @@ within a relative 1e-6. The normal form follows Hendrycks et al.'s MATH ``strip_
   starts with a space or the value ends in a digit (``5\\text{ cm}`` → ``5``); any other is reduced to
   its content (``\\text{(A)}`` → ``(A)``)
 * spacing (``\\!``, ``\\,``, ``\\;``, ``\\quad``, ``~``, ...) and all whitespace removed
-* a short variable on the left of the only ``=`` removed (``x = 3`` → ``3``)
+* a short variable (one or two letters, ``a_1``, ``\\theta``) on the left of the only ``=``
+  removed (``x = 3``, ``BC = 12`` → ``3``, ``12``); a matrix's row break ``\\\\`` kept
 * ``\\frac12`` → ``\\frac{1}{2}``, ``\\sqrt2`` → ``\\sqrt{2}`` (TeX's one-token arguments braced)
 * ``{,}`` → ``,``; thousands commas in a lone number dropped (``10,000`` → ``10000``)
 * a trailing ``.`` dropped; ``.5`` → ``0.5``; trailing decimal zeros dropped (``3.50`` → ``3.5``,
@@ -32,9 +38,18 @@ from fractions import Fraction
 
 GSM8K_MARKER = "####"
 REL_TOL = Fraction(1, 10**6)
+# a number of more digits is no answer (a response cut off inside a run of digits): it is not
+# read, so Python's 4,300-digit conversion limit is never met
+MAX_NUMBER_CHARS = 100
+# a box holding more is no answer either: it is compared as written, not normalised (a deeply
+# nested one would recurse past Python's limit, a long ``\text`` chain take quadratic time)
+MAX_ANSWER_CHARS = 1000
 
 # ------------------------------------------------------------------ GSM8K numbers
-_NUMBER = re.compile(r"[-+\u2212]?\$?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)")
+_MINUS = "\u2212\u2013"  # Unicode minus, en dash (as typeset answers write a negative number)
+_NUMBER = re.compile(rf"[-+{_MINUS}]?\$?(?:(?:\d{{1,3}}(?:,\d{{3}})+|\d+)(?:\.\d+)?|\.\d+)")
+# TeX's thousands separators between digits: ``1{,}234``, ``1,\!234`` → ``1,234``; ``1\,234`` → ``1234``
+_TEX_THOUSANDS = re.compile(r"(?<=\d)(?:\{,\}|,\\!|(\\[,!]))(?=\d{3}(?!\d))")
 
 
 def numbers(text: str) -> list[str]:
@@ -49,25 +64,43 @@ def numbers(text: str) -> list[str]:
         operator = j >= 0 and (text[j].isdigit() or text[j] in ")]}")
         if j == m.start() - 1 >= 0:  # nothing between: right after a letter is an operator too
             operator = operator or text[j].isalpha() or text[j] == "_"
-        if s[0] in "-+\u2212" and operator:
+        if s[0] in "-+" + _MINUS and operator:
             s = s[1:]
         found.append(s)
     return found
 
 
+_TO_HYPHEN = str.maketrans(dict.fromkeys(_MINUS, "-"))
+
+
+def _untex_thousands(text: str) -> str:
+    return _TEX_THOUSANDS.sub(lambda m: "" if m.group(1) else ",", text)
+
+
 def to_number(text: str) -> Fraction | None:
     """The value of one number written with optional sign, ``$``, thousands commas, decimals and a
     trailing period (``" -$1,234.50. "`` → -1234.5), or None if ``text`` is not one."""
-    s = text.strip().replace("\u2212", "-").replace("$", "").replace(",", "").rstrip(".")
+    s = text.strip().translate(_TO_HYPHEN).replace("$", "").replace(",", "").rstrip(".")
     s = s.removeprefix("+")
-    if re.fullmatch(r"-?(?:\d+(?:\.\d*)?|\.\d+)", s) is None:
+    if len(s) > MAX_NUMBER_CHARS or re.fullmatch(r"-?(?:\d+(?:\.\d*)?|\.\d+)", s) is None:
         return None
     return Fraction(s)
 
 
+_MARKED = re.compile(re.escape(GSM8K_MARKER) + r"[ \t]*")
+
+
 def gsm8k_number(text: str, flexible: bool = True) -> Fraction | None:
-    """The first number after the last ``####`` in ``text``; with no marker, the last number in
-    ``text`` if ``flexible``, else None. None also when the marker is followed by no number."""
+    """The number right after the last ``####`` that a number follows (as verl's strict
+    ``#### (-?[0-9.,]+)``: a later ``#### Step 2`` heading does not hide it); else the first
+    number after the last ``####``; with no marker, the last number in ``text`` if ``flexible``,
+    else None. None also when no marker is followed by a number. TeX thousands separators
+    (``1{,}234``, ``1\\,234``) read as in print."""
+    text = _untex_thousands(text)
+    for m in reversed(list(_MARKED.finditer(text))):
+        number = _NUMBER.match(text, m.end())  # right after the marker: a sign is the number's
+        if number is not None:
+            return to_number(number.group())
     _, marker, tail = text.rpartition(GSM8K_MARKER)
     if marker:
         after = numbers(tail)
@@ -79,7 +112,7 @@ def gsm8k_number(text: str, flexible: bool = True) -> Fraction | None:
 def gsm8k_ground_truth(answer: str) -> Fraction | None:
     """A GSM8K answer: a number, or a full solution ending ``#### <number>`` (the number after the
     last marker counts); None if there is no number."""
-    found = numbers(answer.rpartition(GSM8K_MARKER)[2])
+    found = numbers(_untex_thousands(answer).rpartition(GSM8K_MARKER)[2])
     return to_number(found[0]) if found else None
 
 
@@ -122,6 +155,23 @@ def last_boxed(text: str) -> str | None:
     return token.group(1) if token else None
 
 
+# ------------------------------------------------------------------ "Answer: ..." lines
+ANSWER_TAIL_CHARS = 300  # verl's math_dapo reads the line within the response's last 300 characters
+_ANSWER_LINE = re.compile(r"(?i)answer\s*:\s*([^\n]+)")
+
+
+def answer_line(text: str) -> str | None:
+    """The final answer of a DAPO-style response ("... Answer: 42"): the content of the last
+    ``Answer:`` line within its last ``ANSWER_TAIL_CHARS`` characters (a box there gives its
+    content), else the response's last box; None if it has neither."""
+    found = _ANSWER_LINE.findall(text[-ANSWER_TAIL_CHARS:])
+    if not found:
+        return last_boxed(text)
+    line = found[-1].strip()
+    boxed = last_boxed(line)
+    return boxed if boxed is not None else line.rstrip(".")
+
+
 # ------------------------------------------------------------------ MATH normal form
 _TEXT = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|mbox|mathrm|mathbf|mathit)\s*\{")
 _UNIT_TAIL = re.compile(r"\s*(?:\^\{?\d\}?)?\s*\.?\s*")  # what may follow a unit: a power, a period
@@ -129,7 +179,8 @@ _REMOVED = re.compile(
     r"\\\$|\$|\\(?:left|right|displaystyle)(?![A-Za-z])|\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|°|\\%|%"
 )
 _SPACING = re.compile(r"\\(?:qquad|quad)(?![A-Za-z])|\\[!,;: ]|~|\s+")
-_VARIABLE = re.compile(r"[A-Za-z](?:_\{?\w+\}?)?|\\[A-Za-z]+")
+_VARIABLE = re.compile(r"[A-Za-z]{1,2}(?:_\{?\w+\}?)?|\\[A-Za-z]+")  # x, BC, a_1, \theta
+_ROW = "\x00"  # ``\\`` while the spacing rules run
 _BRACED_COMMAND = re.compile(r"\\(frac|sqrt)(?![A-Za-z])")
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _TRAILING_ZEROS = re.compile(r"(\d)\.(\d*[1-9])?0+(?!\d)")
@@ -191,6 +242,7 @@ def _trim_zeros(m: re.Match[str]) -> str:
 def normalize_math(answer: str) -> str:
     """``answer``'s normal form (module docstring): equal forms are the same answer."""
     s = re.sub(r"\\\\(?=[A-Za-z])", r"\\", answer)
+    s = s.replace("\\\\", _ROW)  # a matrix row break, never a backslash before spacing (``\\ 2``)
     s = _REMOVED.sub("", s)
     s = re.sub(r"\\[dt]frac(?![A-Za-z])", r"\\frac", s)
     s = _unwrap_text(s)
@@ -204,7 +256,7 @@ def normalize_math(answer: str) -> str:
     if _THOUSANDS.fullmatch(s):
         s = s.replace(",", "")
     s = re.sub(r"(?<!\d)\.(?=\d)", "0.", s)
-    return _TRAILING_ZEROS.sub(_trim_zeros, s)
+    return _TRAILING_ZEROS.sub(_trim_zeros, s).replace(_ROW, "\\\\")
 
 
 _DECIMAL = r"-?\d+(?:\.\d+)?"
@@ -214,6 +266,8 @@ _FRACTION = re.compile(rf"(-?)\\frac\{{({_DECIMAL})\}}\{{({_DECIMAL})\}}|({_DECI
 def math_number(normal: str) -> Fraction | None:
     """The value of a normal form that is a number: an integer or decimal, ``\\frac{a}{b}`` (with an
     optional sign before it) or ``a/b``; None otherwise (and for a zero denominator)."""
+    if len(normal) > MAX_NUMBER_CHARS:
+        return None
     if re.fullmatch(_DECIMAL, normal):
         return Fraction(normal)
     m = _FRACTION.fullmatch(normal)
@@ -228,11 +282,19 @@ def math_number(normal: str) -> Fraction | None:
 
 def math_equal(got: str, want: str) -> bool:
     """Whether two MATH answers (box contents or plain text) are the same: equal normal forms, or
-    numbers within a relative ``REL_TOL``. An empty answer equals nothing."""
+    the same number — exactly, or within a relative ``REL_TOL`` when either is written with
+    decimals (``0.333333`` for ``\\frac{1}{3}``; ``999999`` is not ``1000000``). An empty answer
+    equals nothing; one longer than ``MAX_ANSWER_CHARS`` only itself, as written."""
+    if max(len(got), len(want)) > MAX_ANSWER_CHARS:
+        return bool(got.strip()) and got.strip() == want.strip()
     a, b = normalize_math(got), normalize_math(want)
     if not a or not b:
         return False
     if a == b:
         return True
     x, y = math_number(a), math_number(b)
-    return x is not None and y is not None and abs(x - y) <= REL_TOL * max(abs(x), abs(y))
+    if x is None or y is None:
+        return False
+    if "." not in a and "." not in b:
+        return x == y
+    return abs(x - y) <= REL_TOL * max(abs(x), abs(y))

@@ -15,7 +15,10 @@ real data sets (answer extraction and normal forms in ``nereus.rl.math_answers``
 * ``gsm8k``: the number after the response's last ``####`` (or, with no marker, its last number)
   equals the answer's (a number, or a full GSM8K solution ending ``#### <number>``)
 * ``math`` (alias ``boxed``): the response's last ``\\boxed{...}`` equals the answer (itself boxed
-  or plain) under the MATH normal form, or as numbers within a relative 1e-6; no box scores 0
+  or plain) under the MATH normal form, or as the same number (within a relative 1e-6 where
+  either is written with decimals); no box scores 0
+* ``answer_line`` (DAPO-Math, AIME: verl's ``math_dapo``): the last ``Answer: ...`` line near the
+  response's end (else its last box) equals the answer as ``math`` compares them
 
 Verifiers are looked up by name (a workload with ``reward_model: false`` names one); an unknown
 name is a ``ConfigError``. A data set that mixes sources names ``by_source``: ``get_verifier``
@@ -32,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from nereus.errors import ConfigError
-from nereus.rl.math_answers import gsm8k_ground_truth, gsm8k_number, last_boxed, math_equal
+from nereus.rl.math_answers import answer_line, gsm8k_ground_truth, gsm8k_number, last_boxed, math_equal
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -93,6 +96,18 @@ def boxed_math(response_text: str, answer: str) -> float:
     return CORRECT if math_equal(got, answer if want is None else want) else 0.0
 
 
+def answer_math(response_text: str, answer: str) -> float:
+    """DAPO-Math and AIME rows, whose prompt asks for a final "Answer: X" line (verl's
+    ``math_dapo``): 1.0 if that line's answer (``answer_line``: the last ``Answer:`` line near the
+    end, else the last box) equals the answer under ``math_equal``, else 0. verl scores these
+    +1/−1; 1/0 here, as every verifier (the same advantages under GRPO's group normalisation)."""
+    got = answer_line(response_text)
+    if got is None:
+        return 0.0
+    want = last_boxed(answer)
+    return CORRECT if math_equal(got, answer if want is None else want) else 0.0
+
+
 def by_source(response_text: str, answer: str) -> float:
     """The ``by_source`` placeholder: a row's verifier depends on its data source, which this
     signature lacks, so calling it is an error naming ``score_by_source``."""
@@ -109,6 +124,7 @@ VERIFIERS: Mapping[str, Verifier] = {
     "gsm8k": gsm8k,
     "math": boxed_math,
     "boxed": boxed_math,
+    "answer_line": answer_math,
     "by_source": by_source,
     "none": no_verifier,
 }
@@ -120,7 +136,7 @@ SOURCES: Mapping[str, Verifier] = {
     "lighteval/MATH": boxed_math,
     "HuggingFaceH4/MATH-500": boxed_math,
     "math": boxed_math,
-    "math_dapo": boxed_math,
+    "math_dapo": answer_math,
     "numina_aops_forum": boxed_math,
     "numina_synthetic_math": boxed_math,
     "numina_amc_aime": boxed_math,
@@ -133,14 +149,17 @@ SOURCES: Mapping[str, Verifier] = {
 
 def verifier_for_source(data_source: str) -> Verifier:
     """The verifier of a verl ``data_source``: one of ``SOURCES``, else by the lower-cased name:
-    containing ``gsm8k`` → ``gsm8k``; containing ``math`` or starting ``aime`` or ``numina_`` →
-    ``math``. Any other source is a ``ConfigError``."""
+    containing ``gsm8k`` → ``gsm8k``; starting ``aime`` → ``answer_line`` (as verl routes them
+    to ``math_dapo``); containing ``math`` or starting ``numina_`` → ``math``. Any other source
+    is a ``ConfigError``."""
     if (verifier := SOURCES.get(data_source)) is not None:
         return verifier
     name = data_source.lower()
     if "gsm8k" in name:
         return gsm8k
-    if "math" in name or name.startswith(("aime", "numina_")):
+    if name.startswith("aime"):  # verl routes AIME to math_dapo's "Answer:" line
+        return answer_math
+    if "math" in name or name.startswith("numina_"):
         return boxed_math
     raise ConfigError(
         f"unknown data_source {data_source!r} (known: {', '.join(SOURCES)}; or a name containing "

@@ -108,8 +108,15 @@ Prompts = tuple[Tensor, Tensor, list[int]]  # prompt ids, their valid mask, one 
 BatchPrompts = tuple[Prompts, Prompts | None]  # the sampled rows' and (ReMax) the greedy rows'
 
 
-def make_worker(gpu: int, setup: JobSetup, devices: Devices, workdir: Path | None = None) -> Worker:
-    """This process's worker: the setup's models, AdamW per trainer role, engines per model-stage."""
+def make_worker(
+    gpu: int,
+    setup: JobSetup,
+    devices: Devices,
+    workdir: Path | None = None,
+    members: tuple[int, ...] | None = None,
+) -> Worker:
+    """This process's worker: the setup's models, AdamW per trainer role, engines per model-stage;
+    ``members``: the world's GPU ids in rank order (default: the default world's ranks)."""
     spec = setup.spec
     rl = spec.rl
     optim = {
@@ -120,7 +127,7 @@ def make_worker(gpu: int, setup: JobSetup, devices: Devices, workdir: Path | Non
     }
     worker = Worker(
         gpu, setup.workload, setup.models, setup.cluster, optim, spec.seed, setup.engine_of, devices, workdir,
-        spec.longest_response(),
+        spec.longest_response(), members,
     )  # fmt: skip
     worker.weights_of = spec.weights_of
     return worker

@@ -134,8 +134,7 @@ class JobLoop(Acting, Surviving):
     ) -> JobLoop:  # fmt: skip
         """Every initial member: the setup, the first plan, fresh or checkpointed state."""
         setup: JobSetup = broadcast(measured_setup(spec, out, m.log) if m.leader else None, JobSetup)
-        worker = make_worker(m.gpu, setup, m.devices, out)
-        worker.set_world(m.members)
+        worker = make_worker(m.gpu, setup, m.devices, out, m.members)
         time_groups(worker, spec, m)
         resume_from = ckpt.agreed_latest(out / "checkpoints", resume)
         first = ckpt.step_of(resume_from) + 1 if resume_from is not None else 0
@@ -162,8 +161,7 @@ class JobLoop(Acting, Surviving):
         m.form(members, generation)
         received: tuple[JobSetup, Plan, Change] = broadcast(None, tuple[JobSetup, Plan, Change])
         setup, plan, change = received
-        worker = make_worker(m.gpu, setup, m.devices, out)
-        worker.set_world(m.members)
+        worker = make_worker(m.gpu, setup, m.devices, out, m.members)  # GPU ids need not be 0…n − 1
         time_groups(worker, spec, m)
         if setup.workload.mode is ExecutionMode.ASYNC:
             worker.pending = share_pending(None)

@@ -69,6 +69,7 @@ class Worker(StageWork):
         self, gpu: int, workload: WorkloadSpec, models: Mapping[Role, ModelSpec], cluster: ClusterSpec,
         optim: Mapping[Role, AdamWConfig], seed: int, engines: Callable[[str], str],
         devices: Devices | None = None, workdir: Path | None = None, longest_response: int = 0,
+        members: tuple[int, ...] | None = None,
     ) -> None:  # fmt: skip
         self.gpu = gpu
         self.devices = devices or Devices(CPU)
@@ -113,7 +114,11 @@ class Worker(StageWork):
         self.sync_group: Any = None
         self.train_side_member = True  # async: this rank holds some model-stage other than actor.gen
         self.pending: dict[int, Batch] = {}  # async: batches generated ahead, by the step that trains on them
-        self.set_world(tuple(range(dist.get_world_size())) if dist.is_initialized() else (gpu,))
+        # the world's GPU ids in rank order: ``members`` (a generation's need not be 0…n − 1:
+        # newcomers joining as GPUs 4 and 6 beside 0–3), else the default world's or this GPU alone
+        if members is None:
+            members = tuple(range(dist.get_world_size())) if dist.is_initialized() else (gpu,)
+        self.set_world(members)
 
     def set_world(self, members: tuple[int, ...]) -> None:
         """The world (re-)formed with ``members`` (GPU ids, in rank order): groups and engines of
