@@ -31,6 +31,7 @@ from nereus.spec import (
     WorkloadSpec,
 )
 from nereus.spec.cluster import GIB
+from nereus.spec.workload import Recompute, Stage
 from tests.helpers import make_problem
 
 pytestmark = pytest.mark.pure
@@ -228,6 +229,19 @@ def test_urgent_space_can_rescue_a_plan() -> None:
     rescued = search(make_problem(gpus=8, response=8192, space=SearchSpace.urgent()))
     assert any(e.shape.recompute.value != "none" or e.shape.micro_batch < 4 for e in rescued.estimates)
     assert math.isfinite(rescued.step_latency_s)
+
+
+@pytest.mark.parametrize("recompute", list(Recompute))
+def test_the_workloads_recompute_is_what_its_trainers_are_planned_with(recompute: Recompute) -> None:
+    """``recompute: full`` in a workload YAML was read and then ignored: every trainer was priced
+    without recomputation (~25% too fast for an 8B GRPO trainer). The default space plans the
+    workload's; the urgent space may still choose any."""
+    problem = make_problem(gpus=16, response=1024, algo="grpo", recompute=recompute)
+    plan = search(problem).plan
+    trained = {
+        c.recompute for c in plan.candidates if problem.workflow.get(c.model_stage).stage is Stage.TRAIN
+    }
+    assert trained == {recompute}
 
 
 def test_flat_model_stages_are_planned_without_pipelining() -> None:

@@ -292,7 +292,13 @@ class Rows:
 
 
 def recomputes_of(problem: PlanningProblem, model_stage: ModelStage) -> tuple[Recompute, ...]:
-    return tuple(problem.space.recompute) if model_stage.stage is Stage.TRAIN else (Recompute.NONE,)
+    """A trainer's activation recomputation options: the workload's ``recompute`` in the default
+    space (what the user's training runs with), every option the space names otherwise (the
+    urgent path's, which may recompute to fit); none for inference and generation."""
+    if model_stage.stage is not Stage.TRAIN:
+        return (Recompute.NONE,)
+    options = tuple(problem.space.recompute)
+    return (problem.workload.recompute,) if options == (Recompute.NONE,) else options
 
 
 def enumerate_rows(problem: PlanningProblem, model_stage: ModelStage) -> Rows:
