@@ -14,6 +14,7 @@ loses worker 3 before step 1 and regains it before step 3:
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,8 @@ def test_a_deferred_move_lands_one_boundary_later_and_training_stays_exact(
 
     # the replan after step 1 ran beside step 2 and was dropped for the pool change before step 3
     log = (out / "membership.log").read_text()
-    assert "the decision deferred from step 1 (keep) is dropped: the pool changes" in log
+    # (its verdict, keep or admit, is the cost model's on these tiny plans; that it is dropped is the point)
+    assert re.search(r"the decision deferred from step 1 \((keep|admit)\) is dropped: the pool changes", log)
     assert "deferred" in rows[2]["monitor_parts"]  # type: ignore[operator]
     assert rows[2]["decision"] is None
     # the replan after step 3 ran beside step 4; its move is made at the boundary after step 4

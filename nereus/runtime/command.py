@@ -417,7 +417,7 @@ def _run(args: argparse.Namespace, out: Console) -> int:
     if end.signum is not None:
         print(f"nereus run: {_stopped(end.signum, end.forced, end.checkpoint)}", file=sys.stderr)
         return end.code
-    if end.code == ConfigError.exit_code:  # the leader printed the one line
+    if end.code == ConfigError.exit_code:  # the supervisor printed the worker's one line
         if not args.resume:  # bad input the workers found (NaN init weights): nothing half-written
             outdir.discard(folder, created)
         return end.code

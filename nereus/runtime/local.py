@@ -66,6 +66,8 @@ PRELOAD = (
     "rich.table",
 )
 STRAGGLER_S = 60.0  # how long the other workers may take to stop after the leader did
+ERRORS = ".start-errors"  # an initial worker's refusal, for the supervisor to print (``_fail``)
+PEER_LEFT = 1  # a worker's exit when a peer stopped during start-up (the peer's error is the job's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +141,10 @@ def launch_local(spec: ExperimentSpec, out: Path, resume: bool = False, force: b
     (out / RDZV).unlink(missing_ok=True)
     code = procs[0].exitcode
     code = 128 + signal.SIGKILL if code is None or code < 0 else code
+    recorded = _start_error(out)
+    if recorded is not None and code != 0:  # a worker refused to start: its one line, its code
+        code, line = recorded
+        print(f"nereus run: error: {line}", file=sys.stderr)
     try:
         found = signing.latest(out / "checkpoints")
     except NereusError:
@@ -176,11 +182,38 @@ def _exit(code: int) -> NoReturn:
     sys.exit(code)
 
 
-def _fail(leader: bool, exc: NereusError) -> NoReturn:
-    """A worker's clear error: one line from the leader, the error's exit code from every worker."""
-    if leader:
-        print(f"nereus run: error: {exc}", file=sys.stderr)
+class _PeerLeftError(NereusError):
+    """A peer stopped while the job started (a collective lost it): the peer's refusal is the
+    job's error, this worker only leaves."""
+
+    exit_code = PEER_LEFT
+
+
+def _fail(exc: NereusError, folder: Path | None = None, gpu: int = 0) -> NoReturn:
+    """A worker's clear error: the error's exit code; an initial worker also records its line
+    (``folder``/``ERRORS``/``gpu``) for the supervisor to print once (``_start_error``), whichever
+    worker found it (the one that reads the bad weights need not be the leader)."""
+    if folder is not None:
+        with contextlib.suppress(OSError):
+            (folder / ERRORS).mkdir(exist_ok=True)
+            (folder / ERRORS / f"gpu{gpu}").write_text(f"{exc.exit_code}\n{exc}")
     _exit(exc.exit_code)
+
+
+def _start_error(folder: Path) -> tuple[int, str] | None:
+    """The error an initial worker recorded (the lowest GPU's), as (exit code, line); None if
+    none did. The record is removed."""
+    found = None
+    errors = folder / ERRORS
+    for path in sorted(errors.glob("gpu*"), key=lambda p: int(p.name[3:]) if p.name[3:].isdigit() else 0):
+        with contextlib.suppress(OSError, ValueError):
+            code, _, line = path.read_text().partition("\n")
+            found = found or (int(code), line)
+    with contextlib.suppress(OSError):
+        for path in errors.glob("*"):
+            path.unlink()
+        errors.rmdir()
+    return found
 
 
 def member_main(
@@ -199,6 +232,7 @@ def member_main(
     from nereus.control.action import Outcome
     from nereus.devices import activate, choose
     from nereus.runtime import checkpoint as ckpt
+    from nereus.runtime.comm import is_peer_failure
     from nereus.runtime.loop import JobLoop
     from nereus.runtime.membership import Membership, Rendezvous
 
@@ -220,24 +254,29 @@ def member_main(
     def spawn(g: int) -> None:
         start([ctx.Process(target=joiner_main, args=(g, spec, out, secret, key), name=f"nereus-gpu{g}")])
 
-    status, error, behind = Outcome.DONE, None, False
+    status, error, behind, started = Outcome.DONE, None, False, False
     try:
         m.form(members, 0)
         local = spawn if gpu == 0 else None
         loop = JobLoop.start(m, spec, folder, resume, folder / "control", local, preemption)
+        started = True  # from here on the loop recovers from peers that leave
         status = loop.run()
         behind = loop.left_behind
     except NereusError as exc:
         error = exc
+    except Exception as exc:  # a peer that stopped at start-up (its error is recorded): no traceback
+        if not is_peer_failure(exc) or started:
+            raise
+        error = _PeerLeftError(f"GPU {gpu}: a peer left during start-up")
     finally:
         m.close()
     if error is not None:
-        _fail(gpu == 0, error)
+        _fail(error, None if isinstance(error, _PeerLeftError) else folder, gpu)
     if behind:
         try:
             status = _rejoin(gpu, spec, folder, secret, preemption, devices)
         except NereusError as exc:
-            _fail(False, exc)
+            _fail(exc)
     if status is Outcome.PREEMPTED:
         _exit(exit_code(preemption.signum or signal.SIGTERM))
 
@@ -259,12 +298,12 @@ def joiner_main(gpu: int | None, spec: ExperimentSpec, out: str, secret: bytes, 
     try:
         status, behind = _enter(gpu, spec, folder, secret, preemption, devices)
     except NereusError as exc:
-        _fail(False, exc)
+        _fail(exc)
     if behind:
         try:
             status = _rejoin(gpu, spec, folder, secret, preemption, devices)
         except NereusError as exc:
-            _fail(False, exc)
+            _fail(exc)
     if status is Outcome.PREEMPTED:
         _exit(exit_code(preemption.signum or signal.SIGTERM))
 
