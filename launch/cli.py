@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from launch import monitor, submit
@@ -142,17 +143,20 @@ def _is_number(value: Any) -> bool:
 
 
 def _print_status(doc: dict[str, Any], out: Console) -> None:
+    """The status lines; every value from the job folder is escaped (a path or a site named
+    ``a[/]b`` is text, not Rich markup)."""
+    e = _text
     out.print(
-        f"[bold]{doc['name']}[/] ({doc['kind']}, {doc['executor']}, site {doc['site']}) "
-        f"[bold]{doc['state']}[/] · {doc['nodes']} node(s) × {doc['tasks_per_node']} task(s) "
-        f"{'(torchrun) ' if doc.get('launcher') == 'torchrun' else ''}· {doc['folder']}"
+        f"[bold]{e(doc['name'])}[/] ({e(doc['kind'])}, {e(doc['executor'])}, site {e(doc['site'])}) "
+        f"[bold]{e(doc['state'])}[/] · {e(doc['nodes'])} node(s) × {e(doc['tasks_per_node'])} task(s) "
+        f"{'(torchrun) ' if doc.get('launcher') == 'torchrun' else ''}· {e(doc['folder'])}"
     )
     grown = {g["job_id"] for g in doc["grows"]}
     if doc["kind"] != "array":
         for job_id, state in doc["jobs"].items():
-            out.print(f"  {'grow' if job_id in grown else 'job'} {job_id}: {state}")
+            out.print(f"  {'grow' if job_id in grown else 'job'} {e(job_id)}: {e(state)}")
     for s in doc["shrinks"]:
-        out.print(f"  shrink request: {s['nodes']} node(s) ({s['file']})")
+        out.print(f"  shrink request: {e(s['nodes'])} node(s) ({e(s['file'])})")
     if doc["kind"] == "array":
         table = Table("task", "args", "state", "result", title_justify="left")
         for t in doc["tasks"]:
@@ -164,7 +168,7 @@ def _print_status(doc: dict[str, Any], out: Console) -> None:
                 result = f"ok, step {latency:.3f} s" if _is_number(latency) else "ok"
             else:
                 result = f"exit {t['exit_code']}: {t.get('error', '')}"
-            table.add_row(str(t["index"]), args, t["state"], result)
+            table.add_row(e(t["index"]), e(args), e(t["state"]), e(result))
         out.print(table)
         return
     p = doc.get("progress")
@@ -177,7 +181,12 @@ def _print_status(doc: dict[str, Any], out: Console) -> None:
         parts.append(f"reward {p['reward']:.3f}")
     if "gpus" in p:
         parts.append(f"{p['gpus']} GPUs")
-    out.print(f"  progress: {' · '.join(parts)}" + (f"\n  plan: {plan}" if plan else ""))
+    out.print(f"  progress: {e(' · '.join(parts))}" + (f"\n  plan: {e(plan)}" if plan else ""))
+
+
+def _text(value: Any) -> str:
+    """``value`` as literal text in a Rich line."""
+    return escape(str(value))
 
 
 def _job_command(args: argparse.Namespace, factory: submit.ExecutorFactory, runner: monitor.Runner) -> int:

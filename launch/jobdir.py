@@ -86,6 +86,9 @@ class ArrayTask:
             raise ValueError(f"index must be non-negative, got {self.index}")
         if self.job_id and not (self.job_id.isascii() and _JOB_ID.fullmatch(self.job_id)):
             raise ValueError(f"job_id: {self.job_id!r} is not a job id (digits, or A_i of an array)")
+        expected = f"results/task-{self.index:04d}.json"  # what status reads: inside the job folder
+        if self.output != expected:
+            raise ValueError(f"output: expected {expected!r} for task {self.index}, got {self.output!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -133,6 +136,11 @@ class JobRecord:
                 raise ValueError(control_error(name, getattr(self, name)))
         if self.version != 1:
             raise ValueError(f"version must be 1 (what this nereus-launch writes), got {self.version!r}")
+        if self.current_nodes <= 0:  # shrinks never take a job's last node
+            raise ValueError(
+                f"shrinks: {sum(s.nodes for s in self.shrinks)} node(s) drained of the "
+                f"{self.current_nodes + sum(s.nodes for s in self.shrinks)} the job had (at most one fewer)"
+            )
         if self.executor == "local":  # process ids: cancel signals them
             bad = [i for i in self.all_job_ids if not i.isascii() or not i.isdigit()]
             if bad:

@@ -123,6 +123,14 @@ def progress(folder: Path) -> dict[str, Any] | None:
     return None
 
 
+def _owned(folder: Path) -> bool:
+    """Whether this user owns ``folder`` (a record written there stays readable by its owner)."""
+    try:
+        return folder.stat().st_uid == os.getuid()
+    except OSError:
+        return False
+
+
 def status(folder: Path, run: Runner = run_command) -> dict[str, Any]:
     """Everything ``status`` shows, as one JSON-able mapping; the record's state is refreshed."""
     record = read_record(folder)
@@ -130,8 +138,9 @@ def status(folder: Path, run: Runner = run_command) -> dict[str, Any]:
     main = aggregate(list(states.values())) if states else record.state
     if main not in ("UNKNOWN", record.state):
         record = replace(record, state=main)
-        with contextlib.suppress(OSError):  # someone else's job folder: show it all the same
-            write_record(folder, record)
+        if _owned(folder):  # someone else's job folder (root's view too): shown, never rewritten
+            with contextlib.suppress(OSError):
+                write_record(folder, record)
     doc: dict[str, Any] = {
         "folder": str(folder), "name": record.name, "kind": record.kind, "site": record.site,
         "executor": record.executor, "launcher": record.launcher, "state": main,
@@ -242,6 +251,9 @@ class Follower:
         return printed
 
 
+UNKNOWN_CHECKS = 12  # state checks that read UNKNOWN in a row before a follow ends (~1 minute)
+
+
 def follow(
     files: Callable[[], list[Path]],
     state: Callable[[], str],
@@ -251,17 +263,20 @@ def follow(
 ) -> str:
     """Print the logs as they grow until the job is no longer active; returns its last state.
     The state is asked every few polls (sacct is not free). Without accounting a finished job
-    reads UNKNOWN: after an active state, that counts as the end too."""
+    reads UNKNOWN: after an active state, that counts as the end too, and so do
+    ``UNKNOWN_CHECKS`` UNKNOWN answers in a row (a job that ended before the follow began, or
+    squeue and sacct that cannot answer), which would otherwise be followed forever."""
     follower = Follower(out)
-    polls = 0
+    polls = unknown = 0
     seen_active = False
     while True:
         follower.poll(files())
         if polls % 5 == 0:
             current = state()
+            unknown = unknown + 1 if current == "UNKNOWN" else 0
             if current in ACTIVE:
                 seen_active = True
-            elif current != "UNKNOWN" or seen_active:
+            elif current != "UNKNOWN" or seen_active or unknown >= UNKNOWN_CHECKS:
                 follower.poll(files())
                 return current
         polls += 1

@@ -79,6 +79,11 @@ class Request:
             raise ValueError(f"folder must be absolute, got {self.folder!r}")
         if "%" in self.folder:  # SLURM expands %j, %t … in the log paths submitit derives from it
             raise ValueError(f"folder: '%' is not allowed (SLURM reads %j, %t … in it), got {self.folder!r}")
+        for name in ("folder", "partition", "account"):  # sbatch reads it as an escape, quoted or not
+            if "\\" in getattr(self, name):
+                raise ValueError(
+                    f"{name}: a backslash is not allowed in #SBATCH lines, got {getattr(self, name)!r}"
+                )
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {shown(self.launcher)}")
         if not 0 <= self.max_restarts <= MAX_RESTARTS:

@@ -37,6 +37,28 @@ RESERVED_SBATCH = frozenset(
         "requeue", "no-requeue",
     }
 )  # fmt: skip
+# sbatch and srun read a long flag's unambiguous abbreviation as the flag (getopt_long): a site's
+# ``part`` would be ``--partition``. These are options of their own despite being a reserved
+# flag's prefix (an exact name wins over an abbreviation).
+OWN_OPTIONS = frozenset({"gpus"})
+SRUN_RESERVED = ("mpi", "output", "error")  # srun flags the launcher sets (-o, -e: their short forms)
+
+
+def reserved_sbatch(key: str) -> bool:
+    """Whether ``--key`` is, or abbreviates, a flag the launcher sets itself."""
+    return key in RESERVED_SBATCH or (
+        key not in OWN_OPTIONS and any(r.startswith(key) for r in RESERVED_SBATCH)
+    )
+
+
+def reserved_srun(arg: str) -> bool:
+    """Whether an srun argument sets (or abbreviates) ``--mpi``, ``--output`` or ``--error``."""
+    if not arg.startswith("--"):
+        return arg.startswith(("-o", "-e"))
+    name = arg[2:].split("=", 1)[0]
+    return bool(name) and any(r.startswith(name) or name.startswith(r) for r in SRUN_RESERVED)
+
+
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SBATCH_NAME = re.compile(r"[a-z][a-z0-9-]*")
 
@@ -137,7 +159,7 @@ class Site:
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
         for arg in self.srun_args:
-            if not arg.startswith("-") or arg.startswith(("--mpi", "--output", "--error")):
+            if not arg.startswith("-") or reserved_srun(arg):
                 raise ValueError(f"srun_args: {arg!r} is not an srun flag the site may set (--mpi: use mpi)")
         for key, value in self.sbatch.items():
             if value is False:
@@ -146,7 +168,7 @@ class Site:
     def _check_text(self) -> None:
         """Flag and variable names, then every value the sbatch script gets: no control characters."""
         for key in self.sbatch:
-            if not _SBATCH_NAME.fullmatch(key) or key in RESERVED_SBATCH:
+            if not _SBATCH_NAME.fullmatch(key) or reserved_sbatch(key):
                 raise ValueError(f"sbatch: {key!r} is not a flag the site may set")
         for key in self.env:
             if not _ENV_NAME.fullmatch(key):

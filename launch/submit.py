@@ -165,18 +165,24 @@ def _request(**kwargs: Any) -> Request:
 
 def check_folder(flag: str, path: Path) -> None:
     """A folder whose path is written into the script: no control characters, no ``%`` (SLURM
-    reads ``%j``, ``%t`` … in the log paths submitit puts under it)."""
+    reads ``%j``, ``%t`` … in the log paths submitit puts under it), no ``\\`` (sbatch reads it
+    as an escape even inside quotes, and then stops expanding ``%j`` in those paths)."""
     text = str(path.absolute())
     check_text(flag, text)
-    if "%" in text:
-        why = "SLURM reads %j, %t … in the log paths under it"
-        raise ConfigError(f"{flag}: '%' is not allowed ({why}), got {shown(text)}")
+    for char, why in (("%", "SLURM reads %j, %t … in the log paths under it"),
+                      ("\\", "sbatch reads a backslash as an escape in #SBATCH lines")):  # fmt: skip
+        if char in text:
+            raise ConfigError(f"{flag}: {char!r} is not allowed ({why}), got {shown(text)}")
 
 
 def _common(opts: Options, site: Site) -> tuple[str, str, int]:
     for flag, value in (("--partition", opts.partition), ("--account", opts.account)):
         if value is not None:
             check_text(flag, value)
+            if "\\" in value:
+                raise ConfigError(
+                    f"{flag}: a backslash is not allowed (sbatch reads it as an escape), got {shown(value)}"
+                )
     check_folder("--jobs-root", opts.jobs_root)
     partition = opts.partition if opts.partition is not None else site.partition
     if partition and not opts.local:
@@ -375,6 +381,8 @@ def shrink(folder: Path, nodes: int) -> tuple[Path, JobRecord]:
         )
     if record.state in STATES_DONE:
         raise ConfigError(f"JOB: {record.name} is {record.state}; only a running job shrinks")
+    exp = load_experiment(folder / "experiment.yaml")  # what is left must still hold a plan, as grow checks
+    check_plan(exp.spec, (current - nodes) * record.tasks_per_node)
     request = ShrinkRequest(nodes)
     path = write_shrink(folder, request)
     record = replace(record, shrinks=(*record.shrinks, Shrink(nodes, now_iso(), request.file)))

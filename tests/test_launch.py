@@ -24,7 +24,7 @@ import yaml
 from launch.cli import main
 from launch.job import NodeJob, run_cli_task
 from launch.jobdir import read_record
-from launch.monitor import Follower, follow, slurm_states, status
+from launch.monitor import UNKNOWN_CHECKS, Follower, follow, slurm_states, status
 from launch.render import Request, render
 from launch.site import load_site, parse_time
 
@@ -234,10 +234,22 @@ def test_bad_site_file(tmp_path: Path, capsys: Any) -> None:
     site.write_text((ROOT / "slurm/templates/local.yaml").read_text() + "gpus: 4\n")
     code, _, err = launch(["submit", str(PPO_TINY), "--site", str(site), "--dry-run"], capsys)
     assert code == 2 and "unknown key 'gpus' (allowed: account, cpus_per_task, description, env," in err
-    for flag in ("nodes", "wrap", "ntasks", "chdir", "export", "dependency"):  # wrap: replaces the script
+    # wrap: replaces the script; out, part, arr: sbatch reads an abbreviation as the flag
+    for flag in ("nodes", "wrap", "ntasks", "chdir", "export", "dependency", "out", "part", "arr", "wra"):
         site.write_text(f"vendor: cpu\nsbatch: {{{flag}: x}}\n")
         code, _, err = launch(["submit", str(PPO_TINY), "--site", str(site), "--dry-run"], capsys)
         assert code == 2 and f"sbatch: '{flag}' is not a flag the site may set" in err, err
+    for arg in ("-o/tmp/x", "-e/tmp/y", "--out=z", "--mp=pmi2"):  # srun: the short forms, abbreviations
+        site.write_text(f"vendor: cpu\nsrun_args: ['{arg}']\n")
+        code, _, err = launch(["submit", str(PPO_TINY), "--site", str(site), "--dry-run"], capsys)
+        assert code == 2 and f"srun_args: '{arg}' is not an srun flag the site may set" in err, err
+    site.write_text("vendor: cpu\nsbatch: {gpus: 4, no-kill: true}\nsrun_args: [--overlap]\n")  # their own
+    assert launch(["submit", str(PPO_TINY), "--site", str(site), "--dry-run"], capsys)[0] == 0
+    for flag, value in (("--account", "a\\b"), ("--jobs-root", str(tmp_path / "x\\y"))):
+        code, _, err = launch(["submit", str(PPO_TINY), flag, value, "--dry-run"], capsys)
+        assert (
+            code == 2 and err.startswith(f"nereus-launch submit: error: {flag}: ") and "backslash" in err
+        ), err
 
 
 def test_missing_experiment_and_job_folders(tmp_path: Path, capsys: Any) -> None:
@@ -357,6 +369,8 @@ def test_grow_and_shrink(tmp_path: Path, capsys: Any, factory: Any, executors: A
     assert read_record(folder).current_nodes == 2
     code, _, err = launch(["shrink", str(folder), "--nodes", "2"], capsys)
     assert code == 2 and "--nodes: must be below the job's 2 node(s) (allowed: 1 to 1), got 2" in err
+    code, _, err = launch(["shrink", str(folder), "--nodes", "1"], capsys)  # one node cannot hold a plan
+    assert code == 2 and "--nodes: the planner cannot use 2 GPUs for ppo-tiny" in err, err
     assert len(list((folder / "control").iterdir())) == 1
 
 
@@ -439,6 +453,10 @@ def test_logs_follow(tmp_path: Path) -> None:
     assert text.count("more\n") == 5  # every append, once
     f = Follower(io.StringIO())
     assert f.poll([out_file]) and not f.poll([out_file])
+    # a job that ended before the follow began, without accounting: UNKNOWN from the start
+    checks: list[str] = []
+    last = follow(lambda: [], lambda: checks.append("?") or "UNKNOWN", io.StringIO(), sleep=lambda _: None)
+    assert last == "UNKNOWN" and len(checks) == UNKNOWN_CHECKS  # it ends instead of following forever
 
 
 # ------------------------------------------------------------------ arrays

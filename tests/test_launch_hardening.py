@@ -403,20 +403,76 @@ def test_damaged_job_folders_do_not_crash_status(tmp_path: Path, capsys: Any, fa
     assert code == 0 and json.loads(out)["tasks"][0]["exit_code"] is None
 
 
-def test_a_folder_that_cannot_be_written_is_one_line(
+def test_status_prints_markup_in_paths_as_text(tmp_path: Path, capsys: Any, factory: Any) -> None:
+    """A folder named ``q[/]`` (or ``[foo]``) is text in the status line, not Rich markup (a
+    MarkupError traceback, or the bracketed part silently dropped)."""
+    root = tmp_path / "q[/]"
+    assert launch(["submit", str(PPO_TINY), "--jobs-root", str(root)], capsys, factory=factory)[0] == 0
+    (folder,) = root.iterdir()
+    moved = folder.rename(root / "[foo]z")
+    code, out, err = launch(["status", str(moved)], capsys, runner=lambda argv: (1, "", ""))
+    assert code == 0 and str(moved) in out.replace("\n", ""), err
+
+
+def test_status_of_someone_elses_job_never_rewrites_its_record(
     tmp_path: Path, capsys: Any, factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Root (or anyone) showing another user's job: its refreshed state is shown, not written
+    (a rewritten job.json became root's, 0600, and locked its owner out)."""
+    root = tmp_path / "jobs"
+    assert launch(["submit", str(PPO_TINY), "--jobs-root", str(root)], capsys, factory=factory)[0] == 0
+    (folder,) = root.iterdir()
+    before = (folder / "job.json").read_bytes()
+    job_id = read_record(folder).job_ids[0]
+    running = {"runner": lambda argv: (0, f"{job_id}|RUNNING\n", "") if argv[0] == "squeue" else (1, "", "")}
+    me = os.getuid()
+    monkeypatch.setattr("launch.monitor.os.getuid", lambda: me + 1)
+    code, out, err = launch(["status", str(folder), "--json"], capsys, **running)
+    assert code == 0 and json.loads(out)["state"] == "RUNNING", err
+    assert (folder / "job.json").read_bytes() == before
+    monkeypatch.undo()
+    assert launch(["status", str(folder), "--json"], capsys, **running)[0] == 0
+    assert read_record(folder).state == "RUNNING"  # its owner's status does refresh it
+
+
+def test_a_record_that_drains_every_node_or_reads_outside_its_folder_is_refused(
+    tmp_path: Path, capsys: Any, factory: Any
 ) -> None:
     root = tmp_path / "jobs"
     assert launch(["submit", str(PPO_TINY), "--nodes", "2", "--jobs-root", str(root)], capsys,
                   factory=factory)[0] == 0  # fmt: skip
     (folder,) = root.iterdir()
+    record = json.loads((folder / "job.json").read_text())
+    shrink = {"nodes": 6, "created": record["created"], "file": "shrink-1.json"}
+    (folder / "job.json").write_text(json.dumps({**record, "shrinks": [shrink]}))
+    code, _, err = launch(["status", str(folder)], capsys, runner=lambda argv: (1, "", ""))
+    assert code == 2 and "shrinks: 6 node(s) drained of the 2 the job had" in err, err
+    assert launch(["array", str(SWEEP), "--jobs-root", str(root)], capsys, factory=factory)[0] == 0
+    (array,) = [p for p in root.iterdir() if p.name.startswith("plan-scaling")]
+    record = json.loads((array / "job.json").read_text())
+    record["tasks"][0]["output"] = "../../../../etc/shadow"
+    (array / "job.json").write_text(json.dumps(record))
+    code, _, err = launch(["status", str(array)], capsys, runner=lambda argv: (1, "", ""))
+    assert code == 2 and "output: expected 'results/task-0000.json' for task 0" in err, err
+
+
+def test_a_folder_that_cannot_be_written_is_one_line(
+    tmp_path: Path, capsys: Any, factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folders = []
+    for nodes in ("4", "2"):  # one to shrink (three nodes left hold a plan), one to grow
+        root = tmp_path / f"jobs{nodes}"
+        assert launch(["submit", str(PPO_TINY), "--nodes", nodes, "--jobs-root", str(root)], capsys,
+                      factory=factory)[0] == 0  # fmt: skip
+        folders += list(root.iterdir())
+    big, folder = folders
 
     def denied(path: Path, text: str, mode: int = 0o600) -> None:
         raise PermissionError(13, "Permission denied", str(path))
 
     monkeypatch.setattr(submit, "atomic_write", denied)  # grow's script
     monkeypatch.setattr("launch.jobdir.atomic_write", denied)  # shrink's request, job.json
-    code, out, err = launch(["shrink", str(folder), "--nodes", "1"], capsys)
+    code, out, err = launch(["shrink", str(big), "--nodes", "1"], capsys)
     assert code == 2 and not out and len(err.splitlines()) == 1
     assert err.startswith("nereus-launch shrink: error: ") and "Permission denied" in err
     code, _, err = launch(["grow", str(folder), "--nodes", "1"], capsys, factory=factory)
