@@ -249,14 +249,25 @@ def find_job(ref: str, root: Path) -> Path:
         return path
     if _JOB_ID.fullmatch(ref):
         wanted = ref.split("_", maxsplit=1)[0]
+        found = []
         for record_path in sorted(root.glob(f"*/{RECORD}")):
             try:
                 record = read_record(record_path.parent)
             except ConfigError:
                 continue
             if wanted in record.all_job_ids or ref in {t.job_id for t in record.tasks}:
-                return record_path.parent
+                found.append(record_path.parent)
+        if len(found) > 1:  # ids repeat across clusters and controller restarts: never guess
+            names = ", ".join(str(f) for f in found[:3])
+            raise ConfigError(
+                f"JOB: job id {ref} is in {len(found)} job folders under {root} ({names}); name the folder"
+            )
+        if found:
+            return found[0]
         raise ConfigError(f"JOB: no job folder at {ref!r} and no job with id {ref} under {root}")
+    with contextlib.suppress(OSError):
+        if path.exists():
+            raise ConfigError(f"JOB: {ref} is a file, not a job folder")
     raise ConfigError(f"JOB: no such job folder: {ref}")
 
 

@@ -246,6 +246,25 @@ def test_an_export_carries_its_companion_files_and_never_replaces_its_own(tmp_pa
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left
 
 
+def test_an_export_names_its_sources_special_token_ids(tmp_path: Path) -> None:
+    """The tokenizer folder's config.json ids (Llama 3.1: several eos ids) reach the export's
+    config.json, as its source had them; a bad value or no such file leaves them out."""
+    from nereus.spec import load_model
+
+    model = load_model("tiny-llama")
+    tensors = {"model.norm.weight": torch.ones(model.hidden_size)}
+    src = tmp_path / "tok"
+    src.mkdir()
+    (src / "tokenizer.json").write_text('{"version": "1.0"}')
+    (src / "config.json").write_text('{"bos_token_id": 1, "eos_token_id": [2, 3], "pad_token_id": "x"}')
+    hf.save(tmp_path / "out", model, tensors, (src / "tokenizer.json",))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["bos_token_id"] == 1 and config["eos_token_id"] == [2, 3] and "pad_token_id" not in config
+    (src / "config.json").unlink()
+    hf.save(tmp_path / "bare", model, tensors, (src / "tokenizer.json",))
+    assert "eos_token_id" not in json.loads((tmp_path / "bare" / "config.json").read_text())
+
+
 @pytest.mark.parametrize(
     ("change", "line"),
     [

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -257,6 +258,9 @@ def test_missing_experiment_and_job_folders(tmp_path: Path, capsys: Any) -> None
     assert code == 2 and "EXPERIMENT: no such file" in err
     code, _, err = launch(["status", str(tmp_path / "gone")], capsys)
     assert code == 2 and "JOB: no such job folder" in err
+    (tmp_path / "afile").write_text("x")
+    code, _, err = launch(["status", str(tmp_path / "afile")], capsys)
+    assert code == 2 and "is a file, not a job folder" in err, err
     (tmp_path / "empty").mkdir()
     code, _, err = launch(["logs", str(tmp_path / "empty")], capsys)
     assert code == 2 and "has no job.json (not a nereus-launch job folder)" in err
@@ -409,6 +413,9 @@ def test_status_without_accounting_is_unknown(tmp_path: Path, capsys: Any, facto
         code == 0 and "RUNNING" in out and "step 1" in out and "reward 0.250" in out and "tp1·pp1·dp4" in out
     )
     assert read_record(folder).state == "RUNNING"
+    shutil.copytree(folder, folder.with_name(folder.name + "-copy"))  # the same id in two folders
+    code, _, err = launch(["status", job_id, "--jobs-root", str(tmp_path / "jobs")], capsys, runner=queue)
+    assert code == 2 and f"job id {job_id} is in 2 job folders under" in err and "name the folder" in err
 
 
 def test_slurm_states_parse_sacct_and_squeue_arrays() -> None:

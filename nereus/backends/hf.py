@@ -193,11 +193,35 @@ def full_reader(
     return full
 
 
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _token_ids(companions: Sequence[Path]) -> dict[str, Any]:
+    """The special token ids of the companions' folder's ``config.json`` (the tokenizer's model,
+    usually the one trained from), so the export's config names them as its source did; none
+    when there is no such file or it does not parse."""
+    for folder in dict.fromkeys(p.parent for p in companions):
+        try:
+            source = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(source, dict):
+            return {k: source[k] for k in TOKEN_IDS if _token_id(source.get(k))}
+    return {}
+
+
+def _token_id(value: Any) -> bool:
+    """An id or a list of ids (Llama 3.1's several eos ids), as transformers writes them."""
+    ids = value if isinstance(value, list) else [value]
+    return bool(ids) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+
+
 def save(
     directory: Path, model: ModelSpec, tensors: Mapping[str, torch.Tensor], companions: Sequence[Path] = ()
 ) -> None:
     """Write ``config.json`` and safetensors (sharded above ``SHARD_BYTES``), atomically, with
-    copies of the ``companions`` files (a tokenizer's; never a config or a weights file)."""
+    copies of the ``companions`` files (a tokenizer's; never a config or a weights file); the
+    config names the special token ids of the companions' folder's config (``_token_ids``)."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
@@ -207,7 +231,8 @@ def save(
                 raise ValueError(f"{path}: a companion file may not replace the checkpoint's own")
             shutil.copyfile(path, tmp / path.name)
         dtype = next(iter(tensors.values())).dtype if tensors else torch.float32
-        (tmp / "config.json").write_text(json.dumps(hf_config(model, dtype), indent=2) + "\n")
+        config = {**hf_config(model, dtype), **_token_ids(companions)}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         files: list[dict[str, torch.Tensor]] = [{}]
         size = 0
         for name, t in tensors.items():
