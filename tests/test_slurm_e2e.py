@@ -237,12 +237,13 @@ def test_grow_stranger_and_node_down_keep_training_on_track(
     grown = re.search(r"job (\d+)", grow.stdout).group(1)  # type: ignore[union-attr]
     refused = Stranger(slurm_cluster, job, tmp_path / "stranger")  # started now, beside the job's start
 
-    def joined() -> bool:
-        return any(
-            t.get("kind") == "membership" and t.get("joined") for r in rows(job) for t in r["transitions"]
-        )  # type: ignore[union-attr]
+    def joined() -> bool:  # every worker of both grown nodes (they may come in two rounds)
+        return any(r.get("gpus") == 8 for r in rows(job))
 
-    wait_for("the grown node to join", joined, 180, job)
+    # A node downed while the second round forms its generation would stall that formation for
+    # the world's 30-minute timeout (a known gap: formation does not yet fail fast on a member
+    # that died after it was accepted), so the node goes down once all four have joined.
+    wait_for("the grown nodes to join", joined, 180, job)
     nodes = slurm_cluster.run(
         "scontrol", "show", "hostnames", slurm_cluster.job(grown)["NodeList"]
     ).stdout.split()
