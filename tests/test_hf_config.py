@@ -225,14 +225,19 @@ def test_describe_says_what_it_read(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert spec.causal_sum(4096.0) / 4096 < 1024
 
 
-def test_an_export_carries_its_companion_files_and_never_replaces_its_own(tmp_path: Path) -> None:
+def _export_source(tmp_path: Path) -> tuple[ModelSpec, dict[str, torch.Tensor], Path]:
+    """A tiny model, one tensor of it, and a tokenizer folder ``tok`` holding ``tokenizer.json``."""
     from nereus.spec import load_model
 
     model = load_model("tiny-llama")
-    tensors = {"model.norm.weight": torch.ones(model.hidden_size)}
     src = tmp_path / "tok"
     src.mkdir()
     (src / "tokenizer.json").write_text('{"version": "1.0"}')
+    return model, {"model.norm.weight": torch.ones(model.hidden_size)}, src
+
+
+def test_an_export_carries_its_companion_files_and_never_replaces_its_own(tmp_path: Path) -> None:
+    model, tensors, src = _export_source(tmp_path)
     (src / "generation_config.json").write_text('{"eos_token_id": [1, 2]}')
     hf.save(tmp_path / "out", model, tensors, (src / "tokenizer.json", src / "generation_config.json"))
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
@@ -249,13 +254,7 @@ def test_an_export_carries_its_companion_files_and_never_replaces_its_own(tmp_pa
 def test_an_export_names_its_sources_special_token_ids(tmp_path: Path) -> None:
     """The tokenizer folder's config.json ids (Llama 3.1: several eos ids) reach the export's
     config.json, as its source had them; a bad value or no such file leaves them out."""
-    from nereus.spec import load_model
-
-    model = load_model("tiny-llama")
-    tensors = {"model.norm.weight": torch.ones(model.hidden_size)}
-    src = tmp_path / "tok"
-    src.mkdir()
-    (src / "tokenizer.json").write_text('{"version": "1.0"}')
+    model, tensors, src = _export_source(tmp_path)
     (src / "config.json").write_text('{"bos_token_id": 1, "eos_token_id": [2, 3], "pad_token_id": "x"}')
     hf.save(tmp_path / "out", model, tensors, (src / "tokenizer.json",))
     config = json.loads((tmp_path / "out" / "config.json").read_text())

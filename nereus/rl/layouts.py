@@ -97,10 +97,10 @@ def _text(value: Any, where: str, key: str) -> str:
         raise ConfigError(f"{where}: column {key!r}: expected a string, got {value!r}")
     # a float column as written in positional notation (str(1e16) is '1e+16', which reads as 1)
     text = (
-        format(Decimal(repr(value)), "f") if isinstance(value, float) and math.isfinite(value) else str(value)
+        format(Decimal(repr(value)).normalize(), "f")  # 72.0 → 72, 1e16 → 10000000000000000
+        if isinstance(value, float) and math.isfinite(value)
+        else str(value)
     )
-    if text.endswith(".0") and isinstance(value, float):
-        text = text[:-2]
     if not text.strip():
         raise ConfigError(f"{where}: column {key!r}: must not be empty")
     return text

@@ -165,7 +165,7 @@ def check_weights(spec: Any) -> None:
     (``pytorch_model.bin`` only, or a config alone) would silently start every role from random
     weights. A shipped model or a model YAML starts from random weights by design."""
     folder = spec.model_folder()
-    if folder is None or spec.init.path("actor") or any(folder.glob("*.safetensors")):
+    if folder is None or spec.weights_of("actor"):  # a shipped model or YAML, or weights found
         return
     found = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
     what = f"found {', '.join(found[:3])}" if found else "no weight files"
