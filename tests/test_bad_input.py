@@ -164,7 +164,8 @@ def test_bad_numbers_in_configs(
         ),
         (
             "drift: [{step: 1, lose: [1], unhealthy: [1]}]",
-            "'drift[0]' step 1: a worker cannot be lost, killed, unhealthy or gained at once",
+            "'drift[0]' step 1: a worker cannot be lost, killed or unhealthy at once, nor lost or "
+            "unhealthy as it is gained (gained and killed: it dies as it joins)",
         ),
         (
             "drift: [{step: 1, unhealthy: [0]}]",

@@ -15,7 +15,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.membership import JOIN_QUEUE, JoinRefusedError, LeftBehindError, Membership, Rendezvous
+from nereus.runtime.membership import (
+    JOIN_QUEUE,
+    FormationError,
+    JoinRefusedError,
+    LeftBehindError,
+    Membership,
+    Rendezvous,
+)
 from nereus.runtime.signed import BoundedLog, SignedStore
 from tests.helpers import spawned
 
@@ -129,11 +136,15 @@ def test_forged_store_entries_are_ignored_and_the_log_stays_bounded(tmp_path: Pa
     log = tmp_path / "m.log"
     leader = Membership.host(SECRET, log=log)
     leader.members = (0, 1)
+    assert leader.gone(1)  # never beat
+    leader.signed.put("hb/1", {"t": time.time() - 10})
+    assert leader.gone(1)  # its own beat, stale
     for garbage in ("not a number", json.dumps({"value": {"t": 1e18}, "mac": "0" * 64}), "\x00"):
-        leader.store.set("hb/1", garbage)  # a stranger's heartbeat for GPU 1
-        assert leader.alive(1) is False
+        leader.store.set("hb/1", garbage)  # a stranger's heartbeat for GPU 1: says nothing either way
+        assert leader.gone(1) is False
         leader.store.set("host/1", garbage)
         assert leader.hosts()[1] == "gpu1"
+    assert "ignored the heartbeat of GPU 1" in log.read_text()
     for _ in range(5000):  # a flood of bad join requests over many boundaries
         leader.store.queue_push(JOIN_QUEUE, "{garbage")
     while leader.store.queue_len(JOIN_QUEUE):
@@ -246,3 +257,77 @@ def test_a_member_that_loses_the_store_while_recovering_leaves_the_job(tmp_path:
     member learns it is left behind and leaves (``Outcome.LEFT``, exit 0)."""
     assert spawned(_left_behind, 2, tmp_path) == [0, 0]
     assert "GPU 1 found the job's store gone recovering generation 0" in (tmp_path / "left.txt").read_text()
+
+
+def _member_lost_between_generations(gpu: int, port: int, out: str) -> None:
+    """GPU 2 dies between generations; GPUs 0 and 1 then form generation 1 with it."""
+    m = joined(gpu, port, out, (0, 1, 2))
+    dist.barrier()
+    if gpu == 2:
+        os._exit(0)  # without a word
+    started = time.monotonic()
+    try:
+        m.form((0, 1, 2), 1)
+        lost: object = "formed"
+    except FormationError as exc:
+        lost = list(exc.lost)
+    failed_s = time.monotonic() - started
+    survivors = m.recover(grace_s=20)
+    m.form(survivors, 2)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    Path(out, f"{gpu}.json").write_text(json.dumps({"lost": lost, "s": failed_s, "sum": float(t)}))
+    m.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_member_lost_before_a_generation_forms_fails_the_formation_within_seconds(tmp_path: Path) -> None:
+    """Not gloo's rendezvous wait (the formation's 30 minutes): the leader's roll call finds the
+    member's heartbeat stale, every member learns the verdict, and the survivors recover."""
+    assert spawned(_member_lost_between_generations, 3, tmp_path) == [0, 0, 0]
+    for g in (0, 1):
+        got = json.loads((tmp_path / f"{g}.json").read_text())
+        assert got["lost"] == [2] and got["s"] < 10.0 and got["sum"] == 2.0, got
+    log = (tmp_path / "m.log").read_text()
+    assert "generation 1 did not form: GPUs [2]" in log and "lost GPUs [2]" in log
+
+
+def _newcomers(rank: int, port: int, out: str) -> None:
+    """GPUs 0 and 1 form generation 1 with newcomer 3, which never comes (its node went down
+    before it read its answer: no heartbeat), then generation 2 with newcomer 4 (rank 2 here),
+    which comes 2 s late and is waited for."""
+    if rank == 2:
+        torch.set_num_threads(1)
+        while not Path(out, "gen2").exists():
+            time.sleep(0.05)
+        time.sleep(2.0)
+        m = Membership.connect(Rendezvous("127.0.0.1", port), SECRET, 4)
+    else:
+        m = joined(rank, port, out, (0, 1))
+        m.join_grace_s = 3.0
+        started = time.monotonic()
+        try:
+            m.form((0, 1, 3), 1)
+            lost: object = "formed"
+        except FormationError as exc:
+            lost = list(exc.lost)
+        failed_s = time.monotonic() - started
+        assert m.recover(grace_s=20) == (0, 1)  # 3 never beat: not waited for
+        Path(out, f"{rank}.json").write_text(json.dumps({"lost": lost, "s": failed_s}))
+        m.join_grace_s = 30.0
+        Path(out, "gen2").touch()
+    m.form((0, 1, 4), 2)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    Path(out, f"sum{m.gpu}.json").write_text(json.dumps(float(t)))
+    m.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_newcomer_that_never_comes_fails_the_formation_after_its_grace(tmp_path: Path) -> None:
+    assert spawned(_newcomers, 3, tmp_path) == [0, 0, 0]
+    for g in (0, 1):
+        got = json.loads((tmp_path / f"{g}.json").read_text())
+        assert got["lost"] == [3] and 3.0 <= got["s"] < 10.0, got
+    assert [json.loads((tmp_path / f"sum{g}.json").read_text()) for g in (0, 1, 4)] == [3.0] * 3
+    assert "generation 1 did not form: GPUs [3]" in (tmp_path / "m.log").read_text()

@@ -132,6 +132,32 @@ def test_a_killed_worker_is_survived_and_training_stays_on_track(tmp_path: Path,
 
 
 @pytest.mark.timeout(400)
+def test_a_newcomer_lost_as_it_joins_fails_its_formation_and_training_stays_on_track(
+    tmp_path: Path, untouched: Path
+) -> None:
+    """Worker 3 leaves before step 2 and comes back before step 4, but is killed once the leader
+    has accepted it, before the new generation forms (a node lost as it joins). The leader's roll
+    call finds its heartbeat stale within seconds (not gloo's 30-minute rendezvous wait); the
+    others recover without it, step 3 runs again, and the ending equals the run nobody moved."""
+    drift = "drift:\n  - {step: 2, lose: [3]}\n  - {step: 4, gain: [3], kill: [3]}\n"
+    out, proc = nereus_run(tmp_path, "newcomer-lost", 6, drift)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(6))
+    assert [r["gpus"] for r in rows][2:] == [3, 3, 3, 3]
+    recovered = [t for t in rows[3]["transitions"] if t["kind"] == "recovered"]  # type: ignore[union-attr]
+    assert recovered and recovered[0]["lost"] == [3], rows[3]["transitions"]
+    log = (out / "membership.log").read_text()
+    assert re.search(r"generation \d+ did not form: GPUs \[3\]", log), log[-2000:]
+    a = load_file(str(out / "hf" / "actor" / "model.safetensors"))
+    b = load_file(str(untouched / "hf" / "actor" / "model.safetensors"))
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=2e-4, rtol=0), name
+    for r, s in zip(rows, metrics(untouched), strict=True):
+        assert r["reward"] == pytest.approx(s["reward"], abs=1e-6)
+
+
+@pytest.mark.timeout(400)
 def test_a_worker_that_hangs_through_a_recovery_rejoins_the_job(tmp_path: Path) -> None:
     """Worker 4 of five is killed in step 3 and worker 3 hangs in the recovery (SIGSTOP for 10 s,
     its heartbeat too, before it checks in). The job recovers on the three that answered and goes

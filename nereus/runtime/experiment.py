@@ -131,7 +131,9 @@ class DriftEvent:
     """Scripted drift for local runs. ``lose``: workers whose processes leave at the boundary
     before ``step`` (their state is gone); ``kill``: workers whose processes are killed
     (SIGKILL) in the middle of ``step``, after generation; ``gain``: new worker processes started
-    at the boundary before ``step``, which join the running job; ``oom``: workers on which
+    at the boundary before ``step``, which join the running job (one both gained and killed dies
+    once the leader has accepted it, before the new generation forms: a node lost as it joins,
+    which the others find in the formation's roll call and recover from); ``oom``: workers on which
     ``oom_stage``'s work raises ``torch.OutOfMemoryError`` once in ``step`` (a fault injected where a
     real one would come from); ``unhealthy``: workers whose GPU health check reports a fatal XID at
     the boundary before ``step`` (the leader treats them as lost); ``hang``: workers whose
@@ -160,11 +162,12 @@ class DriftEvent:
         if not 0 <= self.step <= MAX_STEPS:
             raise ValueError(f"step must be in [0, {MAX_STEPS}], got {brief(self.step)}")
         gone = (set(self.lose), set(self.kill), set(self.unhealthy))
-        if any(a & b for i, a in enumerate(gone) for b in gone[i + 1 :]) or set().union(*gone) & set(
-            self.gain
-        ):
+        if any(a & b for i, a in enumerate(gone) for b in gone[i + 1 :]) or (
+            set(self.lose) | set(self.unhealthy)
+        ) & set(self.gain):
             raise ValueError(
-                f"step {self.step}: a worker cannot be lost, killed, unhealthy or gained at once"
+                f"step {self.step}: a worker cannot be lost, killed or unhealthy at once, nor lost "
+                "or unhealthy as it is gained (gained and killed: it dies as it joins)"
             )
         if not 0 <= self.max_new_tokens <= MAX_TOKENS:
             raise ValueError(f"max_new_tokens must be in [0, {MAX_TOKENS}], got {brief(self.max_new_tokens)}")
@@ -260,7 +263,8 @@ class ExperimentSpec:
                 raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
         pool = set(range(self.workers))
         for e in sorted(self.drift, key=lambda e: e.step):
-            gone = set(e.lose) | set(e.kill) | set(e.unhealthy)
+            dies_joining = set(e.kill) & set(e.gain)
+            gone = (set(e.lose) | set(e.kill) | set(e.unhealthy)) - dies_joining
             if 0 in gone | set(e.hang) | set(e.freeze):
                 raise ValueError(
                     f"drift at step {e.step}: worker 0 hosts the controller and cannot leave or hang"
@@ -276,7 +280,7 @@ class ExperimentSpec:
                 raise ValueError(
                     f"drift at step {e.step}: workers {sorted(set(e.gain) & pool)} are already in"
                 )
-            pool = (pool - gone) | set(e.gain)
+            pool = (pool - gone) | (set(e.gain) - dies_joining)
             if not pool:
                 raise ValueError(f"drift at step {e.step} leaves no worker")
 
@@ -328,7 +332,7 @@ class ExperimentSpec:
         pool = set(range(self.workers))
         for e in sorted(self.drift, key=lambda e: e.step):
             if e.step <= step:
-                pool = (pool - set(e.lose) - set(e.kill) - set(e.unhealthy)) | set(e.gain)
+                pool = (pool - set(e.lose) - set(e.kill) - set(e.unhealthy)) | (set(e.gain) - set(e.kill))
         return tuple(sorted(pool))
 
     def max_new_tokens_at(self, step: int) -> int:
@@ -364,7 +368,11 @@ class ExperimentSpec:
 
     def killed_at(self, step: int) -> tuple[int, ...]:
         """Workers killed in the middle of ``step``."""
-        return tuple(sorted(w for e in self.drift if e.step == step for w in e.kill))
+        return tuple(sorted(w for e in self.drift if e.step == step for w in e.kill if w not in e.gain))
+
+    def killed_joining(self, step: int) -> tuple[int, ...]:
+        """Workers gained at the boundary before ``step`` that die once accepted, before forming."""
+        return tuple(sorted(w for e in self.drift if e.step == step for w in e.kill if w in e.gain))
 
     def gained_at(self, step: int) -> tuple[int, ...]:
         """Workers started at the boundary before ``step``."""

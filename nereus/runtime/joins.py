@@ -59,6 +59,10 @@ class Joins:
         """Write ``line`` to the job's membership journal (``Membership.log``)."""
         raise NotImplementedError  # Membership's own, which comes first in its method order
 
+    def start_heartbeat(self) -> None:
+        """Beat under ``hb/<gpu>`` from now on (``Membership.start_heartbeat``)."""
+        raise NotImplementedError
+
     def request_join(
         self, gpu: int | None = None, timeout_s: float = 3600.0
     ) -> tuple[int, int, tuple[int, ...]]:
@@ -95,6 +99,7 @@ class Joins:
         if "refused" in answer:
             raise JoinRefusedError(f"join refused by the job's leader: {answer['refused']}")
         self.gpu = int(answer["gpu"])
+        self.start_heartbeat()  # the leader's roll call tells a newcomer lost from here on in seconds
         return self.gpu, int(answer["generation"]), gpu_list(answer, "members")
 
     def _await_answer(self, key: str, ticket: str, until: float, bad: str) -> tuple[object, str]:

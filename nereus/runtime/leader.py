@@ -62,13 +62,14 @@ class Leader:
 
     def __init__(
         self, m: Membership, setup: JobSetup, plan: Plan, out: Path, control: Path | None = None,
-        spawn_local: Callable[[int], None] | None = None, defer: bool = True,
+        spawn_local: Callable[[int, bool], None] | None = None, defer: bool = True,
         calibration: CalibrationStore | None = None,
     ) -> None:  # fmt: skip
         spec = setup.spec
         self.m, self.setup, self.spec = m, setup, spec
         self.control = control  # shrink requests (``shrink-*.json``) from nereus-launch
         self.spawn_local = spawn_local  # local mode: start a scripted newcomer
+        self.spawned: set[tuple[int, int]] = set()  # (step, GPU): each scripted newcomer starts once
         self.cluster = setup.cluster
         self.controller = Controller(
             setup.workload, setup.models, self.cluster, plan, policy_config(spec.policy), calibration,
@@ -304,10 +305,14 @@ class Leader:
 
     def _joins(self, nxt: int) -> list[tuple[int, JoinRequest]]:
         """Newcomers to admit now (scripted local gains are started and awaited)."""
-        expected = [g for g in self.spec.gained_at(nxt) if g not in self.m.members]
+        expected = [
+            g for g in self.spec.gained_at(nxt) if g not in self.m.members and (nxt, g) not in self.spawned
+        ]  # a step run again (a rollback) does not start its newcomers again
         if expected and self.spawn_local is not None:
+            dying = self.spec.killed_joining(nxt)
             for g in expected:
-                self.spawn_local(g)
+                self.spawned.add((nxt, g))
+                self.spawn_local(g, g in dying)
         accepted: list[tuple[int, JoinRequest]] = []
         deadline = time.monotonic() + JOIN_WAIT_S
         taken = set(self.m.members)

@@ -251,8 +251,9 @@ def member_main(
         )
     ctx = mp.get_context("spawn")
 
-    def spawn(g: int) -> None:
-        start([ctx.Process(target=joiner_main, args=(g, spec, out, secret, key), name=f"nereus-gpu{g}")])
+    def spawn(g: int, dies: bool) -> None:
+        args = (g, spec, out, secret, key, dies)
+        start([ctx.Process(target=joiner_main, args=args, name=f"nereus-gpu{g}")])
 
     status, error, behind, started = Outcome.DONE, None, False, False
     try:
@@ -281,8 +282,11 @@ def member_main(
         _exit(exit_code(preemption.signum or signal.SIGTERM))
 
 
-def joiner_main(gpu: int | None, spec: ExperimentSpec, out: str, secret: bytes, key: bytes) -> None:
-    """A newcomer: ask the running job to let it in, then take part from the next boundary."""
+def joiner_main(
+    gpu: int | None, spec: ExperimentSpec, out: str, secret: bytes, key: bytes, dies: bool = False
+) -> None:
+    """A newcomer: ask the running job to let it in, then take part from the next boundary
+    (``dies``: a scripted fault, it is killed once accepted, before it forms the generation)."""
     from nereus.runtime.preemption import Preemption
 
     preemption = Preemption(STOP_SIGNALS).install()
@@ -296,7 +300,7 @@ def joiner_main(gpu: int | None, spec: ExperimentSpec, out: str, secret: bytes, 
     ckpt.use_key(key)
     folder = Path(out)
     try:
-        status, behind = _enter(gpu, spec, folder, secret, preemption, devices)
+        status, behind = _enter(gpu, spec, folder, secret, preemption, devices, dies)
     except NereusError as exc:
         _fail(exc)
     if behind:
@@ -310,19 +314,27 @@ def joiner_main(gpu: int | None, spec: ExperimentSpec, out: str, secret: bytes, 
 
 def _enter(
     gpu: int | None, spec: ExperimentSpec, folder: Path, secret: bytes, preemption: Preemption,
-    devices: Devices,
+    devices: Devices, dies: bool = False,
 ) -> tuple[Outcome, bool]:  # fmt: skip
     """Ask the running job to admit this process (as ``gpu``; None: the next free one) and take
-    part from the boundary it is admitted at. Returns (outcome, whether a recovery went on
-    without it)."""
+    part from the boundary it is admitted at (``dies``: killed once admitted, a scripted fault).
+    Returns (outcome, whether a recovery went on without it)."""
+    from nereus.control.action import Outcome
+    from nereus.runtime import faults
     from nereus.runtime.loop import JobLoop
-    from nereus.runtime.membership import Membership, Rendezvous
+    from nereus.runtime.membership import FormationError, Membership, Rendezvous
 
     name = f"local-new{gpu}" if gpu is not None else "local-new"
     m = Membership.connect(Rendezvous.read(folder / RDZV), secret, -1, node=name, devices=devices)
     try:
         _, generation, members = m.request_join(gpu)
-        loop = JobLoop.enter(m, spec, folder, generation, members, preemption)
+        if dies:
+            faults.kill()
+        try:
+            loop = JobLoop.enter(m, spec, folder, generation, members, preemption)
+        except FormationError as exc:  # a member was lost meanwhile: the others recover without it
+            print(f"nereus: GPU {m.gpu}: {exc}", file=sys.stderr, flush=True)
+            return Outcome.LEFT, True
         return loop.run(), loop.left_behind
     finally:
         m.close()

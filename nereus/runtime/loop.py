@@ -130,7 +130,7 @@ class JobLoop(Acting, Surviving):
     @classmethod
     def start(
         cls, m: Membership, spec: ExperimentSpec, out: Path, resume: bool, control: Path | None = None,
-        spawn_local: Callable[[int], None] | None = None, preemption: Preemption | None = None,
+        spawn_local: Callable[[int, bool], None] | None = None, preemption: Preemption | None = None,
     ) -> JobLoop:  # fmt: skip
         """Every initial member: the setup, the first plan, fresh or checkpointed state."""
         setup: JobSetup = broadcast(measured_setup(spec, out, m.log) if m.leader else None, JobSetup)

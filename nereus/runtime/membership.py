@@ -21,9 +21,21 @@ check-ins and the survivors' list. An entry that does not verify or does not par
 - **Losses**: when a collective fails (a peer died), every survivor drops its references to the
   process groups (which closes its gloo connections, so peers blocked on it fail too), checks in
   for the next generation, and the leader decides the survivors: those that checked in, waiting
-  only for members whose heartbeat is fresh.
+  only for members whose heartbeat does not say they are gone.
 - **Heartbeats**: each member's thread writes the time to ``hb/<gpu>`` every second over its own
-  store connection.
+  store connection, from the moment it starts forming its first generation (a newcomer: from the
+  moment it reads the leader's answer). A member is gone when its own beat is stale or it never
+  beat; an entry that does not verify says nothing, so a stranger's writes cannot push a member
+  out (they can still stall a formation or a recovery: the store's availability is not
+  protected).
+- **Forming a generation** after the first starts with a roll call: every member checks in under
+  ``form/<g>/in/<gpu>`` and the leader waits until all have, or until one that has not is gone (a
+  member of the previous generation: its heartbeat is stale; a newcomer: it has not beaten for
+  ``JOIN_GRACE_S`` since the roll call began, or its heartbeat went stale). Its verdict, under
+  ``form/<g>/verdict``, is every member's: a member lost there fails the formation
+  (``FormationError``, a peer failure) and the others recover from it as from a failed
+  collective, instead of waiting in gloo's rendezvous for the formation's 30 minutes. A member
+  that dies after the roll call and before gloo connects still holds the others there.
 
 What the secret does not protect: torch.distributed's own rendezvous keys (gloo's addresses under
 ``gen<g>/``), which c10d reads directly (torch 2.13 cannot build gloo subgroups over a Python store
@@ -33,6 +45,7 @@ Edge module (torch.distributed, sockets, threads).
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
@@ -51,11 +64,15 @@ from nereus.runtime.signed import SECRET_MIN_BYTES, BoundedLog, SignedStore, Una
 
 HEARTBEAT_S = 1.0
 STALE_S = 4.0  # a heartbeat older than this: the member is gone
+UNVERIFIED = math.inf  # a heartbeat entry that does not verify: it says nothing about its member
+JOIN_GRACE_S = 60.0  # a newcomer that has not beaten this long into a roll call: gone (it died
+# before reading the leader's answer, or before reaching the formation)
 STORE_GONE_S = 3.0  # a member recovering: the job's store not answering this long is gone (a
 # client write would only fail after torch has printed its stack)
 
 __all__ = [
     "JOIN_QUEUE",
+    "FormationError",
     "JoinRefusedError",
     "JoinRequest",
     "Membership",
@@ -70,6 +87,16 @@ class LeftBehindError(RuntimeError):
     """This GPU is not in the next generation: it checked in too late (blocked past the grace in
     a collective with a dead peer, say), or the job's store went away while it recovered (the
     others went on and the job ended). It leaves the job; the job's outcome is the leader's."""
+
+
+class FormationError(dist.DistError):
+    """Generation ``generation`` did not form: members ``lost`` never checked in to its roll call
+    and are gone. A peer failure (``comm.is_peer_failure``): the members recover from it."""
+
+    def __init__(self, generation: int, lost: tuple[int, ...]) -> None:
+        super().__init__(f"generation {generation} did not form: GPUs {list(lost)} never checked in")
+        self.generation = generation
+        self.lost = lost
 
 
 class Membership(Joins):
@@ -89,6 +116,7 @@ class Membership(Joins):
         self.leader = leader
         self.journal = BoundedLog(log)
         self.timeout = timeout  # forming a generation, and each collective outside a step
+        self.join_grace_s = JOIN_GRACE_S  # a newcomer that never beat in a roll call: gone after this
         self.members: tuple[int, ...] = ()
         self.generation = -1
         self._listener = listener  # kept open: the store serves on its descriptor
@@ -148,7 +176,11 @@ class Membership(Joins):
         if self.gpu not in members:
             raise RuntimeError(f"GPU {self.gpu} is not a member of generation {generation}: {members}")
         self.abandon()
+        previous = frozenset(self.members)
         self.members, self.generation = tuple(sorted(members)), generation
+        self.start_heartbeat()  # a newcomer beats from its roll call on
+        if generation > 0:  # generation 0: everyone starts at once; the launchers watch that
+            self._roll_call(previous)
         init_world(
             self.devices,
             PrefixStore(f"gen{generation}", self.store),
@@ -157,7 +189,66 @@ class Membership(Joins):
             self.timeout,
         )
         self.signed.put(f"host/{self.gpu}", {"node": self.node})
-        self.start_heartbeat()
+
+    def _roll_call(self, previous: frozenset[int]) -> None:
+        """Check in to this generation's roll call and learn the leader's verdict (it decides,
+        so every member reads the same one); FormationError when a member is lost there."""
+        g = self.generation
+        self.signed.put(f"form/{g}/in/{self.gpu}", {"gpu": self.gpu})
+        key = f"form/{g}/verdict"
+        if self.leader:
+            lost = self._call_roll(previous)
+            self.signed.put(key, {"lost": list(lost)})
+            if lost:
+                self.log(f"generation {g} did not form: GPUs {list(lost)} never checked in and are gone")
+        else:
+            answer = self.signed.wait_valid(
+                key, self.timeout.total_seconds(), lambda why: self.log(f"ignored {key}: {why}", "form")
+            )
+            lost = gpu_list(answer, "lost")
+        if lost:
+            raise FormationError(g, lost)
+
+    def _call_roll(self, previous: frozenset[int]) -> tuple[int, ...]:
+        """The leader: () once every member checked in; else the members that did not and are
+        gone (``previous``: the last generation's members, whose heartbeat is already running),
+        or, past the formation's timeout, every member still missing."""
+        started = time.time()
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            missing = [m for m in self.members if not self._checked_in(m)]
+            if not missing:
+                return ()
+            now = time.time()
+            gone = tuple(m for m in missing if self._gone(m, m in previous, started, now))
+            if gone or time.monotonic() > deadline:
+                return gone or tuple(missing)
+            time.sleep(0.05)
+
+    def _checked_in(self, gpu: int) -> bool:
+        key = f"form/{self.generation}/in/{gpu}"
+        if not self.store.check([key]):
+            return False
+        try:
+            entry = self.signed.read(key)
+        except UnauthenticError as exc:
+            self.log(f"ignored a roll-call entry for GPU {gpu}: {exc}", "form")
+            return False
+        return isinstance(entry, dict) and entry.get("gpu") == gpu
+
+    def _gone(self, gpu: int, member: bool, started: float, now: float) -> bool:
+        """Whether ``gpu``, missing from the roll call that began at ``started``, is gone: a
+        ``member`` of the last generation when its heartbeat is stale; a newcomer once it has not
+        beaten for ``join_grace_s`` since then (an older beat is a former holder's of its GPU
+        id), or its heartbeat went stale. A heartbeat entry that does not verify says nothing."""
+        if member:
+            return self.gone(gpu, now)
+        beat = self._last_beat(gpu)
+        if beat == UNVERIFIED:
+            return False
+        if beat is None or beat < started - STALE_S:
+            return now - started > self.join_grace_s
+        return now - beat >= STALE_S
 
     def hosts(self) -> dict[int, str]:
         """The node each member runs on (a member whose entry does not verify counts as a node of
@@ -189,6 +280,7 @@ class Membership(Joins):
         if self._beat is not None:
             return
         beats = SignedStore(self.store.clone(), self.signed.secret)  # type: ignore[attr-defined]
+        beats.put(f"hb/{self.gpu}", {"t": time.time()})  # the first before this returns
 
         def beat() -> None:
             last = time.monotonic()
@@ -205,18 +297,29 @@ class Membership(Joins):
         self._beat = threading.Thread(target=beat, name=f"nereus-heartbeat-{self.gpu}", daemon=True)
         self._beat.start()
 
-    def alive(self, gpu: int, now: float | None = None) -> bool:
-        """Whether ``gpu``'s heartbeat is fresh (one that does not verify is not, and is logged)."""
+    def gone(self, gpu: int, now: float | None = None) -> bool:
+        """Whether ``gpu``'s own heartbeat says it is gone: it never beat, or its last beat is
+        stale. An entry that does not verify (a stranger's, which is logged) says nothing: only
+        the member's own beat, or its absence, decides, so a stranger's writes cannot push a
+        member out of the job."""
+        beat = self._last_beat(gpu)
+        if beat == UNVERIFIED:
+            return False
+        return beat is None or (now or time.time()) - beat >= STALE_S
+
+    def _last_beat(self, gpu: int) -> float | None:
+        """When ``gpu`` last beat: None when it never did, ``UNVERIFIED`` when the entry does not
+        verify (logged)."""
         key = f"hb/{gpu}"
         if not self.store.check([key]):
-            return False
+            return None
         try:
             entry = self.signed.read(key)
-            beat = float(entry["t"]) if isinstance(entry, dict) else float("nan")
+            beat = float(entry["t"]) if isinstance(entry, dict) else math.nan
         except (UnauthenticError, KeyError, TypeError, ValueError) as exc:
             self.log(f"ignored the heartbeat of GPU {gpu}: {exc}", "heartbeat")
-            return False
-        return (now or time.time()) - beat < STALE_S
+            return UNVERIFIED
+        return beat if math.isfinite(beat) else UNVERIFIED
 
     def close(self) -> None:
         self._stop.set()
@@ -246,7 +349,7 @@ class Membership(Joins):
             deadline = time.monotonic() + grace_s
             while True:
                 checked = {m: e for m in self.members if (e := self._check_in(g, m)) is not None}
-                waiting = [m for m in self.members if m not in checked and self.alive(m)]
+                waiting = [m for m in self.members if m not in checked and not self.gone(m)]
                 if not waiting or time.monotonic() > deadline:
                     break
                 time.sleep(0.05)

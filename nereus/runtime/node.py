@@ -39,7 +39,7 @@ from nereus.runtime import checkpoint as ckpt
 from nereus.runtime.bootstrap import Bootstrap, bootstrap, torchrun_on_slurm
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.loop import JobLoop
-from nereus.runtime.membership import JoinRefusedError, Membership, Rendezvous, node_address
+from nereus.runtime.membership import FormationError, JoinRefusedError, Membership, Rendezvous, node_address
 from nereus.runtime.preemption import Preemption
 from nereus.runtime.rejoin import rejoin
 from nereus.runtime.signals import PREEMPT_SIGNALS
@@ -156,7 +156,11 @@ def _enter(
     try:
         preemption = Preemption(signals).install()
         _, generation, members = m.request_join(gpu)
-        loop = JobLoop.enter(m, spec, job.run, generation, members, preemption)
+        try:
+            loop = JobLoop.enter(m, spec, job.run, generation, members, preemption)
+        except FormationError as exc:  # a member was lost meanwhile: the others recover without it
+            print(f"nereus: GPU {m.gpu}: {exc}", file=sys.stderr, flush=True)
+            return Outcome.LEFT, m.gpu
         status = loop.run()
         if status is Outcome.PREEMPTED:
             preemption.hand_over(m.leader)

@@ -20,7 +20,7 @@ from nereus.runtime.comm import all_gather, broadcast, reduce_max
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.job import JobSetup
 from nereus.runtime.leader import Leader
-from nereus.runtime.membership import Membership
+from nereus.runtime.membership import FormationError, Membership
 from nereus.runtime.pending import share as share_pending
 from nereus.runtime.snapshot import Mark, agreed
 from nereus.runtime.worker import Worker
@@ -60,8 +60,13 @@ class Surviving:
             self.frozen.add(self.step)
             self.m.abandon()  # its groups go first: no peer waits on it in a collective
             faults.hang(hang)  # then it checks in late: its heartbeat stopped too
-        survivors = self.m.recover(oom=oom)
-        self.m.form(survivors, self.m.generation + 1)
+        while True:  # a survivor lost while the next generation forms: recover again
+            survivors = self.m.recover(oom=oom)
+            try:
+                self.m.form(survivors, self.m.generation + 1)
+                break
+            except FormationError:
+                continue  # the leader logged who
         self.worker.set_world(survivors)
         self.lost = tuple(g for g in before if g not in survivors)
 
