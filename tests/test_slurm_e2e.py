@@ -240,9 +240,8 @@ def test_grow_stranger_and_node_down_keep_training_on_track(
     def joined() -> bool:  # every worker of both grown nodes (they may come in two rounds)
         return any(r.get("gpus") == 8 for r in rows(job))
 
-    # A node downed while the second round forms its generation would stall that formation for
-    # the world's 30-minute timeout (a known gap: formation does not yet fail fast on a member
-    # that died after it was accepted), so the node goes down once all four have joined.
+    # The node goes down once all four have joined, so the loss is a step's (a node lost while a
+    # generation forms is the roll call's case: tests/test_membership.py and test_runtime_e2e.py).
     wait_for("the grown nodes to join", joined, 180, job)
     nodes = slurm_cluster.run(
         "scontrol", "show", "hostnames", slurm_cluster.job(grown)["NodeList"]
