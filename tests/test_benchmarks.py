@@ -27,7 +27,7 @@ def _run(script: str, out: Path) -> subprocess.CompletedProcess[str]:
         [sys.executable, str(BENCH / script), "--quick", "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=230,
+        timeout=420,  # a --quick run takes ~1 min alone; phase 1 shares two cores four ways
         check=False,
     )
 
