@@ -260,18 +260,30 @@ def test_a_member_that_loses_the_store_while_recovering_leaves_the_job(tmp_path:
 
 
 def _member_lost_between_generations(gpu: int, port: int, out: str) -> None:
-    """GPU 2 dies between generations; GPUs 0 and 1 then form generation 1 with it."""
-    m = joined(gpu, port, out, (0, 1, 2))
-    dist.barrier()
-    if gpu == 2:
-        os._exit(0)  # without a word
+    """GPU 2 dies between generations; GPUs 0 and 1 then form generation 1 with it and with
+    newcomer 3, which is alive: it learns the verdict too, and leaves (to ask to join again)."""
+    if gpu == 3:
+        torch.set_num_threads(1)
+        m = Membership.connect(Rendezvous("127.0.0.1", port), SECRET, 3)
+        while not m.store.check(["gen0/ready"]):
+            time.sleep(0.05)
+    else:
+        m = joined(gpu, port, out, (0, 1, 2))
+        dist.barrier()
+        if gpu == 2:
+            os._exit(0)  # without a word
+        m.store.set("gen0/ready", "1")
     started = time.monotonic()
     try:
-        m.form((0, 1, 2), 1)
+        m.form((0, 1, 2, 3), 1)
         lost: object = "formed"
     except FormationError as exc:
         lost = list(exc.lost)
     failed_s = time.monotonic() - started
+    if gpu == 3:
+        Path(out, "3.json").write_text(json.dumps({"lost": lost, "s": failed_s}))
+        m.close()  # its heartbeat stops: the recovery stops waiting for it
+        return
     survivors = m.recover(grace_s=20)
     m.form(survivors, 2)
     t = torch.ones(1)
@@ -283,13 +295,15 @@ def _member_lost_between_generations(gpu: int, port: int, out: str) -> None:
 @pytest.mark.timeout(120)
 def test_a_member_lost_before_a_generation_forms_fails_the_formation_within_seconds(tmp_path: Path) -> None:
     """Not gloo's rendezvous wait (the formation's 30 minutes): the leader's roll call finds the
-    member's heartbeat stale, every member learns the verdict, and the survivors recover."""
-    assert spawned(_member_lost_between_generations, 3, tmp_path) == [0, 0, 0]
-    for g in (0, 1):
+    member's heartbeat stale, every member (the newcomer too) learns the verdict, and the others
+    recover without the lost one and the newcomer."""
+    assert spawned(_member_lost_between_generations, 4, tmp_path) == [0, 0, 0, 0]
+    for g in (0, 1, 3):
         got = json.loads((tmp_path / f"{g}.json").read_text())
-        assert got["lost"] == [2] and got["s"] < 10.0 and got["sum"] == 2.0, got
+        assert got["lost"] == [2] and got["s"] < 10.0, got
+        assert g == 3 or got["sum"] == 2.0, got
     log = (tmp_path / "m.log").read_text()
-    assert "generation 1 did not form: GPUs [2]" in log and "lost GPUs [2]" in log
+    assert "generation 1 did not form: GPUs [2]" in log and "lost GPUs [2, 3]" in log
 
 
 def _newcomers(rank: int, port: int, out: str) -> None:

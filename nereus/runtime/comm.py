@@ -181,6 +181,12 @@ def is_peer_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(s in text for s in PEER_GONE)
 
 
+def first_line(exc: BaseException) -> str:
+    """A failure's first line (torch's distributed errors carry pages of C++ stack frames)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def reduce_max(x: float) -> float:
     """The largest ``x`` over the world."""
     t = torch.tensor([x], dtype=torch.float64)

@@ -321,8 +321,9 @@ def _enter(
     Returns (outcome, whether a recovery went on without it)."""
     from nereus.control.action import Outcome
     from nereus.runtime import faults
+    from nereus.runtime.comm import first_line, is_peer_failure
     from nereus.runtime.loop import JobLoop
-    from nereus.runtime.membership import FormationError, Membership, Rendezvous
+    from nereus.runtime.membership import Membership, Rendezvous
 
     name = f"local-new{gpu}" if gpu is not None else "local-new"
     m = Membership.connect(Rendezvous.read(folder / RDZV), secret, -1, node=name, devices=devices)
@@ -332,8 +333,12 @@ def _enter(
             faults.kill()
         try:
             loop = JobLoop.enter(m, spec, folder, generation, members, preemption)
-        except FormationError as exc:  # a member was lost meanwhile: the others recover without it
-            print(f"nereus: GPU {m.gpu}: {exc}", file=sys.stderr, flush=True)
+        except Exception as exc:  # a member lost meanwhile (the roll call's verdict, or a peer that
+            if not is_peer_failure(exc):  # died as the state came): the others recover without
+                raise  # this newcomer, which asks to join again
+            print(
+                f"nereus: GPU {m.gpu}: {first_line(exc)}; asking to join again", file=sys.stderr, flush=True
+            )
             return Outcome.LEFT, True
         return loop.run(), loop.left_behind
     finally:

@@ -37,9 +37,10 @@ from nereus.devices import Devices, activate, launched
 from nereus.errors import ConfigError, NereusError, TooFewGpusError
 from nereus.runtime import checkpoint as ckpt
 from nereus.runtime.bootstrap import Bootstrap, bootstrap, torchrun_on_slurm
+from nereus.runtime.comm import first_line, is_peer_failure
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.loop import JobLoop
-from nereus.runtime.membership import FormationError, JoinRefusedError, Membership, Rendezvous, node_address
+from nereus.runtime.membership import JoinRefusedError, Membership, Rendezvous, node_address
 from nereus.runtime.preemption import Preemption
 from nereus.runtime.rejoin import rejoin
 from nereus.runtime.signals import PREEMPT_SIGNALS
@@ -158,8 +159,12 @@ def _enter(
         _, generation, members = m.request_join(gpu)
         try:
             loop = JobLoop.enter(m, spec, job.run, generation, members, preemption)
-        except FormationError as exc:  # a member was lost meanwhile: the others recover without it
-            print(f"nereus: GPU {m.gpu}: {exc}", file=sys.stderr, flush=True)
+        except Exception as exc:  # a member lost meanwhile (the roll call's verdict, or a peer that
+            if not is_peer_failure(exc):  # died as the state came): the others recover without
+                raise  # this newcomer, which asks to join again
+            print(
+                f"nereus: GPU {m.gpu}: {first_line(exc)}; asking to join again", file=sys.stderr, flush=True
+            )
             return Outcome.LEFT, m.gpu
         status = loop.run()
         if status is Outcome.PREEMPTED:
