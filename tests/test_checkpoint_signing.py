@@ -345,3 +345,66 @@ def test_fuzzed_checkpoint_files_verify_unchanged_or_are_refused(
         return
     assert found == path and manifest.read(".metadata") == b"\x80\x04pickled"
     assert manifest.meta()["step"] == 4
+
+
+def test_one_run_at_a_time_per_folder(tmp_path: Path) -> None:
+    """A second ``nereus run`` on a folder a run is using (``--force`` or ``--resume``) is refused
+    before it replaces or writes anything; the lock goes with the run."""
+    out = tmp_path / "run"
+    outdir.prepare(out, resume=False, force=False)
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    before = _snapshot(out)
+    code = (
+        "import sys; from nereus.runtime import outdir; from nereus.errors import ConfigError\n"
+        "for resume, force in ((False, True), (True, False)):\n"
+        "    for step in (outdir.check, outdir.prepare):\n"
+        "        try:\n"
+        "            step(sys.argv[1], resume, force)\n"
+        "            print('allowed')\n"
+        "        except ConfigError as exc:\n"
+        "            print(exc)\n"
+    )
+    got = subprocess.run(
+        [sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=60, check=True
+    ).stdout.splitlines()
+    assert got == [f"--out: {out} is in use by another nereus run (pid {os.getpid()}); wait for it to "
+                   "end, or choose another --out"] * 4, got  # fmt: skip
+    assert _snapshot(out) == before
+    outdir.prepare(out, resume=True, force=False)  # this process's own run: its lock
+
+
+def test_only_signed_checkpoints_count_and_they_sort_by_step(tmp_path: Path) -> None:
+    """Pruning keeps the newest two of these and nothing else is touched: a user's ``step_*``
+    folder is not a checkpoint, and step 1,000,000 is newer than step 999,999."""
+    folder = tmp_path / "checkpoints"
+    for step in (999_998, 1_000_000, 999_999):
+        _checkpoint(tmp_path, step)
+    (folder / "step_000001").mkdir()
+    (folder / "step_000001" / "keep.txt").write_text("mine")
+    (folder / "step_000099").mkdir()
+    assert [p.name for p in signing.checkpoints(folder)] == ["step_999998", "step_999999", "step_1000000"]
+    assert signing.checkpoints(tmp_path / "absent") == []
+
+
+def test_a_resume_keeps_the_generated_task_and_says_which_rows_are_gone(tmp_path: Path) -> None:
+    from nereus.rl.tasks import generate_tasks, write_jsonl
+    from nereus.runtime.experiment import ExperimentSpec, TaskSpec
+    from nereus.runtime.resume import check_task, missing_rows
+
+    spec = ExperimentSpec(name="t", workload="ppo-tiny", model="tiny-llama", task=TaskSpec(n=16))
+    write_jsonl(generate_tasks("add", 16, 0, 4, 2), tmp_path / "tasks.jsonl")
+    check_task(spec, tmp_path)
+    for changed in (
+        TaskSpec(n=15),
+        TaskSpec(n=16, difficulty=3),
+        TaskSpec(n=16, seed=1),
+        TaskSpec(kind="copy", n=16),
+    ):
+        with pytest.raises(ConfigError, match=r"--resume: task: .* is not the task .*tasks.jsonl records"):
+            check_task(
+                ExperimentSpec(name="t", workload="ppo-tiny", model="tiny-llama", task=changed), tmp_path
+            )
+    rows = tmp_path / "metrics.jsonl"
+    rows.write_text('{"step": 0}\n{"step": 1}\nnot json\n{"step": 4}\n')
+    assert missing_rows(rows, 6) == [2, 3, 5]
+    assert missing_rows(tmp_path / "absent.jsonl", 2) == [0, 1]

@@ -338,7 +338,9 @@ def test_resuming_a_run_that_trained_every_step_starts_nothing(
     before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
     _, proc = nereus_run(tmp_path, "resume", 2, False, "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "nothing to resume" in proc.stdout and "after step 1, the last of its 2 steps" in proc.stdout
+    assert (
+        "nothing to resume" in proc.stdout and "after step 1, and the experiment has 2 steps" in proc.stdout
+    )
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
 
 

@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from nereus.errors import ConfigError
+from nereus.errors import ConfigError, NereusError
 from nereus.plan.layout import Plan
 from nereus.runtime import pending, signing
 from nereus.runtime.comm import all_gather, broadcast
@@ -90,37 +91,62 @@ def _state_dict(worker: Worker, plan: Plan) -> dict[str, Any]:
 
 
 def save(worker: Worker, plan: Plan, step: int, folder: Path, keep: int = 2) -> Path:
-    """Checkpoint after ``step`` into ``folder/step_<step>``, signed; keeps the newest ``keep``."""
+    """Checkpoint after ``step`` into ``folder/step_<step>``, signed; keeps the newest ``keep``
+    checkpoints (a folder that is not a signed checkpoint is never pruned). A write that fails
+    (a full disk, a read-only file) is a ``CheckpointWriteError`` naming the file; the pointer
+    still names the previous checkpoint."""
     key = _the_key()
     folder = Path(folder)
     final = folder / f"step_{step:06d}"
     tmp = folder / f".step_{step:06d}.tmp"
-    if dist.get_rank() == 0:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(mode=0o700)
-    dist.barrier()
-    dcp_save(_state_dict(worker, plan), checkpoint_id=str(tmp))
+    try:
+        if dist.get_rank() == 0:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(mode=0o700)
+        dist.barrier()
+        dcp_save(_state_dict(worker, plan), checkpoint_id=str(tmp))
+    except (OSError, CheckpointException) as exc:
+        raise CheckpointWriteError(step, tmp, exc) from None
     states = all_gather(
         {n: dataclasses.asdict(rs.state) for n, rs in worker.holder.units.items()}, dict[str, dict[str, int]]
     )
     if dist.get_rank() == 0:
         logical = {n: s for part in states for n, s in part.items() if n in saved_stages(worker)}
         meta = {"step": step, **identity(worker), "logical_state": logical, "plan": _plan_json(plan)}
-        if worker.pending:  # async: the batches generated ahead, which the next steps train on
-            (tmp / PENDING).write_bytes(pending.pack(worker.pending))
-            meta["pending"] = sorted(worker.pending)
-        (tmp / signing.META).write_text(json.dumps(meta, indent=1) + "\n")
-        signing.sign(tmp, key)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        pointer = folder / f".{LATEST}.tmp"
-        pointer.write_text(final.name + "\n")
-        os.replace(pointer, folder / LATEST)
-        for old in sorted(p for p in folder.glob("step_*") if p.is_dir())[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        try:
+            if worker.pending:  # async: the batches generated ahead, which the next steps train on
+                (tmp / PENDING).write_bytes(pending.pack(worker.pending))
+                meta["pending"] = sorted(worker.pending)
+            (tmp / signing.META).write_text(json.dumps(meta, indent=1) + "\n")
+            signing.sign(tmp, key)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            pointer = folder / f".{LATEST}.tmp"
+            pointer.write_text(final.name + "\n")
+            os.replace(pointer, folder / LATEST)
+        except OSError as exc:
+            (folder / f".{LATEST}.tmp").unlink(missing_ok=True)
+            raise CheckpointWriteError(step, final, exc) from None
+        for old in signing.checkpoints(folder)[:-keep]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+class CheckpointWriteError(NereusError):
+    """A checkpoint could not be written; the one before it stays the latest."""
+
+    def __init__(self, step: int, where: Path, exc: BaseException) -> None:
+        if isinstance(exc, OSError):
+            why = f"{exc.filename2 or exc.filename or where}: {exc.strerror or type(exc).__name__}"
+        else:
+            why = f"{where}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
+        super().__init__(
+            f"the checkpoint after step {step} could not be written ({why}); the previous checkpoint "
+            "stays the latest"
+        )
 
 
 def latest(folder: Path) -> Path | None:

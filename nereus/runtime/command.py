@@ -28,6 +28,7 @@ from rich.console import Console
 
 from nereus.errors import ConfigError, InfeasibleError, NereusError
 from nereus.runtime import outdir, signing
+from nereus.runtime.resume import check_checkpoint, check_task, missing_rows
 from nereus.runtime.signals import exit_code
 from nereus.runtime.signals import name as signal_name
 from nereus.spec.files import nonempty_path, shorten
@@ -149,6 +150,7 @@ def preflight(
     first = 0
     if resume:
         first = check_checkpoint(folder, signing.run_identity(model, workload)) + 1
+        check_task(spec, folder)
     if local:
         check_plan(spec, spec.workers, spec.max_new_tokens_at(first))
     if not child:
@@ -191,29 +193,6 @@ def _child_has_work(spec: Any, engines: dict[str, str]) -> bool:
         return True
     get_verifier(spec.verifier)
     return not imports_known(engines, default_cache())
-
-
-def check_checkpoint(folder: Path, expected: dict[str, Any]) -> int:
-    """``--resume``: the latest checkpoint under ``folder`` verifies with the run's key and was
-    written for ``expected``'s model and workload. Returns its step."""
-    ckpts = folder / "checkpoints"
-    try:
-        path = signing.latest(ckpts)
-        if path is None:
-            raise ConfigError(f"no checkpoint under {ckpts}")
-        key_file = folder / signing.KEY_FILE
-        if not key_file.is_file():
-            raise ConfigError(
-                f"{key_file} is missing: a checkpoint is loaded only with the key of the run that wrote it"
-            )
-        meta = signing.verify(path, signing.read_key(key_file)).meta()
-        signing.check_identity(path, meta, expected)
-        step = meta.get("step")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ConfigError(f"{path}/{signing.META}: key 'step': expected a non-negative integer")
-    except ConfigError as exc:
-        raise ConfigError(f"--resume: {exc}") from None
-    return step
 
 
 def check_plan(spec: Any, workers: int, max_new: int) -> None:
@@ -402,13 +381,20 @@ def _run(args: argparse.Namespace, out: Console) -> int:
     first = preflight(spec, folder, args.resume, args.force)
     if first >= spec.steps:  # --resume of a run that trained every step: no worker to start
         out.print(
-            f"{spec.name}: nothing to resume; {folder} holds a checkpoint after step {first - 1}, the "
-            f"last of its {spec.steps} steps (a larger --steps trains further)",
+            f"{spec.name}: nothing to resume; {folder} holds a checkpoint after step {first - 1}, and the "
+            f"experiment has {spec.steps} steps (a larger --steps trains further)",
             soft_wrap=True,
         )
         return 0
     from nereus.runtime.local import launch_local
 
+    gaps = missing_rows(folder / "metrics.jsonl", first) if args.resume else []
+    if gaps:
+        print(
+            f"nereus run: warning: {folder / 'metrics.jsonl'} has no rows for steps {_ranges(gaps)} (cut or "
+            f"removed); they are not written again: this run writes rows from step {first} on",
+            file=sys.stderr,
+        )
     out.print(
         f"[bold]{spec.name}[/]: {spec.workload} on {spec.model}, "
         f"{spec.workers} local workers, {spec.steps} steps"

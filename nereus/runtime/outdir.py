@@ -8,20 +8,30 @@ Any other folder, a previous run's included, needs ``--force``; then a previous 
 touched. In a folder without the marker ``--force`` removes nothing: a name a run would write
 that is already there (a user's own ``checkpoints/``) is refused. ``check`` writes nothing;
 ``prepare`` writes only after every check passed.
+
+One run at a time: ``prepare`` takes an exclusive lock on ``.nereus-lock`` in the folder (``flock``,
+held by the ``nereus run`` process until it exits, which the kernel releases however it ends) before
+it replaces or writes anything, and a second run on the same folder (``--resume`` or ``--force``
+alike) is refused naming the holder's process id; ``check`` tries the lock too, without keeping it.
+The lock file is never removed while a run may hold it (a new file would be a second lock).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 from pathlib import Path
+from typing import IO
 
 from nereus.errors import ConfigError
 from nereus.runtime.signing import KEY_FILE, create_key, read_key
 
 MARKER = ".nereus-output"
 MARK = "run"
+LOCK = ".nereus-lock"
+_HELD: dict[Path, IO[str]] = {}  # this process's locks, by folder: kept open until it exits
 INPUTS = frozenset({"control"})  # shrink requests (nereus-launch shrink) may wait before the run
 RUN_FILES = (
     "metrics.jsonl", ".metrics.jsonl.tmp", "report.png", "report.tmp.png", "membership.log", "tensorboard",
@@ -72,12 +82,71 @@ def is_ours(path: Path) -> bool:
     return bool(lines) and lines[0].strip() == MARK
 
 
+def _in_use(path: Path) -> ConfigError:
+    try:
+        holder = (path / LOCK).read_text(encoding="utf-8").strip() or "?"
+    except (OSError, UnicodeDecodeError):
+        holder = "?"
+    return ConfigError(
+        f"--out: {path} is in use by another nereus run (pid {holder[:20]}); wait for it to end, or "
+        "choose another --out"
+    )
+
+
+def _probe(path: Path) -> None:
+    """Refuse ``path`` when another run holds its lock (a lock this process holds is fine)."""
+    lock = path / LOCK
+    if path.resolve() in _HELD or not lock.is_file() or lock.is_symlink():
+        return
+    try:
+        with open(lock, encoding="utf-8") as f:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _in_use(path) from None
+    except OSError:
+        return  # unreadable: ``prepare`` says so when it takes the lock
+
+
+def _take(path: Path) -> None:
+    """Hold ``path``'s run lock until this process exits; ``ConfigError`` when another run has it."""
+    lock = path / LOCK
+    if path.resolve() in _HELD:
+        return
+    if lock.is_symlink():
+        raise ConfigError(f"--out: {lock} is a symbolic link; expected the run lock file (move it away)")
+    try:
+        f = open(lock, "a+", encoding="utf-8")  # noqa: SIM115 - kept open: the lock lives with it
+    except OSError as exc:
+        raise ConfigError(f"--out: {lock} cannot be opened ({exc.strerror})") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise _in_use(path) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    _HELD[path.resolve()] = f
+
+
+def _release(path: Path) -> None:
+    """Let go of ``path``'s lock and remove its file (the run that held it ends)."""
+    f = _HELD.pop(path.resolve(), None)
+    with contextlib.suppress(OSError):
+        (path / LOCK).unlink()
+    if f is not None:
+        f.close()
+
+
 def check(path: Path, resume: bool, force: bool) -> None:
     """Whether ``nereus run`` may write into ``path``; a ``ConfigError`` naming ``--out`` (or the
     flag to pass) if not. Writes nothing."""
     path = Path(path)
     if resume and force:
         raise ConfigError("--force and --resume: pass one (--resume continues the run, --force replaces it)")
+    if path.is_dir():
+        _probe(path)
     found = _existing_ancestor(path)
     if not found.is_dir():
         what = "is a file" if found == path.absolute() else f"is inside {found}, a file"
@@ -95,7 +164,7 @@ def check(path: Path, resume: bool, force: bool) -> None:
         _resumable(path)
     if resume or force or not path.exists():
         return
-    entries = sorted(e.name for e in path.iterdir() if e.name not in INPUTS)
+    entries = sorted(e.name for e in path.iterdir() if e.name not in INPUTS and e.name != LOCK)
     if not entries:
         return
     if is_ours(path):
@@ -116,6 +185,8 @@ def prepare(path: Path, resume: bool, force: bool) -> bytes:
     path = Path(path)
     check(path, resume, force)
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _take(path)
+    check(path, resume, force)  # again under the lock: a run that ended meanwhile left its files
     if force and is_ours(path):  # a previous run's files; a folder not ours holds none (``check``)
         _remove_run_files(path)
     marker = path / f"{MARKER}.tmp"
@@ -138,6 +209,7 @@ def discard(path: Path, created: bool) -> bool:
     if not is_ours(path) or trained:
         return False
     _remove_run_files(path)
+    _release(path)  # this run's own, which ends now (another run refuses, never waits)
     if created:
         with contextlib.suppress(OSError):
             path.rmdir()  # only when empty: a control/ request or a user's file keeps it

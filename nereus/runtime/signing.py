@@ -240,6 +240,20 @@ def check_identity(path: Path, meta: dict[str, Any], expected: dict[str, Any], p
 
 
 # ------------------------------------------------------------------ the latest pointer
+def checkpoints(folder: Path) -> list[Path]:
+    """The signed checkpoint folders directly under ``folder``, oldest first by step (a
+    ``step_*`` folder without a signature, a user's, is not one; neither is a link)."""
+    if not Path(folder).is_dir():
+        return []
+    found = [
+        p
+        for p in Path(folder).iterdir()
+        if CHECKPOINT_NAME.fullmatch(p.name) and p.is_dir() and not p.is_symlink()
+        and (p / SIGNATURE).is_file()
+    ]  # fmt: skip
+    return sorted(found, key=lambda p: int(p.name.removeprefix("step_")))
+
+
 def latest(folder: Path) -> Path | None:
     """The checkpoint ``folder/latest`` names: a folder directly under ``folder`` (no ``..``, no
     absolute path, no symbolic link). None when there is no pointer."""
