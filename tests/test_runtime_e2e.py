@@ -132,6 +132,32 @@ def test_a_killed_worker_is_survived_and_training_stays_on_track(tmp_path: Path,
 
 
 @pytest.mark.timeout(400)
+def test_a_last_copy_lost_before_the_first_checkpoint_restarts_from_the_start(
+    tmp_path: Path, untouched: Path
+) -> None:
+    """Worker 2 is killed in step 2 and the first checkpoint comes after step 3: when the
+    controller restarts (a trainer's last copy died), it restarts from the job's start (the
+    seed's weights), every step runs again, and the ending equals the run nobody killed. It used
+    to end the job with a traceback from every worker ("no checkpoint to restart from")."""
+    exp = tmp_path / "early.yaml"
+    text = BASE.format(name="early", steps=6).replace("checkpoint_every: 1", "checkpoint_every: 4")
+    exp.write_text(text + "drift:\n  - {step: 2, kill: [2]}\n")
+    proc = cli_run(exp, tmp_path / "early", 300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    rows = metrics(tmp_path / "early")
+    assert [r["step"] for r in rows] == list(range(6))
+    restarts = [t for r in rows for t in r["transitions"] if t["kind"] == "restart"]  # type: ignore[union-attr]
+    assert restarts and restarts[0]["from_step"] == -1, [r["transitions"] for r in rows]
+    a = load_file(str(tmp_path / "early" / "hf" / "actor" / "model.safetensors"))
+    b = load_file(str(untouched / "hf" / "actor" / "model.safetensors"))
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=2e-4, rtol=0), name
+    for r, s in zip(rows, metrics(untouched), strict=True):
+        assert r["reward"] == pytest.approx(s["reward"], abs=1e-6)
+
+
+@pytest.mark.timeout(400)
 def test_a_newcomer_lost_as_it_joins_fails_its_formation_and_training_stays_on_track(
     tmp_path: Path, untouched: Path
 ) -> None:

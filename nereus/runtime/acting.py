@@ -13,7 +13,7 @@ from nereus.control.action import Action, Keep, Move, Restart, TransitionRecord
 from nereus.plan.layout import Plan
 from nereus.runtime import checkpoint as ckpt
 from nereus.runtime.comm import reduce_max
-from nereus.runtime.job import JobSetup
+from nereus.runtime.job import JobSetup, first_state
 from nereus.runtime.leader import Leader
 from nereus.runtime.membership import Membership
 from nereus.runtime.worker import Worker
@@ -72,15 +72,19 @@ class Acting:
         return record
 
     def _restart(self, action: Restart) -> TransitionRecord:
-        """The latest checkpoint onto the action's plan; the steps after it run again."""
+        """The latest checkpoint onto the action's plan; the steps after it run again. Before
+        the first checkpoint, the job's start: the seed's weights and the ``init:`` folders (as
+        layout-independent as a checkpoint), and every step runs again."""
         began, target, path = time.perf_counter(), action.plan, ckpt.agreed_latest(self.folder)
-        if path is None or target is None:
-            raise RuntimeError(
-                f"step {self.step}: {action.reason}, and there is no checkpoint to restart from"
-            )
-        resumed = ckpt.load(self.worker, target, path)
-        self.worker.bind(target)
-        self.worker.weight_sync(target)
+        if target is None:
+            raise RuntimeError(f"step {self.step}: {action.reason}, and no plan to restart on")
+        if path is None:
+            self.worker.pending = {}  # async: the start had nothing generated ahead
+            resumed = first_state(self.worker, target, None, self.setup.spec) - 1
+        else:
+            resumed = ckpt.load(self.worker, target, path)
+            self.worker.bind(target)
+            self.worker.weight_sync(target)
         seconds = reduce_max(time.perf_counter() - began)
         record = TransitionRecord.restart(seconds, action.reason, resumed, self.plan, target)
         self.plan, self.step = target, resumed + 1
