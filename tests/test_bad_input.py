@@ -168,6 +168,12 @@ def test_bad_numbers_in_configs(
             "unhealthy as it is gained (gained and killed: it dies as it joins)",
         ),
         (
+            "drift: [{step: 3, kill: [2]}, {step: 3, gain: [2]}]",
+            "drift: two events at step 3; put one step's changes in one event (their order within a "
+            "step is the runtime's: losses, then gains)",
+        ),
+        ("drift: [{step: 3, kill: [2, 2]}]", "'drift[0]' step 3: kill names a worker twice ([2, 2])"),
+        (
             "drift: [{step: 1, unhealthy: [0]}]",
             "drift at step 1: worker 0 hosts the controller and cannot leave or hang",
         ),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -61,7 +62,15 @@ def add_node_parser(sub: Any) -> None:
     p.add_argument("--join", action="store_true", help="join the running job (a grow)")
 
 
+def quiet_torch_warnings() -> None:
+    """Workers start torch with its C++ log at ERROR (unless the user set ``TORCH_CPP_LOG_LEVEL``):
+    a peer that leaves makes c10d print a warning with pages of C++ stack frames from every
+    survivor's store client, for a loss the job handles and reports in one line."""
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
 def node(args: argparse.Namespace, out: Console) -> int:
+    quiet_torch_warnings()  # before torch is imported here
     from nereus.runtime.node import JobFolder, main
 
     folder = JobFolder(args.job_dir)  # a clear error (exit 2) before anything starts
@@ -399,6 +408,7 @@ def _run(args: argparse.Namespace, out: Console) -> int:
         f"[bold]{spec.name}[/]: {spec.workload} on {spec.model}, "
         f"{spec.workers} local workers, {spec.steps} steps"
     )
+    quiet_torch_warnings()  # the workers' environment
     end = launch_local(spec, folder, resume=args.resume, force=args.force)
     if end.signum is not None:
         print(f"nereus run: {_stopped(end.signum, end.forced, end.checkpoint)}", file=sys.stderr)

@@ -161,6 +161,10 @@ class DriftEvent:
     def __post_init__(self) -> None:
         if not 0 <= self.step <= MAX_STEPS:
             raise ValueError(f"step must be in [0, {MAX_STEPS}], got {brief(self.step)}")
+        for name in ("lose", "kill", "gain", "oom", "unhealthy", "hang", "freeze"):
+            workers = getattr(self, name)
+            if len(set(workers)) != len(workers):
+                raise ValueError(f"step {self.step}: {name} names a worker twice ({list(workers)})")
         gone = (set(self.lose), set(self.kill), set(self.unhealthy))
         if any(a & b for i, a in enumerate(gone) for b in gone[i + 1 :]) or (
             set(self.lose) | set(self.unhealthy)
@@ -261,6 +265,13 @@ class ExperimentSpec:
         for name in ("seed", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
+        steps = [e.step for e in self.drift]
+        twice = sorted({s for s in steps if steps.count(s) > 1})
+        if twice:
+            raise ValueError(
+                f"drift: two events at step {twice[0]}; put one step's changes in one event (their "
+                "order within a step is the runtime's: losses, then gains)"
+            )
         pool = set(range(self.workers))
         for e in sorted(self.drift, key=lambda e: e.step):
             dies_joining = set(e.kill) & set(e.gain)

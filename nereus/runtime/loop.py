@@ -199,7 +199,7 @@ class JobLoop(Acting, Surviving):
                 try:
                     self._survive(oom)  # outside the handler: its traceback pins the old groups
                 except LeftBehindError as exc:  # the job went on without this GPU
-                    print(f"nereus: {exc}; the job went on without it", file=sys.stderr, flush=True)
+                    print(f"nereus: {exc}", file=sys.stderr, flush=True)
                     self.m.close()
                     self.left_behind = True
                     return Outcome.LEFT

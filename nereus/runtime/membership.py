@@ -57,6 +57,7 @@ from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from nereus.backends.registry import release_engine_groups
 from nereus.devices import CPU, Devices, abort_world, init_world
+from nereus.runtime.comm import first_line
 from nereus.runtime.joins import JOIN_QUEUE, JoinRefusedError, JoinRequest, Joins, gpu_list
 from nereus.runtime.pins import let_go
 from nereus.runtime.rendezvous import Rendezvous, listening_socket, node_address, node_name
@@ -335,14 +336,18 @@ class Membership(Joins):
         g = self.generation
         self.abandon()
         if not self.leader and not self.rendezvous.answers(STORE_GONE_S):  # the job ended meanwhile
-            raise LeftBehindError(f"GPU {self.gpu} found the job's store gone recovering generation {g}")
+            raise LeftBehindError(
+                f"GPU {self.gpu} found the job's store gone recovering generation {g}: the job ended, or "
+                "its leader failed"
+            )
         try:
             self.signed.put(f"recover/{g}/alive/{self.gpu}", {"gpu": self.gpu, "oom": oom})
         except dist.DistError as exc:
             if self.leader:  # its own store: a failure here is the job's
                 raise
             raise LeftBehindError(
-                f"GPU {self.gpu} lost the job's store recovering generation {g}: {exc}"
+                f"GPU {self.gpu} lost the job's store recovering generation {g} ({first_line(exc)}): "
+                "the job ended, or its leader failed"
             ) from None
         key = f"recover/{g}/members"
         if self.leader:
@@ -367,11 +372,14 @@ class Membership(Joins):
             )
         except dist.DistError as exc:
             raise LeftBehindError(
-                f"GPU {self.gpu} lost the job's store recovering generation {g}: {exc}"
+                f"GPU {self.gpu} lost the job's store recovering generation {g} ({first_line(exc)}): "
+                "the job ended, or its leader failed"
             ) from None
         survivors = gpu_list(answer, "members")
         if self.gpu not in survivors:
-            raise LeftBehindError(f"GPU {self.gpu} checked in too late for generation {g + 1}")
+            raise LeftBehindError(
+                f"GPU {self.gpu} checked in too late for generation {g + 1}: the job went on without it"
+            )
         pairs = answer.get("oom", []) if isinstance(answer, dict) else []
         self.oom = {int(m): str(s) for m, s in pairs if isinstance(m, int) and isinstance(s, str)}
         return survivors
