@@ -309,7 +309,21 @@ def test_a_member_lost_before_a_generation_forms_fails_the_formation_within_seco
 def _newcomers(rank: int, port: int, out: str) -> None:
     """GPUs 0 and 1 form generation 1 with newcomer 3, which never comes (its node went down
     before it read its answer: no heartbeat), then generation 2 with newcomer 4 (rank 2 here),
-    which comes 2 s late and is waited for."""
+    which comes 2 s late and is waited for; newcomer 5 (rank 3), told generation 2 with other
+    members, is refused by the verdict."""
+    if rank == 3:  # told generation 2 with other members (answered before a recovery): it learns
+        torch.set_num_threads(1)  # from the verdict that the leader formed another, and leaves
+        while not Path(out, "gen2").exists():
+            time.sleep(0.05)
+        m = Membership.connect(Rendezvous("127.0.0.1", port), SECRET, 5)
+        try:
+            m.form((0, 1, 5), 2)
+            told: object = "formed"
+        except FormationError as exc:
+            told = str(exc)
+        Path(out, "5.json").write_text(json.dumps(told))
+        m.close()
+        return
     if rank == 2:
         torch.set_num_threads(1)
         while not Path(out, "gen2").exists():
@@ -339,7 +353,10 @@ def _newcomers(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_a_newcomer_that_never_comes_fails_the_formation_after_its_grace(tmp_path: Path) -> None:
-    assert spawned(_newcomers, 3, tmp_path) == [0, 0, 0]
+    assert spawned(_newcomers, 4, tmp_path) == [0, 0, 0, 0]
+    assert json.loads((tmp_path / "5.json").read_text()) == (
+        "generation 2 did not form: the leader formed it with GPUs [0, 1, 4], this GPU was told [0, 1, 5]"
+    )
     for g in (0, 1):
         got = json.loads((tmp_path / f"{g}.json").read_text())
         assert got["lost"] == [3] and 3.0 <= got["s"] < 10.0, got

@@ -21,6 +21,7 @@ first m records of ``generate_tasks(kind, n, seed)`` do not depend on n ≥ m.
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -104,8 +105,10 @@ def generate_tasks(
 def write_jsonl(records: Iterable[TaskRecord], path: Path) -> int:
     """Write one JSON object per line (``id``, ``prompt``, ``answer``); returns the record count."""
     count = 0
-    with Path(path).open("w", encoding="utf-8") as f:
+    tmp = Path(path).with_name(f".{Path(path).name}.tmp")  # written whole, then renamed: a crash
+    with tmp.open("w", encoding="utf-8") as f:  # leaves the old file or the new one, never half
         for r in records:
             f.write(json.dumps(r.to_json()) + "\n")
             count += 1
+    os.replace(tmp, path)
     return count

@@ -79,7 +79,10 @@ class Acting:
         if target is None:
             raise RuntimeError(f"step {self.step}: {action.reason}, and no plan to restart on")
         if path is None:
-            self.worker.pending = {}  # async: the start had nothing generated ahead
+            self.dropped += len(self.worker.pending)  # async: the start had nothing generated ahead
+            self.worker.pending = {}
+            self.worker.close()  # every unit and engine goes: the start places them afresh
+            self.worker.drop()
             resumed = first_state(self.worker, target, None, self.setup.spec) - 1
         else:
             resumed = ckpt.load(self.worker, target, path)

@@ -120,8 +120,7 @@ def save(worker: Worker, plan: Plan, step: int, folder: Path, keep: int = 2) -> 
                 meta["pending"] = sorted(worker.pending)
             (tmp / signing.META).write_text(json.dumps(meta, indent=1) + "\n")
             signing.sign(tmp, key)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
+            _replace(tmp, final)  # a step that ran again: ``latest`` may name the old one meanwhile
             pointer = folder / f".{LATEST}.tmp"
             pointer.write_text(final.name + "\n")
             os.replace(pointer, folder / LATEST)
@@ -133,6 +132,22 @@ def save(worker: Worker, plan: Plan, step: int, folder: Path, keep: int = 2) -> 
                 shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def _replace(new: Path, final: Path) -> None:
+    """``new`` becomes ``final``; an old ``final`` (the same step saved before it ran again) is
+    moved aside first and removed only once ``new`` is in place, else put back."""
+    old = final.with_name(f".{final.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    try:
+        os.replace(new, final)
+    except OSError:
+        if old.exists():
+            os.replace(old, final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 class CheckpointWriteError(NereusError):

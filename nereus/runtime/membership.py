@@ -28,14 +28,11 @@ check-ins and the survivors' list. An entry that does not verify or does not par
   beat; an entry that does not verify says nothing, so a stranger's writes cannot push a member
   out (they can still stall a formation or a recovery: the store's availability is not
   protected).
-- **Forming a generation** after the first starts with a roll call: every member checks in under
-  ``form/<g>/in/<gpu>`` and the leader waits until all have, or until one that has not is gone (a
-  member of the previous generation: its heartbeat is stale; a newcomer: it has not beaten for
-  ``JOIN_GRACE_S`` since the roll call began, or its heartbeat went stale). Its verdict, under
-  ``form/<g>/verdict``, is every member's: a member lost there fails the formation
-  (``FormationError``, a peer failure) and the others recover from it as from a failed
-  collective, instead of waiting in gloo's rendezvous for the formation's 30 minutes. A member
-  that dies after the roll call and before gloo connects still holds the others there.
+- **Forming a generation** after the first starts with a roll call (``rollcall.py``): a member
+  lost before it connects fails the formation on every member within seconds, and they recover
+  from it as from a failed collective, instead of waiting in gloo's rendezvous for the
+  formation's 30 minutes. A member that dies after the roll call and before gloo connects still
+  holds the others there.
 
 What the secret does not protect: torch.distributed's own rendezvous keys (gloo's addresses under
 ``gen<g>/``), which c10d reads directly (torch 2.13 cannot build gloo subgroups over a Python store
@@ -61,13 +58,10 @@ from nereus.runtime.comm import first_line
 from nereus.runtime.joins import JOIN_QUEUE, JoinRefusedError, JoinRequest, Joins, gpu_list
 from nereus.runtime.pins import let_go
 from nereus.runtime.rendezvous import Rendezvous, listening_socket, node_address, node_name
+from nereus.runtime.rollcall import JOIN_GRACE_S, STALE_S, UNVERIFIED, FormationError, RollCalls
 from nereus.runtime.signed import SECRET_MIN_BYTES, BoundedLog, SignedStore, UnauthenticError, sign
 
 HEARTBEAT_S = 1.0
-STALE_S = 4.0  # a heartbeat older than this: the member is gone
-UNVERIFIED = math.inf  # a heartbeat entry that does not verify: it says nothing about its member
-JOIN_GRACE_S = 60.0  # a newcomer that has not beaten this long into a roll call: gone (it died
-# before reading the leader's answer, or before reaching the formation)
 STORE_GONE_S = 3.0  # a member recovering: the job's store not answering this long is gone (a
 # client write would only fail after torch has printed its stack)
 
@@ -90,17 +84,7 @@ class LeftBehindError(RuntimeError):
     others went on and the job ended). It leaves the job; the job's outcome is the leader's."""
 
 
-class FormationError(dist.DistError):
-    """Generation ``generation`` did not form: members ``lost`` never checked in to its roll call
-    and are gone. A peer failure (``comm.is_peer_failure``): the members recover from it."""
-
-    def __init__(self, generation: int, lost: tuple[int, ...]) -> None:
-        super().__init__(f"generation {generation} did not form: GPUs {list(lost)} never checked in")
-        self.generation = generation
-        self.lost = lost
-
-
-class Membership(Joins):
+class Membership(RollCalls, Joins):
     """This process's view of the job's members; one per worker process."""
 
     def __init__(
@@ -181,7 +165,7 @@ class Membership(Joins):
         self.members, self.generation = tuple(sorted(members)), generation
         self.start_heartbeat()  # a newcomer beats from its roll call on
         if generation > 0:  # generation 0: everyone starts at once; the launchers watch that
-            self._roll_call(previous)
+            self.roll_call(previous)
         init_world(
             self.devices,
             PrefixStore(f"gen{generation}", self.store),
@@ -190,66 +174,6 @@ class Membership(Joins):
             self.timeout,
         )
         self.signed.put(f"host/{self.gpu}", {"node": self.node})
-
-    def _roll_call(self, previous: frozenset[int]) -> None:
-        """Check in to this generation's roll call and learn the leader's verdict (it decides,
-        so every member reads the same one); FormationError when a member is lost there."""
-        g = self.generation
-        self.signed.put(f"form/{g}/in/{self.gpu}", {"gpu": self.gpu})
-        key = f"form/{g}/verdict"
-        if self.leader:
-            lost = self._call_roll(previous)
-            self.signed.put(key, {"lost": list(lost)})
-            if lost:
-                self.log(f"generation {g} did not form: GPUs {list(lost)} never checked in and are gone")
-        else:
-            answer = self.signed.wait_valid(
-                key, self.timeout.total_seconds(), lambda why: self.log(f"ignored {key}: {why}", "form")
-            )
-            lost = gpu_list(answer, "lost")
-        if lost:
-            raise FormationError(g, lost)
-
-    def _call_roll(self, previous: frozenset[int]) -> tuple[int, ...]:
-        """The leader: () once every member checked in; else the members that did not and are
-        gone (``previous``: the last generation's members, whose heartbeat is already running),
-        or, past the formation's timeout, every member still missing."""
-        started = time.time()
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        while True:
-            missing = [m for m in self.members if not self._checked_in(m)]
-            if not missing:
-                return ()
-            now = time.time()
-            gone = tuple(m for m in missing if self._gone(m, m in previous, started, now))
-            if gone or time.monotonic() > deadline:
-                return gone or tuple(missing)
-            time.sleep(0.05)
-
-    def _checked_in(self, gpu: int) -> bool:
-        key = f"form/{self.generation}/in/{gpu}"
-        if not self.store.check([key]):
-            return False
-        try:
-            entry = self.signed.read(key)
-        except UnauthenticError as exc:
-            self.log(f"ignored a roll-call entry for GPU {gpu}: {exc}", "form")
-            return False
-        return isinstance(entry, dict) and entry.get("gpu") == gpu
-
-    def _gone(self, gpu: int, member: bool, started: float, now: float) -> bool:
-        """Whether ``gpu``, missing from the roll call that began at ``started``, is gone: a
-        ``member`` of the last generation when its heartbeat is stale; a newcomer once it has not
-        beaten for ``join_grace_s`` since then (an older beat is a former holder's of its GPU
-        id), or its heartbeat went stale. A heartbeat entry that does not verify says nothing."""
-        if member:
-            return self.gone(gpu, now)
-        beat = self._last_beat(gpu)
-        if beat == UNVERIFIED:
-            return False
-        if beat is None or beat < started - STALE_S:
-            return now - started > self.join_grace_s
-        return now - beat >= STALE_S
 
     def hosts(self) -> dict[int, str]:
         """The node each member runs on (a member whose entry does not verify counts as a node of

@@ -13,17 +13,20 @@ One run at a time: ``prepare`` takes an exclusive lock on ``.nereus-lock`` in th
 held by the ``nereus run`` process until it exits, which the kernel releases however it ends) before
 it replaces or writes anything, and a second run on the same folder (``--resume`` or ``--force``
 alike) is refused naming the holder's process id; ``check`` tries the lock too, without keeping it.
-The lock file is never removed while a run may hold it (a new file would be a second lock).
+A run whose fresh start is undone removes the file as it ends; whoever takes the lock checks that
+the file it locked is still the one in the folder, and takes it again if not. The lock lives in
+the ``nereus run`` process: its workers stop at their next boundary when it dies.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import shutil
+import stat
 from pathlib import Path
-from typing import IO
 
 from nereus.errors import ConfigError
 from nereus.runtime.signing import KEY_FILE, create_key, read_key
@@ -31,7 +34,7 @@ from nereus.runtime.signing import KEY_FILE, create_key, read_key
 MARKER = ".nereus-output"
 MARK = "run"
 LOCK = ".nereus-lock"
-_HELD: dict[Path, IO[str]] = {}  # this process's locks, by folder: kept open until it exits
+_HELD: dict[Path, int] = {}  # this process's locks (descriptors), by folder: open until it exits
 INPUTS = frozenset({"control"})  # shrink requests (nereus-launch shrink) may wait before the run
 RUN_FILES = (
     "metrics.jsonl", ".metrics.jsonl.tmp", "report.png", "report.tmp.png", "membership.log", "tensorboard",
@@ -93,50 +96,96 @@ def _in_use(path: Path) -> ConfigError:
     )
 
 
+def _open_lock(lock: Path, create: bool) -> int:
+    """A descriptor of the lock file: a regular file, never through a link (``O_NOFOLLOW``) and
+    never blocking on a FIFO put in its place."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | (os.O_CREAT if create else 0)
+    try:
+        fd = os.open(lock, flags, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ConfigError(
+                f"--out: {lock} is a symbolic link; expected the run lock file (move it away)"
+            ) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(f"--out: {lock} is not a regular file; expected the run lock file (move it away)")
+    return fd
+
+
+def _current(fd: int, lock: Path) -> bool:
+    """Whether ``fd`` is still the file at ``lock`` (a run that ended may have removed it, and a
+    lock on a removed file locks nothing)."""
+    try:
+        on_disk = os.stat(lock, follow_symlinks=False)
+    except OSError:
+        return False
+    held = os.fstat(fd)
+    return (on_disk.st_dev, on_disk.st_ino) == (held.st_dev, held.st_ino)
+
+
 def _probe(path: Path) -> None:
     """Refuse ``path`` when another run holds its lock (a lock this process holds is fine)."""
     lock = path / LOCK
-    if path.resolve() in _HELD or not lock.is_file() or lock.is_symlink():
+    if _held(path) or not lock.exists():
         return
     try:
-        with open(lock, encoding="utf-8") as f:
-            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fd = _open_lock(lock, create=False)
+    except OSError:
+        return  # gone meanwhile, or unreadable: ``prepare`` says so when it takes the lock
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         raise _in_use(path) from None
-    except OSError:
-        return  # unreadable: ``prepare`` says so when it takes the lock
+    finally:
+        os.close(fd)
+
+
+def _held(path: Path) -> bool:
+    """Whether this process holds ``path``'s lock (on the file that is there now)."""
+    fd = _HELD.get(path.resolve())
+    if fd is None:
+        return False
+    if _current(fd, path / LOCK):
+        return True
+    del _HELD[path.resolve()]  # the folder was removed and made again: that lock locks nothing
+    os.close(fd)
+    return False
 
 
 def _take(path: Path) -> None:
     """Hold ``path``'s run lock until this process exits; ``ConfigError`` when another run has it."""
-    lock = path / LOCK
-    if path.resolve() in _HELD:
+    if _held(path):
         return
-    if lock.is_symlink():
-        raise ConfigError(f"--out: {lock} is a symbolic link; expected the run lock file (move it away)")
-    try:
-        f = open(lock, "a+", encoding="utf-8")  # noqa: SIM115 - kept open: the lock lives with it
-    except OSError as exc:
-        raise ConfigError(f"--out: {lock} cannot be opened ({exc.strerror})") from None
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        raise _in_use(path) from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
-    _HELD[path.resolve()] = f
+    lock = path / LOCK
+    for _ in range(5):  # a run that ended may remove the file between our open and our lock
+        try:
+            fd = _open_lock(lock, create=True)
+        except OSError as exc:
+            raise ConfigError(f"--out: {lock} cannot be opened ({exc.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise _in_use(path) from None
+        if _current(fd, lock):
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            _HELD[path.resolve()] = fd
+            return
+        os.close(fd)
+    raise ConfigError(f"--out: {lock} keeps changing; is another nereus run starting in {path}?")
 
 
 def _release(path: Path) -> None:
-    """Let go of ``path``'s lock and remove its file (the run that held it ends)."""
-    f = _HELD.pop(path.resolve(), None)
+    """Let go of ``path``'s lock and remove its file (the run that held it ends; a run that opened
+    the file meanwhile finds it removed and takes a new one)."""
+    fd = _HELD.pop(path.resolve(), None)
     with contextlib.suppress(OSError):
         (path / LOCK).unlink()
-    if f is not None:
-        f.close()
+    if fd is not None:
+        os.close(fd)
 
 
 def check(path: Path, resume: bool, force: bool) -> None:

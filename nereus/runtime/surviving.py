@@ -16,17 +16,18 @@ from nereus.control.telemetry import Telemetry
 from nereus.errors import InfeasibleError, TooFewGpusError
 from nereus.plan.layout import Plan
 from nereus.runtime import faults
-from nereus.runtime.comm import all_gather, broadcast, reduce_max
+from nereus.runtime.comm import all_gather, broadcast, first_line, is_peer_failure, reduce_max
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.job import JobSetup
 from nereus.runtime.leader import Leader
-from nereus.runtime.membership import FormationError, Membership
+from nereus.runtime.membership import Membership
 from nereus.runtime.pending import share as share_pending
 from nereus.runtime.snapshot import Mark, agreed
 from nereus.runtime.worker import Worker
 from nereus.spec.workload import ExecutionMode
 
 MAX_OOM_TRIES = 3  # a step that runs out of memory after this many urgent replans fails the job
+MAX_FORM_TRIES = 8  # recoveries in a row whose next generation failed to form: then the job fails
 
 
 class Surviving:
@@ -60,13 +61,15 @@ class Surviving:
             self.frozen.add(self.step)
             self.m.abandon()  # its groups go first: no peer waits on it in a collective
             faults.hang(hang)  # then it checks in late: its heartbeat stopped too
-        while True:  # a survivor lost while the next generation forms: recover again
-            survivors = self.m.recover(oom=oom)
-            try:
+        for attempt in range(1, MAX_FORM_TRIES + 1):  # a survivor lost while the next generation
+            survivors = self.m.recover(oom=oom)  # forms: recover again (a store that went away
+            try:  # meanwhile: the next recovery finds it gone, and this GPU leaves)
                 self.m.form(survivors, self.m.generation + 1)
                 break
-            except FormationError:
-                continue  # the leader logged who
+            except Exception as exc:
+                if not is_peer_failure(exc) or attempt == MAX_FORM_TRIES:
+                    raise
+                self.m.log(f"GPU {self.m.gpu}: {first_line(exc)}; recovering again")
         self.worker.set_world(survivors)
         self.lost = tuple(g for g in before if g not in survivors)
 
