@@ -74,6 +74,16 @@ def metrics(out: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def ends_as(out: Path, still: Path) -> None:
+    """``out``'s run ended as the untouched one: its actor within 2e-4, its rewards within 1e-6."""
+    a = load_file(str(out / "hf" / "actor" / "model.safetensors"))
+    b = load_file(str(still / "hf" / "actor" / "model.safetensors"))
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=2e-4, rtol=0), name
+    for r, s in zip(metrics(out), metrics(still), strict=True):
+        assert r["reward"] == pytest.approx(s["reward"], abs=1e-6)
+
+
 @pytest.fixture(scope="module")
 def untouched(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The reference: the same seeded 6-step job, never moved, killed or preempted."""
@@ -123,12 +133,7 @@ def test_a_killed_worker_is_survived_and_training_stays_on_track(tmp_path: Path,
     assert recovered and recovered[0]["lost"] == [2], rows[3]["transitions"]
     assert "lost GPUs [2]" in (killed / "membership.log").read_text()
     assert all(r["gpus"] <= 3 for r in rows[3:])
-    a = load_file(str(killed / "hf" / "actor" / "model.safetensors"))
-    b = load_file(str(still / "hf" / "actor" / "model.safetensors"))
-    for name in a:
-        assert torch.allclose(a[name], b[name], atol=2e-4, rtol=0), name
-    for r, s in zip(rows, metrics(still), strict=True):
-        assert r["reward"] == pytest.approx(s["reward"], abs=1e-6)
+    ends_as(killed, still)
 
 
 @pytest.mark.timeout(400)
@@ -149,12 +154,7 @@ def test_a_last_copy_lost_before_the_first_checkpoint_restarts_from_the_start(
     assert [r["step"] for r in rows] == list(range(6))
     restarts = [t for r in rows for t in r["transitions"] if t["kind"] == "restart"]  # type: ignore[union-attr]
     assert restarts and restarts[0]["from_step"] == -1, [r["transitions"] for r in rows]
-    a = load_file(str(tmp_path / "early" / "hf" / "actor" / "model.safetensors"))
-    b = load_file(str(untouched / "hf" / "actor" / "model.safetensors"))
-    for name in a:
-        assert torch.allclose(a[name], b[name], atol=2e-4, rtol=0), name
-    for r, s in zip(rows, metrics(untouched), strict=True):
-        assert r["reward"] == pytest.approx(s["reward"], abs=1e-6)
+    ends_as(tmp_path / "early", untouched)
 
 
 @pytest.mark.timeout(400)
@@ -175,12 +175,7 @@ def test_a_newcomer_lost_as_it_joins_fails_its_formation_and_training_stays_on_t
     assert recovered and recovered[0]["lost"] == [3], rows[3]["transitions"]
     log = (out / "membership.log").read_text()
     assert re.search(r"generation \d+ did not form: GPUs \[3\]", log), log[-2000:]
-    a = load_file(str(out / "hf" / "actor" / "model.safetensors"))
-    b = load_file(str(untouched / "hf" / "actor" / "model.safetensors"))
-    for name in a:
-        assert torch.allclose(a[name], b[name], atol=2e-4, rtol=0), name
-    for r, s in zip(rows, metrics(untouched), strict=True):
-        assert r["reward"] == pytest.approx(s["reward"], abs=1e-6)
+    ends_as(out, untouched)
 
 
 @pytest.mark.timeout(400)
