@@ -94,8 +94,17 @@ def test_baseline_rules(plan: Plan) -> None:
         Rule(gamma=1.5)
     with pytest.raises(ConfigError, match="unknown policy 'greedy'"):
         policy_config("greedy")
-    with pytest.raises(ConfigError, match="periodic:K needs a positive integer"):
-        policy_config("periodic:x")
+    for bad in (
+        "periodic:x",
+        "periodic:0",
+        "periodic: 2",
+        "periodic:1_0",
+        "periodic:\u0663",
+        "periodic:" + "9" * 30,
+    ):
+        with pytest.raises(ConfigError, match=r"periodic:K needs a whole number K in \[1, 10,000,000\]"):
+            policy_config(bad)
+    assert policy_config("periodic:3").period == 3
 
 
 # ---------------------------------------------------------------- controller

@@ -376,7 +376,18 @@ def test_resuming_a_run_that_trained_every_step_starts_nothing(
         ),
         ("name: x\nworkload: ppo-tiny\nmodel: tiny-llama\ntask: {kind: nope}\n", "kind must be one of"),
         ("name: x\nworkload: ppo-tiny\nmodel: no-such-model\n", "no-such-model"),
-        ("name: x\nworkload: ppo-tiny\nmodel: tiny-llama\ndataset: missing.jsonl\n", "does not exist"),
+        (
+            "name: x\nworkload: ppo-tiny\nmodel: tiny-llama\ndataset: missing.jsonl\n",
+            "dataset: missing.jsonl: dataset",
+        ),
+        (
+            "name: x\nworkload: ppo-tiny\nmodel: tiny-llama\ndata: {train: missing.parquet, layout: verl}\n",
+            "data.train: missing.parquet: dataset file does not exist",
+        ),
+        (
+            "name: x\nworkload: ppo-tiny\nmodel: tiny-llama\nverifier: exactanswer\n",
+            "verifier: unknown verifier",
+        ),
         ("name: x\nworkload: ppo-tiny\nmodel: tiny-llama\npolicy: sometimes\n", "unknown policy"),
         ("name: x\nworkload: ppo-tiny\nmodel: tiny-llama\nworkers: 64\n", "exceeds the 8 GPUs"),
         (

@@ -30,6 +30,7 @@ class ControllerConfig:
 
 
 POLICIES = ("nereus", "static", "always", "periodic:K", "oracle")
+MAX_PERIOD = 10_000_000  # a run's most steps (``experiment.MAX_STEPS``)
 
 
 def policy_config(name: str, gamma: float = 0.5) -> ControllerConfig:
@@ -49,12 +50,12 @@ def policy_config(name: str, gamma: float = 0.5) -> ControllerConfig:
     if name == "oracle":
         return ControllerConfig(rule=Rule(Profit.SWITCH, gamma), period=1)
     if name.startswith("periodic:"):
-        try:
-            k = int(name.split(":", 1)[1])
-        except ValueError:
-            k = 0
-        if k <= 0:
-            raise ConfigError(f"policy {name!r}: periodic:K needs a positive integer K")
+        digits = name.split(":", 1)[1]  # ASCII digits only: int() also takes "1_0", " 2", "٣"
+        k = int(digits) if digits.isascii() and digits.isdigit() and len(digits) <= 8 else 0
+        if not 0 < k <= MAX_PERIOD:
+            raise ConfigError(
+                f"policy {name!r}: periodic:K needs a whole number K in [1, {MAX_PERIOD:,}] (ASCII digits)"
+            )
         return ControllerConfig(
             rule=Rule(Profit.SWITCH, gamma), period=k, replan_on=frozenset({TriggerKind.PERIODIC})
         )

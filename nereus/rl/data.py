@@ -204,12 +204,12 @@ class PromptDataset:
         path = Path(path)
         if max_prompt_len <= 0:
             raise ValueError(f"max_prompt_len must be positive, got {max_prompt_len}")
+        if path.is_dir():
+            raise ConfigError(f"{path}: a folder, not a dataset file (allowed: a .jsonl or .parquet file)")
         if path.suffix not in SUFFIXES:
             raise ConfigError(
                 f"{path}: unknown dataset format {path.suffix!r} (allowed: {', '.join(SUFFIXES)})"
             )
-        if path.is_dir():
-            raise ConfigError(f"{path}: a folder, not a dataset file")
         if not path.is_file():
             raise ConfigError(f"{path}: dataset file does not exist")
         records: list[TaskRecord] = []

@@ -165,7 +165,7 @@ def preflight(
     if not child:
         from nereus.rl.verifiers import get_verifier
 
-        get_verifier(spec.verifier)
+        _keyed("verifier", get_verifier, spec.verifier)
     elif _child_has_work(spec, engines):
         _checks_in_a_child(spec)
     return first
@@ -200,7 +200,7 @@ def _child_has_work(spec: Any, engines: dict[str, str]) -> bool:
         return True
     if any(spec.weights_of(role) for role in ("actor", "reward", "critic")):
         return True
-    get_verifier(spec.verifier)
+    _keyed("verifier", get_verifier, spec.verifier)
     return not imports_known(engines, default_cache())
 
 
@@ -268,15 +268,17 @@ def torch_checks(spec: Any) -> None:
             f"tokenizer: {tok.vocab_size} ids do not fit {model.name}'s vocabulary of {model.vocab_size}"
         )
     if spec.data is not None:
-        data = PromptDataset.load(
-            Path(spec.data.train), tok, workload.max_prompt_len, 0, spec.data.record_layout()
+        data = _keyed(
+            "data.train",
+            lambda p: PromptDataset.load(Path(p), tok, workload.max_prompt_len, 0, spec.data.record_layout()),
+            spec.data.train,
         )
         if spec.verifier == "by_source":
             for source in sorted({r.source for r in data.records}):
                 verifier_for_source(source)
     elif spec.dataset:
-        PromptDataset.load(Path(spec.dataset), tok, workload.max_prompt_len)
-    get_verifier(spec.verifier)
+        _keyed("dataset", lambda p: PromptDataset.load(Path(p), tok, workload.max_prompt_len), spec.dataset)
+    _keyed("verifier", get_verifier, spec.verifier)
     for role, head in (("actor", Head.LM), ("reward", Head.VALUE), ("critic", Head.VALUE)):
         path = spec.weights_of(role)
         if not path:

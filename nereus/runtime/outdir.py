@@ -233,7 +233,10 @@ def prepare(path: Path, resume: bool, force: bool) -> bytes:
     existing one, else a new one in ``<path>/checkpoint.key``, 0600)."""
     path = Path(path)
     check(path, resume, force)
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:  # a place no folder can be made (/proc, a read-only mount)
+        raise ConfigError(f"--out: {path} cannot be created ({exc.strerror or type(exc).__name__})") from None
     _take(path)
     check(path, resume, force)  # again under the lock: a run that ended meanwhile left its files
     if force and is_ours(path):  # a previous run's files; a folder not ours holds none (``check``)
