@@ -83,7 +83,7 @@ def test_bad_simulate_flags(flag: str, value: str, line: str, capsys: pytest.Cap
         ),
         (
             ["--policies", "periodic:0"],
-            "--policies: 'periodic:0': periodic:K needs an integer K in [1, 999999999]",
+            "--policies: 'periodic:0': periodic:K needs a whole number K in [1, 10,000,000]",
         ),
         (["--policies", "static,static"], "--policies names a run twice: 'static,static'"),
         (["--policies", "nereus", "--gamma", "0.5,0.5"], "--gamma names a value twice: 0.5,0.5"),

@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from nereus.control.policy import POLICIES, policy_config
+from nereus.control.policy import MAX_PERIOD, POLICIES, policy_config
 from nereus.errors import ConfigError
 from nereus.sim.engine import STATIC_BEST, Scenario, Summary, simulate
 from nereus.sim.records import IN_FLIGHT
@@ -256,9 +256,11 @@ def runs(policies: str, gammas: list[float]) -> list[tuple[str, str, float]]:
     if len(names) > MAX_RUNS:
         raise ConfigError(f"--policies: at most {MAX_RUNS} policies, got {len(names)}")
     for name in names:
-        period = re.fullmatch(r"periodic:(\d{1,9})", name)
-        if name.startswith("periodic:") and (period is None or int(period.group(1)) <= 0):
-            raise ConfigError(f"--policies: {brief(name)}: periodic:K needs an integer K in [1, 999999999]")
+        period = re.fullmatch(r"periodic:([0-9]{1,8})", name)
+        if name.startswith("periodic:") and (period is None or not 0 < int(period.group(1)) <= MAX_PERIOD):
+            raise ConfigError(
+                f"--policies: {brief(name)}: periodic:K needs a whole number K in [1, {MAX_PERIOD:,}]"
+            )
         if name != STATIC_BEST:
             try:
                 policy_config(name)  # refuses unknown names before anything runs
