@@ -102,13 +102,16 @@ def generate_tasks(
     return out
 
 
+def jsonl_text(records: Iterable[TaskRecord]) -> str:
+    """One JSON object per line (``id``, ``prompt``, ``answer``): what ``write_jsonl`` writes."""
+    return "".join(json.dumps(r.to_json()) + "\n" for r in records)
+
+
 def write_jsonl(records: Iterable[TaskRecord], path: Path) -> int:
-    """Write one JSON object per line (``id``, ``prompt``, ``answer``); returns the record count."""
-    count = 0
-    tmp = Path(path).with_name(f".{Path(path).name}.tmp")  # written whole, then renamed: a crash
-    with tmp.open("w", encoding="utf-8") as f:  # leaves the old file or the new one, never half
-        for r in records:
-            f.write(json.dumps(r.to_json()) + "\n")
-            count += 1
+    """Write ``jsonl_text(records)`` to ``path`` whole, then rename it into place (a crash leaves
+    the old file or the new one, never half); returns the record count."""
+    records = list(records)
+    tmp = Path(path).with_name(f".{Path(path).name}.tmp")
+    tmp.write_text(jsonl_text(records), encoding="utf-8")
     os.replace(tmp, path)
-    return count
+    return len(records)

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from nereus.errors import ConfigError, NereusError
 from nereus.plan.layout import Plan
 from nereus.runtime import pending, signing
-from nereus.runtime.comm import all_gather, broadcast
+from nereus.runtime.comm import all_gather, broadcast, first_line
 from nereus.runtime.rollout import Batch
 from nereus.runtime.worker import Worker
 from nereus.spec.workload import Role
@@ -157,7 +157,7 @@ class CheckpointWriteError(NereusError):
         if isinstance(exc, OSError):
             why = f"{exc.filename2 or exc.filename or where}: {exc.strerror or type(exc).__name__}"
         else:
-            why = f"{where}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
+            why = f"{where}: {first_line(exc)}"
         super().__init__(
             f"the checkpoint after step {step} could not be written ({why}); the previous checkpoint "
             "stays the latest"

@@ -8,12 +8,12 @@ resume can say they will not come back.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from nereus.errors import ConfigError
 from nereus.runtime import signing
+from nereus.runtime.metrics import read_rows
 
 
 def check_checkpoint(folder: Path, expected: dict[str, Any]) -> int:
@@ -50,15 +50,13 @@ def check_task(spec: Any, folder: Path) -> None:
     """``--resume`` of a run on the generated task: the task the experiment names now is the one
     its ``tasks.jsonl`` records (the prompts its steps trained on), which a start would otherwise
     overwrite with another. A prompt file (``data:``, ``dataset:``) is the user's and not checked."""
-    from nereus.rl.tasks import generate_tasks
+    from nereus.rl.tasks import generate_tasks, jsonl_text
 
     path = folder / "tasks.jsonl"
     if spec.data is not None or spec.dataset or not path.is_file():
         return
     t = spec.task
-    want = "".join(
-        json.dumps(r.to_json()) + "\n" for r in generate_tasks(t.kind, t.n, t.seed, t.difficulty, t.length)
-    )
+    want = jsonl_text(generate_tasks(t.kind, t.n, t.seed, t.difficulty, t.length))
     try:
         same = path.read_text(encoding="utf-8") == want
     except (OSError, UnicodeDecodeError):
@@ -72,17 +70,7 @@ def check_task(spec: Any, folder: Path) -> None:
 
 
 def missing_rows(path: Path, first: int) -> list[int]:
-    """The steps before ``first`` without a row in metrics file ``path`` (cut or removed)."""
-    seen: set[int] = set()
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError):
-        lines = []
-    for line in lines:
-        try:
-            step = json.loads(line).get("step")
-        except (ValueError, AttributeError):
-            continue
-        if isinstance(step, int) and not isinstance(step, bool):
-            seen.add(step)
+    """The steps before ``first`` without a row in metrics file ``path`` (cut or removed; the
+    resume's output-folder check has read the file as UTF-8 already)."""
+    seen = {step for step, _ in read_rows(path)}
     return [s for s in range(first) if s not in seen]
