@@ -485,3 +485,14 @@ def test_run_refuses_a_bad_async_setting(
     got = refused(["run", "exp.yaml", "--out", "out"], capsys)
     assert message in got and "async.yaml" in got, got
     assert not Path("out").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize(("key", "value"), [("max_staleness", "2"), ("in_flight", "drop")])
+def test_run_refuses_an_async_setting_in_a_sync_workload(
+    key: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write("sync.yaml", shipped("workloads", "grpo-tiny", mode="sync", **{key: value}))
+    write("exp.yaml", "name: x\nworkload: sync.yaml\nmodel: tiny-llama\nworkers: 2\nsteps: 1\n")
+    got = refused(["run", "exp.yaml", "--out", "out"], capsys)
+    assert f"sync.yaml: key '{key}' applies to mode: async only" in got, got
+    assert not Path("out").exists()

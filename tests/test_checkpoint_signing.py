@@ -141,6 +141,15 @@ def test_identity_names_both_models_and_workloads(tmp_path: Path) -> None:
     assert "model tiny-qwen and workload grpo-tiny" in text
 
 
+def test_batches_generated_ahead_resume_only_into_an_async_run(tmp_path: Path) -> None:
+    meta = {"model": "m", "workload": "w", "mode": "async", "pending": [4, 5]}
+    signing.check_identity(tmp_path, meta, {"model": "m", "workload": "w", "mode": "async"})
+    with pytest.raises(ConfigError, match=r"generated ahead \(for steps 4, 5\).*mode: sync"):
+        signing.check_identity(tmp_path, meta, {"model": "m", "workload": "w", "mode": "sync"})
+    drained = {"model": "m", "workload": "w", "mode": "async"}  # nothing ahead: either mode resumes it
+    signing.check_identity(tmp_path, drained, {"model": "m", "workload": "w", "mode": "sync"})
+
+
 # ------------------------------------------------------------------ the output folder
 def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
     return {

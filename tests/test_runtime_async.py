@@ -52,7 +52,8 @@ LOSE_AND_REGAIN = "drift:\n  - {step: 2, lose: [3]}\n  - {step: 4, gain: [3]}\n"
 
 def workload(tmp: Path, mode: str, staleness: int = 1, in_flight: str = "drain") -> Path:
     path = tmp / f"{mode}-{staleness}-{in_flight}.yaml"
-    text = WORKLOAD.replace("mode: sync", f"mode: {mode}\nmax_staleness: {staleness}\nin_flight: {in_flight}")
+    asyn = f"\nmax_staleness: {staleness}\nin_flight: {in_flight}" if mode == "async" else ""
+    text = WORKLOAD.replace("mode: sync", f"mode: {mode}{asyn}")
     path.write_text(text)
     return path
 

@@ -201,8 +201,8 @@ STATE_FIELDS = (
 
 def run_identity(model: ModelSpec, workload: WorkloadSpec) -> dict[str, Any]:
     """What a checkpoint's state belongs to (``meta.json``): the model's and workload's names, the
-    model's state-shaping fields, and the workload's algorithm (which trainers hold state) and
-    precision (whether fp32 master weights exist)."""
+    model's state-shaping fields, and the workload's algorithm (which trainers hold state),
+    precision (whether fp32 master weights exist) and mode (an async one's batches generated ahead)."""
     arch = {f: getattr(model, f) for f in STATE_FIELDS}
     return {
         "model": model.name,
@@ -210,13 +210,15 @@ def run_identity(model: ModelSpec, workload: WorkloadSpec) -> dict[str, Any]:
         "architecture": {k: v.value if isinstance(v, Enum) else v for k, v in arch.items()},
         "algorithm": workload.algorithm.value,
         "precision": workload.precision.value,
+        "mode": workload.mode.value,
     }
 
 
 def check_identity(path: Path, meta: dict[str, Any], expected: dict[str, Any], prefix: str = "") -> None:
     """A checkpoint resumes only the model and workload that wrote it (``meta.json``'s): the same
     names, and — where the checkpoint records them (written since they were) — the same
-    architecture, algorithm and precision, the first difference named in one line."""
+    architecture, algorithm and precision, the first difference named in one line. Batches an async
+    run generated ahead resume only into an async run, which trains on them."""
     found = {k: meta.get(k) for k in ("model", "workload")}
     if found != {k: expected[k] for k in ("model", "workload")}:
         raise ConfigError(
@@ -237,6 +239,12 @@ def check_identity(path: Path, meta: dict[str, Any], expected: dict[str, Any], p
                 f"{prefix}{path} was written for workload {expected['workload']} with {key} "
                 f"{meta[key]!r}; this run's has {expected[key]!r} (its state does not fit)"
             )
+    if meta.get("pending") and expected.get("mode") != "async":
+        raise ConfigError(
+            f"{prefix}{path} holds batches an async run generated ahead (for steps "
+            f"{', '.join(map(str, meta['pending']))}); this run's workload {expected['workload']} is "
+            "mode: sync, which would drop them (resume with mode: async)"
+        )
 
 
 # ------------------------------------------------------------------ the latest pointer

@@ -17,13 +17,15 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from nereus.errors import ConfigError
 from nereus.spec.files import brief
 from nereus.spec.model import Head
-from nereus.spec.schema import coerce_enums, load_spec, require_at_most, require_positive
+from nereus.spec.schema import build, coerce_enums, load_yaml, require_at_most, require_positive
 
 MAX_TOKENS = 1 << 24  # a prompt or response length beyond any context window
 MAX_SEQUENCES = 1 << 24  # sequences per step, per batch
 MAX_STALENESS = 16  # async: batches generated ahead of training, at most
+ASYNC_ONLY = ("max_staleness", "in_flight")  # workload keys that act in mode: async only
 
 
 class Algorithm(StrEnum):
@@ -249,7 +251,18 @@ class WorkloadSpec:
 
     @classmethod
     def from_yaml(cls, path: Path) -> WorkloadSpec:
-        return load_spec(cls, path)
+        """The workload in ``path``; its name defaults to the file's stem. The async-only keys in a
+        synchronous workload are refused rather than ignored: a user who wrote them expects them to act."""
+        data = load_yaml(path)
+        data.setdefault("name", path.stem)
+        if data.get("mode", ExecutionMode.SYNC.value) == ExecutionMode.SYNC.value:
+            given = [k for k in ASYNC_ONLY if k in data]
+            if given:
+                raise ConfigError(
+                    f"{path}: key '{given[0]}' applies to mode: async only; this workload's mode is sync "
+                    "(set mode: async, or remove the key)"
+                )
+        return build(cls, data, str(path))
 
     @property
     def sequences_per_step(self) -> int:
