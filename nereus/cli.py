@@ -189,6 +189,9 @@ def _problem(args: argparse.Namespace) -> PlanningProblem:
         except ConfigError as exc:
             reason = str(exc).removeprefix("calibration file ")
             raise ConfigError(f"{_flag(args, 'calibration')} {reason}") from None
+        for what in calibration.clipped():
+            warning = f"{_flag(args, 'calibration')} {path}: {what}"
+            print(f"nereus {getattr(args, 'command', 'plan')}: warning: {warning}", file=sys.stderr)
     space = SearchSpace.urgent() if args.urgent else SearchSpace()
     if args.max_tp:
         space = dataclasses.replace(space, max_tp=args.max_tp)
@@ -258,12 +261,15 @@ def _plan(args: argparse.Namespace, out: Console) -> int:
     except ExhaustiveTooLargeError as exc:
         raise ConfigError(f"--solver {args.solver}: {exc} (allowed: fewer --gpus, or --solver dp)") from None
     except InfeasibleError as exc:
+        why = str(exc)
         if problem.space.flat and _pipelined_fits(problem):  # say what the default engine costs
-            raise InfeasibleError(
-                f"{exc} (generation at pp 1, as vLLM runs it; --pipelined-gen, the torch-native "
+            why += (
+                " (generation at pp 1, as vLLM runs it; --pipelined-gen, the torch-native "
                 "engine's pipelined generation, has a plan)"
-            ) from None
-        raise
+            )
+        if args.json:  # a script reads stdout: it gets an object on exit 3 too, as price's --json
+            print(json.dumps({"fits": False, "error": one_line(why)}))
+        raise InfeasibleError(why) from None
     doc = plan_json(problem, result)
     doc["problem"] = {k: getattr(args, k) for k in transition_command.PROBLEM_KEYS}
     doc["problem"]["mode"] = problem.workload.mode.value

@@ -46,6 +46,19 @@ def test_efficiency_clipped_to_unit_interval() -> None:
     assert store.efficiency(OpClass.GEMM) == 1.0
 
 
+def test_values_far_past_their_bounds_are_named() -> None:
+    store = CalibrationStore("x")
+    store.update([Measurement(OpClass.GEMM, 1.05, 1.0)])  # 5% past: noise, used as 1 in silence
+    assert store.clipped() == []
+    store.update([Measurement(OpClass.ATTENTION, 1e-6, 1.0)])
+    for _ in range(3):
+        store.update_memory(Stage.TRAIN, 1.0, 10.0)
+    assert store.clipped() == [
+        "attention efficiency 1e-06 is outside [0.01, 1]; using 0.01",
+        "train memory ratio 10 is outside [0.5, 4]; using 4",
+    ]
+
+
 def test_memory_correction_is_conservative() -> None:
     store = CalibrationStore("x")
     for ratio in (1.10, 1.12, 1.08, 1.11, 1.09):

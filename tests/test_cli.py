@@ -152,6 +152,19 @@ def test_no_feasible_plan_exits_3_with_binding_constraint(capsys: pytest.Capture
     )
     assert code == 3 and out == ""
     assert "actor.train needs ≥" in err and "capacity 57.6 GiB after 10% headroom" in err
+    argv = [
+        "plan",
+        "--model",
+        "llama-3.3-70b",
+        "--algo",
+        "ppo",
+        "--cluster",
+        "a100-64gb-hdr100",
+        "--gpus",
+        "4",
+    ]
+    code, out, err = run([*argv, "--seq-len", "2048", "--json"], capsys)  # a script's stdout: an object
+    assert code == 3 and json.loads(out) == {"fits": False, "error": err.split(": error: ", 1)[1].strip()}
 
 
 def test_unknown_yaml_key_exits_2_naming_file_and_key(

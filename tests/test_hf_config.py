@@ -280,3 +280,12 @@ def test_a_mistyped_context_or_head_width_is_one_line(
     with pytest.raises(ConfigError) as err:
         _read(tmp_path, {**TINYLLAMA, **change})
     assert str(err.value).endswith(line), str(err.value)
+
+
+def test_a_config_is_named_for_its_folder_and_another_json_for_itself(tmp_path: Path) -> None:
+    cfg = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "intermediate_size": 128, "vocab_size": 256}  # fmt: skip
+    assert _read(tmp_path, cfg).name == "m"
+    other = tmp_path / "m" / "small-llama.json"
+    other.write_text(json.dumps(cfg))
+    assert ModelSpec.from_hf_config(other).name == "small-llama"

@@ -84,7 +84,9 @@ def test_json_fit_and_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
         (["--global-batch", "100"], "--global-batch 100: must divide --sequences 256"),
         (["--micro-batch", "3"], "--micro-batch 3: must divide a replica's share"),
         (["--concurrency", "8"], "--concurrency prices generation"),
-        (["--stage", "gen", "--global-batch", "8"], "--global-batch and --recompute price training"),
+        (["--stage", "gen", "--global-batch", "8"], "--global-batch prices training; --stage is gen"),
+        (["--stage", "inf", "--recompute", "full"], "--recompute prices training; --stage is inf"),
+        (["--stage", "gen", "--pp", "2"], "--pp 2: vLLM does not pipeline generation (--pipelined-gen"),
         (["--dp", "64"], "= 256 GPUs exceeds cluster h100-ib (128)"),
         (["--stage", "fly"], "argument --stage: invalid choice"),
         (["--sequences", "x"], "argument --sequences: invalid int value"),
@@ -103,6 +105,35 @@ def test_bad_flags_exit_2_naming_the_flag(
         assert code == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+def test_pipelined_generation_is_priced_when_asked_for(capsys: pytest.CaptureFixture[str]) -> None:
+    gen = ["--stage", "gen", "--tp", "2", "--pp", "2", "--dp", "2", "--sequences", "256",
+           "--prompt-len", "512", "--seq-len", "2048", "--json"]  # fmt: skip
+    assert main([*BASE, *gen, "--pipelined-gen"]) in (0, 3)
+    assert json.loads(capsys.readouterr().out)["latency_s"] > 0
+    train = ["--stage", "train", "--tp", "4", "--pp", "1", "--dp", "2", "--sequences", "256",
+             "--prompt-len", "512", "--seq-len", "2048", "--pipelined-gen"]  # fmt: skip
+    assert main([*BASE, *train]) == 2
+    assert "--pipelined-gen prices generation; --stage is train" in capsys.readouterr().err
+
+
+def test_a_calibration_far_past_its_bounds_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cal = tmp_path / "cal.json"
+    entry = {"window": 8, "samples": {"gemm": [[1e-12, 1e12]]}, "memory": {}}
+    cal.write_text(json.dumps({"format": 2, "clusters": {CLUSTER: entry}}))
+    train = ["--stage", "train", "--tp", "4", "--pp", "1", "--dp", "2", "--sequences", "256",
+             "--prompt-len", "512", "--seq-len", "2048", "--json", "--calibration", str(cal)]  # fmt: skip
+    main([*BASE, *train])
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["latency_s"] > 0
+    assert (
+        f"nereus price: warning: --calibration {cal}: gemm efficiency 1e-24 is outside [0.01, 1]" in cap.err
+    )
+    main([*PLAN, "--calibration", str(cal)])
+    assert f"nereus plan: warning: --calibration {cal}: gemm efficiency 1e-24" in capsys.readouterr().err
 
 
 class _NoRaise:

@@ -57,6 +57,7 @@ def small_problems(draw: st.DrawFn) -> PlanningProblem:
     prompts = draw(st.sampled_from([2, 4, 8, 16]))
     batches = [d for d in (1, 2, 4, 8, 16) if (prompts * samples) % d == 0]
     prompt_len = draw(st.integers(8, 64))
+    global_batch = draw(st.sampled_from(batches))
     workload = WorkloadSpec(
         name="random",
         algorithm=algo,
@@ -65,8 +66,8 @@ def small_problems(draw: st.DrawFn) -> PlanningProblem:
         samples_per_prompt=samples,
         prompt_len=prompt_len,
         max_prompt_len=64,
-        global_batch=draw(st.sampled_from(batches)),
-        micro_batch=draw(st.integers(1, 4)),
+        global_batch=global_batch,
+        micro_batch=draw(st.integers(1, min(4, global_batch))),
         inference_micro_batch=draw(st.integers(1, 8)),
         max_num_seqs=draw(st.integers(1, 16)),
         epochs=draw(st.integers(1, 2)),
@@ -123,7 +124,15 @@ def _tiny(algo: str, gpus: int, **kw: object) -> PlanningProblem:
 
 
 def test_exhaustive_agrees_with_the_literal_brute_force() -> None:
-    problem = _tiny("grpo", 3, prompts_per_step=2, samples_per_prompt=2, global_batch=2, reward_model=False)
+    problem = _tiny(
+        "grpo",
+        3,
+        prompts_per_step=2,
+        samples_per_prompt=2,
+        global_batch=2,
+        micro_batch=2,
+        reward_model=False,
+    )
     literal = list(iter_plans(problem))
     ex = exhaustive(problem)
     assert ex.count == len(literal) > 0

@@ -88,6 +88,8 @@ def test_workload_validation(tmp_path: Path) -> None:
         WorkloadSpec.from_yaml(_write(tmp_path, "algorithm: ppo\nglobal_batch: 100\n"))
     with pytest.raises(ConfigError, match="samples_per_prompt must be at least 2 for grpo"):
         WorkloadSpec.from_yaml(_write(tmp_path, "algorithm: grpo\nsamples_per_prompt: 1\n"))
+    with pytest.raises(ConfigError, match="micro_batch 256 exceeds global_batch 128"):
+        WorkloadSpec.from_yaml(_write(tmp_path, "algorithm: ppo\nmicro_batch: 256\n"))
     with pytest.raises(ConfigError, match="models: unknown role 'judge'"):
         WorkloadSpec.from_yaml(_write(tmp_path, "algorithm: ppo\nmodels: {judge: x}\n"))
     with pytest.raises(ConfigError, match=r"key 'mode': expected one of sync\|async, got 'eager'"):

@@ -49,6 +49,8 @@ SHAPE_WINDOW = 512  # sized samples kept per op class (the curve needs more than
 MAD_SCALE = 1.4826  # MAD → standard deviation for normal data
 RELATIVE_FLOOR = 0.05
 MEMORY_CAP = 4.0  # the largest memory correction (the model is not that wrong)
+MEMORY_MIN = 0.5  # the smallest
+ETA_MIN, ETA_MAX = 0.01, 1.0  # a fitted efficiency's bounds
 OOM_STEP = 1.25  # an out-of-memory error raises a stage's memory correction by this factor
 
 
@@ -175,24 +177,50 @@ class CalibrationStore:
 
     # ---------------------------------------------------------------- fit
     def efficiency(self, op: OpClass) -> float:
+        raw = self._raw_efficiency(op)
+        return PRIOR_EFFICIENCY[op] if raw is None else min(ETA_MAX, max(ETA_MIN, raw))
+
+    def _raw_efficiency(self, op: OpClass) -> float | None:
         samples = self._samples.get(op)
         if not samples:
-            return PRIOR_EFFICIENCY[op]
+            return None
         pairs = list(samples)
         keep = _inliers([i / m for i, m in pairs])
-        ideal = sum(pairs[i][0] for i in keep)
-        measured = sum(pairs[i][1] for i in keep)
-        return min(1.0, max(0.01, ideal / measured))
+        return sum(pairs[i][0] for i in keep) / sum(pairs[i][1] for i in keep)
 
     def memory_factor(self, stage: Stage) -> float:
         floor = self._floor.get(stage, 0.0)  # raised by out-of-memory errors
+        raw = self._raw_memory(stage)
+        return max(1.0, floor) if raw is None else max(floor, min(MEMORY_CAP, max(MEMORY_MIN, raw)))
+
+    def _raw_memory(self, stage: Stage) -> float | None:
         ratios = list(self._memory.get(stage, ()))
         if not ratios:
-            return max(1.0, floor)
+            return None
         kept = [ratios[i] for i in _inliers(ratios)]
         med = statistics.median(kept)
-        mad = statistics.median(abs(r - med) for r in kept) * MAD_SCALE
-        return max(floor, min(MEMORY_CAP, max(0.5, med + 2 * mad)))
+        return med + 2 * statistics.median(abs(r - med) for r in kept) * MAD_SCALE
+
+    def clipped(self) -> list[str]:
+        """The fitted values far outside their bounds (more than 10% past), each named with the
+        bound used instead: a file whose samples imply them was not measured on this cluster's model,
+        and a user who named it is told rather than planned for in silence."""
+        out = []
+        for op in OpClass:
+            raw = self._raw_efficiency(op)
+            if raw is not None and not ETA_MIN / 1.1 <= raw <= ETA_MAX * 1.1:
+                used = self.efficiency(op)
+                out.append(
+                    f"{op.value} efficiency {raw:.3g} is outside [{ETA_MIN:g}, {ETA_MAX:g}]; using {used:g}"
+                )
+        for stage in Stage:
+            raw = self._raw_memory(stage)
+            if raw is not None and not MEMORY_MIN / 1.1 <= raw <= MEMORY_CAP * 1.1:
+                used = self.memory_factor(stage)
+                out.append(
+                    f"{stage.value} memory ratio {raw:.3g} is outside [{MEMORY_MIN:g}, {MEMORY_CAP:g}]; using {used:g}"
+                )
+        return out
 
     def curve(self, op: OpClass) -> ShapeCurve | None:
         """η of ``op`` by size, fitted from its sized samples (None: too few, or one size)."""

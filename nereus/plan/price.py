@@ -66,6 +66,7 @@ class PriceQuery:
     paged_kv: bool = False  # gen: the engine's KV pool is paged at mean occupancy (preempts)
     kv_memory_fraction: float = 0.0  # gen: KV may take this share of the memory free after weights
     fsdp: bool = False  # train: the engine shards parameters (FSDP): gathers overlap compute
+    pipelined_gen: bool = False  # gen: the engine pipelines generation (torch-native); vLLM does not
 
     def __post_init__(self) -> None:
         for flag, value in (("tp", self.tp), ("pp", self.pp)):
@@ -103,11 +104,20 @@ class PriceQuery:
             raise ConfigError(f"--fsdp prices training; --stage is {self.stage.value}")
         if self.kv_memory_fraction and self.stage is not Stage.GEN:
             raise ConfigError(f"--kv-memory-fraction prices generation; --stage is {self.stage.value}")
+        if self.pipelined_gen and self.stage is not Stage.GEN:
+            raise ConfigError(f"--pipelined-gen prices generation; --stage is {self.stage.value}")
+        if self.stage is Stage.GEN and self.pp > 1 and not self.pipelined_gen:
+            raise ConfigError(
+                f"--pp {self.pp}: vLLM does not pipeline generation (--pipelined-gen prices the "
+                "torch-native engine's, as plan --pipelined-gen plans it)"
+            )
         if self.stage is not Stage.TRAIN:
-            if self.global_batch or self.recompute is not Recompute.NONE:
-                raise ConfigError(
-                    f"--global-batch and --recompute price training; --stage is {self.stage.value}"
-                )
+            for flag, given in (
+                ("--global-batch", bool(self.global_batch)),
+                ("--recompute", self.recompute is not Recompute.NONE),
+            ):
+                if given:
+                    raise ConfigError(f"{flag} prices training; --stage is {self.stage.value}")
             if self.concurrency and self.stage is not Stage.GEN:
                 raise ConfigError("--concurrency prices generation (sequences decoded at once per replica)")
             if self.micro_batch and self.stage is Stage.GEN:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--micro-batch", type=int, default=None, help="per-replica micro-batch (train, inf)")
     p.add_argument("--global-batch", type=int, default=None, help="train: sequences per optimizer step")
     p.add_argument("--recompute", choices=[r.value for r in Recompute], default=Recompute.NONE.value)
-    p.add_argument("--concurrency", type=int, default=None, help="gen: sequences decoded at once per replica")
+    p.add_argument(
+        "--concurrency", type=int, default=None,
+        help="gen: sequences decoded at once per replica (default: all of its share; exit 3 if their KV does not fit)",
+    )  # fmt: skip
     p.add_argument("--precision", choices=[x.value for x in Precision], default=Precision.BF16_MIXED.value)
     p.add_argument(
         "--overlap-dp-sync",
@@ -65,6 +69,11 @@ def add_parser(sub: Any) -> None:
         help="gen: the engine's KV cache takes this share, in (0, 1], of the memory free after weights "
         "(TensorRT-LLM free_gpu_memory_fraction; default: the planner's headroom)",
     )
+    p.add_argument(
+        "--pipelined-gen",
+        action="store_true",
+        help="gen: price generation over pipeline stages (the torch-native engine; vLLM keeps pp 1)",
+    )
     p.add_argument("--calibration", type=Path, help="calibration JSON (efficiencies per op class)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
@@ -87,13 +96,17 @@ def run(args: argparse.Namespace, out: Console) -> int:
         p95, micro, batch, Recompute(args.recompute), concurrency,
         Precision(args.precision), overlap_dp_sync=args.overlap_dp_sync, paged_kv=args.paged_kv,
         kv_memory_fraction=args.kv_memory_fraction or 0.0, fsdp=args.fsdp,
+        pipelined_gen=args.pipelined_gen,
     )  # fmt: skip
     efficiencies = None
     if args.calibration:
         try:
-            efficiencies = CalibrationStore.load(args.calibration, cluster.name, strict=True).efficiencies()
+            store = CalibrationStore.load(args.calibration, cluster.name, strict=True)
         except ConfigError as exc:
             raise ConfigError(f"--calibration {str(exc).removeprefix('calibration file ')}") from None
+        for what in store.clipped():
+            print(f"nereus price: warning: --calibration {args.calibration}: {what}", file=sys.stderr)
+        efficiencies = store.efficiencies()
     result = price(model, cluster, query, efficiencies)
     if args.json:
         print(json.dumps(result.to_json()))

@@ -197,7 +197,8 @@ class ModelSpec:
         from nereus.spec.hf_config import hf_fields  # reads this module's types
 
         fields = hf_fields(load_json(path, "model config"), path)
-        fields["name"] = name or path.parent.name or path.stem
+        # a folder's config.json is named for its folder (Hugging Face's layout), another file for itself
+        fields["name"] = name or (path.parent.name if path.name == "config.json" else "") or path.stem
         return build(cls, fields, str(path))
 
     # ---------------------------------------------------------------- tensor parallelism

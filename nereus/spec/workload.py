@@ -235,6 +235,11 @@ class WorkloadSpec:
                 f"prompts_per_step × samples_per_prompt must be at most {MAX_SEQUENCES}, "
                 f"got {self.sequences_per_step}"
             )
+        if self.micro_batch > self.global_batch:
+            raise ValueError(
+                f"micro_batch {self.micro_batch} exceeds global_batch {self.global_batch} (a trainer "
+                "replica's micro-batch is a part of one optimizer update's sequences)"
+            )
         if self.prompt_len > self.max_prompt_len:
             raise ValueError(f"prompt_len {self.prompt_len} exceeds max_prompt_len {self.max_prompt_len}")
         if self.algorithm is Algorithm.GRPO and self.samples_per_prompt < 2:
