@@ -217,9 +217,8 @@ class CalibrationStore:
             raw = self._raw_memory(stage)
             if raw is not None and not MEMORY_MIN / 1.1 <= raw <= MEMORY_CAP * 1.1:
                 used = self.memory_factor(stage)
-                out.append(
-                    f"{stage.value} memory ratio {raw:.3g} is outside [{MEMORY_MIN:g}, {MEMORY_CAP:g}]; using {used:g}"
-                )
+                bounds = f"[{MEMORY_MIN:g}, {MEMORY_CAP:g}]"
+                out.append(f"{stage.value} memory ratio {raw:.3g} is outside {bounds}; using {used:g}")
         return out
 
     def curve(self, op: OpClass) -> ShapeCurve | None:

@@ -43,7 +43,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--recompute", choices=[r.value for r in Recompute], default=Recompute.NONE.value)
     p.add_argument(
         "--concurrency", type=int, default=None,
-        help="gen: sequences decoded at once per replica (default: all of its share; exit 3 if their KV does not fit)",
+        help="gen: sequences decoded at once per replica (default: all of its share; exit 3 if "
+        "their KV cache does not fit)",
     )  # fmt: skip
     p.add_argument("--precision", choices=[x.value for x in Precision], default=Precision.BF16_MIXED.value)
     p.add_argument(
