@@ -67,7 +67,7 @@ def test_the_data_set_is_verls_layout_of_the_task(built: assets.Assets) -> None:
     assert rows[5]["reward_model"] == {"style": "rule", "ground_truth": want[5].answer}
     data = PromptDataset.load(built.train, HfTokenizer(str(built.model)), 32, 0, RecordLayout("verl"))
     assert [(r.prompt, r.answer, r.id, r.source) for r in data.records[:3]] == [
-        (w.prompt, w.answer, str(i), assets.SOURCE) for i, w in enumerate(want[:3])
+        (w.prompt, w.answer, f"{assets.SOURCE}/{i}", assets.SOURCE) for i, w in enumerate(want[:3])
     ]
 
 

@@ -15,7 +15,7 @@ import pytest
 from nereus.errors import ConfigError
 from nereus.plan.calibration import CalibrationStore, Measurement
 from nereus.plan.opclass import OpClass
-from nereus.runtime.command import check_weights
+from nereus.runtime.command import check_tokenizer, check_weights
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.spec import ModelSpec
 from nereus.spec.files import brief
@@ -233,6 +233,28 @@ def test_a_model_folder_without_safetensors_is_refused_not_started_from_random_w
     shipped_spec = ExperimentSpec.load(Path("exp.yaml"))
     check_weights(shipped_spec)
     assert shipped_spec.weights_of("actor") == ""
+
+
+def test_a_model_folder_without_a_tokenizer_is_refused_not_run_on_the_character_one() -> None:
+    config = json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 176,
+                         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+                         "vocab_size": 512})  # fmt: skip
+    write("m/config.json", config)
+    write("m/model.safetensors", "x")
+    write("exp.yaml", "name: x\nworkload: ppo-tiny\nmodel: m\n")
+    with pytest.raises(ConfigError) as err:
+        check_tokenizer(ExperimentSpec.load(Path("exp.yaml")))
+    assert str(err.value).startswith("model: m holds no Hugging Face tokenizer (expected tokenizer.json")
+    write("tok/tokenizer.json", "{}")
+    write("exp.yaml", "name: x\nworkload: ppo-tiny\nmodel: m\ntokenizer: tok\n")  # named elsewhere
+    check_tokenizer(ExperimentSpec.load(Path("exp.yaml")))
+    write("exp.yaml", "name: x\nworkload: ppo-tiny\nmodel: m\ninit: {actor: tok}\n")  # the actor's init
+    check_tokenizer(ExperimentSpec.load(Path("exp.yaml")))
+    write("m/tokenizer.json", "{}")  # its own
+    write("exp.yaml", "name: x\nworkload: ppo-tiny\nmodel: m\n")
+    check_tokenizer(ExperimentSpec.load(Path("exp.yaml")))
+    write("exp.yaml", "name: x\nworkload: ppo-tiny\nmodel: tiny-llama\n")  # shipped: the bundled tasks'
+    check_tokenizer(ExperimentSpec.load(Path("exp.yaml")))
 
 
 def test_init_weights_for_a_model_the_workload_does_not_run_are_refused(

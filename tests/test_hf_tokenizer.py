@@ -132,6 +132,8 @@ def test_which_tokenizer_a_job_takes(folder: Path, tmp_path: Path) -> None:
     assert tokenizer_of("", str(folder)) == HfTokenizer(str(folder))  # the actor's folder brings one
     assert tokenizer_of(str(folder), str(weights_only)).folder == str(folder)  # named wins
     assert has_tokenizer(folder) and not has_tokenizer(weights_only)
+    # an init folder without one, then the model folder with one: the model folder's
+    assert tokenizer_of("", str(weights_only), str(folder)).folder == str(folder)
 
 
 def test_bad_folders_are_one_line_errors(tmp_path: Path) -> None:
@@ -194,3 +196,18 @@ def test_a_dataset_reads_text_the_character_tokenizer_refuses(folder: Path, tmp_
     ids, valid, _ = collate(data.samples(0, 2), tok, 2)
     assert ids.shape[0] == 4 and int(valid[0].sum()) == len(tok.encode(rows[0]["prompt"]))
     assert int(ids[0, -1]) == tok.encode(rows[0]["prompt"])[-1]  # left-padded: the prompt ends the row
+
+
+def test_the_models_generation_config_rules_wherever_the_tokenizer_is(folder: Path, tmp_path: Path) -> None:
+    """``tokenizer:`` names another folder: the stop ids and the exported generation config are
+    still the model folder's (Llama 3.1's end-of-turn ids live there, not with the tokenizer)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    tok = HfTokenizer(str(folder), chat=False)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_id, tok.pad_id]}))
+    named = tokenizer_of(str(folder), str(model))
+    assert isinstance(named, HfTokenizer) and named.generation == str(model)
+    assert named.stop_ids == (tok.eos_id, tok.pad_id)
+    assert model / "generation_config.json" in named.companions()
+    assert not any(p.parent == model and p.name != "generation_config.json" for p in named.companions())
+    assert tokenizer_of(str(folder), "").stop_ids == (tok.eos_id,)  # no model folder: the tokenizer's

@@ -160,7 +160,9 @@ def test_bad_records_name_file_line_and_field(tmp_path: Path, line: str, field: 
 
 
 def test_bad_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ConfigError, match=r"unknown dataset format '\.csv' \(allowed: \.jsonl, \.parquet\)"):
+    with pytest.raises(
+        ConfigError, match=r"unknown dataset format '\.csv' \(allowed: \.jsonl, \.json, \.parquet\)"
+    ):
         PromptDataset.load(tmp_path / "d.csv", TOK, 64)
     with pytest.raises(ConfigError, match="dataset file does not exist"):
         PromptDataset.load(tmp_path / "none.jsonl", TOK, 64)
@@ -218,6 +220,28 @@ def test_jsonl_round_trip_and_default_ids(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "t.jsonl").read_text().splitlines()[0])["id"] == records[0].id
     plain = PromptDataset.load(write(tmp_path, GOOD), TOK, 64)
     assert [r.id for r in plain.records] == ["1", "x"]  # the line number, unless given
+
+
+def test_json_files_several_files_and_bytes_that_are_not_utf8(tmp_path: Path) -> None:
+    lines = write(tmp_path, GOOD, "lines.json")  # datasets' to_json writes JSON Lines under .json
+    assert [r.id for r in PromptDataset.load(lines, TOK, 64).records] == ["1", "x"]
+    array = tmp_path / "array.json"
+    array.write_text("[" + ", ".join(GOOD) + "]")
+    assert [r.answer for r in PromptDataset.load(array, TOK, 64).records] == ["3", "2"]
+    array.write_text("[" + ", ".join(GOOD) + ",\n{]")
+    with pytest.raises(ConfigError, match=r"array\.json:2: not valid JSON"):
+        PromptDataset.load(array, TOK, 64)
+    other = write(tmp_path, ['{"prompt": "2+2=", "answer": "4"}'], "other.jsonl")
+    both = PromptDataset.load([lines, other], TOK, 64)  # a later file's line numbers are its own
+    assert [r.id for r in both.records] == ["1", "x", f"{other}:1"] and both.source == f"{lines}, {other}"
+    with pytest.raises(
+        ConfigError, match=r"lines\.json:2: column 'id': 'x' repeats the id of .*lines\.json:2"
+    ):
+        PromptDataset.load([lines, lines], TOK, 64)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"prompt": "1+2=", "answer": "3"}\n{"prompt": "\xff", "answer": "3"}\n')
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:2: not UTF-8 text \(byte 0xff\)"):
+        PromptDataset.load(bad, TOK, 64)
 
 
 # ------------------------------------------------------------------ global order and DP shards

@@ -48,7 +48,12 @@ def test_a_verl_parquet_file(tok: HfTokenizer, tmp_path: Path) -> None:
     )
     r = data.records[3]
     assert r.messages == (("user", "Natalia sold 3 clips."),)
-    assert (r.prompt, r.answer, r.id, r.source) == (r.messages[0][1], "6", "3", "openai/gsm8k")
+    assert (r.prompt, r.answer, r.id, r.source) == (
+        r.messages[0][1],
+        "6",
+        "openai/gsm8k/3",
+        "openai/gsm8k",
+    )  # ids per source
     want = tok.encode_messages([{"role": "user", "content": r.prompt}])
     assert prompt_ids(tok, r) == want == tok.encode(r.prompt)  # a one-turn chat is the templated text
     _ids, valid, _ = collate(data.samples(0, 5), tok)
@@ -97,7 +102,10 @@ def test_the_qa_layout_through_a_template(tmp_path: Path) -> None:
             "column 'reward_model.ground_truth': must not be",
         ),
         ({**VERL[0], "data_source": 7}, "column 'data_source': expected a string"),
-        ({**VERL[0], "extra_info": {"index": [1]}}, "id: expected a string or an integer"),
+        (
+            {**VERL[0], "extra_info": {"index": [1]}},
+            "column 'extra_info.index': expected a string or an integer",
+        ),
     ],
 )
 def test_a_row_that_does_not_fit_names_file_row_and_column(
@@ -140,8 +148,43 @@ def test_the_experiment_names_its_data(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"unknown key 'data\.colour' \(allowed: answer_key, layout"):
         ExperimentSpec.load(exp)
     exp.write_text("name: e\nworkload: grpo-tiny\nmodel: tiny-llama\ndata: {train: ''}\n")
-    with pytest.raises(ConfigError, match=r"'data' train must name a JSONL or Parquet file, got ''"):
+    with pytest.raises(
+        ConfigError, match=r"'data' train must name a JSONL, JSON or Parquet file or a list of them, got ''"
+    ):
         ExperimentSpec.load(exp)
+    exp.write_text("name: e\nworkload: grpo-tiny\nmodel: tiny-llama\ndata: {train: [a.parquet, b.parquet]}\n")
+    assert ExperimentSpec.load(exp).data.files == ("a.parquet", "b.parquet")  # type: ignore[union-attr]
+    exp.write_text("name: e\nworkload: grpo-tiny\nmodel: tiny-llama\ndata: {train: [a.parquet, a.parquet]}\n")
+    with pytest.raises(ConfigError, match=r"train names 'a\.parquet' twice"):
+        ExperimentSpec.load(exp)
+
+
+def test_verl_sources_mixed_and_checked_by_source(tok: HfTokenizer, tmp_path: Path) -> None:
+    """GSM8K and MATH rows (each source's extra_info.index from 0) in one file or in two, as
+    verl's train_files mixes them; under by_source an unknown or missing data_source names its row."""
+    math = [{**r, "data_source": "DigitalLearningGMU/MATH-lighteval"} for r in VERL]
+    both = write_parquet([*VERL, *math], tmp_path / "both.parquet")
+    layout = RecordLayout("verl", by_source=True)
+    assert len(PromptDataset.load(both, tok, 64, 0, layout)) == 10
+    two = [write_parquet(VERL, tmp_path / "gsm8k.parquet"), write_parquet(math, tmp_path / "math.parquet")]
+    assert len(PromptDataset.load(two, tok, 64, 0, layout)) == 10
+    again = write_parquet(VERL, tmp_path / "again.parquet")  # the same source's rows twice: refused
+    with pytest.raises(
+        ConfigError, match=r"again\.parquet:row 1: column 'extra_info\.index': 'openai/gsm8k/0' repeats"
+    ):
+        PromptDataset.load([two[0], again], tok, 64, 0, layout)
+    private = write_parquet([{**VERL[0], "data_source": "my_private_set"}], tmp_path / "private.parquet")
+    with pytest.raises(
+        ConfigError, match=r"private\.parquet:row 1: column 'data_source': unknown data_source"
+    ):
+        PromptDataset.load(private, tok, 64, 0, layout)
+    assert len(PromptDataset.load(private, tok, 64, 0, RecordLayout("verl"))) == 1  # another verifier: fine
+    nameless = [{k: v for k, v in r.items() if k != "data_source"} for r in VERL]
+    with pytest.raises(ConfigError, match=r"nameless\.parquet:row 1: missing column 'data_source'"):
+        PromptDataset.load(write_parquet(nameless, tmp_path / "nameless.parquet"), tok, 64, 0, layout)
+    floats = [{**r, "extra_info": {"index": float(i)}} for i, r in enumerate(VERL)]  # pandas, with nulls
+    loaded = PromptDataset.load(write_parquet(floats, tmp_path / "floats.parquet"), tok, 64, 0, layout)
+    assert loaded.records[2].id == "openai/gsm8k/2"
 
 
 @pytest.mark.parametrize("template", ["{question.__class__} {question}", "{question} {question!r}",

@@ -35,7 +35,7 @@ from nereus.state.emu import sample_range
 
 FIELDS = ("prompt", "answer", "id")
 REQUIRED = ("prompt", "answer")
-SUFFIXES = (".jsonl", ".parquet")
+SUFFIXES = (".jsonl", ".json", ".parquet")  # .json: JSON Lines (as datasets' to_json writes) or an array
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +110,29 @@ def _fits(record: TaskRecord, where: str, tokenizer: Tokenizer, max_prompt_len: 
         )
 
 
+def _check_file(path: Path) -> None:
+    if path.is_dir():
+        raise ConfigError(f"{path}: a folder, not a dataset file (allowed: a .jsonl, .json or .parquet file)")
+    if path.suffix not in SUFFIXES:
+        raise ConfigError(f"{path}: unknown dataset format {path.suffix!r} (allowed: {', '.join(SUFFIXES)})")
+    if not path.is_file():
+        raise ConfigError(f"{path}: dataset file does not exist")
+
+
+def _text_of(path: Path) -> str:
+    """The file as text (a byte-order mark dropped, as Windows tools write one); bytes that are
+    not UTF-8 are named by their line."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x})") from None
+
+
 def _rows(path: Path) -> list[tuple[str, int, object]]:
     """(location, line or row number, raw record) for each record of the file."""
     if path.suffix == ".parquet":
@@ -130,10 +153,16 @@ def _rows(path: Path) -> list[tuple[str, int, object]]:
                     f"{path}:row {i}: field '{where}': NaN and Infinity are not values a record holds"
                 )
         return [(f"{path}:row {i}", i, r) for i, r in enumerate(rows, 1)]
-    try:
-        lines = path.read_text(encoding="utf-8-sig").splitlines()  # a byte-order mark, as Windows tools write
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read ({exc})") from None
+    text = _text_of(path)
+    if path.suffix == ".json" and text.lstrip().startswith("["):  # one JSON array of records
+        try:
+            array = json.loads(text, parse_constant=_no_constant, object_pairs_hook=unique_keys)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+        except (ValueError, RecursionError) as exc:
+            raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+        return [(f"{path}:record {i}", i, r) for i, r in enumerate(array, 1)]
+    lines = text.splitlines()
     out: list[tuple[str, int, object]] = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -196,35 +225,35 @@ class PromptDataset:
 
     @classmethod
     def load(
-        cls, path: Path, tokenizer: Tokenizer, max_prompt_len: int, seed: int = 0,
+        cls, paths: Path | Sequence[Path], tokenizer: Tokenizer, max_prompt_len: int, seed: int = 0,
         layout: RecordLayout | None = None,
     ) -> PromptDataset:  # fmt: skip
-        """Read and validate ``path`` (``.jsonl`` or ``.parquet``) in ``layout`` (default: ours);
-        ids (default: the line or row number) must be unique."""
-        path = Path(path)
+        """Read and validate ``paths`` (``.jsonl``, ``.json`` or ``.parquet``; several files are
+        one data set, in order, as verl's ``train_files``) in ``layout`` (default: ours). Ids must
+        be unique; a row without one is its line or row number (in a later file, qualified by it)."""
+        files = [Path(paths)] if isinstance(paths, str | Path) else [Path(p) for p in paths]
         if max_prompt_len <= 0:
             raise ValueError(f"max_prompt_len must be positive, got {max_prompt_len}")
-        if path.is_dir():
-            raise ConfigError(f"{path}: a folder, not a dataset file (allowed: a .jsonl or .parquet file)")
-        if path.suffix not in SUFFIXES:
-            raise ConfigError(
-                f"{path}: unknown dataset format {path.suffix!r} (allowed: {', '.join(SUFFIXES)})"
-            )
-        if not path.is_file():
-            raise ConfigError(f"{path}: dataset file does not exist")
+        if not files:
+            raise ConfigError("no dataset file named")
+        for path in files:
+            _check_file(path)
+        id_key = layout.id_key if layout is not None else "id"
         records: list[TaskRecord] = []
         seen: dict[str, str] = {}
-        for where, number, raw in _rows(path):
-            if layout is None or layout.name == "nereus":
-                r = _check(raw, where, tokenizer, max_prompt_len, str(number))
-            else:
-                r = layout.record(raw, where, str(number))
-            _fits(r, where, tokenizer, max_prompt_len)
-            if r.id in seen:
-                raise ConfigError(f"{where}: field 'id': {r.id!r} repeats the id of {seen[r.id]}")
-            seen[r.id] = where
-            records.append(r)
-        return cls(str(path), tuple(records), seed)
+        for k, path in enumerate(files):
+            for where, number, raw in _rows(path):
+                default = str(number) if k == 0 else f"{path}:{number}"
+                if layout is None or layout.name == "nereus":
+                    r = _check(raw, where, tokenizer, max_prompt_len, default)
+                else:
+                    r = layout.record(raw, where, default)
+                _fits(r, where, tokenizer, max_prompt_len)
+                if r.id in seen:
+                    raise ConfigError(f"{where}: column {id_key!r}: {r.id!r} repeats the id of {seen[r.id]}")
+                seen[r.id] = where
+                records.append(r)
+        return cls(", ".join(map(str, files)), tuple(records), seed)
 
     def __len__(self) -> int:
         return len(self.records)

@@ -5,13 +5,14 @@
 hub at run time, and a folder without a tokenizer is a one-line ``ConfigError``. Prompts go through
 the chat template (a user turn, then the generation prompt) when the tokenizer has one and
 ``chat`` is on; else they are encoded as plain text with the tokenizer's special tokens. A
-response ends at the tokenizer's eos or at any ``eos_token_id`` of the folder's
-``generation_config.json`` (an instruct model's end of turn, e.g. Llama 3.1's ``<|eot_id|>`` and
-``<|eom_id|>``, Qwen's ``<|im_end|>`` and ``<|endoftext|>``), as transformers' ``generate`` and
-vLLM stop. Decoding stops at the first of them and drops special tokens, so a verifier sees the
-response's text. The value is a frozen dataclass of its folder and ``chat`` only: the runtime sends it to
-every worker as such and each loads the files itself. Edge module (files; imports transformers
-when built).
+response ends at the tokenizer's eos or at any ``eos_token_id`` of the model's
+``generation_config.json`` (its folder's, ``generation``, else the tokenizer folder's: an
+instruct model's end of turn, e.g. Llama 3.1's ``<|eot_id|>`` and ``<|eom_id|>``, Qwen's
+``<|im_end|>`` and ``<|endoftext|>``), as transformers' ``generate`` and vLLM stop. Decoding
+stops at the first of them and drops special tokens, so a verifier sees the response's text. The
+value is a frozen dataclass of its folders and ``chat`` only: the runtime sends it to every
+worker as such and each loads the files itself. Edge module (files; imports transformers when
+built).
 """
 
 from __future__ import annotations
@@ -46,9 +47,12 @@ def check_folder(folder: str | Path) -> None:
         )
 
 
+GENERATION = "generation_config.json"
+
+
 def _generation_eos(folder: Path, vocab: int) -> tuple[int, ...]:
     """``eos_token_id`` (an id or a list of them) of ``folder/generation_config.json``, if any."""
-    path = folder / "generation_config.json"
+    path = folder / GENERATION
     if not path.is_file():
         return ()
     from nereus.spec.files import load_json
@@ -70,6 +74,9 @@ def _generation_eos(folder: Path, vocab: int) -> tuple[int, ...]:
 class HfTokenizer:
     folder: str
     chat: bool = True  # prompts through the chat template, when the tokenizer has one
+    # the model's folder, whose generation_config.json gives the stop ids and goes with an export
+    # when it has one ("" or a folder without one: the tokenizer's folder's)
+    generation: str = ""
     _tok: Any = field(init=False, repr=False, compare=False)
     _stop: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
@@ -89,17 +96,26 @@ class HfTokenizer:
         if self.templated:  # a template that does not render fails here, not in the workers
             self.encode_messages([{"role": "user", "content": "1 + 1 = ?"}])
         eos = int(tok.eos_token_id)
-        more = _generation_eos(Path(self.folder), len(tok))
+        more = _generation_eos(self._generation_folder(), len(tok))
         object.__setattr__(self, "_stop", (eos, *sorted(set(more) - {eos})))
 
     @property
     def eos_id(self) -> int:
         return int(self._tok.eos_token_id)
 
+    def _generation_folder(self) -> Path:
+        """Where the generation config is: the model's folder when it has one, else the tokenizer's."""
+        model = Path(self.generation) if self.generation else None
+        if model is not None and (model / GENERATION).is_file():
+            return model
+        return Path(self.folder)
+
     def companions(self) -> tuple[Path, ...]:
-        """This tokenizer's files (and its folder's generation config), for an exported model."""
+        """This tokenizer's files and the model's generation config, for an exported model."""
         folder = Path(self.folder)
-        return tuple(folder / name for name in COMPANIONS if (folder / name).is_file())
+        files = [folder / name for name in COMPANIONS if name != GENERATION and (folder / name).is_file()]
+        config = self._generation_folder() / GENERATION
+        return (*files, config) if config.is_file() else tuple(files)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:

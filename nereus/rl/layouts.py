@@ -37,6 +37,7 @@ class RecordLayout:
     answer_key: str = ""  # nereus, qa: "answer"; verl: "reward_model.ground_truth"
     source_key: str = "data_source"  # verl
     template: str = "{question}"  # qa
+    by_source: bool = False  # verl: each row's source picks its verifier, so it must name a known one
 
     def __post_init__(self) -> None:
         if self.name not in LAYOUTS:
@@ -46,6 +47,11 @@ class RecordLayout:
         why = _template_error(self.template)
         if why:
             raise ValueError(f"template {self.template!r}: {why}")
+
+    @property
+    def id_key(self) -> str:
+        """The column a row's id comes from (verl: ``extra_info.index``, per data source)."""
+        return "extra_info.index" if self.name == "verl" else "id"
 
     @property
     def answer(self) -> str:
@@ -59,11 +65,20 @@ class RecordLayout:
             raise ConfigError(f"{where}: expected an object with the {self.name} layout's columns")
         if self.name == "verl":
             messages = _messages(_column(raw, self.prompt_key, where), f"{where}: column {self.prompt_key!r}")
-            source = _column(raw, self.source_key, where) if self.source_key in raw else ""
+            source = _column(raw, self.source_key, where) if self.source_key in raw or self.by_source else ""
             if not isinstance(source, str):
                 raise ConfigError(f"{where}: column {self.source_key!r}: expected a string, got {source!r}")
+            if self.by_source:
+                from nereus.rl.verifiers import verifier_for_source
+
+                try:
+                    verifier_for_source(source)
+                except ConfigError as exc:
+                    raise ConfigError(f"{where}: column {self.source_key!r}: {exc}") from None
             extra = raw.get("extra_info")
             rid = extra.get("index") if isinstance(extra, Mapping) else None
+            if rid is not None and source:  # verl numbers each source's rows apart (GSM8K, MATH: from 0)
+                rid = f"{source}/{_whole(rid, where, self.id_key)}"
             prompt = next((c for r, c in reversed(messages) if r == "user"), messages[-1][1])
             return _task(prompt, _text(_column(raw, self.answer, where), where, self.answer), rid, default_id,
                          where, messages, source)  # fmt: skip
@@ -121,14 +136,23 @@ def _messages(value: Any, where: str) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def _whole(rid: object, where: str, key: str) -> str | int:
+    """An id as written: a string or an integer (a float column's integral value, as pandas writes
+    an integer column holding nulls, is that integer)."""
+    if isinstance(rid, float) and rid.is_integer():
+        return int(rid)
+    if isinstance(rid, bool) or not isinstance(rid, str | int):
+        raise ConfigError(f"{where}: column {key!r}: expected a string or an integer, got {rid!r}")
+    return rid
+
+
 def _task(
     prompt: str, answer: str, rid: object, default_id: str, where: str,
     messages: tuple[tuple[str, str], ...] = (), source: str = "",
 ) -> TaskRecord:  # fmt: skip
     if rid is None:
         rid = default_id
-    if isinstance(rid, bool) or not isinstance(rid, str | int):
-        raise ConfigError(f"{where}: id: expected a string or an integer, got {rid!r}")
+    rid = _whole(rid, where, "extra_info.index" if messages else "id")
     if not prompt:
         raise ConfigError(f"{where}: the prompt is empty")
     return TaskRecord(prompt, answer, str(rid), messages, source)

@@ -58,16 +58,20 @@ class Tokenizer(Protocol):
         ...
 
 
-def tokenizer_of(named: str, actor_init: str) -> CharTokenizer | HfTokenizer:
+def tokenizer_of(named: str, *folders: str) -> CharTokenizer | HfTokenizer:
     """A job's tokenizer: the Hugging Face tokenizer in folder ``named`` (the experiment's
-    ``tokenizer:``), else the one in the actor's ``init`` folder if it has one, else the
-    character-level tokenizer of the bundled tasks."""
+    ``tokenizer:``), else the one in the first of ``folders`` (the actor's ``init:`` folder, the
+    ``model:`` folder) that has one, else the character-level tokenizer of the bundled tasks
+    (``nereus run`` refuses a ``model:`` folder left without one, ``command.check_tokenizer``)."""
     from nereus.rl.hf_tokenizer import HfTokenizer, has_tokenizer
 
+    # the model's generation config (its stop ids) is its own folder's, wherever the tokenizer is
+    model = next((f for f in folders if f and (Path(f) / "generation_config.json").is_file()), "")
     if named:
-        return HfTokenizer(named)
-    if actor_init and has_tokenizer(actor_init):
-        return HfTokenizer(actor_init)
+        return HfTokenizer(named, generation=model)
+    for folder in folders:
+        if folder and has_tokenizer(folder):
+            return HfTokenizer(folder, generation=model)
     return CharTokenizer()
 
 

@@ -144,6 +144,7 @@ def preflight(
         check_folder(spec.tokenizer)
     _keyed("policy", policy_config, spec.policy)
     check_weights(spec)
+    check_tokenizer(spec)
     roles = {ms.role.value for ms in workload.workflow().model_stages}
     for role in ("critic", "reward"):  # weights for a model the workload does not run would do nothing
         if getattr(spec.init, role) and role not in roles:
@@ -185,6 +186,21 @@ def check_weights(spec: Any) -> None:
         "start from random weights (allowed: a folder with *.safetensors, as transformers' "
         "save_pretrained writes by default; init.actor naming one; or a shipped model or a model "
         "YAML for random weights)"
+    )
+
+
+def check_tokenizer(spec: Any) -> None:
+    """A ``model:`` folder (a user's Hugging Face model) comes with its tokenizer: its own, the
+    actor's ``init:`` folder's, or ``tokenizer:``'s. Without one the job would fall back to the
+    bundled tasks' character tokenizer and train the user's weights on ids they never saw."""
+    from nereus.rl.hf_tokenizer import FILES, has_tokenizer
+
+    folder = spec.model_folder()
+    if folder is None or spec.tokenizer or any(f and has_tokenizer(f) for f in spec.tokenizer_folders()):
+        return
+    raise ConfigError(
+        f"model: {shorten(str(folder), 200)} holds no Hugging Face tokenizer (expected "
+        f"{' or '.join(FILES)}); name the folder that holds the model's with tokenizer: DIR"
     )
 
 
@@ -254,7 +270,7 @@ def torch_checks(spec: Any) -> None:
     from nereus.plan.layout import Layout
     from nereus.rl.data import PromptDataset
     from nereus.rl.tokenizer import tokenizer_of
-    from nereus.rl.verifiers import get_verifier, verifier_for_source
+    from nereus.rl.verifiers import get_verifier
     from nereus.runtime.engines import check_importable, default_cache, engines_of, job_models
     from nereus.spec import load_model, load_workload
     from nereus.spec.model import Head
@@ -262,20 +278,18 @@ def torch_checks(spec: Any) -> None:
 
     workload, model = load_workload(spec.workload), load_model(spec.model)
     check_importable(engines_of(spec, workload, job_models(model)), default_cache())
-    tok = tokenizer_of(spec.tokenizer, spec.weights_of("actor"))
+    tok = tokenizer_of(spec.tokenizer, *spec.tokenizer_folders())
     if tok.vocab_size > model.vocab_size:
         raise ConfigError(
             f"tokenizer: {tok.vocab_size} ids do not fit {model.name}'s vocabulary of {model.vocab_size}"
         )
-    if spec.data is not None:
-        data = _keyed(
-            "data.train",
-            lambda p: PromptDataset.load(Path(p), tok, workload.max_prompt_len, 0, spec.data.record_layout()),
-            spec.data.train,
-        )
-        if spec.verifier == "by_source":
-            for source in sorted({r.source for r in data.records}):
-                verifier_for_source(source)
+    if spec.data is not None:  # under by_source, every row's data_source names a verifier
+        layout = spec.data.record_layout(by_source=spec.verifier == "by_source")
+        files = [Path(f) for f in spec.data.files]
+        try:
+            PromptDataset.load(files, tok, workload.max_prompt_len, 0, layout)
+        except ConfigError as exc:
+            raise ConfigError(f"data.train: {exc}") from None
     elif spec.dataset:
         _keyed("dataset", lambda p: PromptDataset.load(Path(p), tok, workload.max_prompt_len), spec.dataset)
     _keyed("verifier", get_verifier, spec.verifier)

@@ -53,14 +53,18 @@ class TaskSpec:
         generate_tasks(self.kind, 0, self.seed, self.difficulty, self.length)  # validates the rest
 
 
+MAX_DATA_FILES = 1024
+
+
 @dataclass(frozen=True, slots=True)
 class DataSpec:
-    """A prompt data set as users bring it (``nereus.rl.layouts``): ``train`` a JSONL or Parquet
-    file, ``layout`` verl (chat messages, ``reward_model.ground_truth``, ``data_source``), qa
-    (``{question, answer}`` through ``template``) or nereus (``{prompt, answer, id}``), and the
+    """A prompt data set as users bring it (``nereus.rl.layouts``): ``train`` a JSONL, JSON or
+    Parquet file, or a list of them (one data set, in order, as verl's ``train_files``);
+    ``layout`` verl (chat messages, ``reward_model.ground_truth``, ``data_source``), qa
+    (``{question, answer}`` through ``template``) or nereus (``{prompt, answer, id}``); and the
     column names where they differ from the layout's."""
 
-    train: str
+    train: str | tuple[str, ...]
     layout: str = "verl"
     template: str = "{question}"
     prompt_key: str = "prompt"
@@ -69,14 +73,26 @@ class DataSpec:
     source_key: str = "data_source"
 
     def __post_init__(self) -> None:
-        if not self.train.strip():
-            raise ValueError("train must name a JSONL or Parquet file, got ''")
+        if not self.files or not all(f.strip() for f in self.files):
+            raise ValueError(
+                f"train must name a JSONL, JSON or Parquet file or a list of them, got {self.train!r}"
+            )
+        if len(self.files) > MAX_DATA_FILES:
+            raise ValueError(f"train names {len(self.files)} files, more than {MAX_DATA_FILES}")
+        twice = sorted({f for f in self.files if self.files.count(f) > 1})
+        if twice:
+            raise ValueError(f"train names {twice[0]!r} twice")
         self.record_layout()  # validates layout and template
 
-    def record_layout(self) -> RecordLayout:
+    @property
+    def files(self) -> tuple[str, ...]:
+        return (self.train,) if isinstance(self.train, str) else self.train
+
+    def record_layout(self, by_source: bool = False) -> RecordLayout:
         return RecordLayout(
-            self.layout, self.prompt_key, self.question_key, self.answer_key, self.source_key, self.template
-        )
+            self.layout, self.prompt_key, self.question_key, self.answer_key, self.source_key, self.template,
+            by_source,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,6 +335,12 @@ class ExperimentSpec:
         if path.is_dir():
             return path
         return path.parent if path.name == "config.json" and path.is_file() else None
+
+    def tokenizer_folders(self) -> tuple[str, str]:
+        """Where the job's tokenizer may be, first first (after ``tokenizer:``): the actor's
+        ``init:`` folder, then the ``model:`` folder ("" where there is none)."""
+        folder = self.model_folder()
+        return self.weights_of("actor"), str(folder) if folder is not None else ""
 
     def weights_of(self, role: str) -> str:
         """The Hugging Face folder ``role`` starts from: its ``init:`` folder, else the ``model:``

@@ -65,20 +65,22 @@ class JobSetup:
         workload = load_workload(spec.workload)
         actor = load_model(spec.model)
         models = job_models(actor)
-        tok = tokenizer_of(spec.tokenizer, spec.weights_of("actor"))
+        tok = tokenizer_of(spec.tokenizer, *spec.tokenizer_folders())
         if tok.vocab_size > actor.vocab_size:
             raise ValueError(
                 f"{actor.name}: vocabulary {actor.vocab_size} is smaller than the tokenizer's "
                 f"{tok.vocab_size}"
             )
-        layout = spec.data.record_layout() if spec.data is not None else None
-        if spec.data is not None or spec.dataset:
-            path = Path(spec.data.train if spec.data is not None else spec.dataset)
+        layout = spec.data.record_layout(spec.verifier == "by_source") if spec.data is not None else None
+        if spec.data is not None:
+            paths = [Path(f) for f in spec.data.files]
+        elif spec.dataset:
+            paths = [Path(spec.dataset)]
         else:
-            path = out / "tasks.jsonl"
+            paths = [out / "tasks.jsonl"]
             t = spec.task
-            write_jsonl(generate_tasks(t.kind, t.n, t.seed, t.difficulty, t.length), path)
-        dataset = PromptDataset.load(path, tok, workload.max_prompt_len, spec.seed, layout)
+            write_jsonl(generate_tasks(t.kind, t.n, t.seed, t.difficulty, t.length), paths[0])
+        dataset = PromptDataset.load(paths, tok, workload.max_prompt_len, spec.seed, layout)
         return cls(
             spec,
             workload,
