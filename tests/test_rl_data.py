@@ -129,7 +129,7 @@ GOOD = ['{"prompt": "1+2=", "answer": "3"}', '{"prompt": "copy 12=", "answer": "
         (
             '{"prompt": "1+2=3+4+5+6=", "answer": "3"}',
             "'prompt'",
-            "13 tokens (with bos) exceed max_prompt_len 12",
+            "13 tokens (as encoded: template and special tokens) exceed max_prompt_len 12",
         ),
         (
             '{"prompt": "1+2=", "answer": "3", "extra": 1}',

@@ -106,7 +106,8 @@ def _fits(record: TaskRecord, where: str, tokenizer: Tokenizer, max_prompt_len: 
     tokens = len(prompt_ids(tokenizer, record))
     if tokens > max_prompt_len:
         raise ConfigError(
-            f"{where}: field 'prompt': {tokens} tokens (with bos) exceed max_prompt_len {max_prompt_len}"
+            f"{where}: field 'prompt': {tokens} tokens (as encoded: template and special tokens) "
+            f"exceed max_prompt_len {max_prompt_len}"
         )
 
 
