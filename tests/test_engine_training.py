@@ -59,6 +59,18 @@ def test_train_step_reduces_the_loss(checkpoints: dict) -> None:
     assert eng.state.state.updates == 6
 
 
+def test_train_step_scores_at_the_sampling_temperature(checkpoints: dict) -> None:
+    """The trained log-probs are the sampling policy's: at temperature 0.7 the first step's loss is
+    the loss of ``forward`` at 0.7, not at 1 (verl divides the logits by the rollout temperature)."""
+    d, _ = checkpoints["qwen3"]
+    spec = hf.read_config(d)
+    eng = one_rank_engine(spec, optim=AdamWConfig(lr=3e-3), checkpoint=d)
+    batch, loss_fn = _train_batch(spec)
+    hot = float(loss_fn(eng.forward(batch, temperature=0.7), batch.fields))
+    assert hot != pytest.approx(float(loss_fn(eng.forward(batch), batch.fields)), rel=1e-3)
+    assert eng.train_step(batch, loss_fn, temperature=0.7).loss == pytest.approx(hot, rel=1e-5)
+
+
 def test_train_step_needs_optimizer_state(checkpoints: dict) -> None:
     d, _ = checkpoints["qwen3"]
     spec = hf.read_config(d)

@@ -219,6 +219,28 @@ def test_policy_loss_hand_values_and_clipping(ratio: float, adv: float, loss: fl
     assert fn.last_metrics().pg_loss == pytest.approx(loss / 4)
 
 
+def test_dual_clip_bounds_a_negative_advantages_cost_and_log_ratios_stay_finite() -> None:
+    """verl's clip_ratio_c: with A < 0 a ratio of e² costs at most −A·3 and gives no gradient; a
+    log-ratio of ±100 (a stale batch, a diverged policy) gives a finite gradient, in the surrogate
+    and in k3."""
+    scores, fields = one_token(2.0 - 1.0, -1.0, -1.0)  # ratio e² ≈ 7.39, A = −1
+    out = PolicyLoss(clip_eps=0.2, normaliser=1.0)(scores, fields)
+    assert out.item() == pytest.approx(3.0)
+    out.backward()
+    assert scores.grad is not None and float(scores.grad[0, 1]) == 0.0
+    scores, fields = one_token(2.0 - 1.0, -1.0, -1.0)
+    undual = PolicyLoss(clip_eps=0.2, normaliser=1.0, dual_clip=None)(scores, fields)
+    assert undual.item() == pytest.approx(math.exp(2.0))
+    for far in (100.0, -100.0):
+        scores, fields = one_token(far - 1.0, -1.0, 1.0)
+        fields["ref_logprobs"] = fields["old_logprobs"]
+        loss = PolicyLoss(clip_eps=0.2, normaliser=1.0, kl_coef=0.1)(scores, fields)
+        loss.backward()
+        assert scores.grad is not None and torch.isfinite(scores.grad).all() and torch.isfinite(loss)
+    with pytest.raises(ValueError, match="dual_clip must be above 1"):
+        PolicyLoss(0.2, 1.0, dual_clip=1.0)
+
+
 def batch(seed: int) -> tuple[Tensor, dict[str, Tensor]]:
     m = MASKS["holes"]
     scores = (rand(seed, B, T) * 0.3 - 2).requires_grad_(True)
@@ -353,3 +375,33 @@ def test_rl_package_is_pure() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
     )
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_the_reward_model_scores_the_head_at_the_last_token_itself() -> None:
+    """A reward model's score is its head at the response's last token (verl, Hugging Face
+    sequence classifiers), not at the token before: the worker's scores are aligned with the
+    tokens (entry i is the head at i − 1), so the rollouts go one padding column wider."""
+    from types import SimpleNamespace
+
+    from nereus.backends.logprobs import token_values
+    from nereus.rl.tasks import TaskRecord
+    from nereus.rl.tokenizer import CharTokenizer
+    from nereus.runtime.job import sequence_rewards
+    from nereus.runtime.rollout import Rollouts
+
+    ids = torch.tensor([[0, 5, 6, 7, 8, 0], [5, 6, 7, 8, 9, 10]])  # responses from column 3
+    valid = torch.tensor([[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 1]])  # last tokens: columns 4 and 5
+    r = Rollouts(ids, valid, mask, (0, 1), 3)
+
+    def infer(plan: object, name: str, rr: Rollouts) -> Tensor:
+        head = torch.arange(rr.ids.shape[1], dtype=torch.float32).expand(rr.rows, -1)  # head at p: p
+        return token_values(head)
+
+    worker = SimpleNamespace(
+        workflow=SimpleNamespace(model_stages=[SimpleNamespace(name="reward.inf")]), infer=infer
+    )
+    setup = SimpleNamespace(spec=SimpleNamespace(verifier="none", reward_coef=1.0), tokenizer=CharTokenizer())
+    records = [TaskRecord("p", "a", "0"), TaskRecord("p", "a", "1")]
+    _, rm = sequence_rewards(worker, None, setup, r, records)  # type: ignore[arg-type]
+    assert rm is not None and rm.tolist() == [4.0, 5.0]

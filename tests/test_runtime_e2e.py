@@ -503,10 +503,12 @@ def test_a_job_from_a_users_model_folder_and_verl_data(tmp_path: Path, family: s
     rows = [{**r, "data_source": "openai/gsm8k" if i % 2 else "math"} for i, r in enumerate(VERL * 4)]
     rows = [{**r, "extra_info": {"index": i}} for i, r in enumerate(rows)]
     data = write_parquet(rows, tmp_path / "train.parquet")
+    held_out = write_parquet(rows[:5], tmp_path / "val.parquet")  # llama: validated after each step
+    val = f", val: {held_out}}}\nval_every: 1\n" if family == "llama" else "}\n"
     exp = tmp_path / "hf.yaml"
     exp.write_text(
         f"name: hf\nworkload: grpo-tiny\nmodel: {folder}\nworkers: 4\nsteps: 2\nseed: 1\n"
-        f"data: {{train: {data}, layout: verl}}\nverifier: by_source\nmax_new_tokens: 3\n"
+        f"verifier: by_source\nmax_new_tokens: 3\ndata: {{train: {data}, layout: verl{val}"
     )
     out = tmp_path / "out"
     proc = cli_run(exp, out, 280)
@@ -516,6 +518,24 @@ def test_a_job_from_a_users_model_folder_and_verl_data(tmp_path: Path, family: s
     assert all(0 < float(r["seq_len_mean"]) <= 3 for r in got)  # type: ignore[arg-type]
     exported = load_file(str(out / "hf" / "actor" / "model.safetensors"))
     assert exported["model.embed_tokens.weight"].shape == (320, 64)
+    if family != "llama":
+        assert all(r["validation"] is None for r in got)
+        return
+    for r in got:  # greedy answers to the 5 held-out prompts, scored by each one's source
+        v = r["validation"]
+        assert isinstance(v, dict) and v["prompts"] == 5 and 0 <= v["reward"] <= 1, v
+        assert set(v) == {"reward", "accuracy", "prompts", "seconds", "reward/math", "reward/openai/gsm8k"}
+    assert "validation: reward" in proc.stdout
+    exp.write_text(
+        exp.read_text().replace(f", val: {held_out}}}\nval_every: 1", "}")
+    )  # the same job unvalidated
+    plain = tmp_path / "plain"
+    proc = cli_run(exp, plain, 280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for a, b in zip(got, metrics(plain), strict=True):  # validation leaves the training and its telemetry be
+        assert b["validation"] is None
+        for key in ("reward", "actor_loss", "kl", "seq_len_mean", "plan"):
+            assert a[key] == b[key], key
 
 
 @pytest.mark.timeout(300)

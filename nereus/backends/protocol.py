@@ -189,8 +189,11 @@ class Backend(Protocol):
         """Per-token log-probs (LM head) or values (value head), (B, T) fp32, on every rank."""
         ...
 
-    def train_step(self, batch: TokenBatch, loss_fn: LossFn, micro_batches: int = 1) -> TrainStats:
-        """Gradient accumulation over micro-batches, DP all-reduce, clipping, one AdamW update."""
+    def train_step(
+        self, batch: TokenBatch, loss_fn: LossFn, micro_batches: int = 1, temperature: float = 1.0
+    ) -> TrainStats:
+        """Gradient accumulation over micro-batches, DP all-reduce, clipping, one AdamW update;
+        log-probs at ``temperature`` (the sampling's, so the ratio is of the policy that sampled)."""
         ...
 
     def generate(self, prompts: TokenBatch, sample_ids: Sequence[int], params: SamplingParams) -> Generation:

@@ -20,6 +20,9 @@ import torch
 from torch import Tensor
 
 K3_CLAMP = 10.0  # verl's bound on the k3 estimate (core_algos.kl_penalty, "low_var_kl")
+# verl's bound on a log-ratio before it is exponentiated (the policy ratio, k3): past it exp
+# overflows in the backward pass and one token's NaN would spoil the whole update
+LOG_RATIO_CLAMP = 20.0
 
 
 class KLKind(StrEnum):
@@ -46,7 +49,8 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: KLKind | str = KLKind.K3) -
         return diff
     if k is KLKind.K2:
         return 0.5 * diff.square()
-    return (torch.exp(-diff) + diff - 1).clamp(max=K3_CLAMP)
+    back = (-diff).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # log(π_ref / π), bounded as verl's
+    return (torch.exp(back) - back - 1).clamp(max=K3_CLAMP)
 
 
 def _take(fields_: Mapping[str, Tensor], scores: Tensor, *names: str) -> list[Tensor]:
@@ -91,7 +95,10 @@ def _totals(rows: list[Tensor], width: int) -> list[float]:
 @dataclass(frozen=True, slots=True, eq=False)
 class PolicyLoss:
     """PPO's clipped surrogate (Schulman et al. 2017, eq. 7), plus ``kl_coef · KL(π ‖ π_ref)`` per
-    token for GRPO's KL in the loss (Shao et al. 2024, eq. 3).
+    token for GRPO's KL in the loss (Shao et al. 2024, eq. 3). With ``dual_clip`` (verl's
+    ``clip_ratio_c``, default 3) a token with a negative advantage costs at most ``−A · dual_clip``
+    (Ye et al. 2020, dual-clip PPO): a ratio far above 1 on a stale batch cannot blow up the update.
+    The log-ratio is bounded by ±20 before it is exponentiated, as verl's.
 
     Fields: ``old_logprobs``, ``advantages``, ``mask`` and, when ``kl_coef > 0``, ``ref_logprobs``.
     """
@@ -100,11 +107,14 @@ class PolicyLoss:
     normaliser: float
     kl_coef: float = 0.0
     kl_kind: KLKind = KLKind.K3
+    dual_clip: float | None = 3.0
     _record: list[Tensor] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 < self.clip_eps < 1:
             raise ValueError(f"clip_eps must be in (0, 1), got {self.clip_eps}")
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            raise ValueError(f"dual_clip must be above 1 (or None), got {self.dual_clip}")
         _check_normaliser(self.normaliser)
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef must be non-negative, got {self.kl_coef}")
@@ -115,11 +125,14 @@ class PolicyLoss:
         old, adv, mask, *ref = _take(fields, scores, *names)
         valid = mask.bool()
         logp = scores.float()
-        log_ratio = torch.where(valid, logp - old, 0.0)  # padding never overflows exp
+        bound = LOG_RATIO_CLAMP
+        log_ratio = torch.where(valid, logp - old, 0.0).clamp(-bound, bound)  # padding: 0
         ratio = log_ratio.exp()
         unclipped = -adv * ratio
         clipped = -adv * ratio.clamp(1 - self.clip_eps, 1 + self.clip_eps)
         pg = torch.maximum(unclipped, clipped)
+        if self.dual_clip is not None:
+            pg = torch.where(adv < 0, torch.minimum(pg, -adv * self.dual_clip), pg)
         per_token = pg
         kl = torch.zeros_like(pg)
         if ref:

@@ -285,11 +285,12 @@ def torch_checks(spec: Any) -> None:
         )
     if spec.data is not None:  # under by_source, every row's data_source names a verifier
         layout = spec.data.record_layout(by_source=spec.verifier == "by_source")
-        files = [Path(f) for f in spec.data.files]
-        try:
-            PromptDataset.load(files, tok, workload.max_prompt_len, 0, layout)
-        except ConfigError as exc:
-            raise ConfigError(f"data.train: {exc}") from None
+        for key, named in (("data.train", spec.data.files), ("data.val", spec.data.val_files)):
+            try:
+                if named:
+                    PromptDataset.load([Path(f) for f in named], tok, workload.max_prompt_len, 0, layout)
+            except ConfigError as exc:
+                raise ConfigError(f"{key}: {exc}") from None
     elif spec.dataset:
         _keyed("dataset", lambda p: PromptDataset.load(Path(p), tok, workload.max_prompt_len), spec.dataset)
     _keyed("verifier", get_verifier, spec.verifier)

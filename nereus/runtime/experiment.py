@@ -9,6 +9,7 @@ adaptation is visible on one machine. Pure and strict: unknown keys and bad valu
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,9 +63,11 @@ class DataSpec:
     Parquet file, or a list of them (one data set, in order, as verl's ``train_files``);
     ``layout`` verl (chat messages, ``reward_model.ground_truth``, ``data_source``), qa
     (``{question, answer}`` through ``template``) or nereus (``{prompt, answer, id}``); and the
-    column names where they differ from the layout's."""
+    column names where they differ from the layout's. ``val``: held-out prompts in the same layout
+    (verl's ``val_files``), scored greedily every ``val_every`` steps (``nereus.runtime.validation``)."""
 
     train: str | tuple[str, ...]
+    val: str | tuple[str, ...] = ()
     layout: str = "verl"
     template: str = "{question}"
     prompt_key: str = "prompt"
@@ -73,20 +76,26 @@ class DataSpec:
     source_key: str = "data_source"
 
     def __post_init__(self) -> None:
-        if not self.files or not all(f.strip() for f in self.files):
-            raise ValueError(
-                f"train must name a JSONL, JSON or Parquet file or a list of them, got {self.train!r}"
-            )
-        if len(self.files) > MAX_DATA_FILES:
-            raise ValueError(f"train names {len(self.files)} files, more than {MAX_DATA_FILES}")
-        twice = sorted({f for f in self.files if self.files.count(f) > 1})
-        if twice:
-            raise ValueError(f"train names {twice[0]!r} twice")
+        for key, files in (("train", self.files), ("val", self.val_files)):
+            if (key == "train" and not files) or not all(f.strip() for f in files):
+                raise ValueError(
+                    f"{key} must name a JSONL, JSON or Parquet file or a list of them, got "
+                    f"{getattr(self, key)!r}"
+                )
+            if len(files) > MAX_DATA_FILES:
+                raise ValueError(f"{key} names {len(files)} files, more than {MAX_DATA_FILES}")
+            twice = sorted({f for f in files if files.count(f) > 1})
+            if twice:
+                raise ValueError(f"{key} names {twice[0]!r} twice")
         self.record_layout()  # validates layout and template
 
     @property
     def files(self) -> tuple[str, ...]:
         return (self.train,) if isinstance(self.train, str) else self.train
+
+    @property
+    def val_files(self) -> tuple[str, ...]:
+        return (self.val,) if isinstance(self.val, str) else self.val
 
     def record_layout(self, by_source: bool = False) -> RecordLayout:
         return RecordLayout(
@@ -106,8 +115,9 @@ class RlSpec:
     kl_coef: float = 0.01  # PPO: KL in the reward; GRPO: KL in the loss
     gamma: float = 1.0
     lam: float = 0.95
-    temperature: float = 1.0
+    temperature: float = 1.0  # sampling's; log-probs (behaviour, reference, trained) are at it too
     top_p: float = 1.0
+    dual_clip: float | None = 3.0  # verl's clip_ratio_c: a token with A < 0 costs at most −A·3; null: off
 
     def __post_init__(self) -> None:
         names = ("lr", "critic_lr", "weight_decay", "max_grad_norm", "clip_eps", "vf_clip", "kl_coef")
@@ -122,6 +132,8 @@ class RlSpec:
         for name in ("weight_decay", "max_grad_norm", "vf_clip", "kl_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
+        if self.dual_clip is not None and not (math.isfinite(self.dual_clip) and 1 < self.dual_clip <= 1e6):
+            raise ValueError(f"dual_clip must be in (1, 1e6] or null (off), got {brief(self.dual_clip)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +243,7 @@ class ExperimentSpec:
     rl: RlSpec = field(default_factory=RlSpec)
     drift: tuple[DriftEvent, ...] = ()
     checkpoint_every: int = 0  # steps; 0: only at the end
+    val_every: int = 0  # steps between validations of data.val (verl's test_freq); 0: after the last only
     # Time the world's collectives before the first plan (``nereus.runtime.sweep``) and feed the
     # measured op-class efficiencies to the controller's calibration. Off in the tiny CPU
     # experiments: DTensor's tensor-parallel collectives are not timed apart, so a fitted GEMM
@@ -255,7 +268,7 @@ class ExperimentSpec:
             )
         require_positive(self, "workers", "steps", "max_new_tokens")
         require_at_most(self, MAX_WORKERS, "workers")
-        require_at_most(self, MAX_STEPS, "steps", "checkpoint_every")
+        require_at_most(self, MAX_STEPS, "steps", "checkpoint_every", "val_every")
         require_at_most(self, MAX_TOKENS, "max_new_tokens")
         require_finite(self, "reward_coef")
         low, high = COLLECTIVE_TIMEOUT_RANGE_S
@@ -278,9 +291,19 @@ class ExperimentSpec:
                 f"task and {'dataset' if self.dataset else 'data'}: the generated task's settings do "
                 "nothing when a prompt file is named (allowed: one of task:, data:, dataset:)"
             )
-        for name in ("seed", "checkpoint_every"):
+        for name in ("seed", "checkpoint_every", "val_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
+        validated = self.data is not None and bool(self.data.val_files)
+        if self.val_every and not validated:
+            raise ValueError(
+                "val_every: validates the prompts of data.val, which this experiment does not name"
+            )
+        if validated and self.verifier == "none":
+            raise ValueError(
+                "data.val: validation scores greedy responses with the verifier; verifier: none has none "
+                "(name one, e.g. by_source or exact_answer)"
+            )
         steps = [e.step for e in self.drift]
         twice = sorted({s for s in steps if steps.count(s) > 1})
         if twice:
@@ -374,6 +397,12 @@ class ExperimentSpec:
             if e.step <= step and e.max_new_tokens:
                 limit = e.max_new_tokens
         return limit
+
+    def validates_at(self, step: int) -> bool:
+        """Whether ``step`` ends with a validation (every ``val_every`` steps, and after the last)."""
+        if self.data is None or not self.data.val_files:
+            return False
+        return step + 1 == self.steps or bool(self.val_every and (step + 1) % self.val_every == 0)
 
     def longest_response(self) -> int:
         """The largest ``max_new_tokens`` the job will ask for (drift included, up to its last step)."""

@@ -51,6 +51,7 @@ class JobSetup:
     tokenizer: CharTokenizer | HfTokenizer
     cluster: ClusterSpec  # the spec's, with what the leader's node measured where they differ
     engines: dict[str, str] = dataclasses.field(default_factory=dict)  # model-stage → engine
+    validation: PromptDataset | None = None  # data.val's held-out prompts, if any
 
     def engine_of(self, model_stage: str) -> str:
         return self.engines[model_stage]
@@ -81,15 +82,12 @@ class JobSetup:
             t = spec.task
             write_jsonl(generate_tasks(t.kind, t.n, t.seed, t.difficulty, t.length), paths[0])
         dataset = PromptDataset.load(paths, tok, workload.max_prompt_len, spec.seed, layout)
-        return cls(
-            spec,
-            workload,
-            models,
-            dataset,
-            tok,
-            load_cluster(spec.cluster),
-            engines_of(spec, workload, models),
-        )
+        val = None
+        if spec.data is not None and spec.data.val_files:
+            val_paths = [Path(f) for f in spec.data.val_files]
+            val = PromptDataset.load(val_paths, tok, workload.max_prompt_len, spec.seed, layout)
+        engines = engines_of(spec, workload, models)
+        return cls(spec, workload, models, dataset, tok, load_cluster(spec.cluster), engines, val)
 
 
 def initial_plan(
@@ -132,6 +130,7 @@ def make_worker(
         spec.longest_response(), members,
     )  # fmt: skip
     worker.weights_of = spec.weights_of
+    worker.temperature = rl.temperature  # log-probs of the policy that sampled (verl's, too)
     return worker
 
 
@@ -255,7 +254,7 @@ def learn(worker: Worker, plan: Plan, setup: JobSetup, batch: Batch) -> tuple[Te
             plan, "critic.train", r, {"old_values": values, "returns": returns, "mask": mask},
             lambda n: ValueLoss(rl.vf_clip, n),
         )  # fmt: skip
-        policy = lambda n: PolicyLoss(rl.clip_eps, n)  # noqa: E731
+        policy = lambda n: PolicyLoss(rl.clip_eps, n, dual_clip=rl.dual_clip)  # noqa: E731
     else:
         if algo is Algorithm.GRPO:
             fields["advantages"] = grpo_advantages(scores, g, r.mask)
@@ -266,7 +265,7 @@ def learn(worker: Worker, plan: Plan, setup: JobSetup, batch: Batch) -> tuple[Te
             baseline = baseline.repeat_interleave(g)  # scored exactly as the samples are
             fields["advantages"] = remax_advantages(scores, baseline, r.mask)
         fields["ref_logprobs"] = ref
-        policy = lambda n: PolicyLoss(rl.clip_eps, n, rl.kl_coef)  # noqa: E731
+        policy = lambda n: PolicyLoss(rl.clip_eps, n, rl.kl_coef, dual_clip=rl.dual_clip)  # noqa: E731
     metrics["actor_loss"] = worker.train(plan, "actor.train", r, fields, policy)
     metrics["reward"] = float(scores.mean())
     metrics["accuracy"] = float((scores >= 1.0).float().mean())
@@ -281,17 +280,24 @@ def sequence_rewards(
     response (``by_source``: the verifier of the record's data source) and, in a workload with a
     reward model, ``reward_coef`` × the model's score of its last token (also returned, else
     None). Every rollout a step scores (ReMax's greedy baseline too) is scored by this."""
+    scores = verified(setup, r, records)
+    if not any(ms.name == "reward.inf" for ms in worker.workflow.model_stages):
+        return scores, None
+    # the reward model's head at the last token itself (as verl and sequence-classification models
+    # read it): entry i + 1 of the scores aligned with the tokens, one padding column further
+    values = worker.infer(plan, "reward.inf", r.widened())
+    rm = values.gather(1, (last_tokens(r) + 1).unsqueeze(1)).squeeze(1)
+    return scores + setup.spec.reward_coef * rm, rm
+
+
+def verified(setup: JobSetup, r: Rollouts, records: list[TaskRecord]) -> Tensor:
+    """The verifier's score of each rollout's decoded response (row i answers ``records[i]``;
+    ``by_source``: the verifier of the record's data source)."""
     verifier = get_verifier(setup.spec.verifier)
     texts, answers = [setup.tokenizer.decode(x) for x in responses(r)], [x.answer for x in records]
     if verifier is by_source:
-        scores = score_by_source(texts, answers, [x.source for x in records])
-    else:
-        scores = score(verifier, texts, answers)
-    if not any(ms.name == "reward.inf" for ms in worker.workflow.model_stages):
-        return scores, None
-    values = worker.infer(plan, "reward.inf", r)
-    rm = values.gather(1, last_tokens(r).unsqueeze(1)).squeeze(1)
-    return scores + setup.spec.reward_coef * rm, rm
+        return score_by_source(texts, answers, [x.source for x in records])
+    return score(verifier, texts, answers)
 
 
 def last_tokens(r: Rollouts) -> Tensor:

@@ -68,6 +68,7 @@ from nereus.runtime.preemption import Preemption
 from nereus.runtime.rollout import Rollouts
 from nereus.runtime.surviving import Surviving
 from nereus.runtime.sweep import sweep_world
+from nereus.runtime.validation import validate
 from nereus.runtime.worker import Worker
 from nereus.spec.workload import ExecutionMode
 
@@ -283,7 +284,9 @@ class JobLoop(Acting, Surviving):
                 "generated": float(len(res.generated)), "ahead": float(len(worker.pending)),
                 **res.overlap.as_dict(),
             }  # fmt: skip
-            return StepResult(step, res.batch.rollouts, res.metrics, time.perf_counter() - t0, sync_s, info)
+            seconds = time.perf_counter() - t0
+            val = self._validate_if_due(step)
+            return StepResult(step, res.batch.rollouts, res.metrics, seconds, sync_s, info, val)
         leader = self.leader
 
         def generated(rollouts: Rollouts) -> None:  # the step's lengths are known: the leader's
@@ -296,7 +299,15 @@ class JobLoop(Acting, Surviving):
             worker, self.plan, self.setup, step, spec.max_new_tokens_at(step), generated
         )
         sync_s = worker.weight_sync(self.plan)
-        return StepResult(step, rollouts, metrics, time.perf_counter() - t0, sync_s)
+        seconds = time.perf_counter() - t0
+        return StepResult(step, rollouts, metrics, seconds, sync_s, validation=self._validate_if_due(step))
+
+    def _validate_if_due(self, step: int) -> dict[str, float] | None:
+        """After the step's weight sync, on every rank: the held-out prompts answered by the new
+        weights (``validation.py``), when the experiment validates at ``step``."""
+        if not self.spec.validates_at(step):
+            return None
+        return validate(self.worker, self.plan, self.setup, self.spec.max_new_tokens_at(step))
 
     def _freeze(self, step: int, seconds: float) -> Callable[[], None]:
         """A scripted freeze in ``step`` (once): this process stops, holding its connections."""

@@ -76,6 +76,9 @@ class StepRecord:
     # ahead, the seconds generation and training overlapped and each side waited, batches dropped
     # by a transition at this boundary (``nereus.runtime.asynchrony``); None in a synchronous job
     asynchrony: dict[str, float] | None = None
+    # data.val after this step (``nereus.runtime.validation``): reward, accuracy, prompts, seconds
+    # and reward/<data source>; None where the step is not validated
+    validation: dict[str, float] | None = None
 
     @classmethod
     def of(
@@ -210,6 +213,8 @@ class MetricsWriter:
             self.tb.add_scalar("transition_s", sum(t["seconds"] for t in r.transitions), r.step)
             for key, value in (r.asynchrony or {}).items():
                 self.tb.add_scalar(f"async/{key}", value, r.step)
+            for key, value in (r.validation or {}).items():
+                self.tb.add_scalar(f"val/{key}", value, r.step)
         moved = ", ".join(f"{t['kind']} {t['seconds']:.2f}s" for t in r.transitions) or "-"
         layouts = " ".join(f"{short(k)}:{v.split(' @')[0]}" for k, v in r.plan.items())
         self.console.print(
@@ -224,6 +229,13 @@ class MetricsWriter:
                 f"         └ async: staleness {a['staleness']:.0f}, overlap {a['overlap_s']:.2f}s, "
                 f"waits gen {a['gen_wait_s']:.2f}s train {a['train_wait_s']:.2f}s, "
                 f"{a['ahead']:.0f} ahead" + (f", {a['dropped']:.0f} dropped" if a.get("dropped") else ""),
+                soft_wrap=True,
+            )
+        if r.validation is not None:
+            v = r.validation
+            self.console.print(
+                f"         └ validation: reward {v['reward']:.2f} acc {v['accuracy']:.2f} on "
+                f"{v['prompts']:.0f} held-out prompts ({v['seconds']:.2f}s)",
                 soft_wrap=True,
             )
         if r.decision is not None:

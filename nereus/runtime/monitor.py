@@ -100,6 +100,7 @@ class StepResult:
     seconds: float  # the algorithm and the weight sync
     sync_s: float
     asynchrony: Mapping[str, float] | None = None  # async: staleness, overlap, waits (``asynchrony.py``)
+    validation: Mapping[str, float] | None = None  # data.val's scores after this step (``validation.py``)
 
 
 def gather_reports(worker: Worker, preempt: bool, ready_at: float = 0.0) -> list[RankReport] | None:
@@ -241,6 +242,8 @@ def step_record(
     record = record.with_efficiency(efficiencies(ops)).with_memory(memory_gib(reports))
     if result.asynchrony is not None:
         record = replace(record, asynchrony=dict(result.asynchrony))
+    if result.validation is not None:
+        record = replace(record, validation=dict(result.validation))
     return record.with_generation(generation(reports))
 
 

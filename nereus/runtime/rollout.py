@@ -32,6 +32,17 @@ class Rollouts:
     def response_lengths(self) -> Tensor:
         return self.mask.sum(-1)
 
+    def widened(self) -> Rollouts:
+        """These rollouts with one padding column more (no token, no response): a score aligned
+        with the tokens (entry i is the head at position i − 1) then has an entry for the head at
+        every real position, the last column's included. A causal model's head at a position does
+        not see the columns after it, so nothing else changes."""
+        pad = torch.zeros((self.rows, 1), dtype=self.ids.dtype)
+        return Rollouts(
+            torch.cat([self.ids, pad], 1), torch.cat([self.valid, pad.to(self.valid.dtype)], 1),
+            torch.cat([self.mask, pad.to(self.mask.dtype)], 1), self.sample_ids, self.prompt_len,
+        )  # fmt: skip
+
     def batch(self, rows: range | None = None, **fields: Tensor) -> TokenBatch:
         cut = slice(None) if rows is None else slice(rows.start, rows.stop)
         return TokenBatch(self.ids[cut], self.valid[cut], {k: v[cut] for k, v in fields.items()})

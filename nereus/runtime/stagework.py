@@ -43,6 +43,7 @@ class StageWork:
     optimes: list[OpTime]
     generation: dict[str, GenerationStats]
     workload: WorkloadSpec
+    temperature: float  # the sampling's: log-probs are scored (and trained) at it
     cluster: ClusterSpec
     exchange: Any
     snapshot: Snapshot
@@ -103,7 +104,9 @@ class StageWork:
             rows = split_rows(r.rows, c.dp, place.dp)
             micro = micro_count(len(rows), self.workload.inference_micro_batch)
             started = time.perf_counter()
-            out = self._timed(name, lambda: eng.forward(r.batch(rows), micro_batches=micro))
+            out = self._timed(
+                name, lambda: eng.forward(r.batch(rows), micro_batches=micro, temperature=self.temperature)
+            )
             tokens = int(r.valid[rows.start : rows.stop].sum())
             peak = self.cluster.peak_flops_at(self.workload.precision)
             ideal = gemm_s(self.model_of(name), c.layout, tokens, 2.0, peak)
@@ -139,7 +142,8 @@ class StageWork:
                 batch = r.batch(mine, **fields)
                 self.snapshot.fence()  # the boundary's copy has read the trainer before it changes
                 engine, loss_fn = self.engines[name], loss(normaliser)
-                stats: TrainStats = self._timed(name, partial(engine.train_step, batch, loss_fn, micro))
+                step = partial(engine.train_step, batch, loss_fn, micro, self.temperature)
+                stats: TrainStats = self._timed(name, step)
                 dp_gpus = tuple(unit.gpu(place.t, place.p) for unit in replicas(c))
                 self.optimes += train_times(
                     name, self.model_of(name), c.layout, stats.tokens, stats.seconds, stats.dp_allreduce_s,

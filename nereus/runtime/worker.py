@@ -95,6 +95,7 @@ class Worker(StageWork):
         self.engines: dict[str, Backend] = {}
         self.groups: dict[str, Groups] = {}
         self.times = StageTimes()
+        self.temperature = 1.0  # the sampling's (``make_worker`` sets the experiment's)
         self.optimes: list[OpTime] = []  # this step's op-class timings (for calibration)
         self.memory = StageMemory(self.devices)  # this step's peak memory per model-stage (GPU)
         self.fault: Callable[[str], None] | None = None  # a scripted fault at a stage's start

@@ -94,8 +94,10 @@ class TorchNativeEngine:
     def forward(self, batch: TokenBatch, micro_batches: int = 1, temperature: float = 1.0) -> Tensor:
         return self.bound.forward(batch, micro_batches, temperature)
 
-    def train_step(self, batch: TokenBatch, loss_fn: LossFn, micro_batches: int = 1) -> TrainStats:
-        return training.train_step(self.bound, self.optimizer, batch, loss_fn, micro_batches)
+    def train_step(
+        self, batch: TokenBatch, loss_fn: LossFn, micro_batches: int = 1, temperature: float = 1.0
+    ) -> TrainStats:
+        return training.train_step(self.bound, self.optimizer, batch, loss_fn, micro_batches, temperature)
 
     def generate(self, prompts: TokenBatch, sample_ids: Sequence[int], params: SamplingParams) -> Generation:
         return generation.generate(self.bound, prompts, sample_ids, params)

@@ -63,10 +63,11 @@ class _PipeModule(nn.Module):
 
 
 def train_step(
-    b: BoundStage, opt: Optimizer | None, batch: TokenBatch, loss_fn: LossFn, micro_batches: int = 1
-) -> TrainStats:
-    """Gradient accumulation over micro-batches, DP all-reduce, clipping, one AdamW update; the
-    logical state's update count and version advance."""
+    b: BoundStage, opt: Optimizer | None, batch: TokenBatch, loss_fn: LossFn, micro_batches: int = 1,
+    temperature: float = 1.0,
+) -> TrainStats:  # fmt: skip
+    """Gradient accumulation over micro-batches, DP all-reduce, clipping, one AdamW update (the
+    log-probs at the sampling's ``temperature``); the logical state's update count and version advance."""
     if opt is None:
         raise RuntimeError(f"{b.state.model_stage} does not train (its state has no optimizer buffers)")
     t0 = time.perf_counter()
@@ -78,11 +79,11 @@ def train_step(
             ids = mb.ids.to(b.device)
             out = b.stage(ids, mb.valid.to(b.device))
             fields = {k: v.to(b.device) for k, v in mb.fields.items()}
-            loss = loss_fn(b.score(out, ids), fields)
+            loss = loss_fn(b.score(out, ids, temperature), fields)
             loss.backward()  # type: ignore[no-untyped-call]
             total += loss.detach()
     else:
-        total = pipeline_backward(b, batch, loss_fn, micro_batches)
+        total = pipeline_backward(b, batch, loss_fn, micro_batches, temperature)
     grad, dp_seconds = flat_grad(b)
     norm = clip(b, opt, grad)
     step = b.state.state.updates + 1
@@ -95,7 +96,9 @@ def train_step(
     )  # fmt: skip
 
 
-def pipeline_backward(b: BoundStage, batch: TokenBatch, loss_fn: LossFn, micro_batches: int) -> Tensor:
+def pipeline_backward(
+    b: BoundStage, batch: TokenBatch, loss_fn: LossFn, micro_batches: int, temperature: float = 1.0
+) -> Tensor:
     """Forward and backward of every micro-batch through the pipeline; the sum of this stage's
     micro-batch losses (zero except on the last stage)."""
     layout, rows = b.state.layout, batch.rows
@@ -130,7 +133,7 @@ def pipeline_backward(b: BoundStage, batch: TokenBatch, loss_fn: LossFn, micro_b
     def loss(out: Tensor, target: Tensor) -> Tensor:
         ids = target[..., 0].long()
         fields = {n: target[..., 1 + j] for j, n in enumerate(names)}
-        result: Tensor = loss_fn(b.score(out, ids), fields)
+        result: Tensor = loss_fn(b.score(out, ids, temperature), fields)
         return result
 
     kind = Schedule1F1B if micro_batches >= layout.pp else ScheduleGPipe

@@ -262,7 +262,9 @@ class VllmEngine:
             f"{self.state.model_stage}: the vllm engine generates only (scoring runs on an inf stage)"
         )
 
-    def train_step(self, batch: TokenBatch, loss_fn: LossFn, micro_batches: int = 1) -> TrainStats:
+    def train_step(
+        self, batch: TokenBatch, loss_fn: LossFn, micro_batches: int = 1, temperature: float = 1.0
+    ) -> TrainStats:
         raise NotImplementedError(f"{self.state.model_stage}: the vllm engine does not train")
 
     def load_hf(self, directory: Path) -> None:
