@@ -11,7 +11,8 @@ Parts (architecture.md §3 names the model-stages that produce their inputs):
 * GRPO:     G samples per prompt (``WorkloadSpec.samples_per_prompt``), no critic →
   ``advantages.grpo_advantages`` → ``losses.PolicyLoss(kl_coef > 0)`` (KL to ref.inf in the loss).
 * ReMax:    one sampled and one greedy rollout per prompt, no critic →
-  ``advantages.remax_advantages`` (greedy reward as baseline) → ``losses.PolicyLoss``.
+  ``advantages.remax_advantages`` (greedy reward as baseline) → ``losses.PolicyLoss(kl_coef > 0)``
+  (KL to ref.inf in the loss, as GRPO's; verl's ReMax example puts a k1 KL in the reward instead).
 
 Submodules are imported explicitly; this package imports nothing, so ``tokenizer`` and ``tasks``
 load without torch.

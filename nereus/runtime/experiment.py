@@ -112,7 +112,7 @@ class RlSpec:
     max_grad_norm: float = 1.0
     clip_eps: float = 0.2
     vf_clip: float = 0.2
-    kl_coef: float = 0.01  # PPO: KL in the reward; GRPO: KL in the loss
+    kl_coef: float = 0.01  # PPO: KL (k1) in the reward; GRPO and ReMax: KL (k3) in the loss
     gamma: float = 1.0
     lam: float = 0.95
     temperature: float = 1.0  # sampling's; log-probs (behaviour, reference, trained) are at it too
