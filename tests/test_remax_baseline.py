@@ -59,7 +59,8 @@ class StandIn:
     def infer(self, plan: Plan, name: str, r: Rollouts) -> Tensor:
         if name != "reward.inf":
             return torch.zeros(r.ids.shape)
-        return torch.where(r.ids == GREEDY, 2.0, 0.0) * r.mask  # a response's token scored where it is
+        head = torch.where(r.ids == GREEDY, 2.0, 0.0) * r.mask  # the head at each response token
+        return torch.nn.functional.pad(head[:, :-1], (1, 0))  # aligned as an engine's: entry i is i − 1's
 
     def train(self, plan: Plan, name: str, r: Rollouts, fields: Mapping[str, Tensor], loss: Any) -> float:
         self.trained[name] = dict(fields)

@@ -67,13 +67,13 @@ class DataSpec:
     (verl's ``val_files``), scored greedily every ``val_every`` steps (``nereus.runtime.validation``)."""
 
     train: str | tuple[str, ...]
-    val: str | tuple[str, ...] = ()
     layout: str = "verl"
     template: str = "{question}"
     prompt_key: str = "prompt"
     question_key: str = "question"
     answer_key: str = ""
     source_key: str = "data_source"
+    val: str | tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for key, files in (("train", self.files), ("val", self.val_files)):
