@@ -65,7 +65,7 @@ def _parser() -> _Parser:
         q.add_argument("--local", action="store_true", help="run as local processes (submitit LocalExecutor)")
         q.add_argument(
             "--site",
-            default=os.environ.get("NEREUS_SITE", "local"),
+            default=None,
             help="frontier, nvidia, local or a site YAML (default: $NEREUS_SITE, else local)",
         )
         q.add_argument("--partition", help="SLURM partition (default: the site's; '' for the cluster's)")
@@ -110,9 +110,15 @@ def _parser() -> _Parser:
 
 
 def _options(args: argparse.Namespace) -> submit.Options:
+    env = os.environ.get("NEREUS_SITE")  # the site when --site is not given (errors then name it)
+    site, flag = (
+        (args.site, "--site")
+        if args.site is not None
+        else (env or "local", "$NEREUS_SITE" if env else "--site")
+    )
     return submit.Options(
-        site=args.site, local=args.local, nodes=getattr(args, "nodes", None), partition=args.partition,
-        account=args.account, time=args.time, jobs_root=args.jobs_root,
+        site=site, site_flag=flag, local=args.local, nodes=getattr(args, "nodes", None),
+        partition=args.partition, account=args.account, time=args.time, jobs_root=args.jobs_root,
         launcher=getattr(args, "launcher", "srun"), max_restarts=getattr(args, "max_restarts", None),
     )  # fmt: skip
 
@@ -123,6 +129,8 @@ def _submit(args: argparse.Namespace, factory: submit.ExecutorFactory) -> int:
         prep = submit.prepare_experiment(args.experiment, opts)
     else:
         prep = submit.prepare_array(args.sweep, opts)
+    for warning in prep.warnings:
+        print(f"nereus-launch: warning: {warning}", file=sys.stderr)
     if args.dry_run:
         sys.stdout.write(prep.script(opts.local))
         return 0
@@ -214,7 +222,7 @@ def _job_command(args: argparse.Namespace, factory: submit.ExecutorFactory, runn
             monitor.Follower(sys.stdout).poll(files)
     elif args.command == "cancel":
         ids = monitor.cancel(folder, runner)
-        print(f"cancelled {', '.join(ids) or 'nothing (no process left)'}")
+        print(f"cancelled {', '.join(ids) or 'nothing (the job had already ended)'}")
     elif args.command == "grow":
         added, record = submit.grow(folder, args.nodes, factory)
         print(f"grow: job {added.job_id} adds {added.nodes} node(s); {record.current_nodes} in all")

@@ -1,11 +1,12 @@
 """Following a job: its scheduler state, its progress, its logs, and cancelling it.
 
 SLURM states come from ``sacct`` (parsed by submitit's own ``SlurmInfoWatcher``), then ``squeue``
-for jobs that ``sacct`` does not know (a cluster without accounting); a job neither knows is
-``UNKNOWN``, never an error. ``--local`` jobs are submitit's local controller processes: running
-while that process lives, ``FINISHED`` once submitit has written the result. Commands run through
-a ``Runner`` so tests need no SLURM. submitit writes one ``<job id>_<task>_log.out`` and ``.err``
-per task in ``JOB/logs`` (array tasks: ``<array id>_<index>_<task>_log.*``).
+for jobs that ``sacct`` does not know (a cluster without accounting), then ``scontrol show job``
+(an ended job, for the controller's MinJobAge); a job none knows is ``UNKNOWN``, never an error.
+``--local`` jobs are submitit's local controller processes: running while that process lives,
+``FINISHED`` once submitit has written the result. Commands run through a ``Runner`` so tests
+need no SLURM. submitit writes one ``<job id>_<task>_log.out`` and ``.err`` per task in
+``JOB/logs`` (array tasks: ``<array id>_<index>_<task>_log.*``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -65,6 +67,12 @@ def slurm_states(ids: Sequence[str], run: Runner = run_command) -> dict[str, str
                     for k in range(int(rest[0]), int(rest[1]) + 1):
                         known[f"{first}_{k}"] = state
                 known["_".join(parts[:2])] = state
+    for i in ids:  # ended, and no accounting: the controller still knows it for MinJobAge (300 s)
+        if i not in known:
+            code, out, _ = run(["scontrol", "-o", "show", "job", i])
+            found = re.search(r"(?:^|\s)JobState=(\S+)", out) if code == 0 else None
+            if found:
+                known[i] = found.group(1)
     return {i: known.get(i, "UNKNOWN") for i in ids}
 
 
@@ -186,13 +194,23 @@ def _descendants(pid: int) -> list[int]:
 
 
 def cancel(folder: Path, run: Runner = run_command) -> list[str]:
-    """Cancel the job and its grow jobs (SLURM: ``scancel``; local: SIGINT to submitit's controller
-    and the tasks under it). Returns the ids cancelled."""
+    """Cancel the job and its grow jobs (SLURM: ``scancel``, whose SIGTERM makes the job
+    checkpoint and end without a requeue; local: SIGINT to submitit's controller and the tasks
+    under it). Returns the ids cancelled; none for a job that had already ended, whose record
+    then keeps (or learns) how it ended."""
     check_owner(folder)
     record = read_record(folder)
     ids = list(record.all_job_ids)
     if not ids:
         raise ConfigError(f"JOB: {record.name} has no job id (never submitted)")
+    if record.executor != "local":
+        states = slurm_states(ids, run)
+        ended = [s for s in states.values() if s in STATES_DONE]
+        if len(ended) == len(ids):  # every one of them ended: nothing to cancel, the record learns it
+            if record.state != (main := aggregate(ended)):
+                write_record(folder, replace(record, state=main))
+            return []
+        ids = [i for i in ids if states[i] not in STATES_DONE]
     if record.executor == "local":
         ids = [pid for pid in ids if LOCAL_CONTROLLER in _proc_cmdline(pid)]
         for pid in ids:

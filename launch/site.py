@@ -213,22 +213,27 @@ def site_ref(name_or_path: str) -> str:
     return name_or_path if _is_name(name_or_path) else str(Path(name_or_path).resolve())
 
 
-def load_site(name_or_path: str) -> Site:
-    """A shipped site by name, or a site YAML by path."""
+def load_site(name_or_path: str, flag: str = "--site") -> Site:
+    """A shipped site by name, or a site YAML by path. Errors name ``flag``: ``--site``, or
+    ``$NEREUS_SITE`` where the name came from it."""
     if has_control(name_or_path):
-        raise ConfigError(control_error("--site", name_or_path))
+        raise ConfigError(control_error(flag, name_or_path))
     path = Path(name_or_path)
     if _is_name(name_or_path):
-        path = sites_dir() / f"{name_or_path}.yaml"
+        folder = sites_dir()
+        if os.environ.get("NEREUS_SITES") and not folder.is_dir():
+            raise ConfigError(f"$NEREUS_SITES: {shown(str(folder))} is not a folder (of site YAMLs)")
+        path = folder / f"{name_or_path}.yaml"
         try:
             found = path.is_file()
         except OSError:  # a name too long for a file
             found = False
         if not found:
+            where = f" in $NEREUS_SITES ({shown(str(folder))})" if os.environ.get("NEREUS_SITES") else ""
             raise ConfigError(
-                f"--site: unknown site {shown(name_or_path)} "
-                f"(allowed: {', '.join(site_names())}, or a path to a site YAML)"
+                f"{flag}: unknown site {shown(name_or_path)}{where} "
+                f"(allowed: {', '.join(site_names()) or 'none there'}, or a path to a site YAML)"
             )
-    data = read_yaml(path, "--site")
+    data = read_yaml(path, flag)
     data.setdefault("name", path.stem)
     return build(Site, data, str(path))

@@ -113,6 +113,7 @@ class Options:
     """The flags shared by ``submit`` and ``array``."""
 
     site: str = "local"
+    site_flag: str = "--site"  # how errors name the site: "$NEREUS_SITE" when it came from there
     local: bool = False
     nodes: int | None = None
     partition: str | None = None
@@ -134,6 +135,7 @@ class Prepared:
     rendered: Rendered
     record: JobRecord
     files: dict[str, str]  # job-folder file name -> text (``commit`` adds job.sbatch)
+    warnings: tuple[str, ...] = ()  # what the job will not do as the experiment reads
 
     def script(self, local: bool) -> str:
         return describe_local(self.request, self.rendered) if local else self.rendered.sbatch
@@ -217,12 +219,11 @@ def _launcher(opts: Options) -> tuple[str, int]:
 def prepare_experiment(path: Path, opts: Options) -> Prepared:
     """Every check of ``submit``, and the render, without writing anything."""
     launcher, restarts = _launcher(opts)
-    site = load_site(opts.site)
+    site = load_site(opts.site, opts.site_flag)
     partition, account, time_min = _common(opts, site)
     exp = load_experiment(path)
     placement = place(site, exp.spec.workers, opts.nodes, opts.local)
-    if not opts.local:
-        check_site(site, exp.spec)
+    check_site(site, exp.spec)  # --local too: its processes get the site's environment
     exp = exp.resolved(placement)
     check_plan(exp.spec, placement.tasks)
     folder = _planned_folder(opts.jobs_root, exp.name)
@@ -241,12 +242,17 @@ def prepare_experiment(path: Path, opts: Options) -> Prepared:
         partition=partition, account=account, time_min=time_min, python=opts.python,
         launcher=launcher, max_restarts=restarts,
     )  # fmt: skip
-    return Prepared(folder, site, req, rendered, record, {"experiment.yaml": exp.dump()})
+    gains = sorted({e.step for e in exp.spec.drift if e.gain})
+    warnings = (
+        (f"drift: the gain at step {gains[0]} starts local processes under nereus run only; a launched "
+         "job takes newcomers from nereus-launch grow",) if gains else ()
+    )  # fmt: skip
+    return Prepared(folder, site, req, rendered, record, {"experiment.yaml": exp.dump()}, warnings)
 
 
 def prepare_array(path: Path, opts: Options) -> Prepared:
     """Every check of ``array``, and the render, without writing anything."""
-    site = load_site(opts.site)
+    site = load_site(opts.site, opts.site_flag)
     if opts.nodes not in (None, 1):
         raise ConfigError(f"--nodes: an array task runs on one node, got {opts.nodes}")
     partition, account, time_min = _common(opts, site)

@@ -398,7 +398,9 @@ def test_status_without_accounting_is_unknown(tmp_path: Path, capsys: Any, facto
     assert code == 0, err
     doc = json.loads(out)
     assert (
-        doc["state"] == "UNKNOWN" and doc["progress"] is None and [c[0] for c in calls] == ["sacct", "squeue"]
+        doc["state"] == "UNKNOWN"
+        and doc["progress"] is None
+        and [c[0] for c in calls] == ["sacct", "squeue", "scontrol"]
     )
     (folder / "run").mkdir()
     steps = [{"step": 0, "reward": 0.1, "gpus": 4, "plan": {"actor.gen": "tp1·pp1·dp2 @ 0-1"}},
@@ -436,9 +438,23 @@ def test_cancel(tmp_path: Path, capsys: Any, factory: Any) -> None:
     calls: list[list[str]] = []
     code, out, _ = launch(["cancel", str(folder)], capsys, runner=runner({"scancel": (0, "", "")}, calls))
     assert (
-        code == 0 and out.startswith("cancelled") and calls == [["scancel", *read_record(folder).all_job_ids]]
+        code == 0
+        and out.startswith("cancelled")
+        and calls[-1] == ["scancel", *read_record(folder).all_job_ids]
     )
     assert read_record(folder).state == "CANCELLED"
+    ended = tmp_path / "ended"  # a job that already completed: nothing cancelled, its record says so
+    folder = submitted(ended, factory, capsys)
+    calls = []
+    scontrol = (0, "JobId=1 JobName=x JobState=COMPLETED Reason=None\n", "")
+    done = runner(
+        {"sacct": (1, "", ""), "squeue": (1, "", ""), "scancel": (0, "", ""), "scontrol": scontrol}, calls
+    )
+    code, out, _ = launch(["cancel", str(folder)], capsys, runner=done)
+    assert (
+        code == 0 and "nothing (the job had already ended)" in out and all(c[0] != "scancel" for c in calls)
+    )
+    assert read_record(folder).state == "COMPLETED"
     code, _, err = launch(["cancel", str(folder)], capsys, runner=runner({}, []))
     assert code == 2 and "scancel not found" in err
 

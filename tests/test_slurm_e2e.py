@@ -303,6 +303,27 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm_cluster: SlurmCluster
     assert_same_actor(job, ref.actor())
 
 
+@pytest.mark.timeout(300)
+def test_cancel_ends_a_running_job_for_good(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """``nereus-launch cancel`` (scancel: SIGTERM to every task) mid-run: the job checkpoints at its
+    next boundary and ends; unlike SIGUSR2 (a preemption) it is not requeued."""
+    exp = tmp_path / "cancelled.yaml"
+    exp.write_text(experiment("cancelled", 40, 0))
+    jobid, job = submitted(
+        launch(
+            slurm_cluster, "submit", str(exp), "--site", "local", "--nodes", "2", "--jobs-root", str(tmp_path)
+        )
+    )
+    wait_for("step 2", lambda: len(rows(job)) >= 3, 180, job)
+    proc = launch(slurm_cluster, "cancel", str(job))
+    assert proc.returncode == 0 and f"cancelled {jobid}" in proc.stdout, proc.stderr
+    slurm_cluster.wait_state(jobid, {"CANCELLED"}, timeout=120)
+    time.sleep(10)  # long enough for a requeue to have shown
+    info = slurm_cluster.job(jobid)
+    assert info.get("JobState") == "CANCELLED" and info.get("Restarts", "0") == "0", info
+    assert len(rows(job)) < 40
+
+
 @pytest.mark.timeout(180)
 def test_an_array_of_planner_runs(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     repo = Path(__file__).resolve().parents[1]

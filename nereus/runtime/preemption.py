@@ -2,8 +2,9 @@
 
 SLURM's preemption signals (SIGUSR2, SIGTERM) — and, for ``nereus run``'s workers, SIGINT too
 (``nereus.runtime.signals.STOP_SIGNALS``) — only set a flag; the loop checkpoints at the next
-boundary and stops, every rank agreeing on which signal it was. The handlers installed before
-(submitit's requeue) run after the checkpoint. Edge module (a collective in ``agree``).
+boundary and stops, every rank agreeing on which signal it was. After a SIGUSR2 the handler
+installed before (submitit's requeue) runs after the checkpoint; a SIGTERM (``scancel``) ends the
+job there. Edge module (a collective in ``agree``).
 """
 
 from __future__ import annotations
@@ -51,9 +52,12 @@ class Preemption:
         return self.signum
 
     def hand_over(self, leader: bool) -> None:
-        """Give the signals back; the leader runs the previous SIGUSR2 handler (the requeue)."""
+        """Give the signals back; after a SIGUSR2 (SLURM's warning before the time limit or a
+        preemption, ``scancel --signal=USR2``) the leader runs the previous SIGUSR2 handler, the
+        requeue. A SIGTERM is ``scancel`` (or a preemption SLURM requeues or cancels itself): the
+        job has its checkpoint and ends, as submitit's own handler lets SIGTERM end it."""
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         prev = self._previous.get(signal.SIGUSR2)
-        if leader and callable(prev):
+        if leader and callable(prev) and self.signum == signal.SIGUSR2:
             prev(signal.SIGUSR2, None)
