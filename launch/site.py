@@ -160,7 +160,11 @@ class Site:
             raise ValueError(str(exc)) from None
         for arg in self.srun_args:
             if not arg.startswith("-") or reserved_srun(arg):
-                raise ValueError(f"srun_args: {arg!r} is not an srun flag the site may set (--mpi: use mpi)")
+                raise ValueError(
+                    f"srun_args: {arg!r} is not an srun flag the site may set (--output and --error are "
+                    "submitit's, --mpi is the site's mpi key; a flag's value goes in the same item, "
+                    "as --flag=value)"
+                )
         for key, value in self.sbatch.items():
             if value is False:
                 raise ValueError(f"sbatch: {key}: false is not a value (leave the flag out)")
