@@ -70,9 +70,9 @@ def slurm_states(ids: Sequence[str], run: Runner = run_command) -> dict[str, str
     for i in ids:  # ended, and no accounting: the controller still knows it for MinJobAge (300 s)
         if i not in known:
             code, out, _ = run(["scontrol", "-o", "show", "job", i])
-            found = re.search(r"(?:^|\s)JobState=(\S+)", out) if code == 0 else None
-            if found:
-                known[i] = found.group(1)
+            found = re.findall(r"(?:^|\s)JobState=(\S+)", out) if code == 0 else []
+            if found:  # an array id: a line per task, one state for them all
+                known[i] = aggregate(found)
     return {i: known.get(i, "UNKNOWN") for i in ids}
 
 
@@ -203,7 +203,7 @@ def cancel(folder: Path, run: Runner = run_command) -> list[str]:
     ids = list(record.all_job_ids)
     if not ids:
         raise ConfigError(f"JOB: {record.name} has no job id (never submitted)")
-    if record.executor != "local":
+    if record.executor != "local" and record.kind != "array":  # an array: scancel, whatever its tasks
         states = slurm_states(ids, run)
         ended = [s for s in states.values() if s in STATES_DONE]
         if len(ended) == len(ids):  # every one of them ended: nothing to cancel, the record learns it

@@ -128,7 +128,7 @@ def test_chat_prompts_need_a_chat_template(tmp_path: Path) -> None:
 def test_the_experiment_names_its_data(tmp_path: Path) -> None:
     exp = tmp_path / "e.yaml"
     exp.write_text(
-        "name: e\nworkload: grpo-tiny\nmodel: tiny-llama\nverifier: by_source\n"
+        "name: e\nworkload: grpo-tiny\nmodel: tiny-llama\nverifier: gsm8k\n"
         "data: {train: t.parquet, layout: qa, template: 'Q: {question}', answer_key: label}\n"
     )
     spec = ExperimentSpec.load(exp)
@@ -151,6 +151,11 @@ def test_the_experiment_names_its_data(tmp_path: Path) -> None:
     with pytest.raises(
         ConfigError, match=r"'data' train must name a JSONL, JSON or Parquet file or a list of them, got ''"
     ):
+        ExperimentSpec.load(exp)
+    exp.write_text(
+        "name: e\nworkload: grpo-tiny\nmodel: tiny-llama\nverifier: by_source\ndata: {train: t, layout: qa}\n"
+    )
+    with pytest.raises(ConfigError, match="by_source scores each row by its data_source column, which only"):
         ExperimentSpec.load(exp)
     exp.write_text("name: e\nworkload: grpo-tiny\nmodel: tiny-llama\ndata: {train: [a.parquet, b.parquet]}\n")
     assert ExperimentSpec.load(exp).data.files == ("a.parquet", "b.parquet")  # type: ignore[union-attr]

@@ -503,7 +503,7 @@ def test_a_job_from_a_users_model_folder_and_verl_data(tmp_path: Path, family: s
     rows = [{**r, "data_source": "openai/gsm8k" if i % 2 else "math"} for i, r in enumerate(VERL * 4)]
     rows = [{**r, "extra_info": {"index": i}} for i, r in enumerate(rows)]
     data = write_parquet(rows, tmp_path / "train.parquet")
-    held_out = write_parquet(rows[:5], tmp_path / "val.parquet")  # llama: validated after each step
+    held_out = write_parquet(rows, tmp_path / "val.parquet")  # llama: validated after each step
     val = f", val: {held_out}}}\nval_every: 1\n" if family == "llama" else "}\n"
     exp = tmp_path / "hf.yaml"
     exp.write_text(
@@ -521,9 +521,9 @@ def test_a_job_from_a_users_model_folder_and_verl_data(tmp_path: Path, family: s
     if family != "llama":
         assert all(r["validation"] is None for r in got)
         return
-    for r in got:  # greedy answers to the 5 held-out prompts, scored by each one's source
+    for r in got:  # greedy answers to the 20 held-out prompts (a step's 16 at a time), scored by source
         v = r["validation"]
-        assert isinstance(v, dict) and v["prompts"] == 5 and 0 <= v["reward"] <= 1, v
+        assert isinstance(v, dict) and v["prompts"] == 20 and 0 <= v["reward"] <= 1, v
         assert set(v) == {"reward", "accuracy", "prompts", "seconds", "reward/math", "reward/openai/gsm8k"}
     assert "validation: reward" in proc.stdout
     exp.write_text(
@@ -536,6 +536,9 @@ def test_a_job_from_a_users_model_folder_and_verl_data(tmp_path: Path, family: s
         assert b["validation"] is None
         for key in ("reward", "actor_loss", "kl", "seq_len_mean", "plan"):
             assert a[key] == b[key], key
+        for name, stats in a["generation"].items():  # the step's generation alone: validation's left out
+            assert stats["tokens"] == b["generation"][name]["tokens"], name  # type: ignore[index]
+        assert a["stage_times"].keys() == b["stage_times"].keys()  # type: ignore[union-attr]
 
 
 @pytest.mark.timeout(300)

@@ -294,6 +294,11 @@ class ExperimentSpec:
         for name in ("seed", "checkpoint_every", "val_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
+        if self.verifier == "by_source" and (self.data is None or self.data.layout != "verl"):
+            raise ValueError(
+                "verifier: by_source scores each row by its data_source column, which only data in the "
+                "verl layout has (data: {layout: verl}); name another verifier (exact_answer, gsm8k, math, …)"
+            )
         validated = self.data is not None and bool(self.data.val_files)
         if self.val_every and not validated:
             raise ValueError(

@@ -44,11 +44,12 @@ class Preemption:
         return self
 
     def agree(self) -> int | None:
-        """The job's stop signal on every rank: the first one a rank saw, in rank order
-        (collective; a rank the signal never reached learns it here)."""
+        """The job's stop signal on every rank: a SIGTERM if any rank saw one (a cancel beats a
+        requeue, whichever came first), else the first one a rank saw, in rank order (collective;
+        a rank the signal never reached learns it here)."""
         seen = [s for s in all_gather(int(self.signum or 0), int) if s]
         if seen:
-            self.signum = seen[0]
+            self.signum = signal.SIGTERM if signal.SIGTERM in seen else seen[0]
         return self.signum
 
     def hand_over(self, leader: bool) -> None:

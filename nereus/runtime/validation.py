@@ -3,8 +3,10 @@
 An experiment whose ``data.val`` names prompt files is validated after every ``val_every``-th
 step and after its last (``ExperimentSpec.validates_at``): once the step's weight sync has put the
 new weights into ``actor.gen``, every held-out prompt is answered greedily (verl validates with
-``do_sample: false``) by the generation replicas, each answering its share, and the verifier
-scores the responses on every worker, as a step's are (``by_source``: by each row's source). The
+``do_sample: false``) by the generation replicas, each answering its share, a step's worth of
+rollouts at a time (``chunk_rows``: the memory and the collective timeout the plan has for
+generation suffice for any size of set), and the verifier scores the responses on every worker,
+as a step's are (``by_source``: by each row's source). The
 step's record then holds ``validation``: the mean ``reward``, the ``accuracy`` (share scoring
 1), the ``prompts``, the ``seconds`` it took, and ``reward/<source>`` per data source.
 
@@ -12,8 +14,8 @@ Validation is not the step: it runs after the step's time is taken, and the seco
 timings, generation statistics and memory peaks it adds are taken out again, so the controller's
 telemetry (and so its replans and calibration) sees the step alone. A reward model does not
 score validation: on an asynchronous job's generation-only ranks it has no part to play, and
-verl's validation scores with its reward function too. A failure in it is the step's failure:
-the step is recovered and run again.
+verl's validation scores with its reward function too. A failure in it is the step's failure
+(a lost peer, an out-of-memory error: the step is recovered and run again).
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ import contextlib
 import time
 from collections.abc import Iterator
 
+import torch
+
 from nereus.plan.layout import Plan
-from nereus.rl.data import collate
+from nereus.rl.data import Sample, collate
 from nereus.runtime.job import JobSetup, sampling, verified
+from nereus.runtime.rollout import Rollouts
 from nereus.runtime.worker import Worker
 
 
@@ -34,15 +39,21 @@ def validate(worker: Worker, plan: Plan, setup: JobSetup, max_new: int) -> dict[
     if data is None:
         raise ValueError("validate: the experiment names no data.val")
     started = time.perf_counter()
-    records = list(data.records)
+    samples = data.samples(0, len(data))  # every record once (the order does not matter)
+    chunk = chunk_rows(setup)
+    parts = []
     with _untimed(worker):
-        samples = data.samples(0, len(records))  # every record once (the order does not matter)
-        ids, valid, sample_ids = collate(samples, setup.tokenizer, 1)
-        params = sampling(setup, max_new, greedy=True)
-        part = worker.generate_part(plan, ids, valid, list(sample_ids), params)
-        r = worker.collect(part, ids, valid, list(sample_ids), setup.tokenizer.pad_id)
+        for start in range(0, len(samples), chunk):
+            part = samples[start : start + chunk]
+            parts.append(
+                verified(setup, _answers(worker, plan, setup, part, max_new), [s.record for s in part])
+            )
+    if (
+        worker.memory.devices.accelerated
+    ):  # the allocator's cache back: later steps' reserved peaks are theirs
+        torch.cuda.empty_cache()
     answered = [s.record for s in samples]
-    scores, sources = verified(setup, r, answered), [x.source for x in answered]
+    scores, sources = torch.cat(parts), [x.source for x in answered]
     out = {
         "reward": float(scores.mean()),
         "accuracy": float((scores >= 1.0).float().mean()),
@@ -53,6 +64,21 @@ def validate(worker: Worker, plan: Plan, setup: JobSetup, max_new: int) -> dict[
         out[f"reward/{source}"] = sum(picked) / len(picked)
     out["seconds"] = time.perf_counter() - started
     return out
+
+
+def chunk_rows(setup: JobSetup) -> int:
+    """Prompts answered at once: a step's rollouts (what the plan sized generation's memory and the
+    collective timeout for), so a held-out set of any size needs no more of either."""
+    w = setup.workload
+    return w.prompts_per_step * w.samples_per_prompt
+
+
+def _answers(worker: Worker, plan: Plan, setup: JobSetup, samples: list[Sample], max_new: int) -> Rollouts:
+    """The greedy rollouts of ``samples``, on every worker (collective)."""
+    ids, valid, sample_ids = collate(samples, setup.tokenizer, 1)
+    params = sampling(setup, max_new, greedy=True)
+    part = worker.generate_part(plan, ids, valid, list(sample_ids), params)
+    return worker.collect(part, ids, valid, list(sample_ids), setup.tokenizer.pad_id)
 
 
 @contextlib.contextmanager
