@@ -129,12 +129,12 @@ def _submit(args: argparse.Namespace, factory: submit.ExecutorFactory) -> int:
         prep = submit.prepare_experiment(args.experiment, opts)
     else:
         prep = submit.prepare_array(args.sweep, opts)
-    for warning in prep.warnings:
-        print(f"nereus-launch: warning: {warning}", file=sys.stderr)
     if args.dry_run:
+        _warn(prep.warnings)
         sys.stdout.write(prep.script(opts.local))
         return 0
     folder, record = submit.commit(prep, factory)
+    _warn(prep.warnings)  # once submitted: an error stays the one line
     ids = ", ".join(record.job_ids)
     where = "local processes" if opts.local else f"site {record.site}"
     shape = (f"{len(record.tasks)} tasks" if record.kind == "array"
@@ -143,6 +143,11 @@ def _submit(args: argparse.Namespace, factory: submit.ExecutorFactory) -> int:
         shape += f", torchrun, {record.max_restarts} restart(s)"
     print(f"submitted {record.name}: job {ids} ({shape}, {where}) → {folder}")
     return 0
+
+
+def _warn(warnings: tuple[str, ...]) -> None:
+    for warning in warnings:
+        print(f"nereus-launch: warning: {warning}", file=sys.stderr)
 
 
 def _is_number(value: Any) -> bool:

@@ -214,6 +214,15 @@ def test_bad_flags(flags: list[str], message: str, tmp_path: Path, capsys: Any, 
     assert not (tmp_path / "jobs").exists()
 
 
+def test_a_drift_gain_is_warned_about(tmp_path: Path, capsys: Any, factory: Any) -> None:
+    """A launched job takes newcomers from ``grow``: the experiment's scripted gain would do nothing."""
+    code, _, err = launch(["submit", str(PPO_TINY), "--nodes", "4", "--dry-run"], capsys, factory=factory)
+    assert code == 0 and "warning: drift: the gain at step 10 starts local processes under nereus run" in err
+    path = experiment(tmp_path, name="steady", drift=[])
+    code, _, err = launch(["submit", str(path), "--dry-run"], capsys, factory=factory)
+    assert code == 0 and "warning" not in err
+
+
 def test_node_count_the_planner_cannot_use(tmp_path: Path, capsys: Any, factory: Any) -> None:
     path = experiment(tmp_path, name="one", workers=1, drift=[])
     code, _, err = launch(["submit", str(path), "--dry-run"], capsys, factory=factory)
