@@ -4,6 +4,7 @@ up to the same step, and bf16 mixed precision keeps fp32 master weights.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from itertools import pairwise
 
@@ -173,3 +174,5 @@ def test_bf16_mixed_precision_keeps_fp32_master_weights(checkpoints: dict) -> No
     master = rs.buffers[BufferKind.MASTER]
     assert stats.grad_norm > 0 and not torch.equal(master, before)
     assert torch.equal(rs.buffers[BufferKind.PARAM], master.to(torch.bfloat16))
+    hot = bf16.train_step(batch, lambda s, f: -(s * f["mask"]).sum() / 48, micro_batches=2, temperature=0.7)
+    assert hot.grad_norm > 0 and math.isfinite(hot.loss)  # the bf16 logits' fp32 copy divided in place

@@ -27,8 +27,8 @@ def token_logprobs(
 ) -> Tensor:
     """(B, T) fp32: ``log p(ids[:, i] | ids[:, :i])``; ``logits`` (B, T, V_local) of this TP rank."""
     z = logits[:, :-1].float()
-    if temperature != 1.0:
-        z = z / temperature
+    if temperature != 1.0:  # in place on bf16/fp16 logits' fresh fp32 copy: no second (B, T, V) tensor
+        z = z.div_(temperature) if logits.dtype != torch.float32 else z / temperature
     labels = ids[:, 1:]
     if group is None:
         lp = torch.log_softmax(z, dim=-1).gather(-1, labels[..., None]).squeeze(-1)
