@@ -134,36 +134,12 @@ def test_bad_numbers_exit_2_naming_the_flag(
 
 
 def test_no_feasible_plan_exits_3_with_binding_constraint(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(
-        [
-            "plan",
-            "--model",
-            "llama-3.3-70b",
-            "--algo",
-            "ppo",
-            "--cluster",
-            "a100-64gb-hdr100",
-            "--gpus",
-            "4",
-            "--seq-len",
-            "2048",
-        ],
-        capsys,
-    )
+    argv = ["plan", "--model", "llama-3.3-70b", "--algo", "ppo", "--cluster", "a100-64gb-hdr100"]
+    argv += ["--gpus", "4", "--seq-len", "2048"]
+    code, out, err = run(argv, capsys)
     assert code == 3 and out == ""
     assert "actor.train needs ≥" in err and "capacity 57.6 GiB after 10% headroom" in err
-    argv = [
-        "plan",
-        "--model",
-        "llama-3.3-70b",
-        "--algo",
-        "ppo",
-        "--cluster",
-        "a100-64gb-hdr100",
-        "--gpus",
-        "4",
-    ]
-    code, out, err = run([*argv, "--seq-len", "2048", "--json"], capsys)  # a script's stdout: an object
+    code, out, err = run([*argv, "--json"], capsys)  # a script's stdout: an object
     assert code == 3 and json.loads(out) == {"fits": False, "error": err.split(": error: ", 1)[1].strip()}
 
 
