@@ -76,19 +76,33 @@ class RecordLayout:
                 except ConfigError as exc:
                     raise ConfigError(f"{where}: column {self.source_key!r}: {exc}") from None
             extra = raw.get("extra_info")
-            rid = extra.get("index") if isinstance(extra, Mapping) else None
-            if rid is not None and source:  # verl numbers each source's rows apart (GSM8K, MATH: from 0)
-                rid = f"{source}/{_whole(rid, where, self.id_key)}"
+            index = extra.get("index") if isinstance(extra, Mapping) else None
+            rid = self._id(index, where, default_id, source)
             prompt = next((c for r, c in reversed(messages) if r == "user"), messages[-1][1])
-            return _task(prompt, _text(_column(raw, self.answer, where), where, self.answer), rid, default_id,
-                         where, messages, source)  # fmt: skip
+            return _task(prompt, _text(_column(raw, self.answer, where), where, self.answer), rid, where,
+                         messages, source)  # fmt: skip
+        rid = self._id(raw.get("id"), where, default_id)
         if self.name == "qa":
             question = _text(_column(raw, self.question_key, where), where, self.question_key)
             answer = _text(_column(raw, self.answer, where), where, self.answer)
-            return _task(self.template.format(question=question), answer, raw.get("id"), default_id, where)
+            return _task(self.template.format(question=question), answer, rid, where)
         prompt = _text(_column(raw, self.prompt_key, where), where, self.prompt_key)
-        return _task(prompt, _text(_column(raw, self.answer, where), where, self.answer), raw.get("id"),
-                     default_id, where)  # fmt: skip
+        return _task(prompt, _text(_column(raw, self.answer, where), where, self.answer), rid, where)
+
+    def _id(self, raw: object, where: str, default_id: str, source: str = "") -> str:
+        """A row's id: its ``id_key`` column as written (a string, or an integer: a float column's
+        integral value, as pandas writes an integer column holding nulls, is that integer), else
+        ``default_id``. verl numbers each source's rows apart (GSM8K and MATH both from 0), so a
+        verl id is qualified by its source."""
+        if raw is None:
+            return default_id
+        if isinstance(raw, float) and raw.is_integer():
+            raw = int(raw)
+        if isinstance(raw, bool) or not isinstance(raw, str | int):
+            raise ConfigError(
+                f"{where}: column {self.id_key!r}: expected a string or an integer, got {raw!r}"
+            )
+        return f"{source}/{raw}" if source else str(raw)
 
 
 def _column(raw: Mapping[str, Any], key: str, where: str) -> Any:
@@ -136,26 +150,17 @@ def _messages(value: Any, where: str) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def _whole(rid: object, where: str, key: str) -> str | int:
-    """An id as written: a string or an integer (a float column's integral value, as pandas writes
-    an integer column holding nulls, is that integer)."""
-    if isinstance(rid, float) and rid.is_integer():
-        return int(rid)
-    if isinstance(rid, bool) or not isinstance(rid, str | int):
-        raise ConfigError(f"{where}: column {key!r}: expected a string or an integer, got {rid!r}")
-    return rid
-
-
 def _task(
-    prompt: str, answer: str, rid: object, default_id: str, where: str,
-    messages: tuple[tuple[str, str], ...] = (), source: str = "",
-) -> TaskRecord:  # fmt: skip
-    if rid is None:
-        rid = default_id
-    rid = _whole(rid, where, "extra_info.index" if messages else "id")
+    prompt: str,
+    answer: str,
+    rid: str,
+    where: str,
+    messages: tuple[tuple[str, str], ...] = (),
+    source: str = "",
+) -> TaskRecord:
     if not prompt:
         raise ConfigError(f"{where}: the prompt is empty")
-    return TaskRecord(prompt, answer, str(rid), messages, source)
+    return TaskRecord(prompt, answer, rid, messages, source)
 
 
 def _template_error(template: str) -> str:

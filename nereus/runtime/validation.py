@@ -48,16 +48,13 @@ def validate(worker: Worker, plan: Plan, setup: JobSetup, max_new: int) -> dict[
             parts.append(
                 verified(setup, _answers(worker, plan, setup, part, max_new), [s.record for s in part])
             )
-    if (
-        worker.memory.devices.accelerated
-    ):  # the allocator's cache back: later steps' reserved peaks are theirs
+    if worker.memory.devices.accelerated:  # the allocator's cache back: later reserved peaks are theirs
         torch.cuda.empty_cache()
-    answered = [s.record for s in samples]
-    scores, sources = torch.cat(parts), [x.source for x in answered]
+    scores, sources = torch.cat(parts), [s.record.source for s in samples]
     out = {
         "reward": float(scores.mean()),
         "accuracy": float((scores >= 1.0).float().mean()),
-        "prompts": float(len(answered)),
+        "prompts": float(len(samples)),
     }
     for source in sorted({s for s in sources if s}):
         picked = [float(v) for v, s in zip(scores.tolist(), sources, strict=True) if s == source]
