@@ -170,9 +170,7 @@ def _flag(args: argparse.Namespace, name: str) -> str:
 def _problem(args: argparse.Namespace) -> PlanningProblem:
     model = load_model(args.model)
     cluster = load_cluster(args.cluster)
-    workload = load_workload(args.algo)
-    if args.mode:
-        workload = dataclasses.replace(workload, mode=ExecutionMode(args.mode))
+    workload = load_workload(args.algo, ExecutionMode(args.mode) if args.mode else None)
     if args.gpus > cluster.total_gpus:
         raise ConfigError(
             f"{_flag(args, 'gpus')} {args.gpus} exceeds cluster {cluster.name} ({cluster.total_gpus} GPUs)"

@@ -20,6 +20,7 @@ from nereus.runtime.experiment import ExperimentSpec
 from nereus.spec import ModelSpec
 from nereus.spec.files import brief
 from tests.bad_input import (  # noqa: F401 - _in_tmp: the autouse fixture
+    A100,
     CONFIGS,
     E_PLAN,
     E_SIM,
@@ -518,3 +519,15 @@ def test_run_refuses_an_async_setting_in_a_sync_workload(
     got = refused(["run", "exp.yaml", "--out", "out"], capsys)
     assert f"sync.yaml: key '{key}' applies to mode: async only" in got, got
     assert not Path("out").exists()
+
+
+def test_plan_mode_async_takes_a_workload_naming_async_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--mode async`` sets the mode the file's ``max_staleness`` acts in; without it, the refusal."""
+    write("w.yaml", shipped("workloads", "grpo", mode="sync", max_staleness="3"))
+    argv = [*A100[:-1], "--gpus", "16", "--seq-len", "2048"]
+    argv[argv.index("ppo")] = "w.yaml"
+    assert "w.yaml: key 'max_staleness' applies to mode: async only" in refused(argv, capsys)
+    code, out, err = cli([*argv, "--mode", "async", "--json"], capsys)
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["mode"] == "async" and doc["problem"]["mode"] == "async", doc["problem"]

@@ -172,9 +172,7 @@ def _gammas(text: str) -> list[float]:
 def scenario_from(args: argparse.Namespace) -> Scenario:
     cluster = load_cluster(args.cluster)
     model = load_model(args.model)
-    workload = load_workload(args.algo)
-    if args.mode is not None:
-        workload = replace(workload, mode=ExecutionMode(args.mode))
+    workload = load_workload(args.algo, ExecutionMode(args.mode) if args.mode is not None else None)
     if workload.precision is not Precision.BF16_MIXED:
         raise ConfigError(
             f"--algo {brief(args.algo)}: precision {workload.precision.value}; the simulator's hardware "

@@ -9,7 +9,7 @@ from nereus.errors import ConfigError
 from nereus.spec.cluster import ClusterSpec
 from nereus.spec.files import brief, shorten
 from nereus.spec.model import ModelSpec
-from nereus.spec.workload import Algorithm, Role, WorkloadSpec
+from nereus.spec.workload import Algorithm, ExecutionMode, Role, WorkloadSpec
 
 KINDS = ("models", "clusters", "workloads", "traces")
 
@@ -106,19 +106,20 @@ def load_cluster(name_or_path: str) -> ClusterSpec:
     return ClusterSpec.from_yaml(_resolve("clusters", name_or_path, "cluster"))
 
 
-def load_workload(algo_or_path: str) -> WorkloadSpec:
+def load_workload(algo_or_path: str, mode: ExecutionMode | None = None) -> WorkloadSpec:
     """The default workload of an algorithm (``ppo``, ``grpo``, ``remax``), another shipped
-    workload (``configs/workloads/<name>.yaml``, e.g. ``ppo-tiny``) or a workload YAML."""
+    workload (``configs/workloads/<name>.yaml``, e.g. ``ppo-tiny``) or a workload YAML; ``mode``
+    overrides its execution mode."""
     shipped = config_root() / "workloads" / f"{algo_or_path}.yaml"
     if algo_or_path in {a.value for a in Algorithm} or (_shipped_name(algo_or_path) and _is_file(shipped)):
-        return WorkloadSpec.from_yaml(shipped)
+        return WorkloadSpec.from_yaml(shipped, mode)
     if not algo_or_path.endswith((".yaml", ".yml")):
         choices = ", ".join(a.value for a in Algorithm)
         raise ConfigError(
             f"unknown algorithm {brief(algo_or_path)} "
             f"(choices: {choices}, a shipped workload, or a workload YAML)"
         )
-    return WorkloadSpec.from_yaml(_resolve("workloads", algo_or_path, "workload"))
+    return WorkloadSpec.from_yaml(_resolve("workloads", algo_or_path, "workload"), mode)
 
 
 def trace_path(name_or_path: str) -> Path:

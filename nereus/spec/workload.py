@@ -255,12 +255,16 @@ class WorkloadSpec:
                 raise ValueError(f"models: unknown role {brief(role)} (allowed: {', '.join(sorted(roles))})")
 
     @classmethod
-    def from_yaml(cls, path: Path) -> WorkloadSpec:
+    def from_yaml(cls, path: Path, mode: ExecutionMode | None = None) -> WorkloadSpec:
         """The workload in ``path``; its name defaults to the file's stem. The async-only keys in a
-        synchronous workload are refused rather than ignored: a user who wrote them expects them to act."""
+        synchronous workload are refused rather than ignored: a user who wrote them expects them to act.
+        ``mode`` (a command's ``--mode``) overrides the file's: to async, its keys act; to sync, the
+        user asked for the synchronous plan of an asynchronous workload, and they do not."""
         data = load_yaml(path)
         data.setdefault("name", path.stem)
-        if data.get("mode", ExecutionMode.SYNC.value) == ExecutionMode.SYNC.value:
+        if mode is not None:
+            data["mode"] = mode.value
+        elif data.get("mode", ExecutionMode.SYNC.value) == ExecutionMode.SYNC.value:
             given = [k for k in ASYNC_ONLY if k in data]
             if given:
                 raise ConfigError(
