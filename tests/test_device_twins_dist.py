@@ -10,6 +10,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 from nereus.devices import CPU, Devices
 from nereus.plan import sweep
@@ -39,6 +40,41 @@ def test_the_vllm_engine_on_the_cpu(tmp_path: Path) -> None:
 def test_a_sliding_window_in_vllm_on_the_cpu(tmp_path: Path) -> None:
     """vLLM's windowed attention against the torch-native engine's, fp32."""
     vllm_checks.run_isolated(vllm_checks.check_vllm_window, "cpu", str(tmp_path))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is installed by `make install`")
+def test_a_vllm_replica_in_part_of_the_world_on_the_cpu(tmp_path: Path) -> None:
+    """A replica of rank 0 in a world of two: built, generating, synced and generating again while
+    rank 1, outside it, waits."""
+    vllm_checks.check_vllm_in_part_of_the_world("cpu", str(tmp_path))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is installed by `make install`")
+def test_vllm_builds_its_groups_with_the_worlds_device_set_aside(tmp_path: Path) -> None:
+    """A GPU world binds its device, and torch would split each new group off the world's
+    communicator (every rank of the world taking part); while vLLM builds, the binding is set aside
+    (here a CPU binding, which torch refuses for a new group outright), and restored after."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from nereus.backends.vllm.world import release, replica_world
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        world = c10d._get_default_group()
+        world.bound_device_id = torch.device("cpu", 0)
+        with replica_world([0], "set-aside"):
+            assert world.bound_device_id is None
+            group = dist.new_group([0])  # vLLM's call: a group of the replica's, made locally
+            assert dist.get_world_size(group) == 1
+        assert world.bound_device_id == torch.device("cpu", 0)
+        dist.destroy_process_group(group)
+        release()
+    finally:
+        c10d._get_default_group().bound_device_id = None
+        dist.destroy_process_group()
 
 
 @pytest.mark.timeout(240)

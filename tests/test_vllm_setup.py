@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import math
 import stat
 from pathlib import Path
 
 import pytest
 
-from nereus.backends.vllm.setup import cache_root, environment
+from nereus.backends.vllm.setup import MAX_UTILIZATION, cache_root, environment, utilization
 
 pytestmark = pytest.mark.pure
 
@@ -40,3 +41,23 @@ def test_sockets_stay_in_the_runs_folder(tmp_path: Path, monkeypatch: pytest.Mon
     assert env["VLLM_RPC_BASE_PATH"] == str(tmp_path / "run" / "rpc")
     assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "xdg" / "nereus" / "vllm")
     assert (tmp_path / "run" / "rpc").is_dir()
+
+
+@pytest.mark.parametrize("free_gib", [80, 72, 40, 9.5, 1, 0.05])
+def test_vllm_asks_for_no_more_of_a_gpu_than_is_free(free_gib: float) -> None:
+    """vLLM refuses to start when less than ``gpu_memory_utilization`` × total is free (it checks
+    ceil(total × share) ≤ free), though its KV room is given: beside a trainer's state, the share
+    asked for is what is free, less a margin for its communicators; alone, its default."""
+    total, free = 80 << 30, int(free_gib * (1 << 30))
+    share = utilization(free, total)
+    assert 0 < share <= MAX_UTILIZATION
+    assert math.ceil(total * share) <= free or share == 0.001
+    if free_gib >= 73:
+        assert share == MAX_UTILIZATION
+    elif free_gib >= 10:
+        assert free - total * share <= (1 << 30) + total / 1000  # no more held back than the margin
+
+
+def test_a_device_whose_memory_makes_no_sense_is_refused() -> None:
+    with pytest.raises(ValueError, match="device memory"):
+        utilization(2, 1)

@@ -1,5 +1,6 @@
 """The vllm engine on a GPU (CUDA or ROCm): bf16 generation against the torch-native engine's
-scores, a weight sync, and sleep/wake (vLLM's sleep mode frees the GPU for a trainer). Skipped
+scores, a weight sync, and sleep/wake (vLLM's sleep mode frees the GPU for a trainer), built beside
+a trainer's state; on two GPUs, a replica of one rank in a world of two. Skipped
 cleanly without a GPU or without vLLM; run by ``tests/gpu/run.sh``. The CPU twin of each check
 (``tests/vllm_checks.py``) runs in ``tests/test_device_twins_dist.py``."""
 
@@ -31,3 +32,9 @@ def test_vllm_generates_syncs_and_sleeps_on_the_gpu(tmp_path: Path) -> None:
 @pytest.mark.timeout(600)
 def test_vllm_slides_the_window_the_trainer_slides_on_the_gpu(tmp_path: Path) -> None:
     vllm_checks.run_isolated(vllm_checks.check_vllm_window, "cuda", str(tmp_path), timeout=540)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (a replica smaller than its world)")
+def test_a_vllm_replica_in_part_of_the_world_on_two_gpus(tmp_path: Path) -> None:
+    vllm_checks.check_vllm_in_part_of_the_world("cuda", str(tmp_path), timeout=540)

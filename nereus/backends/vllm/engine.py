@@ -125,6 +125,7 @@ class VllmEngine:
                 enforce_eager=device.type == "cpu", max_model_len=max_len,
                 max_num_seqs=opts.max_num_seqs or 256,
                 kv_cache_memory_bytes=setup.kv_cache_bytes(state, opts, max_len),
+                gpu_memory_utilization=setup.memory_utilization(device),
                 logprobs_mode="processed_logprobs", disable_log_stats=False,
                 enable_sleep_mode=opts.sleep and device.type == "cuda", enable_prefix_caching=False,
                 max_num_batched_tokens=setup.max_batched_tokens(state.model),
@@ -148,8 +149,13 @@ class VllmEngine:
         if state.model.tie_word_embeddings and "lm_head.weight" not in tensors:
             # vLLM's dummy-initialised head is its own tensor until a load names it
             tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-        self.wake()
+        if self._sleeping:  # the weights' memory first; the KV cache's once the gathered copy is gone
+            self.llm.wake_up(tags=["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors.items())})
+        del tensors, flats
+        if self._sleeping:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._sleeping = False
         self.state = state
         self.sync_s = time.perf_counter() - started
 
@@ -253,6 +259,7 @@ class VllmEngine:
             self._sleeping = True
 
     def wake(self) -> None:
+        """All of the engine's memory back (a weight sync wakes it in two parts: ``_load``)."""
         if self._sleeping and self.llm is not None:
             self.llm.wake_up()
             self._sleeping = False

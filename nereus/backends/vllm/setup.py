@@ -32,6 +32,10 @@ MIN_KV_BYTES = 1 << 20
 # vLLM's max_num_batched_tokens, set for a sliding-window model (whose admission depends on it):
 # the chunked-prefill default the planner prices (``nereus.plan.memory.PREFILL_CHUNK_TOKENS``)
 PREFILL_CHUNK_TOKENS = 8192
+# vLLM's gpu_memory_utilization: at most its default share; on a GPU it may share with a trainer,
+# the share of the device that is free, less a margin for the communicators it initialises first
+MAX_UTILIZATION = 0.9
+UTILIZATION_MARGIN = 1 << 30
 
 
 def dtype_of(state: RankState) -> torch.dtype:
@@ -53,6 +57,27 @@ def kv_cache_bytes(state: RankState, options: EngineOptions, max_model_len: int)
     if held < max_model_len:
         tokens += KV_ROUNDING
     return max(MIN_KV_BYTES, max(1, options.max_num_seqs or 1) * tokens * per_token)
+
+
+def memory_utilization(device: torch.device) -> float:
+    """vLLM's ``gpu_memory_utilization`` on ``device``. On a GPU vLLM refuses to start when less than
+    that share of the device is free, even though its KV room is given (``kv_cache_bytes``): on a
+    GPU that holds a trainer's state, vLLM's default share (0.9) is never free. The share of it
+    that is free now (our allocator's cache emptied, as vLLM empties it) is asked for instead. On
+    a CPU the cap (vLLM's CPU worker checks no share when the KV room is given)."""
+    if device.type != "cuda":
+        return MAX_UTILIZATION
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return utilization(free, total)
+
+
+def utilization(free: int, total: int) -> float:
+    """The share of a device of ``total`` bytes, ``free`` of them free, that vLLM may ask for."""
+    if total <= 0 or not 0 <= free <= total:
+        raise ValueError(f"device memory: {free} bytes free of {total}")
+    share = (free - min(UTILIZATION_MARGIN, free // 10)) / total
+    return min(MAX_UTILIZATION, max(0.001, math.floor(share * 1000) / 1000))
 
 
 def max_batched_tokens(model: ModelSpec) -> int | None:

@@ -11,7 +11,12 @@ own collective group creation relies on, is not advanced). Its coordinators then
 ranks, so vLLM's collectives address the right processes. Torch names a locally synchronised
 group after its ranks and the number of groups alive, so a rebuild over the same ranks would
 reuse an earlier, destroyed group's name and meet its stale rendezvous keys in the store; while
-vLLM builds, its groups are named after the build's ``ident`` instead. ``release()`` drops vLLM's groups
+vLLM builds, its groups are named after the build's ``ident`` instead. A GPU world binds its device
+(``init_process_group(device_id=...)``), and torch then creates every new NCCL group by
+``ncclCommSplit`` of the world's communicator, a collective over every rank of the world, which the
+ranks outside a locally synchronised group never join: a replica smaller than the world would hang
+in its first group. While vLLM builds, the world's binding is set aside (its groups initialise their
+communicators lazily, among their members only) and restored after. ``release()`` drops vLLM's groups
 without touching our world; ``keeping_ours()`` keeps vLLM's own engine shutdown from destroying
 the default process group.
 Edge module (torch.distributed, vLLM).
@@ -74,13 +79,27 @@ def replica_world(ranks: Sequence[int], ident: str) -> Iterator[None]:
     release()
     dist.get_world_size, dist.new_group = replica_size, local_group
     ps.GroupCoordinator.__init__ = on_replica  # type: ignore[method-assign]
-    with _group_names(ident), _shm_names(ident):
+    with _unbound(), _group_names(ident), _shm_names(ident):
         try:
             yield
         finally:
             dist.get_world_size, dist.new_group = world_size, new_group
             ps.GroupCoordinator.__init__ = init  # type: ignore[method-assign]
             torch.set_num_threads = set_threads
+
+
+@contextmanager
+def _unbound() -> Iterator[None]:
+    """The world's bound device set aside: no new group splits the world's communicator."""
+    import torch.distributed.distributed_c10d as c10d
+
+    world = c10d._get_default_group()
+    bound = world.bound_device_id
+    world.bound_device_id = None
+    try:
+        yield
+    finally:
+        world.bound_device_id = bound
 
 
 @contextmanager
