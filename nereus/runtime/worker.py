@@ -34,7 +34,7 @@ from nereus.backends.protocol import (
 )
 from nereus.backends.registry import build_engine, time_out_engine_groups
 from nereus.control.transition_cost import FixedCosts
-from nereus.devices import CPU, Devices, StageMemory
+from nereus.devices import CPU, Devices, StageMemory, synchronize
 from nereus.plan.calibration import Efficiencies
 from nereus.plan.layout import Candidate, Layout, Plan
 from nereus.runtime.health import HealthCheck
@@ -358,6 +358,7 @@ class Worker(StageWork):
         finally:  # the next step's memory is what the ledger counts: staging and kept blocks go back
             staging.release_all()
             recycle.release()
+        synchronize(self.devices)  # the moves' work, not their launch
         return time.perf_counter() - started
 
     def let_go(self, names: set[str]) -> None:
@@ -405,4 +406,5 @@ class Worker(StageWork):
                 self.engines[name].rebind(self.holder.units[name])
             else:  # after a restart: the receiver's first units
                 self.engines[name] = self._engine(name, self.holder.units[name], plan)
+        synchronize(self.devices)
         return time.perf_counter() - started

@@ -54,6 +54,9 @@ def engine(
     return TorchNativeEngine(rs, groups, AdamWConfig(lr=1e-3), device=device)
 
 
+NEAR_TIE = 1e-3  # nats: fp32 kernels on two devices may order logits this close either way
+
+
 def data(model: ModelSpec) -> TokenBatch:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.vocab_size, (4, 32), generator=g)
@@ -88,9 +91,21 @@ def test_fp32_gpu_decodes_the_cpu_tokens() -> None:
     policy = StatePolicy.of(Stage.GEN, Precision.FP32)
     prompts = TokenBatch(data(model).ids[:, :8], data(model).valid[:, :8])
     params = SamplingParams(16, greedy=True)
-    a = single(model, policy, "cpu").generate(prompts, range(4), params)
+    cpu = single(model, policy, "cpu")
+    a = cpu.generate(prompts, range(4), params)
     b = single(model, policy, "cuda").generate(prompts, range(4), params)
-    assert torch.equal(a.tokens, b.tokens)
+    if torch.equal(a.tokens, b.tokens.cpu()):
+        return
+    # other kernels may break a near-tie the other way: the first token the GPU chose otherwise must
+    # be one the CPU scores within NEAR_TIE of its own choice (the prefixes agree up to it)
+    differs = (a.tokens != b.tokens.cpu()).int()
+    row = int(differs.any(1).int().argmax())
+    col = int(differs[row].argmax())
+    ids = torch.cat([prompts.ids, b.tokens.cpu()], 1)
+    valid = torch.cat([prompts.valid, torch.ones_like(b.tokens.cpu())], 1)
+    theirs = cpu.forward(TokenBatch(ids, valid))[:, prompts.ids.shape[1] :]
+    gap = float(a.logprobs[row, col] - theirs[row, col])
+    assert gap < NEAR_TIE, f"row {row}, token {col}: the GPU chose a token {gap:.3g} nats below the CPU's"
 
 
 def _nccl_worker(rank: int, world: int, port: int, out: str) -> None:
