@@ -496,7 +496,7 @@ def test_hf_config_json(capsys: pytest.CaptureFixture[str]) -> None:
     ("key", "value", "message"),
     [
         ("max_staleness", "-1", "max_staleness must be 0…16, got -1"),
-        ("max_staleness", "1.5", "key 'max_staleness': expected int, got 1.5"),
+        ("max_staleness", "1.5", "key 'max_staleness': expected int, got 1.5 (allowed: a whole number 0…16)"),
         ("in_flight", "keep", "key 'in_flight': expected one of drain|drop, got 'keep'"),
     ],
 )

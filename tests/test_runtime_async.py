@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from nereus.runtime.asynchrony import Overlap, SideReport, ahead
+from nereus.runtime.checkpoint import fresh
 from nereus.runtime.pending import pack, unpack
 from nereus.runtime.rollout import Batch, Rollouts
 from tests.preempt import stop_after_rows
@@ -157,6 +158,17 @@ def test_a_batch_is_never_newer_than_its_step() -> None:
 
 
 @pytest.mark.pure
+def test_a_resume_under_a_lower_bound_drops_the_staler_batches() -> None:
+    """A checkpoint's batches generated ahead under max_staleness 2, resumed under 1: the batch
+    two versions old would break the new bound; it is dropped (generated again at its step)."""
+    r = _rollouts(2, 5, 0)
+    kept = {4: Batch(4, 3, r, torch.zeros(2, 5)), 5: Batch(5, 3, r, torch.zeros(2, 5))}
+    assert sorted(fresh(kept, 2)) == [4, 5]
+    assert sorted(fresh(kept, 1)) == [4]
+    assert fresh(kept, 0) == {}
+
+
+@pytest.mark.pure
 def test_e2e_async_summarises_a_run_from_its_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``e2e_async.py``'s figures from a run's metrics rows (its runs start processes; e2e_local's
     full mode runs them): the first step is left out of the median, tokens/s and the overlap
@@ -271,6 +283,7 @@ def test_a_killed_worker_then_a_preemption_and_resume_end_as_the_untouched_run(
     code, err = stop_after_rows(cmd, out / "metrics.jsonl", 4)
     assert code == 144, err[-3000:]
     assert next(t["kind"] for t in rows(out)[2]["transitions"]) == "recovered"  # type: ignore[index]
+    assert all("dropped" in r["asynchrony"] for r in rows(out)), rows(out)[-1]  # the stopped step's too
     latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
     last = int(rows(out)[-1]["step"])  # type: ignore[call-overload]
     assert json.loads((latest / "meta.json").read_text())["pending"] == [last + 1]

@@ -25,6 +25,7 @@ import json
 import os
 import pickle
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -253,8 +254,23 @@ def load(worker: Worker, plan: Plan, path: Path) -> int:
                 worker.policy_of(name), LogicalState(**logical[name]), worker.device,
             )  # fmt: skip
     dcp_load(_state_dict(worker, plan), storage_reader=VerifiedReader(manifest))
-    worker.pending = _pending(manifest, step)
+    kept = _pending(manifest, step)
+    worker.pending = fresh(kept, worker.workload.max_staleness)
+    stale = sorted(set(kept) - set(worker.pending))
+    if stale and worker.rank == 0:
+        print(
+            f"nereus: {path}: the batches generated ahead for steps {', '.join(map(str, stale))} are "
+            f"staler than this run's max_staleness {worker.workload.max_staleness}; they are generated "
+            "again",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
     return step
+
+
+def fresh(batches: dict[int, Batch], max_staleness: int) -> dict[int, Batch]:
+    """The batches a run whose bound is ``max_staleness`` may train on (a resume may lower it):
+    a staler one is dropped, and generated again when its step comes, as a transition's drop is."""
+    return {b: batch for b, batch in batches.items() if batch.step - batch.version <= max_staleness}
 
 
 def _pending(manifest: signing.Manifest, step: int) -> dict[int, Batch]:

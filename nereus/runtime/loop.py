@@ -339,9 +339,15 @@ class JobLoop(Acting, Surviving):
         if not saved:
             ckpt.save(self.worker, self.plan, step, self.folder)
         if self.leader is not None and record is not None:
-            self.leader.write(record, [TransitionRecord(RecordKind.PREEMPTED, 0.0)], self.plan)
+            self.leader.write(self._dropped(record), [TransitionRecord(RecordKind.PREEMPTED, 0.0)], self.plan)
             self.leader.metrics.close()
         return Outcome.PREEMPTED
+
+    def _dropped(self, record: StepRecord) -> StepRecord:
+        """An async step's record with the batches generated ahead that its boundary dropped."""
+        if record.asynchrony is None:
+            return record
+        return replace(record, asynchrony={**record.asynchrony, "dropped": float(self.dropped)})
 
     # ------------------------------------------------------------------ the boundary
     def _pool_change(self, change: Change | None, started: float) -> tuple[Change | None, float]:
@@ -389,9 +395,7 @@ class JobLoop(Acting, Surviving):
             self._reform(change.after_drain)
             moved.append(TransitionRecord.membership(0.0, self.m.generation, change.draining, ()))
         if self.leader is not None and record is not None:
-            if record.asynchrony is not None:
-                record = replace(record, asynchrony={**record.asynchrony, "dropped": float(self.dropped)})
-            self.leader.write(record, moved, self.plan)
+            self.leader.write(self._dropped(record), moved, self.plan)
         if self.leader is not None:  # a replan deferred at this boundary begins beside the next step
             self.leader.deferral.launch()
         self.dropped = 0

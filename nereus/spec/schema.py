@@ -33,6 +33,7 @@ T = TypeVar("T")
 
 MAX_ALIASES = 8  # YAML aliases (*name) per document: enough for shared blocks, too few for a bomb
 MAX_INT = 2**53  # the largest integer a config may hold (exact as a float)
+ALLOWED = "allowed"  # a dataclass field's metadata key: its allowed values, for type errors
 
 
 def _num(limit: float) -> str:
@@ -271,7 +272,8 @@ def build(cls: type[T], data: Mapping[str, Any], source: str, prefix: str = "") 
     """Build dataclass ``cls`` from ``data``.
 
     ``source`` names where the data came from (a file path, a CLI flag); ``prefix`` is the dotted
-    path of ``data`` inside it. Errors read ``<source>: key '<dotted.key>': <problem>``.
+    path of ``data`` inside it. Errors read ``<source>: key '<dotted.key>': <problem>``; a value of
+    the wrong type for a field whose metadata names what it allows (``ALLOWED``) says that too.
     """
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
@@ -283,7 +285,13 @@ def build(cls: type[T], data: Mapping[str, Any], source: str, prefix: str = "") 
     kwargs: dict[str, Any] = {}
     for name, field in fields.items():
         if name in data:
-            kwargs[name] = _convert(data[name], hints[name], source, prefix + name)
+            try:
+                kwargs[name] = _convert(data[name], hints[name], source, prefix + name)
+            except ConfigError as exc:  # a field may say what it allows beyond its type
+                allowed = field.metadata.get(ALLOWED)
+                if allowed is None:
+                    raise
+                raise ConfigError(f"{exc} (allowed: {allowed})") from None
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise ConfigError(f"{source}: missing key '{prefix}{name}' (expected {_type_name(hints[name])})")
     try:

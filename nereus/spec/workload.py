@@ -20,7 +20,7 @@ from pathlib import Path
 from nereus.errors import ConfigError
 from nereus.spec.files import brief
 from nereus.spec.model import Head
-from nereus.spec.schema import build, coerce_enums, load_yaml, require_at_most, require_positive
+from nereus.spec.schema import ALLOWED, build, coerce_enums, load_yaml, require_at_most, require_positive
 
 MAX_TOKENS = 1 << 24  # a prompt or response length beyond any context window
 MAX_SEQUENCES = 1 << 24  # sequences per step, per batch
@@ -199,7 +199,7 @@ class WorkloadSpec:
     models: dict[str, str] = field(default_factory=dict)  # role → model; absent roles: the job's
     # async: how many policy versions a trained batch may lag the trainer (0: generation waits for
     # every sync, as synchronous RL does), and the fate of batches generated ahead at a transition
-    max_staleness: int = 1
+    max_staleness: int = field(default=1, metadata={ALLOWED: f"a whole number 0…{MAX_STALENESS}"})
     in_flight: InFlight = InFlight.DRAIN
 
     def __post_init__(self) -> None:
