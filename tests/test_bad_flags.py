@@ -89,8 +89,13 @@ def test_bad_simulate_flags(flag: str, value: str, line: str, capsys: pytest.Cap
         (["--policies", "nereus", "--gamma", "0.5,0.5"], "--gamma names a value twice: 0.5,0.5"),
         (
             ["--max-gpus", "8", "--gpus-per-instance", "3", "--min-gpus", "7"],
-            "--min-gpus 7 needs 3 instances of 3 GPUs, more than --max-gpus 8 holds (2): lower "
-            "--min-gpus or raise --max-gpus",
+            "--max-gpus 8 is not a whole number of instances of 3 GPUs (--gpus-per-instance): pass "
+            "--max-gpus 6 or 9",
+        ),
+        (
+            ["--gpus-per-instance", "3"],
+            "a100-64gb-hdr100's 256 GPUs are not a whole number of instances of 3 GPUs "
+            "(--gpus-per-instance): pass --max-gpus 255",
         ),
         (
             ["--max-gpus", "4", "--gpus-per-instance", "8"],

@@ -4,6 +4,7 @@ restart risk admission prices (issue 19)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 from pathlib import Path
@@ -25,7 +26,7 @@ from nereus.plan.problem import PlanningProblem
 from nereus.plan.search import search
 from nereus.sim import GpuSupply, SpotTrace
 from nereus.spec import Stage, load_cluster
-from nereus.spec.domains import FailureDomains
+from nereus.spec.domains import FailureDomains, _all_drawn
 from nereus.spec.registry import config_root
 from tests.helpers import make_problem
 
@@ -217,6 +218,38 @@ def test_correlated_revocations_take_replicas_together(tmp_path: Path) -> None:
     events, fractions = supply.revocation_events(0, 2)
     assert fractions == pytest.approx((2 / 3,)) and events == pytest.approx(1 / (2 * 300 / 3600))
     assert supply.revocation_events(2) == (0.0, ())
+
+
+@pytest.mark.parametrize(
+    ("total", "sizes", "drawn"),
+    [(7, [1, 2], 3), (8, [2, 2, 1], 4), (9, [3, 3], 5), (6, [1, 1, 1], 3), (10, [2, 3, 1], 6), (5, [2], 0)],
+)
+def test_an_event_takes_every_replica_as_often_as_counting_says(
+    total: int, sizes: list[int], drawn: int
+) -> None:
+    """The chance that ``drawn`` random instances hit every replica's (disjoint) instances, against
+    counting every subset."""
+    sets, start = [], 0
+    for m in sizes:
+        sets.append(set(range(start, start + m)))
+        start += m
+    picks = list(itertools.combinations(range(total), drawn))
+    hit = sum(all(s & set(p) for s in sets) for p in picks) / len(picks)
+    assert _all_drawn(total, sizes, drawn) == pytest.approx(hit, rel=1e-9, abs=1e-300)
+
+
+@pytest.mark.timeout(20)
+def test_an_event_in_a_pool_of_a_hundred_thousand_instances_is_priced_at_once() -> None:
+    """At 10⁵ instances (exact integers of 10⁵ bits took seconds a call), 60 replicas of 8: near
+    the binomial draw of the drawn fraction; and at 5,000, the exact inclusion–exclusion in integers
+    (r equal sets: Σ_j (−1)^j C(r, j) C(total − j·m, drawn) / C(total, drawn))."""
+    for p in (0.8, 0.3):
+        got = _all_drawn(100_000, [8] * 60, int(p * 100_000))
+        assert got == pytest.approx((1 - (1 - p) ** 8) ** 60, rel=5e-3)
+    assert _all_drawn(100_000, [8] * 60, 59) == 0.0  # fewer picks than replicas
+    total, r, m, drawn = 5_000, 30, 4, 1_500
+    exact = sum((-1) ** j * math.comb(r, j) * math.comb(total - j * m, drawn) for j in range(r + 1))
+    assert _all_drawn(total, [m] * r, drawn) == pytest.approx(exact / math.comb(total, drawn), rel=1e-9)
 
 
 def test_a_long_history_prices_each_distinct_fraction_once() -> None:

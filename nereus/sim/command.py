@@ -205,10 +205,16 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
             f"--gpus-per-instance must be in [1, --max-gpus {max_gpus}], got {args.gpus_per_instance}"
         )
     g = args.gpus_per_instance
-    if -(-args.min_gpus // g) > max_gpus // g:  # the floor is whole instances under the cap
+    if max_gpus % g:  # whole instances (a GPU over would never be used), so --min-gpus's fit too
+        down, up = max_gpus // g * g, -(-max_gpus // g) * g
+        named = (
+            f"--max-gpus {max_gpus} is"
+            if args.max_gpus is not None
+            else f"{cluster.name}'s {max_gpus} GPUs are"
+        )
         raise ConfigError(
-            f"--min-gpus {args.min_gpus} needs {-(-args.min_gpus // g)} instances of {g} GPUs, more than "
-            f"--max-gpus {max_gpus} holds ({max_gpus // g}): lower --min-gpus or raise --max-gpus"
+            f"{named} not a whole number of instances of {g} GPUs (--gpus-per-instance): pass "
+            f"--max-gpus {down}" + (f" or {up}" if up <= cluster.total_gpus else "")
         )
     if not 0 <= args.offset < len(trace.counts):
         raise ConfigError(f"--offset must be in [0, {len(trace.counts)}) ticks, got {args.offset}")

@@ -33,8 +33,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 MAX_RATE_PER_HOUR = 1e6
-MAX_TERMS = 100_000  # inclusion–exclusion terms before replicas are treated as independent
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,24 +169,38 @@ class FailureDomains:
 
 def _all_drawn(total: int, sizes: list[int], drawn: int) -> float:
     """Probability that ``drawn`` of ``total`` instances, chosen at random, hit every one of the
-    disjoint sets of ``sizes`` instances: Σ_S (−1)^|S| C(total − Σ_S m, drawn) / C(total, drawn),
-    summed per distinct size (replicas of one layout share it), in exact integers."""
-    counts = Counter(sizes)
-    kinds = sorted(counts)
-    if math.prod(c + 1 for c in counts.values()) > MAX_TERMS:  # many shapes: replicas independent
-        return math.prod(1.0 - _none_drawn(total, m, drawn) for m in sizes)
-    hits = 0
-    for picks in itertools.product(*(range(counts[m] + 1) for m in kinds)):
-        marked = sum(j * m for j, m in zip(picks, kinds, strict=True))
-        if marked > total:
-            continue
-        ways = math.prod(math.comb(counts[m], j) for j, m in zip(picks, kinds, strict=True))
-        hits += (-1) ** sum(picks) * ways * math.comb(total - marked, drawn)
-    return max(0.0, hits / math.comb(total, drawn))
+    disjoint sets of ``sizes`` instances. Counted with positive terms only: ways[t], the number of
+    t-subsets of the sets' instances that hit every set (the coefficients of Π_i ((1 + x)^m_i − 1)),
+    each completed by drawn − t of the other total − Σm instances, over C(total, drawn). Floats,
+    rescaled as the product grows and combined in logs: relative error ~1e-9 at any pool size, in
+    O(replicas · Σm · max m) (exact integers cost seconds a call at 10⁵ instances, and an
+    inclusion–exclusion over many replicas cancels terms far larger than its result)."""
+    marked = sum(sizes)
+    if marked > total or drawn < len(sizes):
+        return 0.0
+    ways, scale = np.ones(1), 0.0
+    for m in sizes:
+        hits = np.exp([_log_comb(m, j) - _log_comb(m, m // 2) for j in range(m + 1)])
+        hits[0] = 0.0  # the set must be hit
+        ways = np.convolve(ways, hits)
+        peak = float(ways.max())
+        ways /= peak
+        scale += math.log(peak) + _log_comb(m, m // 2)
+    whole = _log_comb(total, drawn)
+    got = 0.0
+    for t in range(len(sizes), min(drawn, marked) + 1):
+        if ways[t] > 0.0 and drawn - t <= total - marked:
+            got += math.exp(math.log(ways[t]) + scale + _log_comb(total - marked, drawn - t) - whole)
+    return min(1.0, got)
 
 
 def _none_drawn(total: int, marked: int, drawn: int) -> float:
     """Probability that ``drawn`` of ``total`` instances, chosen at random, miss all ``marked``."""
     if marked + drawn > total:
         return 0.0
-    return math.comb(total - marked, drawn) / math.comb(total, drawn)
+    return math.exp(_log_comb(total - marked, drawn) - _log_comb(total, drawn))
+
+
+def _log_comb(n: int, k: int) -> float:
+    """log C(n, k)."""
+    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
