@@ -167,7 +167,7 @@ def test_the_experiment_names_its_data(tmp_path: Path) -> None:
 def test_verl_sources_mixed_and_checked_by_source(tok: HfTokenizer, tmp_path: Path) -> None:
     """GSM8K and MATH rows (each source's extra_info.index from 0) in one file or in two, as
     verl's train_files mixes them; under by_source an unknown or missing data_source names its row."""
-    math = [{**r, "data_source": "DigitalLearningGMU/MATH-lighteval"} for r in VERL]
+    math = [{**r, "data_source": "DigitalLearningGmbH/MATH-lighteval"} for r in VERL]
     both = write_parquet([*VERL, *math], tmp_path / "both.parquet")
     layout = RecordLayout("verl", by_source=True)
     assert len(PromptDataset.load(both, tok, 64, 0, layout)) == 10

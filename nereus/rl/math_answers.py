@@ -33,6 +33,7 @@ the same string, or when both are the same number (an integer, a decimal, ``\\fr
 
 from __future__ import annotations
 
+import math
 import re
 from fractions import Fraction
 
@@ -160,16 +161,56 @@ ANSWER_TAIL_CHARS = 300  # verl's math_dapo reads the line within the response's
 _ANSWER_LINE = re.compile(r"(?i)answer\s*:\s*([^\n]+)")
 
 
+_MATH_SPAN = re.compile(r"\$([^$]+)\$")
+# words a model appends to a count or a measure ("Answer: 42 minutes"), dropped from the end of an
+# answer line, as verl's math_dapo drops them; "or", "and" are not among them ("5 or 6" stays)
+UNIT_WORDS = frozenset(
+    """mm cm m km in inch inches ft foot feet yd yard mi mile meter metre centimeter centimetre
+    kilometer kilometre millimeter millimetre g gram kg kilogram lb lbs pound oz ounce ton l liter
+    litre ml gallon cup s sec second min minute h hr hour day week month year mph kph degree
+    radian dollar cent percent unit square cubic way student people person child children point
+    digit integer number time step term page item object value solution pair element
+    arrangement""".split()
+)
+
+
 def answer_line(text: str) -> str | None:
     """The final answer of a DAPO-style response ("... Answer: 42"): the content of the last
-    ``Answer:`` line within its last ``ANSWER_TAIL_CHARS`` characters (a box there gives its
-    content), else the response's last box; None if it has neither."""
+    ``Answer:`` line within its last ``ANSWER_TAIL_CHARS`` characters — a box there gives its
+    content, else its last ``$...$`` span, else the line less a leading article and trailing unit
+    words (``UNIT_WORDS``) — or, with no such line, the response's last box (a choice: verl's
+    math_dapo scores a box without the line 0; here the answer counts, the format not); None if
+    it has neither."""
     found = _ANSWER_LINE.findall(text[-ANSWER_TAIL_CHARS:])
     if not found:
         return last_boxed(text)
     line = found[-1].strip()
     boxed = last_boxed(line)
-    return boxed if boxed is not None else line.rstrip(".")
+    if boxed is not None:
+        return boxed
+    spans = _MATH_SPAN.findall(line)
+    if spans:
+        return spans[-1].strip()
+    return _without_units(line.rstrip("."))
+
+
+def _without_units(answer: str) -> str:
+    """``a 5 ways`` → ``5``: a leading article and trailing unit words off (one word stays)."""
+    words = answer.split()
+    if len(words) > 1 and words[0].lower() in ("a", "an"):
+        words = words[1:]
+    while len(words) > 1 and _is_unit(words[-1]):
+        words.pop()
+    return " ".join(words)
+
+
+def _is_unit(word: str) -> bool:
+    w = word.lower().rstrip(".,;")
+    return (
+        w in UNIT_WORDS
+        or (w.endswith("s") and w[:-1] in UNIT_WORDS)
+        or (w.endswith("es") and w[:-2] in UNIT_WORDS)
+    )
 
 
 # ------------------------------------------------------------------ MATH normal form
@@ -263,6 +304,18 @@ _DECIMAL = r"-?\d+(?:\.\d+)?"
 _FRACTION = re.compile(rf"(-?)\\frac\{{({_DECIMAL})\}}\{{({_DECIMAL})\}}|({_DECIMAL})/({_DECIMAL})")
 
 
+def _unreduced(normal: str) -> bool:
+    """A normal form written as a fraction of integers not in lowest terms (``\\frac{2}{4}``,
+    ``4/2``)."""
+    m = _FRACTION.fullmatch(normal)
+    if m is None:
+        return False
+    num, den = (m.group(2), m.group(3)) if m.group(2) else (m.group(4), m.group(5))
+    if "." in num or "." in den:
+        return False
+    return math.gcd(int(num), int(den)) != 1
+
+
 def math_number(normal: str) -> Fraction | None:
     """The value of a normal form that is a number: an integer or decimal, ``\\frac{a}{b}`` (with an
     optional sign before it) or ``a/b``; None otherwise (and for a zero denominator)."""
@@ -293,7 +346,7 @@ def math_equal(got: str, want: str) -> bool:
     if a == b:
         return True
     x, y = math_number(a), math_number(b)
-    if x is None or y is None:
+    if x is None or y is None or _unreduced(a):  # MATH wants lowest terms: 2/4 is not 1/2
         return False
     if "." not in a and "." not in b:
         return x == y

@@ -12,8 +12,9 @@ emits a digit about 2% of the time (10 of 512 ids), has something to climb:
 ``exact_match`` is the unshaped 1/0; ``exact`` the same with surrounding whitespace ignored. For
 real data sets (answer extraction and normal forms in ``nereus.rl.math_answers``), 1.0 or 0:
 
-* ``gsm8k``: the number after the response's last ``####`` (or, with no marker, its last number)
-  equals the answer's (a number, or a full GSM8K solution ending ``#### <number>``)
+* ``gsm8k``: the number after the response's last ``####`` equals the answer's (a number, or a
+  full GSM8K solution ending ``#### <number>``); no marker scores 0, as verl's strict default
+  (``gsm8k_flexible`` reads a response without one at its last number)
 * ``math`` (alias ``boxed``): the response's last ``\\boxed{...}`` equals the answer (itself boxed
   or plain) under the MATH normal form, or as the same number (within a relative 1e-6 where
   either is written with decimals); no box scores 0
@@ -80,8 +81,15 @@ def exact(response_text: str, answer: str) -> float:
 
 
 def gsm8k(response_text: str, answer: str) -> float:
-    """1.0 if the response's GSM8K number (after its last ``####``, else its last number) equals
-    the answer's, else 0 (also when the answer holds no number)."""
+    """1.0 if the number after the response's last ``####`` equals the answer's, else 0 (also with
+    no ``####``, as verl's default strict GSM8K score: its prompt asks for the marker, and a
+    response without one earns nothing; and when the answer holds no number)."""
+    want = gsm8k_ground_truth(answer)
+    return CORRECT if want is not None and gsm8k_number(response_text, flexible=False) == want else 0.0
+
+
+def gsm8k_flexible(response_text: str, answer: str) -> float:
+    """``gsm8k``, but a response without ``####`` is read at its last number (verl's "flexible")."""
     want = gsm8k_ground_truth(answer)
     return CORRECT if want is not None and gsm8k_number(response_text) == want else 0.0
 
@@ -122,6 +130,7 @@ VERIFIERS: Mapping[str, Verifier] = {
     "exact_match": exact_match,
     "exact": exact,
     "gsm8k": gsm8k,
+    "gsm8k_flexible": gsm8k_flexible,
     "math": boxed_math,
     "boxed": boxed_math,
     "answer_line": answer_math,
@@ -135,8 +144,9 @@ SOURCES: Mapping[str, Verifier] = {
     "DigitalLearningGmbH/MATH-lighteval": boxed_math,
     "lighteval/MATH": boxed_math,
     "HuggingFaceH4/MATH-500": boxed_math,
-    "math": boxed_math,
+    "math": answer_math,  # verl routes "math" to math_dapo, as its DAPO recipe's data names it
     "math_dapo": answer_math,
+    "math_dapo_reasoning": answer_math,
     "numina_aops_forum": boxed_math,
     "numina_synthetic_math": boxed_math,
     "numina_amc_aime": boxed_math,
@@ -144,26 +154,22 @@ SOURCES: Mapping[str, Verifier] = {
     "numina_cn_k12": boxed_math,
     "numina_olympiads": boxed_math,
 }
-"""verl ``data_source`` values and their verifiers; ``verifier_for_source`` also matches by pattern."""
+"""verl ``data_source`` values and their verifiers, as verl's ``default_compute_score`` routes them
+(its ``prime_math`` sources, ``numina_*``, are scored by ``math``: a box, no sympy)."""
 
 
 def verifier_for_source(data_source: str) -> Verifier:
-    """The verifier of a verl ``data_source``: one of ``SOURCES``, else by the lower-cased name:
-    containing ``gsm8k`` → ``gsm8k``; starting ``aime`` → ``answer_line`` (as verl routes them
-    to ``math_dapo``); containing ``math`` or starting ``numina_`` → ``math``. Any other source
-    is a ``ConfigError``."""
+    """The verifier of a verl ``data_source``: one of ``SOURCES``, or ``answer_line`` for a name
+    starting ``aime`` (verl routes AIME to ``math_dapo``). Any other source is a ``ConfigError``,
+    as verl refuses it: a name that merely contains "math" may ask for a box or an "Answer:" line,
+    and the wrong guess would score every response 0."""
     if (verifier := SOURCES.get(data_source)) is not None:
         return verifier
-    name = data_source.lower()
-    if "gsm8k" in name:
-        return gsm8k
-    if name.startswith("aime"):  # verl routes AIME to math_dapo's "Answer:" line
+    if data_source.lower().startswith("aime"):
         return answer_math
-    if "math" in name or name.startswith("numina_"):
-        return boxed_math
     raise ConfigError(
-        f"unknown data_source {data_source!r} (known: {', '.join(SOURCES)}; or a name containing "
-        "'gsm8k' or 'math', or starting with 'aime' or 'numina_')"
+        f"unknown data_source {data_source!r} (known: {', '.join(SOURCES)}, or a name starting with "
+        "'aime'; for another source name a verifier instead of by_source)"
     )
 
 
