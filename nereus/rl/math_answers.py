@@ -164,14 +164,13 @@ _ANSWER_LINE = re.compile(r"(?i)answer\s*:\s*([^\n]+)")
 _MATH_SPAN = re.compile(r"\$([^$]+)\$")
 # words a model appends to a count or a measure ("Answer: 42 minutes"), dropped from the end of an
 # answer line, as verl's math_dapo drops them; "or", "and" are not among them ("5 or 6" stays)
-UNIT_WORDS = frozenset(
-    """mm cm m km in inch inches ft foot feet yd yard mi mile meter metre centimeter centimetre
+_UNITS = """mm cm m km in inch inches ft foot feet yd yard mi mile meter metre centimeter centimetre
     kilometer kilometre millimeter millimetre g gram kg kilogram lb lbs pound oz ounce ton l liter
     litre ml gallon cup s sec second min minute h hr hour day week month year mph kph degree
     radian dollar cent percent unit square cubic way student people person child children point
     digit integer number time step term page item object value solution pair element
-    arrangement""".split()
-)
+    arrangement"""
+UNIT_WORDS = frozenset(_UNITS.split())
 
 
 def answer_line(text: str) -> str | None:
@@ -188,7 +187,7 @@ def answer_line(text: str) -> str | None:
     boxed = last_boxed(line)
     if boxed is not None:
         return boxed
-    spans = _MATH_SPAN.findall(line)
+    spans: list[str] = _MATH_SPAN.findall(line)
     if spans:
         return spans[-1].strip()
     return _without_units(line.rstrip("."))
