@@ -39,6 +39,11 @@ class Groups:
         """Collective over the world: every rank calls it for the same grids in the same order."""
         g = cls(grid, rank, grid.coord(rank) if rank in grid.ranks else Coord(-1, -1, -1))
         for kind, ranks in grid.all_groups(model):
+            if list(ranks) != sorted(ranks):  # torch sorts a group's ranks; coordinates follow that order
+                raise ValueError(
+                    f"{kind} group {list(ranks)}: ranks must ascend with the coordinate (a pipeline "
+                    "stage's peer, a vocabulary shard's offset and a mesh coordinate are the group rank)"
+                )
             pg = dist.new_group(list(ranks), timeout=timeout)
             if rank in ranks:
                 setattr(g, kind, pg)

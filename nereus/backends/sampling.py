@@ -72,7 +72,7 @@ def sample(
         index = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=cdf.shape[-1] - 1)
         tokens = index.squeeze(-1)
         return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1).float()
-    sorted_p, order = probs.sort(-1, descending=True)
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)  # ties in vocabulary order, any device
     before = sorted_p.cumsum(-1) - sorted_p  # mass strictly ahead of each token
     sorted_p = torch.where(before < params.top_p, sorted_p, torch.zeros_like(sorted_p))
     sorted_p[:, 0] = torch.where(sorted_p[:, 0] > 0, sorted_p[:, 0], probs.max(-1).values)

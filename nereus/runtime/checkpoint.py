@@ -20,12 +20,14 @@ module.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import pickle
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.device_mesh import DeviceMesh
 
 from nereus.errors import ConfigError, NereusError
 from nereus.plan.layout import Plan
@@ -77,18 +80,32 @@ def identity(worker: Worker) -> dict[str, Any]:
     return signing.run_identity(worker.models[Role.ACTOR], worker.workload)
 
 
-def _state_dict(worker: Worker, plan: Plan) -> dict[str, Any]:
+@contextlib.contextmanager
+def _state_dict(worker: Worker, plan: Plan) -> Iterator[dict[str, Any]]:
+    """The saved model-stages' buffers as DTensors, for DCP; the meshes' process groups are
+    destroyed after (a GPU world splits NCCL communicators for them: one set per checkpoint would
+    otherwise pile up for the job's life)."""
     out: dict[str, Any] = {}
-    for name in saved_stages(worker):
-        c = plan.candidate(name)
-        ranks = [worker.rank_of[g] for u in replicas(c) for g in u.gpus]
-        model = worker.model_of(name)
-        kind = worker.device.type
-        mesh, kv = layout_mesh(c.layout, ranks, kind), kv_mesh(model, c.layout, ranks, kind)  # collective
-        rs = worker.holder.units.get(name)
-        if rs is not None:
-            out.update({f"{name}/{k}": v for k, v in to_dtensors(rs, mesh, kv).items()})
-    return out
+    meshes: list[DeviceMesh] = []
+    try:
+        for name in saved_stages(worker):
+            c = plan.candidate(name)
+            ranks = [worker.rank_of[g] for u in replicas(c) for g in u.gpus]
+            model = worker.model_of(name)
+            kind = worker.device.type
+            mesh, kv = layout_mesh(c.layout, ranks, kind), kv_mesh(model, c.layout, ranks, kind)  # collective
+            meshes += [m for m in (mesh, kv) if m is not None]
+            rs = worker.holder.units.get(name)
+            if rs is not None:
+                out.update({f"{name}/{k}": v for k, v in to_dtensors(rs, mesh, kv).items()})
+        yield out
+    finally:
+        out.clear()
+        world = dist.group.WORLD
+        mine = [m for m in meshes if m.get_coordinate() is not None]  # others hold no groups here
+        for pg in {id(g): g for m in mine for g in m.get_all_groups()}.values():
+            if pg is not world:
+                dist.destroy_process_group(pg)
 
 
 def save(worker: Worker, plan: Plan, step: int, folder: Path, keep: int = 2) -> Path:
@@ -106,7 +123,8 @@ def save(worker: Worker, plan: Plan, step: int, folder: Path, keep: int = 2) -> 
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(mode=0o700)
         dist.barrier()
-        dcp_save(_state_dict(worker, plan), checkpoint_id=str(tmp))
+        with _state_dict(worker, plan) as state:
+            dcp_save(state, checkpoint_id=str(tmp))
     except (OSError, CheckpointException) as exc:
         raise CheckpointWriteError(step, tmp, exc) from None
     states = all_gather(
@@ -253,7 +271,8 @@ def load(worker: Worker, plan: Plan, path: Path) -> int:
                 name, worker.model_of(name), plan.candidate(name).layout, place.t, place.p,
                 worker.policy_of(name), LogicalState(**logical[name]), worker.device,
             )  # fmt: skip
-    dcp_load(_state_dict(worker, plan), storage_reader=VerifiedReader(manifest))
+    with _state_dict(worker, plan) as state:
+        dcp_load(state, storage_reader=VerifiedReader(manifest))
     kept = _pending(manifest, step)
     worker.pending = fresh(kept, worker.workload.max_staleness)
     stale = sorted(set(kept) - set(worker.pending))

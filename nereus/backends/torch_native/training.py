@@ -7,7 +7,7 @@ one AdamW update.
 - DP: EMU replicas; gradients are all-reduced over the ``dp`` group, after the TP-partial
   (Qwen3's q/k norms), KV-replica and tied-embedding reductions (``BoundStage.reductions``).
 - Optimizer: ``FlatAdamW`` over the flat buffers; the step count is the logical state's.
-  Clipping uses the global norm, each element counted once (``norm_weights``).
+  Clipping uses the global norm, each element counted once (``norm_ranges``).
 Edge module (torch.distributed).
 """
 
@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from nereus.backends.model import DecoderStage
-from nereus.backends.optim import AdamWConfig, FlatAdamW, norm_weights
+from nereus.backends.optim import AdamWConfig, FlatAdamW, Ranges, norm_ranges, squared_norm
 from nereus.backends.parallel import local_grad
 from nereus.backends.protocol import LossFn, TokenBatch, TrainStats
 from nereus.backends.torch_native.stage import BoundStage
@@ -39,15 +39,15 @@ class Optimizer:
 
     config: AdamWConfig
     adamw: FlatAdamW
-    norm_w: Tensor
+    owned: Ranges
 
     @classmethod
     def of(cls, b: BoundStage, config: AdamWConfig) -> Optimizer | None:
         """``None`` for a stage that does not train (its state has no optimizer buffers)."""
         if not b.trains:
             return None
-        adamw = FlatAdamW(config, b.state.layout_of(), b.device)
-        return cls(config, adamw, norm_weights(b.state, b.coord.t, b.kv_replication))
+        adamw = FlatAdamW(config, b.state.layout_of())
+        return cls(config, adamw, norm_ranges(b.state, b.coord.t, b.kv_replication))
 
 
 class _PipeModule(nn.Module):
@@ -85,6 +85,8 @@ def train_step(
     else:
         total = pipeline_backward(b, batch, loss_fn, micro_batches, temperature)
     grad, dp_seconds = flat_grad(b)
+    for p in b.params.values():  # the fp32 flat gradient holds them: free the per-tensor ones now
+        p.grad = None
     norm = clip(b, opt, grad)
     step = b.state.state.updates + 1
     opt.adamw.step(b.state, grad, step)
@@ -176,16 +178,23 @@ def flat_grad(b: BoundStage) -> tuple[Tensor, float]:
             grad[s.offset : s.offset + s.numel].copy_(part[at : at + s.numel])
             at += s.numel
     dp_seconds = 0.0
-    if b.groups.dp is not None:
+    if b.groups.dp is not None:  # timed on the device's work (NCCL returns once it is queued)
+        _synchronize(b.device)
         started = time.perf_counter()
         dist.all_reduce(grad, group=b.groups.dp)
+        _synchronize(b.device)
         dp_seconds += time.perf_counter() - started
     return grad, dp_seconds
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def clip(b: BoundStage, opt: Optimizer, grad: Tensor) -> float:
     """Scale ``grad`` in place to the global norm limit; the norm before clipping."""
-    sq = (grad.double().square() * opt.norm_w).sum()
+    sq = squared_norm(grad, opt.owned)
     if b.groups.unit is not None:
         dist.all_reduce(sq, group=b.groups.unit)
     norm = float(sq.sqrt())
