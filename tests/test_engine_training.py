@@ -21,6 +21,7 @@ from nereus.backends.model import DecoderStage
 from nereus.backends.optim import AdamWConfig
 from nereus.backends.protocol import TokenBatch
 from nereus.backends.torch_native import TorchNativeEngine
+from nereus.backends.torch_native.training import accumulate_into
 from nereus.spec.model import ModelSpec
 from nereus.spec.workload import Precision, Stage
 from nereus.state.buffers import BufferKind, StatePolicy
@@ -176,3 +177,40 @@ def test_bf16_mixed_precision_keeps_fp32_master_weights(checkpoints: dict) -> No
     assert torch.equal(rs.buffers[BufferKind.PARAM], master.to(torch.bfloat16))
     hot = bf16.train_step(batch, lambda s, f: -(s * f["mask"]).sum() / 48, micro_batches=2, temperature=0.7)
     assert hot.grad_norm > 0 and math.isfinite(hot.loss)  # the bf16 logits' fp32 copy divided in place
+
+
+def test_bf16_micro_batches_accumulate_in_fp32(checkpoints: dict) -> None:
+    """Each micro-batch's bf16 gradient is added into the fp32 flat gradient as autograd makes it
+    (Megatron's main_grad): the accumulated gradient is the fp32 sum of the micro-batches' own,
+    exactly, not their sum rounded to bf16 at every micro-batch."""
+    directory, _ = checkpoints["llama"]
+    model = hf.read_config(directory)
+    groups = Groups.build(Grid.single(LAYOUT), model, 0)
+    rs = RankState.empty("actor", model, LAYOUT, 0, 0, StatePolicy.of(Stage.TRAIN, Precision.BF16_MIXED))
+    eng = TorchNativeEngine(rs, groups, AdamWConfig(lr=1e-3))
+    eng.load_hf(directory)
+    b = eng.bound
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, model.vocab_size, (4, 12), generator=g)
+    batch = TokenBatch(ids, torch.ones_like(ids), {"mask": torch.ones(4, 12)})
+
+    def backward(mb: TokenBatch) -> None:
+        (-(b.score(b.stage(mb.ids, mb.valid), mb.ids) * mb.fields["mask"]).sum()).backward()
+
+    numel = rs.layout_of().numel
+    total = torch.zeros(numel)
+    hooks = accumulate_into(b, total)
+    for mb in batch.split(4):
+        backward(mb)
+    for h in hooks:
+        h.remove()
+    want = torch.zeros(numel)
+    for mb in batch.split(4):
+        one = torch.zeros(numel)
+        hooks = accumulate_into(b, one)
+        backward(mb)
+        for h in hooks:
+            h.remove()
+        want += one
+    assert torch.equal(total, want) and total.abs().max() > 0
+    assert all(p.grad is None for p in b.params.values())  # the flat gradient holds them

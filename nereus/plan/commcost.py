@@ -4,7 +4,7 @@ of ``nereus.plan.cost.CostModel``).
 
 Sources, one line each where used:
 * DP gradient sync (``_dp_sync``): our torch_native trainer all-reduces one flat gradient buffer
-  after the last backward (``backends/torch_native/training.flat_grad``): serial. Engines that
+  after the last backward (``backends/torch_native/training.reduce_grad``): serial. Engines that
   overlap (``SearchSpace.overlap_dp_sync``) all-reduce buckets as backward fills them, during the
   last micro-batch's backward only (gradient accumulation skips the sync before it): PyTorch DDP
   (``bucket_cap_mb`` = 25 MiB, buckets in reverse parameter order, "overlapping computation with

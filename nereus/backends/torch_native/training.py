@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.utils.hooks import RemovableHandle
 
 from nereus.backends.model import DecoderStage
 from nereus.backends.optim import AdamWConfig, FlatAdamW, Ranges, norm_ranges, squared_norm
@@ -73,20 +74,24 @@ def train_step(
     t0 = time.perf_counter()
     for p in b.params.values():
         p.grad = None
-    if b.state.layout.pp == 1:
-        total = torch.zeros((), device=b.device)
-        for mb in batch.split(micro_batches):
-            ids = mb.ids.to(b.device)
-            out = b.stage(ids, mb.valid.to(b.device))
-            fields = {k: v.to(b.device) for k, v in mb.fields.items()}
-            loss = loss_fn(b.score(out, ids, temperature), fields)
-            loss.backward()  # type: ignore[no-untyped-call]
-            total += loss.detach()
-    else:
-        total = pipeline_backward(b, batch, loss_fn, micro_batches, temperature)
-    grad, dp_seconds = flat_grad(b)
-    for p in b.params.values():  # the fp32 flat gradient holds them: free the per-tensor ones now
-        p.grad = None
+    grad = torch.zeros(b.state.layout_of().numel, dtype=torch.float32, device=b.device)
+    hooks = accumulate_into(b, grad)
+    try:
+        if b.state.layout.pp == 1:
+            total = torch.zeros((), device=b.device)
+            for mb in batch.split(micro_batches):
+                ids = mb.ids.to(b.device)
+                out = b.stage(ids, mb.valid.to(b.device))
+                fields = {k: v.to(b.device) for k, v in mb.fields.items()}
+                loss = loss_fn(b.score(out, ids, temperature), fields)
+                loss.backward()  # type: ignore[no-untyped-call]
+                total += loss.detach()
+        else:
+            total = pipeline_backward(b, batch, loss_fn, micro_batches, temperature)
+    finally:
+        for h in hooks:
+            h.remove()
+    dp_seconds = reduce_grad(b, grad)
     norm = clip(b, opt, grad)
     step = b.state.state.updates + 1
     opt.adamw.step(b.state, grad, step)
@@ -160,15 +165,34 @@ def _local_vocab(b: BoundStage) -> int:
     return hi - lo
 
 
-def flat_grad(b: BoundStage) -> tuple[Tensor, float]:
-    """This rank's gradient as one fp32 buffer in the layout's slot order, reduced (the stage's
-    reductions, then the DP all-reduce), and the seconds the DP all-reduce took."""
+def accumulate_into(b: BoundStage, grad: Tensor) -> list[RemovableHandle]:
+    """Hooks that add each micro-batch's gradient into ``grad``, this rank's fp32 flat gradient in
+    the layout's slot order, as autograd accumulates it, and free the parameter's own: a bf16
+    parameter would otherwise sum its micro-batches in bf16 (Megatron accumulates into an fp32
+    main_grad too). In fp32 the sums are the same, in the same order."""
+    slots: dict[int, tuple[Tensor, list[tuple[int, int]]]] = {}
+    for s in b.state.layout_of().slots:
+        param = b.params[s.name]
+        slots.setdefault(id(param), (param, []))[1].append((s.offset, s.offset + s.numel))
+    handles = []
+    for tensor, spans in slots.values():
+
+        def add(param: Tensor, spans: list[tuple[int, int]] = spans) -> None:
+            g = local_grad(param)
+            if g is not None:
+                flat = g.reshape(-1)
+                for lo, hi in spans:
+                    grad[lo:hi].add_(flat)
+            param.grad = None
+
+        handles.append(tensor.register_post_accumulate_grad_hook(add))  # type: ignore[no-untyped-call]
+    return handles
+
+
+def reduce_grad(b: BoundStage, grad: Tensor) -> float:
+    """Reduce the accumulated ``grad`` (the stage's reductions, then the DP all-reduce); the
+    seconds the DP all-reduce took."""
     rb = b.state.layout_of()
-    grad = torch.zeros(rb.numel, dtype=torch.float32, device=b.device)
-    for s in rb.slots:
-        g = local_grad(b.params[s.name])
-        if g is not None:
-            grad[s.offset : s.offset + s.numel].copy_(g.reshape(-1))
     for names, group in b.reductions:
         slots = [rb.slot(n) for n in names]
         part = torch.cat([grad[s.offset : s.offset + s.numel] for s in slots])
@@ -184,7 +208,7 @@ def flat_grad(b: BoundStage) -> tuple[Tensor, float]:
         dist.all_reduce(grad, group=b.groups.dp)
         _synchronize(b.device)
         dp_seconds += time.perf_counter() - started
-    return grad, dp_seconds
+    return dp_seconds
 
 
 def _synchronize(device: torch.device) -> None:
