@@ -13,6 +13,12 @@ calls ``nereus.runtime.node.main``. ``torchrun``: one task per node, each a torc
 them (``--max-restarts``) when one fails; the task gets the CPUs of all its workers (each worker
 uses the site's ``cpus_per_task``: ``NEREUS_THREADS``), and no MPI plugin (the workers' ranks come
 from SLURM's task and torchrun's local rank).
+
+Every launch passes srun the task's CPUs (``--cpus-per-task``: srun reads no ``SLURM_CPUS_PER_TASK``
+since Slurm 22.05, and would pin each task to one CPU), asks for a requeueable job (``--requeue``:
+a cluster whose ``JobRequeue`` is 0 could not requeue it otherwise) and sets no ``--wckey`` unless
+the site's ``sbatch`` does. A site's GPU binding (``--gpus-per-task``, ``--gpu-bind``) applies to
+srun's task per GPU only: a torchrun agent's task holds its node's GPUs, an array task none.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from typing import Any
 from submitit.slurm.slurm import _make_sbatch_string
 
 from launch.inputs import control_error, has_control, shown
-from launch.site import Site
+from launch.site import Site, gpu_binding
 
 JOB_NAME = re.compile(r"[A-Za-z0-9._+-]{1,200}")
 JOB_NAME_RULE = "1 to 200 letters, digits, '.', '_', '+' or '-'"
@@ -133,14 +139,22 @@ def render(site: Site, req: Request) -> Rendered:
     torchrun = req.launcher == "torchrun"
     if torchrun and "NEREUS_THREADS" not in site.env:  # the task has all its workers' CPUs; each, its own
         setup.append(f"export NEREUS_THREADS={site.cpus_per_task}")
+    cpus = site.cpus_per_task * (req.tasks_per_node if torchrun else 1)
+    # a torchrun agent's task holds all its node's GPUs (its workers pick theirs by local rank), an
+    # array task none: the site's one-GPU-per-task binding is for srun's task-per-GPU launch only
+    site_args = [a for a in site.srun_args if not ((torchrun or req.array) and gpu_binding(a))]
+    # torchrun: no PMI, the ranks are SLURM's task + torchrun's; "none" leaves srun's default
+    mpi_args = ["--mpi=none"] if torchrun else [] if site.mpi == "none" else [f"--mpi={site.mpi}"]
     params: dict[str, Any] = {
         "job_name": req.job_name,
         "nodes": req.nodes,
         "ntasks_per_node": 1 if torchrun else req.tasks_per_node,
-        "cpus_per_task": site.cpus_per_task * (req.tasks_per_node if torchrun else 1),
+        "cpus_per_task": cpus,
         "time": req.time_min,
         "signal_delay_s": site.signal_delay_s,
-        "srun_args": ["--mpi=none", *site.srun_args] if torchrun else site.mpi_args,
+        # srun reads no SLURM_CPUS_PER_TASK since Slurm 22.05: without the flag each task gets 1 CPU
+        "srun_args": [f"--cpus-per-task={cpus}", *mpi_args, *site_args],
+        "wckey": None,  # submitit's default is "submitit"; a site sets its own through ``sbatch``
     }
     if site.gpus_per_node and not req.array:
         params["gpus_per_node"] = site.gpus_per_node
@@ -150,8 +164,9 @@ def render(site: Site, req: Request) -> Rendered:
         params["account"] = req.account
     if setup:
         params["setup"] = setup
-    if site.sbatch:
-        params["additional_parameters"] = dict(site.sbatch)
+    # always requeueable: on a cluster with JobRequeue=0 a preempted or timed-out job could not be
+    # requeued (submitit's and the leader's ``scontrol requeue``) without it
+    params["additional_parameters"] = {"requeue": True, **site.sbatch}
     command = torchrun_command(site, req) if torchrun else submitit_command(req.python, req.folder)
     map_count = req.array or None
     sbatch = _make_sbatch_string(command=command, folder=req.folder, map_count=map_count, **params)

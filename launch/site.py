@@ -31,17 +31,20 @@ MPI_PLUGINS = ("pmi2", "pmix", "cray_shasta", "none")
 RESERVED_SBATCH = frozenset(
     {
         "account", "array", "cpus-per-task", "error", "gpus-per-node", "job-name", "nodes",
-        "ntasks-per-node", "open-mode", "output", "partition", "signal", "time", "wckey",
+        "ntasks-per-node", "open-mode", "output", "partition", "signal", "time",
         # the script and its launch: a wrapped command replaces it, the others move or hold it
         "wrap", "ntasks", "chdir", "export", "dependency", "hold", "wait", "test-only", "parsable",
-        "requeue", "no-requeue",
+        "requeue", "no-requeue",  # always --requeue: a preempted or timed-out job resumes
     }
 )  # fmt: skip
+# ``wckey`` is not reserved: submitit's default ("submitit") is dropped, a site may set its own.
 # sbatch and srun read a long flag's unambiguous abbreviation as the flag (getopt_long): a site's
 # ``part`` would be ``--partition``. These are options of their own despite being a reserved
 # flag's prefix (an exact name wins over an abbreviation).
 OWN_OPTIONS = frozenset({"gpus"})
-SRUN_RESERVED = ("mpi", "output", "error")  # srun flags the launcher sets (-o, -e: their short forms)
+# srun flags the launcher sets (-o, -e, -c: their short forms): srun reads no SLURM_CPUS_PER_TASK since
+# Slurm 22.05, so the launcher passes --cpus-per-task to srun itself
+SRUN_RESERVED = ("mpi", "output", "error", "cpus-per-task")
 
 
 def reserved_sbatch(key: str) -> bool:
@@ -52,11 +55,21 @@ def reserved_sbatch(key: str) -> bool:
 
 
 def reserved_srun(arg: str) -> bool:
-    """Whether an srun argument sets (or abbreviates) ``--mpi``, ``--output`` or ``--error``."""
+    """Whether an srun argument sets (or abbreviates) ``--mpi``, ``--output``, ``--error`` or
+    ``--cpus-per-task``."""
     if not arg.startswith("--"):
-        return arg.startswith(("-o", "-e"))
+        return arg.startswith(("-o", "-e", "-c"))
     name = arg[2:].split("=", 1)[0]
     return bool(name) and any(r.startswith(name) or name.startswith(r) for r in SRUN_RESERVED)
+
+
+GPU_BINDING = ("gpus-per-task", "gpu-bind", "ntasks-per-gpu")  # srun flags that give a task its GPUs
+
+
+def gpu_binding(arg: str) -> bool:
+    """Whether an srun argument binds GPUs to tasks (``--gpus-per-task``, ``--gpu-bind``,
+    ``--ntasks-per-gpu``): for srun's task per GPU, not a torchrun agent's or an array's task."""
+    return arg.startswith("--") and arg[2:].split("=", 1)[0] in GPU_BINDING
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -127,6 +140,9 @@ class Site:
     setup: tuple[str, ...] = ()  # shell lines run before srun (module loads)
     env: dict[str, str] = field(default_factory=dict)  # exported before srun
     signal_delay_s: int = 120  # USR2 this long before the time limit: checkpoint and requeue
+    # folders the compute nodes cannot write ("$HOME" on Frontier): a job folder under one is refused
+    read_only_roots: tuple[str, ...] = ()
+    jobs_root_hint: str = ""  # where job folders should go instead (shown in that refusal)
 
     def __post_init__(self) -> None:
         self._check_text()
@@ -165,6 +181,11 @@ class Site:
                     "submitit's, --mpi is the site's mpi key; a flag's value goes in the same item, "
                     "as --flag=value)"
                 )
+        for i, root in enumerate(self.read_only_roots):
+            if not root.startswith(("/", "~", "$")):
+                raise ValueError(
+                    f"read_only_roots[{i}]: expected an absolute path, ~ or $VARIABLE/..., got {root!r}"
+                )
         for key, value in self.sbatch.items():
             if value is False:
                 raise ValueError(f"sbatch: {key}: false is not a value (leave the flag out)")
@@ -180,9 +201,9 @@ class Site:
                     f"key 'env': {key!r} is not an environment variable name (allowed: {_ENV_NAME.pattern})"
                 )
         values = [("name", self.name), ("partition", self.partition), ("account", self.account),
-                  ("time", self.time)]  # fmt: skip
+                  ("time", self.time), ("jobs_root_hint", self.jobs_root_hint)]  # fmt: skip
         for key, items in (("partitions", self.partitions), ("srun_args", self.srun_args),
-                           ("setup", self.setup)):  # fmt: skip
+                           ("setup", self.setup), ("read_only_roots", self.read_only_roots)):  # fmt: skip
             values += [(f"{key}[{i}]", item) for i, item in enumerate(items)]
         values += [(f"sbatch.{k}", v) for k, v in self.sbatch.items() if isinstance(v, str)]
         values += [(f"env.{k}", v) for k, v in self.env.items()]
@@ -199,6 +220,36 @@ class Site:
         """``export`` lines for the environment, each value ``shlex.quote``d: taken literally by the
         shell (``$VAR``, ``$(...)``, backticks, ``;`` expand to nothing; shell belongs in ``setup``)."""
         return [f"export {k}={shlex.quote(v)}" for k, v in self.env.items()]
+
+    def read_only_root(self, folder: Path) -> str | None:
+        """The entry of ``read_only_roots`` that ``folder`` is under (as given, or with symbolic
+        links resolved), or None. Entries expand ``~`` and ``$VARIABLE`` here, on the login node;
+        one whose variable is unset here is skipped."""
+        paths = {folder.absolute(), folder.resolve()}
+        for entry in self.read_only_roots:
+            expanded = os.path.expanduser(os.path.expandvars(entry))
+            if not expanded.startswith("/"):
+                continue  # an unset variable: nothing to compare with
+            roots = {Path(expanded), Path(expanded).resolve()}
+            if any(p == r or r in p.parents for p in paths for r in roots):
+                return entry
+        return None
+
+    def check_jobs_folder(self, folder: Path, flag: str = "--jobs-root") -> None:
+        """Refuse a job folder that the compute nodes cannot write (under ``read_only_roots``)."""
+        root = self.read_only_root(folder)
+        if root is None:
+            return
+        where = (
+            root
+            if root == os.path.expanduser(os.path.expandvars(root))
+            else (f"{root} ({os.path.expanduser(os.path.expandvars(root))})")
+        )
+        hint = f" such as {self.jobs_root_hint}" if self.jobs_root_hint else ""
+        raise ConfigError(
+            f"{flag}: the job folder {shown(str(folder))} is under {where}, which site {self.name}'s "
+            f"compute nodes cannot write: pass {flag} on a file system they write{hint}"
+        )
 
     def check_partition(self, partition: str) -> None:
         if self.partitions and partition not in self.partitions:

@@ -227,6 +227,8 @@ def prepare_experiment(path: Path, opts: Options) -> Prepared:
     exp = exp.resolved(placement)
     check_plan(exp.spec, placement.tasks)
     folder = _planned_folder(opts.jobs_root, exp.name)
+    if not opts.local:  # local processes run here, where the folder was writable
+        site.check_jobs_folder(folder)
     # what a worker would refuse (policy, engines, verifier, init: and tokenizer folders), before
     # the job queues; the checks that import torch run on the compute nodes
     preflight(exp.spec, folder / "run", resume=False, local=False, child=False)
@@ -259,6 +261,8 @@ def prepare_array(path: Path, opts: Options) -> Prepared:
     sweep = load_sweep(path)
     check_argv(sweep, path)
     folder = _planned_folder(opts.jobs_root, sweep.name)
+    if not opts.local:
+        site.check_jobs_folder(folder)
     req = _request(
         job_name=sweep.name, folder=str(folder / "logs"), python=opts.python, nodes=1, tasks_per_node=1,
         time_min=time_min, partition=partition, account=account, array=sweep.size,

@@ -1,16 +1,17 @@
 """Which device a worker computes on and which torch.distributed backends carry its messages.
 
 The one place in Nereus that names a device or a backend. A worker with a visible GPU (CUDA, or
-ROCm, which torch exposes through the same ``torch.cuda`` API) computes on ``cuda:<local rank mod
-visible GPUs>``; otherwise on the CPU (``NEREUS_DEVICE=cpu`` forces the CPU, ``=cuda`` requires a
-GPU). Tensors on GPUs move over NCCL (RCCL on ROCm, under the same ``nccl`` name), small control
-messages and CPU tensors over gloo in both cases: the world is one process group with a backend
-per device type (``cpu:gloo,cuda:nccl``), so each collective takes the backend of its tensors'
-device. NCCL is told to surface a failed or timed-out collective as an error in the waiting rank,
-aborting its communicators but keeping the process and its state (``TORCH_NCCL_ASYNC_ERROR_HANDLING``
-= 2, CleanUpOnly; torch's default, 3, tears the process down), and a broken world's communicators
-are aborted before it is destroyed (``abort_world``). A step's collectives time out after the
-job's collective timeout (``set_world_timeout``): a peer that froze surfaces then.
+ROCm, which torch exposes through the same ``torch.cuda`` API) computes on the one GPU it sees (one
+bound to each task), else on ``cuda:<local rank>`` (``gpu_index``); otherwise on the CPU
+(``NEREUS_DEVICE=cpu`` forces the CPU, ``=cuda`` requires a GPU). Tensors on GPUs move over NCCL
+(RCCL on ROCm, under the same ``nccl`` name), small control messages and CPU tensors over gloo in
+both cases: the world is one process group with a backend per device type (``cpu:gloo,cuda:nccl``),
+so each collective takes the backend of its tensors' device. NCCL is told to surface a failed or
+timed-out collective as an error in the waiting rank, aborting its communicators but keeping the
+process and its state (``TORCH_NCCL_ASYNC_ERROR_HANDLING`` = 2, CleanUpOnly; torch's default, 3,
+tears the process down), and a broken world's communicators are aborted before it is destroyed
+(``abort_world``). A step's collectives time out after the job's collective timeout
+(``set_world_timeout``): a peer that froze surfaces then.
 A worker uses as many CPU threads as its node gives it: the CPUs it may run on, shared among the
 node's workers.
 Edge module (torch).
@@ -100,7 +101,24 @@ def choose(local_rank: int, local_workers: int, env: Mapping[str, str] | None = 
         if want == "cuda":
             raise ConfigError("NEREUS_DEVICE=cuda: no CUDA or ROCm GPU is visible to this process")
         return Devices(CPU, threads)
-    return Devices(torch.device("cuda", local_rank % visible), threads)
+    return Devices(torch.device("cuda", gpu_index(local_rank, local_workers, visible)), threads)
+
+
+def gpu_index(local_rank: int, local_workers: int, visible: int) -> int:
+    """The visible GPU of the worker with node-local rank ``local_rank`` of ``local_workers``: the
+    one GPU it sees (a launcher bound one to each task: ``srun --gpus-per-task=1``), else GPU
+    ``local_rank`` (every GPU visible to every task). A task that sees several GPUs but fewer than
+    its node's workers would share one with another task: refused, one line."""
+    if visible == 1:
+        return 0
+    if visible < local_workers:
+        raise ConfigError(
+            f"GPUs: this task sees {visible} GPUs (visible devices: CUDA/HIP/ROCR_VISIBLE_DEVICES) but "
+            f"its node runs {local_workers} tasks (tasks per node; this is local rank {local_rank}), so "
+            "two tasks would share a GPU: give each task one GPU (srun --gpus-per-task=1) or every GPU to "
+            "every task"
+        )
+    return local_rank
 
 
 def launched(env: Mapping[str, str] | None = None, local_rank: int | None = None) -> Devices:

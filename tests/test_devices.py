@@ -1,5 +1,6 @@
 """Device selection: one module names devices and backends; a CPU machine runs on the CPU over
-gloo; a GPU would run on ``cuda:<local rank mod GPUs>`` over NCCL/RCCL with control over gloo."""
+gloo; a GPU would run on the one GPU its task sees, else ``cuda:<local rank>``, over NCCL/RCCL with
+control over gloo."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import nereus
-from nereus.devices import CPU, NCCL_ERROR_HANDLING, Devices, choose, launched, node_threads
+from nereus.devices import CPU, NCCL_ERROR_HANDLING, Devices, choose, gpu_index, launched, node_threads
 from nereus.errors import ConfigError
 
 pytestmark = pytest.mark.pure
@@ -39,6 +40,24 @@ def test_a_gpu_worker_would_compute_on_its_local_gpu_with_nccl_for_tensors() -> 
     assert d.accelerated and d.backend == "nccl" and d.world_backend == "cpu:gloo,cuda:nccl"
     with pytest.raises(ValueError, match="expected cpu or cuda"):
         Devices(torch.device("meta"))
+
+
+def test_a_task_bound_to_one_gpu_takes_it_and_sharing_one_is_refused() -> None:
+    # srun --gpus-per-task=1 --gpu-bind=closest: every task sees one GPU, device 0 of what it sees
+    assert [gpu_index(rank, 8, 1) for rank in range(8)] == [0] * 8
+    # every GPU visible to every task: local rank i takes GPU i
+    assert [gpu_index(rank, 8, 8) for rank in range(8)] == list(range(8))
+    assert gpu_index(3, 4, 8) == 3
+    # some GPUs but fewer than the node's tasks (--gpu-bind=closest without --gpus-per-task): refused
+    with pytest.raises(ConfigError) as info:
+        gpu_index(5, 8, 4)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("GPUs: this task sees 4 GPUs (visible devices")
+    for part in ("its node runs 8 tasks (tasks per node", "local rank 5", "srun --gpus-per-task=1",
+                 "every GPU to every task"):  # fmt: skip
+        assert part in message, message
+    with pytest.raises(ConfigError, match=r"sees 2 GPUs .* runs 3 tasks"):
+        gpu_index(0, 3, 2)
 
 
 def test_threads_are_what_the_node_gives_a_worker() -> None:

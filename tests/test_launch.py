@@ -154,8 +154,11 @@ def test_site_contents() -> None:
                  "export FI_PROVIDER=cxi", "module load rocm", "--mpi=pmi2"):  # fmt: skip
         assert line in frontier.sbatch
     assert frontier.params["ntasks_per_node"] == 8 and frontier.params["srun_args"] == [
+        "--cpus-per-task=7",
         "--mpi=pmi2",
         "--no-kill",
+        "--gpus-per-task=1",
+        "--gpu-bind=closest",
     ]
     nvidia = load_site("nvidia")
     assert nvidia.env["NCCL_SOCKET_IFNAME"] == "ib0" and "NCCL_IB_HCA" in nvidia.env
@@ -340,7 +343,8 @@ def test_submit_with_a_fake_executor(tmp_path: Path, capsys: Any, factory: Any, 
     (ex,) = executors
     assert ex.kind == "slurm" and ex.folder == folder / "logs"
     assert ex.params["nodes"] == 4 and ex.params["ntasks_per_node"] == 1 and ex.params["time"] == 10
-    assert ex.params["srun_args"] == ["--mpi=pmi2", "--no-kill"] and ex.params["partition"] == "debug"
+    assert ex.params["srun_args"] == ["--cpus-per-task=1", "--mpi=pmi2", "--no-kill"]
+    assert ex.params["partition"] == "debug"
     ((fn, args),) = ex.calls
     assert isinstance(fn, NodeJob) and args == (str(folder),)
     local = submitted(tmp_path / "l", factory, capsys, "--local")

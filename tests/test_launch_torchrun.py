@@ -39,7 +39,7 @@ TORCHRUN_REQUESTS: dict[str, dict[str, Any]] = {
 }
 COMMAND = (
     f"{PYTHON} -u -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node=8 --max-restarts=3 "
-    "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 --shutdown-timeout=120 "
+    "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 --shutdown-timeout=600 "
     f"-m nereus.cli node {JOB}"
 )
 
@@ -88,7 +88,9 @@ def test_one_agent_task_per_node_running_torchrun() -> None:
     assert rendered.command == COMMAND
     p = rendered.params
     assert (p["nodes"], p["ntasks_per_node"], p["gpus_per_node"], p["cpus_per_task"]) == (4, 1, 8, 64)
-    assert p["srun_args"] == ["--mpi=none", "--no-kill"]  # no PMI: the ranks are SLURM's task + torchrun's
+    # the agent's CPUs on srun's line too; no PMI: the ranks are SLURM's task + torchrun's; no GPU
+    # binding: the agent's task holds its node's 8 GPUs
+    assert p["srun_args"] == ["--cpus-per-task=64", "--mpi=none", "--no-kill"]
     srun = rendered.sbatch.splitlines()[-1]
     assert srun.startswith("srun --unbuffered ") and srun.endswith(COMMAND)
     assert "export NEREUS_BOOTSTRAP=mpi" in rendered.sbatch  # the site's; a torchrun worker ignores it

@@ -17,6 +17,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from nereus.backends.grid import Coord, Grid
 from nereus.spec.model import ModelSpec
 
+# groups whose coordinate is the group rank (torch sorts a group's ranks): a TP rank's vocabulary
+# shard and DTensor mesh coordinate, a pipeline stage's peers; the others only sum or gather by rank
+ORDERED = frozenset({"tp", "pp"})
+
 
 @dataclass(slots=True)
 class Groups:
@@ -39,7 +43,7 @@ class Groups:
         """Collective over the world: every rank calls it for the same grids in the same order."""
         g = cls(grid, rank, grid.coord(rank) if rank in grid.ranks else Coord(-1, -1, -1))
         for kind, ranks in grid.all_groups(model):
-            if list(ranks) != sorted(ranks):  # torch sorts a group's ranks; coordinates follow that order
+            if kind in ORDERED and list(ranks) != sorted(ranks):  # torch sorts a group's ranks
                 raise ValueError(
                     f"{kind} group {list(ranks)}: ranks must ascend with the coordinate (a pipeline "
                     "stage's peer, a vocabulary shard's offset and a mesh coordinate are the group rank)"
