@@ -116,7 +116,7 @@ def gpu_index(local_rank: int, local_workers: int, visible: int) -> int:
             f"GPUs: this task sees {visible} GPUs (visible devices: CUDA/HIP/ROCR_VISIBLE_DEVICES) but "
             f"its node runs {local_workers} tasks (tasks per node; this is local rank {local_rank}), so "
             "two tasks would share a GPU: give each task one GPU (srun --gpus-per-task=1) or every GPU to "
-            "every task"
+            "every task (nereus run: no more workers than GPUs, or NEREUS_DEVICE=cpu)"
         )
     return local_rank
 

@@ -26,7 +26,7 @@ from nereus.plan.problem import PlanningProblem
 from nereus.plan.search import search
 from nereus.sim import GpuSupply, SpotTrace
 from nereus.spec import Stage, load_cluster
-from nereus.spec.domains import FailureDomains, _all_drawn
+from nereus.spec.domains import MAX_COUNT_CELLS, FailureDomains, _all_drawn
 from nereus.spec.registry import config_root
 from tests.helpers import make_problem
 
@@ -247,9 +247,28 @@ def test_an_event_in_a_pool_of_a_hundred_thousand_instances_is_priced_at_once() 
         got = _all_drawn(100_000, [8] * 60, int(p * 100_000))
         assert got == pytest.approx((1 - (1 - p) ** 8) ** 60, rel=5e-3)
     assert _all_drawn(100_000, [8] * 60, 59) == 0.0  # fewer picks than replicas
-    total, r, m, drawn = 5_000, 30, 4, 1_500
-    exact = sum((-1) ** j * math.comb(r, j) * math.comb(total - j * m, drawn) for j in range(r + 1))
-    assert _all_drawn(total, [m] * r, drawn) == pytest.approx(exact / math.comb(total, drawn), rel=1e-9)
+    # large sets and few draws (the terms that matter are far from the count's peak): exact integers
+    for total, r, m, drawn in [(5_000, 30, 4, 1_500), (12_500, 2, 1_000, 10), (5_000, 4, 300, 30),
+                               (100_000, 2, 1_024, 200), (100_000, 4, 512, 400)]:  # fmt: skip
+        exact = sum((-1) ** j * math.comb(r, j) * math.comb(total - j * m, drawn) for j in range(r + 1))
+        want = exact / math.comb(total, drawn)
+        assert _all_drawn(total, [m] * r, drawn) == pytest.approx(want, rel=1e-8), (total, r, m, drawn)
+
+
+def test_past_the_exact_counts_budget_the_risk_is_bounded_above() -> None:
+    """Too large a count for ``MAX_COUNT_CELLS``: the replicas as if hit independently, which
+    under sampling without replacement is an upper bound, so a risk is never under-priced."""
+    total, sizes, drawn = 100_000, [1_024] * 64, 3_000
+    assert sum(sizes) * (drawn + 1) > MAX_COUNT_CELLS
+    bound = _all_drawn(total, sizes, drawn)
+    assert bound == pytest.approx(
+        math.prod(1 - math.comb(total - 1024, drawn) / math.comb(total, drawn) for _ in sizes)
+    )
+    small = 20_000, [64] * 8, 500  # within the budget: the exact count is below the bound
+    independent = math.prod(
+        1 - math.comb(small[0] - 64, small[2]) / math.comb(small[0], small[2]) for _ in range(8)
+    )
+    assert _all_drawn(*small) < independent
 
 
 def test_a_long_history_prices_each_distinct_fraction_once() -> None:

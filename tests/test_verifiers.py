@@ -363,6 +363,9 @@ MATRIX = "\\begin{pmatrix} 3 \\\\ -1 \\end{pmatrix}"
         (answer_math, "Answer: 5 or 6", "5", 0.0),
         (answer_math, "Answer: $42$ is right", "42", 1.0),  # the math span of the line
         (answer_math, "Answer: 2/4", "\\frac12", 0.0),
+        (answer_math, "Answer: a + b", "a + b", 1.0),  # an article only before a number
+        (answer_math, "Answer: \\pi r^2 h", "\\pi r^2 h", 1.0),  # h is a variable here, not hours
+        (answer_math, "Answer: $5$ or $6$", "5", 1.0),  # the first span, as verl
     ],
 )  # fmt: skip
 def test_answers_real_models_write(verifier: object, response: str, answer: str, reward: float) -> None:

@@ -163,7 +163,8 @@ _ANSWER_LINE = re.compile(r"(?i)answer\s*:\s*([^\n]+)")
 
 _MATH_SPAN = re.compile(r"\$([^$]+)\$")
 # words a model appends to a count or a measure ("Answer: 42 minutes"), dropped from the end of an
-# answer line, as verl's math_dapo drops them; "or", "and" are not among them ("5 or 6" stays)
+# answer line when a number remains (verl's math_dapo drops a list of such words); "or", "and"
+# are not among them ("5 or 6" stays)
 _UNITS = """mm cm m km in inch inches ft foot feet yd yard mi mile meter metre centimeter centimetre
     kilometer kilometre millimeter millimetre g gram kg kilogram lb lbs pound oz ounce ton l liter
     litre ml gallon cup s sec second min minute h hr hour day week month year mph kph degree
@@ -176,10 +177,10 @@ UNIT_WORDS = frozenset(_UNITS.split())
 def answer_line(text: str) -> str | None:
     """The final answer of a DAPO-style response ("... Answer: 42"): the content of the last
     ``Answer:`` line within its last ``ANSWER_TAIL_CHARS`` characters — a box there gives its
-    content, else its last ``$...$`` span, else the line less a leading article and trailing unit
-    words (``UNIT_WORDS``) — or, with no such line, the response's last box (a choice: verl's
-    math_dapo scores a box without the line 0; here the answer counts, the format not); None if
-    it has neither."""
+    content, else its first ``$...$`` span (as verl reads it), else the line, less a leading
+    article and trailing unit words (``UNIT_WORDS``) where a number remains — or, with no such
+    line, the response's last box (a choice: verl's math_dapo scores a box without the line 0;
+    here the answer counts, the format not); None if it has neither."""
     found = _ANSWER_LINE.findall(text[-ANSWER_TAIL_CHARS:])
     if not found:
         return last_boxed(text)
@@ -189,18 +190,20 @@ def answer_line(text: str) -> str | None:
         return boxed
     spans: list[str] = _MATH_SPAN.findall(line)
     if spans:
-        return spans[-1].strip()
+        return spans[0].strip()
     return _without_units(line.rstrip("."))
 
 
 def _without_units(answer: str) -> str:
-    """``a 5 ways`` → ``5``: a leading article and trailing unit words off (one word stays)."""
+    """``a 5 ways`` → ``5``: a leading article and trailing unit words off, when a number is what
+    remains (``a + b``, ``\\pi r^2 h`` stay as they are)."""
     words = answer.split()
     if len(words) > 1 and words[0].lower() in ("a", "an"):
         words = words[1:]
     while len(words) > 1 and _is_unit(words[-1]):
         words.pop()
-    return " ".join(words)
+    kept = " ".join(words)
+    return kept if math_number(normalize_math(kept)) is not None else answer
 
 
 def _is_unit(word: str) -> bool:

@@ -93,8 +93,10 @@ def _state_dict(worker: Worker, plan: Plan) -> Iterator[dict[str, Any]]:
             ranks = [worker.rank_of[g] for u in replicas(c) for g in u.gpus]
             model = worker.model_of(name)
             kind = worker.device.type
-            mesh, kv = layout_mesh(c.layout, ranks, kind), kv_mesh(model, c.layout, ranks, kind)  # collective
-            meshes += [m for m in (mesh, kv) if m is not None]
+            mesh = layout_mesh(c.layout, ranks, kind)  # collective
+            meshes.append(mesh)
+            kv = kv_mesh(model, c.layout, ranks, kind)
+            meshes += [kv] if kv is not None else []
             rs = worker.holder.units.get(name)
             if rs is not None:
                 out.update({f"{name}/{k}": v for k, v in to_dtensors(rs, mesh, kv).items()})

@@ -95,15 +95,23 @@ def main(job_dir: str, join: bool = False) -> Outcome:
     activate(devices)
     if boot.restart:  # torchrun's agent restarted this worker: its state is gone
         return _rejoin(job, spec, secret, boot, devices)
+    rdzv, refused = None, ""
     if boot.rank == 0:
-        m = Membership.host(secret, 0, node_address(), 0, log=job.run / "membership.log", devices=devices)
-        rdzv = Rendezvous(m.rendezvous.host, m.rendezvous.port, boot.launch_id)
-        rdzv.write(job.path / RDZV)
-    else:
-        rdzv = None
+        try:
+            address = node_address()
+        except ConfigError as exc:  # told to every rank, which would otherwise wait in the bcast
+            refused = str(exc)
+        else:
+            m = Membership.host(secret, 0, address, 0, log=job.run / "membership.log", devices=devices)
+            rdzv = Rendezvous(m.rendezvous.host, m.rendezvous.port, boot.launch_id)
+            rdzv.write(job.path / RDZV)
     if comm is not None:
-        sent = comm.bcast((rdzv.host, rdzv.port, rdzv.launch_id) if rdzv else None, root=0)
+        sent = comm.bcast(refused or ((rdzv.host, rdzv.port, rdzv.launch_id) if rdzv else None), root=0)
+        if isinstance(sent, str):
+            raise ConfigError(sent)
         rdzv = Rendezvous(*sent)
+    elif refused:
+        raise ConfigError(refused)
     if boot.rank != 0:
         rdzv = rdzv or Rendezvous.read(job.path / RDZV, launch_id=boot.launch_id)
         m = Membership.connect(rdzv, secret, boot.rank, devices=devices)

@@ -27,6 +27,7 @@ Pure: no clocks, no I/O; GPU ids are the cluster's global ids.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections import Counter
@@ -34,8 +35,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
 
 MAX_RATE_PER_HOUR = 1e6
+MAX_COUNT_CELLS = 50_000_000  # element operations of an exact all-replicas-hit count (~1 s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,29 +175,51 @@ class FailureDomains:
 
 def _all_drawn(total: int, sizes: list[int], drawn: int) -> float:
     """Probability that ``drawn`` of ``total`` instances, chosen at random, hit every one of the
-    disjoint sets of ``sizes`` instances. Counted with positive terms only: ways[t], the number of
-    t-subsets of the sets' instances that hit every set (the coefficients of Π_i ((1 + x)^m_i − 1)),
-    each completed by drawn − t of the other total − Σm instances, over C(total, drawn). Floats,
-    rescaled as the product grows and combined in logs: relative error ~1e-9 at any pool size, in
-    O(replicas · Σm · max m) (exact integers cost seconds a call at 10⁵ instances, and an
-    inclusion–exclusion over many replicas cancels terms far larger than its result)."""
+    disjoint sets of ``sizes`` instances: Σ_t P(t of the draws land in the sets) · P(t random
+    picks among the sets' instances hit every set), every term a probability (no cancellation,
+    no overflow). The second factor, f(t), is built set by set: with the first k sets holding M_k
+    instances, f_k(s) = Σ_{j≥1} H(j; M_k, m_k, s) · f_{k−1}(s − j), H the hypergeometric chance
+    that j of s picks fall in set k. Relative error ~1e-9 at any pool size (log-factorials);
+    O(Σ min(m, w) · w) with w = min(drawn, Σm) + 1. Past ``MAX_COUNT_CELLS`` of that, the
+    replicas are counted as if hit independently: an upper bound (under sampling without
+    replacement, hits are negatively associated), so a risk is never under-priced."""
     marked = sum(sizes)
     if marked > total or drawn < len(sizes):
         return 0.0
-    ways, scale = np.ones(1), 0.0
+    width = min(drawn, marked) + 1
+    if sum(min(m, width) for m in sizes) * width > MAX_COUNT_CELLS:
+        return math.prod(1.0 - _none_drawn(total, m, drawn) for m in sizes)
+    lf = _log_factorials(total)
+    f = np.zeros(width)
+    f[0] = 1.0  # no sets yet: 0 picks among their 0 instances, all (none) hit
+    held = 0
     for m in sizes:
-        hits = np.exp([_log_comb(m, j) - _log_comb(m, m // 2) for j in range(m + 1)])
-        hits[0] = 0.0  # the set must be hit
-        ways = np.convolve(ways, hits)
-        peak = float(ways.max())
-        ways /= peak
-        scale += math.log(peak) + _log_comb(m, m // 2)
-    whole = _log_comb(total, drawn)
-    got = 0.0
-    for t in range(len(sizes), min(drawn, marked) + 1):
-        if ways[t] > 0.0 and drawn - t <= total - marked:
-            got += math.exp(math.log(ways[t]) + scale + _log_comb(total - marked, drawn - t) - whole)
-    return min(1.0, got)
+        grown = held + m
+        top = min(grown, width - 1)
+        nxt = np.zeros(width)
+        for j in range(1, min(m, top) + 1):
+            s = np.arange(j, min(top, held + j) + 1)  # s − j picks among the earlier sets' held
+            logh = _lc(lf, m, j) + _lc(lf, held, s - j) - _lc(lf, grown, s)
+            nxt[s] += np.exp(logh) * f[s - j]
+        f, held = nxt, grown
+    t = np.arange(len(sizes), width)
+    t = t[drawn - t <= total - marked]
+    logq = _lc(lf, marked, t) + _lc(lf, total - marked, drawn - t) - _lc(lf, total, np.asarray(drawn))
+    return float(min(1.0, np.sum(np.exp(logq) * f[t])))
+
+
+def _lc(lf: FloatArray, n: int, k: IntArray | np.integer | int) -> FloatArray:
+    """log C(n, k) from the log-factorial table ``lf``."""
+    k = np.asarray(k)
+    return np.asarray(lf[n] - lf[k] - lf[n - k], dtype=np.float64)
+
+
+@functools.lru_cache(maxsize=8)
+def _log_factorials(n: int) -> FloatArray:
+    """log(i!) for i = 0 … n."""
+    out = np.zeros(n + 1)
+    np.cumsum(np.log(np.arange(1, n + 1, dtype=np.float64)), out=out[1:])
+    return out
 
 
 def _none_drawn(total: int, marked: int, drawn: int) -> float:

@@ -174,19 +174,31 @@ def accumulate_into(b: BoundStage, grad: Tensor) -> list[RemovableHandle]:
     for s in b.state.layout_of().slots:
         param = b.params[s.name]
         slots.setdefault(id(param), (param, []))[1].append((s.offset, s.offset + s.numel))
-    handles = []
-    for tensor, spans in slots.values():
-
-        def add(param: Tensor, spans: list[tuple[int, int]] = spans) -> None:
-            g = local_grad(param)
-            if g is not None:
-                flat = g.reshape(-1)
-                for lo, hi in spans:
-                    grad[lo:hi].add_(flat)
-            param.grad = None
-
-        handles.append(tensor.register_post_accumulate_grad_hook(add))  # type: ignore[no-untyped-call]
+    handles: list[RemovableHandle] = []
+    try:
+        for tensor, spans in slots.values():
+            if tensor.requires_grad:  # a frozen tensor's spans stay zero
+                handles.append(_adding(tensor, spans, grad))
+    except BaseException:
+        for h in handles:
+            h.remove()
+        raise
     return handles
+
+
+def _adding(tensor: Tensor, spans: list[tuple[int, int]], grad: Tensor) -> RemovableHandle:
+    """The hook adding ``tensor``'s gradient into ``spans`` of ``grad``, then freeing it."""
+
+    def add(param: Tensor) -> None:
+        g = local_grad(param)
+        if g is not None:
+            flat = g.reshape(-1)
+            for lo, hi in spans:
+                grad[lo:hi].add_(flat)
+        param.grad = None
+
+    handle: RemovableHandle = tensor.register_post_accumulate_grad_hook(add)  # type: ignore[no-untyped-call]
+    return handle
 
 
 def reduce_grad(b: BoundStage, grad: Tensor) -> float:
