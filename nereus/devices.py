@@ -176,8 +176,13 @@ def abort_world() -> None:
 
 def synchronize(devices: Devices) -> None:
     """Wait for the device's queued work (timings on a GPU measure work, not its launch)."""
-    if devices.accelerated:
-        torch.cuda.synchronize(devices.device)
+    synchronize_device(devices.device)
+
+
+def synchronize_device(device: torch.device) -> None:
+    """``synchronize`` for code that holds a tensor's device: a no-op on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class StageOutOfMemoryError(RuntimeError):

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nereus.devices import synchronize_device
 from nereus.plan.layout import Layout
 from nereus.state import recycle
 from nereus.state.buffers import BufferKind, rank_buffers
@@ -238,8 +239,7 @@ class Executor:
             what = "; ".join(f"{n.primitive.value} node {n.id} ({n.describe()})" for n in mine)
             peers = sorted({self.rank_of_gpu[g] for n in mine for g in (*n.gpus, *n.sends)} - {self.rank})
             raise TransitionError(f"rank {self.rank}: {what} with ranks {peers} failed: {exc}") from exc
-        if self.holder.device.type == "cuda":  # NCCL waits order the stream: time the work, not its launch
-            torch.cuda.synchronize(self.holder.device)
+        synchronize_device(self.holder.device)  # NCCL waits order the stream: time the work, not its launch
         elapsed = time.perf_counter() - started
         self.wave_seconds.append(elapsed)
         for node in mine:

@@ -29,6 +29,7 @@ from nereus.backends.optim import AdamWConfig, FlatAdamW, Ranges, norm_ranges, s
 from nereus.backends.parallel import local_grad
 from nereus.backends.protocol import LossFn, TokenBatch, TrainStats
 from nereus.backends.torch_native.stage import BoundStage
+from nereus.devices import synchronize_device
 from nereus.spec.model import Head
 from nereus.state.geometry import chunk
 
@@ -215,17 +216,12 @@ def reduce_grad(b: BoundStage, grad: Tensor) -> float:
             at += s.numel
     dp_seconds = 0.0
     if b.groups.dp is not None:  # timed on the device's work (NCCL returns once it is queued)
-        _synchronize(b.device)
+        synchronize_device(b.device)
         started = time.perf_counter()
         dist.all_reduce(grad, group=b.groups.dp)
-        _synchronize(b.device)
+        synchronize_device(b.device)
         dp_seconds += time.perf_counter() - started
     return dp_seconds
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def clip(b: BoundStage, opt: Optimizer, grad: Tensor) -> float:
