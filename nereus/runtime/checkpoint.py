@@ -103,11 +103,13 @@ def _state_dict(worker: Worker, plan: Plan) -> Iterator[dict[str, Any]]:
         yield out
     finally:
         out.clear()
-        world = dist.group.WORLD
-        mine = [m for m in meshes if m.get_coordinate() is not None]  # others hold no groups here
-        for pg in {id(g): g for m in mine for g in m.get_all_groups()}.values():
-            if pg is not world:
-                dist.destroy_process_group(pg)
+    # after DCP succeeded only: a failed save or load (a lost peer) leaves them to the world's abort,
+    # as destroying a communicator whose peer died can block
+    world = dist.group.WORLD
+    mine = [m for m in meshes if m.get_coordinate() is not None]  # others hold no groups here
+    for pg in {id(g): g for m in mine for g in m.get_all_groups()}.values():
+        if pg is not world:
+            dist.destroy_process_group(pg)
 
 
 def save(worker: Worker, plan: Plan, step: int, folder: Path, keep: int = 2) -> Path:
