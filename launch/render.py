@@ -144,7 +144,7 @@ def render(site: Site, req: Request) -> Rendered:
     # array task none: the site's one-GPU-per-task binding is for srun's task-per-GPU launch only
     site_args = [a for a in site.srun_args if not ((torchrun or req.array) and gpu_binding(a))]
     # torchrun: no PMI, the ranks are SLURM's task + torchrun's; "none" leaves srun's default
-    mpi_args = ["--mpi=none"] if torchrun else [] if site.mpi == "none" else [f"--mpi={site.mpi}"]
+    mpi_args = ["--mpi=none"] if torchrun else site.mpi_flag
     params: dict[str, Any] = {
         "job_name": req.job_name,
         "nodes": req.nodes,

@@ -212,9 +212,9 @@ class Site:
                 raise ValueError(control_error(f"key {key!r}", value))
 
     @property
-    def mpi_args(self) -> list[str]:
-        """The srun flags: the MPI plugin, then the site's own."""
-        return ([] if self.mpi == "none" else [f"--mpi={self.mpi}"]) + list(self.srun_args)
+    def mpi_flag(self) -> list[str]:
+        """srun's MPI plugin flag (none for ``mpi: none``: srun's default)."""
+        return [] if self.mpi == "none" else [f"--mpi={self.mpi}"]
 
     def env_lines(self) -> list[str]:
         """``export`` lines for the environment, each value ``shlex.quote``d: taken literally by the
