@@ -294,6 +294,26 @@ def test_a_killed_worker_then_a_preemption_and_resume_end_as_the_untouched_run(
 
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
+def test_a_resume_under_a_lower_max_staleness_counts_the_batches_it_drops(tmp_path: Path) -> None:
+    """Preempted with a batch generated ahead (one step stale), resumed under ``max_staleness: 0``:
+    the batch is generated again, on policy, and the first resumed row counts it as dropped."""
+    out, wl = tmp_path / "lowered", workload(tmp_path, "async")
+    exp = experiment(tmp_path, "lowered", wl, 4)
+    cmd = [sys.executable, "-m", "nereus.cli", "run", str(exp), "--out", str(out)]
+    code, err = stop_after_rows(cmd, out / "metrics.jsonl", 2)
+    assert code == 144, err[-3000:]
+    last = int(rows(out)[-1]["step"])  # type: ignore[call-overload]
+    wl.write_text(wl.read_text().replace("max_staleness: 1", "max_staleness: 0"))
+    resumed = run(exp, out, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"steps {last + 1} are staler" in resumed.stderr, resumed.stderr[-3000:]
+    first = rows(out)[last + 1]["asynchrony"]
+    assert first["dropped"] == 1.0 and first["staleness"] == 0.0, first  # type: ignore[index]
+    assert all(r["asynchrony"]["dropped"] == 0.0 for r in rows(out)[last + 2 :])  # type: ignore[index]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
 def test_drop_regenerates_the_batches_ahead_after_a_transition(tmp_path: Path) -> None:
     out = tmp_path / "drop"
     wl = workload(tmp_path, "async", in_flight="drop")

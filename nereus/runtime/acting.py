@@ -83,9 +83,10 @@ class Acting:
             self.worker.pending = {}
             self.worker.close()  # every unit and engine goes: the start places them afresh
             self.worker.drop()
-            resumed = first_state(self.worker, target, None, self.setup.spec) - 1
+            resumed = first_state(self.worker, target, None, self.setup.spec).step
         else:
-            resumed = ckpt.load(self.worker, target, path)
+            resumed, dropped = ckpt.load(self.worker, target, path)
+            self.dropped += dropped
             self.worker.bind(target)
             self.worker.weight_sync(target)
         seconds = reduce_max(time.perf_counter() - began)

@@ -29,7 +29,7 @@ import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
@@ -257,8 +257,16 @@ class VerifiedReader(FileSystemReader):
         return metadata
 
 
-def load(worker: Worker, plan: Plan, path: Path) -> int:
-    """Fill this rank's saved model-stages under ``plan`` from ``path``; returns its step.
+class Loaded(NamedTuple):
+    """What ``load`` restored: the checkpoint's step, and how many of its batches generated ahead
+    were dropped as staler than this run's ``max_staleness`` (async RL; a resume may lower it)."""
+
+    step: int
+    dropped: int
+
+
+def load(worker: Worker, plan: Plan, path: Path) -> Loaded:
+    """Fill this rank's saved model-stages under ``plan`` from ``path``.
     Nothing is loaded unless the checkpoint verifies and this job's model and workload wrote it."""
     manifest = verified(path)
     meta = manifest.meta()
@@ -287,7 +295,7 @@ def load(worker: Worker, plan: Plan, path: Path) -> int:
             "again",
             file=sys.stderr, flush=True,
         )  # fmt: skip
-    return step
+    return Loaded(step, len(stale))
 
 
 def fresh(batches: dict[int, Batch], max_staleness: int) -> dict[int, Batch]:

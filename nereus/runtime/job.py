@@ -307,18 +307,19 @@ def last_tokens(r: Rollouts) -> Tensor:
     return torch.where(r.mask.sum(1) == 0, torch.full_like(last, r.prompt_len - 1), last)
 
 
-def first_state(worker: Worker, plan: Plan, resume_from: Path | None, spec: ExperimentSpec) -> int:
+def first_state(worker: Worker, plan: Plan, resume_from: Path | None, spec: ExperimentSpec) -> ckpt.Loaded:
     """The checkpoint's state (then the weight copies from their trainers), or fresh weights and
-    the Hugging Face checkpoints the experiment starts from; engines bound. Returns the first step."""
+    the Hugging Face checkpoints the experiment starts from; engines bound. Returns the step
+    before the first one to run (−1 on a fresh start) and the checkpoint's batches dropped."""
     if resume_from is not None:
-        step = ckpt.load(worker, plan, resume_from) + 1
+        loaded = ckpt.load(worker, plan, resume_from)
         worker.bind(plan)
         worker.weight_sync(plan)
-        return step
+        return loaded
     worker.init_state(plan)
     worker.bind(plan)
     for name, engine in worker.engines.items():
         path = spec.weights_of(worker.workflow.get(name).role.value)
         if path:
             engine.load_hf(Path(path))
-    return 0
+    return ckpt.Loaded(-1, 0)

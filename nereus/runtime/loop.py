@@ -142,7 +142,8 @@ class JobLoop(Acting, Surviving):
         max_new = spec.max_new_tokens_at(first)
         store = start_up_sweep(m, setup) if spec.calibrate else None  # collective over the world
         plan: Plan = broadcast(initial_plan(setup, m.members, max_new, store) if m.leader else None, Plan)
-        step = first_state(worker, plan, resume_from, spec)
+        loaded = first_state(worker, plan, resume_from, spec)
+        step = loaded.step + 1
         fixed = worker.bind_costs()
         if m.leader and resume_from is not None:  # steps after the checkpoint run again
             drop_rows_after(out / "metrics.jsonl", step - 1)
@@ -150,7 +151,9 @@ class JobLoop(Acting, Surviving):
         if leader is not None:  # a move's rebuilds are priced at what they took here, until measured
             leader.controller.started(fixed)
             m.log(f"start-up built {fixed.describe()}: what a move's rebuilds cost until one is measured")
-        return cls(m, spec, out, setup, worker, plan, step, leader, preemption=preemption)
+        loop = cls(m, spec, out, setup, worker, plan, step, leader, preemption=preemption)
+        loop.dropped = loaded.dropped  # a resume's batches staler than a lowered max_staleness
+        return loop
 
     @classmethod
     def enter(
