@@ -89,8 +89,11 @@ def node_threads(env: Mapping[str, str], local_workers: int) -> int:
     return max(1, cpus // max(1, local_workers))
 
 
-def choose(local_rank: int, local_workers: int, env: Mapping[str, str] | None = None) -> Devices:
-    """The device and threads of the worker with node-local rank ``local_rank`` of ``local_workers``."""
+def choose(
+    local_rank: int, local_workers: int, env: Mapping[str, str] | None = None, shared: bool = False
+) -> Devices:
+    """The device and threads of the worker with node-local rank ``local_rank`` of ``local_workers``
+    (``shared``: every worker sees the node's GPUs, as ``nereus run``'s do; ``gpu_index``)."""
     env = os.environ if env is None else env
     want = env.get("NEREUS_DEVICE", "auto")
     if want not in CHOICES:
@@ -101,16 +104,23 @@ def choose(local_rank: int, local_workers: int, env: Mapping[str, str] | None = 
         if want == "cuda":
             raise ConfigError("NEREUS_DEVICE=cuda: no CUDA or ROCm GPU is visible to this process")
         return Devices(CPU, threads)
-    return Devices(torch.device("cuda", gpu_index(local_rank, local_workers, visible)), threads)
+    return Devices(torch.device("cuda", gpu_index(local_rank, local_workers, visible, shared)), threads)
 
 
-def gpu_index(local_rank: int, local_workers: int, visible: int) -> int:
+def gpu_index(local_rank: int, local_workers: int, visible: int, shared: bool = False) -> int:
     """The visible GPU of the worker with node-local rank ``local_rank`` of ``local_workers``: the
     one GPU it sees (a launcher bound one to each task: ``srun --gpus-per-task=1``), else GPU
     ``local_rank`` (every GPU visible to every task). A task that sees several GPUs but fewer than
-    its node's workers would share one with another task: refused, one line."""
-    if visible == 1:
+    its node's workers would share one with another task: refused, one line. ``shared``: every
+    worker sees the same GPUs (``nereus run``'s local workers), so one GPU is no binding either."""
+    if visible == 1 and not shared:
         return 0
+    if visible < local_workers and shared:
+        raise ConfigError(
+            f"workers: {local_workers} local workers but {visible} GPU{'s' * (visible != 1)} visible "
+            "(CUDA/HIP/ROCR_VISIBLE_DEVICES), and a GPU runs one worker (allowed: workers up to "
+            f"{visible}, or NEREUS_DEVICE=cpu to run every worker on the CPU)"
+        )
     if visible < local_workers:
         raise ConfigError(
             f"GPUs: this task sees {visible} GPUs (visible devices: CUDA/HIP/ROCR_VISIBLE_DEVICES) but "

@@ -60,6 +60,19 @@ def test_a_task_bound_to_one_gpu_takes_it_and_sharing_one_is_refused() -> None:
         gpu_index(0, 3, 2)
 
 
+def test_local_workers_see_every_gpu_so_one_gpu_for_several_workers_is_refused() -> None:
+    """``nereus run``'s workers all see the machine's GPUs: one visible GPU is not a binding, and
+    four workers on it would share it (NCCL refuses a GPU twice in a communicator)."""
+    assert [gpu_index(rank, 4, 4, shared=True) for rank in range(4)] == [0, 1, 2, 3]
+    assert gpu_index(0, 1, 1, shared=True) == 0
+    for visible in (1, 3):
+        with pytest.raises(ConfigError) as info:
+            gpu_index(2, 4, visible, shared=True)
+        message = str(info.value)
+        assert "\n" not in message and message.startswith(f"workers: 4 local workers but {visible} GPU")
+        assert f"allowed: workers up to {visible}, or NEREUS_DEVICE=cpu" in message, message
+
+
 def test_threads_are_what_the_node_gives_a_worker() -> None:
     assert node_threads({"NEREUS_THREADS": "6"}, 4) == 6
     assert node_threads({"SLURM_CPUS_PER_TASK": "7"}, 4) == 7

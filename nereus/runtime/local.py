@@ -236,10 +236,13 @@ def member_main(
     from nereus.runtime.loop import JobLoop
     from nereus.runtime.membership import Membership, Rendezvous
 
-    devices = choose(gpu, spec.workers)  # one node: worker g is its local rank g
+    folder = Path(out)
+    try:  # one node, every GPU visible to every worker: worker g is local rank g, on GPU g
+        devices = choose(gpu, spec.workers, shared=True)
+    except NereusError as exc:
+        _fail(exc, folder, gpu)
     activate(devices)
     ckpt.use_key(key)
-    folder = Path(out)
     if gpu == 0:
         m = Membership.host(
             secret, 0, "127.0.0.1", 0, log=folder / "membership.log", node=f"local{gpu}", devices=devices
@@ -295,7 +298,10 @@ def joiner_main(
     from nereus.devices import activate, choose
     from nereus.runtime import checkpoint as ckpt
 
-    devices = choose(gpu or 0, spec.workers)
+    try:
+        devices = choose(gpu or 0, spec.workers, shared=True)
+    except NereusError as exc:
+        _fail(exc)
     activate(devices)
     ckpt.use_key(key)
     folder = Path(out)

@@ -79,6 +79,24 @@ def test_a_short_run_on_the_gpus(tmp_path: Path) -> None:
     assert len(rows) == 3
 
 
+@pytest.mark.timeout(300)
+def test_more_workers_than_gpus_is_refused_with_one_line(tmp_path: Path) -> None:
+    """A GPU runs one worker: ``nereus run`` with one worker more than the visible GPUs exits 2
+    naming ``workers``, and leaves no run folder (CPU twin: ``test_devices.py``'s ``shared``)."""
+    exp, out = tmp_path / "over.yaml", tmp_path / "out"
+    exp.write_text(
+        f"name: over\nworkload: grpo-tiny\nmodel: tiny-llama\nworkers: {torch.cuda.device_count() + 1}\n"
+        "steps: 2\ntask: {kind: copy, n: 64, difficulty: 2, length: 2}\nmax_new_tokens: 2\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "nereus.cli", "run", str(exp), "--out", str(out)],
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "error: workers: " in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not out.exists()
+
+
 BUS_FRACTION = 0.5  # the reshard's bytes per second against one bare message per GPU pair
 
 
