@@ -115,10 +115,10 @@ class Attention(nn.Module):
             cache.k[:, :, start : start + t] = k
             cache.v[:, :, start : start + t] = v
             k, v = cache.k[:, :, : start + t], cache.v[:, :, : start + t]
-        rep = q.shape[1] // k.shape[1]
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(hd))
+        # grouped-query attention without copying the keys and values per query head
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(hd), enable_gqa=q.shape[1] != k.shape[1]
+        )
         result: Tensor = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         return result
 
