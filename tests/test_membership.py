@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from nereus.runtime import rendezvous
 from nereus.runtime.membership import (
     JOIN_QUEUE,
     FormationError,
@@ -183,6 +184,22 @@ def test_rendezvous_file_is_private_and_waits_for_its_launch(tmp_path: Path) -> 
     assert Rendezvous.read(path, launch_id="old").port == 1234
     with pytest.raises(ValueError, match="bad address"):
         Rendezvous("", 0)
+
+
+def test_rendezvous_polls_back_off_to_their_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Waiting ranks poll the file less and less often (a parallel file system's metadata server
+    sees thousands of them), never past ``POLL_MAX_S``; the file is read as soon as it appears."""
+    path, slept = tmp_path / "rendezvous.json", []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        if len(slept) == 12:
+            Rendezvous("127.0.0.1", 4321).write(path)
+
+    monkeypatch.setattr(rendezvous.time, "sleep", sleep)
+    assert Rendezvous.read(path, timeout_s=600).port == 4321
+    assert len(slept) == 12 and max(slept) <= rendezvous.POLL_MAX_S
+    assert slept[0] <= rendezvous.POLL_MIN_S and slept[-1] >= rendezvous.POLL_MAX_S / 2
 
 
 def joined(gpu: int, port: int, out: str, members: tuple[int, ...]) -> Membership:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import random
 import socket
 import struct
 import time
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nereus.errors import ConfigError
+
+POLL_MIN_S, POLL_MAX_S = 0.05, 1.0  # the rendezvous file's polls back off between these (s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +47,11 @@ class Rendezvous:
     @classmethod
     def read(cls, path: Path, timeout_s: float = 120.0, launch_id: str | None = None) -> Rendezvous:
         """Wait for the leader to write ``path`` (of launch ``launch_id`` when given: not the one
-        a requeued job's previous leader left); a clear error when it never does."""
+        a requeued job's previous leader left); a clear error when it never does. The polls back
+        off (0.05 s doubling to ``POLL_MAX_S``, jittered): thousands of ranks polling one file on
+        a parallel file system every 0.1 s would load its metadata server."""
         deadline = time.monotonic() + timeout_s
+        delay = POLL_MIN_S
         while True:
             if path.is_file():
                 data = json.loads(path.read_text())
@@ -54,7 +60,8 @@ class Rendezvous:
                     return found
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{path}: the job's leader wrote no rendezvous in {timeout_s:.0f} s")
-            time.sleep(0.1)
+            time.sleep(min(delay * random.uniform(0.5, 1.0), max(0.0, deadline - time.monotonic())))
+            delay = min(2 * delay, POLL_MAX_S)
 
     def answers(self, timeout_s: float = 10.0) -> bool:
         """Whether something accepts connections at this store within ``timeout_s`` (a client
