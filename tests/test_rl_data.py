@@ -101,7 +101,7 @@ def test_verifier_registry_and_batch_scores() -> None:
     with pytest.raises(
         ConfigError,
         match=r"unknown verifier 'regex' \(allowed: answer_line, boxed, by_source, exact, exact_answer, "
-        r"exact_match, gsm8k, gsm8k_flexible, math, none\)",
+        r"exact_match, gsm8k, gsm8k_flexible, math, math_verify, none\)",
     ):
         get_verifier("regex")
     got = score(exact_answer, ["1", "2", "1x", "?"], ["1", "1", "1", "1"])

@@ -30,6 +30,7 @@ from nereus.rl.verifiers import (
     get_verifier,
     gsm8k,
     gsm8k_flexible,
+    math_verify,
     score,
     score_by_source,
     verifier_for_source,
@@ -250,8 +251,10 @@ def test_registry_names_and_error() -> None:
     assert get_verifier("exact") is exact
     assert get_verifier("by_source") is by_source
     assert get_verifier("answer_line") is answer_math
+    assert get_verifier("math_verify") is math_verify
     allowed = (
-        "answer_line, boxed, by_source, exact, exact_answer, exact_match, gsm8k, gsm8k_flexible, math, none"
+        "answer_line, boxed, by_source, exact, exact_answer, exact_match, gsm8k, gsm8k_flexible, math, "
+        "math_verify, none"
     )
     assert ", ".join(sorted(VERIFIERS)) == allowed
     with pytest.raises(ConfigError, match=rf"^unknown verifier 'regex' \(allowed: {allowed}\)$"):
@@ -388,3 +391,32 @@ def test_degenerate_responses_score_zero_and_never_raise(response: str) -> None:
     """One response must not stop a step: a verifier scores it 0 (quickly), whatever it holds."""
     for verifier in (gsm8k, boxed_math, answer_math):
         assert verifier(response, "5") == 0.0
+
+
+@pytest.mark.parametrize(
+    ("response", "answer", "want"),
+    [
+        ("The answer is \\boxed{0.5}.", "\\frac{1}{2}", 1.0),  # a decimal equals the fraction
+        ("so $x^{2}$, i.e. \\boxed{x^{2}}", "x^2", 1.0),  # the same power, braced or not
+        ("\\boxed{\\frac{2}{4}}", "\\frac{1}{2}", 1.0),  # not in lowest terms: still equal
+        ("\\boxed{(1, 2)}", "\\boxed{(1,2)}", 1.0),  # a boxed answer is unboxed first
+        ("\\boxed{\\frac{\\sqrt2}{2}}", "\\sqrt{2}/2", 1.0),
+        ("Natalia sold 48/2 = 24 clips in May. #### 72", "72", 1.0),  # a plain number, no box
+        ("\\boxed{\\frac{1}{3}}", "\\frac{1}{2}", 0.0),
+        ("I do not know.", "5", 0.0),  # nothing to compare
+        ("\\boxed{4}", "\\frac{1}{", 0.0),  # an answer that does not parse scores 0, no error
+    ],
+)
+def test_math_verify_compares_answers_symbolically(response: str, answer: str, want: float) -> None:
+    """Math-Verify (NeMo-RL's math environment, verl's ``math_verify``): equal values in another
+    form score 1, where ``math``'s normal form compares strings."""
+    assert math_verify(response, answer) == want
+
+
+def test_math_verify_in_a_thread_runs_without_its_alarm() -> None:
+    """Math-Verify's timeout is a SIGALRM, main thread only: in another thread it is not set (a
+    call there would raise and score every response 0)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(math_verify, "\\boxed{0.5}", "\\frac{1}{2}").result(timeout=60) == 1.0

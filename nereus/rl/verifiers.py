@@ -20,6 +20,10 @@ real data sets (answer extraction and normal forms in ``nereus.rl.math_answers``
   either is written with decimals); no box scores 0
 * ``answer_line`` (DAPO-Math, AIME: verl's ``math_dapo``): the last ``Answer: ...`` line near the
   response's end (else its last box) equals the answer as ``math`` compares them
+* ``math_verify``: Hugging Face's Math-Verify (``math-verify``) decides, as NeMo-RL's math
+  environment and verl's ``math_verify`` reward call it: the answer (its box, or itself) parsed as
+  LaTeX, the response's answer (its last box, else a LaTeX or plain expression) compared with it
+  symbolically in sympy (``x^2`` and ``x^{2}``, ``1/2`` and ``0.5``, ``(1, 2)`` and ``(1,2)``)
 
 Verifiers are looked up by name (a workload with ``reward_model: false`` names one); an unknown
 name is a ``ConfigError``. A data set that mixes sources names ``by_source``: ``get_verifier``
@@ -32,6 +36,7 @@ raises ``ConfigError`` when called. Score it with ``score_by_source``, which rou
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -116,6 +121,28 @@ def answer_math(response_text: str, answer: str) -> float:
     return CORRECT if math_equal(got, answer if want is None else want) else 0.0
 
 
+MATH_VERIFY_TIMEOUT_S = 5  # per parse and per comparison (Math-Verify's default): a wedged sympy call
+
+
+def math_verify(response_text: str, answer: str) -> float:
+    """1.0 if Math-Verify finds the response's answer equal to ``answer``, else 0 (also when either
+    does not parse, or a parse or a comparison takes longer than ``MATH_VERIFY_TIMEOUT_S``).
+    Math-Verify times out with ``SIGALRM``, which works in the main thread only; in another thread
+    nothing bounds a call."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    limit = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    boxed = last_boxed(answer)
+    try:
+        gold = parse(f"\\boxed{{{answer if boxed is None else boxed}}}", (LatexExtractionConfig(),),
+                     parsing_timeout=limit)  # fmt: skip
+        got = parse(response_text, (ExprExtractionConfig(), LatexExtractionConfig()), parsing_timeout=limit)
+        found = bool(gold) and bool(got) and verify(gold, got, timeout_seconds=limit)
+    except Exception:  # Math-Verify's timeouts and sympy's errors: not a match (as verl scores them)
+        return 0.0
+    return CORRECT if found else 0.0
+
+
 def by_source(response_text: str, answer: str) -> float:
     """The ``by_source`` placeholder: a row's verifier depends on its data source, which this
     signature lacks, so calling it is an error naming ``score_by_source``."""
@@ -134,6 +161,7 @@ VERIFIERS: Mapping[str, Verifier] = {
     "math": boxed_math,
     "boxed": boxed_math,
     "answer_line": answer_math,
+    "math_verify": math_verify,
     "by_source": by_source,
     "none": no_verifier,
 }
