@@ -23,15 +23,21 @@ def _git(*args: str) -> str:
 
 
 def git_sha() -> str:
-    """The commit measured, ``-dirty`` when code or configs differ from it (the results folder,
-    which the benchmarks themselves rewrite, does not count)."""
+    """The commit measured, ``-dirty`` when code or configs differ from it, a new file that git
+    does not ignore included (the results folder, which the benchmarks themselves rewrite, does
+    not count)."""
     try:
-        dirty = _git(
-            "status", "--porcelain", "--untracked-files=no", "--", ":/", ":(exclude,top)benchmarks/results"
-        )
+        dirty = _git("status", "--porcelain", "--", ":/", ":(exclude,top)benchmarks/results")
         return _git("rev-parse", "--short", "HEAD") + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def _script() -> str:
+    """The benchmark's path from the repository's root, wherever it was run from."""
+    script = Path(sys.argv[0]).resolve()
+    root = RESULTS.parent.parent
+    return str(script.relative_to(root)) if script.is_relative_to(root) else sys.argv[0]
 
 
 def machine() -> dict[str, Any]:
@@ -75,7 +81,7 @@ def write(
         "benchmark": name,
         "git_sha": git_sha(),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": " ".join([Path(sys.executable).name, _script(), *sys.argv[1:]]),
         "machine": machine(),
         "targets": targets,
         "results": results,

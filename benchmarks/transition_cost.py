@@ -18,7 +18,9 @@ Methods, measured side by side in the same processes (alternating, median of rep
   as before it existed; ``unrecycled_ratio`` = nereus / unrecycled, with ``recycled_bytes`` the
   bytes of all ranks' new buffers that reused a block);
 * ``raw``: the very messages nereus sent (same pairs, same sizes, node by node), as bare
-  ``batch_isend_irecv`` without planning or packing: the wire's speed for these bytes. It sends
+  ``batch_isend_irecv`` without planning or packing, one batch per DAG node waited on before the
+  next (nereus overlaps nodes, so on a reshard it can beat this replay: ``raw`` is the issue's
+  reference for the bytes moved, not a lower bound on the transition's time). It sends
   from byte tensors written before the clock starts (nereus sends from its state's buffers) and
   receives into a ``torch.empty`` per message — after the first repeat glibc hands those back
   from its heap with their pages already faulted in (what a GPU's caching allocator gives), so
