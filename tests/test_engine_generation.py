@@ -229,6 +229,26 @@ def test_uniforms_are_deterministic_and_in_range() -> None:
     assert torch.equal(uniforms(7, [2**70 + 5], 0), uniforms(7, [2**70 + 5], 0))
 
 
+def test_uniforms_are_the_scalar_hash_bit_for_bit() -> None:
+    """The vectorised draw is ``_splitmix64`` on Python integers (every 64-bit wrap and mask):
+    a change would change every sampled token of every run."""
+    import random
+
+    from nereus.backends.sampling import MASK64, _splitmix64
+
+    def scalar(seed: int, ids: list[int], step: int) -> list[float]:
+        mixed = _splitmix64(seed & MASK64)
+        return [
+            (_splitmix64(_splitmix64(mixed ^ (i & MASK64)) ^ (step & MASK64)) >> 11) / 2.0**53 for i in ids
+        ]
+
+    rng = random.Random(5)
+    for _ in range(100):
+        ids = [rng.getrandbits(rng.choice((8, 63, 64, 70))) for _ in range(rng.randint(0, 40))]
+        seed, step = rng.getrandbits(rng.choice((8, 64, 80))), rng.getrandbits(rng.choice((4, 64, 66)))
+        assert uniforms(seed, ids, step).tolist() == scalar(seed, ids, step)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

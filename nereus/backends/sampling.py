@@ -3,7 +3,8 @@
 Each draw uses one uniform number from a counter-based hash of (seed, sample id, step), so a
 sequence's tokens do not depend on which replica generates it, on the batch it shares, or on the
 layout: generation under any (tp, pp, dp) draws the same tokens from the same distribution.
-Temperature, top-p (nucleus; the most likely token is always kept), greedy (argmax). Pure torch.
+Temperature, top-p (nucleus; the most likely token is always kept), greedy (argmax). Pure torch
+(and numpy for the hash, vectorised over the batch).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -45,13 +47,24 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def _splitmix64_array(x: np.ndarray) -> np.ndarray:
+    """``_splitmix64`` of every element of a uint64 array (its arithmetic wraps modulo 2**64)."""
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    mixed: np.ndarray = x ^ (x >> np.uint64(31))
+    return mixed
+
+
 def uniforms(seed: int, sample_ids: Sequence[int], step: int) -> Tensor:
-    """One float64 in [0, 1) per sample for this step."""
-    out = []
-    for sid in sample_ids:
-        h = _splitmix64(_splitmix64(_splitmix64(seed & MASK64) ^ (sid & MASK64)) ^ (step & MASK64))
-        out.append((h >> 11) / float(1 << 53))
-    return torch.tensor(out, dtype=torch.float64)
+    """One float64 in [0, 1) per sample for this step: the top 53 bits of the hash, exactly as
+    ``_splitmix64`` on Python integers gives them (one vectorised pass over the batch)."""
+    ids = np.fromiter((sid & MASK64 for sid in sample_ids), dtype=np.uint64, count=len(sample_ids))
+    h = _splitmix64_array(
+        _splitmix64_array(ids ^ np.uint64(_splitmix64(seed & MASK64))) ^ np.uint64(step & MASK64)
+    )
+    return torch.from_numpy((h >> np.uint64(11)).astype(np.float64) / float(1 << 53))
 
 
 def sample(
