@@ -22,7 +22,7 @@ import os
 import secrets
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nereus.backends.gather import assemble, gather_flats
+from nereus.backends.gather import assemble, gather_flats, stream_whole, whole_names
 from nereus.backends.grid import Coord
 from nereus.backends.groups import Groups
 from nereus.backends.optim import AdamWConfig
@@ -49,6 +49,7 @@ from nereus.backends.vllm import setup, support, world
 from nereus.state.buffers import BufferKind
 from nereus.state.holder import RankState
 
+HEAD = "lm_head.weight"
 _live: list[VllmEngine] = []  # the process's engine (vLLM's groups are process-wide: one at a time)
 
 
@@ -61,6 +62,16 @@ def close_all() -> None:
 def request_seed(seed: int, sample_id: int) -> int:
     """A request's sampling seed from the job's seed and the sample's id (63 bits)."""
     return _splitmix64(_splitmix64(seed & MASK64) ^ (sample_id & MASK64)) >> 1
+
+
+def _with_tied_head(state: RankState, tensors: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    """``tensors``, and after the embedding the head it ties to, where the state has no head of
+    its own (vLLM's dummy-initialised head is its own tensor until a load names it)."""
+    names = set(whole_names(state))
+    for name, tensor in tensors:
+        yield name, tensor
+        if name == "model.embed_tokens.weight" and state.model.tie_word_embeddings and HEAD not in names:
+            yield HEAD, tensor
 
 
 def _agreed_ident(groups: Groups, device: torch.device) -> str:
@@ -141,18 +152,15 @@ class VllmEngine:
         return Path(tempfile.gettempdir()) / f"nereus-vllm-{os.getuid()}"
 
     def _load(self, state: RankState) -> None:
-        """The replica's whole tensors (gathered from its ranks' shards) into vLLM, in place."""
+        """The replica's whole tensors (gathered from its ranks' shards, a bucket at a time, on
+        the device: ``stream_whole``) into vLLM, in place."""
         started = time.perf_counter()
-        flats = gather_flats(state, self.groups, BufferKind.PARAM, everywhere=True)
-        assert flats is not None  # every rank of the replica gets them
-        tensors = assemble(state, flats)
-        if state.model.tie_word_embeddings and "lm_head.weight" not in tensors:
-            # vLLM's dummy-initialised head is its own tensor until a load names it
-            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-        if self._sleeping:  # the weights' memory first; the KV cache's once the gathered copy is gone
+        if self._sleeping:  # the weights' memory first; the KV cache's once the buckets are gone
             self.llm.wake_up(tags=["weights"])
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors.items())})
-        del tensors, flats
+        tensors = _with_tied_head(state, stream_whole(state, self.groups, BufferKind.PARAM))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+        for _ in tensors:  # a loader that stopped early: the rest of the stream's collectives
+            pass
         if self._sleeping:
             self.llm.wake_up(tags=["kv_cache"])
             self._sleeping = False
