@@ -47,7 +47,7 @@ def _job(rank: int, store: str) -> None:
             if rank in grid.ranks:
                 c = grid.coord(rank)
                 state = RankState.from_full(
-                    "actor.gen", model, grid.layout, c.t, c.p, POLICY, lambda k, n: whole(model, n)
+                    "actor.gen", model, grid.layout, c.t, c.p, POLICY, lambda k, n, m=model: whole(m, n)
                 )
                 names = whole_names(state)
                 for bucket in BUCKETS:
