@@ -189,6 +189,21 @@ def test_a_used_folder_needs_force_and_force_replaces_only_the_runs_files(tmp_pa
     outdir.prepare(out, resume=False, force=True)
     assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
     assert (out / "notes.txt").read_text() == "mine"
+    # set aside, not removed: a new run that ends before its first row or checkpoint gives them back
+    assert (out / outdir.REPLACED / "metrics.jsonl").read_text() == '{"step": 0}\n'
+    (out / "checkpoints").mkdir()  # the new run began, wrote nothing yet
+    assert outdir.settle(out) and not (out / outdir.REPLACED).exists()
+    assert _snapshot(out) == before
+    outdir.prepare(out, resume=False, force=True)
+    outdir.prepare(out, resume=False, force=True)  # a killed replacing run: the next one settles it first
+    assert (out / outdir.REPLACED / "metrics.jsonl").read_text() == '{"step": 0}\n'
+    (out / "metrics.jsonl").write_text('{"step": 0, "new": 1}\n')  # the new run trained: the old go
+    assert not outdir.settle(out) and not (out / outdir.REPLACED).exists()
+    assert (out / "metrics.jsonl").read_text() == '{"step": 0, "new": 1}\n'
+    outdir.prepare(out, resume=False, force=True)
+    (out / "checkpoints" / "step_000000").mkdir(parents=True)
+    outdir.drop_replaced(out)  # the first checkpoint's save drops them at once
+    assert not (out / outdir.REPLACED).exists()
 
 
 def test_discard_undoes_a_refused_fresh_run_but_never_a_step_a_checkpoint_or_a_users_file(

@@ -307,7 +307,40 @@ def test_nan_init_weights_the_workers_find_leave_nothing_behind(tmp_path: Path) 
     tensors[name][0, 0] = float("nan")
     safetensors.torch.save_file(tensors, actor / "model.safetensors")
     line = _refused_init(tmp_path, actor)
-    assert line.endswith(f"{actor}/model.safetensors: tensor '{name}' holds NaN or Infinity"), line
+    assert line == (
+        f"nereus run: error: init.actor: {actor}/model.safetensors: tensor '{name}' holds NaN or Infinity"
+    ), line
+
+
+@pytest.mark.timeout(150)
+def test_force_over_a_finished_run_with_bad_input_the_workers_find_keeps_the_run(
+    tmp_path: Path, finished_ppo_run: Path
+) -> None:
+    """``--force`` sets the previous run's files aside; a new run the workers refuse (NaN init
+    weights, which only they read) gets them back, byte for byte."""
+    import safetensors.torch
+
+    from tests.test_runtime_e2e import _hf_checkpoint
+
+    out = tmp_path / "out"
+    shutil.copytree(finished_ppo_run, out, symlinks=True)
+    (out / ".nereus-lock").unlink(missing_ok=True)
+
+    def files() -> dict[str, bytes]:
+        return {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    before = files()
+    actor = _hf_checkpoint(tmp_path / "actor", "lm", 11)
+    tensors = safetensors.torch.load_file(actor / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][0, 0] = float("nan")
+    safetensors.torch.save_file(tensors, actor / "model.safetensors")
+    exp = experiment(tmp_path, "init", steps=3, extra=f"init: {{actor: {actor}}}\n")
+    proc = run(exp, out, "--force")
+    assert proc.returncode == 2 and "holds NaN or Infinity" in proc.stderr, proc.stderr[-3000:]
+    assert f"the previous run's files in {out} are back as they were" in proc.stderr
+    after = files()
+    after.pop(".nereus-lock", None)
+    assert after == before
 
 
 def test_an_init_index_naming_a_folder_calls_it_not_a_file(tmp_path: Path) -> None:

@@ -133,6 +133,11 @@ class HfTokenizer:
         bos = self._tok.bos_token_id
         return None if bos is None else int(bos)
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token and its id (added tokens included): two tokenizers agree on ids if these do."""
+        vocab: dict[str, int] = self._tok.get_vocab()
+        return vocab
+
     @property
     def vocab_size(self) -> int:
         """Ids in use, added tokens included."""

@@ -41,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from nereus.errors import ConfigError, NereusError
 from nereus.plan.layout import Plan
-from nereus.runtime import pending, signing
+from nereus.runtime import outdir, pending, signing
 from nereus.runtime.comm import all_gather, broadcast, first_line
 from nereus.runtime.rollout import Batch
 from nereus.runtime.worker import Worker
@@ -147,6 +147,7 @@ def save(worker: Worker, plan: Plan, step: int, folder: Path, keep: int = 2) -> 
             pointer = folder / f".{LATEST}.tmp"
             pointer.write_text(final.name + "\n")
             os.replace(pointer, folder / LATEST)
+            outdir.drop_replaced(folder.parent)  # a run started with --force: the old run's files go now
         except OSError as exc:
             (folder / f".{LATEST}.tmp").unlink(missing_ok=True)
             raise CheckpointWriteError(step, final, exc) from None

@@ -383,6 +383,13 @@ class ExperimentSpec:
             return str(folder)
         return ""
 
+    def weights_label(self, role: str) -> str:
+        """Where ``role``'s weights were named, for an error about them: ``init.<role>``, else the
+        ``model:`` folder (``model (critic)`` for another role starting from it)."""
+        if self.init.path(role):
+            return f"init.{role}"
+        return "model" if role == "actor" else f"model ({role})"
+
     def engine_of(self, model_stage: str, model: ModelSpec | None = None) -> str:
         """The engine that runs ``model_stage`` (of ``model``): the one named, else the default."""
         named = self.engines.get(model_stage)

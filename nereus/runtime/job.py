@@ -18,7 +18,7 @@ from torch import Tensor
 
 from nereus.backends.protocol import AdamWConfig, SamplingParams
 from nereus.devices import Devices
-from nereus.errors import InfeasibleError
+from nereus.errors import ConfigError, InfeasibleError
 from nereus.plan.calibration import CalibrationStore
 from nereus.plan.layout import Plan
 from nereus.plan.problem import PlanningProblem, SearchSpace, SeqStats
@@ -319,7 +319,11 @@ def first_state(worker: Worker, plan: Plan, resume_from: Path | None, spec: Expe
     worker.init_state(plan)
     worker.bind(plan)
     for name, engine in worker.engines.items():
-        path = spec.weights_of(worker.workflow.get(name).role.value)
+        role = worker.workflow.get(name).role.value
+        path = spec.weights_of(role)
         if path:
-            engine.load_hf(Path(path))
+            try:
+                engine.load_hf(Path(path))
+            except ConfigError as exc:  # what only reading the tensors finds (NaN): where it was named
+                raise ConfigError(f"{spec.weights_label(role)}: {exc}") from None
     return ckpt.Loaded(-1, 0)

@@ -5,8 +5,12 @@ A run writes into a folder that does not exist yet (it is created 0700), that is
 checkpoint it continues. The folder then carries a marker (``.nereus-output``, holding ``run``).
 Any other folder, a previous run's included, needs ``--force``; then a previous run's files
 (``RUN_FILES``, in a folder with the marker) are replaced, and nothing else in the folder is
-touched. In a folder without the marker ``--force`` removes nothing: a name a run would write
-that is already there (a user's own ``checkpoints/``) is refused. ``check`` writes nothing;
+touched. Replaced safely: ``prepare`` moves them aside into ``.nereus-replaced`` (renames, no
+copy); they are removed once the new run has written its first checkpoint (``drop_replaced``) or
+a metrics row, and a new run that ends before that (bad input a worker found, a crash, a stop)
+gets them back (``settle``; also at the next ``prepare`` when ``nereus run`` was killed). In a
+folder without the marker ``--force`` removes nothing: a name a run would write that is already
+there (a user's own ``checkpoints/``) is refused. ``check`` writes nothing;
 ``prepare`` writes only after every check passed.
 
 One run at a time: ``prepare`` takes an exclusive lock on ``.nereus-lock`` in the folder (``flock``,
@@ -34,6 +38,7 @@ from nereus.runtime.signing import KEY_FILE, create_key, read_key
 MARKER = ".nereus-output"
 MARK = "run"
 LOCK = ".nereus-lock"
+REPLACED = ".nereus-replaced"  # a previous run's files, while the run that replaces them starts
 _HELD: dict[Path, int] = {}  # this process's locks (descriptors), by folder: open until it exits
 INPUTS = frozenset({"control"})  # shrink requests (nereus-launch shrink) may wait before the run
 RUN_FILES = (
@@ -238,9 +243,10 @@ def prepare(path: Path, resume: bool, force: bool) -> bytes:
     except OSError as exc:  # a place no folder can be made (/proc, a read-only mount)
         raise ConfigError(f"--out: {path} cannot be created ({exc.strerror or type(exc).__name__})") from None
     _take(path)
+    settle(path)  # a replacing run that was killed before its first checkpoint: the old files back
     check(path, resume, force)  # again under the lock: a run that ended meanwhile left its files
     if force and is_ours(path):  # a previous run's files; a folder not ours holds none (``check``)
-        _remove_run_files(path)
+        _set_aside(path)
     marker = path / f"{MARKER}.tmp"
     marker.write_text(MARK + "\n")
     os.replace(marker, path / MARKER)
@@ -253,19 +259,58 @@ def prepare(path: Path, resume: bool, force: bool) -> bytes:
 def discard(path: Path, created: bool) -> bool:
     """Undo a fresh run that stopped on bad input before its first step: remove the files it wrote
     (``RUN_FILES``, in a folder with the marker) and, when the run ``created`` the folder, the
-    folder once empty. A folder holding a checkpoint or a metrics row is kept whole. Returns
-    whether anything was removed."""
+    folder once empty; the previous run's files a ``--force`` set aside come back. A folder
+    holding a checkpoint or a metrics row is kept whole. Returns whether anything was removed."""
     path = Path(path)
-    ckpts, rows = path / "checkpoints", path / "metrics.jsonl"
-    trained = (ckpts.is_dir() and any(ckpts.iterdir())) or (rows.is_file() and rows.stat().st_size > 0)
-    if not is_ours(path) or trained:
+    if not is_ours(path) or _trained(path):
         return False
-    _remove_run_files(path)
+    if not settle(path):
+        _remove_run_files(path)
     _release(path)  # this run's own, which ends now (another run refuses, never waits)
     if created:
         with contextlib.suppress(OSError):
             path.rmdir()  # only when empty: a control/ request or a user's file keeps it
     return True
+
+
+def _trained(path: Path) -> bool:
+    """The run in ``path`` wrote a checkpoint or a metrics row."""
+    ckpts, rows = path / "checkpoints", path / "metrics.jsonl"
+    return (ckpts.is_dir() and any(ckpts.iterdir())) or (rows.is_file() and rows.stat().st_size > 0)
+
+
+def _set_aside(path: Path) -> None:
+    """Move the previous run's files (``RUN_FILES``) into ``REPLACED`` (renames, one file system)."""
+    aside = path / REPLACED
+    aside.mkdir(mode=0o700)
+    for name in RUN_FILES:
+        old = path / name
+        if old.exists() or old.is_symlink():
+            os.replace(old, aside / name)
+
+
+def settle(path: Path) -> bool:
+    """Finish a ``--force`` replacement: when the new run trained (a checkpoint or a metrics row),
+    the previous run's files set aside are removed; otherwise the new run's files are, and the
+    previous run's come back. Nothing to do without ``REPLACED``. Returns whether they came back."""
+    aside = Path(path) / REPLACED
+    if not aside.is_dir() or aside.is_symlink():
+        return False
+    if _trained(Path(path)):
+        drop_replaced(path)
+        return False
+    _remove_run_files(Path(path))
+    for entry in aside.iterdir():
+        os.replace(entry, Path(path) / entry.name)
+    aside.rmdir()
+    return True
+
+
+def drop_replaced(path: Path) -> None:
+    """Remove the previous run's files a ``--force`` set aside (the new run has a checkpoint now)."""
+    aside = Path(path) / REPLACED
+    if aside.is_dir() and not aside.is_symlink():
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def _remove_run_files(path: Path) -> None:

@@ -1,0 +1,167 @@
+"""The preflight's checks that import torch, in a child process (``nereus run`` never imports it):
+the dataset's records, the verifier, the engines' installs, and each ``init:`` folder's
+architecture, weight headers and tokenizer. The spec goes in on stdin, one JSON line comes back:
+``ok``, or the ``ConfigError``'s line and exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from nereus.errors import ConfigError, NereusError
+
+T = TypeVar("T")
+
+
+def keyed(key: str, load: Callable[[str], T], value: str) -> T:
+    """``load(value)``, its error naming the experiment's ``key`` (``workload: unknown …``)."""
+    try:
+        return load(value)
+    except ConfigError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+
+
+def torch_checks(spec: Any) -> None:
+    """The checks that import torch (run in a child process by ``preflight``): the dataset's
+    records, the verifier, and each ``init:`` folder's architecture and weights."""
+    from nereus.backends import hf
+    from nereus.plan.layout import Layout
+    from nereus.rl.data import PromptDataset
+    from nereus.rl.tokenizer import tokenizer_of
+    from nereus.rl.verifiers import get_verifier
+    from nereus.runtime.engines import check_importable, default_cache, engines_of, job_models
+    from nereus.spec import load_model, load_workload
+    from nereus.spec.model import Head
+    from nereus.state.geometry import shards
+
+    workload, model = load_workload(spec.workload), load_model(spec.model)
+    check_importable(engines_of(spec, workload, job_models(model)), default_cache())
+    tok = tokenizer_of(spec.tokenizer, *spec.tokenizer_folders())
+    if tok.vocab_size > model.vocab_size:
+        raise ConfigError(
+            f"tokenizer: {tok.vocab_size} ids do not fit {model.name}'s vocabulary of {model.vocab_size}"
+        )
+    if spec.data is not None:  # under by_source, every row's data_source names a verifier
+        layout = spec.data.record_layout(by_source=spec.verifier == "by_source")
+        for key, named in (("data.train", spec.data.files), ("data.val", spec.data.val_files)):
+            try:
+                if named:
+                    PromptDataset.load([Path(f) for f in named], tok, workload.max_prompt_len, 0, layout)
+            except ConfigError as exc:
+                raise ConfigError(f"{key}: {exc}") from None
+    elif spec.dataset:
+        keyed("dataset", lambda p: PromptDataset.load(Path(p), tok, workload.max_prompt_len), spec.dataset)
+    keyed("verifier", get_verifier, spec.verifier)
+    for role, head in (("actor", Head.LM), ("reward", Head.VALUE), ("critic", Head.VALUE)):
+        path = spec.weights_of(role)
+        if not path:
+            continue
+        folder, wanted = Path(path), model.with_head(head)
+        # where the user named these weights: an init: entry, else the model: folder
+        label = spec.weights_label(role)
+        try:
+            hf.check_compatible(wanted, hf.read_config(folder), folder)
+        except ConfigError as exc:
+            raise ConfigError(f"{label}: {exc}") from None
+        try:
+            reader = hf.SafetensorsReader(folder)
+        except ConfigError as exc:
+            raise ConfigError(f"{label}: {path} has no weights ({exc})") from None
+        absent = sorted({f for f in reader.files.values() if not f.is_file()})
+        if absent:
+            what = "not a file" if absent[0].exists() else "missing"
+            raise ConfigError(f"{label}: {path}: the weights index names {absent[0]}, which is {what}")
+        shapes = {s.source: s.full_shape for s in shards(wanted, Layout(1, 1), 0, 0)}
+        needed = set(shapes)
+        if role == "reward" and "score.weight" not in reader.names():  # its head would be zeros
+            raise ConfigError(
+                f"{label}: {path} has no reward head (no score.weight: a causal LM), so every response "
+                "would score 0; a reward model is a Hugging Face *ForSequenceClassification with one "
+                "label (name it with init.reward, or set reward_model: false in the workload to score "
+                "with the verifier alone)"
+            )
+        if head is Head.VALUE:
+            needed.discard("score.weight")  # a critic may start from an LM checkpoint (zeros, as verl)
+        missing = sorted(needed - reader.names())
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise ConfigError(f"{label}: {path} has no weights for {missing[0]}{more}")
+        for name in sorted(set(shapes) & reader.names()):  # from the headers: no tensor is read
+            try:
+                reader.check_header(name, shapes[name])
+            except ConfigError as exc:
+                raise ConfigError(f"{label}: {exc}") from None
+        _check_same_tokenizer(label, folder, tok)
+        unused = sorted(n for n in reader.names() - needed if not hf.unused_is_harmless(n))
+        if unused:
+            more = f" and {len(unused) - 1} more" if len(unused) > 1 else ""
+            raise ConfigError(
+                f"{label}: {path} holds {unused[0]}{more}, which {wanted.name} does not have "
+                "(another architecture: its config.json does not describe these weights)"
+            )
+
+
+def _check_same_tokenizer(label: str, folder: Path, tok: Any) -> None:
+    """A critic or reward model reads the actor's token ids: a folder with a tokenizer of its own
+    must map every token to the id the job's tokenizer does (the same vocabulary size is not
+    enough: a different tokenizer of that size feeds the model ids it never saw)."""
+    from nereus.rl.hf_tokenizer import HfTokenizer, has_tokenizer
+
+    if not isinstance(tok, HfTokenizer) or not has_tokenizer(folder) or Path(tok.folder) == folder:
+        return
+    theirs, ours = HfTokenizer(str(folder), chat=False).vocabulary(), tok.vocabulary()
+    if theirs != ours:
+        differ = sorted(set(theirs.items()) ^ set(ours.items()))
+        raise ConfigError(
+            f"{label}: {folder}'s tokenizer is not the job's ({tok.folder}): {len(differ)} token ids differ "
+            f"(e.g. {differ[0][0]!r}); this model reads the actor's token ids, so give it a checkpoint "
+            "trained with the actor's tokenizer"
+        )
+
+
+CHILD = "from nereus.runtime.preflight_child import _child_main; _child_main()"
+
+
+def checks_in_a_child(spec: Any) -> None:
+    """``torch_checks`` in a child process (the spec goes in on stdin, one JSON line comes back)."""
+    import pickle
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        stdout, stderr = proc.communicate(pickle.dumps(spec))
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    lines = stdout.decode(errors="replace").strip().splitlines()
+    try:
+        doc = json.loads(lines[-1]) if lines else {}
+    except ValueError:
+        doc = {}
+    if proc.returncode == 0 and doc.get("ok"):
+        return
+    if "error" in doc:
+        err = NereusError(doc["error"])
+        err.exit_code = int(doc.get("code", 2))
+        raise err
+    last = (stderr.decode(errors="replace").strip().splitlines() or ["no output"])[-1]
+    raise NereusError(f"the preflight's checks failed (exit code {proc.returncode}): {last}")
+
+
+def _child_main() -> None:
+    import pickle
+
+    spec = pickle.loads(sys.stdin.buffer.read())  # from the parent process
+    try:
+        torch_checks(spec)
+        doc: dict[str, Any] = {"ok": True}
+    except NereusError as exc:
+        doc = {"error": str(exc), "code": exc.exit_code}
+    print(json.dumps(doc))

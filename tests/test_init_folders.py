@@ -1,0 +1,71 @@
+"""The preflight's checks of the folders each role starts from (``preflight_child.torch_checks``,
+in process): a reward model must have its one-label head (a causal LM's would be zeros and score
+every response 0), and a critic or reward model with a tokenizer of its own must map tokens to
+the actor's ids (the same vocabulary size is not enough)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from nereus.errors import ConfigError
+from nereus.runtime.experiment import ExperimentSpec
+from nereus.runtime.preflight_child import torch_checks
+from tests.test_hf_tokenizer import build
+from tests.test_runtime_e2e import _hf_checkpoint
+
+pytestmark = pytest.mark.pure
+
+
+def spec(tmp_path: Path, workload: str, init: str) -> ExperimentSpec:
+    path = tmp_path / "exp.yaml"
+    path.write_text(
+        f"name: x\nworkload: {workload}\nmodel: tiny-llama\nverifier: none\n"
+        f"task: {{kind: copy, n: 8, difficulty: 2, length: 2}}\ninit: {{{init}}}\n"
+    )
+    return ExperimentSpec.load(path)
+
+
+def refusal(s: ExperimentSpec) -> str:
+    with pytest.raises(ConfigError) as err:
+        torch_checks(s)
+    return str(err.value)
+
+
+def test_a_reward_model_needs_its_head_with_one_label(tmp_path: Path) -> None:
+    actor = _hf_checkpoint(tmp_path / "actor", "lm", 11)
+    rm = _hf_checkpoint(tmp_path / "rm", "value", 12)
+    torch_checks(spec(tmp_path, "ppo-tiny-rm", f"actor: {actor}, reward: {rm}"))
+    got = refusal(spec(tmp_path, "ppo-tiny-rm", f"actor: {actor}, reward: {actor}"))  # a causal LM
+    assert got.startswith(f"init.reward: {actor} has no reward head (no score.weight: a causal LM)"), got
+    assert "reward_model: false" in got and "\n" not in got
+    tensors = safetensors.torch.load_file(rm / "model.safetensors")
+    tensors["score.weight"] = torch.zeros(3, tensors["score.weight"].shape[1])  # three labels
+    safetensors.torch.save_file(tensors, rm / "model.safetensors")
+    got = refusal(spec(tmp_path, "ppo-tiny-rm", f"actor: {actor}, reward: {rm}"))
+    shape = "tensor 'score.weight' has shape (3, 64), the model needs (1, 64)"
+    assert got == f"init.reward: {rm}/model.safetensors: {shape}"
+    torch_checks(spec(tmp_path, "ppo-tiny", f"actor: {actor}, critic: {actor}"))  # a critic may: zeros
+
+
+def test_a_critic_with_another_tokenizer_of_the_same_size_is_refused(tmp_path: Path) -> None:
+    actor = build(_hf_checkpoint(tmp_path / "actor", "lm", 11))
+    critic = _hf_checkpoint(tmp_path / "critic", "value", 12)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (actor / name).is_file():
+            shutil.copy(actor / name, critic / name)
+    torch_checks(spec(tmp_path, "ppo-tiny", f"actor: {actor}, critic: {critic}"))  # the same tokenizer
+    doc = json.loads((critic / "tokenizer.json").read_text())
+    vocab = doc["model"]["vocab"]
+    a, b = "a", "b"
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: the same size, other ids
+    (critic / "tokenizer.json").write_text(json.dumps(doc))
+    got = refusal(spec(tmp_path, "ppo-tiny", f"actor: {actor}, critic: {critic}"))
+    assert got.startswith(
+        f"init.critic: {critic}'s tokenizer is not the job's ({actor}): 4 token ids differ"
+    ), got
