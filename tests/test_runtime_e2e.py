@@ -28,6 +28,7 @@ from tests.preempt import stop_after_rows
 
 pytestmark = pytest.mark.e2e
 
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 BASE = """
 name: {name}
 workload: ppo-tiny
@@ -335,6 +336,29 @@ def test_reward_model_stage_scores_from_hugging_face_weights(tmp_path: Path) -> 
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert proc.returncode == 2 and "init.reward" in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_critic_of_another_shape_named_under_models_runs_as_named(tmp_path: Path) -> None:
+    """The workload's ``models:`` gives the critic a model of its own (head_dim 32: q/k/v and o
+    shapes of their own), as ``nereus plan`` prices it; the run builds and trains that critic."""
+    workload = tmp_path / "ppo-critic.yaml"
+    workload.write_text(
+        (CONFIGS / "workloads" / "ppo-tiny.yaml").read_text() + "models: {critic: tiny-llama-h32}\n"
+    )
+    exp = tmp_path / "critic.yaml"
+    exp.write_text(BASE.format(name="critic", steps=2).replace("workload: ppo-tiny", f"workload: {workload}"))
+    out = tmp_path / "out"
+    proc = cli_run(exp, out, 240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(r["critic_loss"] > 0 for r in metrics(out))  # type: ignore[operator]
+    from torch.distributed.checkpoint import FileSystemReader
+
+    latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    saved = FileSystemReader(str(latest)).read_metadata().state_dict_metadata
+    shape = {name: tuple(getattr(saved[name], "size", ())) for name in saved}
+    assert shape["critic.train/param/model.layers.0.self_attn.q_proj.weight"] == (128, 64)  # 4 heads of 32
+    assert shape["actor.train/param/model.layers.0.self_attn.q_proj.weight"] == (64, 64)  # 4 heads of 16
 
 
 @pytest.mark.timeout(300)

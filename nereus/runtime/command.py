@@ -98,6 +98,7 @@ def preflight(
     from nereus.runtime.engines import engines_of, job_models
     from nereus.spec import load_cluster, load_model, load_workload
     from nereus.spec.model import check_context, check_runnable
+    from nereus.spec.workload import Role
 
     workload = _keyed("workload", load_workload, spec.workload)
     stages = [ms.name for ms in workload.workflow().model_stages]
@@ -119,7 +120,15 @@ def preflight(
     key = "max_new_tokens" if longest >= workload.max_response_len else "max_response_len"
     check_context(model, workload.max_prompt_len, max(longest, workload.max_response_len),
                   f"{workload.name}'s max_prompt_len + {key}")  # fmt: skip
-    engines = engines_of(spec, workload, job_models(model))
+    models = job_models(workload, model)
+    for role in sorted(workload.models):  # a model the workload names for a role runs too
+        try:
+            check_runnable(models[Role(role)])
+            check_context(models[Role(role)], workload.max_prompt_len,
+                          max(longest, workload.max_response_len), "the longest sequence")  # fmt: skip
+        except ConfigError as exc:
+            raise ConfigError(f"{workload.name}: key 'models.{role}': {exc}") from None
+    engines = engines_of(spec, workload, models)
     cluster = _keyed("cluster", load_cluster, spec.cluster)
     if spec.workers > cluster.total_gpus:
         raise ConfigError(
@@ -219,7 +228,7 @@ def check_plan(spec: Any, workers: int, max_new: int) -> None:
 
     workload, actor = load_workload(spec.workload), load_model(spec.model)
     cluster = load_cluster(spec.cluster)
-    models = job_models(actor)
+    models = job_models(workload, actor)
     seq = SeqStats.fixed(workload.prompt_len, max_new)
     space = space_of(engines_of(spec, workload, models))
 

@@ -18,14 +18,17 @@ from nereus.backends.registry import ENGINES, import_error, pipelines, refusal, 
 from nereus.errors import ConfigError
 from nereus.plan.problem import SearchSpace
 from nereus.spec.model import Head, ModelSpec
+from nereus.spec.registry import load_role_models
 from nereus.spec.workload import Role, WorkloadSpec
 
 
-def job_models(actor: ModelSpec) -> dict[Role, ModelSpec]:
-    """The model of every role: the actor's, with a value head for the critic and reward model."""
-    models = {role: actor for role in Role}
-    models[Role.CRITIC] = actor.with_head(Head.VALUE)
-    models[Role.REWARD] = actor.with_head(Head.VALUE)
+def job_models(workload: WorkloadSpec, actor: ModelSpec) -> dict[Role, ModelSpec]:
+    """The model of every role: the workload's ``models:`` entry where it names one, else the
+    experiment's ``model`` (``load_role_models``, as ``nereus plan`` prices it), with a value head
+    for the critic and the reward model."""
+    models = load_role_models(workload, actor)
+    models[Role.CRITIC] = models[Role.CRITIC].with_head(Head.VALUE)
+    models[Role.REWARD] = models[Role.REWARD].with_head(Head.VALUE)
     return models
 
 

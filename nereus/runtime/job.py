@@ -65,7 +65,7 @@ class JobSetup:
     def build(cls, spec: ExperimentSpec, out: Path) -> JobSetup:
         workload = load_workload(spec.workload)
         actor = load_model(spec.model)
-        models = job_models(actor)
+        models = job_models(workload, actor)
         tok = tokenizer_of(spec.tokenizer, *spec.tokenizer_folders())
         if tok.vocab_size > actor.vocab_size:
             raise ValueError(

@@ -37,10 +37,12 @@ def torch_checks(spec: Any) -> None:
     from nereus.runtime.engines import check_importable, default_cache, engines_of, job_models
     from nereus.spec import load_model, load_workload
     from nereus.spec.model import Head
+    from nereus.spec.workload import Role
     from nereus.state.geometry import shards
 
     workload, model = load_workload(spec.workload), load_model(spec.model)
-    check_importable(engines_of(spec, workload, job_models(model)), default_cache())
+    models = job_models(workload, model)  # each role's: the workload's models: entry, else model
+    check_importable(engines_of(spec, workload, models), default_cache())
     tok = tokenizer_of(spec.tokenizer, *spec.tokenizer_folders())
     if tok.vocab_size > model.vocab_size:
         raise ConfigError(
@@ -61,7 +63,7 @@ def torch_checks(spec: Any) -> None:
         path = spec.weights_of(role)
         if not path:
             continue
-        folder, wanted = Path(path), model.with_head(head)
+        folder, wanted = Path(path), models[Role(role)].with_head(head)
         # where the user named these weights: an init: entry, else the model: folder
         label = spec.weights_label(role)
         try:
