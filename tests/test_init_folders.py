@@ -69,3 +69,12 @@ def test_a_critic_with_another_tokenizer_of_the_same_size_is_refused(tmp_path: P
     assert got.startswith(
         f"init.critic: {critic}'s tokenizer is not the job's ({actor}): 4 token ids differ"
     ), got
+
+
+def test_an_init_entry_may_name_the_folders_config_json(tmp_path: Path) -> None:
+    """As ``model:`` may: the folder is meant (it said "… is not a Hugging Face checkpoint folder
+    (no config.json)" of a config.json that was there)."""
+    actor = _hf_checkpoint(tmp_path / "actor", "lm", 11)
+    s = spec(tmp_path, "ppo-tiny", f"actor: {actor / 'config.json'}")
+    assert s.weights_of("actor") == str(actor) and s.weights_of("critic") == ""
+    torch_checks(s)

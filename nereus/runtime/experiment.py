@@ -146,6 +146,12 @@ class InitSpec:
     critic: str = ""
     reward: str = ""
 
+    def __post_init__(self) -> None:
+        for role in ("actor", "critic", "reward"):  # a folder's config.json names the folder, as model: does
+            named = Path(getattr(self, role))
+            if named.name == "config.json" and named.is_file():
+                object.__setattr__(self, role, str(named.parent))
+
     def path(self, role: str) -> str:
         if role in ("actor", "ref"):
             return self.actor
