@@ -53,6 +53,24 @@ def test_a_reward_model_needs_its_head_with_one_label(tmp_path: Path) -> None:
     torch_checks(spec(tmp_path, "ppo-tiny", f"actor: {actor}, critic: {actor}"))  # a critic may: zeros
 
 
+def test_a_reward_model_falling_back_to_the_actors_folder_is_a_warning_beside_a_verifier(
+    tmp_path: Path,
+) -> None:
+    """No ``init.reward``: the reward model starts from the ``model:`` folder, a causal LM, so it
+    scores 0. Beside a verifier the run rewards by the verifier alone (a warning says so and how
+    to free the GPUs); with ``verifier: none`` nothing would reward, so it is refused."""
+    actor = _hf_checkpoint(tmp_path / "actor", "lm", 11)
+    path = tmp_path / "exp.yaml"
+    base = f"name: x\nworkload: ppo-tiny-rm\nmodel: {actor}\ntokenizer: {build(tmp_path / 'tok')}\n"
+    base += "task: {kind: copy, n: 8, difficulty: 2, length: 2}\n"
+    path.write_text(base + "verifier: exact_answer\n")
+    [warning] = torch_checks(ExperimentSpec.load(path))
+    assert warning.startswith(f"model (reward): {actor} has no reward head (no score.weight: a causal LM)")
+    assert "verifier (exact_answer) alone rewards; set reward_model: false" in warning
+    path.write_text(base + "verifier: none\n")
+    assert refusal(ExperimentSpec.load(path)).startswith(f"model (reward): {actor} has no reward head")
+
+
 def test_a_critic_with_another_tokenizer_of_the_same_size_is_refused(tmp_path: Path) -> None:
     actor = build(_hf_checkpoint(tmp_path / "actor", "lm", 11))
     critic = _hf_checkpoint(tmp_path / "critic", "value", 12)

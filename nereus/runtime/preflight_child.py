@@ -26,9 +26,10 @@ def keyed(key: str, load: Callable[[str], T], value: str) -> T:
         raise ConfigError(f"{key}: {exc}") from None
 
 
-def torch_checks(spec: Any) -> None:
+def torch_checks(spec: Any) -> list[str]:
     """The checks that import torch (run in a child process by ``preflight``): the dataset's
-    records, the verifier, and each ``init:`` folder's architecture and weights."""
+    records, the verifier, and each ``init:`` folder's architecture and weights. Returns the
+    warnings (what runs, but likely not as meant)."""
     from nereus.backends import hf
     from nereus.plan.layout import Layout
     from nereus.rl.data import PromptDataset
@@ -40,6 +41,7 @@ def torch_checks(spec: Any) -> None:
     from nereus.spec.workload import Role
     from nereus.state.geometry import shards
 
+    warnings: list[str] = []
     workload, model = load_workload(spec.workload), load_model(spec.model)
     models = job_models(workload, model)  # each role's: the workload's models: entry, else model
     check_importable(engines_of(spec, workload, models), default_cache())
@@ -81,11 +83,17 @@ def torch_checks(spec: Any) -> None:
         shapes = {s.source: s.full_shape for s in shards(wanted, Layout(1, 1), 0, 0)}
         needed = set(shapes)
         if role == "reward" and "score.weight" not in reader.names():  # its head would be zeros
-            raise ConfigError(
-                f"{label}: {path} has no reward head (no score.weight: a causal LM), so every response "
-                "would score 0; a reward model is a Hugging Face *ForSequenceClassification with one "
-                "label (name it with init.reward, or set reward_model: false in the workload to score "
-                "with the verifier alone)"
+            headless = f"{label}: {path} has no reward head (no score.weight: a causal LM)"
+            if spec.init.path("reward") or spec.verifier == "none":  # named so, or the only reward
+                raise ConfigError(
+                    f"{headless}, so every response would score 0; a reward model is a Hugging Face "
+                    "*ForSequenceClassification with one label (name it with init.reward, or set "
+                    "reward_model: false in the workload and score with a verifier)"
+                )
+            warnings.append(
+                f"{headless}: it scores every response 0 and the verifier ({spec.verifier}) alone "
+                "rewards; set reward_model: false in the workload to free its GPUs, or name a reward "
+                "model with init.reward"
             )
         if head is Head.VALUE:
             needed.discard("score.weight")  # a critic may start from an LM checkpoint (zeros, as verl)
@@ -106,6 +114,7 @@ def torch_checks(spec: Any) -> None:
                 f"{label}: {path} holds {unused[0]}{more}, which {wanted.name} does not have "
                 "(another architecture: its config.json does not describe these weights)"
             )
+    return warnings
 
 
 def _check_same_tokenizer(label: str, folder: Path, tok: Any) -> None:
@@ -130,7 +139,8 @@ CHILD = "from nereus.runtime.preflight_child import _child_main; _child_main()"
 
 
 def checks_in_a_child(spec: Any) -> None:
-    """``torch_checks`` in a child process (the spec goes in on stdin, one JSON line comes back)."""
+    """``torch_checks`` in a child process (the spec goes in on stdin, one JSON line comes back);
+    its warnings are printed on stderr."""
     import pickle
 
     proc = subprocess.Popen(
@@ -148,6 +158,8 @@ def checks_in_a_child(spec: Any) -> None:
     except ValueError:
         doc = {}
     if proc.returncode == 0 and doc.get("ok"):
+        for line in doc.get("warnings", []):
+            print(f"nereus run: warning: {line}", file=sys.stderr)
         return
     if "error" in doc:
         err = NereusError(doc["error"])
@@ -162,8 +174,7 @@ def _child_main() -> None:
 
     spec = pickle.loads(sys.stdin.buffer.read())  # from the parent process
     try:
-        torch_checks(spec)
-        doc: dict[str, Any] = {"ok": True}
+        doc: dict[str, Any] = {"ok": True, "warnings": torch_checks(spec)}
     except NereusError as exc:
         doc = {"error": str(exc), "code": exc.exit_code}
     print(json.dumps(doc))
