@@ -359,6 +359,21 @@ def test_a_critic_of_another_shape_named_under_models_runs_as_named(tmp_path: Pa
     shape = {name: tuple(getattr(saved[name], "size", ())) for name in saved}
     assert shape["critic.train/param/model.layers.0.self_attn.q_proj.weight"] == (128, 64)  # 4 heads of 32
     assert shape["actor.train/param/model.layers.0.self_attn.q_proj.weight"] == (64, 64)  # 4 heads of 16
+    resumed = subprocess.run(
+        [sys.executable, "-m", "nereus.cli", "run", str(exp), "--out", str(out), "--resume", "--steps", "3"],
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["step"] for r in metrics(out)] == [0, 1, 2]
+    workload.write_text((CONFIGS / "workloads" / "ppo-tiny.yaml").read_text())  # the critic: the actor's
+    refused = subprocess.run(
+        [sys.executable, "-m", "nereus.cli", "run", str(exp), "--out", str(out), "--resume", "--steps", "4"],
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "written with the roles' models {critic: tiny-llama-h32}; this run's workload names {}" in (
+        refused.stderr
+    ), refused.stderr
 
 
 @pytest.mark.timeout(300)

@@ -115,9 +115,16 @@ class Attention(nn.Module):
             cache.k[:, :, start : start + t] = k
             cache.v[:, :, start : start + t] = v
             k, v = cache.k[:, :, : start + t], cache.v[:, :, : start + t]
-        # grouped-query attention without copying the keys and values per query head
+        # grouped-query attention: on the CPU without copying the keys and values per query head
+        # (its fused kernel takes a mask with enable_gqa); on a GPU repeated, since the
+        # memory-efficient kernel refuses unequal head counts and a masked call would fall back
+        # to the math kernel's whole score matrix
+        rep = q.shape[1] // k.shape[1]
+        gqa = rep > 1 and q.device.type == "cpu"
+        if rep > 1 and not gqa:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(hd), enable_gqa=q.shape[1] != k.shape[1]
+            q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(hd), enable_gqa=gqa
         )
         result: Tensor = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         return result

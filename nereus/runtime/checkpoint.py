@@ -45,7 +45,6 @@ from nereus.runtime import outdir, pending, signing
 from nereus.runtime.comm import all_gather, broadcast, first_line
 from nereus.runtime.rollout import Batch
 from nereus.runtime.worker import Worker
-from nereus.spec.workload import Role
 from nereus.state.checkpoint import kv_mesh, layout_mesh, to_dtensors
 from nereus.state.emu import LogicalState, replicas
 from nereus.state.holder import RankState
@@ -77,7 +76,7 @@ def saved_stages(worker: Worker) -> list[str]:
 def identity(worker: Worker) -> dict[str, Any]:
     """What the checkpoint's state belongs to (``signing.run_identity``): a resume with another
     model, architecture, algorithm or precision is refused."""
-    return signing.run_identity(worker.models[Role.ACTOR], worker.workload)
+    return signing.run_identity(worker.models, worker.workload)
 
 
 @contextlib.contextmanager

@@ -150,14 +150,14 @@ def preflight(
                 f"init.{role}: {workload.name} has no {role} model (its models: {', '.join(sorted(roles))})"
             )
     for role in ("actor", "reward", "critic"):
-        path = spec.weights_of(role)
+        path = spec.weights_of(role, own_model=role in workload.models)
         if path and not (Path(path) / "config.json").is_file():
             raise ConfigError(f"init.{role}: {path} is not a Hugging Face checkpoint folder (no config.json)")
     if local:
         outdir.check(folder, resume, force)
     first = 0
     if resume:
-        first = check_checkpoint(folder, signing.run_identity(model, workload)) + 1
+        first = check_checkpoint(folder, signing.run_identity(models, workload)) + 1
         check_task(spec, folder)
     if local:
         check_plan(spec, spec.workers, spec.max_new_tokens_at(first))

@@ -376,11 +376,15 @@ class ExperimentSpec:
         folder = self.model_folder()
         return self.weights_of("actor"), str(folder) if folder is not None else ""
 
-    def weights_of(self, role: str) -> str:
+    def weights_of(self, role: str, own_model: bool = False) -> str:
         """The Hugging Face folder ``role`` starts from: its ``init:`` folder, else the ``model:``
         folder when it holds weights (a value head then starts at zero), else none (random
         weights: a shipped model or a model YAML; ``nereus run`` refuses a model folder without
-        weights, ``command.check_weights``)."""
+        weights, ``command.check_weights``). ``own_model``: the workload names the role a model
+        of its own (``models:``), which starts from its own ``init:`` entry only (the reference
+        has none: random weights), never from another role's folder or ``model:``'s."""
+        if own_model:
+            return getattr(self.init, role, "") if role in ("actor", "critic", "reward") else ""
         named = self.init.path(role)
         if named:
             return named
@@ -393,7 +397,7 @@ class ExperimentSpec:
         """Where ``role``'s weights were named, for an error about them: ``init.<role>``, else the
         ``model:`` folder (``model (critic)`` for another role starting from it)."""
         if self.init.path(role):
-            return f"init.{role}"
+            return f"init.{'actor' if role == 'ref' else role}"  # the reference starts as the actor
         return "model" if role == "actor" else f"model ({role})"
 
     def engine_of(self, model_stage: str, model: ModelSpec | None = None) -> str:

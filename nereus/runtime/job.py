@@ -129,7 +129,7 @@ def make_worker(
         gpu, setup.workload, setup.models, setup.cluster, optim, spec.seed, setup.engine_of, devices, workdir,
         spec.longest_response(), members,
     )  # fmt: skip
-    worker.weights_of = spec.weights_of
+    worker.weights_of = lambda role: spec.weights_of(role, own_model=role in setup.workload.models)
     worker.temperature = rl.temperature  # log-probs of the policy that sampled (verl's, too)
     return worker
 
@@ -320,7 +320,7 @@ def first_state(worker: Worker, plan: Plan, resume_from: Path | None, spec: Expe
     worker.bind(plan)
     for name, engine in worker.engines.items():
         role = worker.workflow.get(name).role.value
-        path = spec.weights_of(role)
+        path = spec.weights_of(role, own_model=role in worker.workload.models)
         if path:
             try:
                 engine.load_hf(Path(path))

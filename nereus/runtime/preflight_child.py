@@ -61,9 +61,10 @@ def torch_checks(spec: Any) -> list[str]:
     elif spec.dataset:
         keyed("dataset", lambda p: PromptDataset.load(Path(p), tok, workload.max_prompt_len), spec.dataset)
     keyed("verifier", get_verifier, spec.verifier)
+    runs = {ms.role.value for ms in workload.workflow().model_stages}
     for role, head in (("actor", Head.LM), ("reward", Head.VALUE), ("critic", Head.VALUE)):
-        path = spec.weights_of(role)
-        if not path:
+        path = spec.weights_of(role, own_model=role in workload.models)
+        if not path or role not in runs:  # a model the workload does not run loads nothing
             continue
         folder, wanted = Path(path), models[Role(role)].with_head(head)
         # where the user named these weights: an init: entry, else the model: folder

@@ -23,12 +23,14 @@ import json
 import os
 import re
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nereus.errors import ConfigError
+from nereus.spec.workload import Role
 
 if TYPE_CHECKING:
     from nereus.spec.model import ModelSpec
@@ -199,19 +201,41 @@ STATE_FIELDS = (
 )  # fmt: skip
 
 
-def run_identity(model: ModelSpec, workload: WorkloadSpec) -> dict[str, Any]:
-    """What a checkpoint's state belongs to (``meta.json``): the model's and workload's names, the
-    model's state-shaping fields, and the workload's algorithm (which trainers hold state),
+def run_identity(models: Mapping[Role, ModelSpec], workload: WorkloadSpec) -> dict[str, Any]:
+    """What a checkpoint's state belongs to (``meta.json``): the actor's model and the workload's
+    names, the actor's state-shaping fields, each model the workload names for another role
+    (``models:``: its name and fields), and the workload's algorithm (which trainers hold state),
     precision (whether fp32 master weights exist) and mode (an async one's batches generated ahead)."""
-    arch = {f: getattr(model, f) for f in STATE_FIELDS}
+    model = models[Role.ACTOR]
     return {
         "model": model.name,
         "workload": workload.name,
-        "architecture": {k: v.value if isinstance(v, Enum) else v for k, v in arch.items()},
+        "architecture": _architecture(model),
+        "role_models": {
+            role: {"model": models[Role(role)].name, "architecture": _architecture(models[Role(role)])}
+            for role in sorted(workload.models)
+            if role != Role.ACTOR.value
+        },
         "algorithm": workload.algorithm.value,
         "precision": workload.precision.value,
         "mode": workload.mode.value,
     }
+
+
+def _names(roles: dict[str, Any]) -> str:
+    """``{critic: llama-125m}``: the model each role names."""
+    if not roles:
+        return "{} (every role the actor's model)"
+    return (
+        "{"
+        + ", ".join(f"{r}: {m.get('model') if isinstance(m, dict) else m}" for r, m in sorted(roles.items()))
+        + "}"
+    )
+
+
+def _architecture(model: ModelSpec) -> dict[str, Any]:
+    arch = {f: getattr(model, f) for f in STATE_FIELDS}
+    return {k: v.value if isinstance(v, Enum) else v for k, v in arch.items()}
 
 
 def check_identity(path: Path, meta: dict[str, Any], expected: dict[str, Any], prefix: str = "") -> None:
@@ -233,6 +257,13 @@ def check_identity(path: Path, meta: dict[str, Any], expected: dict[str, Any], p
                     f"{prefix}{path} was written for a model {expected['model']} with {field} "
                     f"{arch[field]!r}; this run's has {want!r} (another architecture under the same name)"
                 )
+    found_roles = meta.get("role_models", {})  # {} in checkpoints from before they were recorded
+    want_roles = expected.get("role_models", {})
+    if isinstance(found_roles, dict) and found_roles != want_roles:
+        raise ConfigError(
+            f"{prefix}{path} was written with the roles' models {_names(found_roles)}; this run's "
+            f"workload names {_names(want_roles)} (models:; their state would not fit)"
+        )
     for key in ("algorithm", "precision"):
         if key in meta and meta[key] != expected[key]:
             raise ConfigError(
