@@ -32,7 +32,16 @@ from nereus.transition.links import LinkModel
 from nereus.transition.local import applies_direct, local_dag
 from nereus.transition.move import StageMove
 from nereus.transition.primitives import geometry
-from nereus.transition.schedule import Prepared, Schedule, best_schedule, lower_bound
+from nereus.transition.schedule import (
+    SAMPLE_NODES,
+    SAMPLE_SLACK,
+    SAMPLES,
+    Prepared,
+    Schedule,
+    best_schedule,
+    lower_bound,
+    sampled,
+)
 
 
 def initial_bytes(moves: Sequence[StageMove]) -> dict[int, int]:
@@ -142,20 +151,24 @@ def plan_dag(
         if out is not None:
             return out
     best: tuple[TransitionDag, Schedule | None] | None = None
+    best_prep, best_bound = None, 0.0
     for order in CommitOrder:
         dag = locals_.commit(stage_rank, order)
         prep = Prepared(dag) if dag.feasible else None
         bound = lower_bound(dag, prep) if dag.feasible else 0.0
-        sched = best_schedule(dag, bound=bound, prep=prep) if dag.feasible else None
+        sched = best_schedule(dag, bound=bound, prep=prep, samples=0) if dag.feasible else None
         if sched is not None and (
             best is None or best[1] is None or sched.makespan < best[1].makespan - 1e-12
         ):
-            best = (dag, sched)
+            best, best_prep, best_bound = (dag, sched), prep, bound
         elif best is None:
             best = (dag, None)
         if sched is not None and sched is best[1] and sched.makespan <= (1.0 + SLACK) * bound:
             break
     assert best is not None
+    if best[1] is not None and best_prep is not None and best[1].makespan > (1.0 + SAMPLE_SLACK) * best_bound:
+        samples = min(SAMPLES, SAMPLE_NODES // max(len(best[0].nodes), 1))  # the winner only
+        best = (best[0], sampled(best[0], None, best[1], best_prep, samples))
     if best[1] is None and any(applies_direct(m) for m in moves):
         return _direct_or(best, _Locals(moves, links, capacity, direct=True), stage_rank)
     return best
@@ -295,6 +308,28 @@ class _Ledger:
             return True
         return False
 
+    def prune(self, i: int, first: int) -> None:
+        """Drop the resource edges into ``i`` (added since ``first``) that a later one made
+        unneeded: ``relieve`` adds releases earliest expected finish first, and one large release
+        added last can cover the small ones before it, which would only hold ``i`` back. Each is
+        tried in the order it was added (the last stays); one goes when ``i`` still fits without
+        it, so the memory bound is checked exactly as for any commit."""
+        added = self.new_edges[first:]
+        kept = [added[-1]]
+        for e in added[:-1]:
+            self.preds[i].discard(e.src)
+            before = self.anc[i]
+            self.anc[i] = 0
+            self.ancestry(i)
+            if self.over(i)[1] > 0:
+                self.preds[i].add(e.src)
+                self.anc[i] = before
+                kept.append(e)
+            else:
+                self.succs[e.src].remove(i)
+        self.new_edges[first:] = [e for e in added if e in kept]
+        self.over(i)  # ``fitted``: the levels with the edges kept
+
     def run(self) -> str:
         """Commit every node; the reason when some acquisition can never fit ("" when all do)."""
         blocked: list[int] = []
@@ -311,12 +346,15 @@ class _Ledger:
             if self.committed[i]:
                 continue
             self.ancestry(i)
+            first = len(self.new_edges)
             g, missing = self.over(i)
             while missing > 0 and self.relieve(i, g):
                 g, missing = self.over(i)
             if missing > 0:
                 blocked.append(i)
                 continue
+            if len(self.new_edges) - first > 1:
+                self.prune(i, first)
             self.finish(i, fresh=True, levels=self.fitted)
             for b in blocked:
                 heapq.heappush(self.heap, (self.key(b), b))
