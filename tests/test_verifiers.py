@@ -385,12 +385,24 @@ def test_answers_real_models_write(verifier: object, response: str, answer: str,
         "\\boxed{" + "1+\\frac{1}{" * 500 + "2" + "}" * 500 + "}",  # deeper than Python recurses
         "\\boxed{" + "\\text{" * 16000 + "a" + "}" * 16000 + "}",  # quadratic when normalised
         "Answer: " + "9" * 5000,
+        "\\boxed{" + "2^" * 300 + "2}",  # a tower of powers wedges sympy
+        "\\boxed{" + "(" * 300 + "1" + ")" * 300 + "}",
+        "so $" + "2^{" * 40 + "2" + "}" * 40 + "$",  # no box: Math-Verify's own timeout bounds it
+        "x" * 100_000,
     ],
 )
 def test_degenerate_responses_score_zero_and_never_raise(response: str) -> None:
-    """One response must not stop a step: a verifier scores it 0 (quickly), whatever it holds."""
+    """One response must not stop a step: a verifier scores it 0 (quickly), whatever it holds;
+    Math-Verify within its timeouts (a parse and a comparison of ``MATH_VERIFY_TIMEOUT_S`` each)."""
+    import time
+
+    from nereus.rl.verifiers import MATH_VERIFY_TIMEOUT_S
+
     for verifier in (gsm8k, boxed_math, answer_math):
         assert verifier(response, "5") == 0.0
+    started = time.perf_counter()
+    assert math_verify(response, "5") == 0.0
+    assert time.perf_counter() - started < 2 * MATH_VERIFY_TIMEOUT_S + 1.0
 
 
 @pytest.mark.parametrize(

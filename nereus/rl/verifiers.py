@@ -121,22 +121,35 @@ def answer_math(response_text: str, answer: str) -> float:
     return CORRECT if math_equal(got, answer if want is None else want) else 0.0
 
 
-MATH_VERIFY_TIMEOUT_S = 5  # per parse and per comparison (Math-Verify's default): a wedged sympy call
+MATH_VERIFY_TIMEOUT_S = 2  # per parse and per comparison: a wedged sympy call (Math-Verify's is 5)
+MATH_VERIFY_TAIL = 4000  # the response's last characters, where its final answer is
+MAX_SYMBOLIC_CHARS = 300  # a final box longer than this is not handed to sympy (scores 0)
+MAX_POWERS = 8  # nor one with more exponents than this (a tower of powers wedges sympy)
 
 
 def math_verify(response_text: str, answer: str) -> float:
     """1.0 if Math-Verify finds the response's answer equal to ``answer``, else 0 (also when either
     does not parse, or a parse or a comparison takes longer than ``MATH_VERIFY_TIMEOUT_S``).
-    Math-Verify times out with ``SIGALRM``, which works in the main thread only; in another thread
-    nothing bounds a call."""
+    Bounded before any sympy runs, so a batch of degenerate responses cannot stall a step: only
+    the last ``MATH_VERIFY_TAIL`` characters are read, and a final box longer than
+    ``MAX_SYMBOLIC_CHARS`` or with more than ``MAX_POWERS`` exponents scores 0. Math-Verify times
+    out with ``SIGALRM``, which works in the main thread only; in another thread only these
+    bounds hold."""
+    import logging
+
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # it logs each timeout, response and all
+    text = response_text[-MATH_VERIFY_TAIL:]
+    final = last_boxed(text)
+    if final is not None and (len(final) > MAX_SYMBOLIC_CHARS or final.count("^") > MAX_POWERS):
+        return 0.0
     limit = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
     boxed = last_boxed(answer)
     try:
         gold = parse(f"\\boxed{{{answer if boxed is None else boxed}}}", (LatexExtractionConfig(),),
                      parsing_timeout=limit)  # fmt: skip
-        got = parse(response_text, (ExprExtractionConfig(), LatexExtractionConfig()), parsing_timeout=limit)
+        got = parse(text, (ExprExtractionConfig(), LatexExtractionConfig()), parsing_timeout=limit)
         found = bool(gold) and bool(got) and verify(gold, got, timeout_seconds=limit)
     except Exception:  # Math-Verify's timeouts and sympy's errors: not a match (as verl scores them)
         return 0.0
