@@ -206,6 +206,35 @@ def test_a_used_folder_needs_force_and_force_replaces_only_the_runs_files(tmp_pa
     assert not (out / outdir.REPLACED).exists()
 
 
+def test_force_replacement_edges(tmp_path: Path) -> None:
+    """A half-written save is no checkpoint; a killed replacing run is settled before a resume
+    reads the folder; a set-aside that cannot happen is one line, nothing moved; the old files
+    are deleted beside the run, and what a killed process left is removed by the next run."""
+    out = tmp_path / "run"
+    outdir.prepare(out, resume=False, force=False)
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    before = _snapshot(out)
+    outdir.prepare(out, resume=False, force=True)
+    (out / "checkpoints" / ".step_000000.tmp").mkdir(parents=True)  # a save that crashed half-way
+    assert outdir.settle(out) and _snapshot(out) == before
+    outdir.prepare(out, resume=False, force=True)
+    outdir.recover(out)  # what a --resume's preflight does first
+    assert _snapshot(out) == before and not (out / outdir.REPLACED).exists()
+    (out / outdir.REPLACED).write_text("not a folder")
+    with pytest.raises(ConfigError, match=r"^--out: .*\.nereus-replaced cannot be set aside for --force"):
+        outdir.prepare(out, resume=False, force=True)
+    (out / outdir.REPLACED).unlink()
+    assert (out / "metrics.jsonl").read_text() == '{"step": 0}\n'
+    outdir.prepare(out, resume=False, force=True)
+    (out / "metrics.jsonl").write_text('{"step": 0, "new": 1}\n')
+    outdir.drop_replaced(out, wait=False)
+    assert not (out / outdir.REPLACED).exists()
+    leftover = out / f"{outdir.REPLACED}.1.deleting"
+    (leftover / "checkpoints").mkdir(parents=True)
+    outdir.prepare(out, resume=True, force=False)
+    assert not leftover.exists()
+
+
 def test_discard_undoes_a_refused_fresh_run_but_never_a_step_a_checkpoint_or_a_users_file(
     tmp_path: Path,
 ) -> None:

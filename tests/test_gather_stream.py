@@ -24,8 +24,6 @@ from nereus.state.geometry import shards
 from nereus.state.holder import RankState
 from tests.helpers_spawn import world
 
-pytestmark = pytest.mark.dist
-
 WORLD = 4
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)]
 BUCKETS = (1, 4096, 1 << 30)  # bytes: a tensor per bucket, a few, one bucket for all
@@ -63,6 +61,28 @@ def _job(rank: int, store: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_every_rank_streams_the_whole_tensors_in_buckets(tmp_path: Path) -> None:
     world(_job, (str(tmp_path / "store"),), WORLD)
+
+
+@pytest.mark.pure
+def test_a_tied_head_is_loaded_under_its_own_name_right_after_the_embedding() -> None:
+    """vLLM's dummy-initialised head is its own tensor until a load names it: a tied model's
+    stream (which holds no head of its own) names it with the embedding's tensor."""
+    from nereus.backends.vllm.engine import HEAD, _with_tied_head
+
+    for name, tied in (("tiny-qwen3", True), ("tiny-llama", False)):
+        model = load_model(name)
+        state = RankState.from_full(
+            "actor.gen", model, Layout(1, 1), 0, 0, POLICY, lambda k, n, m=model: whole(m, n)
+        )
+        names = whole_names(state)
+        streamed = [(n, torch.zeros(1)) for n in names]
+        got = [n for n, _ in _with_tied_head(state, iter(streamed))]
+        if tied:
+            assert HEAD not in names and got.count(HEAD) == 1
+            assert got[got.index("model.embed_tokens.weight") + 1] == HEAD
+        else:
+            assert got == names and HEAD in names

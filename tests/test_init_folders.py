@@ -81,11 +81,17 @@ def test_a_critic_with_another_tokenizer_of_the_same_size_is_refused(tmp_path: P
     doc = json.loads((critic / "tokenizer.json").read_text())
     vocab = doc["model"]["vocab"]
     a, b = "a", "b"
+    extra = dict(doc)
+    pad = {"id": max(vocab.values()) + 50, "content": "<|pad_of_its_own|>", "single_word": False,
+           "lstrip": False, "rstrip": False, "normalized": False, "special": True}  # fmt: skip
+    extra["added_tokens"] = [*doc.get("added_tokens", []), pad]
+    (critic / "tokenizer.json").write_text(json.dumps(extra))  # a token past the actor's: fine
+    torch_checks(spec(tmp_path, "ppo-tiny", f"actor: {actor}, critic: {critic}"))
     vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: the same size, other ids
     (critic / "tokenizer.json").write_text(json.dumps(doc))
     got = refusal(spec(tmp_path, "ppo-tiny", f"actor: {actor}, critic: {critic}"))
     assert got.startswith(
-        f"init.critic: {critic}'s tokenizer is not the job's ({actor}): 4 token ids differ"
+        f"init.critic: {critic}'s tokenizer is not the job's ({actor}): 2 of its tokens have other ids"
     ), got
 
 

@@ -146,7 +146,7 @@ def save(worker: Worker, plan: Plan, step: int, folder: Path, keep: int = 2) -> 
             pointer = folder / f".{LATEST}.tmp"
             pointer.write_text(final.name + "\n")
             os.replace(pointer, folder / LATEST)
-            outdir.drop_replaced(folder.parent)  # a run started with --force: the old run's files go now
+            outdir.drop_replaced(folder.parent, wait=False)  # after --force: the old run's files go now
         except OSError as exc:
             (folder / f".{LATEST}.tmp").unlink(missing_ok=True)
             raise CheckpointWriteError(step, final, exc) from None

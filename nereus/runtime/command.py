@@ -154,6 +154,7 @@ def preflight(
         if path and not (Path(path) / "config.json").is_file():
             raise ConfigError(f"init.{role}: {path} is not a Hugging Face checkpoint folder (no config.json)")
     if local:
+        outdir.recover(folder)  # a replacement a killed run left: settled before anything reads it
         outdir.check(folder, resume, force)
     first = 0
     if resume:

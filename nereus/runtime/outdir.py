@@ -30,10 +30,11 @@ import fcntl
 import os
 import shutil
 import stat
+import threading
 from pathlib import Path
 
 from nereus.errors import ConfigError
-from nereus.runtime.signing import KEY_FILE, create_key, read_key
+from nereus.runtime.signing import KEY_FILE, checkpoints, create_key, read_key
 
 MARKER = ".nereus-output"
 MARK = "run"
@@ -243,6 +244,7 @@ def prepare(path: Path, resume: bool, force: bool) -> bytes:
     except OSError as exc:  # a place no folder can be made (/proc, a read-only mount)
         raise ConfigError(f"--out: {path} cannot be created ({exc.strerror or type(exc).__name__})") from None
     _take(path)
+    _remove_leftovers(path)
     settle(path)  # a replacing run that was killed before its first checkpoint: the old files back
     check(path, resume, force)  # again under the lock: a run that ended meanwhile left its files
     if force and is_ours(path):  # a previous run's files; a folder not ours holds none (``check``)
@@ -273,20 +275,35 @@ def discard(path: Path, created: bool) -> bool:
     return True
 
 
-def _trained(path: Path) -> bool:
-    """The run in ``path`` wrote a checkpoint or a metrics row."""
+def _trained(path: Path, signed: bool = False) -> bool:
+    """The run in ``path`` wrote a checkpoint or a metrics row (``signed``: a signed checkpoint,
+    not just anything under ``checkpoints/``, such as a save that crashed half-way)."""
     ckpts, rows = path / "checkpoints", path / "metrics.jsonl"
-    return (ckpts.is_dir() and any(ckpts.iterdir())) or (rows.is_file() and rows.stat().st_size > 0)
+    if rows.is_file() and rows.stat().st_size > 0:
+        return True
+    if signed:
+        return bool(checkpoints(ckpts))
+    return ckpts.is_dir() and any(ckpts.iterdir())
 
 
 def _set_aside(path: Path) -> None:
     """Move the previous run's files (``RUN_FILES``) into ``REPLACED`` (renames, one file system)."""
-    aside = path / REPLACED
-    aside.mkdir(mode=0o700)
-    for name in RUN_FILES:
-        old = path / name
-        if old.exists() or old.is_symlink():
-            os.replace(old, aside / name)
+    aside, moved, name = path / REPLACED, [], REPLACED
+    try:
+        aside.mkdir(mode=0o700)
+        for name in RUN_FILES:
+            if (path / name).exists() or (path / name).is_symlink():
+                os.replace(path / name, aside / name)
+                moved.append(name)
+    except OSError as exc:  # a mount point, a file where the folder goes: nothing half-moved
+        for done in moved:
+            os.replace(aside / done, path / done)
+        with contextlib.suppress(OSError):
+            aside.rmdir()
+        raise ConfigError(
+            f"--out: {path / name} cannot be set aside for --force ({exc.strerror or type(exc).__name__}); "
+            "move the previous run's files away, or choose another --out"
+        ) from None
 
 
 def settle(path: Path) -> bool:
@@ -296,7 +313,7 @@ def settle(path: Path) -> bool:
     aside = Path(path) / REPLACED
     if not aside.is_dir() or aside.is_symlink():
         return False
-    if _trained(Path(path)):
+    if _trained(Path(path), signed=True):
         drop_replaced(path)
         return False
     _remove_run_files(Path(path))
@@ -306,11 +323,41 @@ def settle(path: Path) -> bool:
     return True
 
 
-def drop_replaced(path: Path) -> None:
-    """Remove the previous run's files a ``--force`` set aside (the new run has a checkpoint now)."""
+def recover(path: Path) -> None:
+    """Finish a ``--force`` replacement a killed ``nereus run`` left behind (``settle``), under
+    the run lock, before anything reads the folder (a ``--resume`` must see the run that is
+    there); a run that holds the lock is left to finish its own."""
+    path = Path(path)
+    if not (path / REPLACED).is_dir() or (path / REPLACED).is_symlink():
+        return
+    try:
+        _take(path)
+    except ConfigError:
+        return  # in use: ``check`` says so
+    settle(path)
+
+
+def drop_replaced(path: Path, wait: bool = True) -> None:
+    """Remove the previous run's files a ``--force`` set aside (the new run has trained now):
+    renamed out of the way at once, then deleted — in a daemon thread with ``wait=False`` (a
+    checkpoint's save must not wait on terabytes of old checkpoints on a parallel file system;
+    what a process that exits leaves is removed by the next ``prepare``)."""
     aside = Path(path) / REPLACED
-    if aside.is_dir() and not aside.is_symlink():
-        shutil.rmtree(aside, ignore_errors=True)
+    if not aside.is_dir() or aside.is_symlink():
+        return
+    doomed = Path(path) / f"{REPLACED}.{os.getpid()}.deleting"
+    os.replace(aside, doomed)
+    if wait:
+        shutil.rmtree(doomed, ignore_errors=True)
+    else:
+        threading.Thread(target=shutil.rmtree, args=(doomed, True), name="nereus-drop", daemon=True).start()
+
+
+def _remove_leftovers(path: Path) -> None:
+    """Folders ``drop_replaced`` renamed for deletion that a process left when it exited."""
+    for doomed in path.glob(f"{REPLACED}.*.deleting"):
+        if doomed.is_dir() and not doomed.is_symlink():
+            shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _remove_run_files(path: Path) -> None:

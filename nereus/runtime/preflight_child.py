@@ -107,7 +107,8 @@ def torch_checks(spec: Any) -> list[str]:
                 reader.check_header(name, shapes[name])
             except ConfigError as exc:
                 raise ConfigError(f"{label}: {exc}") from None
-        _check_same_tokenizer(label, folder, tok)
+        if role != "actor":  # the actor reads the job's tokenizer by definition
+            _check_same_tokenizer(label, folder, tok)
         unused = sorted(n for n in reader.names() - needed if not hf.unused_is_harmless(n))
         if unused:
             more = f" and {len(unused) - 1} more" if len(unused) > 1 else ""
@@ -120,19 +121,20 @@ def torch_checks(spec: Any) -> list[str]:
 
 def _check_same_tokenizer(label: str, folder: Path, tok: Any) -> None:
     """A critic or reward model reads the actor's token ids: a folder with a tokenizer of its own
-    must map every token to the id the job's tokenizer does (the same vocabulary size is not
-    enough: a different tokenizer of that size feeds the model ids it never saw)."""
+    must map every token of the job's tokenizer to the same id (tokens of its own past them, a pad
+    token say, are fine; the same vocabulary size is not enough: a different tokenizer of that
+    size feeds the model ids it never saw)."""
     from nereus.rl.hf_tokenizer import HfTokenizer, has_tokenizer
 
     if not isinstance(tok, HfTokenizer) or not has_tokenizer(folder) or Path(tok.folder) == folder:
         return
     theirs, ours = HfTokenizer(str(folder), chat=False).vocabulary(), tok.vocabulary()
-    if theirs != ours:
-        differ = sorted(set(theirs.items()) ^ set(ours.items()))
+    differ = sorted(t for t, i in ours.items() if theirs.get(t) != i)
+    if differ:
         raise ConfigError(
-            f"{label}: {folder}'s tokenizer is not the job's ({tok.folder}): {len(differ)} token ids differ "
-            f"(e.g. {differ[0][0]!r}); this model reads the actor's token ids, so give it a checkpoint "
-            "trained with the actor's tokenizer"
+            f"{label}: {folder}'s tokenizer is not the job's ({tok.folder}): {len(differ)} of its tokens "
+            f"have other ids (e.g. {differ[0]!r}); this model reads the actor's token ids, so give it a "
+            "checkpoint trained with the actor's tokenizer"
         )
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 from nereus.errors import ConfigError
 from nereus.transition.dag import EdgeKind, TransitionDag
-from nereus.transition.schedule import Schedule, best_schedule, list_schedule
+from nereus.transition.schedule import Schedule, best_schedule, list_schedule, lower_bound
 
 DEFAULT_MAX_SLOTS = 80
 
@@ -63,9 +63,11 @@ def ticks(dag: TransitionDag, tick_s: float) -> tuple[int, ...]:
 
 
 def greedy_ticks(dag: TransitionDag, durations: Sequence[int]) -> Schedule:
-    """The greedy list schedule (every edge, ports; the better of commit order and longest remaining
-    path, as ``plan_transition`` schedules) on integer durations."""
-    return best_schedule(dag, [float(d) for d in durations])
+    """The greedy list schedule on integer durations, as ``plan_transition`` schedules (every
+    edge, ports; the better of commit order and longest remaining path, and sampled schedules
+    where those stay over 5% above the lower bound)."""
+    ticks = [float(d) for d in durations]
+    return best_schedule(dag, ticks, bound=lower_bound(dag, durations=ticks))
 
 
 def horizon(dag: TransitionDag, durations: Sequence[int]) -> int:

@@ -70,20 +70,24 @@ def tail_priority(
     return tuple(sorted(rank, key=lambda i: (-tail[i], rank[i])))
 
 
-def lower_bound(dag: TransitionDag, prep: Prepared | None = None) -> float:
+def lower_bound(
+    dag: TransitionDag, prep: Prepared | None = None, durations: Sequence[float] | None = None
+) -> float:
     """No schedule of ``dag``'s nodes is shorter: the longest path through its local edges, or
-    the busiest port's total work (resource edges are choices, so they do not count)."""
+    the busiest port's total work (resource edges are choices, so they do not count). Durations
+    default to each node's ``est_s``."""
+    dur = [float(x) for x in durations] if durations is not None else [nd.est_s for nd in dag.nodes]
     preds: list[list[int]] = [[] for _ in dag.nodes]
     for e in dag.edges:
         if e.kind is EdgeKind.LOCAL:
             preds[e.dst].append(e.src)
     finish = [0.0] * len(dag.nodes)
     for i in dag.order if len(dag.order) == len(dag.nodes) else range(len(dag.nodes)):
-        finish[i] = max((finish[p] for p in preds[i]), default=0.0) + dag.nodes[i].est_s
+        finish[i] = max((finish[p] for p in preds[i]), default=0.0) + dur[i]
     work: dict[int, float] = {}
-    for nd, ports in zip(dag.nodes, _prepared(dag, prep).ports, strict=True):
+    for d, ports in zip(dur, _prepared(dag, prep).ports, strict=True):
         for port in ports:
-            work[port] = work.get(port, 0.0) + nd.est_s
+            work[port] = work.get(port, 0.0) + d
     return max(max(finish, default=0.0), max(work.values(), default=0.0))
 
 

@@ -161,7 +161,10 @@ class VllmEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
         for _ in tensors:  # a loader that stopped early: the rest of the stream's collectives
             pass
+        del tensors
         if self._sleeping:
+            if state.device.type == "cuda":  # the buckets' blocks back to the GPU, for the KV cache
+                torch.cuda.empty_cache()
             self.llm.wake_up(tags=["kv_cache"])
             self._sleeping = False
         self.state = state
