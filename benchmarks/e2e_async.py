@@ -35,8 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKERS, STEPS, REPEATS = 4, 10, 3
 PROMPTS, SAMPLES = 8, 4  # per step: the generated sequences are their product
 WORKLOAD = """algorithm: grpo
-mode: {mode}
-max_staleness: 1
+mode: {mode}{staleness}
 prompts_per_step: {prompts}
 samples_per_prompt: {samples}
 prompt_len: 8
@@ -68,10 +67,17 @@ TARGETS = {
 }
 
 
+def workload_text(mode: str) -> str:
+    """The GRPO workload in ``mode`` (one step off-policy when async; a sync workload may not
+    name ``max_staleness``)."""
+    staleness = "\nmax_staleness: 1" if mode == "async" else ""
+    return WORKLOAD.format(mode=mode, staleness=staleness, prompts=PROMPTS, samples=SAMPLES)
+
+
 def run_once(mode: str, tmp: Path, tag: str, code: Path, steps: int) -> dict[str, Any]:
     """One ``nereus run`` in ``mode`` on the code snapshot ``code``: its rows, wall time, load."""
     wl = tmp / f"{tag}-workload.yaml"
-    wl.write_text(WORKLOAD.format(mode=mode, prompts=PROMPTS, samples=SAMPLES))
+    wl.write_text(workload_text(mode))
     exp = tmp / f"{tag}.yaml"
     exp.write_text(EXPERIMENT.format(name=tag, workload=wl, workers=WORKERS, steps=steps))
     out = tmp / tag
