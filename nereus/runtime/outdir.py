@@ -341,12 +341,16 @@ def drop_replaced(path: Path, wait: bool = True) -> None:
     """Remove the previous run's files a ``--force`` set aside (the new run has trained now):
     renamed out of the way at once, then deleted — in a daemon thread with ``wait=False`` (a
     checkpoint's save must not wait on terabytes of old checkpoints on a parallel file system;
-    what a process that exits leaves is removed by the next ``prepare``)."""
+    what a process that exits leaves is removed by the next ``prepare``). Never raises: a rename
+    that fails leaves them for the next ``settle``."""
     aside = Path(path) / REPLACED
     if not aside.is_dir() or aside.is_symlink():
         return
-    doomed = Path(path) / f"{REPLACED}.{os.getpid()}.deleting"
-    os.replace(aside, doomed)
+    doomed = Path(path) / f"{REPLACED}.{os.getpid()}.{threading.get_ident()}.deleting"
+    try:
+        os.replace(aside, doomed)
+    except OSError:
+        return
     if wait:
         shutil.rmtree(doomed, ignore_errors=True)
     else:
