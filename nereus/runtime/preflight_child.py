@@ -128,13 +128,16 @@ def _check_same_tokenizer(label: str, folder: Path, tok: Any) -> None:
 
     if not isinstance(tok, HfTokenizer) or not has_tokenizer(folder) or Path(tok.folder) == folder:
         return
-    theirs, ours = HfTokenizer(str(folder), chat=False).vocabulary(), tok.vocabulary()
+    try:
+        theirs, ours = HfTokenizer(str(folder), chat=False).vocabulary(), tok.vocabulary()
+    except ConfigError as exc:
+        raise ConfigError(f"{label}: {exc}") from None
     differ = sorted(t for t, i in ours.items() if theirs.get(t) != i)
     if differ:
         raise ConfigError(
-            f"{label}: {folder}'s tokenizer is not the job's ({tok.folder}): {len(differ)} of its tokens "
-            f"have other ids (e.g. {differ[0]!r}); this model reads the actor's token ids, so give it a "
-            "checkpoint trained with the actor's tokenizer"
+            f"{label}: {folder}'s tokenizer is not the job's ({tok.folder}): {len(differ)} of the job's "
+            f"tokens have other ids there (e.g. {differ[0]!r}); this model reads the actor's token ids, so "
+            "give it a checkpoint trained with the actor's tokenizer"
         )
 
 
