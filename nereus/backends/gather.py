@@ -92,7 +92,7 @@ def stream_whole(
     positions = state.layout.positions()
     mine = state.buffers[kind].detach()
     pieces = _pieces(state)
-    order = whole_names(state)
+    order = _order(state, pieces)
     if groups.unit is None:  # a replica of one rank: its slots are whole
         for name in order:
             _, slot, _ = pieces[name][0]
@@ -144,7 +144,11 @@ def _pieces(state: RankState) -> dict[str, list[Piece]]:
 
 def whole_names(state: RankState) -> list[str]:
     """The names ``stream_whole`` yields, in its (state-dict) order."""
-    pieces, layout = _pieces(state), state.layout
+    return _order(state, _pieces(state))
+
+
+def _order(state: RankState, pieces: dict[str, list[Piece]]) -> list[str]:
+    layout = state.layout
     return [
         name
         for stage in range(layout.pp)

@@ -57,15 +57,25 @@ def _prepared(dag: TransitionDag, prep: Prepared | None) -> Prepared:
     return prep if prep is not None and prep.dag is dag else Prepared(dag)
 
 
-def tail_priority(
-    dag: TransitionDag, durations: Sequence[float] | None = None, prep: Prepared | None = None
-) -> tuple[int, ...]:
-    """Nodes by longest remaining path to the end (ties: commit order)."""
-    dur = [float(x) for x in durations] if durations is not None else [nd.est_s for nd in dag.nodes]
+def _durations(dag: TransitionDag, durations: Sequence[float] | None) -> list[float]:
+    """Each node's duration: ``durations`` where given, else its ``est_s``."""
+    return [float(x) for x in durations] if durations is not None else [nd.est_s for nd in dag.nodes]
+
+
+def _tails(dag: TransitionDag, dur: Sequence[float], prep: Prepared | None) -> list[float]:
+    """Each node's longest remaining path to the end, itself included."""
     succs = _prepared(dag, prep).succs
     tail = [0.0] * len(dag.nodes)
     for i in reversed(dag.order):
         tail[i] = dur[i] + max((tail[s] for s in succs[i]), default=0.0)
+    return tail
+
+
+def tail_priority(
+    dag: TransitionDag, durations: Sequence[float] | None = None, prep: Prepared | None = None
+) -> tuple[int, ...]:
+    """Nodes by longest remaining path to the end (ties: commit order)."""
+    tail = _tails(dag, _durations(dag, durations), prep)
     rank = {node: r for r, node in enumerate(dag.order)}
     return tuple(sorted(rank, key=lambda i: (-tail[i], rank[i])))
 
@@ -76,7 +86,7 @@ def lower_bound(
     """No schedule of ``dag``'s nodes is shorter: the longest path through its local edges, or
     the busiest port's total work (resource edges are choices, so they do not count). Durations
     default to each node's ``est_s``."""
-    dur = [float(x) for x in durations] if durations is not None else [nd.est_s for nd in dag.nodes]
+    dur = _durations(dag, durations)
     preds: list[list[int]] = [[] for _ in dag.nodes]
     for e in dag.edges:
         if e.kind is EdgeKind.LOCAL:
@@ -133,10 +143,8 @@ def sampled(
     every short schedule when a long node takes the ports a short one needs to open a chain (a
     one-tick Split of actor.gen behind a 21-tick Extend of critic.train); these reach them."""
     n = len(dag.nodes)
-    dur = [float(x) for x in durations] if durations is not None else [nd.est_s for nd in dag.nodes]
-    tail = [0.0] * n
-    for i in reversed(dag.order):
-        tail[i] = dur[i] + max((tail[s] for s in prep.succs[i]), default=0.0)
+    dur = _durations(dag, durations)
+    tail = _tails(dag, dur, prep)
     rank = {node: r for r, node in enumerate(dag.order)}
     rng = random.Random(0)
     for _ in range(samples):
@@ -162,7 +170,7 @@ def list_schedule(
     n = len(nodes)
     if not n:
         return Schedule((), (), 0.0, (), label)
-    dur = [float(x) for x in durations] if durations is not None else [nd.est_s for nd in nodes]
+    dur = _durations(dag, durations)
     prep = _prepared(dag, prep)
     preds, succs, ports = prep.preds, prep.succs, prep.ports
     waiting = list(prep.waiting)
