@@ -101,3 +101,54 @@ def test_an_init_entry_may_name_the_folders_config_json(tmp_path: Path) -> None:
     s = spec(tmp_path, "ppo-tiny", f"actor: {actor / 'config.json'}")
     assert s.weights_of("actor") == str(actor) and s.weights_of("critic") == ""
     torch_checks(s)
+
+
+def _own_models(tmp_path: Path, models: str) -> str:
+    """A copy of ppo-tiny whose ``models:`` names ``models`` (a flow mapping's body)."""
+    workload = tmp_path / "own.yaml"
+    text = (Path(__file__).parents[1] / "configs" / "workloads" / "ppo-tiny.yaml").read_text()
+    workload.write_text(text + f"models: {{{models}}}\n")
+    return str(workload)
+
+
+def test_a_role_whose_models_entry_is_a_folder_starts_from_its_weights(tmp_path: Path) -> None:
+    """A role named a Hugging Face folder under ``models:`` starts from that folder's weights (it
+    started from random ones unless an ``init:`` entry named the folder again); a bad tensor there
+    is named by its ``models:`` key. The reference's folder is checked as the actor's is."""
+    actor = _hf_checkpoint(tmp_path / "actor", "lm", 11)
+    ref = _hf_checkpoint(tmp_path / "ref", "lm", 13)
+    critic = _hf_checkpoint(tmp_path / "critic", "value", 12)
+    s = spec(
+        tmp_path, _own_models(tmp_path, f"ref: {ref}, critic: {critic / 'config.json'}"), f"actor: {actor}"
+    )
+    assert s.weights_of("ref", str(ref)) == str(ref) and s.weights_label("ref", str(ref)) == "models.ref"
+    assert s.weights_of("critic", str(critic / "config.json")) == str(critic)
+    assert (
+        s.weights_of("ref") == str(actor) and s.weights_label("ref") == "init.actor"
+    )  # no entry: the actor's
+    assert torch_checks(s) == []
+    tensors = safetensors.torch.load_file(ref / "model.safetensors")
+    tensors["model.norm.weight"] = torch.zeros(3)
+    safetensors.torch.save_file(tensors, ref / "model.safetensors")
+    got = refusal(s)
+    assert got.startswith(
+        f"models.ref: {ref}/model.safetensors: tensor 'model.norm.weight' has shape (3,)"
+    ), got
+
+
+def test_a_reference_on_random_weights_beside_a_trained_actor_is_a_warning(tmp_path: Path) -> None:
+    """``models: {ref: <a model YAML>}`` has no weights to start from: the KL penalty would pull
+    an actor that starts from a checkpoint toward a random model."""
+    actor = _hf_checkpoint(tmp_path / "actor", "lm", 11)
+    s = spec(tmp_path, _own_models(tmp_path, "ref: tiny-llama"), f"actor: {actor}")
+    assert s.weights_of("ref", "tiny-llama") == ""
+    [warning] = torch_checks(s)
+    assert warning.startswith("models.ref: tiny-llama holds no weights, so the reference starts from random")
+    assert torch_checks(spec(tmp_path, _own_models(tmp_path, "ref: tiny-llama"), "")) == []  # all random
+
+
+def test_a_critic_falling_back_to_the_reward_models_folder_is_named_so(tmp_path: Path) -> None:
+    rm = _hf_checkpoint(tmp_path / "rm", "value", 12)
+    s = spec(tmp_path, "ppo-tiny-rm", f"reward: {rm}")
+    assert s.weights_of("critic") == str(rm) and s.weights_label("critic") == "init.reward"
+    assert s.weights_label("reward") == "init.reward" and s.weights_label("actor") == "model"

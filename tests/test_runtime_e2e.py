@@ -341,10 +341,14 @@ def test_reward_model_stage_scores_from_hugging_face_weights(tmp_path: Path) -> 
 @pytest.mark.timeout(300)
 def test_a_critic_of_another_shape_named_under_models_runs_as_named(tmp_path: Path) -> None:
     """The workload's ``models:`` gives the critic a model of its own (head_dim 32: q/k/v and o
-    shapes of their own), as ``nereus plan`` prices it; the run builds and trains that critic."""
+    shapes of their own), as ``nereus plan`` prices it; the run builds and trains that critic. The
+    reference is named a Hugging Face folder there, and starts from its weights (not the actor's:
+    the first step's KL is not 0)."""
+    ref = _hf_checkpoint(tmp_path / "ref", "lm", 13)
     workload = tmp_path / "ppo-critic.yaml"
     workload.write_text(
-        (CONFIGS / "workloads" / "ppo-tiny.yaml").read_text() + "models: {critic: tiny-llama-h32}\n"
+        (CONFIGS / "workloads" / "ppo-tiny.yaml").read_text()
+        + f"models: {{critic: tiny-llama-h32, ref: {ref}}}\n"
     )
     exp = tmp_path / "critic.yaml"
     exp.write_text(BASE.format(name="critic", steps=2).replace("workload: ppo-tiny", f"workload: {workload}"))
@@ -352,6 +356,7 @@ def test_a_critic_of_another_shape_named_under_models_runs_as_named(tmp_path: Pa
     proc = cli_run(exp, out, 240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert all(r["critic_loss"] > 0 for r in metrics(out))  # type: ignore[operator]
+    assert metrics(out)[0]["kl"] != 0.0  # the actor's own weights as the reference: exactly 0
     from torch.distributed.checkpoint import FileSystemReader
 
     latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
@@ -371,8 +376,9 @@ def test_a_critic_of_another_shape_named_under_models_runs_as_named(tmp_path: Pa
         capture_output=True, text=True, timeout=240, check=False,
     )  # fmt: skip
     assert refused.returncode == 2, refused.stderr[-3000:]
-    assert "written with the roles' models {critic: tiny-llama-h32}; this run's workload names {}" in (
-        refused.stderr
+    assert (
+        "written with the roles' models {critic: tiny-llama-h32, ref: ref}; this run's workload names {}"
+        in (refused.stderr)
     ), refused.stderr
 
 

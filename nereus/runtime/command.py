@@ -19,6 +19,7 @@ import argparse
 import os
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -149,10 +150,11 @@ def preflight(
             raise ConfigError(
                 f"init.{role}: {workload.name} has no {role} model (its models: {', '.join(sorted(roles))})"
             )
-    for role in ("actor", "reward", "critic"):
-        path = spec.weights_of(role, own_model=role in workload.models)
+    for role in ("actor", "ref", "reward", "critic"):
+        path = spec.weights_of(role, workload.models.get(role, ""))
         if path and not (Path(path) / "config.json").is_file():
-            raise ConfigError(f"init.{role}: {path} is not a Hugging Face checkpoint folder (no config.json)")
+            label = spec.weights_label(role, workload.models.get(role, ""))
+            raise ConfigError(f"{label}: {path} is not a Hugging Face checkpoint folder (no config.json)")
     if local:
         outdir.recover(folder)  # a replacement a killed run left: settled before anything reads it
         outdir.check(folder, resume, force)
@@ -166,7 +168,7 @@ def preflight(
         from nereus.rl.verifiers import get_verifier
 
         _keyed("verifier", get_verifier, spec.verifier)
-    elif _child_has_work(spec, engines):
+    elif _child_has_work(spec, engines, workload.models):
         checks_in_a_child(spec)
     return first
 
@@ -203,7 +205,7 @@ def check_tokenizer(spec: Any) -> None:
     )
 
 
-def _child_has_work(spec: Any, engines: dict[str, str]) -> bool:
+def _child_has_work(spec: Any, engines: dict[str, str], models: Mapping[str, str]) -> bool:
     """Whether ``torch_checks`` has anything to check that this process has not: a tokenizer
     folder, a data set, ``init:`` weights, or an engine install not known to import. Else (a
     bundled task, the character tokenizer, known installs) the child, which would import torch
@@ -213,7 +215,7 @@ def _child_has_work(spec: Any, engines: dict[str, str]) -> bool:
 
     if spec.tokenizer or spec.data is not None or spec.dataset:
         return True
-    if any(spec.weights_of(role) for role in ("actor", "reward", "critic")):
+    if any(spec.weights_of(role, models.get(role, "")) for role in ("actor", "ref", "reward", "critic")):
         return True
     _keyed("verifier", get_verifier, spec.verifier)
     return not imports_known(engines, default_cache())

@@ -19,6 +19,7 @@ from nereus.errors import ConfigError
 from nereus.rl.layouts import RecordLayout
 from nereus.spec.files import brief
 from nereus.spec.model import ModelSpec
+from nereus.spec.registry import hf_folder, weights_folder
 from nereus.spec.schema import load_spec, require_at_most, require_finite, require_positive
 
 # An experiment's name becomes a folder (runs/<name>), a Slurm job name and part of shell lines.
@@ -365,10 +366,7 @@ class ExperimentSpec:
     def model_folder(self) -> Path | None:
         """The Hugging Face folder ``model:`` names: the folder itself, or the folder of a
         ``config.json`` named directly; None for a shipped model or a model YAML."""
-        path = Path(self.model)
-        if path.is_dir():
-            return path
-        return path.parent if path.name == "config.json" and path.is_file() else None
+        return hf_folder(self.model)
 
     def tokenizer_folders(self) -> tuple[str, str]:
         """Where the job's tokenizer may be, first first (after ``tokenizer:``): the actor's
@@ -376,28 +374,32 @@ class ExperimentSpec:
         folder = self.model_folder()
         return self.weights_of("actor"), str(folder) if folder is not None else ""
 
-    def weights_of(self, role: str, own_model: bool = False) -> str:
+    def weights_of(self, role: str, model_of: str = "") -> str:
         """The Hugging Face folder ``role`` starts from: its ``init:`` folder, else the ``model:``
         folder when it holds weights (a value head then starts at zero), else none (random
         weights: a shipped model or a model YAML; ``nereus run`` refuses a model folder without
-        weights, ``command.check_weights``). ``own_model``: the workload names the role a model
-        of its own (``models:``), which starts from its own ``init:`` entry only (the reference
-        has none: random weights), never from another role's folder or ``model:``'s."""
-        if own_model:
-            return getattr(self.init, role, "") if role in ("actor", "critic", "reward") else ""
+        weights, ``command.check_weights``). ``model_of``: the role's own model, the workload's
+        ``models:`` entry (empty: the experiment's ``model``). A role with a model of its own
+        starts from its own ``init:`` entry, else from that entry's folder when it is a Hugging
+        Face folder with weights, else from random weights (a model YAML); never from another
+        role's folder or ``model:``'s."""
+        if model_of:
+            named = getattr(self.init, role, "") if role in ("actor", "critic", "reward") else ""
+            return named or weights_folder(hf_folder(model_of))
+        named = self.init.path(role)
+        return named or weights_folder(self.model_folder())
+
+    def weights_label(self, role: str, model_of: str = "") -> str:
+        """Where ``role``'s weights were named, for an error about them: ``init.<role>``, else the
+        role's ``models:`` entry, else the ``model:`` folder (``model (critic)`` for another role
+        starting from it)."""
+        if model_of:
+            own = getattr(self.init, role, "") if role in ("actor", "critic", "reward") else ""
+            return f"init.{role}" if own else f"models.{role}"
         named = self.init.path(role)
         if named:
-            return named
-        folder = self.model_folder()
-        if folder is not None and any(folder.glob("*.safetensors")):
-            return str(folder)
-        return ""
-
-    def weights_label(self, role: str) -> str:
-        """Where ``role``'s weights were named, for an error about them: ``init.<role>``, else the
-        ``model:`` folder (``model (critic)`` for another role starting from it)."""
-        if self.init.path(role):
-            return f"init.{'actor' if role == 'ref' else role}"  # the reference starts as the actor
+            owner = "reward" if role == "critic" and not self.init.critic else role
+            return f"init.{'actor' if role == 'ref' else owner}"  # a critic may start as the reward model
         return "model" if role == "actor" else f"model ({role})"
 
     def engine_of(self, model_stage: str, model: ModelSpec | None = None) -> str:

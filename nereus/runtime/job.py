@@ -129,7 +129,7 @@ def make_worker(
         gpu, setup.workload, setup.models, setup.cluster, optim, spec.seed, setup.engine_of, devices, workdir,
         spec.longest_response(), members,
     )  # fmt: skip
-    worker.weights_of = lambda role: spec.weights_of(role, own_model=role in setup.workload.models)
+    worker.weights_of = lambda role: spec.weights_of(role, setup.workload.models.get(role, ""))
     worker.temperature = rl.temperature  # log-probs of the policy that sampled (verl's, too)
     return worker
 
@@ -320,10 +320,11 @@ def first_state(worker: Worker, plan: Plan, resume_from: Path | None, spec: Expe
     worker.bind(plan)
     for name, engine in worker.engines.items():
         role = worker.workflow.get(name).role.value
-        path = spec.weights_of(role, own_model=role in worker.workload.models)
+        own = worker.workload.models.get(role, "")  # the role's models: entry, if any
+        path = spec.weights_of(role, own)
         if path:
             try:
                 engine.load_hf(Path(path))
             except ConfigError as exc:  # what only reading the tensors finds (NaN): where it was named
-                raise ConfigError(f"{spec.weights_label(role)}: {exc}") from None
+                raise ConfigError(f"{spec.weights_label(role, own)}: {exc}") from None
     return ckpt.Loaded(-1, 0)

@@ -62,13 +62,14 @@ def torch_checks(spec: Any) -> list[str]:
         keyed("dataset", lambda p: PromptDataset.load(Path(p), tok, workload.max_prompt_len), spec.dataset)
     keyed("verifier", get_verifier, spec.verifier)
     runs = {ms.role.value for ms in workload.workflow().model_stages}
-    for role, head in (("actor", Head.LM), ("reward", Head.VALUE), ("critic", Head.VALUE)):
-        path = spec.weights_of(role, own_model=role in workload.models)
-        if not path or role not in runs:  # a model the workload does not run loads nothing
+    for role, head in (("actor", Head.LM), ("ref", Head.LM), ("reward", Head.VALUE), ("critic", Head.VALUE)):
+        own = workload.models.get(role, "")  # the role's models: entry, if any
+        path = spec.weights_of(role, own)
+        if not path or role not in runs or (role == "ref" and not own):  # else: the actor's, checked
             continue
         folder, wanted = Path(path), models[Role(role)].with_head(head)
-        # where the user named these weights: an init: entry, else the model: folder
-        label = spec.weights_label(role)
+        # where the user named these weights: an init: entry, a models: entry, or the model: folder
+        label = spec.weights_label(role, own)
         try:
             hf.check_compatible(wanted, hf.read_config(folder), folder)
         except ConfigError as exc:
@@ -85,7 +86,7 @@ def torch_checks(spec: Any) -> list[str]:
         needed = set(shapes)
         if role == "reward" and "score.weight" not in reader.names():  # its head would be zeros
             headless = f"{label}: {path} has no reward head (no score.weight: a causal LM)"
-            if spec.init.path("reward") or spec.verifier == "none":  # named so, or the only reward
+            if spec.init.path("reward") or own or spec.verifier == "none":  # named so, or the only reward
                 raise ConfigError(
                     f"{headless}, so every response would score 0; a reward model is a Hugging Face "
                     "*ForSequenceClassification with one label (name it with init.reward, or set "
@@ -116,7 +117,23 @@ def torch_checks(spec: Any) -> list[str]:
                 f"{label}: {path} holds {unused[0]}{more}, which {wanted.name} does not have "
                 "(another architecture: its config.json does not describe these weights)"
             )
-    return warnings
+    return warnings + _random_reference(spec, workload, runs)
+
+
+def _random_reference(spec: Any, workload: Any, runs: set[str]) -> list[str]:
+    """A warning when the reference has a model of its own without weights (a model YAML: random
+    weights) while the actor starts from a checkpoint: the KL penalty would pull the actor toward
+    a random model."""
+    own = workload.models.get("ref", "")
+    if "ref" not in runs or not own or spec.weights_of("ref", own) or spec.rl.kl_coef == 0:
+        return []
+    if not spec.weights_of("actor", workload.models.get("actor", "")):
+        return []  # every role starts from seeded random weights: by design
+    return [
+        f"models.ref: {own} holds no weights, so the reference starts from random weights while the "
+        f"actor starts from a checkpoint, and the KL penalty (kl_coef {spec.rl.kl_coef}) pulls the actor "
+        "toward them; name a Hugging Face folder with safetensors weights under models.ref"
+    ]
 
 
 def _check_same_tokenizer(label: str, folder: Path, tok: Any) -> None:

@@ -172,3 +172,17 @@ def load_role_models(workload: WorkloadSpec, model: ModelSpec) -> dict[Role, Mod
             "the actor's tokens (name their models under models:, or pick another --model)"
         )
     return out
+
+
+def hf_folder(name: str) -> Path | None:
+    """The Hugging Face folder a model name is: the folder itself, or the folder of a
+    ``config.json`` named directly; None for a shipped model or a model YAML."""
+    path = Path(name)
+    if path.is_dir():
+        return path
+    return path.parent if path.name == "config.json" and path.is_file() else None
+
+
+def weights_folder(folder: Path | None) -> str:
+    """``folder`` when it holds safetensors weights, else ""."""
+    return str(folder) if folder is not None and any(folder.glob("*.safetensors")) else ""
