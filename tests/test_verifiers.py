@@ -279,8 +279,8 @@ def test_by_source_placeholder_names_score_by_source() -> None:
         ("math", answer_math),  # as verl routes it (its DAPO recipe's data)
         ("math_dapo", answer_math),
         ("math_dapo_reasoning", answer_math),
-        ("numina_synthetic_math", boxed_math),
-        ("numina_cn_k12", boxed_math),
+        ("numina_synthetic_math", math_verify),
+        ("numina_cn_k12", math_verify),
         ("aime2024", answer_math),
         ("AIME_2024", answer_math),
     ],
@@ -315,6 +315,13 @@ def test_score_by_source_routes_each_row() -> None:
     assert got.dtype == torch.float32
     # gsm8k needs its marker, MATH a box, math_dapo ("math" too) its "Answer:" line
     assert got.tolist() == [1.0, 1.0, 0.0, 0.0, 1.0, 0.0]
+
+
+def test_numina_sources_are_compared_symbolically_as_verls_prime_math_compares_them() -> None:
+    texts = [r"so \boxed{(x+1)^2}", r"\boxed{\frac{\sqrt{2}}{2}}", r"so \boxed{(x+1)^2}"]
+    answers = ["x^2+2x+1", r"\frac{1}{\sqrt{2}}", "x^2+2x+1"]
+    got = score_by_source(texts, answers, ["numina_olympiads", "numina_cn_k12", "lighteval/MATH"])
+    assert got.tolist() == [1.0, 1.0, 0.0]  # MATH's string normal forms (verl's math) do not
 
 
 def test_score_by_source_checks_every_source_and_length_first() -> None:

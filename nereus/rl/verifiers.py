@@ -188,15 +188,17 @@ SOURCES: Mapping[str, Verifier] = {
     "math": answer_math,  # verl routes "math" to math_dapo, as its DAPO recipe's data names it
     "math_dapo": answer_math,
     "math_dapo_reasoning": answer_math,
-    "numina_aops_forum": boxed_math,
-    "numina_synthetic_math": boxed_math,
-    "numina_amc_aime": boxed_math,
-    "numina_synthetic_amc": boxed_math,
-    "numina_cn_k12": boxed_math,
-    "numina_olympiads": boxed_math,
+    "numina_aops_forum": math_verify,
+    "numina_synthetic_math": math_verify,
+    "numina_amc_aime": math_verify,
+    "numina_synthetic_amc": math_verify,
+    "numina_cn_k12": math_verify,
+    "numina_olympiads": math_verify,
 }
 """verl ``data_source`` values and their verifiers, as verl's ``default_compute_score`` routes them
-(its ``prime_math`` sources, ``numina_*``, are scored by ``math``: a box, no sympy)."""
+(its ``prime_math`` sources, ``numina_*``, whose answers verl compares symbolically in sympy, are
+scored by ``math_verify``, Math-Verify's sympy comparison: ``(x+1)^2`` equals ``x^2+2x+1`` there, as
+in prime_math, and not in ``math``'s string normal forms)."""
 
 
 def verifier_for_source(data_source: str) -> Verifier:
