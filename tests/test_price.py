@@ -192,6 +192,17 @@ def test_fix_holds_the_named_layouts_and_searches_the_rest(capsys: pytest.Captur
         ),
         ("foo=tp2,pp1,dp8", 2, "ppo has no model-stage 'foo' (allowed: actor.gen"),
         ("actor.gen=tp16,pp1,dp1", 2, "--fix actor.gen: tp 16 exceeds the 8 GPUs of a node of"),  # as price
+        # the engines run at most the workload's concurrency (it was priced at a replica's share)
+        (
+            "actor.gen=tp4,pp1,dp4,mb1000",
+            2,
+            "--fix actor.gen: mb 1000 exceeds ppo's max_num_seqs 256 (allowed: 1 to",
+        ),
+        (
+            "ref.inf=tp1,pp1,dp4,mb17",
+            2,
+            "--fix ref.inf: mb 17 exceeds ppo's inference_micro_batch 16 (allowed: 1",
+        ),
         # verl's FSDP layout on our ZeRO-0 trainer: says where an FSDP trainer is priced
         (
             "actor.train=tp1,pp1,dp8",

@@ -4,7 +4,9 @@ Each held layout is checked by the runtime's rules before the search sees it, ea
 line naming the flag: tp must shard the attention heads (``ModelSpec.tp_refusal``) and stay inside
 a node (or under ``--max-tp``), pp at most the layers, a generation model-stage on vLLM (the
 default, ``SearchSpace.flat``) at pp 1, a trainer's dp dividing the global batch and its
-micro-batch a replica's share, and no more replicas than sequences. The search then holds those
+micro-batch a replica's share, an inference or generation micro-batch at most the workload's
+``inference_micro_batch`` or ``max_num_seqs`` (one above a replica's sequences runs them all at
+once, and is shown so), and no more replicas than sequences. The search then holds those
 shapes and searches the rest (``SearchSpace.holding``, ``fixed_shapes``).
 """
 
@@ -80,7 +82,14 @@ def _batch_refusal(workload: WorkloadSpec, model_stage: ModelStage, dp: int, mic
     every optimizer step, and its micro-batch divides a share."""
     if model_stage.stage is not Stage.TRAIN:
         n = workload.sequences(model_stage)
-        return f"dp {dp} exceeds the {n} sequences it processes per step" if dp > n else ""
+        if dp > n:
+            return f"dp {dp} exceeds the {n} sequences it processes per step"
+        gen = model_stage.stage is Stage.GEN
+        key, cap = ("max_num_seqs", workload.max_num_seqs) if gen else (
+            "inference_micro_batch", workload.inference_micro_batch)  # fmt: skip
+        if micro > cap:  # the engine runs at most the workload's (a larger one would be priced, not run)
+            return f"mb {micro} exceeds {workload.name}'s {key} {cap} (allowed: 1 to {cap})"
+        return ""
     batch = workload.global_batch
     if batch % dp:
         allowed = ", ".join(str(d) for d in range(1, batch + 1) if batch % d == 0)
