@@ -43,7 +43,7 @@ from nereus.spec import (
 from nereus.spec.cluster import GIB
 from nereus.spec.files import brief, one_line, shorten
 from nereus.spec.model import check_context
-from nereus.spec.registry import load_role_models
+from nereus.spec.registry import lasting_name, load_role_models
 from nereus.spec.workload import MAX_TOKENS
 from nereus.telemetry import read_node
 from nereus.transition import command as transition_command
@@ -271,8 +271,10 @@ def _plan(args: argparse.Namespace, out: Console) -> int:
     doc = plan_json(problem, result)
     doc["problem"] = {k: getattr(args, k) for k in transition_command.PROBLEM_KEYS}
     doc["problem"]["mode"] = problem.workload.mode.value
+    for key in ("model", "algo", "cluster"):  # files named as paths: readable from any folder
+        doc["problem"][key] = lasting_name(doc["problem"][key])
     if doc["problem"]["calibration"] is not None:
-        doc["problem"]["calibration"] = str(doc["problem"]["calibration"])
+        doc["problem"]["calibration"] = str(Path(doc["problem"]["calibration"]).resolve())
     ex = None
     if args.exhaustive:
         try:

@@ -430,6 +430,36 @@ def test_anchor_from_another_model_or_cluster(capsys: pytest.CaptureFixture[str]
     assert cli([*base, "--cluster", "a100-64gb-hdr100", "--anchor", "a.json"], capsys)[0] == 0
 
 
+def test_a_plan_names_its_files_so_another_folder_reads_them(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plan file keeps a cluster named by a relative path as an absolute one (a shipped name as
+    it is): ``transition`` and ``--anchor`` from another folder read the same file."""
+    Path("sub").mkdir()
+    write("sub/c.yaml", (Path(__file__).parents[1] / "configs/clusters/h200-ib.yaml").read_text())
+    argv = [
+        "plan",
+        "--model",
+        "llama-3.1-8b",
+        "--algo",
+        "ppo",
+        "--cluster",
+        "sub/c.yaml",
+        "--seq-len",
+        "2048",
+    ]
+    for name, gpus in (("sub/a.json", "32"), ("sub/b.json", "24")):
+        code, out, err = cli([*argv, "--gpus", gpus, "--json"], capsys)
+        assert code == 0, err
+        write(name, out)
+    doc = json.loads(Path("sub/a.json").read_text())["problem"]
+    assert doc["cluster"] == str(Path("sub/c.yaml").resolve()) and doc["model"] == "llama-3.1-8b"
+    monkeypatch.chdir("sub")
+    assert cli(["transition", "--from", "a.json", "--to", "b.json"], capsys)[0] == 0
+    again = [*argv[:6], "c.yaml", "--seq-len", "2048", "--gpus", "24", "--anchor", "a.json"]
+    assert cli(again, capsys)[0] == 0
+
+
 # ------------------------------------------------------------------ YAML bombs and odd files
 def _bomb(levels: int = 9) -> str:
     """A billion-laughs document: each anchor holds nine aliases of the one before."""

@@ -66,6 +66,15 @@ def _shipped_name(text: str) -> bool:
     return bool(text) and os.sep not in text and "/" not in text and not text.startswith(".")
 
 
+def lasting_name(name_or_path: str) -> str:
+    """``name_or_path`` as a saved file keeps it: a shipped name as it is, a path (what
+    ``_resolve`` reads as one) that exists made absolute, since a relative one names another file,
+    or none, from another folder."""
+    path = Path(name_or_path)
+    as_path = path.suffix in (".yaml", ".yml", ".json") or _is_dir(path) or os.sep in name_or_path
+    return str(path.resolve()) if as_path and _exists(path) else name_or_path
+
+
 def _resolve(kind: str, name_or_path: str, what: str) -> Path:
     if not name_or_path.strip():  # Path("") is the working folder
         raise ConfigError(f"{what}: empty name (choices: {', '.join(names(kind))}, or a YAML file)")
