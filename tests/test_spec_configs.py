@@ -92,6 +92,14 @@ def test_workload_validation(tmp_path: Path) -> None:
         WorkloadSpec.from_yaml(_write(tmp_path, "algorithm: ppo\nmicro_batch: 256\n"))
     with pytest.raises(ConfigError, match="models: unknown role 'judge'"):
         WorkloadSpec.from_yaml(_write(tmp_path, "algorithm: ppo\nmodels: {judge: x}\n"))
+    with pytest.raises(
+        ConfigError, match=r"models: grpo runs no critic model \(allowed roles: actor, ref, reward\)"
+    ):
+        WorkloadSpec.from_yaml(
+            _write(tmp_path, "algorithm: grpo\nsamples_per_prompt: 4\nmodels: {critic: x}\n")
+        )
+    with pytest.raises(ConfigError, match=r"models: ppo runs no reward model \(reward_model: false\)"):
+        WorkloadSpec.from_yaml(_write(tmp_path, "algorithm: ppo\nreward_model: false\nmodels: {reward: x}\n"))
     with pytest.raises(ConfigError, match=r"key 'mode': expected one of sync\|async, got 'eager'"):
         WorkloadSpec.from_yaml(_write(tmp_path, "algorithm: ppo\nmode: eager\n"))
     with pytest.raises(ConfigError, match=r"unknown algorithm 'dpo' \(choices: ppo, grpo, remax"):

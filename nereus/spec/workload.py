@@ -253,6 +253,13 @@ class WorkloadSpec:
         for role in self.models:
             if role not in roles:
                 raise ValueError(f"models: unknown role {brief(role)} (allowed: {', '.join(sorted(roles))})")
+        runs = sorted({ms.role.value for ms in self.workflow().model_stages})
+        for role in self.models:  # a model for a role that does not run would do nothing
+            if role not in runs:
+                why = " (reward_model: false)" if role == "reward" and not self.reward_model else ""
+                raise ValueError(
+                    f"models: {self.algorithm.value} runs no {role} model{why} (allowed roles: {', '.join(runs)})"
+                )
 
     @classmethod
     def from_yaml(cls, path: Path, mode: ExecutionMode | None = None) -> WorkloadSpec:
