@@ -415,6 +415,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+JSON_ON_3 = ("transition", "simulate")  # --json commands whose exit 3 prints here (plan and price: their own)
 PIPED_WIDTH = 400  # columns of tables written to a pipe or file (rich's default there is 80)
 
 
@@ -441,6 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _list(args, out)
     except NereusError as exc:
         line = shorten(one_line(str(exc)), MAX_LINE)
+        if isinstance(exc, InfeasibleError) and getattr(args, "json", False) and args.command in JSON_ON_3:
+            print(json.dumps({"error": line}))  # a script reading stdout gets an object on exit 3 too
         print(f"nereus {args.command}: error: {line}", file=sys.stderr)
         return exc.exit_code
     except BrokenPipeError:  # the reader left (nereus plan --json | head): stop quietly, as cat does

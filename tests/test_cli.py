@@ -290,5 +290,9 @@ def test_transition_without_a_copy_exits_3(tmp_path: Path, capsys: pytest.Captur
     lost = ",".join(str(g) for g in trainer["gpus"])
     code, _, err = run(["transition", "--from", str(a), "--to", str(moved), "--lost", lost], capsys)
     assert code == 3 and "no intact replica" in err and "actor.train" in err
+    code, out, err = run(
+        ["transition", "--json", "--from", str(a), "--to", str(moved), "--lost", lost], capsys
+    )
+    assert code == 3 and json.loads(out)["error"] in err  # a script reading stdout gets an object
     code, _, err = run(["transition", "--from", str(a), "--to", str(a), "--lost", lost], capsys)
     assert code == 2 and "lost GPUs" in err

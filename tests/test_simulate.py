@@ -301,6 +301,9 @@ def test_a_trace_too_fast_to_price_or_empty_to_its_end_is_refused_in_one_line(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "the trace holds no GPU from tick 2 to its end (4 ticks)" in err
     assert not (tmp_path / "b").exists()
+    assert main([*base, "--trace", str(empty), "--out", str(tmp_path / "b"), "--json"]) == 3
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"error": err.removeprefix("nereus simulate: error: ").rstrip("\n")}
 
 
 def test_simulate_reads_the_workloads_models_as_plan_does(
