@@ -257,9 +257,8 @@ class WorkloadSpec:
         for role in self.models:  # a model for a role that does not run would do nothing
             if role not in runs:
                 why = " (reward_model: false)" if role == "reward" and not self.reward_model else ""
-                raise ValueError(
-                    f"models: {self.algorithm.value} runs no {role} model{why} (allowed roles: {', '.join(runs)})"
-                )
+                allowed = ", ".join(runs)
+                raise ValueError(f"models: {self.algorithm.value} runs no {role} model{why} (allowed roles: {allowed})")
 
     @classmethod
     def from_yaml(cls, path: Path, mode: ExecutionMode | None = None) -> WorkloadSpec:
