@@ -257,8 +257,8 @@ class WorkloadSpec:
         for role in self.models:  # a model for a role that does not run would do nothing
             if role not in runs:
                 why = " (reward_model: false)" if role == "reward" and not self.reward_model else ""
-                allowed = ", ".join(runs)
-                raise ValueError(f"models: {self.algorithm.value} runs no {role} model{why} (allowed roles: {allowed})")
+                runs_no = f"models: {self.algorithm.value} runs no {role} model{why}"
+                raise ValueError(f"{runs_no} (allowed roles: {', '.join(runs)})")
 
     @classmethod
     def from_yaml(cls, path: Path, mode: ExecutionMode | None = None) -> WorkloadSpec:
