@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +23,7 @@ from nereus.plan.price import PriceQuery, price
 from nereus.plan.problem import PlanningProblem, SeqStats
 from nereus.plan.replica import stage_params
 from nereus.spec import Role, load_cluster, load_model, load_workload
+from nereus.spec.model import Head
 from nereus.spec.workload import Stage
 
 pytestmark = pytest.mark.pure
@@ -36,10 +38,13 @@ BASE = ["price", "--model", MODEL, "--cluster", CLUSTER]
         (Stage.TRAIN, "actor.train", Shape(Layout(4, 1), 2, 4), {"global_batch": 128, "micro_batch": 4}),
         (Stage.INF, "ref.inf", Shape(Layout(2, 1), 4, 16), {"micro_batch": 16}),
         (Stage.GEN, "actor.gen", Shape(Layout(2, 1), 8, 64), {"concurrency": 64}),
+        # --head value: a critic's (or reward model's) scalar head in place of the vocabulary's
+        (Stage.TRAIN, "critic.train", Shape(Layout(4, 2), 1, 4), {"global_batch": 128, "head": Head.VALUE}),
+        (Stage.INF, "critic.inf", Shape(Layout(1, 1), 8, 16), {"micro_batch": 16, "head": Head.VALUE}),
     ],
 )
 def test_a_price_is_the_planners_estimate_of_that_shape(
-    stage: Stage, name: str, shape: Shape, extra: dict[str, int]
+    stage: Stage, name: str, shape: Shape, extra: dict[str, Any]
 ) -> None:
     model, cluster, workload = load_model(MODEL), load_cluster(CLUSTER), load_workload("ppo")
     seq = SeqStats(workload.prompt_len, 2048, 3072)
@@ -88,6 +93,10 @@ def test_json_fit_and_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
         (["--stage", "inf", "--recompute", "full"], "--recompute prices training; --stage is inf"),
         (["--stage", "gen", "--pp", "2"], "--pp 2: vLLM does not pipeline generation (--pipelined-gen"),
         (["--dp", "64"], "= 256 GPUs exceeds cluster h100-ib (128)"),
+        (
+            ["--stage", "gen", "--head", "value"],
+            "--head value prices a critic or reward model's inf or train",
+        ),
         (["--stage", "fly"], "argument --stage: invalid choice"),
         (["--sequences", "x"], "argument --sequences: invalid int value"),
         (["--calibration", "/nonexistent.json"], "--calibration"),

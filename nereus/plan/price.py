@@ -16,7 +16,9 @@ shards its parameters and gathers them layer by layer behind compute (FSDP, ZeRO
 ``CostModel._fsdp_sync``; its parameters, gradients and optimizer state sharded over DP,
 ``memory.trainer_memory``). The model-stage priced is
 the actor's (``actor.gen``, ``actor.train``) or, for inference, the reference model's
-(``ref.inf``, no weight sync): the stage's own work, without the step's weight synchronisation.
+(``ref.inf``, no weight sync), or with ``head`` value a critic's or reward model's (``critic.inf``,
+``critic.train``: a scalar head in place of the vocabulary's): the stage's own work, without the
+step's weight synchronisation.
 Pure (no torch, no processes).
 """
 
@@ -36,10 +38,11 @@ from nereus.plan.evaluate import class_shapes, unsized
 from nereus.plan.layout import Layout, is_power_of_two
 from nereus.plan.problem import DEFAULT_HEADROOM, PlanningProblem, SearchSpace, SeqStats
 from nereus.spec.cluster import GIB, ClusterSpec
-from nereus.spec.model import ModelSpec
+from nereus.spec.model import Head, ModelSpec
 from nereus.spec.workload import Algorithm, Precision, Recompute, Role, Stage, WorkloadSpec
 
 PRICED = {Stage.GEN: "actor.gen", Stage.INF: "ref.inf", Stage.TRAIN: "actor.train"}
+PRICED_VALUE = {Stage.INF: "critic.inf", Stage.TRAIN: "critic.train"}  # a value head's (--head value)
 MAX_SEQUENCES = 1 << 24
 DEFAULTS = WorkloadSpec(name="defaults", algorithm=Algorithm.PPO)  # micro-batches when not named
 MAX_TOKENS = 1 << 24
@@ -67,8 +70,11 @@ class PriceQuery:
     kv_memory_fraction: float = 0.0  # gen: KV may take this share of the memory free after weights
     fsdp: bool = False  # train: the engine shards parameters (FSDP): gathers overlap compute
     pipelined_gen: bool = False  # gen: the engine pipelines generation (torch-native); vLLM does not
+    head: Head = Head.LM  # value: a critic's or reward model's (critic.inf, critic.train)
 
     def __post_init__(self) -> None:
+        if self.head is Head.VALUE and self.stage is Stage.GEN:
+            raise ConfigError("--head value prices a critic or reward model's inf or train; --stage is gen")
         for flag, value in (("tp", self.tp), ("pp", self.pp)):
             if not (isinstance(value, int) and value >= 1 and is_power_of_two(value)):
                 raise ConfigError(f"--{flag}: expected a power of two ≥ 1, got {value!r}")
@@ -168,8 +174,13 @@ class PriceQuery:
         cap = min(share, DEFAULTS.micro_batch)
         return self.micro_batch or max(b for b in range(1, cap + 1) if share % b == 0)
 
+    @property
+    def model_stage(self) -> str:
+        """The model-stage priced: the actor's or reference's, or with ``head`` value the critic's."""
+        return (PRICED_VALUE if self.head is Head.VALUE else PRICED)[self.stage]
+
     def workload(self) -> WorkloadSpec:
-        """The workload whose model-stage ``PRICED[stage]`` is exactly this work."""
+        """The workload whose model-stage ``model_stage`` is exactly this work."""
         micro = self._micro()
         return WorkloadSpec(
             name="price", algorithm=Algorithm.PPO, prompts_per_step=self.sequences, samples_per_prompt=1,
@@ -184,7 +195,7 @@ class PriceQuery:
 
     def space(self) -> SearchSpace:
         """The engine properties the query names, on the priced model-stage."""
-        name = PRICED[self.stage]
+        name = self.model_stage
         return SearchSpace(
             overlap_dp_sync=(name,) if self.overlap_dp_sync else (), paged_kv=(name,) if self.paged_kv else ()
         )
@@ -262,7 +273,7 @@ def price(
         )  # fmt: skip
     except ValueError as exc:  # what the query's own checks did not name
         raise ConfigError(str(exc)) from None
-    model_stage = problem.workflow.get(PRICED[query.stage])
+    model_stage = problem.workflow.get(query.model_stage)
     fsdp = frozenset({model_stage.name}) if query.fsdp else frozenset()
     est = estimate(CostModel(problem, fsdp), model_stage, query.shape())
     total, by_class, by_term = _seconds(est.latency)

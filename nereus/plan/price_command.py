@@ -21,7 +21,7 @@ from nereus.errors import ConfigError
 from nereus.plan.calibration import CalibrationStore
 from nereus.plan.price import Price, PriceQuery, price
 from nereus.spec import load_cluster, load_model
-from nereus.spec.model import check_context
+from nereus.spec.model import Head, check_context
 from nereus.spec.workload import Precision, Recompute, Stage
 
 NOT_FITTING = 3
@@ -32,6 +32,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", required=True, help="shipped name, our YAML, or HF config.json/dir")
     p.add_argument("--cluster", required=True, help="shipped name or a cluster YAML")
     p.add_argument("--stage", required=True, choices=[s.value for s in Stage])
+    p.add_argument(
+        "--head", choices=[h.value for h in Head], default=Head.LM.value,
+        help="lm: the actor's or reference's; value: a critic's or reward model's (inf, train)",
+    )  # fmt: skip
     for flag in ("tp", "pp", "dp"):
         p.add_argument(f"--{flag}", required=True, type=int)
     p.add_argument("--sequences", required=True, type=int, help="sequences the stage processes")
@@ -97,7 +101,7 @@ def run(args: argparse.Namespace, out: Console) -> int:
         p95, micro, batch, Recompute(args.recompute), concurrency,
         Precision(args.precision), overlap_dp_sync=args.overlap_dp_sync, paged_kv=args.paged_kv,
         kv_memory_fraction=args.kv_memory_fraction or 0.0, fsdp=args.fsdp,
-        pipelined_gen=args.pipelined_gen,
+        pipelined_gen=args.pipelined_gen, head=Head(args.head),
     )  # fmt: skip
     efficiencies = None
     if args.calibration:
