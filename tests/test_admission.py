@@ -10,7 +10,7 @@ from nereus.control.controller import Controller, ControllerConfig, State, polic
 from nereus.control.telemetry import Telemetry
 from nereus.control.transition_cost import DagEstimator, FixedCosts, TransitionEstimate
 from nereus.control.triggers import POOL, TriggerKind
-from nereus.errors import ConfigError
+from nereus.errors import ConfigError, InfeasibleError
 from nereus.plan.evaluate import price, shapes_of
 from nereus.plan.layout import Plan
 from nereus.plan.problem import PlanningProblem, SeqStats
@@ -327,3 +327,33 @@ def test_out_of_memory_never_keeps_the_plan_and_raises_the_stage_correction(plan
         assert d.target is not None and d.target.candidates != plan.candidates
     assert ctl.calibration.memory_factor(Stage.TRAIN) == pytest.approx(before * step)
     assert ctl.calibration.memory_factor(Stage.GEN) == 1.0  # only the stage that ran out
+
+
+def test_nowhere_to_go_keeps_a_plan_that_holds_its_gpus_and_restarts_one_that_does_not(plan: Plan) -> None:
+    """Nothing fits the pool (the planner finds no plan at all): a plan only predicted over its
+    memory budget, on GPUs it still holds, carries on (a restart would reload it as it is), while
+    a plan that lost GPUs or ran out of memory restarts wherever the pool allows (no target)."""
+
+    def nothing_fits(problem: PlanningProblem) -> SearchResult:
+        raise InfeasibleError("nothing fits")
+
+    pool = tuple(range(16))
+    ctl = _controller(plan, planner=nothing_fits)
+    ctl.observe(t(0, 2048, pool))
+    d = ctl.observe(t(1, 4096, pool))  # the 2K plan is predicted over capacity at 4K
+    assert d is not None and d.urgent and any(tr.kind is TriggerKind.MEMORY for tr in d.triggers)
+    assert d.verdict is Verdict.KEEP and d.target is None, d.reason
+    assert "the running plan holds its GPUs and carries on" in d.reason
+    assert isinstance(d.action, Keep) and ctl.state is State.STEADY and ctl.plan is plan
+
+    trainer = plan.candidate("actor.train")
+    lost = _controller(plan, planner=nothing_fits)
+    lost.observe(t(0, 2048, pool))
+    d = lost.observe(t(1, 2048, tuple(g for g in pool if g not in set(trainer.gpus))))
+    assert d is not None and d.verdict is Verdict.RESTART and d.target is None
+    assert d.action == Restart(None, d.reason) and lost.state is State.RESTART_REQUIRED
+
+    oom = _controller(plan, planner=nothing_fits)
+    oom.observe(t(0, 2048, pool))
+    d = oom.observe(t(1, 2048, pool, oom=True, oom_stage="actor.train"))
+    assert d is not None and d.verdict is Verdict.RESTART and d.target is None

@@ -370,6 +370,12 @@ class Controller:
             index, why = self._admit(problem, expected, widened, more, h, True)
             if index is None:
                 best = next(iter(options or widened), None)
+                if best is None and not lost and not oom:  # a restart could only reload it as it is
+                    return replace(
+                        base,
+                        reason=f"nothing else fits the {len(problem.pool)} GPUs ({reason}; {why}): "
+                        "the running plan holds its GPUs and carries on",
+                    )
                 return replace(
                     base,
                     verdict=Verdict.RESTART,

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from nereus.control.action import Keep, Move, RecordKind, Restart, TransitionRecord
-from nereus.control.admission import Decision, Verdict
+from nereus.control.admission import Decision
 from nereus.control.controller import Controller, policy_config
 from nereus.control.telemetry import Telemetry
 from nereus.control.transition_cost import FixedCosts
@@ -348,7 +348,7 @@ class _Run:
         ctl, waited = self.controller, 0.0
         running = frozenset(g for c in ctl.plan.candidates for g in c.gpus)
         if target is None and running <= set(pool) and not failed:
-            ctl.restarted(ctl.plan)  # nothing better fits: carry on with the plan as it is
+            ctl.restarted(ctl.plan)  # nothing better fits: carry on with the plan as it is (no restart)
             return pool, None, 0.0
         if target is None:
             target, waited = self.wait_for_plan(seq)
@@ -425,7 +425,9 @@ def _replay(run: _Run, scenario: Scenario, policy: str) -> Summary:
         sum(1 for r in records if r.tp_pp_change),
         sum(1 for r in records if r.oom),
         sum(1 for r in records if r.preempted),
-        sum(1 for d in decisions if d.verdict is Verdict.RESTART),
+        # the restarts that ran, as the step records show them (a restart verdict the job
+        # carried on from, its plan as it was, is a replan, not a restart)
+        sum(1 for r in records if any(t.kind is RecordKind.RESTART for t in r.transitions)),
         sum(r.stalled_s for r in records),
         len(decisions),
         tuple(records),

@@ -1,0 +1,73 @@
+"""A restart counts when it runs: the summary's ``restarts`` are the step records' restarts, and a
+replan with nowhere to go keeps a plan that still holds its GPUs instead of asking for one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nereus.control.action import RecordKind
+from nereus.control.admission import Decision, Verdict
+from nereus.control.controller import Controller
+from nereus.control.telemetry import Telemetry
+from nereus.control.triggers import Trigger, TriggerKind
+from nereus.sim import GpuSupply, Scenario, SeqCurve, SpotTrace, simulate
+from nereus.sim.records import Summary
+from nereus.spec import Role, load_cluster, load_model, load_workload
+
+pytestmark = pytest.mark.pure
+
+
+def _scenario(tmp_path: Path, steps: int) -> Scenario:
+    """PPO with a 70B reward model on one 8-GPU A100-80GB node that never changes: the first plan
+    (priced before any calibration) fills the actor trainer's GPUs to the planner's memory budget,
+    the first measured peaks put it just over, and nothing else fits the 8 GPUs — while the
+    truth's peaks stay well inside the GPUs' memory."""
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"metadata": {"gap_seconds": 300}, "data": [1] * 8}))
+    small, large = load_model("llama-3.1-8b"), load_model("llama-3.3-70b")
+    models = {r: large if r is Role.REWARD else small for r in Role}
+    supply = GpuSupply(SpotTrace.load(trace), 8, 8, 8)
+    cluster = load_cluster("a100-80gb-dgx")
+    return Scenario(load_workload("ppo"), models, cluster, supply, SeqCurve.growth(), steps, 0)
+
+
+def _ran(s: Summary) -> int:
+    return sum(1 for r in s.records if any(t.kind is RecordKind.RESTART for t in r.transitions))
+
+
+@pytest.mark.parametrize("policy", ["static", "nereus"])
+def test_restarts_are_the_ones_the_step_records_show(policy: str, tmp_path: Path) -> None:
+    s = simulate(_scenario(tmp_path, 4), policy)
+    assert s.oom_steps == 0 and s.replans == 3
+    assert s.restarts == _ran(s), [r.decision for r in s.records]
+    memory = [r.decision for r in s.records if r.decision and r.decision["verdict"] == "keep"]
+    assert memory and all("the running plan holds its GPUs and carries on" in d["reason"] for d in memory)
+    assert all(d["verdict"] != "restart" or d["target"] is not None for r in s.records if (d := r.decision))
+    if policy == "static":  # it holds its layouts: nowhere to restart to, ever
+        assert s.restarts == 0 and all(r.restart_s == 0.0 for r in s.records)
+
+
+def test_a_restart_verdict_the_job_carries_on_from_is_no_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A controller that asks for a restart with no target while the plan holds its GPUs: the
+    simulator carries on with the plan as it is (no reload charged, nothing in the records), so
+    the summary counts no restart — the replans still count."""
+    memory = Trigger(TriggerKind.MEMORY, "memory", 1.0, 0.0, 1.0)
+
+    def triggers(self: Controller, t: Telemetry) -> list[Trigger]:
+        self._fold(t)
+        return [memory]
+
+    def replan(self: Controller, t: Telemetry, fired: list[Trigger], rebuilt: frozenset[str]) -> Decision:
+        return Decision(t.step, t.time_s, tuple(fired), True, Verdict.RESTART, "no option", None)
+
+    monkeypatch.setattr(Controller, "triggers", triggers)
+    monkeypatch.setattr(Controller, "replan", replan)
+    s = simulate(_scenario(tmp_path, 3), "static")
+    assert s.replans == 2 and [r.decision["verdict"] for r in s.records if r.decision] == ["restart"] * 2
+    assert _ran(s) == 0 and all(r.restart_s == 0.0 and not r.lost for r in s.records)
+    assert s.restarts == 0 and s.to_json()["restarts"] == 0
