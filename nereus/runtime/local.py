@@ -28,6 +28,8 @@ import os
 import secrets
 import signal
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -65,6 +67,7 @@ PRELOAD = (
     "nereus.transition.command",
     "rich.table",
 )
+SAME_STOP_S = 0.5  # a second SIGINT sooner than this is the first one's copy, not a second Ctrl-C
 STRAGGLER_S = 60.0  # how long the other workers may take to stop after the leader did
 ERRORS = ".start-errors"  # an initial worker's refusal, for the supervisor to print (``_fail``)
 PEER_LEFT = 1  # a worker's exit when a peer stopped during start-up (the peer's error is the job's)
@@ -84,25 +87,43 @@ class Ending:
 
 class _Supervisor:
     """The supervisor's signal handling: the first stop signal is passed on to every worker; a
-    second SIGINT kills them."""
+    second SIGINT kills them. A SIGINT within ``SAME_STOP_S`` of the first is the same stop
+    (``timeout -s INT`` signals the process, then its group; a terminal's Ctrl-C reaches the group):
+    a user's second Ctrl-C comes later. A signal that arrives while the workers start reaches
+    those that have a pid; ``started`` passes it on to the rest."""
 
-    def __init__(self, procs: list[BaseProcess]) -> None:
+    def __init__(self, procs: list[BaseProcess], clock: Callable[[], float] = time.monotonic) -> None:
         self.procs = procs
         self.signum: int | None = None
         self.forced = False
+        self.clock = clock
+        self._first_s = 0.0
+        self._sent: dict[int, set[int]] = {}  # signal → the pids it was sent to
 
     def __call__(self, signum: int, frame: Any) -> None:
         if self.signum is not None and signum == signal.SIGINT and not self.forced:
+            if self.clock() - self._first_s < SAME_STOP_S:
+                return
             self.forced = True
             self._send(signal.SIGKILL)
             return
         if self.signum is None:
-            self.signum = signum
+            self.signum, self._first_s = signum, self.clock()
         self._send(signum)
 
-    def _send(self, signum: int) -> None:
+    def started(self) -> None:
+        """Every worker has a pid: a stop signal that came during the start reaches the workers
+        that had none then (each holds it until its handler is in)."""
+        if self.forced:
+            self._send(signal.SIGKILL)
+        elif self.signum is not None:
+            self._send(self.signum, once=True)
+
+    def _send(self, signum: int, once: bool = False) -> None:
+        sent = self._sent.setdefault(signum, set())
         for p in self.procs:
-            if p.pid is not None and p.exitcode is None:
+            if p.pid is not None and p.exitcode is None and not (once and p.pid in sent):
+                sent.add(p.pid)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signum)
 
@@ -129,6 +150,7 @@ def launch_local(spec: ExperimentSpec, out: Path, resume: bool = False, force: b
     previous = {s: signal.signal(s, supervisor) for s in STOP_SIGNALS}
     try:
         start(procs)  # the workers start with the stop signals held until their handlers are in
+        supervisor.started()
         procs[0].join()
         for p in procs[1:]:
             p.join(timeout=STRAGGLER_S)
