@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from nereus.errors import ConfigError
 from nereus.runtime import outdir, signing
 from nereus.runtime.metrics import drop_rows_after, read_rows
+from nereus.spec import Role
 
 pytestmark = pytest.mark.pure
 
@@ -139,6 +140,32 @@ def test_identity_names_both_models_and_workloads(tmp_path: Path) -> None:
     text = str(info.value)
     assert "model tiny-llama and workload ppo-tiny" in text
     assert "model tiny-qwen and workload grpo-tiny" in text
+
+
+def test_identity_is_the_state_not_the_names(tmp_path: Path) -> None:
+    """A copied workload file or a renamed model folder resumes (the same architecture, algorithm,
+    precision and seed); another seed is refused (the data order follows it); a checkpoint from
+    before the architecture was recorded is judged by its names."""
+    from nereus.spec import load_model, load_workload
+
+    model, workload = load_model("tiny-llama"), load_workload("ppo-tiny")
+    ident = signing.run_identity(dict.fromkeys(Role, model), workload, seed=3)
+    meta = {
+        **ident,
+        "model": "model",
+        "workload": "ppo-tiny-v2",
+        "logical_state": {"actor.train": {"seed": 3}},
+    }
+    signing.check_identity(tmp_path, meta, ident)
+    del meta["seed"]  # a checkpoint from before the seed was recorded: its model-stages' state has it
+    signing.check_identity(tmp_path, meta, ident)
+    with pytest.raises(ConfigError) as info:
+        signing.check_identity(tmp_path, meta, {**ident, "seed": 7})
+    assert "was written by a run with seed 3; this run's is 7" in str(info.value)
+    assert "resume with seed: 3" in str(info.value)
+    old = {k: v for k, v in meta.items() if k != "architecture"}
+    with pytest.raises(ConfigError, match="was written for model model and workload ppo-tiny-v2; this run"):
+        signing.check_identity(tmp_path, old, ident)
 
 
 def test_batches_generated_ahead_resume_only_into_an_async_run(tmp_path: Path) -> None:

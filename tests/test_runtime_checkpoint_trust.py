@@ -161,7 +161,7 @@ def test_another_workload_is_refused_naming_both(finished: Path, tmp_path: Path)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
         f"nereus run: error: --resume: {latest(out)} was written for model tiny-llama and workload "
-        "ppo-tiny; this run has model tiny-llama and workload grpo-tiny"
+        "ppo-tiny, with algorithm 'ppo'; this run's workload grpo-tiny has 'grpo' (its state does not fit)"
     ]
     assert snapshot(out) == before
 
@@ -170,8 +170,13 @@ def test_another_workload_is_refused_naming_both(finished: Path, tmp_path: Path)
 @pytest.mark.parametrize(
     ("kind", "key", "value", "message"),
     [
-        ("models", "intermediate_size", "128", "with intermediate_size 176; this run's has 128"),
-        ("workloads", "precision", "bf16-mixed", "with precision 'fp32'; this run's has 'bf16-mixed'"),
+        ("models", "intermediate_size", "128", "with intermediate_size 176 in its model; this run's model"),
+        (
+            "workloads",
+            "precision",
+            "bf16-mixed",
+            "with precision 'fp32'; this run's workload ppo-tiny has 'bf16-mixed'",
+        ),
     ],
 )
 def test_the_same_names_with_other_state_are_refused(

@@ -76,7 +76,7 @@ def saved_stages(worker: Worker) -> list[str]:
 def identity(worker: Worker) -> dict[str, Any]:
     """What the checkpoint's state belongs to (``signing.run_identity``): a resume with another
     model, architecture, algorithm or precision is refused."""
-    return signing.run_identity(worker.models, worker.workload)
+    return signing.run_identity(worker.models, worker.workload, worker.seed)
 
 
 @contextlib.contextmanager

@@ -160,7 +160,7 @@ def preflight(
         outdir.check(folder, resume, force)
     first = 0
     if resume:
-        first = check_checkpoint(folder, signing.run_identity(models, workload)) + 1
+        first = check_checkpoint(folder, signing.run_identity(models, workload, spec.seed)) + 1
         check_task(spec, folder)
     if local:
         check_plan(spec, spec.workers, spec.max_new_tokens_at(first))

@@ -201,13 +201,16 @@ STATE_FIELDS = (
 )  # fmt: skip
 
 
-def run_identity(models: Mapping[Role, ModelSpec], workload: WorkloadSpec) -> dict[str, Any]:
+def run_identity(
+    models: Mapping[Role, ModelSpec], workload: WorkloadSpec, seed: int | None = None
+) -> dict[str, Any]:
     """What a checkpoint's state belongs to (``meta.json``): the actor's model and the workload's
     names, the actor's state-shaping fields, each model the workload names for another role
-    (``models:``: its name and fields), and the workload's algorithm (which trainers hold state),
-    precision (whether fp32 master weights exist) and mode (an async one's batches generated ahead)."""
+    (``models:``: its name and fields), the workload's algorithm (which trainers hold state),
+    precision (whether fp32 master weights exist) and mode (an async one's batches generated
+    ahead), and the run's seed (the data order and the sampling read it)."""
     model = models[Role.ACTOR]
-    return {
+    out: dict[str, Any] = {
         "model": model.name,
         "workload": workload.name,
         "architecture": _architecture(model),
@@ -220,6 +223,9 @@ def run_identity(models: Mapping[Role, ModelSpec], workload: WorkloadSpec) -> di
         "precision": workload.precision.value,
         "mode": workload.mode.value,
     }
+    if seed is not None:
+        out["seed"] = seed
+    return out
 
 
 def _names(roles: dict[str, Any]) -> str:
@@ -238,28 +244,54 @@ def _architecture(model: ModelSpec) -> dict[str, Any]:
     return {k: v.value if isinstance(v, Enum) else v for k, v in arch.items()}
 
 
+def _same_roles(found: dict[str, Any], want: dict[str, Any]) -> bool:
+    """The same roles with models of their own, each of the same architecture (a name alone where
+    the checkpoint recorded no architecture)."""
+    if set(found) != set(want):
+        return False
+    for role, was in found.items():
+        if isinstance(was, dict) and isinstance(was.get("architecture"), dict):
+            if was["architecture"] != want[role].get("architecture"):
+                return False
+        elif (was.get("model") if isinstance(was, dict) else was) != want[role].get("model"):
+            return False
+    return True
+
+
+def _seed_of(meta: dict[str, Any]) -> int | None:
+    """The seed the checkpoint's run had: recorded, else its model-stages' logical state's."""
+    if isinstance(meta.get("seed"), int):
+        return int(meta["seed"])
+    states = meta.get("logical_state")
+    seeds = (
+        {v.get("seed") for v in states.values() if isinstance(v, dict)} if isinstance(states, dict) else set()
+    )
+    return next(iter(seeds)) if len(seeds) == 1 and isinstance(next(iter(seeds)), int) else None
+
+
 def check_identity(path: Path, meta: dict[str, Any], expected: dict[str, Any], prefix: str = "") -> None:
-    """A checkpoint resumes only the model and workload that wrote it (``meta.json``'s): the same
-    names, and — where the checkpoint records them (written since they were) — the same
-    architecture, algorithm and precision, the first difference named in one line. Batches an async
-    run generated ahead resume only into an async run, which trains on them."""
-    found = {k: meta.get(k) for k in ("model", "workload")}
-    if found != {k: expected[k] for k in ("model", "workload")}:
-        raise ConfigError(
-            f"{prefix}{path} was written for model {found['model']} and workload {found['workload']}; "
-            f"this run has model {expected['model']} and workload {expected['workload']}"
-        )
+    """A checkpoint resumes only a run its state fits, judged by what shapes the state rather than
+    by names (a workload file copied or renamed, a model folder moved, resume as before): the
+    actor's architecture, the roles' own models' architectures, the algorithm and precision, and
+    the seed; batches an async run generated ahead resume only into an async run, which trains on
+    them. The first difference is named in one line. A checkpoint written before the architecture
+    was recorded is judged by the model's and workload's names, as it was then."""
+    written = f"{prefix}{path} was written for model {meta.get('model')} and workload {meta.get('workload')}"
+    this = f"this run has model {expected['model']} and workload {expected['workload']}"
     arch = meta.get("architecture")
-    if isinstance(arch, dict):
+    if not isinstance(arch, dict):
+        if {k: meta.get(k) for k in ("model", "workload")} != {k: expected[k] for k in ("model", "workload")}:
+            raise ConfigError(f"{written}; {this}")
+    else:
         for field, want in expected["architecture"].items():
             if field in arch and arch[field] != want:
                 raise ConfigError(
-                    f"{prefix}{path} was written for a model {expected['model']} with {field} "
-                    f"{arch[field]!r}; this run's has {want!r} (another architecture under the same name)"
+                    f"{written}, with {field} {arch[field]!r} in its model; this run's model "
+                    f"{expected['model']} has {want!r} (another architecture: its state would not fit)"
                 )
     found_roles = meta.get("role_models", {})  # {} in checkpoints from before they were recorded
     want_roles = expected.get("role_models", {})
-    if isinstance(found_roles, dict) and found_roles != want_roles:
+    if isinstance(found_roles, dict) and not _same_roles(found_roles, want_roles):
         raise ConfigError(
             f"{prefix}{path} was written with the roles' models {_names(found_roles)}; this run's "
             f"workload names {_names(want_roles)} (models:; their state would not fit)"
@@ -267,9 +299,16 @@ def check_identity(path: Path, meta: dict[str, Any], expected: dict[str, Any], p
     for key in ("algorithm", "precision"):
         if key in meta and meta[key] != expected[key]:
             raise ConfigError(
-                f"{prefix}{path} was written for workload {expected['workload']} with {key} "
-                f"{meta[key]!r}; this run's has {expected[key]!r} (its state does not fit)"
+                f"{written}, with {key} {meta[key]!r}; this run's workload {expected['workload']} has "
+                f"{expected[key]!r} (its state does not fit)"
             )
+    seed = _seed_of(meta)
+    if "seed" in expected and seed is not None and seed != expected["seed"]:
+        raise ConfigError(
+            f"{prefix}{path} was written by a run with seed {seed}; this run's is {expected['seed']} "
+            "(the data order and the sampling follow it: a resume would repeat and skip prompts; "
+            f"resume with seed: {seed}, or start over with --force)"
+        )
     if meta.get("pending") and expected.get("mode") != "async":
         raise ConfigError(
             f"{prefix}{path} holds batches an async run generated ahead (for steps "
