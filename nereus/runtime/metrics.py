@@ -179,19 +179,25 @@ class MetricsWriter:
         self.file = self.path.open("a", encoding="utf-8")
         self.console = console or Console(highlight=False)
         self.spec = spec
-        self.tb: Any = None
+        self.tb: Any = self._tensorboard()
+
+    def _tensorboard(self, purge_step: int | None = None) -> Any:
+        """The TensorBoard writer; ``purge_step``: the events of that step and later, which a
+        resumed or recovered run writes again, are hidden (TensorBoard's own purge)."""
         try:
             from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(self.out / "tensorboard"))
         except ImportError:  # tensorboard is a dependency; a trimmed install still runs
-            self.tb = None
+            return None
+        return SummaryWriter(str(self.out / "tensorboard"), purge_step=purge_step)
 
     def write(self, r: StepRecord, plan_after: Plan) -> None:
         if self.last is not None and r.step <= self.last:  # the step runs again: one row per step
             self.file.close()
             drop_rows_after(self.path, r.step - 1)
             self.file = self.path.open("a", encoding="utf-8")
+            if self.tb is not None:  # and one point per step in TensorBoard
+                self.tb.close()
+                self.tb = self._tensorboard(purge_step=r.step)
         self.file.write(json.dumps(asdict(r)) + "\n")
         self.file.flush()
         self.last = r.step
