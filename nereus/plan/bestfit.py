@@ -4,7 +4,8 @@
 nodes bucketed by how many they have free; a replica that fits in a node takes the fullest node
 that still fits it, a larger one whole free nodes first, and a replica no node can hold (a
 fragmented pool: spot instances smaller than a node) is filled from the nodes with most free GPUs,
-so its TP groups, its pipeline neighbours and its replicas' DP groups may cross nodes.
+so its TP groups, its pipeline neighbours and its replicas' DP groups may cross nodes (on nodes of
+6 or 12 GPUs each node gives it whole TP groups while one holds a TP group).
 
 The cost model prices links from this (``group_spans``): the pool's *occupancy* (free GPUs per
 node, largest first: a small hashable summary the planner's caches key on, ``()`` when every node
@@ -14,7 +15,12 @@ measured against ``place`` in ``tests/test_plan_pool_links.py``: the model-stage
 share the pool there (each is priced as if it had it alone), nodes with equal free GPUs are
 interchangeable here (placement breaks ties by node id), and the anchor and reserved-first rules
 are not replayed. On whole nodes of a power of two GPUs the spans are the layout's (groups inside a
-node when they fit); whole nodes of another size (6, 12) are replayed like a fragmented pool.
+node when they fit); whole nodes of another size (6, 12) are replayed like a fragmented pool, and
+there a TP group or replica smaller than a node that does not divide it (8 of 12, 4 of 6) is
+priced between nodes unless its model-stage is placed alone on the pool: the room best fit found
+for it alone may go to a stage-mate. Groups that divide the node never straddle one on whole
+nodes (replicas go largest first, so every node's free GPUs stay a multiple of the group), so
+what is priced inside a node is placed inside one.
 A model-stage of the running plan that stays where it is at its shape is priced where it runs
 (``anchored``): so the controller's price of the running plan, and the ideal seconds the
 simulator pairs its telemetry with, read the links the plan uses, stage-mates and all.
@@ -34,6 +40,7 @@ from nereus.errors import InfeasibleError
 from nereus.plan.layout import Candidate, Plan
 from nereus.plan.problem import PlanningProblem
 from nereus.plan.replica import FloatArray
+from nereus.spec.workload import ExecutionMode, ModelStage, Stage, Workflow
 
 Occupancy = tuple[int, ...]
 # a running model-stage priced where it runs: (name, tp, pp, dp, (TP, replica, DP) spans)
@@ -73,21 +80,45 @@ class FreeGpus:
         for node, free in self.nodes.items():  # node ids ascending: each bucket sorted
             self.buckets[len(free)].append(node)
 
-    def take(self, count: int) -> tuple[int, ...]:
+    def take(self, count: int, tp: int = 1) -> tuple[int, ...]:
+        """``count`` free GPUs for one replica whose TP groups are runs of ``tp`` of them: the
+        fullest node that still fits it, else whole free nodes, then the nodes with most free
+        GPUs. On nodes of 6 or 12 GPUs each node gives whole TP groups while some node holds
+        one (8 + 8 for a tp8·pp2 replica on nodes of 12, not 12 + 4; 4 + 4 for tp4·pp2 on
+        what async generation left, not 6 + 2), and what no node holds straddles, the
+        replica's own nodes first. On nodes of a power of two GPUs a TP group that fits
+        divides the node, and whole nodes (replicas largest first) keep every node's free
+        GPUs a multiple of it; their fragmented pools are filled as they always were."""
         if count > self.free:
             raise InfeasibleError(f"placement needs {count} more GPUs, {self.free} free")
         if count <= self.gpn:
             for free in range(count, self.gpn + 1):  # best fit: the fullest node that still fits
                 if self.buckets[free]:
                     return self._pop(self.buckets[free][0], count)
+        tiled = self.gpn & (self.gpn - 1) == 0  # every TP group that fits divides the node
+        unit = 1 if tiled or tp >= self.gpn else tp  # what each node gives: whole TP groups
+        whole = self.gpn // unit * unit  # what a whole node gives: all of it when tp divides it
         taken: list[int] = []
-        while count - len(taken) >= self.gpn and self.buckets[self.gpn]:
-            taken.extend(self._pop(self.buckets[self.gpn][0], self.gpn))  # whole free nodes
+        while count - len(taken) >= whole and self.buckets[self.gpn]:
+            taken.extend(self._pop(self.buckets[self.gpn][0], whole))  # whole free nodes
         while len(taken) < count:  # ragged pool: fill from the nodes with most free GPUs
             free = max(f for f in range(1, self.gpn + 1) if self.buckets[f])
-            node = self.buckets[free][0]
-            taken.extend(self._pop(node, min(count - len(taken), free)))
-        return tuple(sorted(taken))
+            if free < unit:  # no node holds a TP group: the rest straddles nodes
+                break
+            taken.extend(self._pop(self.buckets[free][0], min(count - len(taken), free // unit * unit)))
+        rest: list[int] = []
+        # what the replica's own nodes have left first (no node more), then the most free
+        own = sorted(
+            {g // self.gpn for g in taken} & self.nodes.keys(), key=lambda n: (-len(self.nodes[n]), n)
+        )
+        while len(taken) + len(rest) < count:
+            if own:
+                node = own.pop(0)
+            else:
+                node = self.buckets[max(f for f in range(1, self.gpn + 1) if self.buckets[f])][0]
+            rest.extend(self._pop(node, min(count - len(taken) - len(rest), len(self.nodes[node]))))
+        # ids ascending: each node's GPUs a run (of whole TP groups), the straddling rest last
+        return tuple(sorted(taken)) + tuple(sorted(rest))
 
     def take_block(self, count: int) -> tuple[int, ...] | None:
         """``count`` GPUs of one node — the fullest node that holds them all (best fit on the
@@ -177,7 +208,7 @@ def _spread(profile: Occupancy, gpn: int, size: int, tp: int) -> tuple[np.ndarra
     worst = (1, 1, 1)
     roomiest = max(profile)
     for d in range(1, count + 1):
-        gpus = free.take(size)
+        gpus = free.take(size, tp)
         for i, g in enumerate(gpus):
             positions[i].add(g // gpn)
         worst = (
@@ -189,13 +220,32 @@ def _spread(profile: Occupancy, gpn: int, size: int, tp: int) -> tuple[np.ndarra
     return tp_n, rep_n, dp_n
 
 
+def alone_on_pool(workflow: Workflow, mode: ExecutionMode, model_stage: ModelStage) -> bool:
+    """Whether placement places ``model_stage`` by itself on the whole pool: the only
+    model-stage of its stage, in sync mode or as async generation (async inference and
+    training share what generation leaves)."""
+    return len(workflow.by_stage(model_stage.stage)) == 1 and (
+        mode is ExecutionMode.SYNC or model_stage.stage is Stage.GEN
+    )
+
+
 def group_spans(
-    profile: Occupancy, gpus_per_node: int, tp: FloatArray, size: FloatArray, dp: FloatArray
+    profile: Occupancy,
+    gpus_per_node: int,
+    tp: FloatArray,
+    size: FloatArray,
+    dp: FloatArray,
+    alone: bool = False,
 ) -> tuple[FloatArray, FloatArray, FloatArray]:
     """Per row, the spans (GPUs, in the cost model's sense: ≤ GPUs per node is inside a node,
     else ⌈span / GPUs per node⌉ nodes) its TP groups, replicas and DP groups take when placed by
     best fit on a pool of ``profile``; on whole nodes (``()``) the layout's own: tp, size and
-    size·dp."""
+    size·dp. A TP group or replica smaller than a node that does not divide it (8 GPUs on nodes
+    of 12, 4 on nodes of 6) is priced between nodes (at least two) unless the model-stage is
+    placed ``alone`` on the pool (``alone_on_pool``): best fit keeps it inside a node when one has
+    room, but its stage-mates, placed from the same pool and priced apart, may leave none, and
+    a price must never be below what placement gives. Groups that divide the node never straddle
+    on whole nodes (``FreeGpus.take``), so their price is exact."""
     whole = (tp, size, size * dp)
     if not profile:
         return whole
@@ -210,6 +260,9 @@ def group_spans(
         for span, n, inside in zip(spans, nodes, (ti, si, si * d[rows]), strict=True):
             k = n[at]
             span[rows] = np.where(k > 1, k * gpn, np.minimum(inside, gpn))
+        for span, members in ((spans[0], ti), (spans[1], si)) if not alone else ():
+            if members < gpus_per_node and gpus_per_node % members:  # does not tile the node
+                span[rows] = np.maximum(span[rows], 2.0 * gpn)  # so between nodes
     return spans[0], spans[1], spans[2]
 
 
@@ -283,7 +336,8 @@ def _anchored(plan: Plan, gpn: int, pool_ids: tuple[int, ...]) -> tuple[Anchored
             continue
         lay = c.layout
         one = np.array([float(lay.tp)]), np.array([float(lay.size)]), np.array([float(c.dp)])
-        fit = tuple(_normal(float(x[0]), gpn) for x in group_spans(profile, gpn, *one))
+        alone = alone_on_pool(plan.workflow, plan.mode, plan.workflow.get(c.model_stage))
+        fit = tuple(_normal(float(x[0]), gpn) for x in group_spans(profile, gpn, *one, alone=alone))
         where = placed_spans(c, gpn)
         if c.dp == 1:  # no DP collective: its span reads nothing
             where = (where[0], where[1], fit[2])

@@ -22,7 +22,9 @@ Sources, one line each where used:
 
 Links on the job's pool (``nereus.plan.bestfit``): a group that fits in a node is priced inside one
 when best fit can put it there; on a fragmented pool (spot instances smaller than a node) the TP
-groups, replicas and DP groups best fit splits across nodes are priced on the inter-node link.
+groups, replicas and DP groups best fit splits across nodes are priced on the inter-node link. On
+nodes of 6 or 12 GPUs a TP group or replica that does not divide the node is priced between nodes
+unless its model-stage is placed alone (its stage-mates may take the room it would need).
 
 Efficiency by shape (``nereus.plan.shapefit``): where calibration has a curve for a class, each
 row's η is read at that row's size: GEMM at the forward FLOPs of one layer's matmuls on one GPU
@@ -41,7 +43,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from nereus.plan.bestfit import anchored, group_spans, occupancy, pool_span
+from nereus.plan.bestfit import alone_on_pool, anchored, group_spans, occupancy, pool_span
 from nereus.plan.commcost import GRAD_BYTES, CommTerms
 from nereus.plan.costterms import Cost, LatencyTerms, collective, compute, memory_bound
 from nereus.plan.layout import Layout
@@ -105,7 +107,11 @@ class CostModel(CommTerms):
     """Latency and memory of every candidate shape of a planning problem."""
 
     def __init__(
-        self, problem: PlanningProblem, fsdp: frozenset[str] = frozenset(), track: bool = False
+        self,
+        problem: PlanningProblem,
+        fsdp: frozenset[str] = frozenset(),
+        track: bool = False,
+        alone: bool = False,
     ) -> None:
         self.problem = problem
         # record each class's seconds-weighted shape (``Cost.feats``): for pairing measurements
@@ -122,6 +128,13 @@ class CostModel(CommTerms):
         # running model-stages that stay where they are, priced where they run at their shape
         self.anchored = {a[0]: a[1:] for a in anchored(problem)}
         self.workflow = problem.workflow  # (built anew on every ``problem.workflow``)
+        # model-stages whose links are those of best fit on the pool by themselves: the ones
+        # placement places alone (``bestfit.alone_on_pool``); ``alone``: every one (``nereus
+        # price``: one layout on GPUs of its own)
+        mode = problem.workload.mode
+        self.alone = frozenset(
+            ms.name for ms in self.workflow.model_stages if alone or alone_on_pool(self.workflow, mode, ms)
+        )
         # async: generation runs on GPUs of its own, and its weights arrive from the trainer's,
         # across the pool the two share (``_weight_sync``)
         self.gen_apart = problem.workload.mode is ExecutionMode.ASYNC
@@ -211,7 +224,8 @@ class CostModel(CommTerms):
         the layout's own on whole nodes, what best fit makes of them on a fragmented pool
         (``bestfit.group_spans``); where model-stage ``name`` already runs at the row's shape
         and stays (``bestfit.anchored``), where it runs."""
-        spans = group_spans(self.occupancy, self.links.gpus_per_node, rep.tp, rep.size, dp)
+        gpn = self.links.gpus_per_node
+        spans = group_spans(self.occupancy, gpn, rep.tp, rep.size, dp, name in self.alone)
         if name not in self.anchored:
             return spans
         tp, pp, d, where = self.anchored[name]

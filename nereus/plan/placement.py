@@ -3,10 +3,13 @@
 Each stage's replicas are placed from the pool independently (stages are serialised and may share
 GPUs; async generation takes its GPUs first and the rest share what remains). Replicas go largest
 first, each on the node with the fewest free GPUs that still fits it (whole nodes for replicas
-larger than a node), so every TP group and every replica that fits in a node stays in one node —
-the assumption the cost model's link choice makes. A trainer's replicas that fit one node together
-go into the fullest node that holds them all, so its DP group (the gradient all-reduce) stays
-inside one node too (one by one, best fit would fill a part-used node first and split the group).
+larger than a node; on nodes of 6 or 12 GPUs each node gives whole TP groups), so every TP
+group and every replica that fits in a node stays in one node — the assumption the cost
+model's link choice makes. On nodes of 6 or 12 GPUs a TP group or replica that does not divide
+the node may find no node with room left (the cost model prices it between nodes); one that
+divides it always finds one. A trainer's replicas that fit one node together go into the fullest
+node that holds them all, so its DP group (the gradient all-reduce) stays inside one node too (one
+by one, best fit would fill a part-used node first and split the group).
 Within a stage, model-stages are visited in workflow order, so the actor's model-stages land on
 the same GPUs across stages and its weight sync stays local.
 
@@ -60,7 +63,7 @@ def _place_group(
             owned[name].extend(block[i * size : (i + 1) * size] for i in range(count))
             continue
         for _ in range(count):
-            owned[name].append(free.take(size))
+            owned[name].append(free.take(size, shapes[name].layout.tp))
     return [
         Candidate(
             ms.name,

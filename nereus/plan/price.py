@@ -19,6 +19,9 @@ the actor's (``actor.gen``, ``actor.train``) or, for inference, the reference mo
 (``ref.inf``, no weight sync), or with ``head`` value a critic's or reward model's (``critic.inf``,
 ``critic.train``: a scalar head in place of the vocabulary's): the stage's own work, without the
 step's weight synchronisation.
+The layout is placed alone on the first tp·pp·dp GPUs by the planner's best fit
+(``CostModel(alone=True)``): on nodes of 12, one TP-8 group is inside node 0 and four leave one
+across two nodes, as Megatron's contiguous ranks would.
 Pure (no torch, no processes).
 """
 
@@ -275,7 +278,7 @@ def price(
         raise ConfigError(str(exc)) from None
     model_stage = problem.workflow.get(query.model_stage)
     fsdp = frozenset({model_stage.name}) if query.fsdp else frozenset()
-    est = estimate(CostModel(problem, fsdp), model_stage, query.shape())
+    est = estimate(CostModel(problem, fsdp, alone=True), model_stage, query.shape())
     total, by_class, by_term = _seconds(est.latency)
     peak = est.active_bytes  # the stage's own peak: active already holds its persistent state
     limit = problem.capacity_bytes - problem.reserved_bytes
@@ -287,7 +290,7 @@ def price(
     if track:
         s = query.shape()
         one = np.ones(1, dtype=np.int64)
-        terms, _ = CostModel(problem, fsdp, track=True).evaluate(
+        terms, _ = CostModel(problem, fsdp, track=True, alone=True).evaluate(
             model_stage, s.layout, one * s.dp, one * s.micro_batch, s.recompute
         )
         shapes = {
