@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from launch import monitor, submit
+from launch import monitor, resume, submit
 from launch.inputs import shown
 from launch.jobdir import find_job, read_record
 from launch.render import DEFAULT_RESTARTS, LAUNCHERS, MAX_RESTARTS
@@ -106,6 +106,9 @@ def _parser() -> _Parser:
     job("cancel", "cancel the job and its grow jobs")
     job("grow", "add nodes to the running job").add_argument("--nodes", type=_nodes, required=True)
     job("shrink", "drain nodes from the running job").add_argument("--nodes", type=_nodes, required=True)
+    job("resume", "submit an ended job again: it resumes from its latest checkpoint").add_argument(
+        "--time", help="time limit: MM, HH:MM:SS or D-HH:MM:SS (default: the job's)"
+    )
     return p
 
 
@@ -228,6 +231,12 @@ def _job_command(args: argparse.Namespace, factory: submit.ExecutorFactory, runn
     elif args.command == "cancel":
         ids = monitor.cancel(folder, runner)
         print(f"cancelled {', '.join(ids) or 'nothing (the job had already ended)'}")
+    elif args.command == "resume":
+        record = resume.resume(folder, args.time, factory, runner)
+        print(
+            f"resume: job {record.job_ids[0]} continues {record.name} from its latest checkpoint "
+            f"({record.nodes} node(s) × {record.tasks_per_node} task(s)) → {folder}"
+        )
     elif args.command == "grow":
         added, record = submit.grow(folder, args.nodes, factory)
         print(f"grow: job {added.job_id} adds {added.nodes} node(s); {record.current_nodes} in all")

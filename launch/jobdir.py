@@ -114,6 +114,7 @@ class JobRecord:
     tasks: tuple[ArrayTask, ...] = ()
     launcher: str = "srun"  # srun: one task per worker; torchrun: one torchrun agent per node
     max_restarts: int = DEFAULT_RESTARTS  # torchrun: how often an agent restarts its node's workers
+    earlier: tuple[str, ...] = ()  # the ids of the jobs ``resume`` followed (their logs stay listed)
 
     def __post_init__(self) -> None:
         if self.kind not in ("experiment", "array"):
@@ -142,11 +143,13 @@ class JobRecord:
                 f"{self.current_nodes + sum(s.nodes for s in self.shrinks)} the job had (at most one fewer)"
             )
         if self.executor == "local":  # process ids: cancel signals them
-            bad = [i for i in self.all_job_ids if not i.isascii() or not i.isdigit()]
+            bad = [i for i in (*self.all_job_ids, *self.earlier) if not i.isascii() or not i.isdigit()]
             if bad:
                 raise ValueError(f"job_ids: a local job's ids are process ids, got {bad[0]!r}")
         else:  # handed to scancel, sacct and squeue: an id, never an option ("--me" cancels all)
-            bad = [i for i in self.all_job_ids if not (i.isascii() and _JOB_ID.fullmatch(i))]
+            bad = [
+                i for i in (*self.all_job_ids, *self.earlier) if not (i.isascii() and _JOB_ID.fullmatch(i))
+            ]
             if bad:
                 raise ValueError(f"job_ids: {bad[0]!r} is not a SLURM job id (digits, or A_i of an array)")
 

@@ -232,7 +232,7 @@ def cancel(folder: Path, run: Runner = run_command) -> list[str]:
 # ------------------------------------------------------------------ logs
 def log_files(folder: Path, record: JobRecord) -> list[Path]:
     """The job's (and its grow jobs') log files, in job, task, out-before-err order."""
-    ids = record.all_job_ids
+    ids = (*record.earlier, *record.all_job_ids)
     logs = folder / "logs"
     found = {p for job_id in ids for p in logs.glob(f"{job_id}_*_log.*")}
     return sorted(found, key=lambda p: (p.name.split("_")[:-1], p.suffix != ".out"))

@@ -86,7 +86,13 @@ MAX_TIME_DAYS = 365
 
 
 def parse_time(text: str, flag: str = "--time") -> int:
-    """Minutes in a SLURM time limit; a ``ConfigError`` naming ``flag`` when it is not one."""
+    """Minutes in a SLURM time limit (rounded up, as sbatch's ``--time`` takes minutes); a
+    ``ConfigError`` naming ``flag`` when it is not one."""
+    return math.ceil(parse_seconds(text, flag) / 60)
+
+
+def parse_seconds(text: str, flag: str = "--time") -> int:
+    """Seconds in a SLURM time limit; a ``ConfigError`` naming ``flag`` when it is not one."""
     check_text(flag, str(text))
     text = str(text).strip()
     seconds: int | None = None
@@ -106,6 +112,19 @@ def parse_time(text: str, flag: str = "--time") -> int:
         raise ConfigError(f"{flag}: expected a positive time limit as {TIME_FORMATS}, got {shown(text)}")
     if seconds > MAX_TIME_DAYS * 86400:
         raise ConfigError(f"{flag}: {shown(text)} is more than {MAX_TIME_DAYS} days")
+    return seconds
+
+
+def time_limit(text: str, flag: str, signal_delay_s: int, site: str) -> int:
+    """The minutes of a time limit that is longer than the site's checkpoint-and-requeue warning
+    (``signal_delay_s``, compared before the limit is rounded up to whole minutes)."""
+    seconds = parse_seconds(text, flag)
+    if seconds <= signal_delay_s:  # USR2 (checkpoint, requeue) would come as the job starts
+        raise ConfigError(
+            f"{flag}: {f'{seconds // 60} min' if seconds % 60 == 0 else f'{seconds} s'} is not longer "
+            f"than site {site}'s signal_delay_s "
+            f"{signal_delay_s} s (the checkpoint-and-requeue warning)"
+        )
     return math.ceil(seconds / 60)
 
 

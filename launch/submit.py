@@ -44,7 +44,7 @@ from launch.jobdir import (
     write_shrink,
 )
 from launch.render import DEFAULT_RESTARTS, LAUNCHERS, MAX_RESTARTS, Rendered, Request, describe_local, render
-from launch.site import Site, load_site, parse_time, site_ref
+from launch.site import Site, load_site, site_ref, time_limit
 from launch.sweep import check_argv, load_sweep
 from nereus.errors import ConfigError
 from nereus.runtime.command import preflight
@@ -157,7 +157,7 @@ def submitting(what: str = "sbatch") -> Iterator[None]:
         raise ConfigError(f"{what} failed: {lines[-1] if lines else type(exc).__name__}") from None
 
 
-def _request(**kwargs: Any) -> Request:
+def job_request(**kwargs: Any) -> Request:
     """A ``Request``; what it refuses (the flags and files were checked before) is one line."""
     try:
         return Request(**kwargs)
@@ -190,13 +190,8 @@ def _common(opts: Options, site: Site) -> tuple[str, str, int]:
     if partition and not opts.local:
         site.check_partition(partition)
     account = opts.account if opts.account is not None else site.account
-    time_min = parse_time(opts.time) if opts.time is not None else parse_time(site.time, "time")
-    if time_min * 60 <= site.signal_delay_s:  # USR2 (checkpoint, requeue) would come as the job starts
-        flag = "--time" if opts.time is not None else f"site {site.name}: time"
-        raise ConfigError(
-            f"{flag}: {time_min} min is not longer than site {site.name}'s signal_delay_s "
-            f"{site.signal_delay_s} s (the checkpoint-and-requeue warning)"
-        )
+    text, flag = (opts.time, "--time") if opts.time is not None else (site.time, f"site {site.name}: time")
+    time_min = time_limit(text, flag, site.signal_delay_s, site.name)
     return partition, account, time_min
 
 
@@ -232,7 +227,7 @@ def prepare_experiment(path: Path, opts: Options) -> Prepared:
     # what a worker would refuse (policy, engines, verifier, init: and tokenizer folders), before
     # the job queues; the checks that import torch run on the compute nodes
     preflight(exp.spec, folder / "run", resume=False, local=False, child=False)
-    req = _request(
+    req = job_request(
         job_name=exp.name, folder=str(folder / "logs"), python=opts.python, nodes=placement.nodes,
         tasks_per_node=placement.tasks_per_node, time_min=time_min, partition=partition, account=account,
         launcher=launcher, max_restarts=restarts,
@@ -263,7 +258,7 @@ def prepare_array(path: Path, opts: Options) -> Prepared:
     folder = _planned_folder(opts.jobs_root, sweep.name)
     if not opts.local:
         site.check_jobs_folder(folder)
-    req = _request(
+    req = job_request(
         job_name=sweep.name, folder=str(folder / "logs"), python=opts.python, nodes=1, tasks_per_node=1,
         time_min=time_min, partition=partition, account=account, array=sweep.size,
     )  # fmt: skip
@@ -352,7 +347,7 @@ def grow(folder: Path, nodes: int, factory: ExecutorFactory = submitit_executor)
     exp = load_experiment(folder / "experiment.yaml")
     check_plan(exp.spec, total * record.tasks_per_node)
     check_folder("JOB", folder)
-    req = _request(
+    req = job_request(
         job_name=f"{record.name}-grow", folder=str(folder.absolute() / "logs"), python=record.python,
         nodes=nodes, tasks_per_node=record.tasks_per_node, time_min=record.time_min,
         partition=record.partition, account=record.account, launcher=record.launcher,

@@ -260,7 +260,7 @@ def test_shipped_sites_render_valid_bash() -> None:
 
 
 # ------------------------------------------------------------------ argparse: one line
-CHOICES = "'submit', 'array', 'status', 'logs', 'cancel', 'grow', 'shrink'"
+CHOICES = "'submit', 'array', 'status', 'logs', 'cancel', 'grow', 'shrink', 'resume'"
 USAGE = [
     (["submit", str(PPO_TINY), "--bogus"], "submit: error: unrecognized arguments: --bogus"),
     (["submit"], "submit: error: the following arguments are required: experiment"),

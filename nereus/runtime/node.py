@@ -261,7 +261,7 @@ def _requeue_after_checkpoint(signum: int, frame: Any) -> None:
     try:
         requeue()
     except NereusError as exc:
-        print(f"GPU 0: {exc}; the job resumes from its checkpoint when submitted again", file=sys.stderr)
+        print(f"GPU 0: {exc}; nereus-launch resume JOB submits it again from its checkpoint", file=sys.stderr)
 
 
 def requeue() -> None:
