@@ -23,7 +23,10 @@ def _states(record_ids: tuple[str, ...], state: str) -> Any:
 
 
 def test_an_ended_job_resumes_from_its_checkpoint_in_its_folder(
-    tmp_path: Path, capsys: Any, factory: Any, executors: Any  # noqa: F811 - the fixtures
+    tmp_path: Path,
+    capsys: Any,
+    factory: Any,  # noqa: F811 - the fixture
+    executors: Any,  # noqa: F811 - the fixture
 ) -> None:
     folder = submitted(tmp_path, factory, capsys, "--nodes", "2")
     assert launch(["grow", str(folder), "--nodes", "1"], capsys, factory=factory)[0] == 0
