@@ -218,9 +218,7 @@ def _job_command(args: argparse.Namespace, factory: submit.ExecutorFactory, runn
         if args.follow:
             monitor.follow(
                 lambda: monitor.log_files(folder, record),
-                lambda: monitor.aggregate(
-                    list(monitor.job_states(folder, record, runner).values()) or ["UNKNOWN"]
-                ),
+                lambda: monitor.ended_state(folder, read_record(folder), runner),
                 sys.stdout,
             )
         else:
@@ -238,10 +236,10 @@ def _job_command(args: argparse.Namespace, factory: submit.ExecutorFactory, runn
             f"({record.nodes} node(s) × {record.tasks_per_node} task(s)) → {folder}"
         )
     elif args.command == "grow":
-        added, record = submit.grow(folder, args.nodes, factory)
+        added, record = submit.grow(folder, args.nodes, factory, runner)
         print(f"grow: job {added.job_id} adds {added.nodes} node(s); {record.current_nodes} in all")
     else:
-        path, record = submit.shrink(folder, args.nodes)
+        path, record = submit.shrink(folder, args.nodes, runner)
         print(f"shrink: asked the job to drain {args.nodes} node(s) ({path}); {record.current_nodes} left")
     return 0
 

@@ -31,6 +31,7 @@ from nereus.errors import ConfigError
 Runner = Callable[[Sequence[str]], tuple[int, str, str]]  # argv -> (exit code, stdout, stderr)
 ACTIVE = ("RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED", "CONFIGURING", "PENDING")
 LOCAL_CONTROLLER = b"submitit.local._local"
+SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh"})  # what submitit may start the controller under
 
 
 def run_command(argv: Sequence[str]) -> tuple[int, str, str]:
@@ -74,6 +75,25 @@ def slurm_states(ids: Sequence[str], run: Runner = run_command) -> dict[str, str
             if found:  # an array id: a line per task, one state for them all
                 known[i] = aggregate(found)
     return {i: known.get(i, "UNKNOWN") for i in ids}
+
+
+def forgotten(ids: Sequence[str], run: Runner = run_command) -> bool:
+    """Whether SLURM no longer knows any of the jobs ``ids`` (``squeue`` answers "Invalid job id"
+    for each): they ended before the controller's ``MinJobAge``, without accounting to say how.
+    False when SLURM cannot be asked."""
+    for job_id in ids:
+        code, _, err = run(["squeue", "-h", "-j", job_id.split("_", maxsplit=1)[0]])
+        if code == 0 or "invalid job id" not in err.lower():
+            return False
+    return bool(ids)
+
+
+def ended_state(folder: Path, record: JobRecord, run: Runner = run_command) -> str:
+    """The job's state for the commands that act on it: SLURM's (``aggregate``), else the state
+    its record learned when it ended (SLURM forgets ended jobs), else ``UNKNOWN``."""
+    states = job_states(folder, record, run)
+    main = aggregate(list(states.values())) if states else record.state
+    return record.state if main == "UNKNOWN" and record.state in STATES_DONE else main
 
 
 def _proc_cmdline(pid: str) -> bytes:
@@ -144,6 +164,8 @@ def status(folder: Path, run: Runner = run_command) -> dict[str, Any]:
     record = read_record(folder)
     states = job_states(folder, record, run)
     main = aggregate(list(states.values())) if states else record.state
+    if main == "UNKNOWN" and record.state in STATES_DONE:  # SLURM forgot it; its record knows how it ended
+        main = record.state
     if main not in ("UNKNOWN", record.state):
         record = replace(record, state=main)
         if _owned(folder):  # someone else's job folder (root's view too): shown, never rewritten
@@ -193,11 +215,24 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def _controllers(pid: int) -> list[int]:
+    """submitit's controller process: ``pid`` itself, or the Python process under the shell
+    submitit started as ``pid`` (a job with setup lines); the shell would die of SIGTERM and
+    leave the controller running."""
+    found = []
+    for p in (pid, *_descendants(pid)):
+        argv = _proc_cmdline(str(p)).split(b"\0")
+        shell = Path(argv[0].decode(errors="replace")).name in SHELLS
+        if LOCAL_CONTROLLER in b" ".join(argv) and not shell:
+            found.append(p)
+    return found
+
+
 def cancel(folder: Path, run: Runner = run_command) -> list[str]:
     """Cancel the job and its grow jobs (SLURM: ``scancel``, whose SIGTERM makes the job
-    checkpoint and end without a requeue; local: SIGINT to submitit's controller and the tasks
-    under it). Returns the ids cancelled; none for a job that had already ended, whose record
-    then keeps (or learns) how it ended."""
+    checkpoint and end without a requeue; local: SIGTERM to submitit's controller, which passes
+    it on to its tasks: they checkpoint likewise). Returns the ids cancelled; none for a job that
+    had already ended, whose record then keeps (or learns) how it ended."""
     check_owner(folder)
     record = read_record(folder)
     ids = list(record.all_job_ids)
@@ -211,12 +246,14 @@ def cancel(folder: Path, run: Runner = run_command) -> list[str]:
                 write_record(folder, replace(record, state=main))
             return []
         ids = [i for i in ids if states[i] not in STATES_DONE]
+        if all(states[i] == "UNKNOWN" for i in ids) and forgotten(ids, run):  # ended long ago
+            return []
     if record.executor == "local":
         ids = [pid for pid in ids if LOCAL_CONTROLLER in _proc_cmdline(pid)]
-        for pid in ids:
-            for target in (int(pid), *_descendants(int(pid))):
+        for pid in ids:  # the controller passes SIGTERM on to its tasks, which checkpoint at their
+            for target in _controllers(int(pid)):  # next boundary and end, as under scancel
                 with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(target, signal.SIGINT)
+                    os.kill(target, signal.SIGTERM)
     else:
         code, _, err = run(["scancel", *ids])
         if code == 127:

@@ -43,6 +43,7 @@ from launch.jobdir import (
     write_secret,
     write_shrink,
 )
+from launch.monitor import Runner, forgotten, run_command, slurm_states
 from launch.render import DEFAULT_RESTARTS, LAUNCHERS, MAX_RESTARTS, Rendered, Request, describe_local, render
 from launch.site import Site, load_site, site_ref, time_limit
 from launch.sweep import check_argv, load_sweep
@@ -329,7 +330,27 @@ def commit(prep: Prepared, factory: ExecutorFactory = submitit_executor) -> tupl
     return folder, record
 
 
-def grow(folder: Path, nodes: int, factory: ExecutorFactory = submitit_executor) -> tuple[Grow, JobRecord]:
+def _check_running(record: JobRecord, verb: str, run: Runner) -> None:
+    """The job has not ended: its record's state, what SLURM says of its main job, and whether
+    SLURM still knows it at all (a job that ended long ago without accounting)."""
+    state = record.state
+    if state not in STATES_DONE and record.executor == "slurm":
+        now = slurm_states(record.job_ids, run)
+        ended = [s for s in now.values() if s in STATES_DONE]
+        if ended:
+            state = ended[0]
+        elif all(s == "UNKNOWN" for s in now.values()) and forgotten(record.job_ids, run):
+            state = "ended (SLURM no longer knows it)"
+    if state in STATES_DONE or state.startswith("ended"):
+        raise ConfigError(
+            f"JOB: {record.name} is {state}; only a running job {verb} (nereus-launch resume JOB "
+            "submits it again)"
+        )
+
+
+def grow(
+    folder: Path, nodes: int, factory: ExecutorFactory = submitit_executor, run: Runner = run_command
+) -> tuple[Grow, JobRecord]:
     """Submit ``nodes`` more nodes as a new job whose tasks run the node entry with ``join=True``."""
     check_owner(folder)
     record = read_record(folder)
@@ -337,8 +358,7 @@ def grow(folder: Path, nodes: int, factory: ExecutorFactory = submitit_executor)
         raise ConfigError(f"JOB: {folder} is an {record.kind} job; only an experiment grows")
     if nodes <= 0:
         raise ConfigError(f"--nodes: expected a positive integer, got {nodes}")
-    if record.state in STATES_DONE:
-        raise ConfigError(f"JOB: {record.name} is {record.state}; only a running job grows")
+    _check_running(record, "grows", run)
     site = load_site(record.site)
     total = record.current_nodes + nodes
     local = record.executor == "local"
@@ -372,7 +392,7 @@ def grow(folder: Path, nodes: int, factory: ExecutorFactory = submitit_executor)
     return added, record
 
 
-def shrink(folder: Path, nodes: int) -> tuple[Path, JobRecord]:
+def shrink(folder: Path, nodes: int, run: Runner = run_command) -> tuple[Path, JobRecord]:
     """Ask the running job to drain ``nodes`` nodes (``control/shrink-<unix_ms>.json``)."""
     check_owner(folder)
     record = read_record(folder)
@@ -384,8 +404,7 @@ def shrink(folder: Path, nodes: int) -> tuple[Path, JobRecord]:
         raise ConfigError(
             f"--nodes: must be below the job's {current} node(s) (allowed: {allowed}), got {nodes}"
         )
-    if record.state in STATES_DONE:
-        raise ConfigError(f"JOB: {record.name} is {record.state}; only a running job shrinks")
+    _check_running(record, "shrinks", run)
     exp = load_experiment(folder / "experiment.yaml")  # what is left must still hold a plan, as grow checks
     check_plan(exp.spec, (current - nodes) * record.tasks_per_node)
     request = ShrinkRequest(nodes)

@@ -55,3 +55,38 @@ def test_an_ended_job_resumes_from_its_checkpoint_in_its_folder(
     assert void.name.startswith(".void-shrink-") and json.loads(void.read_text()) == {"nodes": 1}
     code, _, err = launch(["resume", str(folder), "--time", "0:10"], capsys, factory=factory, runner=ended)
     assert code == 2 and "--time:" in err and "signal_delay_s" in err
+
+
+def test_a_job_slurm_forgot_is_not_grown_cancelled_or_shown_unknown(
+    tmp_path: Path,
+    capsys: Any,
+    factory: Any,  # noqa: F811 - the fixture
+) -> None:
+    """Without accounting SLURM forgets an ended job after ``MinJobAge``: grow and shrink refuse it
+    (a grow job would wait on a dead store), cancel cancels nothing and keeps its record's state,
+    and status shows how the record saw it end instead of UNKNOWN."""
+    folder = submitted(tmp_path, factory, capsys, "--nodes", "2")
+    invalid = (1, "", "slurm_load_jobs error: Invalid job id specified")
+    gone = runner(
+        {
+            "sacct": (1, "", "accounting disabled"),
+            "squeue": invalid,
+            "scontrol": invalid,
+            "scancel": (0, "", ""),
+        },
+        [],
+    )
+    for command in ("grow", "shrink"):
+        code, _, err = launch([command, str(folder), "--nodes", "1"], capsys, factory=factory, runner=gone)
+        assert code == 2 and "is ended (SLURM no longer knows it); only a running job" in err, err
+        assert "nereus-launch resume JOB" in err
+    assert read_record(folder).grows == () and read_record(folder).state == "SUBMITTED"
+    code, out, _ = launch(["cancel", str(folder)], capsys, runner=gone)
+    assert code == 0 and "nothing (the job had already ended)" in out
+    assert read_record(folder).state == "SUBMITTED"  # not CANCELLED: nobody knows how it ended
+    done = _states(read_record(folder).job_ids, "COMPLETED")
+    assert launch(["status", str(folder), "--json"], capsys, runner=done)[0] == 0
+    code, out, _ = launch(["status", str(folder), "--json"], capsys, runner=gone)
+    assert code == 0 and json.loads(out)["state"] == "COMPLETED"  # what the record learned
+    code, _, err = launch(["grow", str(folder), "--nodes", "1"], capsys, factory=factory, runner=gone)
+    assert code == 2 and "is COMPLETED; only a running job grows" in err
