@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from launch.job import NodeJob
 from launch.jobdir import read_record
@@ -90,3 +91,24 @@ def test_a_job_slurm_forgot_is_not_grown_cancelled_or_shown_unknown(
     assert code == 0 and json.loads(out)["state"] == "COMPLETED"  # what the record learned
     code, _, err = launch(["grow", str(folder), "--nodes", "1"], capsys, factory=factory, runner=gone)
     assert code == 2 and "is COMPLETED; only a running job grows" in err
+
+
+def test_a_missing_prompt_file_is_refused_at_submit(tmp_path: Path, capsys: Any) -> None:
+    """The records are read on the compute nodes (torch), but a file that is not there at all is
+    found on the login node, before the job queues."""
+    from tests.test_launch import experiment
+
+    for changes, key in (
+        ({"dataset": str(tmp_path / "none.jsonl")}, "dataset"),
+        ({"data": {"train": str(tmp_path / "none.parquet"), "layout": "verl"}}, "data.train"),
+    ):
+        path = experiment(tmp_path, **changes)
+        doc = yaml.safe_load(path.read_text())
+        del doc["task"]  # a prompt file in place of the generated task
+        path.write_text(yaml.safe_dump(doc))
+        code, out, err = launch(
+            ["submit", str(path), "--dry-run", "--jobs-root", str(tmp_path / "j")], capsys
+        )
+        assert code == 2 and not out and err.count("\n") == 1, err
+        assert f"{key}: {tmp_path}/none." in err and "dataset file does not exist" in err
+        assert not (tmp_path / "j").exists()

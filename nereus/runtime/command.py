@@ -144,6 +144,7 @@ def preflight(
     _keyed("policy", policy_config, spec.policy)
     check_weights(spec)
     check_tokenizer(spec)
+    check_data_files(spec)
     roles = {ms.role.value for ms in workload.workflow().model_stages}
     for role in ("critic", "reward"):  # weights for a model the workload does not run would do nothing
         if getattr(spec.init, role) and role not in roles:
@@ -188,6 +189,17 @@ def check_weights(spec: Any) -> None:
         "save_pretrained writes by default; init.actor naming one; or a shipped model or a model "
         "YAML for random weights)"
     )
+
+
+def check_data_files(spec: Any) -> None:
+    """Every prompt file the experiment names exists (its records are read in the preflight's
+    child, or for a launched job on the compute nodes, which would find a missing one only there)."""
+    named = [("dataset", spec.dataset)] if spec.dataset else []
+    if spec.data is not None:
+        named += [("data.train", f) for f in spec.data.files] + [("data.val", f) for f in spec.data.val_files]
+    for key, path in named:
+        if not Path(path).exists():
+            raise ConfigError(f"{key}: {shorten(str(path), 200)}: dataset file does not exist")
 
 
 def check_tokenizer(spec: Any) -> None:
