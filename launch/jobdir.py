@@ -18,11 +18,13 @@ Every file is written whole (temporary file + rename), so a reader never sees ha
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
 import secrets
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -35,6 +37,7 @@ from nereus.spec.files import parse_json
 from nereus.spec.schema import build
 
 RECORD = "job.json"
+LOCK = ".job.lock"  # held while a command reads, changes and writes job.json (record_lock)
 _JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+)?")  # a SLURM job id or an array task's (A_i)
 STATES_DONE = frozenset({"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "FINISHED",
                          "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT"})  # fmt: skip
@@ -182,6 +185,27 @@ def atomic_write(path: Path, text: str, mode: int = 0o600) -> None:
 
 def write_record(folder: Path, record: JobRecord) -> None:
     atomic_write(folder / RECORD, record.to_json())
+
+
+@contextlib.contextmanager
+def record_lock(folder: Path) -> Iterator[None]:
+    """Hold the job folder's lock (``.job.lock``, an advisory ``flock``) while a command reads,
+    changes and writes ``job.json``: a ``status`` that refreshes the state while a ``grow`` adds
+    its job must not write back the record it read before the grow."""
+    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def update_record(folder: Path, change: Callable[[JobRecord], JobRecord]) -> JobRecord:
+    """``change`` applied to the record as it is now (read under the lock), written back."""
+    with record_lock(folder):
+        record = change(read_record(folder))
+        write_record(folder, record)
+    return record
 
 
 def check_owner(folder: Path) -> None:

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 
 from submitit.slurm.slurm import SlurmInfoWatcher, read_job_id
 
-from launch.jobdir import STATES_DONE, JobRecord, check_owner, read_record, write_record
+from launch.jobdir import STATES_DONE, JobRecord, check_owner, read_record, update_record
 from nereus.errors import ConfigError
 
 Runner = Callable[[Sequence[str]], tuple[int, str, str]]  # argv -> (exit code, stdout, stderr)
@@ -169,8 +169,8 @@ def status(folder: Path, run: Runner = run_command) -> dict[str, Any]:
     if main not in ("UNKNOWN", record.state):
         record = replace(record, state=main)
         if _owned(folder):  # someone else's job folder (root's view too): shown, never rewritten
-            with contextlib.suppress(OSError):
-                write_record(folder, record)
+            with contextlib.suppress(OSError):  # the record as it is now (a grow meanwhile kept)
+                update_record(folder, lambda now: replace(now, state=main))
     doc: dict[str, Any] = {
         "folder": str(folder), "name": record.name, "kind": record.kind, "site": record.site,
         "executor": record.executor, "launcher": record.launcher, "state": main,
@@ -243,7 +243,7 @@ def cancel(folder: Path, run: Runner = run_command) -> list[str]:
         ended = [s for s in states.values() if s in STATES_DONE]
         if len(ended) == len(ids):  # every one of them ended: nothing to cancel, the record learns it
             if record.state != (main := aggregate(ended)):
-                write_record(folder, replace(record, state=main))
+                update_record(folder, lambda now: replace(now, state=main))
             return []
         ids = [i for i in ids if states[i] not in STATES_DONE]
         if all(states[i] == "UNKNOWN" for i in ids) and forgotten(ids, run):  # ended long ago
@@ -262,7 +262,7 @@ def cancel(folder: Path, run: Runner = run_command) -> list[str]:
             lines = err.strip().splitlines()
             raise ConfigError(f"scancel failed: {lines[-1] if lines else f'exit {code}'}")
     if record.state not in STATES_DONE:
-        write_record(folder, replace(record, state="CANCELLED"))
+        update_record(folder, lambda now: replace(now, state="CANCELLED"))
     return ids
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from launch.experiment import check_node_limit, check_plan, load_experiment
 from launch.job import NodeJob
-from launch.jobdir import JobRecord, atomic_write, check_owner, read_record, write_record
+from launch.jobdir import JobRecord, atomic_write, check_owner, read_record, record_lock, write_record
 from launch.monitor import ACTIVE, Runner, job_states, run_command
 from launch.render import render
 from launch.site import load_site, time_limit
@@ -37,57 +37,60 @@ def resume(
 ) -> JobRecord:  # fmt: skip
     """Submit the ended job in ``folder`` again (``time``: another time limit); its record."""
     check_owner(folder)
-    record = read_record(folder)
-    if record.kind != "experiment":
-        raise ConfigError(f"JOB: {folder} is an {record.kind} job; only an experiment resumes")
-    states = job_states(folder, record, run)
-    active = [i for i, state in states.items() if state in ACTIVE]
-    if active:
-        raise ConfigError(
-            f"JOB: {record.name} is still {states[active[0]]} (job {active[0]}); it resumes once it has "
-            "ended (nereus-launch cancel, which checkpoints first)"
+    with record_lock(folder):  # no status or other command writes job.json meanwhile
+        record = read_record(folder)
+        if record.kind != "experiment":
+            raise ConfigError(f"JOB: {folder} is an {record.kind} job; only an experiment resumes")
+        states = job_states(folder, record, run)
+        active = [i for i, state in states.items() if state in ACTIVE]
+        if active:
+            raise ConfigError(
+                f"JOB: {record.name} is still {states[active[0]]} (job {active[0]}); it resumes once it has "
+                "ended (nereus-launch cancel, which checkpoints first)"
+            )
+        checkpoints = folder / "run" / "checkpoints"
+        try:
+            latest = signing.latest(checkpoints)
+        except ConfigError as exc:
+            raise ConfigError(f"JOB: {exc}") from None
+        if latest is None:
+            raise ConfigError(
+                f"JOB: {folder} has no checkpoint to resume from ({checkpoints}); submit its experiment "
+                "again to start over"
+            )
+        site = load_site(record.site)
+        time_min = (
+            record.time_min if time is None else time_limit(time, "--time", site.signal_delay_s, site.name)
         )
-    checkpoints = folder / "run" / "checkpoints"
-    try:
-        latest = signing.latest(checkpoints)
-    except ConfigError as exc:
-        raise ConfigError(f"JOB: {exc}") from None
-    if latest is None:
-        raise ConfigError(
-            f"JOB: {folder} has no checkpoint to resume from ({checkpoints}); submit its experiment "
-            "again to start over"
-        )
-    site = load_site(record.site)
-    time_min = record.time_min if time is None else time_limit(time, "--time", site.signal_delay_s, site.name)
-    local = record.executor == "local"
-    if not local:
-        check_node_limit(site, record.nodes)
-    check_plan(load_experiment(folder / "experiment.yaml").spec, record.nodes * record.tasks_per_node)
-    check_folder("JOB", folder)
-    req = job_request(
-        job_name=record.name, folder=str(folder.absolute() / "logs"), python=record.python,
-        nodes=record.nodes, tasks_per_node=record.tasks_per_node, time_min=time_min,
-        partition=record.partition, account=record.account, launcher=record.launcher,
-        max_restarts=record.max_restarts,
-    )  # fmt: skip
-    rendered = render(site, req)
-    script = "" if local else f"resume-{len(record.earlier) + 1}.sbatch"
-    try:
-        if script:
-            atomic_write(folder / script, rendered.sbatch)
-        with submitting("submitit" if local else "sbatch"):
-            ex = factory(executor_kind(record), Path(req.folder), record.python)
-            ex.update_parameters(**(rendered.local_params if local else rendered.params))
-            job = ex.submit(NodeJob(), str(folder.absolute()))
-    except BaseException:
-        if script:
-            (folder / script).unlink(missing_ok=True)
-        raise
-    for pending in sorted((folder / "control").glob(SHRINK_GLOB)):  # the old allocation's
-        os.replace(pending, pending.with_name(f".void-{pending.name}"))
-    record = replace(
-        record, job_ids=(str(job.job_id),), earlier=(*record.earlier, *record.all_job_ids), grows=(),
-        shrinks=(), state="SUBMITTED", time_min=time_min,
-    )  # fmt: skip
-    write_record(folder, record)
-    return record
+        local = record.executor == "local"
+        if not local:
+            check_node_limit(site, record.nodes)
+        check_plan(load_experiment(folder / "experiment.yaml").spec, record.nodes * record.tasks_per_node)
+        check_folder("JOB", folder)
+        req = job_request(
+            job_name=record.name, folder=str(folder.absolute() / "logs"), python=record.python,
+            nodes=record.nodes, tasks_per_node=record.tasks_per_node, time_min=time_min,
+            partition=record.partition, account=record.account, launcher=record.launcher,
+            max_restarts=record.max_restarts,
+        )  # fmt: skip
+        rendered = render(site, req)
+        script = "" if local else f"resume-{len(record.earlier) + 1}.sbatch"
+        try:
+            if script:
+                atomic_write(folder / script, rendered.sbatch)
+            with submitting("submitit" if local else "sbatch"):
+                ex = factory(executor_kind(record), Path(req.folder), record.python)
+                ex.update_parameters(**(rendered.local_params if local else rendered.params))
+                job = ex.submit(NodeJob(), str(folder.absolute()))
+        except BaseException:
+            if script:
+                (folder / script).unlink(missing_ok=True)
+            raise
+        for pending in sorted((folder / "control").glob(SHRINK_GLOB)):  # the old allocation's
+            os.replace(pending, pending.with_name(f".void-{pending.name}"))
+        record = replace(
+            record, job_ids=(str(job.job_id),), earlier=(*record.earlier, *record.all_job_ids), grows=(),
+            shrinks=(), state="SUBMITTED", time_min=time_min,
+        )  # fmt: skip
+        write_record(folder, record)
+        return record

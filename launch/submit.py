@@ -39,6 +39,7 @@ from launch.jobdir import (
     create_folder,
     now_iso,
     read_record,
+    record_lock,
     write_record,
     write_secret,
     write_shrink,
@@ -353,62 +354,66 @@ def grow(
 ) -> tuple[Grow, JobRecord]:
     """Submit ``nodes`` more nodes as a new job whose tasks run the node entry with ``join=True``."""
     check_owner(folder)
-    record = read_record(folder)
-    if record.kind != "experiment":
-        raise ConfigError(f"JOB: {folder} is an {record.kind} job; only an experiment grows")
-    if nodes <= 0:
-        raise ConfigError(f"--nodes: expected a positive integer, got {nodes}")
-    _check_running(record, "grows", run)
-    site = load_site(record.site)
-    total = record.current_nodes + nodes
-    local = record.executor == "local"
-    if not local:
-        check_node_limit(site, total)
-    exp = load_experiment(folder / "experiment.yaml")
-    check_plan(exp.spec, total * record.tasks_per_node)
-    check_folder("JOB", folder)
-    req = job_request(
-        job_name=f"{record.name}-grow", folder=str(folder.absolute() / "logs"), python=record.python,
-        nodes=nodes, tasks_per_node=record.tasks_per_node, time_min=record.time_min,
-        partition=record.partition, account=record.account, launcher=record.launcher,
-        max_restarts=record.max_restarts, join=True,
-    )  # fmt: skip
-    rendered = render(site, req)
-    script = "" if local else f"grow-{len(record.grows) + 1}.sbatch"
-    try:
-        if script:
-            atomic_write(folder / script, rendered.sbatch)
-        with submitting("submitit" if local else "sbatch"):
-            ex = factory(executor_kind(record), Path(req.folder), record.python)
-            ex.update_parameters(**(rendered.local_params if local else rendered.params))
-            job = ex.submit(NodeJob(), str(folder.absolute()), True)
-    except BaseException:
-        if script:
-            (folder / script).unlink(missing_ok=True)
-        raise
-    added = Grow(str(job.job_id), nodes, now_iso(), script)
-    record = replace(record, grows=(*record.grows, added))
-    write_record(folder, record)
-    return added, record
+    with record_lock(folder):  # no status or other command writes job.json meanwhile
+        record = read_record(folder)
+        if record.kind != "experiment":
+            raise ConfigError(f"JOB: {folder} is an {record.kind} job; only an experiment grows")
+        if nodes <= 0:
+            raise ConfigError(f"--nodes: expected a positive integer, got {nodes}")
+        _check_running(record, "grows", run)
+        site = load_site(record.site)
+        total = record.current_nodes + nodes
+        local = record.executor == "local"
+        if not local:
+            check_node_limit(site, total)
+        exp = load_experiment(folder / "experiment.yaml")
+        check_plan(exp.spec, total * record.tasks_per_node)
+        check_folder("JOB", folder)
+        req = job_request(
+            job_name=f"{record.name}-grow", folder=str(folder.absolute() / "logs"), python=record.python,
+            nodes=nodes, tasks_per_node=record.tasks_per_node, time_min=record.time_min,
+            partition=record.partition, account=record.account, launcher=record.launcher,
+            max_restarts=record.max_restarts, join=True,
+        )  # fmt: skip
+        rendered = render(site, req)
+        script = "" if local else f"grow-{len(record.grows) + 1}.sbatch"
+        try:
+            if script:
+                atomic_write(folder / script, rendered.sbatch)
+            with submitting("submitit" if local else "sbatch"):
+                ex = factory(executor_kind(record), Path(req.folder), record.python)
+                ex.update_parameters(**(rendered.local_params if local else rendered.params))
+                job = ex.submit(NodeJob(), str(folder.absolute()), True)
+        except BaseException:
+            if script:
+                (folder / script).unlink(missing_ok=True)
+            raise
+        added = Grow(str(job.job_id), nodes, now_iso(), script)
+        record = replace(record, grows=(*record.grows, added))
+        write_record(folder, record)
+        return added, record
 
 
 def shrink(folder: Path, nodes: int, run: Runner = run_command) -> tuple[Path, JobRecord]:
     """Ask the running job to drain ``nodes`` nodes (``control/shrink-<unix_ms>.json``)."""
     check_owner(folder)
-    record = read_record(folder)
-    if record.kind != "experiment":
-        raise ConfigError(f"JOB: {folder} is an {record.kind} job; only an experiment shrinks")
-    current = record.current_nodes
-    if nodes <= 0 or nodes >= current:
-        allowed = f"1 to {current - 1}" if current > 1 else "none: it has one node"
-        raise ConfigError(
-            f"--nodes: must be below the job's {current} node(s) (allowed: {allowed}), got {nodes}"
-        )
-    _check_running(record, "shrinks", run)
-    exp = load_experiment(folder / "experiment.yaml")  # what is left must still hold a plan, as grow checks
-    check_plan(exp.spec, (current - nodes) * record.tasks_per_node)
-    request = ShrinkRequest(nodes)
-    path = write_shrink(folder, request)
-    record = replace(record, shrinks=(*record.shrinks, Shrink(nodes, now_iso(), request.file)))
-    write_record(folder, record)
-    return path, record
+    with record_lock(folder):  # no status or other command writes job.json meanwhile
+        record = read_record(folder)
+        if record.kind != "experiment":
+            raise ConfigError(f"JOB: {folder} is an {record.kind} job; only an experiment shrinks")
+        current = record.current_nodes
+        if nodes <= 0 or nodes >= current:
+            allowed = f"1 to {current - 1}" if current > 1 else "none: it has one node"
+            raise ConfigError(
+                f"--nodes: must be below the job's {current} node(s) (allowed: {allowed}), got {nodes}"
+            )
+        _check_running(record, "shrinks", run)
+        exp = load_experiment(
+            folder / "experiment.yaml"
+        )  # what is left must still hold a plan, as grow checks
+        check_plan(exp.spec, (current - nodes) * record.tasks_per_node)
+        request = ShrinkRequest(nodes)
+        path = write_shrink(folder, request)
+        record = replace(record, shrinks=(*record.shrinks, Shrink(nodes, now_iso(), request.file)))
+        write_record(folder, record)
+        return path, record

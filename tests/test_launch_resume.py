@@ -112,3 +112,26 @@ def test_a_missing_prompt_file_is_refused_at_submit(tmp_path: Path, capsys: Any)
         assert code == 2 and not out and err.count("\n") == 1, err
         assert f"{key}: {tmp_path}/none." in err and "dataset file does not exist" in err
         assert not (tmp_path / "j").exists()
+
+
+def test_a_grow_while_status_asks_slurm_is_kept(
+    tmp_path: Path,
+    capsys: Any,
+    factory: Any,  # noqa: F811 - the fixture
+) -> None:
+    """``status`` reads job.json, asks SLURM (seconds, at times), then writes the state it learned:
+    a grow made meanwhile stays in the record (it was lost)."""
+    from launch import submit
+    from launch.monitor import status
+
+    folder = submitted(tmp_path, factory, capsys, "--nodes", "2")
+    job_id = read_record(folder).job_ids[0]
+
+    def slow_sacct(argv: list[str]) -> tuple[int, str, str]:
+        if argv[0] == "sacct" and not read_record(folder).grows:
+            submit.grow(folder, 1, factory, lambda _: (127, "", ""))  # the user's grow, meanwhile
+        return (0, f"JobID|State\n{job_id}|RUNNING\n", "") if argv[0] == "sacct" else (127, "", "")
+
+    status(folder, slow_sacct)
+    record = read_record(folder)
+    assert record.state == "RUNNING" and len(record.grows) == 1 and record.current_nodes == 3
