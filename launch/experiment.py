@@ -124,7 +124,8 @@ def check_plan(spec: ExperimentSpec, gpus: int, flag: str = "--nodes") -> None:
     cluster, at the experiment's response length (what the job's first step plans for)."""
     from nereus.plan.problem import PlanningProblem, SeqStats
     from nereus.plan.search import search
-    from nereus.spec import Head, Role, load_cluster, load_model, load_workload
+    from nereus.runtime.engines import engines_of, job_models, space_of
+    from nereus.spec import load_cluster, load_model, load_workload
     from nereus.spec.model import check_runnable
 
     workload = load_workload(spec.workload)
@@ -136,10 +137,10 @@ def check_plan(spec: ExperimentSpec, gpus: int, flag: str = "--nodes") -> None:
         raise ConfigError(
             f"{flag}: {gpus} GPUs exceed the {cluster.total_gpus} of the experiment's cluster {cluster.name}"
         )
-    models = {role: actor for role in Role}  # the critic and reward model: the actor with a value head
-    models[Role.CRITIC] = models[Role.REWARD] = actor.with_head(Head.VALUE)
+    models = job_models(workload, actor)  # each role's, as the job's leader plans it
     seq = SeqStats.fixed(workload.prompt_len, spec.max_new_tokens)
+    space = space_of(engines_of(spec, workload, models))  # generation on vLLM: pp 1
     try:
-        search(PlanningProblem(workload, models, cluster, tuple(range(gpus)), seq))
+        search(PlanningProblem(workload, models, cluster, tuple(range(gpus)), seq, space=space))
     except (NereusError, ValueError) as exc:
         raise ConfigError(f"{flag}: the planner cannot use {gpus} GPUs for {what}: {exc}") from None

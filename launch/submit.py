@@ -222,7 +222,7 @@ def prepare_experiment(path: Path, opts: Options) -> Prepared:
     placement = place(site, exp.spec.workers, opts.nodes, opts.local)
     check_site(site, exp.spec)  # --local too: its processes get the site's environment
     exp = exp.resolved(placement)
-    check_plan(exp.spec, placement.tasks)
+    check_plan(exp.spec, placement.tasks, "--nodes" if opts.nodes is not None else "workers")
     folder = _planned_folder(opts.jobs_root, exp.name)
     if not opts.local:  # local processes run here, where the folder was writable
         site.check_jobs_folder(folder)

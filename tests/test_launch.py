@@ -231,7 +231,7 @@ def test_node_count_the_planner_cannot_use(tmp_path: Path, capsys: Any, factory:
     code, _, err = launch(["submit", str(path), "--dry-run"], capsys, factory=factory)
     assert (
         code == 2
-        and "--nodes: the planner cannot use 1 GPUs for ppo-tiny on tiny-llama-h32: stage inf" in err
+        and "workers: the planner cannot use 1 GPUs for ppo-tiny on tiny-llama-h32: stage inf" in err
     )
     amd = experiment(tmp_path, name="amd", cluster="mi250x-slingshot", drift=[])
     code, out, err = launch(["submit", str(amd), "--site", "frontier", "--dry-run"], capsys)
