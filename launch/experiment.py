@@ -9,9 +9,10 @@ that mapping dumped back, with ``name`` set and ``workers`` set to the job's tas
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -21,6 +22,8 @@ from launch.site import Site
 from nereus.errors import ConfigError, NereusError
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.spec.schema import build
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +100,14 @@ def place(site: Site, workers: int, nodes: int | None, local: bool) -> Placement
     return placement
 
 
+def keyed(key: str, load: Callable[[str], T], name: str) -> T:
+    """``load(name)``, its refusal naming the experiment's key (as ``nereus run`` names it)."""
+    try:
+        return load(name)
+    except ConfigError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+
+
 def check_node_limit(site: Site, nodes: int) -> None:
     if site.max_nodes and nodes > site.max_nodes:
         raise ConfigError(f"--nodes: {nodes} nodes exceed site {site.name}'s {site.max_nodes}")
@@ -106,7 +117,7 @@ def check_site(site: Site, spec: ExperimentSpec) -> None:
     """The experiment's cluster must describe the site's hardware: the planner sizes the plan for it."""
     from nereus.spec import load_cluster
 
-    cluster = load_cluster(spec.cluster)
+    cluster = keyed("cluster", load_cluster, spec.cluster)
     if cluster.vendor != site.vendor:
         raise ConfigError(
             f"--site: site {site.name} runs {site.vendor.value} workers but the experiment's cluster "
@@ -128,10 +139,10 @@ def check_plan(spec: ExperimentSpec, gpus: int, flag: str = "--nodes") -> None:
     from nereus.spec import load_cluster, load_model, load_workload
     from nereus.spec.model import check_runnable
 
-    workload = load_workload(spec.workload)
-    actor = load_model(spec.model)
+    workload = keyed("workload", load_workload, spec.workload)
+    actor = keyed("model", load_model, spec.model)
     check_runnable(actor)
-    cluster = load_cluster(spec.cluster)
+    cluster = keyed("cluster", load_cluster, spec.cluster)
     what = f"{spec.workload} on {spec.model}"
     if gpus > cluster.total_gpus:
         raise ConfigError(

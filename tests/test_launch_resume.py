@@ -135,3 +135,14 @@ def test_a_grow_while_status_asks_slurm_is_kept(
     status(folder, slow_sacct)
     record = read_record(folder)
     assert record.state == "RUNNING" and len(record.grows) == 1 and record.current_nodes == 3
+
+
+def test_a_bad_model_or_cluster_names_its_key_at_submit(tmp_path: Path, capsys: Any) -> None:
+    from tests.test_launch import experiment
+
+    for key, value in (("model", "nosuch"), ("cluster", "nosuch"), ("workload", "nosuch")):
+        path = experiment(tmp_path, drift=[], **{key: value})
+        code, _, err = launch(["submit", str(path), "--dry-run", "--jobs-root", str(tmp_path / "j")], capsys)
+        assert code == 2 and err.startswith(f"nereus-launch submit: error: {key}: unknown {key} 'nosuch'"), (
+            err
+        )
