@@ -18,12 +18,14 @@ Every file is written whole (temporary file + rename), so a reader never sees ha
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import re
 import secrets
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -38,6 +40,7 @@ from nereus.spec.schema import build
 
 RECORD = "job.json"
 LOCK = ".job.lock"  # held while a command reads, changes and writes job.json (record_lock)
+LOCK_WAIT_S = 120.0  # how long a command waits for another's lock
 _JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+)?")  # a SLURM job id or an array task's (A_i)
 STATES_DONE = frozenset({"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "FINISHED",
                          "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT"})  # fmt: skip
@@ -187,6 +190,17 @@ def write_record(folder: Path, record: JobRecord) -> None:
     atomic_write(folder / RECORD, record.to_json())
 
 
+def next_script(folder: Path, kind: str) -> str:
+    """The next free ``<kind>-<n>.sbatch`` name in the job folder (numbered from the files there,
+    so a ``grow`` after a ``resume`` never overwrites an earlier allocation's script)."""
+    taken = [
+        int(m.group(1))
+        for p in folder.glob(f"{kind}-*.sbatch")
+        if (m := re.fullmatch(rf"{kind}-(\d+)\.sbatch", p.name))
+    ]
+    return f"{kind}-{max(taken, default=0) + 1}.sbatch"
+
+
 @contextlib.contextmanager
 def record_lock(folder: Path) -> Iterator[None]:
     """Hold the job folder's lock (``.job.lock``, an advisory ``flock``) while a command reads,
@@ -194,7 +208,22 @@ def record_lock(folder: Path) -> Iterator[None]:
     its job must not write back the record it read before the grow."""
     fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ConfigError(
+                        f"JOB: {folder / LOCK} is held by another nereus-launch command (a grow or resume "
+                        f"waiting on SLURM) for over {LOCK_WAIT_S:.0f} s; try again"
+                    ) from None
+                time.sleep(0.2)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL):
+                    raise
+                break  # a file system without flock (Lustre mounted noflock): unlocked, as before
         yield
     finally:
         os.close(fd)  # releases the lock

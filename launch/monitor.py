@@ -170,7 +170,7 @@ def status(folder: Path, run: Runner = run_command) -> dict[str, Any]:
         record = replace(record, state=main)
         if _owned(folder):  # someone else's job folder (root's view too): shown, never rewritten
             with contextlib.suppress(OSError):  # the record as it is now (a grow meanwhile kept)
-                update_record(folder, lambda now: replace(now, state=main))
+                update_record(folder, lambda now: _learned(now, record, main))
     doc: dict[str, Any] = {
         "folder": str(folder), "name": record.name, "kind": record.kind, "site": record.site,
         "executor": record.executor, "launcher": record.launcher, "state": main,
@@ -228,6 +228,12 @@ def _controllers(pid: int) -> list[int]:
     return found
 
 
+def _learned(now: JobRecord, read: JobRecord, state: str) -> JobRecord:
+    """``now`` (the record under the lock) with ``state``, learned of the jobs of ``read``: kept
+    as it is when a ``resume`` has since put another job in it."""
+    return replace(now, state=state) if now.job_ids == read.job_ids else now
+
+
 def cancel(folder: Path, run: Runner = run_command) -> list[str]:
     """Cancel the job and its grow jobs (SLURM: ``scancel``, whose SIGTERM makes the job
     checkpoint and end without a requeue; local: SIGTERM to submitit's controller, which passes
@@ -243,13 +249,15 @@ def cancel(folder: Path, run: Runner = run_command) -> list[str]:
         ended = [s for s in states.values() if s in STATES_DONE]
         if len(ended) == len(ids):  # every one of them ended: nothing to cancel, the record learns it
             if record.state != (main := aggregate(ended)):
-                update_record(folder, lambda now: replace(now, state=main))
+                update_record(folder, lambda now: _learned(now, record, main))
             return []
         ids = [i for i in ids if states[i] not in STATES_DONE]
         if all(states[i] == "UNKNOWN" for i in ids) and forgotten(ids, run):  # ended long ago
             return []
     if record.executor == "local":
         ids = [pid for pid in ids if LOCAL_CONTROLLER in _proc_cmdline(pid)]
+        if not ids:  # every controller is gone: it ended, how is not known here
+            return []
         for pid in ids:  # the controller passes SIGTERM on to its tasks, which checkpoint at their
             for target in _controllers(int(pid)):  # next boundary and end, as under scancel
                 with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -262,7 +270,7 @@ def cancel(folder: Path, run: Runner = run_command) -> list[str]:
             lines = err.strip().splitlines()
             raise ConfigError(f"scancel failed: {lines[-1] if lines else f'exit {code}'}")
     if record.state not in STATES_DONE:
-        update_record(folder, lambda now: replace(now, state="CANCELLED"))
+        update_record(folder, lambda now: _learned(now, record, "CANCELLED"))
     return ids
 
 

@@ -14,8 +14,17 @@ from pathlib import Path
 
 from launch.experiment import check_node_limit, check_plan, load_experiment
 from launch.job import NodeJob
-from launch.jobdir import JobRecord, atomic_write, check_owner, read_record, record_lock, write_record
-from launch.monitor import ACTIVE, Runner, job_states, run_command
+from launch.jobdir import (
+    STATES_DONE,
+    JobRecord,
+    atomic_write,
+    check_owner,
+    next_script,
+    read_record,
+    record_lock,
+    write_record,
+)
+from launch.monitor import Runner, forgotten, job_states, run_command
 from launch.render import render
 from launch.site import load_site, time_limit
 from launch.submit import (
@@ -41,13 +50,7 @@ def resume(
         record = read_record(folder)
         if record.kind != "experiment":
             raise ConfigError(f"JOB: {folder} is an {record.kind} job; only an experiment resumes")
-        states = job_states(folder, record, run)
-        active = [i for i, state in states.items() if state in ACTIVE]
-        if active:
-            raise ConfigError(
-                f"JOB: {record.name} is still {states[active[0]]} (job {active[0]}); it resumes once it has "
-                "ended (nereus-launch cancel, which checkpoints first)"
-            )
+        _check_ended(folder, record, run)
         checkpoints = folder / "run" / "checkpoints"
         try:
             latest = signing.latest(checkpoints)
@@ -65,7 +68,13 @@ def resume(
         local = record.executor == "local"
         if not local:
             check_node_limit(site, record.nodes)
-        check_plan(load_experiment(folder / "experiment.yaml").spec, record.nodes * record.tasks_per_node)
+        spec = load_experiment(folder / "experiment.yaml").spec
+        step = int(latest.name.removeprefix("step_"))
+        if step + 1 >= spec.steps:
+            raise ConfigError(
+                f"JOB: {record.name} checkpointed its last step ({step} of {spec.steps}): nothing to resume"
+            )
+        check_plan(spec, record.nodes * record.tasks_per_node, "JOB")
         check_folder("JOB", folder)
         req = job_request(
             job_name=record.name, folder=str(folder.absolute() / "logs"), python=record.python,
@@ -74,7 +83,7 @@ def resume(
             max_restarts=record.max_restarts,
         )  # fmt: skip
         rendered = render(site, req)
-        script = "" if local else f"resume-{len(record.earlier) + 1}.sbatch"
+        script = "" if local else next_script(folder, "resume")
         try:
             if script:
                 atomic_write(folder / script, rendered.sbatch)
@@ -94,3 +103,22 @@ def resume(
         )  # fmt: skip
         write_record(folder, record)
         return record
+
+
+def _check_ended(folder: Path, record: JobRecord, run: Runner) -> None:
+    """Every job of the record has ended: SLURM says so, or (without accounting, after
+    ``MinJobAge``) no longer knows it; a ``--local`` job's controller is gone. Else one line: a
+    second job must never write the same checkpoints."""
+    states = job_states(folder, record, run)
+    active = [i for i, state in states.items() if state not in STATES_DONE and state != "UNKNOWN"]
+    if active:
+        raise ConfigError(
+            f"JOB: {record.name} is still {states[active[0]]} (job {active[0]}); it resumes once it has "
+            "ended (nereus-launch cancel, which checkpoints first)"
+        )
+    unknown = [i for i, state in states.items() if state == "UNKNOWN"]
+    if unknown and record.executor == "slurm" and not forgotten(unknown, run):
+        raise ConfigError(
+            f"JOB: SLURM could not say whether job {unknown[0]} of {record.name} ended (sacct and squeue "
+            "gave no answer); try again when they do"
+        )

@@ -37,6 +37,7 @@ from launch.jobdir import (
     atomic_write,
     check_owner,
     create_folder,
+    next_script,
     now_iso,
     read_record,
     record_lock,
@@ -331,6 +332,9 @@ def commit(prep: Prepared, factory: ExecutorFactory = submitit_executor) -> tupl
     return folder, record
 
 
+_ENDED = "is {state}; only a running job {verb} (nereus-launch resume JOB submits it again)"
+
+
 def _check_running(record: JobRecord, verb: str, run: Runner) -> None:
     """The job has not ended: its record's state, what SLURM says of its main job, and whether
     SLURM still knows it at all (a job that ended long ago without accounting)."""
@@ -342,11 +346,8 @@ def _check_running(record: JobRecord, verb: str, run: Runner) -> None:
             state = ended[0]
         elif all(s == "UNKNOWN" for s in now.values()) and forgotten(record.job_ids, run):
             state = "ended (SLURM no longer knows it)"
-    if state in STATES_DONE or state.startswith("ended"):
-        raise ConfigError(
-            f"JOB: {record.name} is {state}; only a running job {verb} (nereus-launch resume JOB "
-            "submits it again)"
-        )
+    if state in STATES_DONE or state.startswith("ended ("):  # ours, beside SLURM's states
+        raise ConfigError(f"JOB: {record.name} {_ENDED.format(state=state, verb=verb)}")
 
 
 def grow(
@@ -376,7 +377,7 @@ def grow(
             max_restarts=record.max_restarts, join=True,
         )  # fmt: skip
         rendered = render(site, req)
-        script = "" if local else f"grow-{len(record.grows) + 1}.sbatch"
+        script = "" if local else next_script(folder, "grow")
         try:
             if script:
                 atomic_write(folder / script, rendered.sbatch)

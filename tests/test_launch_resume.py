@@ -54,8 +54,19 @@ def test_an_ended_job_resumes_from_its_checkpoint_in_its_folder(
     assert f"resume: job {record.job_ids[0]} continues" in out and (folder / "resume-1.sbatch").is_file()
     (void,) = (folder / "control").iterdir()  # the old allocation's drain request, not the new job's
     assert void.name.startswith(".void-shrink-") and json.loads(void.read_text()) == {"nodes": 1}
-    code, _, err = launch(["resume", str(folder), "--time", "0:10"], capsys, factory=factory, runner=ended)
+    again = _states(record.all_job_ids, "CANCELLED")  # the resumed job ended too
+    code, _, err = launch(["resume", str(folder), "--time", "0:10"], capsys, factory=factory, runner=again)
     assert code == 2 and "--time:" in err and "signal_delay_s" in err
+    assert launch(["grow", str(folder), "--nodes", "1"], capsys, factory=factory)[0] == 0
+    assert (folder / "grow-2.sbatch").is_file()  # the ended allocation's grow-1.sbatch stays as it was
+    silent = runner({"sacct": (124, "", "sacct: timed out"), "squeue": (124, "", "squeue: timed out")}, [])
+    code, _, err = launch(["resume", str(folder)], capsys, factory=factory, runner=silent)
+    assert code == 2 and "SLURM could not say whether job" in err, err  # never two jobs on one folder
+    (checkpoints / "step_000015").mkdir()
+    (checkpoints / "latest").write_text("step_000015\n")
+    done = _states(read_record(folder).all_job_ids, "CANCELLED")  # the grow job's too
+    code, _, err = launch(["resume", str(folder)], capsys, factory=factory, runner=done)
+    assert code == 2 and "checkpointed its last step (15 of 16): nothing to resume" in err, err
 
 
 def test_a_job_slurm_forgot_is_not_grown_cancelled_or_shown_unknown(

@@ -11,7 +11,7 @@ from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from nereus.runtime.experiment import ExperimentSpec
-from nereus.runtime.metrics import MetricsWriter, StepRecord, read_rows
+from nereus.runtime.metrics import MetricsWriter, StepRecord, drop_rows_after, read_rows
 
 pytestmark = pytest.mark.pure
 
@@ -36,9 +36,11 @@ def test_a_step_run_again_has_one_point(tmp_path: Path) -> None:
         first.write(_record(step, 0.1 * step), None)  # type: ignore[arg-type]
     first.tb.close()
     first.file.close()
-    again = MetricsWriter(tmp_path / "out", spec, quiet)  # resumed from the checkpoint of step 1
+    drop_rows_after(tmp_path / "out" / "metrics.jsonl", 1)  # --resume from step 1's checkpoint (loop.py)
+    again = MetricsWriter(tmp_path / "out", spec, quiet)
     for step in (2, 3, 4):
         again.write(_record(step, 0.5 + step), None)  # type: ignore[arg-type]
+    again.write(_record(3, 9.0), None)  # type: ignore[arg-type]  # a recovery in the run: step 3 again
     again.tb.close()
-    assert [s for s, _ in read_rows(tmp_path / "out" / "metrics.jsonl")] == [0, 1, 2, 3, 4]
-    assert _points(tmp_path / "out" / "tensorboard") == [(0, 0.0), (1, 0.1), (2, 2.5), (3, 3.5), (4, 4.5)]
+    assert [s for s, _ in read_rows(tmp_path / "out" / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert _points(tmp_path / "out" / "tensorboard") == [(0, 0.0), (1, 0.1), (2, 2.5), (3, 9.0)]

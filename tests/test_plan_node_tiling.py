@@ -153,6 +153,9 @@ def test_a_group_that_does_not_divide_the_node_is_priced_between_nodes_unless_al
     assert spans(8, 8, 4, alone=False)[:2] == (24, 24)  # stage-mates may take the room: two nodes
     assert spans(4, 8, 4, alone=False)[:2] == (4, 24)  # its TP-4 groups never straddle
     assert spans(4, 4, 3, alone=False) == (4, 4, 12)  # groups that divide the node: as laid out
+    # a pool of one node (nereus run on one Aurora node): nothing can straddle, priced inside
+    t1, r1, _ = group_spans((12,), 12, np.array([8.0]), np.array([8.0]), np.array([1.0]), alone=False)
+    assert (float(t1[0]), float(r1[0])) == (8, 8)
     # nodes of a power of two: nothing changes (no group both fits and fails to divide one)
     t, r, d = group_spans((8, 8, 4), 8, np.array([4.0]), np.array([8.0]), np.array([2.0]), alone=False)
     assert (float(t[0]), float(r[0]), float(d[0])) == (4, 8, 16)

@@ -244,8 +244,9 @@ def group_spans(
     of 12, 4 on nodes of 6) is priced between nodes (at least two) unless the model-stage is
     placed ``alone`` on the pool (``alone_on_pool``): best fit keeps it inside a node when one has
     room, but its stage-mates, placed from the same pool and priced apart, may leave none, and
-    a price must never be below what placement gives. Groups that divide the node never straddle
-    on whole nodes (``FreeGpus.take``), so their price is exact."""
+    a price must never be below what placement gives (on a pool of one node nothing straddles).
+    Groups that divide the node never straddle on whole nodes (``FreeGpus.take``), so their price
+    is exact."""
     whole = (tp, size, size * dp)
     if not profile:
         return whole
@@ -260,7 +261,7 @@ def group_spans(
         for span, n, inside in zip(spans, nodes, (ti, si, si * d[rows]), strict=True):
             k = n[at]
             span[rows] = np.where(k > 1, k * gpn, np.minimum(inside, gpn))
-        for span, members in ((spans[0], ti), (spans[1], si)) if not alone else ():
+        for span, members in ((spans[0], ti), (spans[1], si)) if not alone and len(profile) > 1 else ():
             if members < gpus_per_node and gpus_per_node % members:  # does not tile the node
                 span[rows] = np.maximum(span[rows], 2.0 * gpn)  # so between nodes
     return spans[0], spans[1], spans[2]

@@ -179,7 +179,9 @@ class MetricsWriter:
         self.file = self.path.open("a", encoding="utf-8")
         self.console = console or Console(highlight=False)
         self.spec = spec
-        self.tb: Any = self._tensorboard()
+        # a resumed run starts after its checkpoint's step; TensorBoard's events of the steps
+        # after it (run before the stop, cut from metrics.jsonl) are purged, as those rows were
+        self.tb: Any = self._tensorboard(None if self.last is None else self.last + 1)
 
     def _tensorboard(self, purge_step: int | None = None) -> Any:
         """The TensorBoard writer; ``purge_step``: the events of that step and later, which a

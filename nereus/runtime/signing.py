@@ -259,14 +259,19 @@ def _same_roles(found: dict[str, Any], want: dict[str, Any]) -> bool:
 
 
 def _seed_of(meta: dict[str, Any]) -> int | None:
-    """The seed the checkpoint's run had: recorded, else its model-stages' logical state's."""
-    if isinstance(meta.get("seed"), int):
-        return int(meta["seed"])
+    """The seed the checkpoint's run had: recorded, else its model-stages' logical state's (one
+    seed for all of them), else None."""
+    recorded = meta.get("seed")
+    if isinstance(recorded, int) and not isinstance(recorded, bool):
+        return recorded
     states = meta.get("logical_state")
-    seeds = (
-        {v.get("seed") for v in states.values() if isinstance(v, dict)} if isinstance(states, dict) else set()
-    )
-    return next(iter(seeds)) if len(seeds) == 1 and isinstance(next(iter(seeds)), int) else None
+    if not isinstance(states, dict):
+        return None
+    seeds = [v.get("seed") for v in states.values() if isinstance(v, dict)]
+    first = seeds[0] if seeds else None
+    if isinstance(first, int) and not isinstance(first, bool) and all(x == first for x in seeds):
+        return first
+    return None
 
 
 def check_identity(path: Path, meta: dict[str, Any], expected: dict[str, Any], prefix: str = "") -> None:

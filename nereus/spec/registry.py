@@ -187,9 +187,9 @@ def hf_folder(name: str) -> Path | None:
     """The Hugging Face folder a model name is: the folder itself, or the folder of a
     ``config.json`` named directly; None for a shipped model or a model YAML."""
     path = Path(name)
-    if path.is_dir():
+    if _is_dir(path):
         return path
-    return path.parent if path.name == "config.json" and path.is_file() else None
+    return path.parent if path.name == "config.json" and _is_file(path) else None
 
 
 def weights_folder(folder: Path | None) -> str:
