@@ -67,7 +67,7 @@ PRELOAD = (
     "nereus.transition.command",
     "rich.table",
 )
-SAME_STOP_S = 0.5  # a second SIGINT sooner than this is the first one's copy, not a second Ctrl-C
+SAME_STOP_S = 0.2  # a second SIGINT sooner than this is the first one's copy, not a second Ctrl-C
 STRAGGLER_S = 60.0  # how long the other workers may take to stop after the leader did
 ERRORS = ".start-errors"  # an initial worker's refusal, for the supervisor to print (``_fail``)
 PEER_LEFT = 1  # a worker's exit when a peer stopped during start-up (the peer's error is the job's)
