@@ -13,27 +13,22 @@ from dataclasses import replace
 from pathlib import Path
 
 from launch.experiment import check_node_limit, check_plan, load_experiment
-from launch.job import NodeJob
 from launch.jobdir import (
     STATES_DONE,
     JobRecord,
-    atomic_write,
     check_owner,
-    next_script,
     read_record,
     record_lock,
     write_record,
 )
 from launch.monitor import Runner, forgotten, job_states, run_command
-from launch.render import render
 from launch.site import load_site, time_limit
 from launch.submit import (
     ExecutorFactory,
     check_folder,
-    executor_kind,
     job_request,
+    submit_node_job,
     submitit_executor,
-    submitting,
 )
 from nereus.errors import ConfigError
 from nereus.runtime import signing
@@ -82,23 +77,11 @@ def resume(
             partition=record.partition, account=record.account, launcher=record.launcher,
             max_restarts=record.max_restarts,
         )  # fmt: skip
-        rendered = render(site, req)
-        script = "" if local else next_script(folder, "resume")
-        try:
-            if script:
-                atomic_write(folder / script, rendered.sbatch)
-            with submitting("submitit" if local else "sbatch"):
-                ex = factory(executor_kind(record), Path(req.folder), record.python)
-                ex.update_parameters(**(rendered.local_params if local else rendered.params))
-                job = ex.submit(NodeJob(), str(folder.absolute()))
-        except BaseException:
-            if script:
-                (folder / script).unlink(missing_ok=True)
-            raise
+        job_id, _ = submit_node_job(folder, site, record, req, "resume", factory)
         for pending in sorted((folder / "control").glob(SHRINK_GLOB)):  # the old allocation's
             os.replace(pending, pending.with_name(f".void-{pending.name}"))
         record = replace(
-            record, job_ids=(str(job.job_id),), earlier=(*record.earlier, *record.all_job_ids), grows=(),
+            record, job_ids=(job_id,), earlier=(*record.earlier, *record.all_job_ids), grows=(),
             shrinks=(), state="SUBMITTED", time_min=time_min,
         )  # fmt: skip
         write_record(folder, record)

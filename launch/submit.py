@@ -332,6 +332,30 @@ def commit(prep: Prepared, factory: ExecutorFactory = submitit_executor) -> tupl
     return folder, record
 
 
+def submit_node_job(
+    folder: Path, site: Site, record: JobRecord, req: Request, kind: str, factory: ExecutorFactory,
+    join: bool = False,
+) -> tuple[str, str]:  # fmt: skip
+    """Submit the node entry of the job in ``folder`` as ``req`` (``join``: newcomers to the
+    running job) with its sbatch script written as the next ``<kind>-N.sbatch`` (none for a
+    ``--local`` job, removed again when the submission fails); (job id, script name)."""
+    local = record.executor == "local"
+    rendered = render(site, req)
+    script = "" if local else next_script(folder, kind)
+    try:
+        if script:
+            atomic_write(folder / script, rendered.sbatch)
+        with submitting("submitit" if local else "sbatch"):
+            ex = factory(executor_kind(record), Path(req.folder), record.python)
+            ex.update_parameters(**(rendered.local_params if local else rendered.params))
+            job = ex.submit(NodeJob(), str(folder.absolute()), *((True,) if join else ()))
+    except BaseException:
+        if script:
+            (folder / script).unlink(missing_ok=True)
+        raise
+    return str(job.job_id), script
+
+
 _ENDED = "is {state}; only a running job {verb} (nereus-launch resume JOB submits it again)"
 
 
@@ -376,20 +400,8 @@ def grow(
             partition=record.partition, account=record.account, launcher=record.launcher,
             max_restarts=record.max_restarts, join=True,
         )  # fmt: skip
-        rendered = render(site, req)
-        script = "" if local else next_script(folder, "grow")
-        try:
-            if script:
-                atomic_write(folder / script, rendered.sbatch)
-            with submitting("submitit" if local else "sbatch"):
-                ex = factory(executor_kind(record), Path(req.folder), record.python)
-                ex.update_parameters(**(rendered.local_params if local else rendered.params))
-                job = ex.submit(NodeJob(), str(folder.absolute()), True)
-        except BaseException:
-            if script:
-                (folder / script).unlink(missing_ok=True)
-            raise
-        added = Grow(str(job.job_id), nodes, now_iso(), script)
+        job_id, script = submit_node_job(folder, site, record, req, "grow", factory, join=True)
+        added = Grow(job_id, nodes, now_iso(), script)
         record = replace(record, grows=(*record.grows, added))
         write_record(folder, record)
         return added, record
