@@ -436,27 +436,17 @@ def test_a_plan_names_its_files_so_another_folder_reads_them(
     """A plan file keeps a cluster named by a relative path as an absolute one (a shipped name as
     it is): ``transition`` and ``--anchor`` from another folder read the same file."""
     Path("sub").mkdir()
-    write("sub/c.yaml", (Path(__file__).parents[1] / "configs/clusters/h200-ib.yaml").read_text())
-    argv = [
-        "plan",
-        "--model",
-        "llama-3.1-8b",
-        "--algo",
-        "ppo",
-        "--cluster",
-        "sub/c.yaml",
-        "--seq-len",
-        "2048",
-    ]
+    write("sub/c.yaml", (CONFIGS / "clusters" / "h200-ib.yaml").read_text())
+    argv = [*with_flag(A100, "--cluster", "sub/c.yaml"), "--seq-len", "2048"]
     for name, gpus in (("sub/a.json", "32"), ("sub/b.json", "24")):
-        code, out, err = cli([*argv, "--gpus", gpus, "--json"], capsys)
+        code, out, err = cli([*argv, "--gpus", gpus], capsys)
         assert code == 0, err
         write(name, out)
     doc = json.loads(Path("sub/a.json").read_text())["problem"]
     assert doc["cluster"] == str(Path("sub/c.yaml").resolve()) and doc["model"] == "llama-3.1-8b"
     monkeypatch.chdir("sub")
     assert cli(["transition", "--from", "a.json", "--to", "b.json"], capsys)[0] == 0
-    again = [*argv[:6], "c.yaml", "--seq-len", "2048", "--gpus", "24", "--anchor", "a.json"]
+    again = [*with_flag(argv, "--cluster", "c.yaml"), "--gpus", "24", "--anchor", "a.json"]
     assert cli(again, capsys)[0] == 0
 
 
