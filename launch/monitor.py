@@ -88,12 +88,16 @@ def forgotten(ids: Sequence[str], run: Runner = run_command) -> bool:
     return bool(ids)
 
 
-def ended_state(folder: Path, record: JobRecord, run: Runner = run_command) -> str:
-    """The job's state for the commands that act on it: SLURM's (``aggregate``), else the state
-    its record learned when it ended (SLURM forgets ended jobs), else ``UNKNOWN``."""
-    states = job_states(folder, record, run)
+def shown_state(record: JobRecord, states: dict[str, str]) -> str:
+    """The job's state from its jobs' ``states``: SLURM's (``aggregate``), else the state its
+    record learned when it ended (SLURM forgets ended jobs), else ``UNKNOWN``."""
     main = aggregate(list(states.values())) if states else record.state
     return record.state if main == "UNKNOWN" and record.state in STATES_DONE else main
+
+
+def ended_state(folder: Path, record: JobRecord, run: Runner = run_command) -> str:
+    """``shown_state`` of the job as SLURM (or, ``--local``, this machine) sees it now."""
+    return shown_state(record, job_states(folder, record, run))
 
 
 def _proc_cmdline(pid: str) -> bytes:
@@ -163,9 +167,7 @@ def status(folder: Path, run: Runner = run_command) -> dict[str, Any]:
     """Everything ``status`` shows, as one JSON-able mapping; the record's state is refreshed."""
     record = read_record(folder)
     states = job_states(folder, record, run)
-    main = aggregate(list(states.values())) if states else record.state
-    if main == "UNKNOWN" and record.state in STATES_DONE:  # SLURM forgot it; its record knows how it ended
-        main = record.state
+    main = shown_state(record, states)
     if main not in ("UNKNOWN", record.state):
         record = replace(record, state=main)
         if _owned(folder):  # someone else's job folder (root's view too): shown, never rewritten
