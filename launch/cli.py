@@ -187,6 +187,8 @@ def _print_status(doc: dict[str, Any], out: Console) -> None:
             table.add_row(e(t["index"]), e(args), e(t["state"]), e(result))
         out.print(table)
         return
+    if doc.get("error"):
+        out.print(f"  [red]error[/]: {e(doc['error'])}")
     p = doc.get("progress")
     if p is None:
         out.print("  progress: no step yet (run/metrics.jsonl)")

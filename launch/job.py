@@ -9,11 +9,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import sys
 from pathlib import Path
 
 import submitit
 
-from launch.jobdir import atomic_write
+from launch.jobdir import atomic_write, write_error
+from nereus.errors import ConfigError
 
 
 class NodeJob(submitit.helpers.Checkpointable):
@@ -22,6 +24,10 @@ class NodeJob(submitit.helpers.Checkpointable):
     ``join=True`` for the tasks of a grow job: they join the running job's rendezvous. On
     preemption or timeout submitit calls ``checkpoint`` and requeues the same call; the runtime
     resumes from the job folder's latest checkpoint by itself.
+
+    Bad input only a compute node can find (weights that are NaN, a checkpoint that does not
+    verify, a broken vLLM install there) ends the task with its one line on stderr and in the job
+    folder's ``error.json`` (``status`` shows it), exit code 2, not a traceback.
     """
 
     def __init__(self) -> None:  # typed: submitit's ``Checkpointable.__new__`` is not
@@ -31,7 +37,13 @@ class NodeJob(submitit.helpers.Checkpointable):
         # Imported here, on the compute node: the runtime imports torch; the launcher must not.
         from nereus.runtime.node import main
 
-        main(job_dir, join=join)
+        try:
+            main(job_dir, join=join)
+        except ConfigError as exc:
+            with contextlib.suppress(OSError, RuntimeError):  # (not under submitit) the log has it
+                write_error(Path(job_dir), submitit.JobEnvironment().job_id, str(exc))
+            print(f"nereus: error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(ConfigError.exit_code) from None
 
     def checkpoint(self, job_dir: str, join: bool = False) -> submitit.helpers.DelayedSubmission:
         return submitit.helpers.DelayedSubmission(NodeJob(), job_dir, join)

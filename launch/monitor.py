@@ -25,7 +25,7 @@ from typing import Any, TextIO
 
 from submitit.slurm.slurm import SlurmInfoWatcher, read_job_id
 
-from launch.jobdir import STATES_DONE, JobRecord, check_owner, read_record, update_record
+from launch.jobdir import STATES_DONE, JobRecord, check_owner, read_error, read_record, update_record
 from nereus.errors import ConfigError
 
 Runner = Callable[[Sequence[str]], tuple[int, str, str]]  # argv -> (exit code, stdout, stderr)
@@ -168,6 +168,11 @@ def status(folder: Path, run: Runner = run_command) -> dict[str, Any]:
     record = read_record(folder)
     states = job_states(folder, record, run)
     main = shown_state(record, states)
+    failed, error = read_error(folder, record.all_job_ids)
+    if states.get(failed) in ACTIVE:  # a rank's exit 2 while its job's other tasks still end
+        error = ""
+    if error and main in ("UNKNOWN", "FINISHED", "COMPLETED"):  # --local: no result pickle
+        main = "FAILED"
     if main not in ("UNKNOWN", record.state):
         record = replace(record, state=main)
         if _owned(folder):  # someone else's job folder (root's view too): shown, never rewritten
@@ -186,6 +191,8 @@ def status(folder: Path, run: Runner = run_command) -> dict[str, Any]:
                         for t in record.tasks]  # fmt: skip
     else:
         doc["progress"] = progress(folder)
+        if error:
+            doc["error"] = error
     return doc
 
 

@@ -15,7 +15,9 @@ import stat
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,10 +26,11 @@ import yaml
 
 from launch.cli import main
 from launch.job import NodeJob, run_cli_task
-from launch.jobdir import read_record
+from launch.jobdir import read_record, write_record
 from launch.monitor import UNKNOWN_CHECKS, Follower, follow, slurm_states, status
 from launch.render import Request, render
 from launch.site import load_site, parse_time
+from nereus.errors import ConfigError
 
 pytestmark = pytest.mark.pure
 
@@ -362,6 +365,40 @@ def test_node_job_runs_the_runtime_lazily_and_checkpoints(monkeypatch: pytest.Mo
     again = NodeJob().checkpoint("/jobs/x", True)
     assert isinstance(again, submitit.helpers.DelayedSubmission)
     assert isinstance(again.function, NodeJob) and again.args == ("/jobs/x", True)
+
+
+def test_bad_input_a_node_finds_exits_2_with_one_line_that_status_shows(
+    tmp_path: Path, capsys: Any, factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker's ConfigError (NaN weights, say): one line on stderr and in ``error.json``, exit
+    2; ``status`` shows it for the job that failed, never for a later one (a resume)."""
+    folder = submitted(tmp_path, factory, capsys)
+    job_id = read_record(folder).job_ids[0]
+    module = type(sys)("nereus.runtime.node")
+
+    def refuse(job_dir: str, join: bool = False) -> None:
+        raise ConfigError("init.actor: w.safetensors: tensor 'x' holds NaN\x1b[31m")
+
+    module.main = refuse  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "nereus.runtime.node", module)
+    monkeypatch.setattr(submitit, "JobEnvironment", lambda: SimpleNamespace(job_id=job_id))
+    with pytest.raises(SystemExit) as exit_:
+        NodeJob()(str(folder))
+    assert exit_.value.code == 2
+    assert (
+        capsys.readouterr().err == "nereus: error: init.actor: w.safetensors: tensor 'x' holds NaN\x1b[31m\n"
+    )
+    failed = runner({"sacct": (0, f"JobID|State\n{job_id}|FAILED\n", "")}, [])
+    code, out, _ = launch(["status", str(folder), "--json"], capsys, runner=failed)
+    doc = json.loads(out)
+    assert code == 0 and doc["state"] == "FAILED"
+    assert doc["error"] == "init.actor: w.safetensors: tensor 'x' holds NaN [31m"  # printable
+    code, out, _ = launch(["status", str(folder)], capsys, runner=failed)
+    assert "error: init.actor: w.safetensors" in out
+    later = runner({"sacct": (0, "JobID|State\n999|RUNNING\n", "")}, [])
+    write_record(folder, replace(read_record(folder), job_ids=("999",), earlier=(job_id,)))
+    code, out, _ = launch(["status", str(folder), "--json"], capsys, runner=later)
+    assert code == 0 and "error" not in json.loads(out) and json.loads(out)["state"] == "RUNNING"
 
 
 # ------------------------------------------------------------------ grow and shrink

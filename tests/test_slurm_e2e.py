@@ -324,6 +324,40 @@ def test_cancel_ends_a_running_job_for_good(slurm_cluster: SlurmCluster, tmp_pat
     assert len(rows(job)) < 40
 
 
+@pytest.mark.timeout(240)
+def test_bad_input_only_the_nodes_find_is_one_line_in_status(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """NaN in the actor's init weights: the login node reads headers only, the workers read the
+    tensors. Every task exits 2 with the one line (no traceback), and ``status`` shows it."""
+    import safetensors.torch
+
+    from tests.test_runtime_e2e import _hf_checkpoint
+
+    actor = _hf_checkpoint(tmp_path / "actor", "lm", 11)
+    tensors = safetensors.torch.load_file(actor / "model.safetensors")
+    name = "model.layers.1.mlp.up_proj.weight"
+    tensors[name][0, 0] = float("nan")
+    safetensors.torch.save_file(tensors, actor / "model.safetensors")
+    exp = tmp_path / "naninit.yaml"
+    exp.write_text(experiment("naninit", 4, 0) + f"init: {{actor: {actor}}}\n")
+    jobid, job = submitted(
+        launch(
+            slurm_cluster, "submit", str(exp), "--site", "local", "--nodes", "2", "--jobs-root", str(tmp_path)
+        )
+    )
+    assert slurm_cluster.wait_state(jobid, FINAL_STATES, timeout=180) == "FAILED"
+    line = f"init.actor: {actor}/model.safetensors: tensor '{name}' holds NaN or Infinity"
+    proc = launch(slurm_cluster, "status", str(job), "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert (doc["state"], doc["error"]) == ("FAILED", line), doc
+    assert slurm_cluster.job(jobid)["ExitCode"].startswith("2:"), slurm_cluster.job(jobid)
+    logs = [p.read_text() for p in (job / "logs").glob("*_log.err")]
+    assert len(logs) == 4 and all(f"nereus: error: {line}" in log for log in logs), logs
+    assert not any("Traceback" in log for log in logs), logs
+
+
 @pytest.mark.timeout(180)
 def test_an_array_of_planner_runs(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     repo = Path(__file__).resolve().parents[1]

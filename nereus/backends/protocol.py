@@ -209,7 +209,19 @@ class Backend(Protocol):
         ...
 
     def load_hf(self, directory: Path) -> None:
-        """Read this rank's shards of a Hugging Face checkpoint into the state buffers."""
+        """Read this rank's shards of a Hugging Face checkpoint into the state buffers (``read_hf``
+        then ``reload``)."""
+        ...
+
+    def read_hf(self, directory: Path) -> None:
+        """``load_hf``'s part that is not collective: this rank's shards into the state buffers
+        only, or a ``ConfigError`` with the buffers untouched. The job agrees on every rank's
+        errors before any ``reload``, so a rank whose shards are bad never leaves its peers waiting."""
+        ...
+
+    def reload(self) -> None:
+        """An engine that keeps its own copy of the weights (vLLM) takes the state buffers'
+        (collective over the replica); others do nothing."""
         ...
 
     def save_hf(self, directory: Path, companions: Sequence[Path] = ()) -> None:

@@ -31,6 +31,7 @@ from nereus.rl.tasks import TaskRecord, generate_tasks, write_jsonl
 from nereus.rl.tokenizer import CharTokenizer, tokenizer_of
 from nereus.rl.verifiers import by_source, get_verifier, score, score_by_source
 from nereus.runtime import checkpoint as ckpt
+from nereus.runtime.comm import all_gather
 from nereus.runtime.engines import engines_of, job_models, space_of
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.rollout import Batch, Rollouts, responses
@@ -318,13 +319,23 @@ def first_state(worker: Worker, plan: Plan, resume_from: Path | None, spec: Expe
         return loaded
     worker.init_state(plan)
     worker.bind(plan)
+    read, error = [], None
     for name, engine in worker.engines.items():
         role = worker.workflow.get(name).role.value
         own = worker.workload.models.get(role, "")  # the role's models: entry, if any
         path = spec.weights_of(role, own)
         if path:
             try:
-                engine.load_hf(Path(path))
+                engine.read_hf(Path(path))
             except ConfigError as exc:  # what only reading the tensors finds (NaN): where it was named
-                raise ConfigError(f"{spec.weights_label(role, own)}: {exc}") from None
+                error = f"{spec.weights_label(role, own)}: {exc}"
+                break
+            read.append(engine)
+    # A rank reads its own shards only: one whose shards are bad is every rank's error, before
+    # any collective (vLLM's reload) could leave the others waiting on it.
+    first = next((e for e in all_gather(error, str | None) if e is not None), None)
+    if first is not None:
+        raise ConfigError(first)
+    for engine in read:
+        engine.reload()
     return ckpt.Loaded(-1, 0)

@@ -103,7 +103,13 @@ class TorchNativeEngine:
         return generation.generate(self.bound, prompts, sample_ids, params)
 
     def load_hf(self, directory: Path) -> None:
+        self.read_hf(directory)
+
+    def read_hf(self, directory: Path) -> None:
         weights.load_hf(self.bound, directory)
+
+    def reload(self) -> None:
+        """The buffers are the weights: nothing to take."""
 
     def full_state(self, kind: BufferKind = BufferKind.PARAM) -> dict[str, Tensor] | None:
         """The whole model's tensors of buffer ``kind`` (parameters by default; master weights or

@@ -288,12 +288,19 @@ class VllmEngine:
     def load_hf(self, directory: Path) -> None:
         """Read this rank's shards of a checkpoint into the state (as the torch-native engine
         does), then into vLLM."""
+        self.read_hf(directory)
+        self.reload()
+
+    def read_hf(self, directory: Path) -> None:
         from nereus.backends.torch_native import weights
         from nereus.backends.torch_native.stage import BoundStage
 
         weights.load_hf(
             BoundStage(self.state, self.groups, self.state.buffers[BufferKind.PARAM].device), directory
         )
+
+    def reload(self) -> None:
+        """The state's weights into vLLM (gathered from the replica's ranks: collective)."""
         self._load(self.state)
 
     def save_hf(self, directory: Path, companions: Sequence[Path] = ()) -> None:
