@@ -19,7 +19,8 @@ import yaml
 from launch.experiment import check_plan
 from nereus.errors import ConfigError
 from nereus.plan.report import PLAN_KEYS, STAGE_REPORT_KEYS
-from nereus.runtime.experiment import DriftEvent, ExperimentSpec
+from nereus.runtime.drift import DriftEvent
+from nereus.runtime.experiment import ExperimentSpec
 from nereus.spec.registry import config_root
 from nereus.spec.schema import build
 from tests.bad_input import (  # noqa: F401 - _in_tmp: the autouse fixture

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from nereus.runtime.experiment import DataSpec, DriftEvent, ExperimentSpec, InitSpec, RlSpec, TaskSpec
+from nereus.runtime.drift import DriftEvent
+from nereus.runtime.experiment import DataSpec, ExperimentSpec, InitSpec, RlSpec, TaskSpec
 from nereus.spec.workload import WorkloadSpec
 
 pytestmark = pytest.mark.pure

@@ -85,7 +85,7 @@ def test_the_greedy_baseline_is_scored_by_the_reward_model_too(tmp_path: Path) -
 def test_a_generation_engine_holds_the_longest_response_asked_for(tmp_path: Path) -> None:
     """vLLM's max_model_len: the workload's longest prompt plus the longest response the
     experiment asks for at any step (drift included), never shorter than the workload's."""
-    from nereus.runtime.experiment import DriftEvent
+    from nereus.runtime.drift import DriftEvent
     from nereus.runtime.job import make_worker
 
     spec = ExperimentSpec(

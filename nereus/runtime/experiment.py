@@ -17,18 +17,17 @@ from pathlib import Path
 from nereus.backends.registry import check_engine, default_engine
 from nereus.errors import ConfigError
 from nereus.rl.layouts import RecordLayout
+from nereus.runtime.drift import MAX_STEPS, DriftEvent
 from nereus.spec.files import brief
 from nereus.spec.model import ModelSpec
 from nereus.spec.registry import hf_folder, weights_folder
 from nereus.spec.schema import load_spec, require_at_most, require_finite, require_positive
+from nereus.spec.workload import MAX_TOKENS
 
 # An experiment's name becomes a folder (runs/<name>), a Slurm job name and part of shell lines.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 MAX_NAME = 64
 MAX_WORKERS = 1 << 16
-MAX_STEPS = 10_000_000
-MAX_TOKENS = 1 << 24
-MAX_HANG_S = 600.0  # a scripted hang (drift) lasts at most this long
 # how long a collective waits for a peer before the job counts it lost, unless the experiment
 # fixes it: NCCL's and Megatron's default (10 min), or this many times the slowest step so far
 # when that is longer (a rank may wait a whole stage for another; a long step must not trip it)
@@ -153,77 +152,17 @@ class InitSpec:
             if named.name == "config.json" and named.is_file():
                 object.__setattr__(self, role, str(named.parent))
 
+    def own(self, role: str) -> str:
+        """The folder named for ``role`` itself (the reference and a critic named by the reward
+        model's entry have none)."""
+        return getattr(self, role) if role in ("actor", "critic", "reward") else ""
+
     def path(self, role: str) -> str:
         if role in ("actor", "ref"):
             return self.actor
         if role == "critic":
             return self.critic or self.reward
         return self.reward if role == "reward" else ""
-
-
-@dataclass(frozen=True, slots=True)
-class DriftEvent:
-    """Scripted drift for local runs. ``lose``: workers whose processes leave at the boundary
-    before ``step`` (their state is gone); ``kill``: workers whose processes are killed
-    (SIGKILL) in the middle of ``step``, after generation; ``gain``: new worker processes started
-    at the boundary before ``step``, which join the running job (one both gained and killed dies
-    once the leader has accepted it, before the new generation forms: a node lost as it joins,
-    which the others find in the formation's roll call and recover from); ``oom``: workers on which
-    ``oom_stage``'s work raises ``torch.OutOfMemoryError`` once in ``step`` (a fault injected where a
-    real one would come from); ``unhealthy``: workers whose GPU health check reports a fatal XID at
-    the boundary before ``step`` (the leader treats them as lost); ``hang``: workers whose
-    processes, when ``step`` fails (a worker killed in it), let go of their groups and stop
-    (SIGSTOP: every thread, the heartbeat's too) for ``hang_s`` seconds before they check in to
-    the recovery: a worker stuck that long (in a connect to a dead peer, say), which the job
-    recovers without and which then asks to rejoin; ``freeze``: workers whose processes stop
-    (SIGSTOP) for ``hang_s`` seconds in the middle of ``step``, after generation, holding their
-    connections, as a node that froze: the others' collectives time out after the experiment's
-    ``collective_timeout_s``, the job recovers without them, and they ask to rejoin when they wake;
-    ``max_new_tokens``: the response length limit from ``step`` on."""
-
-    step: int
-    lose: tuple[int, ...] = ()
-    kill: tuple[int, ...] = ()
-    gain: tuple[int, ...] = ()
-    oom: tuple[int, ...] = ()
-    oom_stage: str = "actor.train"
-    unhealthy: tuple[int, ...] = ()
-    hang: tuple[int, ...] = ()
-    freeze: tuple[int, ...] = ()
-    hang_s: float = 20.0
-    max_new_tokens: int = 0  # 0: unchanged
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.step <= MAX_STEPS:
-            raise ValueError(f"step must be in [0, {MAX_STEPS}], got {brief(self.step)}")
-        for name in ("lose", "kill", "gain", "oom", "unhealthy", "hang", "freeze"):
-            workers = getattr(self, name)
-            if len(set(workers)) != len(workers):
-                raise ValueError(f"step {self.step}: {name} names a worker twice ({list(workers)})")
-        gone = (set(self.lose), set(self.kill), set(self.unhealthy))
-        if any(a & b for i, a in enumerate(gone) for b in gone[i + 1 :]) or (
-            set(self.lose) | set(self.unhealthy)
-        ) & set(self.gain):
-            raise ValueError(
-                f"step {self.step}: a worker cannot be lost, killed or unhealthy at once, nor lost "
-                "or unhealthy as it is gained (gained and killed: it dies as it joins)"
-            )
-        if not 0 <= self.max_new_tokens <= MAX_TOKENS:
-            raise ValueError(f"max_new_tokens must be in [0, {MAX_TOKENS}], got {brief(self.max_new_tokens)}")
-        if set(self.oom) & (set().union(*gone) | set(self.gain)):
-            raise ValueError(f"step {self.step}: a worker that runs out of memory stays in the job")
-        if set(self.hang) & (set().union(*gone) | set(self.gain) | set(self.oom)):
-            raise ValueError(f"step {self.step}: a worker that hangs is not lost, gained or out of memory")
-        if set(self.freeze) & (set().union(*gone) | set(self.gain) | set(self.oom) | set(self.hang)):
-            raise ValueError(
-                f"step {self.step}: a worker that freezes is not lost, gained, out of memory or hung"
-            )
-        if not 0.0 < self.hang_s <= MAX_HANG_S:
-            raise ValueError(f"hang_s must be in (0, {MAX_HANG_S:g}] seconds, got {brief(self.hang_s)}")
-        if self.oom_stage.count(".") != 1:
-            raise ValueError(
-                f"oom_stage: expected a model-stage (<model>.<stage>), got {brief(self.oom_stage)}"
-            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -384,8 +323,7 @@ class ExperimentSpec:
         Face folder with weights, else from random weights (a model YAML); never from another
         role's folder or ``model:``'s."""
         if model_of:
-            named = getattr(self.init, role, "") if role in ("actor", "critic", "reward") else ""
-            return named or weights_folder(hf_folder(model_of))
+            return self.init.own(role) or weights_folder(hf_folder(model_of))
         named = self.init.path(role)
         return named or weights_folder(self.model_folder())
 
@@ -394,8 +332,7 @@ class ExperimentSpec:
         role's ``models:`` entry, else the ``model:`` folder (``model (critic)`` for another role
         starting from it)."""
         if model_of:
-            own = getattr(self.init, role, "") if role in ("actor", "critic", "reward") else ""
-            return f"init.{role}" if own else f"models.{role}"
+            return f"init.{role}" if self.init.own(role) else f"models.{role}"
         named = self.init.path(role)
         if named:
             owner = "reward" if role == "critic" and not self.init.critic else role
