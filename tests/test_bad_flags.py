@@ -223,16 +223,32 @@ PROBLEM_KEYS += "prompt_len, seq_len, seq_len_p95, urgent"
         ),
         (
             lambda d: d["stages"][5].update(dp=3),
-            "b.json: stages[5] (actor.train): dp 3 does not divide ppo's global batch 128",
+            "b.json: stages[5] (actor.train): dp 3 must divide the global batch 128 (allowed dp: 1, 2, 4, 8, "
+            "16, 32, 64, 128)",
         ),
         (
             lambda d: d["stages"][5].update(dp=2, micro_batch=24),
-            "b.json: stages[5] (actor.train): micro_batch 24 does not divide a replica's 64 of the "
-            "global batch",
+            "b.json: stages[5] (actor.train): micro_batch 24 must divide a replica's share of the global "
+            "batch, 64 (allowed: 1, 2, 4, 8, 16, 32, 64)",
         ),
         (
             lambda d: d["stages"][1].update(dp=2, micro_batch=100000),
-            "b.json: stages[1] (actor.inf): micro_batch 100000 exceeds a replica's 256 sequences",
+            "b.json: stages[1] (actor.inf): micro_batch 100000 exceeds ppo's inference_micro_batch 16 "
+            "(allowed: 1 to 16)",
+        ),
+        (
+            lambda d: d["stages"][1].update(dp=64, micro_batch=16),
+            "b.json: stages[1] (actor.inf): micro_batch 16 exceeds a replica's 8 sequences",
+        ),
+        (
+            lambda d: d["stages"][0].update(tp=8, dp=2),
+            "b.json: stages[0] (actor.gen): tp 8 exceeds the 4 GPUs of a node of a100-64gb-hdr100 (tensor "
+            "parallelism stays inside a node; --max-tp 8 lets it cross)",
+        ),
+        (
+            lambda d: d["stages"][0].update(pp=2, dp=2),
+            "b.json: stages[0] (actor.gen): pp 2: vLLM does not pipeline generation (--pipelined-gen plans "
+            "the torch-native engine's)",
         ),
         (lambda d: d["stages"][0].pop("dp"), "b.json: missing key 'stages[0].dp' (expected int)"),
         (

@@ -19,10 +19,11 @@ from collections.abc import Mapping, Sequence
 from nereus.errors import ConfigError
 from nereus.plan.layout import Layout, is_power_of_two
 from nereus.plan.problem import SearchSpace
+from nereus.plan.rules import batch_refusal, layout_refusal
 from nereus.spec.cluster import ClusterSpec
 from nereus.spec.files import brief
 from nereus.spec.model import ModelSpec
-from nereus.spec.workload import ModelStage, Role, Stage, WorkloadSpec
+from nereus.spec.workload import Role, WorkloadSpec
 from nereus.transition.command import MAX_GPUS, MAX_TP  # a plan file's bounds
 
 _FIX = re.compile(r"([^=\s]{1,64})=tp([0-9]{1,9}),pp([0-9]{1,9}),dp([0-9]{1,9})(?:,mb([0-9]{1,9}))?")
@@ -53,54 +54,6 @@ def parse_fix(text: str, workload: WorkloadSpec) -> tuple[str, Layout, int, int]
     return name, Layout(tp, pp), dp, micro
 
 
-def _refusal(name: str, layout: Layout, model: ModelSpec, space: SearchSpace, cluster: ClusterSpec) -> str:
-    """Why the runtime could not run ``layout`` for ``name`` ("" when it can)."""
-    refusal = model.tp_refusal(layout.tp)
-    if refusal:
-        return refusal
-    if layout.tp > (space.max_tp or cluster.gpus_per_node):
-        why = (
-            f"exceeds --max-tp {space.max_tp}"
-            if space.max_tp
-            else f"exceeds the {cluster.gpus_per_node} GPUs of a node of {cluster.name} (tensor "
-            f"parallelism stays inside a node; --max-tp {layout.tp} lets it cross)"
-        )
-        return f"tp {layout.tp} {why}"
-    if layout.pp > model.num_hidden_layers:
-        return f"pp {layout.pp} exceeds {model.name}'s {model.num_hidden_layers} layers"
-    if layout.pp > 1 and name in space.flat:
-        return (
-            f"pp {layout.pp}: vLLM does not pipeline generation (--pipelined-gen plans the "
-            "torch-native engine's)"
-        )
-    return ""
-
-
-def _batch_refusal(workload: WorkloadSpec, model_stage: ModelStage, dp: int, micro: int) -> str:
-    """Why ``dp`` replicas (micro-batch ``micro``, 0: the workload's) cannot split the model-stage's
-    sequences as the runtime does ("" when they can): a trainer's replicas take equal shares of
-    every optimizer step, and its micro-batch divides a share."""
-    if model_stage.stage is not Stage.TRAIN:
-        n = workload.sequences(model_stage)
-        if dp > n:
-            return f"dp {dp} exceeds the {n} sequences it processes per step"
-        gen = model_stage.stage is Stage.GEN
-        key, cap = ("max_num_seqs", workload.max_num_seqs) if gen else (
-            "inference_micro_batch", workload.inference_micro_batch)  # fmt: skip
-        if micro > cap:  # the engine runs at most the workload's (a larger one would be priced, not run)
-            return f"mb {micro} exceeds {workload.name}'s {key} {cap} (allowed: 1 to {cap})"
-        return ""
-    batch = workload.global_batch
-    if batch % dp:
-        allowed = ", ".join(str(d) for d in range(1, batch + 1) if batch % d == 0)
-        return f"dp {dp} must divide the global batch {batch} (allowed dp: {allowed})"
-    share = batch // dp
-    if micro and share % micro:
-        allowed = ", ".join(str(b) for b in range(1, share + 1) if share % b == 0)
-        return f"mb {micro} must divide a replica's share of the global batch, {share} (allowed: {allowed})"
-    return ""
-
-
 def held_space(
     space: SearchSpace,
     fixes: Sequence[str],
@@ -115,7 +68,7 @@ def held_space(
     if len({name for name, *_ in held}) != len(held):
         raise ConfigError("--fix: a model-stage is named twice")
     for name, layout, dp, micro in held:  # the layouts the runtime can shard (the planner's rule)
-        why = _refusal(name, layout, models[workload.workflow().get(name).role], space, cluster)
+        why = layout_refusal(name, layout, models[workload.workflow().get(name).role], space, cluster)
         if why:
             raise ConfigError(f"--fix {name}: {why}")
         if layout.size * dp > gpus:
@@ -123,7 +76,7 @@ def held_space(
                 f"--fix {name}: tp{layout.tp}·pp{layout.pp}·dp{dp} needs {layout.size * dp} GPUs, "
                 f"more than the {gpus} of --gpus"
             )
-        why = _batch_refusal(workload, workload.workflow().get(name), dp, micro)
+        why = batch_refusal(workload, workload.workflow().get(name), dp, micro)
         if why:
             raise ConfigError(f"--fix {name}: {why}")
     return dataclasses.replace(

@@ -27,6 +27,7 @@ from nereus.errors import ConfigError, InfeasibleError
 from nereus.plan.layout import Candidate, Layout, Plan, is_power_of_two
 from nereus.plan.problem import PlanningProblem
 from nereus.plan.report import PLAN_KEYS, STAGE_REPORT_KEYS, gpu_ranges
+from nereus.plan.rules import batch_refusal, layout_refusal
 from nereus.spec.cluster import GIB
 from nereus.spec.files import brief, load_json, shorten
 from nereus.spec.registry import load_cluster, load_model, load_workload
@@ -218,20 +219,12 @@ def parse_gpus(text: str, pool: int, source: Path) -> frozenset[int]:
     return frozenset(out)
 
 
-def _batch_refusal(problem: PlanningProblem, ms: ModelStage, dp: int, micro: int) -> str:
-    """Why ``dp`` replicas of micro-batch ``micro`` cannot run ``ms`` ("" when they can): a
-    trainer's replicas take equal shares of the global batch in whole micro-batches; no replica
-    takes more sequences than its share of the step's."""
-    w = problem.workload
+def _share_refusal(problem: PlanningProblem, ms: ModelStage, dp: int, micro: int) -> str:
+    """Why an inference or generation replica cannot take micro-batch ``micro`` ("" when it can):
+    the planner writes none above a replica's share of the step's sequences."""
     if ms.stage is Stage.TRAIN:
-        if w.global_batch % dp:
-            return f"dp {dp} does not divide {w.name}'s global batch {w.global_batch}"
-        if (w.global_batch // dp) % micro:
-            return (
-                f"micro_batch {micro} does not divide a replica's {w.global_batch // dp} of the global batch"
-            )
         return ""
-    share = -(-w.sequences(ms) // dp)
+    share = -(-problem.workload.sequences(ms) // dp)
     return f"micro_batch {micro} exceeds a replica's {share} sequences" if micro > share else ""
 
 
@@ -249,11 +242,11 @@ def plan_from_json(doc: PlanDoc, problem: PlanningProblem) -> Plan:
                 raise ConfigError(
                     f"{where} ({shorten(s.name, 30)}): key 'stage' is {brief(written)}, not {ms.stage.value}"
                 )
-            model = problem.model_of(ms)  # a layout the runtime can shard (the planner's own rule)
-            refusal = model.tp_refusal(s.tp)
-            if not refusal and s.pp > model.num_hidden_layers:
-                refusal = f"pp {s.pp} exceeds {model.name}'s {model.num_hidden_layers} layers"
-            refusal = refusal or _batch_refusal(problem, ms, s.dp, s.micro_batch)
+            # a layout and split the runtime can run (the rules --fix holds a user's layout to)
+            refusal = layout_refusal(s.name, Layout(s.tp, s.pp), problem.model_of(ms), problem.space,
+                                     problem.cluster)  # fmt: skip
+            refusal = refusal or batch_refusal(problem.workload, ms, s.dp, s.micro_batch, "micro_batch")
+            refusal = refusal or _share_refusal(problem, ms, s.dp, s.micro_batch)
             if refusal:
                 raise ConfigError(f"{where} ({shorten(s.name, 30)}): {refusal}")
         bad = sorted(g for g in s.gpus if not 0 <= g < len(pool))
