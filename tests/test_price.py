@@ -63,6 +63,37 @@ def test_a_price_is_the_planners_estimate_of_that_shape(
     assert sum(got.by_term.values()) == pytest.approx(got.latency_s)
 
 
+def test_price_on_the_plans_pool_is_the_plans_price(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On nodes of 6, TP-4 groups packed on their own 16 GPUs straddle nodes; on a 24-GPU pool, as
+    ``plan --gpus 24`` places them, they stay inside one node each and ``price --gpus 24`` is the
+    plan's own number."""
+    six = tmp_path / "six.yaml"
+    six.write_text(
+        (Path(__file__).parents[1] / "configs" / "clusters" / "h100-ib.yaml")
+        .read_text()
+        .replace("nodes: 16", "nodes: 4")
+        .replace("gpus_per_node: 8", "gpus_per_node: 6")
+    )
+    fix = "actor.train=tp4,pp2,dp2,mb4"
+    argv = ["plan", "--model", MODEL, "--algo", "grpo", "--cluster", str(six), "--gpus", "24", "--seq-len",
+            "2048", "--fix", fix, "--json"]  # fmt: skip
+    assert main(argv) == 0
+    (train,) = [s for s in json.loads(capsys.readouterr().out)["stages"] if s["name"] == "actor.train"]
+    flags = [*BASE[:3], "--cluster", str(six), "--stage", "train", "--tp", "4", "--pp", "2", "--dp", "2",
+             "--sequences", "512", "--prompt-len", "256", "--seq-len", "2048", "--global-batch", "128",
+             "--micro-batch", "4", "--json"]  # fmt: skip
+    assert main([*flags, "--gpus", "24"]) == 0
+    assert json.loads(capsys.readouterr().out)["latency_s"] == pytest.approx(train["latency_s"], rel=1e-9)
+    assert main(flags) == 0  # contiguous on 16 GPUs: groups across nodes, slower
+    assert json.loads(capsys.readouterr().out)["latency_s"] > 2 * train["latency_s"]
+    assert main([*flags, "--gpus", "8"]) == 2
+    assert "--gpus: expected an integer in [16, 1048576]" in capsys.readouterr().err
+    assert main([*flags, "--gpus", "25"]) == 2
+    assert "--gpus 25 exceeds cluster six (24 GPUs)" in capsys.readouterr().err
+
+
 def test_json_fit_and_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
     flags = ["--stage", "train", "--tp", "4", "--pp", "1", "--sequences", "256", "--prompt-len", "512",
              "--seq-len", "2048", "--global-batch", "128", "--micro-batch", "16", "--json"]  # fmt: skip

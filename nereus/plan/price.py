@@ -21,7 +21,9 @@ the actor's (``actor.gen``, ``actor.train``) or, for inference, the reference mo
 step's weight synchronisation.
 The layout is placed alone on the first tp·pp·dp GPUs by the planner's best fit
 (``CostModel(alone=True)``): on nodes of 12, one TP-8 group is inside node 0 and four leave one
-across two nodes, as Megatron's contiguous ranks would.
+across two nodes, as Megatron's contiguous ranks would. ``pool`` (``--gpus``) places it on a pool
+of that many GPUs instead, as ``nereus plan --gpus`` places a model-stage that has the pool to
+itself: two TP-4 groups on 12 GPUs in nodes of 6 then stay inside a node each.
 Pure (no torch, no processes).
 """
 
@@ -74,6 +76,7 @@ class PriceQuery:
     fsdp: bool = False  # train: the engine shards parameters (FSDP): gathers overlap compute
     pipelined_gen: bool = False  # gen: the engine pipelines generation (torch-native); vLLM does not
     head: Head = Head.LM  # value: a critic's or reward model's (critic.inf, critic.train)
+    pool: int | None = None  # GPUs the layout is placed on by best fit (None: its own tp·pp·dp)
 
     def __post_init__(self) -> None:
         if self.head is Head.VALUE and self.stage is Stage.GEN:
@@ -97,6 +100,11 @@ class PriceQuery:
         ):
             if not (isinstance(value, int) and 0 <= value <= most):
                 raise ConfigError(f"--{flag}: expected an integer in [1, {most}], got {value!r}")
+        if self.pool is not None and not (isinstance(self.pool, int) and self.gpus <= self.pool <= 1 << 20):
+            raise ConfigError(
+                f"--gpus: expected an integer in [{self.gpus}, {1 << 20}] (at least --tp × --pp × --dp), "
+                f"got {self.pool!r}"
+            )
         if self.seq_len_p95 and self.seq_len_p95 < self.seq_len:
             raise ConfigError(f"--seq-len-p95 {self.seq_len_p95} must be at least --seq-len {self.seq_len}")
         if self.dp > self.sequences:
@@ -267,11 +275,14 @@ def price(
         raise ConfigError(
             f"--tp × --pp × --dp = {query.gpus} GPUs exceeds cluster {cluster.name} ({cluster.total_gpus})"
         )
+    if query.pool is not None and query.pool > cluster.total_gpus:
+        raise ConfigError(f"--gpus {query.pool} exceeds cluster {cluster.name} ({cluster.total_gpus} GPUs)")
     seq = SeqStats(query.prompt_len, query.seq_len, query.seq_len_p95 or query.seq_len)
     extra: dict[str, Any] = {} if efficiencies is None else {"efficiencies": efficiencies}
+    pool = tuple(range(query.pool or query.gpus))
     try:
         problem = PlanningProblem(
-            query.workload(), dict.fromkeys(Role, model), cluster, tuple(range(query.gpus)), seq,
+            query.workload(), dict.fromkeys(Role, model), cluster, pool, seq,
             space=query.space(), headroom=headroom, **extra,
         )  # fmt: skip
     except ValueError as exc:  # what the query's own checks did not name

@@ -38,6 +38,10 @@ def add_parser(sub: Any) -> None:
     )  # fmt: skip
     for flag in ("tp", "pp", "dp"):
         p.add_argument(f"--{flag}", required=True, type=int)
+    p.add_argument(
+        "--gpus", type=int, default=None,
+        help="place the layout on a pool of this many GPUs, as plan --gpus does (default: tp·pp·dp)",
+    )  # fmt: skip
     p.add_argument("--sequences", required=True, type=int, help="sequences the stage processes")
     p.add_argument("--prompt-len", required=True, type=int, help="mean prompt tokens")
     p.add_argument("--seq-len", required=True, type=int, help="mean response tokens")
@@ -101,7 +105,7 @@ def run(args: argparse.Namespace, out: Console) -> int:
         p95, micro, batch, Recompute(args.recompute), concurrency,
         Precision(args.precision), overlap_dp_sync=args.overlap_dp_sync, paged_kv=args.paged_kv,
         kv_memory_fraction=args.kv_memory_fraction or 0.0, fsdp=args.fsdp,
-        pipelined_gen=args.pipelined_gen, head=Head(args.head),
+        pipelined_gen=args.pipelined_gen, head=Head(args.head), pool=args.gpus,
     )  # fmt: skip
     efficiencies = None
     if args.calibration:
