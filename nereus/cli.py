@@ -56,12 +56,17 @@ MAX_LINE = 1000  # characters of an error line (values in it are cut to ~60 alre
 # ------------------------------------------------------------------ parser
 class Parser(argparse.ArgumentParser):
     """argparse with one-line errors: ``nereus <cmd>: error: <message> (see nereus <cmd> --help)``
-    on stderr, exit 2, instead of the usage block. Subparsers are of this class too."""
+    on stderr, exit 2, instead of the usage block (and ``{"error": <message>}`` on stdout when the
+    command line asks for ``--json``). Subparsers are of this class too."""
+
+    json_out = False  # the command line holds --json (set by ``_parse``)
 
     def error(self, message: str) -> NoReturn:
         # argparse quotes user values with %r: cut long ones so the line stays short
-        message = _LONG_QUOTED.sub(lambda m: brief(m.group(1) or m.group(2)), message)
-        self.exit(2, f"{self.prog}: error: {shorten(message, MAX_LINE)} (see {self.prog} --help)\n")
+        message = shorten(_LONG_QUOTED.sub(lambda m: brief(m.group(1) or m.group(2)), message), MAX_LINE)
+        if Parser.json_out:
+            print(json.dumps({"error": message}))
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 _LONG_QUOTED = re.compile(r"'([^']{61,})'|\"([^\"]{61,})\"")
@@ -265,9 +270,7 @@ def _plan(args: argparse.Namespace, out: Console) -> int:
                 " (generation at pp 1, as vLLM runs it; --pipelined-gen, the torch-native "
                 "engine's pipelined generation, has a plan)"
             )
-        if args.json:  # a script reads stdout: it gets an object on exit 3 too, as price's --json
-            print(json.dumps({"fits": False, "error": one_line(why)}))
-        raise InfeasibleError(why) from None
+        raise InfeasibleError(why) from None  # with --json, main prints {"fits": false, "error"}
     doc = plan_json(problem, result)
     doc["problem"] = {k: getattr(args, k) for k in transition_command.PROBLEM_KEYS}
     doc["problem"]["mode"] = problem.workload.mode.value
@@ -399,6 +402,7 @@ def _list(args: argparse.Namespace, out: Console) -> int:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse ``argv``; arguments no subcommand knows are that subcommand's error (one line)."""
     parser = _parser()
+    Parser.json_out = "--json" in (sys.argv[1:] if argv is None else argv)
     args, extra = parser.parse_known_args(argv)
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     owner = sub.choices.get(args.command, parser)
@@ -415,7 +419,6 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-JSON_ON_3 = ("transition", "simulate")  # --json commands whose exit 3 prints here (plan and price: their own)
 PIPED_WIDTH = 400  # columns of tables written to a pipe or file (rich's default there is 80)
 
 
@@ -442,8 +445,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _list(args, out)
     except NereusError as exc:
         line = shorten(one_line(str(exc)), MAX_LINE)
-        if isinstance(exc, InfeasibleError) and getattr(args, "json", False) and args.command in JSON_ON_3:
-            print(json.dumps({"error": line}))  # a script reading stdout gets an object on exit 3 too
+        if getattr(args, "json", False):  # a script reading stdout gets an object on every exit
+            fits = {"fits": False} if isinstance(exc, InfeasibleError) and args.command == "plan" else {}
+            print(json.dumps({**fits, "error": line}))
         print(f"nereus {args.command}: error: {line}", file=sys.stderr)
         return exc.exit_code
     except BrokenPipeError:  # the reader left (nereus plan --json | head): stop quietly, as cat does

@@ -42,11 +42,18 @@ def cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, 
 
 
 def refused(argv: list[str], capsys: pytest.CaptureFixture[str], code: int = 2) -> str:
-    """The one error line of a refused command (asserting exit code, one line, empty stdout)."""
+    """The one error line of a refused command (asserting exit code, one line, and stdout: empty,
+    or with ``--json`` the line as ``{"error"}``, ``{"fits": false, "error"}`` for plan's exit 3)."""
     got, out, err = cli(argv, capsys)
     assert got == code, err
-    assert out == "" and "Traceback" not in err
+    assert "Traceback" not in err
     assert err.endswith("\n") and err.count("\n") == 1, err
+    if "--json" not in argv:
+        assert out == ""
+    else:  # the message without "nereus <cmd>: error: " and argparse's "(see … --help)"
+        doc = json.loads(out)
+        fits = {"fits": False} if code == 3 and argv[0] == "plan" else {}
+        assert doc == {**fits, "error": doc["error"]} and doc["error"] in err, (out, err)
     return err.rstrip("\n")
 
 

@@ -493,3 +493,17 @@ def test_an_empty_config_name_is_named(
     """Not "config .: is a folder, not a file": an empty name was the working folder."""
     line = refused(with_flag(argv, flag, ""), capsys)
     assert line.startswith(f"nereus {argv[0]}: error: {what}: empty name (choices: "), line
+
+
+def test_json_commands_print_an_object_on_every_exit(capsys: pytest.CaptureFixture[str]) -> None:
+    """A script reading ``--json`` output gets one object on stdout for bad input (exit 2, argparse's
+    or the command's own) as on exit 3."""
+    for argv, message in (
+        ([*with_flag(PLAN, "--model", "nosuch"), "--json"], "unknown model 'nosuch'"),
+        ([*with_flag(PLAN, "--gpus", "x"), "--json"], "argument --gpus: "),
+        ([*with_flag(SIM, "--policies", "nosuch"), "--json"], "--policies"),
+    ):
+        code, out, err = cli(argv, capsys)
+        assert code == 2 and err.count("\n") == 1, err
+        doc = json.loads(out)
+        assert list(doc) == ["error"] and message in doc["error"] and doc["error"] in err, (doc, err)

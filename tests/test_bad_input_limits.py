@@ -190,6 +190,23 @@ def test_sequence_curves_beyond_the_context_and_rows_beyond_the_header(
     assert code == 0, err
 
 
+def test_a_curve_above_the_workloads_response_limit_is_cut_there_and_says_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """ppo's max_response_len is 8192: a curve to a p95 of 13,800 runs at 8192 (the engine's max_tokens),
+    with a warning, and the context check reads the lengths that run."""
+    argv = [*SIM, "--seq-curve", "growth:9000:12000:1", "--out", "sim", "--json"]
+    argv[argv.index("tiny-llama")] = "llama-3.1-8b"
+    code, _, err = cli(argv, capsys)
+    assert code == 0, err
+    assert err == (
+        "nereus simulate: warning: --seq-curve reaches a p95 of 13800 tokens, above ppo's "
+        "max_response_len 8192: responses are cut at 8192\n"
+    )
+    steps = [json.loads(line) for line in Path("sim/steps-static.jsonl").read_text().splitlines()]
+    assert {(s["seq_len_mean"], s["seq_len_p95"]) for s in steps} == {(8192, 8192)}
+
+
 def test_a_trace_folder_and_an_empty_model_name(capsys: pytest.CaptureFixture[str]) -> None:
     write("tr/x.json", "{}")
     line = refused(["simulate", "--trace", "tr", *SIM[3:]], capsys)

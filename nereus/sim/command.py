@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -225,9 +226,16 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
     curve = _curve(args.seq_curve)
     points = {0, args.steps - 1} | {k for k in curve.steps if k < args.steps}
     models = load_role_models(workload, model)  # the workload's ``models:``, as ``nereus plan`` reads them
-    longest = max(curve.at(k)[1] for k in points)
+    asked = max(curve.at(k)[1] for k in points)
+    cap = workload.max_response_len
+    if asked > cap:  # the run cuts responses there, as the engine's max_tokens would (Scenario.lengths)
+        print(
+            f"nereus simulate: warning: --seq-curve reaches a p95 of {asked:.0f} tokens, above "
+            f"{workload.name}'s max_response_len {cap}: responses are cut at {cap}",
+            file=sys.stderr,
+        )
     for m in {m.name: m for m in models.values()}.values():
-        check_context(m, workload.prompt_len, longest, "--seq-curve (its p95)")
+        check_context(m, workload.prompt_len, min(asked, cap), "--seq-curve (its p95)")
     try:
         supply = GpuSupply(
             trace, args.gpus_per_instance, max_gpus, args.min_gpus, args.offset, args.speedup, args.seed
