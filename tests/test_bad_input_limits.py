@@ -78,8 +78,9 @@ def test_a_speed_too_small_to_price_with_is_refused(field: str, capsys: pytest.C
         ),
         (
             ["--fix", "actor.train=tp1,pp1,dp2,mb0"],
-            "--fix actor.train: dp must be in [1, 1048576] and mb in [1, 16777216], got dp 2, mb 0",
+            "--fix actor.train: mb must be in [1, 16777216], got 0",
         ),
+        (["--fix", "actor.train=tp1,pp1,dp0"], "--fix actor.train: dp must be in [1, 1048576], got 0"),
         (
             ["--fix", "actor.train=tp\uff14,pp1,dp2"],  # a full-width digit is not a digit here
             "--fix: expected MODEL_STAGE=tpT,ppP,dpD[,mbB] (e.g. actor.train=tp4,pp1,dp2), "
@@ -345,6 +346,15 @@ def test_a_plan_for_a_cluster_named_by_its_file_is_the_same_cluster(
     assert line.startswith(
         f"{E_PLAN}--anchor a.json: the plan is for cluster 'a100-64gb-hdr100', not 'h100-ib'"
     )
+    shipped = (config_root() / "clusters" / "a100-64gb-hdr100.yaml").read_text()
+    write("mine.yaml", shipped)  # a copy under another name (its name is the file's): the same cluster
+    code, _, err = cli([*with_flag(A100, "--cluster", "mine.yaml"), "--gpus", "16", "--seq-len", "1500",
+                        "--anchor", "a.json"], capsys)  # fmt: skip
+    assert code == 0, err
+    write("mine.yaml", shipped.replace("gpus_per_node: 4", "gpus_per_node: 8"))
+    line = refused([*with_flag(A100, "--cluster", "mine.yaml"), "--gpus", "16", "--seq-len", "1500",
+                    "--anchor", "a.json"], capsys)  # fmt: skip
+    assert line.startswith(f"{E_PLAN}--anchor a.json: the plan is for cluster 'a100-64gb-hdr100', not")
 
 
 def test_describe_and_the_config_root_refuse_what_they_cannot_use(

@@ -47,10 +47,10 @@ def parse_fix(text: str, workload: WorkloadSpec) -> tuple[str, Layout, int, int]
     for what, value in (("tp", tp), ("pp", pp)):
         if value < 1 or not is_power_of_two(value) or value > MAX_TP:
             raise ConfigError(f"--fix {name}: {what} must be a power of two in [1, {MAX_TP}], got {value}")
-    if not 1 <= dp <= MAX_GPUS or micro > 1 << 24 or (m.group(5) is not None and micro < 1):
-        raise ConfigError(
-            f"--fix {name}: dp must be in [1, {MAX_GPUS}] and mb in [1, {1 << 24}], got dp {dp}, mb {micro}"
-        )
+    if not 1 <= dp <= MAX_GPUS:
+        raise ConfigError(f"--fix {name}: dp must be in [1, {MAX_GPUS}], got {dp}")
+    if micro > 1 << 24 or (m.group(5) is not None and micro < 1):
+        raise ConfigError(f"--fix {name}: mb must be in [1, {1 << 24}], got {micro}")
     return name, Layout(tp, pp), dp, micro
 
 

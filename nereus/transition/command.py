@@ -12,6 +12,7 @@ classes where that applies, ``price_path``), with the priced L_tran ``price_l_tr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import time
@@ -43,7 +44,7 @@ from nereus.transition.between import (
 
 # what must agree between the two plans (the pool, lengths and headroom may differ)
 SAME = ("model", "algo", "cluster", "mode")
-_LOADERS: dict[str, Callable[[str], object]] = {
+_LOADERS: dict[str, Callable[[str], Any]] = {
     "model": load_model,
     "algo": load_workload,
     "cluster": load_cluster,
@@ -52,15 +53,17 @@ _LOADERS: dict[str, Callable[[str], object]] = {
 
 def same_setting(key: str, a: object, b: object) -> bool:
     """Whether two plans' ``key`` (one of ``SAME``) name the same thing: the same text, or a
-    name and a path (``h200-ib``, ``configs/clusters/h200-ib.yaml``) that load the same spec."""
+    name and a path (``h200-ib``, ``configs/clusters/h200-ib.yaml``; a copy under another file
+    name) that load the same spec but for its name."""
     if a == b:
         return True
     load = _LOADERS.get(key)
     if load is None:
         return False
     try:
-        return load(str(a)) == load(str(b))
-    except ConfigError:
+        x, y = load(str(a)), load(str(b))
+        return bool(x == y or x == dataclasses.replace(y, name=x.name))
+    except (ConfigError, ValueError, TypeError):
         return False
 
 
