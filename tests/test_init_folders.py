@@ -152,3 +152,20 @@ def test_a_critic_falling_back_to_the_reward_models_folder_is_named_so(tmp_path:
     s = spec(tmp_path, "ppo-tiny-rm", f"reward: {rm}")
     assert s.weights_of("critic") == str(rm) and s.weights_label("critic") == "init.reward"
     assert s.weights_label("reward") == "init.reward" and s.weights_label("actor") == "model"
+
+
+def test_a_reference_without_an_entry_follows_the_actors(tmp_path: Path) -> None:
+    """``models: {actor: DIR}`` alone: the reference is the initial actor (as in verl), its model
+    and its weights DIR's, not the experiment's ``model:`` (a KL against another model)."""
+    from nereus.runtime.engines import job_models
+    from nereus.spec import Role, load_model, load_workload
+
+    actor = _hf_checkpoint(tmp_path / "actor", "lm", 11)
+    s = spec(tmp_path, _own_models(tmp_path, f"actor: {actor}"), "")
+    workload = load_workload(s.workload)
+    assert workload.model_of("ref") == workload.model_of("actor") == str(actor)
+    models = job_models(workload, load_model(s.model))
+    assert models[Role.REF] == models[Role.ACTOR] and models[Role.CRITIC].name == "tiny-llama"
+    assert s.weights_of("ref", workload.model_of("ref")) == str(actor)
+    named = load_workload(_own_models(tmp_path, f"actor: {actor}, ref: tiny-llama"))
+    assert named.model_of("ref") == "tiny-llama"  # a reference of its own stays its own

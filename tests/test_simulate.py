@@ -374,4 +374,4 @@ def test_an_actor_override_of_another_vocabulary_names_models_actor() -> None:
         load_role_models(workload, load_model("llama-3.1-8b"))
     message = str(info.value)
     assert "key 'models.actor': qwen3-14b's vocabulary (151936)" in message
-    assert "job's model llama-3.1-8b (128256), which critic, ref, reward run" in message
+    assert "job's model llama-3.1-8b (128256), which critic, reward run" in message  # ref: the actor's

@@ -152,9 +152,9 @@ def preflight(
                 f"init.{role}: {workload.name} has no {role} model (its models: {', '.join(sorted(roles))})"
             )
     for role in ("actor", "ref", "reward", "critic"):
-        path = spec.weights_of(role, workload.models.get(role, ""))
+        path = spec.weights_of(role, workload.model_of(role))
         if path and not (Path(path) / "config.json").is_file():
-            label = spec.weights_label(role, workload.models.get(role, ""))
+            label = spec.weights_label(role, workload.model_of(role))
             raise ConfigError(f"{label}: {path} is not a Hugging Face checkpoint folder (no config.json)")
     if local:
         outdir.recover(folder)  # a replacement a killed run left: settled before anything reads it

@@ -130,7 +130,7 @@ def make_worker(
         gpu, setup.workload, setup.models, setup.cluster, optim, spec.seed, setup.engine_of, devices, workdir,
         spec.longest_response(), members,
     )  # fmt: skip
-    worker.weights_of = lambda role: spec.weights_of(role, setup.workload.models.get(role, ""))
+    worker.weights_of = lambda role: spec.weights_of(role, setup.workload.model_of(role))
     worker.temperature = rl.temperature  # log-probs of the policy that sampled (verl's, too)
     return worker
 
@@ -322,7 +322,7 @@ def first_state(worker: Worker, plan: Plan, resume_from: Path | None, spec: Expe
     read, error = [], None
     for name, engine in worker.engines.items():
         role = worker.workflow.get(name).role.value
-        own = worker.workload.models.get(role, "")  # the role's models: entry, if any
+        own = worker.workload.model_of(role)  # the role's models: entry, if any
         path = spec.weights_of(role, own)
         if path:
             try:

@@ -63,7 +63,7 @@ def torch_checks(spec: Any) -> list[str]:
     keyed("verifier", get_verifier, spec.verifier)
     runs = {ms.role.value for ms in workload.workflow().model_stages}
     for role, head in (("actor", Head.LM), ("ref", Head.LM), ("reward", Head.VALUE), ("critic", Head.VALUE)):
-        own = workload.models.get(role, "")  # the role's models: entry, if any
+        own = workload.model_of(role)  # the role's models: entry, if any
         path = spec.weights_of(role, own)
         if not path or role not in runs or (role == "ref" and not own):  # else: the actor's, checked
             continue
@@ -124,10 +124,10 @@ def _random_reference(spec: Any, workload: Any, runs: set[str]) -> list[str]:
     """A warning when the reference has a model of its own without weights (a model YAML: random
     weights) while the actor starts from a checkpoint: the KL penalty would pull the actor toward
     a random model."""
-    own = workload.models.get("ref", "")
+    own = workload.model_of("ref")
     if "ref" not in runs or not own or spec.weights_of("ref", own) or spec.rl.kl_coef == 0:
         return []
-    if not spec.weights_of("actor", workload.models.get("actor", "")):
+    if not spec.weights_of("actor", workload.model_of("actor")):
         return []  # every role starts from seeded random weights: by design
     return [
         f"models.ref: {own} holds no weights, so the reference starts from random weights while the "

@@ -154,15 +154,16 @@ def trace_path(name_or_path: str) -> Path:
 
 
 def load_role_models(workload: WorkloadSpec, model: ModelSpec) -> dict[Role, ModelSpec]:
-    """Each role's model: the workload's ``models:`` entry where it names one, else ``model``
-    (the job's, ``--model``); an entry that does not load names its key."""
+    """Each role's model: the workload's ``models:`` entry where it names one (the reference
+    follows the actor's, ``WorkloadSpec.model_of``), else ``model`` (the job's, ``--model``); an
+    entry that does not load names its key."""
     out: dict[Role, ModelSpec] = {}
     for role in Role:
-        name = workload.models.get(role.value)
+        name = workload.model_of(role.value)
         try:
-            out[role] = model if name is None else load_model(name)
+            out[role] = load_model(name) if name else model
         except ConfigError as exc:
-            raise ConfigError(f"{workload.name}: key 'models.{role.value}': {exc}") from None
+            raise ConfigError(f"{workload.name}: key 'models.{_key(workload, role)}': {exc}") from None
     actor = out[Role.ACTOR]
     for role, m in out.items():  # every role reads the actor's token ids
         if m.vocab_size == actor.vocab_size:
@@ -181,6 +182,11 @@ def load_role_models(workload: WorkloadSpec, model: ModelSpec) -> dict[Role, Mod
             "the actor's tokens (name their models under models:, or pick another --model)"
         )
     return out
+
+
+def _key(workload: WorkloadSpec, role: Role) -> str:
+    """The ``models:`` key ``role``'s model comes from (the reference's may be the actor's)."""
+    return role.value if role.value in workload.models else "actor"
 
 
 def hf_folder(name: str) -> Path | None:

@@ -196,7 +196,7 @@ class WorkloadSpec:
     sequence_parallel: bool = True
     flash_attention: bool = True
     reward_model: bool = True  # False: rule-based verifier, no reward.inf model-stage
-    models: dict[str, str] = field(default_factory=dict)  # role → model; absent roles: the job's
+    models: dict[str, str] = field(default_factory=dict)  # role → model; absent roles: the job's (model_of)
     # async: how many policy versions a trained batch may lag the trainer (0: generation waits for
     # every sync, as synchronous RL does), and the fate of batches generated ahead at a transition
     max_staleness: int = field(default=1, metadata={ALLOWED: f"a whole number 0…{MAX_STALENESS}"})
@@ -278,6 +278,12 @@ class WorkloadSpec:
                     "(set mode: async, or remove the key)"
                 )
         return build(cls, data, str(path))
+
+    def model_of(self, role: str) -> str:
+        """``role``'s ``models:`` entry ("" when it has none: the job's model). The reference
+        without one of its own follows the actor's: it is the initial actor, as in verl."""
+        own = self.models.get(role, "")
+        return own or (self.models.get("actor", "") if role == "ref" else "")
 
     @property
     def sequences_per_step(self) -> int:
