@@ -403,5 +403,7 @@ def test_the_reward_model_scores_the_head_at_the_last_token_itself() -> None:
     )
     setup = SimpleNamespace(spec=SimpleNamespace(verifier="none", reward_coef=1.0), tokenizer=CharTokenizer())
     records = [TaskRecord("p", "a", "0"), TaskRecord("p", "a", "1")]
-    _, rm = sequence_rewards(worker, None, setup, r, records)  # type: ignore[arg-type]
+    scores, rm, verifier = sequence_rewards(worker, None, setup, r, records)  # type: ignore[arg-type]
     assert rm is not None and rm.tolist() == [4.0, 5.0]
+    # accuracy reads the verifier's scores alone: a reward model scoring above 1 is not "correct"
+    assert verifier.tolist() == [0.0, 0.0] and scores.tolist() == [4.0, 5.0]

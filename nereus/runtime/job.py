@@ -236,7 +236,9 @@ def learn(worker: Worker, plan: Plan, setup: JobSetup, batch: Batch) -> tuple[Te
     spec, w = setup.spec, setup.workload
     rl, g, r = spec.rl, w.samples_per_prompt, batch.rollouts
     samples = step_samples(setup, batch.step)
-    scores, rm = sequence_rewards(worker, plan, setup, r, [s.record for s in samples for _ in range(g)])
+    scores, rm, verifier = sequence_rewards(
+        worker, plan, setup, r, [s.record for s in samples for _ in range(g)]
+    )
     mask = r.mask.float()
     metrics: dict[str, float] = {}
     if rm is not None:
@@ -262,33 +264,36 @@ def learn(worker: Worker, plan: Plan, setup: JobSetup, batch: Batch) -> tuple[Te
         else:  # ReMax: the greedy rollout of each prompt is the baseline
             if batch.baseline is None:
                 raise ValueError(f"step {batch.step}: a ReMax batch without its greedy baseline rollouts")
-            baseline, _ = sequence_rewards(worker, plan, setup, batch.baseline, [s.record for s in samples])
+            baseline, _, _ = sequence_rewards(
+                worker, plan, setup, batch.baseline, [s.record for s in samples]
+            )
             baseline = baseline.repeat_interleave(g)  # scored exactly as the samples are
             fields["advantages"] = remax_advantages(scores, baseline, r.mask)
         fields["ref_logprobs"] = ref
         policy = lambda n: PolicyLoss(rl.clip_eps, n, rl.kl_coef, dual_clip=rl.dual_clip)  # noqa: E731
     metrics["actor_loss"] = worker.train(plan, "actor.train", r, fields, policy)
     metrics["reward"] = float(scores.mean())
-    metrics["accuracy"] = float((scores >= 1.0).float().mean())
+    metrics["accuracy"] = float((verifier >= 1.0).float().mean())  # the verifier's alone, as validation's
     metrics["kl"] = float(kl.sum() / mask.sum().clamp(min=1))
     return scores, metrics
 
 
 def sequence_rewards(
     worker: Worker, plan: Plan, setup: JobSetup, r: Rollouts, records: list[TaskRecord]
-) -> tuple[Tensor, Tensor | None]:
+) -> tuple[Tensor, Tensor | None, Tensor]:
     """Each rollout's reward (row i answers ``records[i]``): the verifier's score of its decoded
     response (``by_source``: the verifier of the record's data source) and, in a workload with a
-    reward model, ``reward_coef`` × the model's score of its last token (also returned, else
-    None). Every rollout a step scores (ReMax's greedy baseline too) is scored by this."""
+    reward model, ``reward_coef`` × the model's score of its last token; then the model's score
+    (else None) and the verifier's. Every rollout a step scores (ReMax's greedy baseline too) is
+    scored by this."""
     scores = verified(setup, r, records)
     if not any(ms.name == "reward.inf" for ms in worker.workflow.model_stages):
-        return scores, None
+        return scores, None, scores
     # the reward model's head at the last token itself (as verl and sequence-classification models
     # read it): entry i + 1 of the scores aligned with the tokens, one padding column further
     values = worker.infer(plan, "reward.inf", r.widened())
     rm = values.gather(1, (last_tokens(r) + 1).unsqueeze(1)).squeeze(1)
-    return scores + setup.spec.reward_coef * rm, rm
+    return scores + setup.spec.reward_coef * rm, rm, scores
 
 
 def verified(setup: JobSetup, r: Rollouts, records: list[TaskRecord]) -> Tensor:
