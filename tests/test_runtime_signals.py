@@ -432,3 +432,24 @@ def test_a_second_sigint_kills_the_workers_at_once(tmp_path: Path) -> None:
         )
     assert stderr.splitlines() == [expected]
     assert not group_left(proc.pid)
+
+
+@pytest.mark.timeout(240)
+def test_a_resume_after_the_last_checkpoint_writes_the_missing_export(tmp_path: Path) -> None:
+    """A run that ended after its last checkpoint and before its Hugging Face export (a full
+    disk, a kill): ``--resume`` trains nothing and writes the export from the checkpoint, the
+    same bytes; once it is there, there is nothing to resume."""
+    out = tmp_path / "out"
+    exp = experiment(tmp_path, "export", steps=2, every=1)
+    done = run(exp, out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    weights = (out / "hf" / "actor" / "model.safetensors").read_bytes()
+    trained = steps(out)
+    shutil.rmtree(out / "hf")
+    again = run(exp, out, "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "every step is trained; writing the Hugging Face export from the checkpoint" in again.stdout
+    assert (out / "hf" / "actor" / "model.safetensors").read_bytes() == weights
+    assert steps(out) == trained and (out / "hf" / ".exported").read_text() == "2\n"
+    third = run(exp, out, "--resume")
+    assert third.returncode == 0 and "nothing to resume" in third.stdout, third.stdout

@@ -114,8 +114,8 @@ def _state_dict(worker: Worker, plan: Plan) -> Iterator[dict[str, Any]]:
 def save(worker: Worker, plan: Plan, step: int, folder: Path, keep: int = 2) -> Path:
     """Checkpoint after ``step`` into ``folder/step_<step>``, signed; keeps the newest ``keep``
     checkpoints (a folder that is not a signed checkpoint is never pruned). A write that fails
-    (a full disk, a read-only file) is a ``CheckpointWriteError`` naming the file; the pointer
-    still names the previous checkpoint."""
+    (a full disk, a read-only file) is a ``CheckpointWriteError`` naming the file, its partial
+    files removed; the pointer still names the previous checkpoint."""
     key = _the_key()
     folder = Path(folder)
     final = folder / f"step_{step:06d}"
@@ -129,6 +129,8 @@ def save(worker: Worker, plan: Plan, step: int, folder: Path, keep: int = 2) -> 
         with _state_dict(worker, plan) as state:
             dcp_save(state, checkpoint_id=str(tmp))
     except (OSError, CheckpointException) as exc:
+        if dist.get_rank() == 0:  # the half-written files would keep a full disk full
+            shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointWriteError(step, tmp, exc) from None
     states = all_gather(
         {n: dataclasses.asdict(rs.state) for n, rs in worker.holder.units.items()}, dict[str, dict[str, int]]
@@ -149,6 +151,7 @@ def save(worker: Worker, plan: Plan, step: int, folder: Path, keep: int = 2) -> 
             outdir.drop_replaced(folder.parent, wait=False)  # after --force: the old run's files go now
         except OSError as exc:
             (folder / f".{LATEST}.tmp").unlink(missing_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointWriteError(step, final, exc) from None
         for old in signing.checkpoints(folder)[:-keep]:
             if old != final:

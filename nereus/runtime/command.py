@@ -27,6 +27,7 @@ from rich.console import Console
 
 from nereus.errors import ConfigError, InfeasibleError, NereusError
 from nereus.runtime import outdir, signing
+from nereus.runtime.export import exported_steps
 from nereus.runtime.preflight_child import checks_in_a_child
 from nereus.runtime.preflight_child import keyed as _keyed
 from nereus.runtime.resume import check_checkpoint, check_task, missing_rows
@@ -301,13 +302,18 @@ def _run(args: argparse.Namespace, out: Console) -> int:
     folder = args.out or Path("runs") / spec.name
     created = not folder.exists()  # the run makes it: a refused fresh run removes it again
     first = preflight(spec, folder, args.resume, args.force)
-    if first >= spec.steps:  # --resume of a run that trained every step: no worker to start
-        out.print(
+    if first > spec.steps or (first == spec.steps and exported_steps(folder) == first):
+        out.print(  # --resume of a run that trained and exported every step: no worker to start
             f"{spec.name}: nothing to resume; {folder} holds a checkpoint after step {first - 1}, and the "
             f"experiment has {spec.steps} steps (a larger --steps trains further)",
             soft_wrap=True,
         )
         return 0
+    if first == spec.steps:  # trained, but ended before its export: the workers write it, no step
+        out.print(
+            f"{spec.name}: every step is trained; writing the Hugging Face export from the checkpoint",
+            soft_wrap=True,
+        )
     from nereus.runtime.local import launch_local
 
     gaps = missing_rows(folder / "metrics.jsonl", first) if args.resume else []

@@ -214,11 +214,14 @@ class _PeerLeftError(NereusError):
 def _fail(exc: NereusError, folder: Path | None = None, gpu: int = 0) -> NoReturn:
     """A worker's clear error: the error's exit code; an initial worker also records its line
     (``folder``/``ERRORS``/``gpu``) for the supervisor to print once (``_start_error``), whichever
-    worker found it (the one that reads the bad weights need not be the leader)."""
+    worker found it (the one that reads the bad weights need not be the leader), or prints it
+    itself when the record cannot be written."""
     if folder is not None:
-        with contextlib.suppress(OSError):
+        try:
             (folder / ERRORS).mkdir(exist_ok=True)
             (folder / ERRORS / f"gpu{gpu}").write_text(f"{exc.exit_code}\n{exc}")
+        except OSError:  # a full disk, say (its error may be the line): the line goes out here
+            print(f"nereus run: error: {exc}", file=sys.stderr, flush=True)
     _exit(exc.exit_code)
 
 

@@ -1,0 +1,62 @@
+"""The trained actor's Hugging Face export, ``<out>/hf/actor``, and its mark.
+
+A run writes the export once its last step is trained (``JobLoop._finish``), from the actor's
+trainer, with the tokenizer's files beside it, and then its mark, ``hf/.exported``: how many steps
+the export holds. A run that ended after its last checkpoint but before its export (a full disk,
+a kill) has every step checkpointed and no export of them: ``nereus run --resume`` reads the mark
+(``exported_steps``, torch-free) and starts the workers to write the export from that checkpoint,
+training nothing. A write that fails is one line on every rank, naming the folder, and the
+checkpoint stays what a resume writes the export from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from nereus.errors import NereusError
+
+ACTOR = Path("hf") / "actor"
+MARK = Path("hf") / ".exported"
+
+
+def exported_steps(out: Path) -> int | None:
+    """The steps ``out``'s export holds (its mark); None when there is no mark."""
+    with contextlib.suppress(OSError, ValueError):
+        return int((out / MARK).read_text().strip())
+    return None
+
+
+def export_actor(worker: Any, companions: Sequence[Path], out: Path, steps: int, leader: bool) -> None:
+    """The actor's weights after ``steps`` steps into ``out/hf/actor`` (collective: the actor's
+    trainer gathers them on its first replica's first rank, which writes them); then, on the
+    ``leader``, the mark. A failed write is the same ``NereusError`` on every rank."""
+    from safetensors import SafetensorError
+
+    from nereus.runtime.comm import all_gather
+
+    error = None
+    if "actor.train" in worker.engines:
+        try:
+            worker.engines["actor.train"].save_hf(out / ACTOR, companions)
+        except (OSError, SafetensorError) as exc:
+            why = f"{exc.strerror or type(exc).__name__}" if isinstance(exc, OSError) else str(exc)
+            error = (
+                f"the Hugging Face export to {out / ACTOR} could not be written ({why}); the checkpoint "
+                f"after step {steps - 1} holds the trained actor: run again with --resume to write it"
+            )
+    first = next((e for e in all_gather(error, str | None) if e is not None), None)
+    if first is not None:
+        raise NereusError(first)
+    if leader:
+        mark = out / MARK
+        try:
+            mark.parent.mkdir(parents=True, exist_ok=True)
+            tmp = mark.with_name(f"{mark.name}.tmp")
+            tmp.write_text(f"{steps}\n")
+            os.replace(tmp, mark)
+        except OSError as exc:
+            raise NereusError(f"{mark}: {exc.strerror or exc}; the export itself is written") from None

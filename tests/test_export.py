@@ -1,0 +1,55 @@
+"""The actor's Hugging Face export at the end of a run (``nereus.runtime.export``): a write that
+fails is one line, the same on every rank, that says how to get the export; the mark records what
+the export holds. The export written again on a resume: ``test_runtime_signals``."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from nereus.errors import NereusError
+from nereus.runtime import comm
+from nereus.runtime.export import MARK, export_actor, exported_steps
+
+pytestmark = pytest.mark.pure
+
+
+class _Trainer:
+    def __init__(self, fail: OSError | None = None) -> None:
+        self.fail = fail
+        self.saved: list[Path] = []
+
+    def save_hf(self, directory: Path, companions: object = ()) -> None:
+        if self.fail is not None:
+            raise self.fail
+        directory.mkdir(parents=True)
+        self.saved.append(directory)
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_mark(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(comm, "all_gather", lambda obj, tp: [None, obj])  # this rank's error, rank 1's
+    full = _Trainer(OSError(errno.ENOSPC, "No space left on device"))
+    with pytest.raises(NereusError) as err:
+        export_actor(SimpleNamespace(engines={"actor.train": full}), (), tmp_path, 4, leader=True)
+    assert str(err.value) == (
+        f"the Hugging Face export to {tmp_path}/hf/actor could not be written (No space left on device); "
+        "the checkpoint after step 3 holds the trained actor: run again with --resume to write it"
+    )
+    assert exported_steps(tmp_path) is None and not (tmp_path / MARK).exists()
+
+
+def test_a_peers_failure_is_every_ranks_and_a_written_export_is_marked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(comm, "all_gather", lambda obj, tp: [obj, "rank 1's line"])
+    with pytest.raises(NereusError, match=r"^rank 1's line$"):  # this rank wrote nothing: it has no line
+        export_actor(SimpleNamespace(engines={}), (), tmp_path, 4, leader=False)
+    monkeypatch.setattr(comm, "all_gather", lambda obj, tp: [obj])
+    trainer = _Trainer()
+    export_actor(SimpleNamespace(engines={"actor.train": trainer}), (), tmp_path, 4, leader=True)
+    assert trainer.saved == [tmp_path / "hf" / "actor"] and exported_steps(tmp_path) == 4
+    (tmp_path / MARK).write_text("four\n")
+    assert exported_steps(tmp_path) is None  # unreadable: written again on a resume
