@@ -32,6 +32,7 @@ from launch.submit import (
 )
 from nereus.errors import ConfigError
 from nereus.runtime import signing
+from nereus.runtime.export import exported_steps
 from nereus.runtime.pool import SHRINK_GLOB
 
 
@@ -65,9 +66,10 @@ def resume(
             check_node_limit(site, record.nodes)
         spec = load_experiment(folder / "experiment.yaml").spec
         step = int(latest.name.removeprefix("step_"))
-        if step + 1 >= spec.steps:
-            raise ConfigError(
-                f"JOB: {record.name} checkpointed its last step ({step} of {spec.steps}): nothing to resume"
+        if step + 1 > spec.steps or (step + 1 == spec.steps and exported_steps(folder / "run") == spec.steps):
+            raise ConfigError(  # (trained but not exported: the job writes the export, training nothing)
+                f"JOB: {record.name} checkpointed its last step ({step} of {spec.steps}) and exported it: "
+                "nothing to resume"
             )
         check_plan(spec, record.nodes * record.tasks_per_node, "JOB")
         check_folder("JOB", folder)

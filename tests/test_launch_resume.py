@@ -65,8 +65,15 @@ def test_an_ended_job_resumes_from_its_checkpoint_in_its_folder(
     (checkpoints / "step_000015").mkdir()
     (checkpoints / "latest").write_text("step_000015\n")
     done = _states(read_record(folder).all_job_ids, "CANCELLED")  # the grow job's too
+    (folder / "run" / "hf").mkdir()
+    (folder / "run" / "hf" / ".exported").write_text("16\n")
     code, _, err = launch(["resume", str(folder)], capsys, factory=factory, runner=done)
-    assert code == 2 and "checkpointed its last step (15 of 16): nothing to resume" in err, err
+    assert code == 2 and "checkpointed its last step (15 of 16) and exported it: nothing to resume" in err, (
+        err
+    )
+    (folder / "run" / "hf" / ".exported").unlink()  # trained, not exported: the job writes the export
+    code, _, err = launch(["resume", str(folder)], capsys, factory=factory, runner=done)
+    assert code == 0, err
 
 
 def test_a_job_slurm_forgot_is_not_grown_cancelled_or_shown_unknown(
