@@ -92,6 +92,10 @@ def test_a_critic_with_another_tokenizer_of_the_same_size_is_refused(tmp_path: P
     got = refusal(spec(tmp_path, "ppo-tiny", f"actor: {actor}, critic: {critic}"))
     want = f"init.critic: {critic}'s tokenizer is not the job's ({actor}): "
     assert got.startswith(want + "2 of the job's tokens have other ids there"), got
+    plain = _hf_checkpoint(tmp_path / "plain", "lm", 11)  # no tokenizer: the job reads characters
+    got = refusal(spec(tmp_path, "ppo-tiny", f"actor: {plain}, critic: {critic}"))
+    assert got.startswith(f"init.critic: {critic} has a tokenizer of its own, but the job reads text with "
+                          "the bundled character tokenizer"), got  # fmt: skip
 
 
 def test_an_init_entry_may_name_the_folders_config_json(tmp_path: Path) -> None:

@@ -140,10 +140,20 @@ def _check_same_tokenizer(label: str, folder: Path, tok: Any) -> None:
     """A critic or reward model reads the actor's token ids: a folder with a tokenizer of its own
     must map every token of the job's tokenizer to the same id (tokens of its own past them, a pad
     token say, are fine; the same vocabulary size is not enough: a different tokenizer of that
-    size feeds the model ids it never saw)."""
+    size feeds the model ids it never saw). Beside the bundled character tokenizer, which no
+    Hugging Face tokenizer reproduces, such a folder is refused."""
     from nereus.rl.hf_tokenizer import HfTokenizer, has_tokenizer
 
-    if not isinstance(tok, HfTokenizer) or not has_tokenizer(folder) or Path(tok.folder) == folder:
+    if not has_tokenizer(folder):
+        return
+    if not isinstance(tok, HfTokenizer):  # the bundled characters: no Hugging Face tokenizer maps them
+        raise ConfigError(
+            f"{label}: {folder} has a tokenizer of its own, but the job reads text with the bundled "
+            "character tokenizer (no tokenizer: key, and the model folder holds none); this model "
+            "reads the actor's token ids, so name the tokenizer it was trained with (tokenizer: DIR) "
+            "or give it a checkpoint trained with the job's"
+        )
+    if Path(tok.folder) == folder:
         return
     try:
         theirs, ours = HfTokenizer(str(folder), chat=False).vocabulary(), tok.vocabulary()
