@@ -203,6 +203,7 @@ def test_bad_numbers_in_configs(
         ("collective_timeout_s: 0.5", "collective_timeout_s must be in [1, 86400] seconds, got 0.5"),
         ("collective_timeout_s: .nan", f"key 'collective_timeout_s': {FINITE} nan"),
         ("drift: [{step: 1, unhealthy: [9]}]", "drift at step 1: worker 9 outside 0…3"),
+        ("checkpoint_keep: 0", "checkpoint_keep must be positive, got 0"),
     ],
 )
 def test_bad_numbers_in_experiments(extra: str, line: str) -> None:

@@ -440,9 +440,10 @@ def test_a_resume_after_the_last_checkpoint_writes_the_missing_export(tmp_path: 
     disk, a kill): ``--resume`` trains nothing and writes the export from the checkpoint, the
     same bytes; once it is there, there is nothing to resume."""
     out = tmp_path / "out"
-    exp = experiment(tmp_path, "export", steps=2, every=1)
+    exp = experiment(tmp_path, "export", steps=2, every=1, extra="checkpoint_keep: 1\n")
     done = run(exp, out)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert [p.name for p in (out / "checkpoints").glob("step_*")] == ["step_000001"]  # the newest one
     weights = (out / "hf" / "actor" / "model.safetensors").read_bytes()
     trained = steps(out)
     shutil.rmtree(out / "hf")

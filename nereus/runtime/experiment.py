@@ -189,6 +189,7 @@ class ExperimentSpec:
     rl: RlSpec = field(default_factory=RlSpec)
     drift: tuple[DriftEvent, ...] = ()
     checkpoint_every: int = 0  # steps; 0: only at the end
+    checkpoint_keep: int = 2  # the newest checkpoints kept (verl's max_actor_ckpt_to_keep); older ones go
     val_every: int = 0  # steps between validations of data.val (verl's test_freq); 0: after the last only
     # Time the world's collectives before the first plan (``nereus.runtime.sweep``) and feed the
     # measured op-class efficiencies to the controller's calibration. Off in the tiny CPU
@@ -212,9 +213,9 @@ class ExperimentSpec:
                 f"key 'name': expected a letter or digit, then letters, digits, '.', '_' or '-', at most "
                 f"{MAX_NAME} characters (it names the results folder and the job), got {brief(self.name)}"
             )
-        require_positive(self, "workers", "steps", "max_new_tokens")
+        require_positive(self, "workers", "steps", "max_new_tokens", "checkpoint_keep")
         require_at_most(self, MAX_WORKERS, "workers")
-        require_at_most(self, MAX_STEPS, "steps", "checkpoint_every", "val_every")
+        require_at_most(self, MAX_STEPS, "steps", "checkpoint_every", "checkpoint_keep", "val_every")
         require_at_most(self, MAX_TOKENS, "max_new_tokens")
         require_finite(self, "reward_coef")
         low, high = COLLECTIVE_TIMEOUT_RANGE_S

@@ -333,7 +333,7 @@ class JobLoop(Acting, Surviving):
         every, last = self.spec.checkpoint_every, step + 1 == self.spec.steps
         saved = bool(every and (step + 1) % every == 0) or last
         if saved:
-            ckpt.save(self.worker, self.plan, step, self.folder)
+            ckpt.save(self.worker, self.plan, step, self.folder, self.spec.checkpoint_keep)
         return saved
 
     def _preempted(self, step: int, saved: bool, record: StepRecord | None) -> Outcome:
@@ -341,7 +341,7 @@ class JobLoop(Acting, Surviving):
         did not), record it, stop; every rank learns which signal it was."""
         self.preemption.agree()
         if not saved:
-            ckpt.save(self.worker, self.plan, step, self.folder)
+            ckpt.save(self.worker, self.plan, step, self.folder, self.spec.checkpoint_keep)
         if self.leader is not None and record is not None:
             self.leader.write(self._dropped(record), [TransitionRecord(RecordKind.PREEMPTED, 0.0)], self.plan)
             self.leader.metrics.close()

@@ -194,6 +194,14 @@ def _release(path: Path) -> None:
         os.close(fd)
 
 
+def _read_only(path: Path) -> bool:
+    """Whether ``path`` is on a file system mounted read-only."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 def check(path: Path, resume: bool, force: bool) -> None:
     """Whether ``nereus run`` may write into ``path``; a ``ConfigError`` naming ``--out`` (or the
     flag to pass) if not. Writes nothing."""
@@ -207,7 +215,8 @@ def check(path: Path, resume: bool, force: bool) -> None:
         what = "is a file" if found == path.absolute() else f"is inside {found}, a file"
         raise ConfigError(f"--out: {path} {what}; expected a folder")
     if not os.access(found, os.W_OK | os.X_OK):
-        raise ConfigError(f"--out: {path} is not writable ({found} does not let this user write)")
+        why = "is on a read-only file system" if _read_only(found) else "does not let this user write"
+        raise ConfigError(f"--out: {path} is not writable ({found} {why})")
     if force and path.is_dir() and not is_ours(path):
         clash = [n for n in RUN_FILES if (path / n).exists() or (path / n).is_symlink()]
         if clash:
