@@ -173,6 +173,8 @@ def _print_status(doc: dict[str, Any], out: Console) -> None:
             out.print(f"  {'grow' if job_id in grown else 'job'} {e(job_id)}: {e(state)}")
     for s in doc["shrinks"]:
         out.print(f"  shrink request: {e(s['nodes'])} node(s) ({e(s['file'])})")
+    for s in doc.get("refused_shrinks", ()):
+        out.print(f"  shrink refused by the job ({e(s['file'])}): {e(s['reason'])}")
     if doc["kind"] == "array":
         table = Table("task", "args", "state", "result", title_justify="left")
         for t in doc["tasks"]:
@@ -218,8 +220,8 @@ def _job_command(args: argparse.Namespace, factory: submit.ExecutorFactory, runn
     elif args.command == "logs":
         record = read_record(folder)
         if args.follow:
-            monitor.follow(
-                lambda: monitor.log_files(folder, record),
+            monitor.follow(  # the record read again each time: a grow meanwhile adds its logs
+                lambda: monitor.log_files(folder, read_record(folder)),
                 lambda: monitor.ended_state(folder, read_record(folder), runner),
                 sys.stdout,
             )

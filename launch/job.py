@@ -14,8 +14,9 @@ from pathlib import Path
 
 import submitit
 
-from launch.jobdir import atomic_write, write_error
+from launch.jobdir import atomic_write
 from nereus.errors import ConfigError
+from nereus.runtime import joberror
 
 
 class NodeJob(submitit.helpers.Checkpointable):
@@ -26,8 +27,9 @@ class NodeJob(submitit.helpers.Checkpointable):
     resumes from the job folder's latest checkpoint by itself.
 
     Bad input only a compute node can find (weights that are NaN, a checkpoint that does not
-    verify, a broken vLLM install there) ends the task with its one line on stderr and in the job
-    folder's ``error.json`` (``status`` shows it), exit code 2, not a traceback.
+    verify, a broken vLLM install there) and a refused join end the task with its one line on
+    stderr and in the job folder's ``error.json`` (``nereus.runtime.joberror``; ``status`` shows
+    it), exit code 2, not a traceback.
     """
 
     def __init__(self) -> None:  # typed: submitit's ``Checkpointable.__new__`` is not
@@ -35,14 +37,14 @@ class NodeJob(submitit.helpers.Checkpointable):
 
     def __call__(self, job_dir: str, join: bool = False) -> None:
         # Imported here, on the compute node: the runtime imports torch; the launcher must not.
+        from nereus.runtime.joins import JoinRefusedError
         from nereus.runtime.node import main
 
         try:
             main(job_dir, join=join)
-        except ConfigError as exc:
-            with contextlib.suppress(OSError, RuntimeError):  # (not under submitit) the log has it
-                write_error(Path(job_dir), submitit.JobEnvironment().job_id, str(exc))
-            print(f"nereus: error: {exc}", file=sys.stderr, flush=True)
+        except (ConfigError, JoinRefusedError) as exc:
+            joberror.record(Path(job_dir), str(exc))
+            print(f"nereus node: error: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(ConfigError.exit_code) from None
 
     def checkpoint(self, job_dir: str, join: bool = False) -> submitit.helpers.DelayedSubmission:

@@ -11,7 +11,7 @@ JOB/                      mode 0700
   run/                    the runtime's output (metrics.jsonl, checkpoints, report)
   results/                array jobs: one task-<index>.json per task
   grow-<n>.sbatch         the script of each grow job
-  error.json              bad input only the compute nodes could find: {"job_id", "error"} (one line)
+  error.json              bad input only the compute nodes could find (nereus.runtime.joberror)
 ```
 Every file is written whole (temporary file + rename), so a reader never sees half of one.
 """
@@ -28,20 +28,18 @@ import secrets
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
 from launch.inputs import check_text, control_error, has_control, shown
 from launch.render import DEFAULT_RESTARTS, LAUNCHERS, MAX_RESTARTS, job_name_error
 from nereus.errors import ConfigError
-from nereus.runtime.pool import ShrinkRequest
+from nereus.runtime.pool import ShrinkRequest, refused_shrinks
 from nereus.spec.files import parse_json
 from nereus.spec.schema import build
 
 RECORD = "job.json"
-ERROR = "error.json"  # a worker's one-line ConfigError, for ``status`` (write_error)
-ERROR_CHARS = 500  # how much of it ``status`` shows
 LOCK = ".job.lock"  # held while a command reads, changes and writes job.json (record_lock)
 LOCK_WAIT_S = 120.0  # how long a command waits for another's lock
 _JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+)?")  # a SLURM job id or an array task's (A_i)
@@ -189,21 +187,12 @@ def atomic_write(path: Path, text: str, mode: int = 0o600) -> None:
         raise
 
 
-def write_error(folder: Path, job_id: str, line: str) -> None:
-    """The one-line bad-input error a worker of job ``job_id`` stopped on (every rank that meets
-    it writes the same line; a later job's error replaces an earlier one's)."""
-    atomic_write(folder / ERROR, json.dumps({"job_id": job_id, "error": line}) + "\n")
-
-
-def read_error(folder: Path, job_ids: tuple[str, ...]) -> tuple[str, str]:
-    """The job id and error line a worker of one of ``job_ids`` wrote (``write_error``), or
-    ("", "") (none, an earlier job's, or unreadable); the line printable and cut to ``ERROR_CHARS``."""
-    with contextlib.suppress(OSError, ValueError):
-        doc = json.loads((folder / ERROR).read_text(encoding="utf-8"))
-        if isinstance(doc, dict) and str(doc.get("job_id")) in job_ids and isinstance(doc.get("error"), str):
-            line = "".join(c if c.isprintable() else " " for c in doc["error"])
-            return str(doc["job_id"]), line if len(line) <= ERROR_CHARS else f"{line[: ERROR_CHARS - 1]}…"
-    return "", ""
+def settled(folder: Path, record: JobRecord) -> JobRecord:
+    """``record`` without the shrink requests the job refused (``control/.refused-…``,
+    ``nereus.runtime.pool.refuse_shrinks``): their nodes are still the job's."""
+    refused = refused_shrinks(folder / "control")
+    kept = tuple(s for s in record.shrinks if s.file not in refused)
+    return record if len(kept) == len(record.shrinks) else replace(record, shrinks=kept)
 
 
 def write_record(folder: Path, record: JobRecord) -> None:
@@ -331,7 +320,7 @@ def find_job(ref: str, root: Path) -> Path:
                 record = read_record(record_path.parent)
             except ConfigError:
                 continue
-            if wanted in record.all_job_ids or ref in {t.job_id for t in record.tasks}:
+            if wanted in (*record.all_job_ids, *record.earlier) or ref in {t.job_id for t in record.tasks}:
                 found.append(record_path.parent)
         if len(found) > 1:  # ids repeat across clusters and controller restarts: never guess
             names = ", ".join(str(f) for f in found[:3])

@@ -25,8 +25,10 @@ from typing import Any, TextIO
 
 from submitit.slurm.slurm import SlurmInfoWatcher, read_job_id
 
-from launch.jobdir import STATES_DONE, JobRecord, check_owner, read_error, read_record, update_record
+from launch.jobdir import STATES_DONE, JobRecord, check_owner, read_record, settled, update_record
 from nereus.errors import ConfigError
+from nereus.runtime import joberror
+from nereus.runtime.pool import refused_shrinks
 
 Runner = Callable[[Sequence[str]], tuple[int, str, str]]  # argv -> (exit code, stdout, stderr)
 ACTIVE = ("RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED", "CONFIGURING", "PENDING")
@@ -89,9 +91,12 @@ def forgotten(ids: Sequence[str], run: Runner = run_command) -> bool:
 
 
 def shown_state(record: JobRecord, states: dict[str, str]) -> str:
-    """The job's state from its jobs' ``states``: SLURM's (``aggregate``), else the state its
-    record learned when it ended (SLURM forgets ended jobs), else ``UNKNOWN``."""
-    main = aggregate(list(states.values())) if states else record.state
+    """The job's state from its jobs' ``states``: SLURM's (``aggregate``; once none is active, an
+    experiment's is its own job's, which its grow jobs end with), else the state its record
+    learned when it ended (SLURM forgets ended jobs), else ``UNKNOWN``."""
+    own = [states[i] for i in record.job_ids if i in states] if record.kind == "experiment" else []
+    ended = not any(s in ACTIVE for s in states.values())
+    main = aggregate(own if own and ended else list(states.values())) if states else record.state
     return record.state if main == "UNKNOWN" and record.state in STATES_DONE else main
 
 
@@ -165,19 +170,23 @@ def _owned(folder: Path) -> bool:
 
 def status(folder: Path, run: Runner = run_command) -> dict[str, Any]:
     """Everything ``status`` shows, as one JSON-able mapping; the record's state is refreshed."""
-    record = read_record(folder)
+    read = read_record(folder)
+    record = settled(folder, read)  # a shrink the job refused: its nodes are still the job's
     states = job_states(folder, record, run)
     main = shown_state(record, states)
-    failed, error = read_error(folder, record.all_job_ids)
+    failed, error = joberror.read(folder, record.all_job_ids)
     if states.get(failed) in ACTIVE:  # a rank's exit 2 while its job's other tasks still end
         error = ""
     if error and main in ("UNKNOWN", "FINISHED", "COMPLETED"):  # --local: no result pickle
         main = "FAILED"
-    if main not in ("UNKNOWN", record.state):
+    learned = main not in ("UNKNOWN", record.state)
+    if learned:
         record = replace(record, state=main)
-        if _owned(folder):  # someone else's job folder (root's view too): shown, never rewritten
-            with contextlib.suppress(OSError):  # the record as it is now (a grow meanwhile kept)
-                update_record(folder, lambda now: _learned(now, record, main))
+    if (learned or record.shrinks != read.shrinks) and _owned(folder):  # never someone else's folder
+        with contextlib.suppress(OSError):  # the record as it is now (a grow meanwhile kept)
+            update_record(
+                folder, lambda now: settled(folder, _learned(now, record, main) if learned else now)
+            )
     doc: dict[str, Any] = {
         "folder": str(folder), "name": record.name, "kind": record.kind, "site": record.site,
         "executor": record.executor, "launcher": record.launcher, "state": main,
@@ -185,6 +194,7 @@ def status(folder: Path, run: Runner = run_command) -> dict[str, Any]:
         "created": record.created,
         "grows": [{"job_id": g.job_id, "nodes": g.nodes} for g in record.grows],
         "shrinks": [{"nodes": s.nodes, "file": s.file} for s in record.shrinks],
+        "refused_shrinks": [{"file": f, "reason": r} for f, r in refused_shrinks(folder / "control").items()],
     }  # fmt: skip
     if record.kind == "array":
         doc["tasks"] = [_task_status(folder, t.index, t.args, t.output, states.get(t.job_id, "UNKNOWN"))

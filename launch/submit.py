@@ -41,6 +41,7 @@ from launch.jobdir import (
     now_iso,
     read_record,
     record_lock,
+    settled,
     write_record,
     write_secret,
     write_shrink,
@@ -380,7 +381,7 @@ def grow(
     """Submit ``nodes`` more nodes as a new job whose tasks run the node entry with ``join=True``."""
     check_owner(folder)
     with record_lock(folder):  # no status or other command writes job.json meanwhile
-        record = read_record(folder)
+        record = settled(folder, read_record(folder))  # a refused shrink's nodes are still the job's
         if record.kind != "experiment":
             raise ConfigError(f"JOB: {folder} is an {record.kind} job; only an experiment grows")
         if nodes <= 0:
@@ -411,7 +412,7 @@ def shrink(folder: Path, nodes: int, run: Runner = run_command) -> tuple[Path, J
     """Ask the running job to drain ``nodes`` nodes (``control/shrink-<unix_ms>.json``)."""
     check_owner(folder)
     with record_lock(folder):  # no status or other command writes job.json meanwhile
-        record = read_record(folder)
+        record = settled(folder, read_record(folder))
         if record.kind != "experiment":
             raise ConfigError(f"JOB: {folder} is an {record.kind} job; only an experiment shrinks")
         current = record.current_nodes

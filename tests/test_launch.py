@@ -17,7 +17,6 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -381,13 +380,13 @@ def test_bad_input_a_node_finds_exits_2_with_one_line_that_status_shows(
 
     module.main = refuse  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "nereus.runtime.node", module)
-    monkeypatch.setattr(submitit, "JobEnvironment", lambda: SimpleNamespace(job_id=job_id))
+    monkeypatch.delenv("SUBMITIT_LOCAL_JOB_ID", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", job_id)
     with pytest.raises(SystemExit) as exit_:
         NodeJob()(str(folder))
     assert exit_.value.code == 2
-    assert (
-        capsys.readouterr().err == "nereus: error: init.actor: w.safetensors: tensor 'x' holds NaN\x1b[31m\n"
-    )
+    line = "init.actor: w.safetensors: tensor 'x' holds NaN\x1b[31m"
+    assert capsys.readouterr().err == f"nereus node: error: {line}\n"
     failed = runner({"sacct": (0, f"JobID|State\n{job_id}|FAILED\n", "")}, [])
     code, out, _ = launch(["status", str(folder), "--json"], capsys, runner=failed)
     doc = json.loads(out)
@@ -426,6 +425,32 @@ def test_grow_and_shrink(tmp_path: Path, capsys: Any, factory: Any, executors: A
     code, _, err = launch(["shrink", str(folder), "--nodes", "1"], capsys)  # one node cannot hold a plan
     assert code == 2 and "--nodes: the planner cannot use 2 GPUs for ppo-tiny" in err, err
     assert len(list((folder / "control").iterdir())) == 1
+
+
+def test_a_shrink_the_job_refused_gives_its_nodes_back_to_the_record(
+    tmp_path: Path, capsys: Any, factory: Any
+) -> None:
+    """The leader could not drain (what is left holds no plan): its refusal (``.refused-…``) puts
+    the nodes back in the record, so ``status``, ``grow`` and ``shrink`` count them again."""
+    from nereus.runtime.pool import read_shrink_requests, refuse_shrinks
+
+    folder = submitted(tmp_path, factory, capsys, "--nodes", "4")
+    assert launch(["shrink", str(folder), "--nodes", "1"], capsys)[0] == 0
+    assert read_record(folder).current_nodes == 3
+    _, done = read_shrink_requests(folder / "control", print)  # the job's leader, at a boundary
+    refuse_shrinks(done, "the job does not fit on GPUs [0, 1]")
+    job_id = read_record(folder).job_ids[0]
+    running = runner({"sacct": (0, f"JobID|State\n{job_id}|RUNNING\n", "")}, [])
+    code, out, _ = launch(["status", str(folder), "--json"], capsys, runner=running)
+    doc = json.loads(out)
+    assert code == 0 and doc["nodes"] == 4 and doc["shrinks"] == []
+    assert doc["refused_shrinks"] == [{"file": done[0].name.removeprefix(".done-"),
+                                       "reason": "the job does not fit on GPUs [0, 1]"}]  # fmt: skip
+    assert read_record(folder).current_nodes == 4
+    code, out, _ = launch(["status", str(folder)], capsys, runner=running)
+    assert "shrink refused by the job" in out and "does not fit on GPUs [0, 1]" in out
+    code, out, err = launch(["shrink", str(folder), "--nodes", "1"], capsys, runner=running)
+    assert code == 0 and "3 left" in out, err
 
 
 # ------------------------------------------------------------------ status, cancel, logs
@@ -468,6 +493,20 @@ def test_status_without_accounting_is_unknown(tmp_path: Path, capsys: Any, facto
     shutil.copytree(folder, folder.with_name(folder.name + "-copy"))  # the same id in two folders
     code, _, err = launch(["status", job_id, "--jobs-root", str(tmp_path / "jobs")], capsys, runner=queue)
     assert code == 2 and f"job id {job_id} is in 2 job folders under" in err and "name the folder" in err
+
+
+def test_a_job_cancelled_with_its_grows_is_cancelled_not_mixed(
+    tmp_path: Path, capsys: Any, factory: Any
+) -> None:
+    """Once none is active, an experiment's state is its own job's: a grow job that ended
+    COMPLETED beside a cancelled job does not make it MIXED."""
+    folder = submitted(tmp_path, factory, capsys, "--nodes", "2")
+    assert launch(["grow", str(folder), "--nodes", "1"], capsys, factory=factory)[0] == 0
+    main, grown = read_record(folder).all_job_ids
+    ended = runner({"sacct": (0, f"JobID|State\n{main}|CANCELLED by 0\n{grown}|COMPLETED\n", "")}, [])
+    assert status(folder, ended)["state"] == "CANCELLED"
+    live = runner({"sacct": (0, f"JobID|State\n{main}|CANCELLED\n{grown}|RUNNING\n", "")}, [])
+    assert status(folder, live)["state"] == "RUNNING"  # a grow still running: the job is not over
 
 
 def test_slurm_states_parse_sacct_and_squeue_arrays() -> None:

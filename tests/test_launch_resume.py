@@ -54,6 +54,9 @@ def test_an_ended_job_resumes_from_its_checkpoint_in_its_folder(
     assert f"resume: job {record.job_ids[0]} continues" in out and (folder / "resume-1.sbatch").is_file()
     (void,) = (folder / "control").iterdir()  # the old allocation's drain request, not the new job's
     assert void.name.startswith(".void-shrink-") and json.loads(void.read_text()) == {"nodes": 1}
+    code, out, err = launch(["status", ids[0], "--jobs-root", str(tmp_path / "jobs"), "--json"], capsys,
+                            runner=ended)  # fmt: skip
+    assert code == 0 and json.loads(out)["folder"] == str(folder), err  # an earlier id still finds it
     again = _states(record.all_job_ids, "CANCELLED")  # the resumed job ended too
     code, _, err = launch(["resume", str(folder), "--time", "0:10"], capsys, factory=factory, runner=again)
     assert code == 2 and "--time:" in err and "signal_delay_s" in err

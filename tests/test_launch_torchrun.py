@@ -380,6 +380,58 @@ def test_a_restarted_leader_requeues_the_job_a_bounded_number_of_times(
     assert scontrol.read_text() == "requeue 77\n"
 
 
+def test_a_restart_after_bad_input_stops_at_once_without_a_requeue(
+    job_folder: Path, monkeypatch: pytest.MonkeyPatch, scontrol: Path
+) -> None:
+    """Every worker of a job that met bad input (NaN init weights) exits 2 and its agent restarts
+    it: the restart finds the job's line in ``error.json`` and stops with it, the leader too,
+    instead of requeueing the job as for a crash. An earlier job's line is not this job's."""
+    from nereus.control.action import Outcome
+    from nereus.errors import ConfigError
+    from nereus.runtime import joberror, node
+
+    line = "init.actor: w.safetensors: tensor 'x' holds NaN or Infinity"
+    restarted(monkeypatch, "0", SLURM_RESTART_COUNT="2")
+    monkeypatch.setenv("SLURM_JOB_ID", "76")
+    joberror.record(job_folder, line)
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    assert node.main(str(job_folder)) is Outcome.PREEMPTED  # another job's line: a crash's restart
+    assert scontrol.read_text() == "requeue 77\n"
+    scontrol.unlink()
+    joberror.record(job_folder, line)  # this job's
+    for procid in ("0", "2"):
+        restarted(monkeypatch, procid)
+        with pytest.raises(ConfigError, match=r"^init\.actor: w\.safetensors: tensor 'x' holds NaN"):
+            node.main(str(job_folder))
+    assert not scontrol.exists()  # never requeued
+
+
+def test_a_grow_that_starts_after_its_job_ended_leaves_in_one_line(
+    job_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SLURM ran the grow late: the job's store is gone. The newcomer waits a bounded time (a
+    requeue writes a new rendezvous) and is refused, not left for 30 minutes on its nodes."""
+    from nereus.runtime import node
+    from nereus.runtime.membership import JoinRefusedError
+    from nereus.runtime.rendezvous import Rendezvous
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there: the job is over
+    Rendezvous("127.0.0.1", port, "slurm-77-0").write(job_folder / node.RDZV)
+    monkeypatch.setattr(node, "STORE_PROBE_S", 0.2)
+    with pytest.raises(
+        JoinRefusedError, match=r"^cannot join: the job's store at 127\.0\.0\.1:\d+ did not answer"
+    ):
+        node._live_rendezvous(node.JobFolder(job_folder), wait_s=0.5)
+    with socket.socket() as live:
+        live.bind(("127.0.0.1", 0))
+        live.listen(1)
+        Rendezvous("127.0.0.1", live.getsockname()[1], "slurm-77-1").write(job_folder / node.RDZV)
+        assert node._live_rendezvous(node.JobFolder(job_folder), wait_s=0.5).launch_id == "slurm-77-1"
+
+
 def test_a_worker_left_behind_by_a_recovery_asks_to_rejoin_while_the_job_runs(
     job_folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 
 from launch.jobdir import write_shrink
-from nereus.runtime.pool import Change, ShrinkRequest, drain_gpus, read_shrink_requests
+from nereus.runtime.pool import (
+    Change,
+    ShrinkRequest,
+    drain_gpus,
+    read_shrink_requests,
+    refuse_shrinks,
+    refused_shrinks,
+)
 
 pytestmark = pytest.mark.pure
 
@@ -18,12 +25,23 @@ def test_what_the_launcher_writes_the_runtime_reads(tmp_path: Path) -> None:
     assert first.parent == tmp_path / "control" and oct(first.parent.stat().st_mode & 0o777) == "0o700"
     assert ShrinkRequest.parse(first) == ShrinkRequest(1, 1_700_000_000_000)
     log: list[str] = []
-    assert read_shrink_requests(tmp_path / "control", log.append) == 3
-    assert sorted(p.name for p in (tmp_path / "control").iterdir()) == [
-        ".done-shrink-1700000000000.json",
-        ".done-shrink-1700000000001.json",
-    ]
-    assert read_shrink_requests(tmp_path / "control", log.append) == 0 and not log  # read once
+    nodes, done = read_shrink_requests(tmp_path / "control", log.append)
+    assert nodes == 3
+    assert (
+        [p.name for p in done]
+        == sorted(p.name for p in (tmp_path / "control").iterdir())
+        == [
+            ".done-shrink-1700000000000.json",
+            ".done-shrink-1700000000001.json",
+        ]
+    )
+    assert read_shrink_requests(tmp_path / "control", log.append) == (0, ()) and not log  # read once
+    refuse_shrinks(done, "the job does not fit on GPUs [0, 1]")
+    assert refused_shrinks(tmp_path / "control") == {
+        "shrink-1700000000000.json": "the job does not fit on GPUs [0, 1]",
+        "shrink-1700000000001.json": "the job does not fit on GPUs [0, 1]",
+    }
+    assert read_shrink_requests(tmp_path / "control", log.append) == (0, ())  # not read as pending
 
 
 @pytest.mark.parametrize(
@@ -44,14 +62,15 @@ def test_a_bad_request_is_set_aside_and_logged(tmp_path: Path, body: str, why: s
     (control / "shrink-5.json").write_text(body)
     (control / "shrink-6.json").write_text('{"nodes": 1}')
     log: list[str] = []
-    assert read_shrink_requests(control, log.append) == 1  # the good one still counts
+    assert read_shrink_requests(control, log.append)[0] == 1  # the good one still counts
     assert (control / ".bad-shrink-5.json").read_text() == body  # kept for the user, not parsed again
     assert len(log) == 1 and "shrink-5.json" in log[0] and why in log[0]
 
 
 def test_no_control_folder_means_no_request(tmp_path: Path) -> None:
-    assert read_shrink_requests(None, print) == 0
-    assert read_shrink_requests(tmp_path / "missing", print) == 0
+    assert read_shrink_requests(None, print) == (0, ())
+    assert read_shrink_requests(tmp_path / "missing", print) == (0, ())
+    assert refused_shrinks(tmp_path / "missing") == {}
 
 
 def test_drains_take_whole_nodes_newest_first_never_the_leaders() -> None:

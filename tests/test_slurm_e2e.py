@@ -354,7 +354,7 @@ def test_bad_input_only_the_nodes_find_is_one_line_in_status(
     assert (doc["state"], doc["error"]) == ("FAILED", line), doc
     assert slurm_cluster.job(jobid)["ExitCode"].startswith("2:"), slurm_cluster.job(jobid)
     logs = [p.read_text() for p in (job / "logs").glob("*_log.err")]
-    assert len(logs) == 4 and all(f"nereus: error: {line}" in log for log in logs), logs
+    assert len(logs) == 4 and all(f"nereus node: error: {line}" in log for log in logs), logs
     assert not any("Traceback" in log for log in logs), logs
 
 

@@ -73,12 +73,14 @@ def node(args: argparse.Namespace, out: Console) -> int:
     from nereus.runtime.node import JobFolder, main
 
     folder = JobFolder(args.job_dir)  # a clear error (exit 2) before anything starts
-    preflight(folder.spec(), folder.run, resume=False, local=False)
+    from nereus.runtime import joberror
     from nereus.runtime.membership import JoinRefusedError
 
     try:
+        preflight(folder.spec(), folder.run, resume=False, local=False)
         status = main(str(args.job_dir), join=args.join)
-    except JoinRefusedError as exc:
+    except (ConfigError, JoinRefusedError) as exc:  # one line, for nereus-launch status too
+        joberror.record(folder.path, str(exc))
         raise ConfigError(str(exc)) from None
     out.print(f"{args.job_dir}: {status}")
     return 0

@@ -47,6 +47,7 @@ from nereus.runtime.pool import (
     joiner_gpu,
     node_blocks,
     read_shrink_requests,
+    refuse_shrinks,
 )
 from nereus.runtime.rollout import Rollouts
 from nereus.runtime.worker import Worker
@@ -68,6 +69,7 @@ class Leader:
         spec = setup.spec
         self.m, self.setup, self.spec = m, setup, spec
         self.control = control  # shrink requests (``shrink-*.json``) from nereus-launch
+        self.shrinks: tuple[Path, ...] = ()  # the requests the last pool change read
         self.spawn_local = spawn_local  # local mode: start a scripted newcomer
         self.spawned: set[tuple[int, int]] = set()  # (step, GPU): each scripted newcomer starts once
         self.cluster = setup.cluster
@@ -250,6 +252,7 @@ class Leader:
         action = self.controller.drain(pool, seq, f"shrink: GPUs {list(gpus)} leave")
         if isinstance(action, Keep):
             self.m.log(f"shrink refused: {action.reason}")
+            refuse_shrinks(self.shrinks, action.reason)
         return action
 
     def recover(
@@ -288,10 +291,11 @@ class Leader:
         lost = set(self.spec.lost_at(nxt)) | set(condemned)
         leaving = tuple(sorted(g for g in lost if g in self.m.members and g != self.m.gpu))
         accepted = self._joins(nxt)
-        nodes = read_shrink_requests(self.control, self.m.log)
+        nodes, self.shrinks = read_shrink_requests(self.control, self.m.log)
         draining, why = drain_gpus(nodes, self.m.members, self.m.hosts() if nodes else {}, self.m.gpu)
         if why:
             self.m.log(why)
+            refuse_shrinks(self.shrinks, why)
         draining = tuple(g for g in draining if g not in leaving)
         if not (leaving or accepted or draining):
             return None

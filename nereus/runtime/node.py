@@ -28,6 +28,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from nereus.control.action import Outcome
 from nereus.devices import Devices, activate, launched
 from nereus.errors import ConfigError, NereusError, TooFewGpusError
 from nereus.runtime import checkpoint as ckpt
+from nereus.runtime import joberror
 from nereus.runtime.bootstrap import Bootstrap, bootstrap, torchrun_on_slurm
 from nereus.runtime.comm import first_line, is_peer_failure
 from nereus.runtime.experiment import ExperimentSpec
@@ -48,6 +50,7 @@ from nereus.runtime.signing import KEY_BYTES
 
 RDZV = "rendezvous.json"
 STORE_PROBE_S = 10.0  # a restarted worker: how long the job's store may take to answer
+GROW_WAIT_S = 120.0  # a newcomer of a grow: how long the job's store may not answer (a requeue)
 MAX_SHORT_REQUEUES = 3  # requeues of a job whose GPUs left after a loss could not run it
 
 
@@ -89,11 +92,13 @@ def main(job_dir: str, join: bool = False) -> Outcome:
         signals = stop_signals("torchrun-slurm" if torchrun_on_slurm(os.environ) else "")
         devices = launched()
         activate(devices)
-        return _join(job, spec, secret, Rendezvous.read(job.path / RDZV), None, signals, devices)
+        return _join(job, spec, secret, _live_rendezvous(job), None, signals, devices)
     boot, comm = bootstrap()
     devices = launched(local_rank=boot.local_rank)
     activate(devices)
     if boot.restart:  # torchrun's agent restarted this worker: its state is gone
+        if refused := joberror.this_jobs(job.path):  # bad input, not a crash: no rejoin, no requeue
+            raise ConfigError(refused)
         return _rejoin(job, spec, secret, boot, devices)
     rdzv, refused = None, ""
     if boot.rank == 0:
@@ -199,6 +204,23 @@ def _rejoin(
         f"GPU {boot.rank}: restarted by torchrun (restart {boot.restart}); rejoining the job", file=sys.stderr
     )
     return _join(job, spec, secret, rdzv, boot.rank, stop_signals(boot.source), devices)
+
+
+def _live_rendezvous(job: JobFolder, wait_s: float = GROW_WAIT_S) -> Rendezvous:
+    """The running job's rendezvous, for a newcomer of a grow: its store answering, read again
+    while a requeued job writes a new one, for up to ``wait_s``. A grow that starts after its job
+    ended (SLURM ran it late) is refused in one line, not left waiting 30 minutes on a store
+    that is gone while it holds its nodes."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        rdzv = Rendezvous.read(job.path / RDZV)
+        if store_answers(rdzv):
+            return rdzv
+        if time.monotonic() > deadline:
+            raise JoinRefusedError(
+                f"cannot join: the job's store at {rdzv.host}:{rdzv.port} did not answer for {wait_s:.0f} s "
+                "(the job has ended, or is being requeued); grow it again while it runs"
+            )
 
 
 def store_answers(rdzv: Rendezvous, timeout_s: float | None = None) -> bool:

@@ -4,8 +4,11 @@
 into the job folder; at its next step boundary the job's leader reads every request, renames it
 ``.done-…`` (or ``.bad-…`` with the reason logged), and drains that many whole nodes — the most
 recently added first, never the leader's — by moving the plan off them while they still hold
-their state. Both sides use this module: ``launch/`` writes requests with ``ShrinkRequest``, the
-runtime reads them with ``read_shrink_requests`` and picks the GPUs with ``drain_gpus``.
+their state. A drain the job cannot carry out (too few nodes could leave, or what is left holds
+no plan) renames its requests ``.refused-…`` with the reason, for ``nereus-launch status``. Both
+sides use this module: ``launch/`` writes requests with ``ShrinkRequest`` and reads refusals with
+``refused_shrinks``; the runtime reads requests with ``read_shrink_requests``, picks the GPUs
+with ``drain_gpus`` and refuses with ``refuse_shrinks``.
 
 A ``Change`` is what the leader decided at a boundary and every member learns: the next
 generation's members, who leaves (a scripted loss), who joins (newcomers admitted through the
@@ -55,12 +58,13 @@ class ShrinkRequest:
         return cls(data["nodes"], int(stamp) if stamp.isdigit() else 0)
 
 
-def read_shrink_requests(control: Path | None, log: Callable[[str], None]) -> int:
-    """The nodes every pending request in ``control`` asks to drain; each file is renamed
-    ``.done-<name>`` once read, or ``.bad-<name>`` (and logged) when it is not a valid request."""
+def read_shrink_requests(control: Path | None, log: Callable[[str], None]) -> tuple[int, tuple[Path, ...]]:
+    """The nodes every pending request in ``control`` asks to drain, and the requests read: each
+    file is renamed ``.done-<name>`` once read (those are returned), or ``.bad-<name>`` (and
+    logged) when it is not a valid request."""
     if control is None or not control.is_dir():
-        return 0
-    nodes = 0
+        return 0, ()
+    nodes, done = 0, []
     for path in sorted(control.glob(SHRINK_GLOB)):
         try:
             nodes += ShrinkRequest.parse(path).nodes
@@ -68,8 +72,37 @@ def read_shrink_requests(control: Path | None, log: Callable[[str], None]) -> in
             log(f"ignored shrink request {path.name}: {exc}")
             os.replace(path, path.with_name(f".bad-{path.name}"))
             continue
-        os.replace(path, path.with_name(f".done-{path.name}"))
-    return nodes
+        done.append(path.with_name(f".done-{path.name}"))
+        os.replace(path, done[-1])
+    return nodes, tuple(done)
+
+
+REFUSED = ".refused-"  # a request the job did not carry out: ``{"nodes": K, "refused": why}``
+
+
+def refuse_shrinks(done: Sequence[Path], why: str) -> None:
+    """Requests ``done`` (``.done-<name>``, read) were not carried out: each becomes
+    ``.refused-<name>`` with ``why``, so the launcher counts their nodes as still in the job."""
+    for path in done:
+        try:
+            nodes = ShrinkRequest.parse(path).nodes
+            target = path.with_name(REFUSED + path.name.removeprefix(".done-"))
+            target.write_text(json.dumps({"nodes": nodes, "refused": why}) + "\n")
+            path.unlink()
+        except (OSError, ValueError):
+            continue  # a request the launcher no longer knows, or a folder gone: nothing to tell
+
+
+def refused_shrinks(control: Path) -> dict[str, str]:
+    """Request file names (``shrink-<unix_ms>.json``) the job refused, and why."""
+    out = {}
+    for path in sorted(control.glob(f"{REFUSED}{SHRINK_GLOB}")) if control.is_dir() else ():
+        try:
+            doc = json.loads(path.read_text())
+            out[path.name.removeprefix(REFUSED)] = str(doc["refused"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
 
 
 def drain_gpus(
