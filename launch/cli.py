@@ -190,7 +190,7 @@ def _print_status(doc: dict[str, Any], out: Console) -> None:
         out.print(table)
         return
     if doc.get("error"):
-        out.print(f"  [red]error[/]: {e(doc['error'])}")
+        out.print(f"  [red]error[/] (job {e(doc.get('error_job', ''))}): {e(doc['error'])}")
     p = doc.get("progress")
     if p is None:
         out.print("  progress: no step yet (run/metrics.jsonl)")

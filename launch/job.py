@@ -43,7 +43,8 @@ class NodeJob(submitit.helpers.Checkpointable):
         try:
             main(job_dir, join=join)
         except (ConfigError, JoinRefusedError) as exc:
-            joberror.record(Path(job_dir), str(exc))
+            if join or isinstance(exc, ConfigError):  # a job's own worker refused a rejoin: not the job's end
+                joberror.record(Path(job_dir), str(exc))
             print(f"nereus node: error: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(ConfigError.exit_code) from None
 

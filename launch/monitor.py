@@ -177,8 +177,8 @@ def status(folder: Path, run: Runner = run_command) -> dict[str, Any]:
     failed, error = joberror.read(folder, record.all_job_ids)
     if states.get(failed) in ACTIVE:  # a rank's exit 2 while its job's other tasks still end
         error = ""
-    if error and main in ("UNKNOWN", "FINISHED", "COMPLETED"):  # --local: no result pickle
-        main = "FAILED"
+    if error and failed in record.job_ids and main in ("UNKNOWN", "FINISHED", "COMPLETED"):
+        main = "FAILED"  # --local: no result pickle (a grow's error leaves the job's state alone)
     learned = main not in ("UNKNOWN", record.state)
     if learned:
         record = replace(record, state=main)
@@ -202,7 +202,7 @@ def status(folder: Path, run: Runner = run_command) -> dict[str, Any]:
     else:
         doc["progress"] = progress(folder)
         if error:
-            doc["error"] = error
+            doc["error"], doc["error_job"] = error, failed
     return doc
 
 

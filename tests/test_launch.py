@@ -393,7 +393,7 @@ def test_bad_input_a_node_finds_exits_2_with_one_line_that_status_shows(
     assert code == 0 and doc["state"] == "FAILED"
     assert doc["error"] == "init.actor: w.safetensors: tensor 'x' holds NaN [31m"  # printable
     code, out, _ = launch(["status", str(folder)], capsys, runner=failed)
-    assert "error: init.actor: w.safetensors" in out
+    assert f"error (job {job_id}): init.actor: w.safetensors" in out
     later = runner({"sacct": (0, "JobID|State\n999|RUNNING\n", "")}, [])
     write_record(folder, replace(read_record(folder), job_ids=("999",), earlier=(job_id,)))
     code, out, _ = launch(["status", str(folder), "--json"], capsys, runner=later)
@@ -507,6 +507,24 @@ def test_a_job_cancelled_with_its_grows_is_cancelled_not_mixed(
     assert status(folder, ended)["state"] == "CANCELLED"
     live = runner({"sacct": (0, f"JobID|State\n{main}|CANCELLED\n{grown}|RUNNING\n", "")}, [])
     assert status(folder, live)["state"] == "RUNNING"  # a grow still running: the job is not over
+
+
+def test_a_late_grows_error_is_shown_without_failing_the_job(
+    tmp_path: Path, capsys: Any, factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A grow SLURM started after the job completed leaves with a line: shown, named by its job,
+    while the job stays COMPLETED."""
+    from nereus.runtime import joberror
+
+    folder = submitted(tmp_path, factory, capsys, "--nodes", "2")
+    assert launch(["grow", str(folder), "--nodes", "1"], capsys, factory=factory)[0] == 0
+    main, grown = read_record(folder).all_job_ids
+    monkeypatch.delenv("SUBMITIT_LOCAL_JOB_ID", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", grown)
+    joberror.record(folder, "cannot join: the job's store at n1:29500 did not answer for 120 s")
+    done = runner({"sacct": (0, f"JobID|State\n{main}|COMPLETED\n{grown}|FAILED\n", "")}, [])
+    doc = status(folder, done)
+    assert (doc["state"], doc["error_job"]) == ("COMPLETED", grown) and "did not answer" in doc["error"]
 
 
 def test_slurm_states_parse_sacct_and_squeue_arrays() -> None:

@@ -80,7 +80,8 @@ def node(args: argparse.Namespace, out: Console) -> int:
         preflight(folder.spec(), folder.run, resume=False, local=False)
         status = main(str(args.job_dir), join=args.join)
     except (ConfigError, JoinRefusedError) as exc:  # one line, for nereus-launch status too
-        joberror.record(folder.path, str(exc))
+        if args.join or isinstance(exc, ConfigError):  # a job's own worker refused a rejoin: not its end
+            joberror.record(folder.path, str(exc))
         raise ConfigError(str(exc)) from None
     out.print(f"{args.job_dir}: {status}")
     return 0
