@@ -15,7 +15,7 @@ from pathlib import Path
 import submitit
 
 from launch.jobdir import atomic_write
-from nereus.errors import ConfigError
+from nereus.errors import ConfigError, NereusError
 from nereus.runtime import joberror
 
 
@@ -27,9 +27,10 @@ class NodeJob(submitit.helpers.Checkpointable):
     resumes from the job folder's latest checkpoint by itself.
 
     Bad input only a compute node can find (weights that are NaN, a checkpoint that does not
-    verify, a broken vLLM install there) and a refused join end the task with its one line on
-    stderr and in the job folder's ``error.json`` (``nereus.runtime.joberror``; ``status`` shows
-    it), exit code 2, not a traceback.
+    verify, a broken vLLM install there), a refused join and any other error the runtime words
+    (a full disk) end the task with its one line on stderr and in the job folder's
+    ``error-<job id>.json`` (``nereus.runtime.joberror``; ``status`` shows it) and its exit code
+    (2 for bad input), not a traceback.
     """
 
     def __init__(self) -> None:  # typed: submitit's ``Checkpointable.__new__`` is not
@@ -42,11 +43,12 @@ class NodeJob(submitit.helpers.Checkpointable):
 
         try:
             main(job_dir, join=join)
-        except (ConfigError, JoinRefusedError) as exc:
-            if join or isinstance(exc, ConfigError):  # a job's own worker refused a rejoin: not the job's end
-                joberror.record(Path(job_dir), str(exc))
+        except (NereusError, JoinRefusedError) as exc:
+            code = exc.exit_code if isinstance(exc, NereusError) else ConfigError.exit_code
+            if join or isinstance(exc, NereusError):  # a job's own worker refused a rejoin: not the job's end
+                joberror.record(Path(job_dir), str(exc), code)
             print(f"nereus node: error: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(ConfigError.exit_code) from None
+            raise SystemExit(code) from None
 
     def checkpoint(self, job_dir: str, join: bool = False) -> submitit.helpers.DelayedSubmission:
         return submitit.helpers.DelayedSubmission(NodeJob(), job_dir, join)

@@ -11,7 +11,7 @@ JOB/                      mode 0700
   run/                    the runtime's output (metrics.jsonl, checkpoints, report)
   results/                array jobs: one task-<index>.json per task
   grow-<n>.sbatch         the script of each grow job
-  error.json              bad input only the compute nodes could find (nereus.runtime.joberror)
+  error-<job id>.json     bad input only the compute nodes could find (nereus.runtime.joberror)
 ```
 Every file is written whole (temporary file + rename), so a reader never sees half of one.
 """

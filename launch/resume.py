@@ -32,8 +32,8 @@ from launch.submit import (
 )
 from nereus.errors import ConfigError
 from nereus.runtime import signing
-from nereus.runtime.export import exported_steps
-from nereus.runtime.pool import SHRINK_GLOB
+from nereus.runtime.export import exported
+from nereus.runtime.pool import REFUSED, SHRINK_GLOB
 
 
 def resume(
@@ -66,7 +66,7 @@ def resume(
             check_node_limit(site, record.nodes)
         spec = load_experiment(folder / "experiment.yaml").spec
         step = int(latest.name.removeprefix("step_"))
-        if step + 1 > spec.steps or (step + 1 == spec.steps and exported_steps(folder / "run") == spec.steps):
+        if step + 1 > spec.steps or (step + 1 == spec.steps and exported(folder / "run", spec.steps)):
             raise ConfigError(  # (trained but not exported: the job writes the export, training nothing)
                 f"JOB: {record.name} checkpointed its last step ({step} of {spec.steps}) and exported it: "
                 "nothing to resume"
@@ -80,7 +80,8 @@ def resume(
             max_restarts=record.max_restarts,
         )  # fmt: skip
         job_id, _ = submit_node_job(folder, site, record, req, "resume", factory)
-        for pending in sorted((folder / "control").glob(SHRINK_GLOB)):  # the old allocation's
+        control = folder / "control"  # the old allocation's requests, and its refusals
+        for pending in sorted([*control.glob(SHRINK_GLOB), *control.glob(f"{REFUSED}{SHRINK_GLOB}")]):
             os.replace(pending, pending.with_name(f".void-{pending.name}"))
         record = replace(
             record, job_ids=(job_id,), earlier=(*record.earlier, *record.all_job_ids), grows=(),

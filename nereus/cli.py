@@ -402,7 +402,8 @@ def _list(args: argparse.Namespace, out: Console) -> int:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse ``argv``; arguments no subcommand knows are that subcommand's error (one line)."""
     parser = _parser()
-    Parser.json_out = "--json" in (sys.argv[1:] if argv is None else argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    Parser.json_out = "--json" in words and bool(words) and words[0] in JSON_COMMANDS
     args, extra = parser.parse_known_args(argv)
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     owner = sub.choices.get(args.command, parser)
@@ -419,6 +420,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+JSON_COMMANDS = ("plan", "describe", "price", "simulate", "transition")  # those with --json
 PIPED_WIDTH = 400  # columns of tables written to a pipe or file (rich's default there is 80)
 
 

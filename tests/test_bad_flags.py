@@ -507,3 +507,5 @@ def test_json_commands_print_an_object_on_every_exit(capsys: pytest.CaptureFixtu
         assert code == 2 and err.count("\n") == 1, err
         doc = json.loads(out)
         assert list(doc) == ["error"] and message in doc["error"] and doc["error"] in err, (doc, err)
+    code, out, err = cli(["run", "x.yaml", "--json"], capsys)  # a command without --json: stdout stays empty
+    assert code == 2 and out == "" and "unrecognized arguments: --json" in err

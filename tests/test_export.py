@@ -12,7 +12,7 @@ import pytest
 
 from nereus.errors import NereusError
 from nereus.runtime import comm
-from nereus.runtime.export import MARK, export_actor, exported_steps
+from nereus.runtime.export import ACTOR, MARK, export_actor, exported, exported_steps
 
 pytestmark = pytest.mark.pure
 
@@ -36,9 +36,11 @@ def test_a_full_disk_is_one_line_and_leaves_no_mark(tmp_path: Path, monkeypatch:
         export_actor(SimpleNamespace(engines={"actor.train": full}), (), tmp_path, 4, leader=True)
     assert str(err.value) == (
         f"the Hugging Face export to {tmp_path}/hf/actor could not be written (No space left on device); "
-        "the checkpoint after step 3 holds the trained actor: run again with --resume to write it"
+        "the checkpoint after step 3 holds the trained actor: resume the run to write it (nereus run "
+        "--resume; a launched job: nereus-launch resume)"
     )
-    assert exported_steps(tmp_path) is None and not (tmp_path / MARK).exists()
+    assert exported_steps(tmp_path) is None and (tmp_path / MARK).read_text() == "exporting 4\n"
+    assert not exported(tmp_path, 4)  # an export that did not end: a resume writes it
 
 
 def test_a_peers_failure_is_every_ranks_and_a_written_export_is_marked(
@@ -51,5 +53,13 @@ def test_a_peers_failure_is_every_ranks_and_a_written_export_is_marked(
     trainer = _Trainer()
     export_actor(SimpleNamespace(engines={"actor.train": trainer}), (), tmp_path, 4, leader=True)
     assert trainer.saved == [tmp_path / "hf" / "actor"] and exported_steps(tmp_path) == 4
+    assert exported(tmp_path, 4) and not exported(tmp_path, 5)  # trained further: not exported yet
     (tmp_path / MARK).write_text("four\n")
-    assert exported_steps(tmp_path) is None  # unreadable: written again on a resume
+    assert exported_steps(tmp_path) is None and not exported(tmp_path, 4)  # unreadable: written again
+
+
+def test_a_run_from_before_the_mark_counts_as_exported(tmp_path: Path) -> None:
+    assert not exported(tmp_path, 4)
+    (tmp_path / ACTOR).mkdir(parents=True)
+    (tmp_path / ACTOR / "config.json").write_text("{}")
+    assert exported(tmp_path, 4)

@@ -170,6 +170,14 @@ def test_a_reference_without_an_entry_follows_the_actors(tmp_path: Path) -> None
     assert workload.model_of("ref") == workload.model_of("actor") == str(actor)
     models = job_models(workload, load_model(s.model))
     assert models[Role.REF] == models[Role.ACTOR] and models[Role.CRITIC].name == "tiny-llama"
-    assert s.weights_of("ref", workload.model_of("ref")) == str(actor)
+    assert (
+        s.role_weights("ref", workload) == s.role_weights("actor", workload) == (str(actor), "models.actor")
+    )
+    sft = _hf_checkpoint(
+        tmp_path / "sft", "lm", 12
+    )  # the actor starts from init.actor: so does the reference
+    s = spec(tmp_path, _own_models(tmp_path, f"actor: {actor}"), f"actor: {sft}")
+    assert s.role_weights("ref", workload) == (str(sft), "init.actor")
     named = load_workload(_own_models(tmp_path, f"actor: {actor}, ref: tiny-llama"))
     assert named.model_of("ref") == "tiny-llama"  # a reference of its own stays its own
+    assert s.role_weights("ref", named) == ("", "models.ref")  # a model YAML: random weights

@@ -369,7 +369,7 @@ def test_node_job_runs_the_runtime_lazily_and_checkpoints(monkeypatch: pytest.Mo
 def test_bad_input_a_node_finds_exits_2_with_one_line_that_status_shows(
     tmp_path: Path, capsys: Any, factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A worker's ConfigError (NaN weights, say): one line on stderr and in ``error.json``, exit
+    """A worker's ConfigError (NaN weights, say): one line on stderr and in ``error-<job id>.json``, exit
     2; ``status`` shows it for the job that failed, never for a later one (a resume)."""
     folder = submitted(tmp_path, factory, capsys)
     job_id = read_record(folder).job_ids[0]
@@ -525,6 +525,11 @@ def test_a_late_grows_error_is_shown_without_failing_the_job(
     done = runner({"sacct": (0, f"JobID|State\n{main}|COMPLETED\n{grown}|FAILED\n", "")}, [])
     doc = status(folder, done)
     assert (doc["state"], doc["error_job"]) == ("COMPLETED", grown) and "did not answer" in doc["error"]
+    monkeypatch.setenv("SLURM_JOB_ID", main)  # the job's own error, written before the grow's: shown first
+    joberror.record(folder, "init.actor: w.safetensors: tensor 'x' holds NaN or Infinity")
+    failed = runner({"sacct": (0, f"JobID|State\n{main}|FAILED\n{grown}|FAILED\n", "")}, [])
+    doc = status(folder, failed)
+    assert (doc["state"], doc["error_job"]) == ("FAILED", main) and "holds NaN" in doc["error"]
 
 
 def test_slurm_states_parse_sacct_and_squeue_arrays() -> None:

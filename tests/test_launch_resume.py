@@ -43,6 +43,7 @@ def test_an_ended_job_resumes_from_its_checkpoint_in_its_folder(
     checkpoints = folder / "run" / "checkpoints"
     (checkpoints / "step_000007").mkdir(parents=True)
     (checkpoints / "latest").write_text("step_000007\n")
+    (folder / "control" / ".refused-shrink-1.json").write_text('{"nodes": 1, "refused": "no plan"}\n')
     code, out, err = launch(["resume", str(folder), "--time", "45"], capsys, factory=factory, runner=ended)
     assert code == 0, err
     ((fn, args),) = executors[-1].calls
@@ -52,8 +53,9 @@ def test_an_ended_job_resumes_from_its_checkpoint_in_its_folder(
     assert record.job_ids != before.job_ids and record.earlier == ids and record.state == "SUBMITTED"
     assert record.grows == () and record.shrinks == () and record.current_nodes == 2 and record.time_min == 45
     assert f"resume: job {record.job_ids[0]} continues" in out and (folder / "resume-1.sbatch").is_file()
-    (void,) = (folder / "control").iterdir()  # the old allocation's drain request, not the new job's
+    refusal, void = sorted((folder / "control").iterdir())  # the old allocation's, not the new job's
     assert void.name.startswith(".void-shrink-") and json.loads(void.read_text()) == {"nodes": 1}
+    assert refusal.name == ".void-.refused-shrink-1.json"  # its refusals are not shown any more
     code, out, err = launch(["status", ids[0], "--jobs-root", str(tmp_path / "jobs"), "--json"], capsys,
                             runner=ended)  # fmt: skip
     assert code == 0 and json.loads(out)["folder"] == str(folder), err  # an earlier id still finds it

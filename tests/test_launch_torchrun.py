@@ -384,7 +384,7 @@ def test_a_restart_after_bad_input_stops_at_once_without_a_requeue(
     job_folder: Path, monkeypatch: pytest.MonkeyPatch, scontrol: Path
 ) -> None:
     """Every worker of a job that met bad input (NaN init weights) exits 2 and its agent restarts
-    it: the restart finds the job's line in ``error.json`` and stops with it, the leader too,
+    it: the restart finds the job's line in ``error-<job id>.json`` and stops with it, the leader too,
     instead of requeueing the job as for a crash. An earlier job's line is not this job's."""
     from nereus.control.action import Outcome
     from nereus.errors import ConfigError

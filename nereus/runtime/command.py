@@ -27,7 +27,7 @@ from rich.console import Console
 
 from nereus.errors import ConfigError, InfeasibleError, NereusError
 from nereus.runtime import outdir, signing
-from nereus.runtime.export import exported_steps
+from nereus.runtime.export import exported
 from nereus.runtime.preflight_child import checks_in_a_child
 from nereus.runtime.preflight_child import keyed as _keyed
 from nereus.runtime.resume import check_checkpoint, check_task, missing_rows
@@ -79,9 +79,12 @@ def node(args: argparse.Namespace, out: Console) -> int:
     try:
         preflight(folder.spec(), folder.run, resume=False, local=False)
         status = main(str(args.job_dir), join=args.join)
-    except (ConfigError, JoinRefusedError) as exc:  # one line, for nereus-launch status too
-        if args.join or isinstance(exc, ConfigError):  # a job's own worker refused a rejoin: not its end
-            joberror.record(folder.path, str(exc))
+    except (NereusError, JoinRefusedError) as exc:  # one line, for nereus-launch status too
+        code = exc.exit_code if isinstance(exc, NereusError) else ConfigError.exit_code
+        if args.join or isinstance(exc, NereusError):  # a job's own worker refused a rejoin: not its end
+            joberror.record(folder.path, str(exc), code)
+        if isinstance(exc, NereusError):
+            raise
         raise ConfigError(str(exc)) from None
     out.print(f"{args.job_dir}: {status}")
     return 0
@@ -147,7 +150,7 @@ def preflight(
         check_folder(spec.tokenizer)
     _keyed("policy", policy_config, spec.policy)
     check_weights(spec)
-    check_tokenizer(spec)
+    check_tokenizer(spec, workload)
     check_data_files(spec)
     roles = {ms.role.value for ms in workload.workflow().model_stages}
     for role in ("critic", "reward"):  # weights for a model the workload does not run would do nothing
@@ -156,9 +159,8 @@ def preflight(
                 f"init.{role}: {workload.name} has no {role} model (its models: {', '.join(sorted(roles))})"
             )
     for role in ("actor", "ref", "reward", "critic"):
-        path = spec.weights_of(role, workload.model_of(role))
+        path, label = spec.role_weights(role, workload)
         if path and not (Path(path) / "config.json").is_file():
-            label = spec.weights_label(role, workload.model_of(role))
             raise ConfigError(f"{label}: {path} is not a Hugging Face checkpoint folder (no config.json)")
     if local:
         outdir.recover(folder)  # a replacement a killed run left: settled before anything reads it
@@ -206,14 +208,18 @@ def check_data_files(spec: Any) -> None:
             raise ConfigError(f"{key}: {shorten(str(path), 200)}: dataset file does not exist")
 
 
-def check_tokenizer(spec: Any) -> None:
+def check_tokenizer(spec: Any, workload: Any = None) -> None:
     """A ``model:`` folder (a user's Hugging Face model) comes with its tokenizer: its own, the
     actor's ``init:`` folder's, or ``tokenizer:``'s. Without one the job would fall back to the
     bundled tasks' character tokenizer and train the user's weights on ids they never saw."""
     from nereus.rl.hf_tokenizer import FILES, has_tokenizer
 
     folder = spec.model_folder()
-    if folder is None or spec.tokenizer or any(f and has_tokenizer(f) for f in spec.tokenizer_folders()):
+    if (
+        folder is None
+        or spec.tokenizer
+        or any(f and has_tokenizer(f) for f in spec.tokenizer_folders(workload))
+    ):
         return
     raise ConfigError(
         f"model: {shorten(str(folder), 200)} holds no Hugging Face tokenizer (expected "
@@ -305,7 +311,7 @@ def _run(args: argparse.Namespace, out: Console) -> int:
     folder = args.out or Path("runs") / spec.name
     created = not folder.exists()  # the run makes it: a refused fresh run removes it again
     first = preflight(spec, folder, args.resume, args.force)
-    if first > spec.steps or (first == spec.steps and exported_steps(folder) == first):
+    if first > spec.steps or (first == spec.steps and exported(folder, first)):
         out.print(  # --resume of a run that trained and exported every step: no worker to start
             f"{spec.name}: nothing to resume; {folder} holds a checkpoint after step {first - 1}, and the "
             f"experiment has {spec.steps} steps (a larger --steps trains further)",

@@ -22,7 +22,7 @@ from nereus.spec.files import brief
 from nereus.spec.model import ModelSpec
 from nereus.spec.registry import hf_folder, weights_folder
 from nereus.spec.schema import load_spec, require_at_most, require_finite, require_positive
-from nereus.spec.workload import MAX_TOKENS
+from nereus.spec.workload import MAX_TOKENS, WorkloadSpec
 
 # An experiment's name becomes a folder (runs/<name>), a Slurm job name and part of shell lines.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -169,7 +169,7 @@ class InitSpec:
 class ExperimentSpec:
     name: str
     workload: str  # a name in configs/workloads (or a path)
-    model: str  # the actor's (and reference's) model; the critic is the same backbone with a value head
+    model: str  # the actor's (and reference's) model, unless models: names another; critics add a value head
     cluster: str = "local-cpu"
     workers: int = 4
     steps: int = 20
@@ -308,11 +308,22 @@ class ExperimentSpec:
         ``config.json`` named directly; None for a shipped model or a model YAML."""
         return hf_folder(self.model)
 
-    def tokenizer_folders(self) -> tuple[str, str]:
-        """Where the job's tokenizer may be, first first (after ``tokenizer:``): the actor's
-        ``init:`` folder, then the ``model:`` folder ("" where there is none)."""
+    def tokenizer_folders(self, workload: WorkloadSpec | None = None) -> tuple[str, str]:
+        """Where the job's tokenizer may be, first first (after ``tokenizer:``): the folder the
+        actor starts from (its ``init:`` folder, else its ``models:`` entry's in ``workload``),
+        then the ``model:`` folder ("" where there is none)."""
         folder = self.model_folder()
-        return self.weights_of("actor"), str(folder) if folder is not None else ""
+        actor = self.role_weights("actor", workload)[0] if workload is not None else self.weights_of("actor")
+        return actor, str(folder) if folder is not None else ""
+
+    def role_weights(self, role: str, workload: WorkloadSpec) -> tuple[str, str]:
+        """(``weights_of``, ``weights_label``) of ``role`` with its ``models:`` entry in
+        ``workload``. A reference without an entry of its own beside an actor with one is the
+        initial actor: the actor's folder and name (``WorkloadSpec.model_of``)."""
+        if role == "ref" and "ref" not in workload.models and "actor" in workload.models:
+            role = "actor"
+        own = workload.models.get(role, "")
+        return self.weights_of(role, own), self.weights_label(role, own)
 
     def weights_of(self, role: str, model_of: str = "") -> str:
         """The Hugging Face folder ``role`` starts from: its ``init:`` folder, else the ``model:``

@@ -5,8 +5,10 @@ trainer, with the tokenizer's files beside it, and then its mark, ``hf/.exported
 the export holds. A run that ended after its last checkpoint but before its export (a full disk,
 a kill) has every step checkpointed and no export of them: ``nereus run --resume`` reads the mark
 (``exported_steps``, torch-free) and starts the workers to write the export from that checkpoint,
-training nothing. A write that fails is one line on every rank, naming the folder, and the
-checkpoint stays what a resume writes the export from.
+training nothing. The mark reads ``exporting N`` while an export is written, so one cut short
+(which may have replaced an earlier export) is written again; a run from before the mark counts
+as exported when ``hf/actor`` is there. A write that fails is one line on every rank, naming the
+folder, and the checkpoint stays what a resume writes the export from.
 """
 
 from __future__ import annotations
@@ -24,10 +26,30 @@ MARK = Path("hf") / ".exported"
 
 
 def exported_steps(out: Path) -> int | None:
-    """The steps ``out``'s export holds (its mark); None when there is no mark."""
+    """The steps ``out``'s export holds (its mark); None when there is no mark, or the mark says
+    an export was being written (``exporting``: it may not have ended)."""
     with contextlib.suppress(OSError, ValueError):
         return int((out / MARK).read_text().strip())
     return None
+
+
+def exported(out: Path, steps: int) -> bool:
+    """Whether ``out`` holds the export after ``steps`` steps: its mark says so, or (a run from
+    before the mark) there is no mark and ``hf/actor`` holds a config."""
+    if (out / MARK).exists() or (out / MARK).is_symlink():
+        return exported_steps(out) == steps
+    return (out / ACTOR / "config.json").is_file()
+
+
+def _mark(out: Path, text: str) -> None:
+    mark = out / MARK
+    try:
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        tmp = mark.with_name(f"{mark.name}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, mark)
+    except OSError as exc:
+        raise NereusError(f"{mark}: {exc.strerror or exc}") from None
 
 
 def export_actor(worker: Any, companions: Sequence[Path], out: Path, steps: int, leader: bool) -> None:
@@ -39,6 +61,8 @@ def export_actor(worker: Any, companions: Sequence[Path], out: Path, steps: int,
     from nereus.runtime.comm import all_gather
 
     error = None
+    if leader:  # until the export is whole, a resume writes it again (an earlier one may be replaced)
+        _mark(out, f"exporting {steps}\n")
     if "actor.train" in worker.engines:
         try:
             worker.engines["actor.train"].save_hf(out / ACTOR, companions)
@@ -46,17 +70,11 @@ def export_actor(worker: Any, companions: Sequence[Path], out: Path, steps: int,
             why = f"{exc.strerror or type(exc).__name__}" if isinstance(exc, OSError) else str(exc)
             error = (
                 f"the Hugging Face export to {out / ACTOR} could not be written ({why}); the checkpoint "
-                f"after step {steps - 1} holds the trained actor: run again with --resume to write it"
+                f"after step {steps - 1} holds the trained actor: resume the run to write it (nereus run "
+                "--resume; a launched job: nereus-launch resume)"
             )
     first = next((e for e in all_gather(error, str | None) if e is not None), None)
     if first is not None:
         raise NereusError(first)
     if leader:
-        mark = out / MARK
-        try:
-            mark.parent.mkdir(parents=True, exist_ok=True)
-            tmp = mark.with_name(f"{mark.name}.tmp")
-            tmp.write_text(f"{steps}\n")
-            os.replace(tmp, mark)
-        except OSError as exc:
-            raise NereusError(f"{mark}: {exc.strerror or exc}; the export itself is written") from None
+        _mark(out, f"{steps}\n")

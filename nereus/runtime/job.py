@@ -67,7 +67,7 @@ class JobSetup:
         workload = load_workload(spec.workload)
         actor = load_model(spec.model)
         models = job_models(workload, actor)
-        tok = tokenizer_of(spec.tokenizer, *spec.tokenizer_folders())
+        tok = tokenizer_of(spec.tokenizer, *spec.tokenizer_folders(workload))
         if tok.vocab_size > actor.vocab_size:
             raise ValueError(
                 f"{actor.name}: vocabulary {actor.vocab_size} is smaller than the tokenizer's "
@@ -130,7 +130,7 @@ def make_worker(
         gpu, setup.workload, setup.models, setup.cluster, optim, spec.seed, setup.engine_of, devices, workdir,
         spec.longest_response(), members,
     )  # fmt: skip
-    worker.weights_of = lambda role: spec.weights_of(role, setup.workload.model_of(role))
+    worker.weights_of = lambda role: spec.role_weights(role, setup.workload)[0]
     worker.temperature = rl.temperature  # log-probs of the policy that sampled (verl's, too)
     return worker
 
@@ -326,14 +326,12 @@ def first_state(worker: Worker, plan: Plan, resume_from: Path | None, spec: Expe
     worker.bind(plan)
     read, error = [], None
     for name, engine in worker.engines.items():
-        role = worker.workflow.get(name).role.value
-        own = worker.workload.model_of(role)  # the role's models: entry, if any
-        path = spec.weights_of(role, own)
+        path, label = spec.role_weights(worker.workflow.get(name).role.value, worker.workload)
         if path:
             try:
                 engine.read_hf(Path(path))
             except ConfigError as exc:  # what only reading the tensors finds (NaN): where it was named
-                error = f"{spec.weights_label(role, own)}: {exc}"
+                error = f"{label}: {exc}"
                 break
             read.append(engine)
     # A rank reads its own shards only: one whose shards are bad is every rank's error, before

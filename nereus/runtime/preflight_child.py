@@ -45,7 +45,7 @@ def torch_checks(spec: Any) -> list[str]:
     workload, model = load_workload(spec.workload), load_model(spec.model)
     models = job_models(workload, model)  # each role's: the workload's models: entry, else model
     check_importable(engines_of(spec, workload, models), default_cache())
-    tok = tokenizer_of(spec.tokenizer, *spec.tokenizer_folders())
+    tok = tokenizer_of(spec.tokenizer, *spec.tokenizer_folders(workload))
     if tok.vocab_size > model.vocab_size:
         raise ConfigError(
             f"tokenizer: {tok.vocab_size} ids do not fit {model.name}'s vocabulary of {model.vocab_size}"
@@ -63,13 +63,11 @@ def torch_checks(spec: Any) -> list[str]:
     keyed("verifier", get_verifier, spec.verifier)
     runs = {ms.role.value for ms in workload.workflow().model_stages}
     for role, head in (("actor", Head.LM), ("ref", Head.LM), ("reward", Head.VALUE), ("critic", Head.VALUE)):
-        own = workload.model_of(role)  # the role's models: entry, if any
-        path = spec.weights_of(role, own)
-        if not path or role not in runs or (role == "ref" and not own):  # else: the actor's, checked
-            continue
-        folder, wanted = Path(path), models[Role(role)].with_head(head)
         # where the user named these weights: an init: entry, a models: entry, or the model: folder
-        label = spec.weights_label(role, own)
+        path, label = spec.role_weights(role, workload)
+        if not path or role not in runs or (role == "ref" and "ref" not in workload.models):
+            continue  # a reference without an entry of its own starts as the actor: checked there
+        folder, wanted = Path(path), models[Role(role)].with_head(head)
         try:
             hf.check_compatible(wanted, hf.read_config(folder), folder)
         except ConfigError as exc:
@@ -86,7 +84,8 @@ def torch_checks(spec: Any) -> list[str]:
         needed = set(shapes)
         if role == "reward" and "score.weight" not in reader.names():  # its head would be zeros
             headless = f"{label}: {path} has no reward head (no score.weight: a causal LM)"
-            if spec.init.path("reward") or own or spec.verifier == "none":  # named so, or the only reward
+            named = spec.init.path("reward") or workload.models.get(role)
+            if named or spec.verifier == "none":  # named so, or the only reward
                 raise ConfigError(
                     f"{headless}, so every response would score 0; a reward model is a Hugging Face "
                     "*ForSequenceClassification with one label (name it with init.reward, or set "
@@ -124,10 +123,10 @@ def _random_reference(spec: Any, workload: Any, runs: set[str]) -> list[str]:
     """A warning when the reference has a model of its own without weights (a model YAML: random
     weights) while the actor starts from a checkpoint: the KL penalty would pull the actor toward
     a random model."""
-    own = workload.model_of("ref")
+    own = workload.models.get("ref", "")  # a reference without one starts as the actor
     if "ref" not in runs or not own or spec.weights_of("ref", own) or spec.rl.kl_coef == 0:
         return []
-    if not spec.weights_of("actor", workload.model_of("actor")):
+    if not spec.role_weights("actor", workload)[0]:
         return []  # every role starts from seeded random weights: by design
     return [
         f"models.ref: {own} holds no weights, so the reference starts from random weights while the "
