@@ -204,6 +204,19 @@ def test_bad_numbers_in_configs(
         ("collective_timeout_s: .nan", f"key 'collective_timeout_s': {FINITE} nan"),
         ("drift: [{step: 1, unhealthy: [9]}]", "drift at step 1: worker 9 outside 0…3"),
         ("checkpoint_keep: 0", "checkpoint_keep must be positive, got 0"),
+        (
+            "data: {train: t.jsonl, layout: nereus, prompt_key: text}",
+            "'data' prompt_key: layout nereus does not read it (the keys it reads: none: its columns are "
+            "prompt, answer and id; layout qa takes any question and answer columns through question_key, "
+            "answer_key and template)",
+        ),
+        (
+            "data: {train: t.parquet, template: 'Q: {question} A:'}",
+            "'data' template: layout verl does not read it (the keys it reads: prompt_key, answer_key, "
+            "source_key; layout qa takes any question and answer columns through question_key, answer_key "
+            "and template)",
+        ),
+        ("data: {train: t.parquet, prompt_key: ''}", "'data' prompt_key must not be empty"),
     ],
 )
 def test_bad_numbers_in_experiments(extra: str, line: str) -> None:

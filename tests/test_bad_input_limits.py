@@ -381,6 +381,22 @@ def test_describe_and_the_config_root_refuse_what_they_cannot_use(
                              "unset it for those)"), line  # fmt: skip
 
 
+def test_a_workloads_response_limit_past_the_context_does_not_refuse_a_shorter_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """max_response_len is what the planner prices; a run generates max_new_tokens (the README's
+    Qwen2.5-Math-1.5B, 4096 positions, under grpo's 1024 + 8192, was refused)."""
+    from nereus.runtime.command import preflight
+
+    workload = shipped("workloads", "grpo-tiny").replace("max_response_len:", "max_response_len: 8192 #")
+    if "max_response_len: 8192" not in workload:
+        workload += "max_response_len: 8192\n"
+    write("wl.yaml", workload)
+    path = write("e.yaml", shipped("experiments", "grpo-tiny", workload="wl.yaml"))
+    spec = ExperimentSpec.load(Path(path))
+    assert preflight(spec, Path("out"), resume=False, child=False) == 0
+
+
 def test_an_experiment_a_worker_would_crash_on_is_refused_before_it_starts(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -123,17 +123,18 @@ def preflight(
             )
     model = _keyed("model", load_model, spec.model)
     check_runnable(model)
-    # a generation engine holds the longest prompt and response (vLLM refuses past the context)
+    # a generation engine holds the longest prompt and the longest response the run asks for
+    # (max_new_tokens; vLLM refuses past the context): the workload's max_response_len is what
+    # the planner prices, not a length this run generates
     longest = spec.longest_response()
-    key = "max_new_tokens" if longest >= workload.max_response_len else "max_response_len"
-    check_context(model, workload.max_prompt_len, max(longest, workload.max_response_len),
-                  f"{workload.name}'s max_prompt_len + {key}")  # fmt: skip
+    check_context(
+        model, workload.max_prompt_len, longest, f"{workload.name}'s max_prompt_len + max_new_tokens"
+    )
     models = job_models(workload, model)
     for role in sorted(workload.models):  # a model the workload names for a role runs too
         try:
             check_runnable(models[Role(role)])
-            check_context(models[Role(role)], workload.max_prompt_len,
-                          max(longest, workload.max_response_len), "the longest sequence")  # fmt: skip
+            check_context(models[Role(role)], workload.max_prompt_len, longest, "the longest sequence")
         except ConfigError as exc:
             raise ConfigError(f"{workload.name}: key 'models.{role}': {exc}") from None
     engines = engines_of(spec, workload, models)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from nereus.backends.registry import check_engine, default_engine
@@ -88,6 +88,17 @@ class DataSpec:
             if twice:
                 raise ValueError(f"{key} names {twice[0]!r} twice")
         self.record_layout()  # validates layout and template
+        for key in COLUMN_KEYS:  # a key the layout does not read would do nothing
+            value = getattr(self, key)
+            if key != "answer_key" and not value.strip():
+                raise ValueError(f"{key} must not be empty")
+            if value != DATA_DEFAULTS[key] and key not in LAYOUT_KEYS.get(self.layout, ()):
+                reads = ", ".join(LAYOUT_KEYS[self.layout]) or "none: its columns are prompt, answer and id"
+                raise ValueError(
+                    f"{key}: layout {self.layout} does not read it (the keys it reads: {reads}; "
+                    "layout qa takes any question and answer columns through question_key, answer_key "
+                    "and template)"
+                )
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -102,6 +113,15 @@ class DataSpec:
             self.layout, self.prompt_key, self.question_key, self.answer_key, self.source_key, self.template,
             by_source,
         )  # fmt: skip
+
+
+COLUMN_KEYS = ("template", "prompt_key", "question_key", "answer_key", "source_key")
+LAYOUT_KEYS: dict[str, tuple[str, ...]] = {  # the column keys each layout reads
+    "verl": ("prompt_key", "answer_key", "source_key"),
+    "qa": ("question_key", "answer_key", "template"),
+    "nereus": (),
+}
+DATA_DEFAULTS = {f.name: f.default for f in fields(DataSpec)}
 
 
 @dataclass(frozen=True, slots=True)

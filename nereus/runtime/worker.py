@@ -84,8 +84,9 @@ class Worker(StageWork):
         self.seed = seed
         self.engine_of = engines  # model-stage → engine name in the registry
         self.workdir = workdir  # the run's folder for engines' files (vLLM's caches and sockets)
-        # the longest response a generation engine must hold: the workload's, or a longer one asked for
-        self.longest_response = max(longest_response, workload.max_response_len)
+        # the longest response a generation engine must hold: the run's (max_new_tokens at its
+        # longest), else (0) the workload's max_response_len
+        self.longest_response = longest_response or workload.max_response_len
         self.generation: dict[str, GenerationStats] = {}  # this step's, per generating model-stage
         self.rebuilds = 0.0  # seconds engines spent being built since the last look (``take_rebuilds``)
         self.built: dict[str, float] = {}  # the latest bind's: model-stage → seconds building its engine
