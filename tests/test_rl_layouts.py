@@ -187,6 +187,13 @@ def test_verl_sources_mixed_and_checked_by_source(tok: HfTokenizer, tmp_path: Pa
     nameless = [{k: v for k, v in r.items() if k != "data_source"} for r in VERL]
     with pytest.raises(ConfigError, match=r"nameless\.parquet:row 1: missing column 'data_source'"):
         PromptDataset.load(write_parquet(nameless, tmp_path / "nameless.parquet"), tok, 64, 0, layout)
+    nulls = [{**r, "data_source": None} for r in VERL]  # a null source: fine unless by_source routes by it
+    loaded = PromptDataset.load(
+        write_parquet(nulls, tmp_path / "n.parquet"), tok, 64, 0, RecordLayout("verl")
+    )
+    assert len(loaded) == len(VERL) and {r.source for r in loaded.records} == {""}
+    with pytest.raises(ConfigError, match=r"n\.parquet:row 1: column 'data_source'"):
+        PromptDataset.load(tmp_path / "n.parquet", tok, 64, 0, layout)
     floats = [{**r, "extra_info": {"index": float(i)}} for i, r in enumerate(VERL)]  # pandas, with nulls
     loaded = PromptDataset.load(write_parquet(floats, tmp_path / "floats.parquet"), tok, 64, 0, layout)
     assert loaded.records[2].id == "openai/gsm8k/2"

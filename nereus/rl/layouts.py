@@ -66,6 +66,8 @@ class RecordLayout:
         if self.name == "verl":
             messages = _messages(_column(raw, self.prompt_key, where), f"{where}: column {self.prompt_key!r}")
             source = _column(raw, self.source_key, where) if self.source_key in raw or self.by_source else ""
+            if source is None and not self.by_source:  # a null source no verifier routes by: unused
+                source = ""
             if not isinstance(source, str):
                 raise ConfigError(f"{where}: column {self.source_key!r}: expected a string, got {source!r}")
             if self.by_source:
