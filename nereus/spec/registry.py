@@ -75,13 +75,24 @@ def lasting_name(name_or_path: str) -> str:
     return str(path.resolve()) if as_path and _exists(path) else name_or_path
 
 
+def _read_from(path: Path) -> str:
+    """For an error about relative ``path``: where it was looked for (the working folder, not the
+    folder of the file that named it)."""
+    if path.is_absolute():
+        return ""
+    try:
+        return f" (relative paths are read from the working folder, {shorten(os.getcwd(), 120)})"
+    except OSError:
+        return ""
+
+
 def _resolve(kind: str, name_or_path: str, what: str) -> Path:
     if not name_or_path.strip():  # Path("") is the working folder
         raise ConfigError(f"{what}: empty name (choices: {', '.join(names(kind))}, or a YAML file)")
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml", ".json") or _is_dir(path) or os.sep in name_or_path:
         if not _exists(path):
-            raise ConfigError(f"{what} file {shorten(name_or_path, 200)} does not exist")
+            raise ConfigError(f"{what} file {shorten(name_or_path, 200)} does not exist{_read_from(path)}")
         return path
     shipped = config_root() / kind / f"{name_or_path}.yaml"
     if not _shipped_name(name_or_path) or not _is_file(shipped):
@@ -138,7 +149,7 @@ def trace_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.suffix == ".json" or os.sep in name_or_path or _is_dir(path):
         if not _exists(path):
-            raise ConfigError(f"trace file {shorten(name_or_path, 200)} does not exist")
+            raise ConfigError(f"trace file {shorten(name_or_path, 200)} does not exist{_read_from(path)}")
         return path
     shipped = config_root() / "traces" / f"{name_or_path}.json"
     if not _shipped_name(name_or_path) or not _is_file(shipped):
