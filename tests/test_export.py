@@ -63,3 +63,17 @@ def test_a_run_from_before_the_mark_counts_as_exported(tmp_path: Path) -> None:
     (tmp_path / ACTOR).mkdir(parents=True)
     (tmp_path / ACTOR / "config.json").write_text("{}")
     assert exported(tmp_path, 4)
+
+
+def test_a_mark_the_leader_cannot_write_is_told_after_the_collective_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leader joins the collective save even when its mark fails (its peers would wait for
+    it), then every rank gets the line."""
+    monkeypatch.setattr(comm, "all_gather", lambda obj, tp: [obj])
+    (tmp_path / "hf").write_text("a file where the export's folder goes")
+    trainer = _Trainer()
+    monkeypatch.setattr(trainer, "save_hf", lambda directory, companions=(): trainer.saved.append(directory))
+    with pytest.raises(NereusError, match=r"hf/\.exported: "):
+        export_actor(SimpleNamespace(engines={"actor.train": trainer}), (), tmp_path, 4, leader=True)
+    assert trainer.saved == [tmp_path / "hf" / "actor"]  # it took part in the save

@@ -62,13 +62,16 @@ def export_actor(worker: Any, companions: Sequence[Path], out: Path, steps: int,
 
     error = None
     if leader:  # until the export is whole, a resume writes it again (an earlier one may be replaced)
-        _mark(out, f"exporting {steps}\n")
+        try:
+            _mark(out, f"exporting {steps}\n")
+        except NereusError as exc:  # told after the collective save below, which every rank joins
+            error = str(exc)
     if "actor.train" in worker.engines:
         try:
             worker.engines["actor.train"].save_hf(out / ACTOR, companions)
         except (OSError, SafetensorError) as exc:
             why = f"{exc.strerror or type(exc).__name__}" if isinstance(exc, OSError) else str(exc)
-            error = (
+            error = error or (
                 f"the Hugging Face export to {out / ACTOR} could not be written ({why}); the checkpoint "
                 f"after step {steps - 1} holds the trained actor: resume the run to write it (nereus run "
                 "--resume; a launched job: nereus-launch resume)"
