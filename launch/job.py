@@ -15,7 +15,7 @@ from pathlib import Path
 import submitit
 
 from launch.jobdir import atomic_write
-from nereus.errors import ConfigError, NereusError
+from nereus.errors import NereusError
 from nereus.runtime import joberror
 
 
@@ -44,9 +44,7 @@ class NodeJob(submitit.helpers.Checkpointable):
         try:
             main(job_dir, join=join)
         except (NereusError, JoinRefusedError) as exc:
-            code = exc.exit_code if isinstance(exc, NereusError) else ConfigError.exit_code
-            if join or isinstance(exc, NereusError):  # a job's own worker refused a rejoin: not the job's end
-                joberror.record(Path(job_dir), str(exc), code)
+            code = joberror.record_failure(Path(job_dir), exc, newcomer=join)
             print(f"nereus node: error: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(code) from None
 

@@ -80,9 +80,7 @@ def node(args: argparse.Namespace, out: Console) -> int:
         preflight(folder.spec(), folder.run, resume=False, local=False)
         status = main(str(args.job_dir), join=args.join)
     except (NereusError, JoinRefusedError) as exc:  # one line, for nereus-launch status too
-        code = exc.exit_code if isinstance(exc, NereusError) else ConfigError.exit_code
-        if args.join or isinstance(exc, NereusError):  # a job's own worker refused a rejoin: not its end
-            joberror.record(folder.path, str(exc), code)
+        joberror.record_failure(folder.path, exc, newcomer=args.join)
         if isinstance(exc, NereusError):
             raise
         raise ConfigError(str(exc)) from None

@@ -18,6 +18,8 @@ import re
 import tempfile
 from pathlib import Path
 
+from nereus.errors import ConfigError, NereusError
+
 ERROR_CHARS = 500  # how much of the line ``read`` gives back
 _JOB = re.compile(r"[0-9A-Za-z_.-]{1,64}")  # a job id that may name a file
 
@@ -49,6 +51,16 @@ def record(folder: Path, line: str, code: int = 2) -> None:
         except OSError:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+def record_failure(folder: Path, exc: Exception, newcomer: bool) -> int:
+    """A worker's end on ``exc`` (a worded ``NereusError``, or a refused join) recorded for
+    ``status``, and its exit code. A refused join is the job's only for a newcomer of a grow: a
+    job's own worker refused a rejoin is not the job's end."""
+    code = exc.exit_code if isinstance(exc, NereusError) else ConfigError.exit_code
+    if newcomer or isinstance(exc, NereusError):
+        record(folder, str(exc), code)
+    return code
 
 
 def read(folder: Path, job_ids: tuple[str, ...]) -> tuple[str, str]:
