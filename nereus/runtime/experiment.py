@@ -339,11 +339,9 @@ class ExperimentSpec:
     def role_weights(self, role: str, workload: WorkloadSpec) -> tuple[str, str]:
         """(``weights_of``, ``weights_label``) of ``role`` with its ``models:`` entry in
         ``workload``. A reference without an entry of its own beside an actor with one is the
-        initial actor: the actor's folder and name (``WorkloadSpec.model_of``)."""
-        if role == "ref" and "ref" not in workload.models and "actor" in workload.models:
-            role = "actor"
-        own = workload.models.get(role, "")
-        return self.weights_of(role, own), self.weights_label(role, own)
+        initial actor: the actor's folder and name (``WorkloadSpec.model_key``)."""
+        key = workload.model_key(role)
+        return self.weights_of(key, workload.model_of(key)), self.weights_label(key, workload.model_of(key))
 
     def weights_of(self, role: str, model_of: str = "") -> str:
         """The Hugging Face folder ``role`` starts from: its ``init:`` folder, else the ``model:``

@@ -174,7 +174,9 @@ def load_role_models(workload: WorkloadSpec, model: ModelSpec) -> dict[Role, Mod
         try:
             out[role] = load_model(name) if name else model
         except ConfigError as exc:
-            raise ConfigError(f"{workload.name}: key 'models.{_key(workload, role)}': {exc}") from None
+            raise ConfigError(
+                f"{workload.name}: key 'models.{workload.model_key(role.value)}': {exc}"
+            ) from None
     actor = out[Role.ACTOR]
     for role, m in out.items():  # every role reads the actor's token ids
         if m.vocab_size == actor.vocab_size:
@@ -193,11 +195,6 @@ def load_role_models(workload: WorkloadSpec, model: ModelSpec) -> dict[Role, Mod
             "the actor's tokens (name their models under models:, or pick another --model)"
         )
     return out
-
-
-def _key(workload: WorkloadSpec, role: Role) -> str:
-    """The ``models:`` key ``role``'s model comes from (the reference's may be the actor's)."""
-    return role.value if role.value in workload.models else "actor"
 
 
 def hf_folder(name: str) -> Path | None:

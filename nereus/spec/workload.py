@@ -279,11 +279,14 @@ class WorkloadSpec:
                 )
         return build(cls, data, str(path))
 
+    def model_key(self, role: str) -> str:
+        """The ``models:`` key ``role``'s model comes from: its own, or for a reference without
+        one beside an actor with one, the actor's (it is the initial actor, as in verl)."""
+        return "actor" if role == "ref" and role not in self.models and "actor" in self.models else role
+
     def model_of(self, role: str) -> str:
-        """``role``'s ``models:`` entry ("" when it has none: the job's model). The reference
-        without one of its own follows the actor's: it is the initial actor, as in verl."""
-        own = self.models.get(role, "")
-        return own or (self.models.get("actor", "") if role == "ref" else "")
+        """``role``'s ``models:`` entry (``model_key``'s; "" when it has none: the job's model)."""
+        return self.models.get(self.model_key(role), "")
 
     @property
     def sequences_per_step(self) -> int:
