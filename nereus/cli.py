@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from rich.console import Console
-from rich.table import Table
 
 from nereus import __version__
 from nereus import describe as describe_command
@@ -27,9 +26,9 @@ from nereus.plan.exhaustive import ExhaustiveTooLargeError, all_plans, exhaustiv
 from nereus.plan.fixes import held_space
 from nereus.plan.layout import is_power_of_two
 from nereus.plan.problem import DEFAULT_HEADROOM, PlanningProblem, SearchSpace, SeqStats
-from nereus.plan.report import gpu_ranges, plan_json, stage_reports
-from nereus.plan.search import SearchResult
+from nereus.plan.report import plan_json
 from nereus.plan.solvers import Solver, solve
+from nereus.plan.tables import print_explain, print_plan
 from nereus.runtime import command as run_command
 from nereus.sim import command as simulate_command
 from nereus.spec import (
@@ -40,7 +39,6 @@ from nereus.spec import (
     load_workload,
     names,
 )
-from nereus.spec.cluster import GIB
 from nereus.spec.files import brief, one_line, shorten
 from nereus.spec.model import check_context
 from nereus.spec.registry import lasting_name, load_role_models
@@ -309,9 +307,9 @@ def _plan(args: argparse.Namespace, out: Console) -> int:
     if args.json:
         out.print_json(data=doc) if out.is_terminal else print(json.dumps(doc))
         return 0
-    _print_plan(problem, result, out)
+    print_plan(problem, result, out)
     if args.explain:
-        _print_explain(problem, result, out)
+        print_explain(problem, result, out)
     if "error" in doc.get("exhaustive", {}):
         out.print(f"exhaustive: {doc['exhaustive']['error']}")
     if ex is not None and ex.best_step_latency_s is not None:
@@ -324,71 +322,6 @@ def _plan(args: argparse.Namespace, out: Console) -> int:
         for shapes, latency in sorted(all_plans(problem), key=lambda t: t[1]):
             out.print(f"{latency:10.3f} s  " + "  ".join(f"{n}={s}" for n, s in shapes.items()))
     return 0
-
-
-def _print_plan(problem: PlanningProblem, result: SearchResult, out: Console) -> None:
-    c = problem.cluster
-    head = (
-        f"[bold]{problem.workload.algorithm.value}[/] on {problem.gpus} × {c.gpu_model} ({c.name}), "
-        f"prompt {problem.seq.prompt_len:.0f} + response {problem.seq.response_len:.0f} tokens, "
-        f"{problem.workload.mode.value}"
-    )
-    table = Table(title=head, title_justify="left")
-    for col in ("model-stage", "stage", "tp", "pp", "dp", "GPUs", "micro", "latency s", "peak GiB"):
-        table.add_column(col, justify="right" if col not in ("model-stage", "stage", "GPUs") else "left")
-    for r in stage_reports(problem, result):
-        cand = r.candidate
-        micro = str(cand.micro_batch) + (
-            "" if cand.recompute.value == "none" else f" rc={cand.recompute.value}"
-        )
-        table.add_row(
-            r.name,
-            r.stage.value,
-            str(cand.layout.tp),
-            str(cand.layout.pp),
-            str(cand.dp),
-            gpu_ranges(cand.gpus, in_rank_order=True),
-            micro,
-            f"{r.estimate.latency_s:.3f}",
-            f"{r.peak_bytes / GIB:.1f}",
-        )
-    out.print(table)
-    doc = plan_json(problem, result)
-    out.print(
-        f"step latency [bold]{result.step_latency_s:.3f} s[/] "
-        f"(critical path {' → '.join(doc['critical_path'])}) · "
-        f"capacity {problem.capacity_bytes / GIB:.1f} GiB per GPU after "
-        f"{problem.headroom * 100:g}% headroom · "
-        f"search {result.search_ms:.1f} ms ({result.solver})"
-    )
-
-
-def _print_explain(problem: PlanningProblem, result: SearchResult, out: Console) -> None:
-    reports = stage_reports(problem, result)
-    width = max(len(r.name) for r in reports)
-    out.print("[bold]latency per step[/] (s): model-stage total = its terms, largest first")
-    for r in reports:
-        terms = sorted(r.estimate.latency.terms.items(), key=lambda kv: -float(kv[1]))
-        parts = " + ".join(f"{k} {float(v):.3f}" for k, v in terms if float(v) > 0)
-        out.print(f"  {r.name:<{width}}  {r.estimate.latency_s:8.3f} = {parts}")
-    out.print(
-        f"[bold]memory per GPU[/] (GiB): own terms × calibration, + idle state of other stages on "
-        f"the GPU + runtime reserve = peak on this placement; bound = what the planner kept under "
-        f"{problem.capacity_bytes / GIB:.1f}"
-    )
-    for r in reports:
-        m = r.estimate.memory
-        own = " + ".join(
-            f"{name} {float(getattr(m, name)) / GIB:.2f}"
-            for name in ("params", "optimizer", "grads", "activations", "kv_cache")
-            if float(getattr(m, name)) > 0
-        )
-        co = r.peak_bytes - problem.reserved_bytes - r.estimate.active_bytes
-        out.print(
-            f"  {r.name:<{width}}  ({own}) × {m.correction:.2f} + co-resident {co / GIB:.2f} "
-            f"+ reserve {problem.reserved_bytes / GIB:.2f} = {r.peak_bytes / GIB:.2f} "
-            f"(bound {r.bound_bytes / GIB:.2f})"
-        )
 
 
 # ------------------------------------------------------------------ list
