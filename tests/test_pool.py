@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from launch.jobdir import write_shrink
+from nereus.runtime.leader import Leader
 from nereus.runtime.pool import (
     Change,
     ShrinkRequest,
@@ -14,6 +15,7 @@ from nereus.runtime.pool import (
     read_shrink_requests,
     refuse_shrinks,
     refused_shrinks,
+    retake_shrinks,
 )
 
 pytestmark = pytest.mark.pure
@@ -93,3 +95,57 @@ def test_a_change_knows_whether_the_world_re_forms() -> None:
         Change(4, (0, 1, 3), 3, leaving=(3,))
     with pytest.raises(ValueError, match="positive integer"):
         ShrinkRequest(0)
+
+
+class _Members:
+    """The membership a leader's drain bookkeeping reads: the members now, and its log."""
+
+    def __init__(self, members: tuple[int, ...]) -> None:
+        self.members, self.lines = members, list[str]()
+
+    def log(self, line: str, kind: str = "") -> None:
+        self.lines.append(line)
+
+
+def _draining_leader(tmp_path: Path, survivors: tuple[int, ...]) -> Leader:
+    """A leader that read one shrink request and is moving off GPUs 2 and 3, after a failed step
+    left ``survivors`` (a real leader needs a running job: only what the bookkeeping reads)."""
+    tmp_path.mkdir(exist_ok=True)
+    write_shrink(tmp_path, ShrinkRequest(1, unix_ms=1_700_000_000_000))
+    lead = Leader.__new__(Leader)
+    lead.m = _Members(survivors)  # type: ignore[assignment]
+    _, lead.shrinks = read_shrink_requests(tmp_path / "control", lead.m.log)
+    lead.draining = (2, 3)
+    return lead
+
+
+def test_a_drain_whose_move_failed_is_asked_again_at_the_next_boundary(tmp_path: Path) -> None:
+    """The move off the drained node failed (another peer lost in it): the node still holds its
+    state and stays in the job, so its request is pending again, not counted as carried out."""
+    lead = _draining_leader(tmp_path, (0, 2, 3))
+    lead.unfinished_drain()
+    assert read_shrink_requests(tmp_path / "control", list[str]().append)[0] == 1
+    assert lead.draining == () and "their shrink is taken again" in lead.m.lines[-1]  # type: ignore[attr-defined]
+    lead.unfinished_drain()  # a later failure: nothing draining, nothing touched
+    assert refused_shrinks(tmp_path / "control") == {}
+
+
+def test_a_drain_that_lost_part_of_its_node_is_refused_and_one_that_lost_all_is_done(
+    tmp_path: Path,
+) -> None:
+    lead = _draining_leader(tmp_path / "part", (0, 1, 2))
+    lead.unfinished_drain()
+    why = refused_shrinks(tmp_path / "part" / "control")["shrink-1700000000000.json"]
+    assert "failed and GPUs [3] were lost" in why
+    lead = _draining_leader(tmp_path / "all", (0, 1))
+    lead.unfinished_drain()
+    assert [p.name for p in (tmp_path / "all" / "control").iterdir()] == [".done-shrink-1700000000000.json"]
+
+
+def test_a_request_written_again_meanwhile_is_kept_over_the_one_taken_back(tmp_path: Path) -> None:
+    request = write_shrink(tmp_path, ShrinkRequest(1, unix_ms=1_700_000_000_000))
+    _, done = read_shrink_requests(tmp_path / "control", list[str]().append)
+    request.write_text('{"nodes": 2}')
+    retake_shrinks(done)
+    assert [p.name for p in (tmp_path / "control").iterdir()] == [request.name]
+    assert ShrinkRequest.parse(request).nodes == 2

@@ -26,9 +26,8 @@ from nereus.plan.layout import Plan
 from nereus.plan.problem import SeqStats
 from nereus.runtime.deferred import Deferral, Taken, deferrable
 from nereus.runtime.experiment import ExperimentSpec
-from nereus.runtime.health import describe, unhealthy_members
 from nereus.runtime.job import JobSetup, restart_plan
-from nereus.runtime.membership import JOIN_QUEUE, JoinRequest, Membership
+from nereus.runtime.membership import Membership
 from nereus.runtime.metrics import MetricsWriter, StepRecord
 from nereus.runtime.monitor import (
     Lengths,
@@ -41,24 +40,19 @@ from nereus.runtime.monitor import (
     telemetry,
 )  # fmt: skip
 from nereus.runtime.pool import (
-    SHRINK_GLOB,
     Change,
-    drain_gpus,
-    joiner_gpu,
-    node_blocks,
-    read_shrink_requests,
     refuse_shrinks,
 )
+from nereus.runtime.poolkeeping import PoolKeeping
 from nereus.runtime.rollout import Rollouts
 from nereus.runtime.worker import Worker
 from nereus.spec import ClusterSpec
 from nereus.telemetry import NodeInventory, read_node, reconcile
 
 T = TypeVar("T")
-JOIN_WAIT_S = 120.0  # a scripted local gain: how long the leader waits for the new process
 
 
-class Leader:
+class Leader(PoolKeeping):
     """The controller, the metrics and the pool on GPU 0."""
 
     def __init__(
@@ -70,6 +64,7 @@ class Leader:
         self.m, self.setup, self.spec = m, setup, spec
         self.control = control  # shrink requests (``shrink-*.json``) from nereus-launch
         self.shrinks: tuple[Path, ...] = ()  # the requests the last pool change read
+        self.draining: tuple[int, ...] = ()  # GPUs a drain is moving off, until they leave
         self.spawn_local = spawn_local  # local mode: start a scripted newcomer
         self.spawned: set[tuple[int, int]] = set()  # (step, GPU): each scripted newcomer starts once
         self.cluster = setup.cluster
@@ -253,6 +248,8 @@ class Leader:
         if isinstance(action, Keep):
             self.m.log(f"shrink refused: {action.reason}")
             refuse_shrinks(self.shrinks, action.reason)
+        else:
+            self.draining = gpus
         return action
 
     def recover(
@@ -262,6 +259,7 @@ class Leader:
         (``oom``: the model-stage that ran out of memory, which the controller corrects for)."""
         self.settle()
         self.drop("a step failed")
+        self.unfinished_drain()
         self.controller.adopt(plan)
         mean, p95 = (last.seq_len_mean, last.seq_len_p95) if last is not None else (1.0, 1.0)
         tel = Telemetry(step, self.clock(), mean, p95, self.m.members, oom=bool(oom), oom_stage=oom)
@@ -271,78 +269,6 @@ class Leader:
         """Seconds since the leader started: the telemetry's time."""
         return time.perf_counter() - self.started
 
-    # ------------------------------------------------------------------ the pool
-    def calm_pool(self, nxt: int) -> bool:
-        """Whether nothing can change the pool at the boundary before step ``nxt``: no scripted
-        loss or gain, no join request waiting, no shrink request (health reports aside). A request
-        that arrives after this look is taken at the next boundary, as if it had come a moment
-        later."""
-        if self.spec.lost_at(nxt) or self.spec.gained_at(nxt):
-            return False
-        if int(self.probe_store.queue_len(JOIN_QUEUE)) > 0:
-            return False
-        return self.control is None or not self.control.is_dir() or not any(self.control.glob(SHRINK_GLOB))
-
-    def pool_change(self, nxt: int, health: Sequence[str] = ()) -> Change | None:
-        """Who is in the generation from step ``nxt``: scripted losses, GPUs the health rule
-        condemns (``health``: every rank's report, in rank order), accepted newcomers (each
-        answered with its GPU id and the generation), nodes drained for shrink requests."""
-        condemned = self.condemned(health)
-        lost = set(self.spec.lost_at(nxt)) | set(condemned)
-        leaving = tuple(sorted(g for g in lost if g in self.m.members and g != self.m.gpu))
-        accepted = self._joins(nxt)
-        nodes, self.shrinks = read_shrink_requests(self.control, self.m.log)
-        draining, why = drain_gpus(nodes, self.m.members, self.m.hosts() if nodes else {}, self.m.gpu)
-        if why:
-            self.m.log(why)
-            refuse_shrinks(self.shrinks, why)
-        draining = tuple(g for g in draining if g not in leaving)
-        if not (leaving or accepted or draining):
-            return None
-        joining = tuple(g for g, _ in accepted)
-        members = tuple(sorted((set(self.m.members) - set(leaving)) | set(joining)))
-        generation = self.m.generation + (1 if leaving or joining else 0)
-        change = Change(nxt, members, generation, leaving, joining, draining)
-        for gpu, req in accepted:
-            self.m.answer(req, gpu, change.generation, members)
-        return change
-
-    def _joins(self, nxt: int) -> list[tuple[int, JoinRequest]]:
-        """Newcomers to admit now (scripted local gains are started and awaited)."""
-        expected = [
-            g for g in self.spec.gained_at(nxt) if g not in self.m.members and (nxt, g) not in self.spawned
-        ]  # a step run again (a rollback) does not start its newcomers again
-        if expected and self.spawn_local is not None:
-            dying = self.spec.killed_joining(nxt)
-            for g in expected:
-                self.spawned.add((nxt, g))
-                self.spawn_local(g, g in dying)
-        accepted: list[tuple[int, JoinRequest]] = []
-        deadline = time.monotonic() + JOIN_WAIT_S
-        taken = set(self.m.members)
-        limit = self.cluster.total_gpus
-        blocks: dict[str, int] | None = None  # node → its block of GPU ids, read at the first request
-        while True:
-            for req in self.m.pending_joins():
-                if req.gpu is not None and req.gpu not in taken:
-                    gpu = req.gpu
-                else:
-                    if blocks is None:
-                        blocks = node_blocks(self.m.hosts(), self.cluster.gpus_per_node)
-                    gpu = joiner_gpu(req.host, taken, blocks, self.cluster.gpus_per_node, limit)
-                if gpu >= limit:
-                    self.m.refuse(req, f"the cluster has {limit} GPUs and all are in the job")
-                    continue
-                taken.add(gpu)
-                accepted.append((gpu, req))
-            missing = [g for g in expected if g not in {a for a, _ in accepted}]
-            if not missing or self.spawn_local is None:
-                return accepted
-            if time.monotonic() > deadline:
-                self.m.log(f"scripted newcomers {missing} did not ask to join in {JOIN_WAIT_S:.0f} s")
-                return accepted
-            time.sleep(0.05)
-
     # ------------------------------------------------------------------ GPU inventory and health
     def check_inventory(self, inventory: NodeInventory) -> ClusterSpec:
         """At start-up: the cluster spec with what ``inventory`` (``nereus.telemetry.read_node()``
@@ -351,19 +277,6 @@ class Leader:
         measured values win. Nothing measured (a CPU node) leaves the spec as it is. The caller
         decides what uses the returned spec (``self.cluster`` and the controller are untouched)."""
         return measured_cluster(self.cluster, inventory, self.m.log)
-
-    def condemned(self, health: Sequence[str]) -> tuple[int, ...]:
-        """The members whose health report (``health``, in rank order; none: nothing to judge)
-        condemns their GPU, each logged with why. The leader's own GPU is logged, never dropped:
-        it hosts the store and the controller, so the job cannot go on without it."""
-        if not health:
-            return ()
-        problems = unhealthy_members(health, self.m.members, self.m.log)
-        for line in describe(problems):
-            self.m.log(line)
-        if self.m.gpu in problems:
-            self.m.log(f"GPU {self.m.gpu} hosts the job's controller and stays; replace its node")
-        return tuple(g for g in problems if g != self.m.gpu)
 
     # ------------------------------------------------------------------ metrics
     def with_decision(self, record: StepRecord, step: int) -> StepRecord:

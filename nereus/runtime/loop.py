@@ -393,6 +393,8 @@ class JobLoop(Acting, Surviving):
         self.step = b.step
         moved += self._act(action, rebind=reformed)
         if change is not None and change.draining and isinstance(action, Move):  # the drained leave now
+            if self.leader is not None:
+                self.leader.drained()
             if self.m.gpu in change.draining:
                 self.m.close()
                 return Outcome.LEFT

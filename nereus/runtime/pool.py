@@ -5,10 +5,12 @@ into the job folder; at its next step boundary the job's leader reads every requ
 ``.done-…`` (or ``.bad-…`` with the reason logged), and drains that many whole nodes — the most
 recently added first, never the leader's — by moving the plan off them while they still hold
 their state. A drain the job cannot carry out (too few nodes could leave, or what is left holds
-no plan) renames its requests ``.refused-…`` with the reason, for ``nereus-launch status``. Both
-sides use this module: ``launch/`` writes requests with ``ShrinkRequest`` and reads refusals with
+no plan) renames its requests ``.refused-…`` with the reason, for ``nereus-launch status``. A
+drain whose move failed (a peer lost in it: the step rolled back, the nodes still hold state) puts
+its requests back (``retake_shrinks``), to be drained at the next boundary. Both sides use this
+module: ``launch/`` writes requests with ``ShrinkRequest`` and reads refusals with
 ``refused_shrinks``; the runtime reads requests with ``read_shrink_requests``, picks the GPUs
-with ``drain_gpus`` and refuses with ``refuse_shrinks``.
+with ``drain_gpus``, refuses with ``refuse_shrinks`` and puts back with ``retake_shrinks``.
 
 A ``Change`` is what the leader decided at a boundary and every member learns: the next
 generation's members, who leaves (a scripted loss), who joins (newcomers admitted through the
@@ -91,6 +93,21 @@ def refuse_shrinks(done: Sequence[Path], why: str) -> None:
             path.unlink()
         except (OSError, ValueError):
             continue  # a request the launcher no longer knows, or a folder gone: nothing to tell
+
+
+def retake_shrinks(done: Sequence[Path]) -> None:
+    """Requests ``done`` (``.done-<name>``, read) were not carried out and are asked again: each is
+    renamed back to ``<name>``, which the next boundary reads (a request the launcher wrote again
+    meanwhile under that name is kept, and the read one dropped)."""
+    for path in done:
+        original = path.with_name(path.name.removeprefix(".done-"))
+        try:
+            if original.exists():
+                path.unlink()
+            else:
+                os.replace(path, original)
+        except OSError:
+            continue  # a folder gone: nothing to ask again
 
 
 def refused_shrinks(control: Path) -> dict[str, str]:
