@@ -1,4 +1,4 @@
-"""The actor's Hugging Face export at the end of a run (``nereus.runtime.export``): a write that
+"""The trained models' Hugging Face export at the end of a run (``nereus.runtime.export``): a write that
 fails is one line, the same on every rank, that says how to get the export; the mark records what
 the export holds. The export written again on a resume: ``test_runtime_signals``."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from nereus.errors import NereusError
 from nereus.runtime import comm
-from nereus.runtime.export import ACTOR, MARK, export_actor, exported, exported_steps
+from nereus.runtime.export import ACTOR, MARK, export_models, exported, exported_steps
 
 pytestmark = pytest.mark.pure
 
@@ -33,7 +33,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_mark(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(comm, "all_gather", lambda obj, tp: [None, obj])  # this rank's error, rank 1's
     full = _Trainer(OSError(errno.ENOSPC, "No space left on device"))
     with pytest.raises(NereusError) as err:
-        export_actor(SimpleNamespace(engines={"actor.train": full}), (), tmp_path, 4, leader=True)
+        export_models(SimpleNamespace(engines={"actor.train": full}), (), tmp_path, 4, leader=True)
     assert str(err.value) == (
         f"the Hugging Face export to {tmp_path}/hf/actor could not be written (No space left on device); "
         "the checkpoint after step 3 holds the trained actor: resume the run to write it (nereus run "
@@ -48,10 +48,10 @@ def test_a_peers_failure_is_every_ranks_and_a_written_export_is_marked(
 ) -> None:
     monkeypatch.setattr(comm, "all_gather", lambda obj, tp: [obj, "rank 1's line"])
     with pytest.raises(NereusError, match=r"^rank 1's line$"):  # this rank wrote nothing: it has no line
-        export_actor(SimpleNamespace(engines={}), (), tmp_path, 4, leader=False)
+        export_models(SimpleNamespace(engines={}), (), tmp_path, 4, leader=False)
     monkeypatch.setattr(comm, "all_gather", lambda obj, tp: [obj])
     trainer = _Trainer()
-    export_actor(SimpleNamespace(engines={"actor.train": trainer}), (), tmp_path, 4, leader=True)
+    export_models(SimpleNamespace(engines={"actor.train": trainer}), (), tmp_path, 4, leader=True)
     assert trainer.saved == [tmp_path / "hf" / "actor"] and exported_steps(tmp_path) == 4
     assert exported(tmp_path, 4) and not exported(tmp_path, 5)  # trained further: not exported yet
     (tmp_path / MARK).write_text("four\n")
@@ -75,5 +75,23 @@ def test_a_mark_the_leader_cannot_write_is_told_after_the_collective_save(
     trainer = _Trainer()
     monkeypatch.setattr(trainer, "save_hf", lambda directory, companions=(): trainer.saved.append(directory))
     with pytest.raises(NereusError, match=r"hf/\.exported: "):
-        export_actor(SimpleNamespace(engines={"actor.train": trainer}), (), tmp_path, 4, leader=True)
+        export_models(SimpleNamespace(engines={"actor.train": trainer}), (), tmp_path, 4, leader=True)
     assert trainer.saved == [tmp_path / "hf" / "actor"]  # it took part in the save
+
+
+def test_a_ppo_run_exports_its_critic_after_its_actor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both trainers' exports, in one order on every rank (each is a collective); a critic that
+    cannot be written names its own folder and what the checkpoint holds."""
+    monkeypatch.setattr(comm, "all_gather", lambda obj, tp: [obj])
+    order: list[Path] = []
+    actor, critic = _Trainer(), _Trainer()
+    monkeypatch.setattr(actor, "save_hf", lambda directory, companions=(): order.append(directory))
+    monkeypatch.setattr(critic, "save_hf", lambda directory, companions=(): order.append(directory))
+    engines = {"critic.train": critic, "actor.train": actor, "ref.inf": _Trainer()}
+    export_models(SimpleNamespace(engines=engines), (), tmp_path, 2, leader=True)
+    assert order == [tmp_path / "hf" / "actor", tmp_path / "hf" / "critic"] and exported(tmp_path, 2)
+    broken = _Trainer(OSError(errno.EACCES, "Permission denied"))
+    with pytest.raises(NereusError, match=r"/hf/critic could not be written .*holds the trained critic"):
+        export_models(SimpleNamespace(engines={"critic.train": broken}), (), tmp_path, 3, leader=True)

@@ -110,11 +110,12 @@ def test_adaptive_run_equals_the_static_run(drifted_ppo_run: Path, untouched: Pa
     assert any((moved / "tensorboard").iterdir())
     assert (moved / "checkpoints" / "latest").is_file()
 
-    a = load_file(str(moved / "hf" / "actor" / "model.safetensors"))
-    b = load_file(str(still / "hf" / "actor" / "model.safetensors"))
-    assert set(a) == set(b)
-    for name in a:
-        assert torch.allclose(a[name], b[name], atol=2e-4, rtol=0), name
+    for model in ("actor", "critic"):  # PPO exports its critic too (a value head: score.weight)
+        a = load_file(str(moved / "hf" / model / "model.safetensors"))
+        b = load_file(str(still / "hf" / model / "model.safetensors"))
+        assert set(a) == set(b) and ("score.weight" in a) == (model == "critic")
+        for name in a:
+            assert torch.allclose(a[name], b[name], atol=2e-4, rtol=0), (model, name)
     for r, s in zip(rows, metrics(still), strict=True):
         assert r["reward"] == pytest.approx(s["reward"], abs=1e-6)
         assert r["kl"] == pytest.approx(s["kl"], abs=1e-4)
@@ -364,6 +365,8 @@ def test_a_critic_of_another_shape_named_under_models_runs_as_named(tmp_path: Pa
     shape = {name: tuple(getattr(saved[name], "size", ())) for name in saved}
     assert shape["critic.train/param/model.layers.0.self_attn.q_proj.weight"] == (128, 64)  # 4 heads of 32
     assert shape["actor.train/param/model.layers.0.self_attn.q_proj.weight"] == (64, 64)  # 4 heads of 16
+    critic = load_file(str(out / "hf" / "critic" / "model.safetensors"))  # exported in its own shape
+    assert tuple(critic["model.layers.0.self_attn.q_proj.weight"].shape) == (128, 64)
     resumed = subprocess.run(
         [sys.executable, "-m", "nereus.cli", "run", str(exp), "--out", str(out), "--resume", "--steps", "3"],
         capture_output=True, text=True, timeout=240, check=False,

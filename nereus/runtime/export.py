@@ -1,7 +1,9 @@
-"""The trained actor's Hugging Face export, ``<out>/hf/actor``, and its mark.
+"""The trained models' Hugging Face export, ``<out>/hf/actor`` (and ``hf/critic`` under PPO: the
+value-head model, which a later run's ``init: {critic: DIR}`` or a reward model's folder reads),
+and its mark.
 
-A run writes the export once its last step is trained (``JobLoop._finish``), from the actor's
-trainer, with the tokenizer's files beside it, and then its mark, ``hf/.exported``: how many steps
+A run writes the export once its last step is trained (``JobLoop._finish``), from the trainers,
+with the tokenizer's files beside each, and then its mark, ``hf/.exported``: how many steps
 the export holds. A run that ended after its last checkpoint but before its export (a full disk,
 a kill) has every step checkpointed and no export of them: ``nereus run --resume`` reads the mark
 (``exported_steps``, torch-free) and starts the workers to write the export from that checkpoint,
@@ -22,6 +24,8 @@ from typing import Any
 from nereus.errors import NereusError
 
 ACTOR = Path("hf") / "actor"
+CRITIC = Path("hf") / "critic"
+EXPORTS = {"actor.train": ACTOR, "critic.train": CRITIC}  # the trainer each folder is written from
 MARK = Path("hf") / ".exported"
 
 
@@ -52,10 +56,11 @@ def _mark(out: Path, text: str) -> None:
         raise NereusError(f"{mark}: {exc.strerror or exc}") from None
 
 
-def export_actor(worker: Any, companions: Sequence[Path], out: Path, steps: int, leader: bool) -> None:
-    """The actor's weights after ``steps`` steps into ``out/hf/actor`` (collective: the actor's
-    trainer gathers them on its first replica's first rank, which writes them); then, on the
-    ``leader``, the mark. A failed write is the same ``NereusError`` on every rank."""
+def export_models(worker: Any, companions: Sequence[Path], out: Path, steps: int, leader: bool) -> None:
+    """The trained models after ``steps`` steps into ``out/hf/actor`` and ``out/hf/critic`` (one
+    collective each, in that order: a trainer gathers its weights on its first replica's first
+    rank, which writes them); then, on the ``leader``, the mark. A failed write is the same
+    ``NereusError`` on every rank."""
     from safetensors import SafetensorError
 
     from nereus.runtime.comm import all_gather
@@ -64,17 +69,19 @@ def export_actor(worker: Any, companions: Sequence[Path], out: Path, steps: int,
     if leader:  # until the export is whole, a resume writes it again (an earlier one may be replaced)
         try:
             _mark(out, f"exporting {steps}\n")
-        except NereusError as exc:  # told after the collective save below, which every rank joins
+        except NereusError as exc:  # told after the collective saves below, which every rank joins
             error = str(exc)
-    if "actor.train" in worker.engines:
+    for stage, folder in EXPORTS.items():
+        if stage not in worker.engines:
+            continue
         try:
-            worker.engines["actor.train"].save_hf(out / ACTOR, companions)
+            worker.engines[stage].save_hf(out / folder, companions)
         except (OSError, SafetensorError) as exc:
             why = f"{exc.strerror or type(exc).__name__}" if isinstance(exc, OSError) else str(exc)
             error = error or (
-                f"the Hugging Face export to {out / ACTOR} could not be written ({why}); the checkpoint "
-                f"after step {steps - 1} holds the trained actor: resume the run to write it (nereus run "
-                "--resume; a launched job: nereus-launch resume)"
+                f"the Hugging Face export to {out / folder} could not be written ({why}); the checkpoint "
+                f"after step {steps - 1} holds the trained {folder.name}: resume the run to write it "
+                "(nereus run --resume; a launched job: nereus-launch resume)"
             )
     first = next((e for e in all_gather(error, str | None) if e is not None), None)
     if first is not None:

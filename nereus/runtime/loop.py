@@ -57,7 +57,7 @@ from nereus.runtime.acting import Acting
 from nereus.runtime.asynchrony import async_step
 from nereus.runtime.comm import barrier, broadcast, is_peer_failure
 from nereus.runtime.experiment import ExperimentSpec
-from nereus.runtime.export import export_actor
+from nereus.runtime.export import export_models
 from nereus.runtime.job import JobSetup, algorithm_step, first_state, initial_plan, make_worker
 from nereus.runtime.leader import Leader, measured_setup
 from nereus.runtime.membership import LeftBehindError, Membership
@@ -410,6 +410,6 @@ class JobLoop(Acting, Surviving):
     # ------------------------------------------------------------------ the end
     def _finish(self) -> None:
         companions = self.setup.tokenizer.companions()  # so the export serves as it is
-        export_actor(self.worker, companions, self.out, self.spec.steps, self.leader is not None)
+        export_models(self.worker, companions, self.out, self.spec.steps, self.leader is not None)
         if self.leader is not None:
             self.leader.finish()
