@@ -93,6 +93,16 @@ def test_bad_simulate_flags(flag: str, value: str, line: str, capsys: pytest.Cap
             "--max-gpus 6 or 9",
         ),
         (
+            ["--max-gpus", "24", "--gpus-per-instance", "3", "--min-gpus", "7"],
+            "--min-gpus 7 is not a whole number of instances of 3 GPUs (--gpus-per-instance): pass "
+            "--min-gpus 6 or 9",
+        ),
+        (
+            ["--seq-curve", "Growth"],
+            "--seq-curve 'Growth': expected growth, growth:START:END:STEPS or a CSV file "
+            "(step,mean_len,p95_len)",
+        ),
+        (
             ["--gpus-per-instance", "3"],
             "a100-64gb-hdr100's 256 GPUs are not a whole number of instances of 3 GPUs "
             "(--gpus-per-instance): pass --max-gpus 255",
@@ -456,10 +466,13 @@ def test_infeasible_simulation_exits_3(capsys: pytest.CaptureFixture[str]) -> No
     write("t.json", json.dumps({"metadata": {"gap_seconds": 300}, "data": [3]}))
     got = refused([*with_flag(SIM, "--trace", "t.json"), "--out", "o"], capsys, code=3)
     assert got == (
-        f"{E_SIM}no plan fits the 3 GPUs the trace settles at (responses of 500 tokens; generation at pp "
-        "1, as vLLM runs it)"
+        f"{E_SIM}no plan fits the pool the trace gives from here (3 GPUs, where it settles; responses of "
+        "500 tokens; generation at pp 1, as vLLM runs it)"
     )
     assert not Path("o").exists()
+    write("t.json", json.dumps({"metadata": {"gap_seconds": 300}, "data": [3, 1]}))  # 3 did not fit either
+    got = refused([*with_flag(SIM, "--trace", "t.json"), "--out", "o"], capsys, code=3)
+    assert "(at most 3 GPUs, then 1 where it settles; responses of 500 tokens;" in got
 
 
 def test_exhaustive_too_large_is_exit_2(

@@ -283,7 +283,7 @@ def test_init_weights_for_a_model_the_workload_does_not_run_are_refused(
 
 
 GAP = "field 'metadata.gap_seconds': expected a number of seconds in [0.001, 1e+09], got"
-COUNT = "field 'data[1]': expected an instance count in [0, 1048576], got"
+COUNT = "field 'data[1]': expected a whole instance count in [0, 1048576], got"
 
 
 @pytest.mark.parametrize(
@@ -300,6 +300,7 @@ COUNT = "field 'data[1]': expected an instance count in [0, 1048576], got"
         ('{"metadata": {"gap_seconds": -300}, "data": [4]}', f"{GAP} -300"),
         ('{"metadata": {"gap_seconds": 300}, "data": [4, -1]}', f"{COUNT} -1"),
         ('{"metadata": {"gap_seconds": 300}, "data": [4, 1e20]}', f"{COUNT} 1e+20"),
+        ('{"metadata": {"gap_seconds": 300}, "data": [4, 2.5]}', f"{COUNT} 2.5"),
         (
             '{"metadata": {"gap_seconds": 300}, "data": [' + "7" * 400 + "]}",
             "not valid JSON: an integer of 400 digits (allowed: at most 30)",
@@ -310,6 +311,14 @@ COUNT = "field 'data[1]': expected an instance count in [0, 1048576], got"
 def test_bad_traces(doc: str, line: str, capsys: pytest.CaptureFixture[str]) -> None:
     write("t.json", doc)
     assert refused(with_flag(SIM, "--trace", "t.json"), capsys) == f"{E_SIM}t.json: {line}"
+
+
+def test_whole_counts_written_as_floats_are_counts() -> None:
+    """numpy and pandas dump integer columns as 8.0 (or 8e0): the same trace as 8."""
+    from nereus.sim import SpotTrace
+
+    write("t.json", '{"metadata": {"gap_seconds": 300}, "data": [4, 8.0, 16e0]}')
+    assert SpotTrace.load(Path("t.json")).counts == (4, 8, 16)
 
 
 TOKENS = "expected a number of tokens in [1, 16777216], got"

@@ -375,3 +375,34 @@ def test_an_actor_override_of_another_vocabulary_names_models_actor() -> None:
     message = str(info.value)
     assert "key 'models.actor': qwen3-14b's vocabulary (151936)" in message
     assert "job's model llama-3.1-8b (128256), which critic, reward run" in message  # ref: the actor's
+
+
+def test_gamma_labels_tell_every_value_apart() -> None:
+    """Two γ that ``:g`` shows alike are two runs with two labels (they were refused as "--policies
+    names a run twice"); -0 is 0."""
+    from nereus.sim.command import _gammas, runs
+
+    labels = [label for label, _, _ in runs("nereus,static", _gammas("0.5,0.1234567,0.1234568"))]
+    assert labels == ["nereus(γ=0.5)", "nereus(γ=0.1234567)", "nereus(γ=0.1234568)", "static"]
+    assert [label for label, _, _ in runs("nereus", _gammas("0.5,-0"))] == ["nereus(γ=0.5)", "nereus(γ=0)"]
+
+
+def test_list_traces_offers_only_files_a_name_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A hidden file, a folder named ``*.json`` or a broken link in traces/ is not listed, nor
+    offered by the error that refuses its name; an empty folder offers none."""
+    for kind in ("models", "clusters", "workloads", "traces"):
+        (tmp_path / kind).mkdir()
+    traces = tmp_path / "traces"
+    (traces / "good.json").write_text((config_root() / "traces" / f"{names('traces')[0]}.json").read_text())
+    (traces / ".hidden.json").write_text("{}")
+    (traces / "adir.json").mkdir()
+    (traces / "dangling.json").symlink_to(tmp_path / "gone.json")
+    monkeypatch.setenv("NEREUS_CONFIGS", str(tmp_path))
+    assert names("traces") == ["good"]
+    with pytest.raises(ConfigError, match=r"unknown trace 'adir' \(choices: good, or a JSON file\)$"):
+        trace_path("adir")
+    (traces / "good.json").unlink()
+    with pytest.raises(ConfigError, match=r"unknown trace 'x' \(choices: none shipped, or a JSON file\)$"):
+        trace_path("x")

@@ -155,6 +155,11 @@ def _curve(text: str) -> SeqCurve:
             return SeqCurve.growth(start, end, steps)
         except ValueError as exc:
             raise ConfigError(f"--seq-curve {brief(text)}: {exc}") from None
+    if not text.lower().endswith(".csv") and not Path(text).is_file():
+        raise ConfigError(
+            f"--seq-curve {brief(text)}: expected growth, growth:START:END:STEPS or a CSV file "
+            "(step,mean_len,p95_len)"
+        )
     return SeqCurve.load_csv(Path(text))
 
 
@@ -167,7 +172,14 @@ def _gammas(text: str) -> list[float]:
         raise ConfigError(f"--gamma {brief(text)}: expected numbers in [0, 1], comma-separated")
     if len(values) > MAX_RUNS:
         raise ConfigError(f"--gamma: at most {MAX_RUNS} values, got {len(values)}")
-    return values
+    return [v + 0.0 for v in values]  # -0 is 0
+
+
+def _gamma_label(g: float) -> str:
+    """γ as a run's label shows it: ``:g`` where that reads back as ``g``, else every digit (two
+    values ``:g`` would show alike are two runs)."""
+    short = f"{g:g}"
+    return short if float(short) == g else repr(g)
 
 
 def scenario_from(args: argparse.Namespace) -> Scenario:
@@ -217,6 +229,12 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
             f"{named} not a whole number of instances of {g} GPUs (--gpus-per-instance): pass "
             f"--max-gpus {down}" + (f" or {up}" if up <= cluster.total_gpus else "")
         )
+    if args.min_gpus % g:  # its instances are reserved whole (rounding up would reserve more)
+        down, up = args.min_gpus // g * g, -(-args.min_gpus // g) * g
+        raise ConfigError(
+            f"--min-gpus {args.min_gpus} is not a whole number of instances of {g} GPUs "
+            f"(--gpus-per-instance): pass --min-gpus {down} or {up}"
+        )
     if not 0 <= args.offset < len(trace.counts):
         raise ConfigError(f"--offset must be in [0, {len(trace.counts)}) ticks, got {args.offset}")
     if not (MIN_SPEEDUP <= args.speedup <= MAX_SPEEDUP and 0 <= args.noise <= MAX_NOISE):
@@ -263,7 +281,7 @@ def runs(policies: str, gammas: list[float]) -> list[tuple[str, str, float]]:
     """(label, policy, γ) for every run; nereus once per γ."""
     out: list[tuple[str, str, float]] = []
     if len(set(gammas)) != len(gammas):
-        raise ConfigError(f"--gamma names a value twice: {','.join(f'{g:g}' for g in gammas)}")
+        raise ConfigError(f"--gamma names a value twice: {','.join(_gamma_label(g) for g in gammas)}")
     names = [p.strip() for p in policies.split(",") if p.strip()]
     if len(names) > MAX_RUNS:
         raise ConfigError(f"--policies: at most {MAX_RUNS} policies, got {len(names)}")
@@ -280,7 +298,7 @@ def runs(policies: str, gammas: list[float]) -> list[tuple[str, str, float]]:
                 choices = ", ".join((*POLICIES, STATIC_BEST))
                 raise ConfigError(f"--policies: unknown policy {brief(name)} (choices: {choices})") from None
         if name == "nereus" and len(gammas) > 1:
-            out.extend((f"nereus(γ={g:g})", name, g) for g in gammas)
+            out.extend((f"nereus(γ={_gamma_label(g)})", name, g) for g in gammas)
         else:
             out.append((name, name, gammas[0]))
     if not out:

@@ -106,9 +106,10 @@ class _Run:
 
     def wait_for_plan(self, seq: SeqStats) -> tuple[Plan, float]:
         """The best plan once the pool allows one; the time spent waiting for it."""
-        waited = 0.0
+        waited, largest = 0.0, 0
         while True:
             pool = self.pool()
+            largest = max(largest, len(pool))
             if pool:
                 problem = self._problem(pool, seq)
                 # a restart may pick new layouts, and recompute or shrink micro-batches if it must
@@ -122,9 +123,14 @@ class _Run:
             nxt = self.s.supply.next_change_after(self.t)
             if nxt is None:
                 flat = "; generation at pp 1, as vLLM runs it" if self.s.space.flat else ""
+                most = (
+                    f"at most {largest} GPUs, then {len(pool)} where it settles"
+                    if largest > len(pool)
+                    else (f"{len(pool)} GPUs, where it settles")
+                )
                 raise SimulationError(
-                    f"no plan fits the {len(pool)} GPUs the trace settles at "
-                    f"(responses of {seq.response_len:.0f} tokens{flat})"
+                    f"no plan fits the pool the trace gives from here ({most}; "
+                    f"responses of {seq.response_len:.0f} tokens{flat})"
                 )
             waited += nxt - self.t
             self.t = nxt

@@ -78,9 +78,13 @@ class SeqCurve:
         p95: list[float] = []
         for row in reader:
             line = reader.line_num
-            if None in row:  # more fields than the header names
+            short = None in row.values()  # fewer fields than the header names
+            if None in row or short:  # or more
+                count = (
+                    len(row) - 1 + len(row[None]) if None in row else sum(v is not None for v in row.values())
+                )
                 raise ConfigError(
-                    f"{path}: line {line}: {len(row) - 1 + len(row[None])} fields, the header names "
+                    f"{path}: line {line}: {count} fields, the header names "
                     f"{len(reader.fieldnames or [])} ({', '.join(reader.fieldnames or [])})"
                 )
             try:

@@ -60,13 +60,16 @@ class SpotTrace:
         data = doc.get("data")
         if not isinstance(data, list) or not data:
             raise ConfigError(f"{path}: field 'data': expected a non-empty list of instance counts")
-        for i, v in enumerate(data):
+        counts = []
+        for i, raw in enumerate(data):
+            v = int(raw) if isinstance(raw, float) and raw.is_integer() else raw  # 8.0: numpy's dump
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_COUNT:
                 raise ConfigError(
-                    f"{path}: field 'data[{i}]': expected an instance count in [0, {MAX_COUNT}], "
-                    f"got {brief(v)}"
+                    f"{path}: field 'data[{i}]': expected a whole instance count in [0, {MAX_COUNT}], "
+                    f"got {brief(raw)}"
                 )
-        return cls(path.stem, float(gap), tuple(data))
+            counts.append(v)
+        return cls(path.stem, float(gap), tuple(counts))
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,11 @@ def config_root() -> Path:
     return Path(env) if env else Path(__file__).resolve().parents[2] / "configs"
 
 
+def offered(kind: str) -> str:
+    """The shipped names of ``kind`` as an error offers them."""
+    return ", ".join(names(kind)) or "none shipped"
+
+
 def names(kind: str) -> list[str]:
     """Names of the shipped configs of one kind, sorted."""
     if kind not in KINDS:
@@ -36,7 +41,8 @@ def names(kind: str) -> list[str]:
             f"NEREUS_CONFIGS={shorten(env, 200)}: no {kind}/ folder in it (it replaces the shipped "
             f"configs/, whose layout it needs: {', '.join(f'{k}/' for k in KINDS)}; unset it for those)"
         )
-    return sorted(p.stem for p in folder.glob(pattern))
+    # what a name resolves to: a file (a folder, a broken link or a hidden file is not offered)
+    return sorted(p.stem for p in folder.glob(pattern) if not p.name.startswith(".") and _is_file(p))
 
 
 def _exists(path: Path) -> bool:
@@ -88,7 +94,7 @@ def _read_from(path: Path) -> str:
 
 def _resolve(kind: str, name_or_path: str, what: str) -> Path:
     if not name_or_path.strip():  # Path("") is the working folder
-        raise ConfigError(f"{what}: empty name (choices: {', '.join(names(kind))}, or a YAML file)")
+        raise ConfigError(f"{what}: empty name (choices: {offered(kind)}, or a YAML file)")
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml", ".json") or _is_dir(path) or os.sep in name_or_path:
         if not _exists(path):
@@ -99,9 +105,9 @@ def _resolve(kind: str, name_or_path: str, what: str) -> Path:
         if _is_file(path):  # a file of another kind, not a misspelt name
             raise ConfigError(
                 f"{what} file {shorten(name_or_path, 200)}: expected a .yaml, .yml or .json file "
-                f"(or a shipped {what}: {', '.join(names(kind))})"
+                f"(or a shipped {what}: {offered(kind)})"
             )
-        raise ConfigError(f"unknown {what} {brief(name_or_path)} (choices: {', '.join(names(kind))})")
+        raise ConfigError(f"unknown {what} {brief(name_or_path)} (choices: {offered(kind)})")
     return shipped
 
 
@@ -145,7 +151,7 @@ def load_workload(algo_or_path: str, mode: ExecutionMode | None = None) -> Workl
 def trace_path(name_or_path: str) -> Path:
     """A shipped GPU-availability trace (``configs/traces/<name>.json``) or a trace file."""
     if not name_or_path.strip():
-        raise ConfigError(f"trace: empty name (choices: {', '.join(names('traces'))}, or a JSON file)")
+        raise ConfigError(f"trace: empty name (choices: {offered('traces')}, or a JSON file)")
     path = Path(name_or_path)
     if path.suffix == ".json" or os.sep in name_or_path or _is_dir(path):
         if not _exists(path):
@@ -156,10 +162,10 @@ def trace_path(name_or_path: str) -> Path:
         if _is_file(path):  # a file of another kind, not a misspelt name
             raise ConfigError(
                 f"trace file {shorten(name_or_path, 200)}: expected a .json file "
-                f"(or a shipped trace: {', '.join(names('traces'))})"
+                f"(or a shipped trace: {offered('traces')})"
             )
         raise ConfigError(
-            f"unknown trace {brief(name_or_path)} (choices: {', '.join(names('traces'))}, or a JSON file)"
+            f"unknown trace {brief(name_or_path)} (choices: {offered('traces')}, or a JSON file)"
         )
     return shipped
 
