@@ -92,6 +92,7 @@ def test_a_multimodal_wrapper_names_its_text_config(tmp_path: Path) -> None:
         {"model_type": "mistral", "attention_bias": True, "sliding_window": None},  # transformers ignores it
         {"model_type": "qwen2", "attention_bias": False},  # transformers' Qwen2 has q/k/v biases anyway
         {"model_type": "qwen3", "head_dim": 64},
+        {"model_type": "qwen3"},  # no head_dim: Qwen3's is 128, not hidden/heads (was priced at 16)
     ],
 )
 def test_parameters_are_what_transformers_builds(tmp_path: Path, change: dict[str, Any]) -> None:
@@ -107,6 +108,10 @@ def test_missing_keys_take_transformers_defaults(tmp_path: Path, family: str) ->
     theirs = CLASSES[family][0]()
     assert spec.rms_norm_eps == theirs.rms_norm_eps == 1e-6
     assert spec.max_position_embeddings == theirs.max_position_embeddings
+    built = CLASSES[family][0](**cfg)  # Qwen2's config has no head_dim: its attention takes hidden/heads
+    assert spec.head_dim == (
+        getattr(built, "head_dim", None) or cfg["hidden_size"] // cfg["num_attention_heads"]
+    )
 
 
 def test_run_refuses_a_yaml_llama_with_attention_bias() -> None:

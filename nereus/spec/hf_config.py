@@ -2,7 +2,9 @@
 
 Keys that do not change the function (dropout, ``torch_dtype``, ``pretraining_tp``) are ignored;
 a key missing from the file takes transformers' default for the family (``rms_norm_eps`` 1e-6;
-``max_position_embeddings`` 2048 for Llama, 131072 for Mistral, 32768 for Qwen2/3). Keys that
+``max_position_embeddings`` 2048 for Llama, 131072 for Mistral, 32768 for Qwen2/3; ``head_dim``
+128 for Qwen3, hidden/heads for the others). The sizes (hidden, layers, heads, MLP width,
+vocabulary) have no default worth guessing and are required. Keys that
 change the function in a way ``ModelSpec`` does not describe are refused in one line naming the
 key, so that no engine loads such a checkpoint and computes something else: an activation other
 than SiLU, MLP biases, Llama's or Qwen3's ``attention_bias`` (q/k/v and o_proj biases; Qwen2's is
@@ -37,6 +39,7 @@ MAX_POSITIONS = {  # transformers' defaults
     ModelFamily.QWEN2: 32768,
     ModelFamily.QWEN3: 32768,
 }
+HEAD_DIMS = {ModelFamily.QWEN3: 128}  # transformers' defaults where not hidden/heads
 SILU = ("silu", "swish")  # transformers' ACT2FN names for x·sigmoid(x)
 # expert counts of the MoE families (Mixtral, Qwen2/3-MoE, DeepSeek, OLMoE, DBRX-style configs)
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -58,6 +61,8 @@ def hf_fields(data: Any, path: Path) -> dict[str, Any]:
     fields: dict[str, Any] = {k: v for k, v in data.items() if k in KEEP and v is not None}
     fields.setdefault("rms_norm_eps", RMS_NORM_EPS)
     fields.setdefault("max_position_embeddings", MAX_POSITIONS[family])
+    if "head_dim" not in data and family in HEAD_DIMS:  # (a null one: hidden/heads, as ours reads 0)
+        fields["head_dim"] = HEAD_DIMS[family]
     theta, scaling, kind, positions = _rope(data, path)
     if theta is not None:
         fields["rope_theta"] = theta
