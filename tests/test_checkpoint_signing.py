@@ -488,3 +488,26 @@ def test_a_resume_keeps_the_generated_task_and_says_which_rows_are_gone(tmp_path
     rows.write_text('{"step": 0}\n{"step": 1}\nnot json\n{"step": 4}\n')
     assert missing_rows(rows, 6) == [2, 3, 5]
     assert missing_rows(tmp_path / "absent.jsonl", 2) == [0, 1]
+
+
+def test_a_resume_keeps_the_prompts_per_step(tmp_path: Path) -> None:
+    """Step k trains on the data's prompts from k · prompts_per_step: another value on resume would
+    train again on prompts already used (or skip some), so it is refused naming the key; a
+    checkpoint from before the value was recorded is not judged by it."""
+    from dataclasses import replace
+
+    from nereus.spec import load_model, load_workload
+
+    model, workload = load_model("tiny-llama"), load_workload("grpo-tiny")
+    meta = signing.run_identity(dict.fromkeys(Role, model), workload, seed=3)
+    halved = signing.run_identity(
+        dict.fromkeys(Role, model), replace(workload, prompts_per_step=workload.prompts_per_step // 2), seed=3
+    )
+    with pytest.raises(ConfigError) as info:
+        signing.check_identity(tmp_path, meta, halved)
+    assert f"with prompts_per_step {workload.prompts_per_step}; this run's workload grpo-tiny has" in str(
+        info.value
+    )
+    assert f"resume with prompts_per_step: {workload.prompts_per_step}" in str(info.value)
+    del meta["prompts_per_step"]
+    signing.check_identity(tmp_path, meta, halved)

@@ -208,7 +208,8 @@ def run_identity(
     names, the actor's state-shaping fields, each model the workload names for another role
     (``models:``: its name and fields), the workload's algorithm (which trainers hold state),
     precision (whether fp32 master weights exist) and mode (an async one's batches generated
-    ahead), and the run's seed (the data order and the sampling read it)."""
+    ahead), its prompts per step (step k trains on the data set's prompts from k · prompts_per_step)
+    and the run's seed (the data order and the sampling read it)."""
     model = models[Role.ACTOR]
     out: dict[str, Any] = {
         "model": model.name,
@@ -222,6 +223,7 @@ def run_identity(
         "algorithm": workload.algorithm.value,
         "precision": workload.precision.value,
         "mode": workload.mode.value,
+        "prompts_per_step": workload.prompts_per_step,
     }
     if seed is not None:
         out["seed"] = seed
@@ -277,8 +279,8 @@ def _seed_of(meta: dict[str, Any]) -> int | None:
 def check_identity(path: Path, meta: dict[str, Any], expected: dict[str, Any], prefix: str = "") -> None:
     """A checkpoint resumes only a run its state fits, judged by what shapes the state rather than
     by names (a workload file copied or renamed, a model folder moved, resume as before): the
-    actor's architecture, the roles' own models' architectures, the algorithm and precision, and
-    the seed; batches an async run generated ahead resume only into an async run, which trains on
+    actor's architecture, the roles' own models' architectures, the algorithm and precision, the
+    prompts per step and the seed; batches an async run generated ahead resume only into an async run, which trains on
     them. The first difference is named in one line. A checkpoint written before the architecture
     was recorded is judged by the model's and workload's names, as it was then."""
     written = f"{prefix}{path} was written for model {meta.get('model')} and workload {meta.get('workload')}"
@@ -313,6 +315,14 @@ def check_identity(path: Path, meta: dict[str, Any], expected: dict[str, Any], p
             f"{prefix}{path} was written by a run with seed {seed}; this run's is {expected['seed']} "
             "(the data order and the sampling follow it: a resume would repeat and skip prompts; "
             f"resume with seed: {seed}, or start over with --force)"
+        )
+    pps, want = meta.get("prompts_per_step"), expected.get("prompts_per_step")
+    if pps is not None and want is not None and pps != want:  # (not recorded before: not checked)
+        raise ConfigError(
+            f"{prefix}{path} was written by a run with prompts_per_step {pps}; this run's workload "
+            f"{expected['workload']} has {want} (step k trains on the data's prompts from k · "
+            f"prompts_per_step: a resume would repeat or skip prompts; resume with prompts_per_step: "
+            f"{pps}, or start over with --force)"
         )
     if meta.get("pending") and expected.get("mode") != "async":
         raise ConfigError(
