@@ -280,9 +280,10 @@ def check_identity(path: Path, meta: dict[str, Any], expected: dict[str, Any], p
     """A checkpoint resumes only a run its state fits, judged by what shapes the state rather than
     by names (a workload file copied or renamed, a model folder moved, resume as before): the
     actor's architecture, the roles' own models' architectures, the algorithm and precision, the
-    prompts per step and the seed; batches an async run generated ahead resume only into an async run, which trains on
-    them. The first difference is named in one line. A checkpoint written before the architecture
-    was recorded is judged by the model's and workload's names, as it was then."""
+    prompts per step and the seed; batches an async run generated ahead resume only into an async
+    run, which trains on them. The first difference is named in one line. A checkpoint written
+    before the architecture was recorded is judged by the model's and workload's names, as it was
+    then."""
     written = f"{prefix}{path} was written for model {meta.get('model')} and workload {meta.get('workload')}"
     this = f"this run has model {expected['model']} and workload {expected['workload']}"
     arch = meta.get("architecture")
