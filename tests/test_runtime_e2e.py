@@ -238,11 +238,15 @@ def rejoins_after(tmp: Path, name: str, text: str, lost: str) -> list[dict[str, 
 
 
 @pytest.mark.timeout(300)
-def test_a_loss_that_leaves_too_few_gpus_ends_the_job_and_keeps_its_checkpoint(tmp_path: Path) -> None:
-    """Two of four workers killed at once: PPO's three inference model-stages cannot run on the
-    two left. The leader says so in one line and the job ends (it used to crash on the planner's
-    error); its checkpoints and metrics up to the loss stay, to resume from on more GPUs."""
-    out, proc = nereus_run(tmp_path, "short", 6, "drift:\n  - {step: 3, kill: [2, 3]}\n")
+@pytest.mark.parametrize("how", ["kill", "lose"])
+def test_a_loss_that_leaves_too_few_gpus_ends_the_job_and_keeps_its_checkpoint(
+    tmp_path: Path, how: str
+) -> None:
+    """Two of four workers killed at once in step 3 (or lost at the boundary before it): PPO's three
+    inference model-stages cannot run on the two left. The leader says so in one line and the job
+    ends (it used to crash on the planner's error, and a loss at the boundary lost step 2's row);
+    its checkpoints and metrics up to the loss stay, to resume from on more GPUs."""
+    out, proc = nereus_run(tmp_path, "short", 6, f"drift:\n  - {{step: 3, {how}: [2, 3]}}\n")
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert (
         "nereus run: error: the 2 GPUs left [0, 1] cannot run the job (stage inf needs ≥ 3 GPUs"

@@ -21,6 +21,7 @@ from nereus.control.action import Action, Keep, Move, Restart, TransitionRecord
 from nereus.control.admission import Decision
 from nereus.control.controller import Controller, policy_config
 from nereus.control.telemetry import Telemetry
+from nereus.errors import InfeasibleError, TooFewGpusError
 from nereus.plan.calibration import CalibrationStore
 from nereus.plan.layout import Plan
 from nereus.plan.problem import SeqStats
@@ -50,6 +51,14 @@ from nereus.spec import ClusterSpec
 from nereus.telemetry import NodeInventory, read_node, reconcile
 
 T = TypeVar("T")
+
+
+def too_few_gpus(members: Sequence[int], exc: InfeasibleError) -> TooFewGpusError:
+    """The job cannot go on on ``members``, the GPUs a loss left (no plan fits them: ``exc``)."""
+    return TooFewGpusError(
+        f"the {len(members)} GPUs left {list(members)} cannot run the job ({exc}); "
+        "its latest checkpoint stays: resume from it on more GPUs"
+    )
 
 
 class Leader(PoolKeeping):
@@ -195,7 +204,14 @@ class Leader(PoolKeeping):
         if change is not None and change.draining:
             action = self.drain(tel, change.draining)
         elif step < self.spec.steps:
-            action = self.decide(tel, self.spec.max_new_tokens_at(step), defer=self.defer and change is None)
+            try:
+                action = self.decide(
+                    tel, self.spec.max_new_tokens_at(step), defer=self.defer and change is None
+                )
+            except InfeasibleError as exc:  # GPUs that left (scripted, condemned) took the last plan
+                if change is None or not change.leaving:
+                    raise
+                raise too_few_gpus(self.m.members, exc) from None
         else:
             action = Keep()
         self.decided_s = time.perf_counter() - started

@@ -45,9 +45,10 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
-from nereus.control.action import Action, Move, Outcome, RecordKind, TransitionRecord
+from nereus.control.action import Action, Keep, Move, Outcome, RecordKind, TransitionRecord
 from nereus.control.telemetry import Telemetry
 from nereus.devices import StageOutOfMemoryError, set_world_timeout
+from nereus.errors import TooFewGpusError
 from nereus.plan import sweep
 from nereus.plan.calibration import CalibrationStore
 from nereus.plan.layout import Plan
@@ -374,22 +375,20 @@ class JobLoop(Acting, Surviving):
         action = b.action
         if action is None:  # after a pool change: decided in the new generation
             started, leader = time.perf_counter(), self.leader
-            decided = leader.action(self.telemetry, b.step, b.change) if leader is not None else None
+            try:
+                decided = leader.action(self.telemetry, b.step, b.change) if leader is not None else None
+            except TooFewGpusError:  # the step before was trained and checkpointed: its row stays
+                record, moved = self._row(b, Keep("too few GPUs left"))
+                if leader is not None and record is not None:
+                    leader.write(self._dropped(record), moved, self.plan)
+                raise
             if b.change is not None and b.change.reforms:  # the leader decided while the others
                 barrier()  # re-formed the world (newcomers built engines): the membership's seconds
                 planning = leader.decided_s if leader is not None else 0.0  # the decision: plan_s
                 b = replace(b, member_s=b.member_s + time.perf_counter() - started - planning)
             action = broadcast(decided, Action)
-        record, reformed = None, b.change is not None and b.change.reforms
-        if self.leader is not None and b.record is not None:  # with its decision and overheads
-            times = (b.t_ckpt, b.t_monitor, b.member_s)
-            record = self.leader.overheads(b.record, b.step - 1, action, reformed, *times, dict(b.parts))
-        moved, self.moved = self.moved, []
-        change = b.change
-        if change is not None and change.reforms:
-            moved.append(
-                TransitionRecord.membership(b.member_s, change.generation, change.leaving, change.joining)
-            )
+        record, moved = self._row(b, action)
+        change, reformed = b.change, b.change is not None and b.change.reforms
         self.step = b.step
         moved += self._act(action, rebind=reformed)
         if change is not None and change.draining and isinstance(action, Move):  # the drained leave now
@@ -406,6 +405,21 @@ class JobLoop(Acting, Surviving):
             self.leader.deferral.launch()
         self.dropped = 0
         return None
+
+    def _row(self, b: Boundary, action: Action) -> tuple[StepRecord | None, list[TransitionRecord]]:
+        """The leader's row of the step before ``b``, with ``action`` and the boundary's overheads
+        (None elsewhere), and the transitions so far: the pool change's membership with them."""
+        record, change = None, b.change
+        if self.leader is not None and b.record is not None:
+            times = (b.t_ckpt, b.t_monitor, b.member_s)
+            reformed = change is not None and change.reforms
+            record = self.leader.overheads(b.record, b.step - 1, action, reformed, *times, dict(b.parts))
+        moved, self.moved = self.moved, []
+        if change is not None and change.reforms:
+            moved.append(
+                TransitionRecord.membership(b.member_s, change.generation, change.leaving, change.joining)
+            )
+        return record, moved
 
     # ------------------------------------------------------------------ the end
     def _finish(self) -> None:

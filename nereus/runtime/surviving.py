@@ -13,13 +13,13 @@ import time
 
 from nereus.control.action import Action, Restart, TransitionRecord
 from nereus.control.telemetry import Telemetry
-from nereus.errors import InfeasibleError, TooFewGpusError
+from nereus.errors import InfeasibleError
 from nereus.plan.layout import Plan
 from nereus.runtime import faults
 from nereus.runtime.comm import all_gather, broadcast, first_line, is_peer_failure, reduce_max
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.job import JobSetup
-from nereus.runtime.leader import Leader
+from nereus.runtime.leader import Leader, too_few_gpus
 from nereus.runtime.membership import Membership
 from nereus.runtime.pending import share as share_pending
 from nereus.runtime.snapshot import Mark, agreed
@@ -116,11 +116,7 @@ class Surviving:
             try:
                 decided = self.leader.recover(self.plan, self.telemetry, self.step, rebuilt, oom)
             except InfeasibleError as exc:  # the others see the leader leave and leave too
-                members = list(self.m.members)
-                raise TooFewGpusError(
-                    f"the {len(members)} GPUs left {members} cannot run the job ({exc}); "
-                    "its latest checkpoint stays: resume from it on more GPUs"
-                ) from None
+                raise too_few_gpus(self.m.members, exc) from None
         action: Action = broadcast(decided, Action)
         moved = self._act(action, rebind=True)
         if not isinstance(action, Restart):
