@@ -574,3 +574,11 @@ def test_plan_mode_async_takes_a_workload_naming_async_keys(capsys: pytest.Captu
     assert code == 0, err
     doc = json.loads(out)
     assert doc["mode"] == "async" and doc["problem"]["mode"] == "async", doc["problem"]
+
+
+def test_a_trace_that_is_not_json_says_what_a_trace_is(capsys: pytest.CaptureFixture[str]) -> None:
+    write("t/trace.csv", "a,b\n1,2\n")
+    assert refused(with_flag(SIM, "--trace", "t/trace.csv"), capsys) == (
+        f"{E_SIM}t/trace.csv: line 1: not valid JSON (Expecting value) (a trace is a JSON file: "
+        '{"metadata": {"gap_seconds": S}, "data": [...]})'
+    )

@@ -42,7 +42,13 @@ class SpotTrace:
     @classmethod
     def load(cls, path: Path) -> SpotTrace:
         """Read and validate a trace; errors name the file and the field."""
-        doc = load_json(path, "trace", MAX_DATA_BYTES)
+        try:
+            doc = load_json(path, "trace", MAX_DATA_BYTES)
+        except ConfigError as exc:
+            if "not valid JSON" not in str(exc) or path.suffix == ".json":
+                raise
+            shape = '{"metadata": {"gap_seconds": S}, "data": [...]}'
+            raise ConfigError(f"{exc} (a trace is a JSON file: {shape})") from None
         if not isinstance(doc, dict):
             raise ConfigError(f"{path}: expected a JSON object with 'metadata' and 'data'")
         meta = doc.get("metadata")
