@@ -428,3 +428,25 @@ def test_transition_json_reports_the_planning_time(
     assert main(["transition", "--from", str(paths[0]), "--to", str(paths[1])]) == 0
     out = " ".join(capsys.readouterr().out.split())  # the console wraps lines where it likes
     assert "planned in" in out and "priced in" in out and "batches of 256 MiB" in out
+
+
+def test_the_price_json_reports_is_what_admission_prices_with_staging(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Where the per-unit DAG's staging does not fit beside its state and the DAG is planned again
+    with room for it (``fit_staging``: 188 s → 152 s here), ``price_l_tran_s`` is that DAG's, as
+    admission prices it (``DagEstimator.estimate``); it printed the plan before the refit."""
+    import json
+
+    from nereus.cli import main
+
+    plan = ["plan", "--model", "llama-3.1-8b", "--algo", "ppo", "--cluster", "h200-ib", "--seq-len", "4096"]
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert main([*plan, "--gpus", "16", "--json"]) == 0
+    a.write_text(capsys.readouterr().out)
+    assert main([*plan, "--gpus", "64", "--anchor", str(a), "--headroom", "0.5", "--json"]) == 0
+    b.write_text(capsys.readouterr().out)
+    assert main(["transition", "--from", str(a), "--to", str(b), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["price_path"] == "per-unit" and doc["staging_budget_mib"] == 32.0
+    assert doc["price_l_tran_s"] == doc["l_tran_s"]

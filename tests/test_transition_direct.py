@@ -1,8 +1,8 @@
-"""Re-layouts straight from one replica (``local._direct``): where every commit order of
-Split → Extend → Merge runs out of memory (its Extends copy whole T_sub shards onto GPUs that keep
-only a slice of them), the planner assembles each target unit from one current unit, each GPU
-acquiring only its target shard; on gloo (4 spawned ranks) that leaves every buffer byte for byte
-as the Split → Extend → Merge path does."""
+"""Re-layouts straight from one replica (``local._direct``): the planner assembles each target
+unit from one current unit, each GPU acquiring only its target shard, where that is shorter than
+Split → Extend → Merge or where every commit order of that runs out of memory (its Extends copy
+whole T_sub shards onto GPUs that keep only a slice of them); on gloo (4 spawned ranks) that
+leaves every buffer byte for byte as the Split → Extend → Merge path does."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from nereus.transition import LinkModel, StageMove, build_dag
 from nereus.transition.build import CommitOrder, _Locals, initial_bytes, plan_dag
 from nereus.transition.dag import Primitive
 from nereus.transition.local import applies_direct
+from nereus.transition.schedule import best_schedule
 from tests.helpers_spawn import world
 from tests.test_execute_zero_copy import STAGE, TIMEOUT_S, WORLD, _run, _same, reshards, start
 
@@ -50,9 +51,12 @@ def test_where_extends_of_whole_shards_do_not_fit_the_target_unit_is_assembled_s
     assert set(dag.units[src].gpus) <= {0, 1}  # from a replica on other GPUs
     destroyed = {n.inputs[0] for n in dag.nodes if n.primitive is Primitive.DESTROY}
     assert destroyed == {u.id for u in move.current}  # both replicas freed, the source after it
-    # with room for the whole copies the planner keeps Split → Extend → Merge
-    roomy, _ = plan_dag([move], {STAGE: 2}, LINKS, 2**40)
-    assert roomy.feasible and any(n.primitive is Primitive.EXTEND for n in roomy.nodes)
+    # with room for the whole copies both fit: the planner keeps the shorter schedule
+    roomy, fast = plan_dag([move], {STAGE: 2}, LINKS, 2**40)
+    assert roomy.feasible and fast is not None
+    split = build_dag([move], {STAGE: 2}, LINKS, 2**40)
+    assert split.feasible and any(n.primitive is Primitive.EXTEND for n in split.nodes)
+    assert fast.makespan <= best_schedule(split).makespan + 1e-12
 
 
 @pytest.mark.pure

@@ -57,7 +57,7 @@ def _check(case: dict[str, Any]) -> None:
     problem = problem_of(case)
     current, target = plan_of(case["current"], problem), plan_of(case["target"], problem)
     lost = frozenset(case.get("lost", ()))
-    exact = plan_transition(problem, current, target, lost, grouped=False)
+    exact = plan_transition(problem, current, target, lost, grouped=False, direct=False)  # as groups plan
     tr = plan_transition(problem, current, target, lost, grouped=True)
     assert exact.schedule is not None and tr.schedule is not None
     if not tr.schedule.priority.startswith("grouped"):

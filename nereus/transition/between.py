@@ -273,14 +273,17 @@ def plan_transition(
     lost: frozenset[int] = frozenset(),
     skip: frozenset[str] = frozenset(),
     grouped: bool | None = False,
+    direct: bool = True,
 ) -> Transition:
     """The global DAG from ``current`` to ``target`` and its schedule (raises NoSourceError).
     ``skip``: model-stages left out (weight copies a weight sync rebuilds afterwards);
     ``grouped``: None plans on replica classes where that applies (``classplan.py``, laid onto
     the per-unit DAG) and else groups per-unit nodes where that applies (``group.py``); True
     groups wherever memory allows; False (the default, what the goldens pin) is the exact
-    per-unit greedy. Admission prices with ``price_transition`` instead, which leaves the
-    per-unit DAG of a class plan unbuilt until the transition runs."""
+    per-unit greedy; ``direct``: whether it also plans re-layouts straight from one replica
+    (``build.plan_dag``; the class and group plans do not). Admission prices with
+    ``price_transition`` instead, which leaves the per-unit DAG of a class plan unbuilt until
+    the transition runs."""
     if grouped is None:
         priced = _classes(problem, current, target, lost, skip)
         if priced is not None:
@@ -288,7 +291,7 @@ def plan_transition(
     moves = tuple(m for m in stage_moves(problem, current, target, lost) if m.name not in skip)
     rank = {ms.name: STAGE_ORDER.index(ms.stage) for ms in target.workflow.model_stages}
     links = link_model(problem.cluster, problem.efficiencies)
-    dag, schedule = plan_dag(moves, rank, links, ledger_capacity(problem), grouped)
+    dag, schedule = plan_dag(moves, rank, links, ledger_capacity(problem), grouped, direct)
     return Transition(dag, schedule, moves)
 
 

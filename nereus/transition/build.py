@@ -129,6 +129,7 @@ def plan_dag(
     links: LinkModel,
     capacity: int | Mapping[int, int],
     grouped: bool | None = False,
+    direct: bool = True,
 ) -> tuple[TransitionDag, Schedule | None]:
     """The DAG and schedule a transition runs: splits-first, and stage-first when that may help.
 
@@ -138,7 +139,10 @@ def plan_dag(
 
     The second commit order is built only when the first is infeasible or its schedule lies more
     than ``SLACK`` above the lower bound (critical path of the local edges, busiest port). The
-    shorter feasible schedule wins.
+    shorter feasible schedule wins. Where a move changes its layout and GPUs, the re-layout
+    straight from one replica (``_direct``) is planned too, and kept where it is shorter
+    (``direct``; False: only where Split → Extend → Merge runs out of memory, the per-unit
+    reference the class and grouped plans are held to, which plan Split → Extend → Merge).
     """
     locals_ = _Locals(moves, links, capacity)
     if grouped is not False:
@@ -169,26 +173,29 @@ def plan_dag(
     if best[1] is not None and best_prep is not None and best[1].makespan > (1.0 + SAMPLE_SLACK) * best_bound:
         samples = min(SAMPLES, SAMPLE_NODES // max(len(best[0].nodes), 1))  # the winner only
         best = (best[0], sampled(best[0], None, best[1], best_prep, samples))
-    if best[1] is None and any(applies_direct(m) for m in moves):
-        return _direct_or(best, _Locals(moves, links, capacity, direct=True), stage_rank)
+    if (direct or best[1] is None) and any(applies_direct(m) for m in moves):
+        straight = _direct(_Locals(moves, links, capacity, direct=True), stage_rank)
+        if straight is not None and (best[1] is None or straight[1].makespan < best[1].makespan - 1e-12):
+            return straight
     return best
 
 
-def _direct_or(
-    infeasible: tuple[TransitionDag, Schedule | None], direct: _Locals, stage_rank: Mapping[str, int]
-) -> tuple[TransitionDag, Schedule | None]:
-    """Where every commit order of Split → Extend → Merge runs out of memory: the re-layouts
-    straight from one replica each (``local._direct``), whose GPUs acquire only their target
-    shards (a deeper pipeline's Extends copy whole T_sub shards first), in the first commit
-    order that fits; else the infeasible DAG as it was (its reason names what blocks)."""
+def _direct(direct: _Locals, stage_rank: Mapping[str, int]) -> tuple[TransitionDag, Schedule] | None:
+    """The re-layouts straight from one replica each (``local._direct``), whose GPUs acquire only
+    their target shards (Split → Extend → Merge copies whole T_sub shards first: more bytes, more
+    memory, and out of memory where a deeper pipeline's Extends land whole shards), in the commit
+    order with the shorter schedule that fits; None where none fits. ``plan_dag`` keeps it where
+    it is shorter than Split → Extend → Merge, or where that runs out of memory (the infeasible
+    DAG's reason then names what blocks)."""
+    best: tuple[TransitionDag, Schedule] | None = None
     for order in CommitOrder:
         dag = direct.commit(stage_rank, order)
         if dag.feasible:
             prep = Prepared(dag)
             sched = best_schedule(dag, bound=lower_bound(dag, prep), prep=prep)
-            if sched is not None:
-                return dag, sched
-    return infeasible
+            if sched is not None and (best is None or sched.makespan < best[1].makespan - 1e-12):
+                best = (dag, sched)
+    return best
 
 
 class _Ledger:

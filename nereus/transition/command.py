@@ -323,7 +323,10 @@ def run(
     priced = price_transition(problem, current, target, lost)
     price_ms = (time.perf_counter() - started) * 1e3
     doc = transition_json(tr, plan_ms)
-    doc.update({"price_ms": price_ms, "price_path": priced.path, "price_l_tran_s": priced.l_tran_s})
+    # what admission prices (``DagEstimator.estimate``): the class plan's makespan, else the
+    # per-unit DAG with its staging fitted (``fit_staging``, which may plan it again) — ``tr``
+    price_l_tran_s = priced.l_tran_s if priced.classes is not None else tr.l_tran_s
+    doc.update({"price_ms": price_ms, "price_path": priced.path, "price_l_tran_s": price_l_tran_s})
     if args.json:
         print(json.dumps(doc))
         return 0

@@ -18,9 +18,10 @@ Destroy of its source (a sole replica is destroyed only after it has been copied
 of its target unit. Simpler moves take shortcuts: a DP-only move (the layout stays) keeps units
 in place, extends the new ones and destroys the surplus; a unit re-laid-out on its own GPUs is
 resharded in one exchange; a model-stage with no intact unit is *restored* straight into the
-target layout from its weight-sync source or from shared storage. Where the DAG of these runs out
-of memory (``build._direct_or``), a move that changes layout and GPUs is planned *direct*: each
-target unit assembled straight from one current unit (``_direct``). Pure.
+target layout from its weight-sync source or from shared storage. A move that changes layout and
+GPUs is also planned *direct* (``build._direct``): each target unit assembled straight from one
+current unit (``_direct``), kept where its schedule is shorter or the DAG of the others runs out
+of memory. Pure.
 """
 
 from __future__ import annotations
