@@ -19,9 +19,11 @@ the same string, or when both are the same number (an integer, a decimal, ``\\fr
 * ``\\\\frac`` (a doubled backslash before a command name) → ``\\frac``
 * ``\\$``, ``$``, ``\\left``, ``\\right``, ``\\displaystyle``, degree signs (``^\\circ``,
   ``^{\\circ}``, ``°``) and percent signs (``\\%``, ``%``) removed; ``\\dfrac``, ``\\tfrac`` → ``\\frac``
+* a Unicode minus or en dash → ``-``
 * ``\\text{...}`` (``\\mbox``, ``\\mathrm``, ...) after a value is a unit and dropped when its content
-  starts with a space or the value ends in a digit (``5\\text{ cm}`` → ``5``); any other is reduced to
-  its content (``\\text{(A)}`` → ``(A)``)
+  starts with a space, the value ends in a digit (``5\\text{ cm}``, ``5\\,\\text{cm}`` → ``5``), or
+  spacing separates a unit word from the value (``\\frac{3}{4}\\,\\text{cup}``); any other is reduced
+  to its content (``\\text{(A)}`` → ``(A)``)
 * spacing (``\\!``, ``\\,``, ``\\;``, ``\\quad``, ``~``, ...) and all whitespace removed
 * a short variable (one or two letters, ``a_1``, ``\\theta``) on the left of the only ``=``
   removed (``x = 3``, ``BC = 12`` → ``3``, ``12``); a matrix's row break ``\\\\`` kept
@@ -111,10 +113,10 @@ def gsm8k_number(text: str, flexible: bool = True) -> Fraction | None:
 
 
 def gsm8k_ground_truth(answer: str) -> Fraction | None:
-    """A GSM8K answer: a number, or a full solution ending ``#### <number>`` (the number after the
-    last marker counts); None if there is no number."""
-    found = numbers(_untex_thousands(answer).rpartition(GSM8K_MARKER)[2])
-    return to_number(found[0]) if found else None
+    """A GSM8K answer: a number, or a full solution ending ``#### <number>`` (what follows the last
+    marker); None where that is not one number (``1e3``, ``\\frac{1}{2}``, ``12-15``, ``5 000``:
+    its first number would have rewarded ``1``, ``1``, ``12`` and ``5``), which nothing matches."""
+    return to_number(_untex_thousands(answer).rpartition(GSM8K_MARKER)[2])
 
 
 # ------------------------------------------------------------------ boxes and braces
@@ -222,6 +224,7 @@ _REMOVED = re.compile(
     r"\\\$|\$|\\(?:left|right|displaystyle)(?![A-Za-z])|\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|°|\\%|%"
 )
 _SPACING = re.compile(r"\\(?:qquad|quad)(?![A-Za-z])|\\[!,;: ]|~|\s+")
+_TRAILING_SPACING = re.compile(r"(?:\\(?:qquad|quad)(?![A-Za-z])|\\[!,;: ]|~|\s)+$")
 _VARIABLE = re.compile(r"[A-Za-z]{1,2}(?:_\{?\w+\}?)?|\\[A-Za-z]+")  # x, BC, a_1, \theta
 _ROW = "\x00"  # ``\\`` while the spacing rules run
 _BRACED_COMMAND = re.compile(r"\\(frac|sqrt)(?![A-Za-z])")
@@ -230,14 +233,18 @@ _TRAILING_ZEROS = re.compile(r"(\d)\.(\d*[1-9])?0+(?!\d)")
 
 
 def _unwrap_text(s: str) -> str:
-    """Drop a unit's ``\\text{...}`` after a value; reduce every other one to its content."""
+    """Drop a unit's ``\\text{...}`` after a value (TeX spacing between them too: ``5\\,\\text{cm}``);
+    reduce every other one to its content."""
     pos = 0
     while (m := _TEXT.search(s, pos)) is not None:
         close = closing_brace(s, m.end() - 1)
         if close is None:
             return s
-        content, before, after = s[m.end() : close], s[: m.start()].rstrip(), s[close + 1 :]
-        is_unit = bool(before) and (content.startswith(" ") or before[-1].isdigit())
+        content, after = s[m.end() : close], s[close + 1 :]
+        before = _TRAILING_SPACING.sub("", s[: m.start()])
+        spaced = len(before) < m.start()  # a space or TeX spacing between the value and the text
+        unit = _is_unit(content.strip())  # cm, cups, dollars: after a fraction too (\frac{3}{4}\,\text{cup})
+        is_unit = bool(before) and (content.startswith(" ") or before[-1].isdigit() or (spaced and unit))
         if is_unit and _UNIT_TAIL.fullmatch(after):
             return before
         s, pos = s[: m.start()] + content + after, m.start()
@@ -284,7 +291,7 @@ def _trim_zeros(m: re.Match[str]) -> str:
 
 def normalize_math(answer: str) -> str:
     """``answer``'s normal form (module docstring): equal forms are the same answer."""
-    s = re.sub(r"\\\\(?=[A-Za-z])", r"\\", answer)
+    s = re.sub(r"\\\\(?=[A-Za-z])", r"\\", answer.translate(_TO_HYPHEN))  # −5 is -5
     s = s.replace("\\\\", _ROW)  # a matrix row break, never a backslash before spacing (``\\ 2``)
     s = _REMOVED.sub("", s)
     s = re.sub(r"\\[dt]frac(?![A-Za-z])", r"\\frac", s)

@@ -128,7 +128,8 @@ MAX_POWERS = 8  # nor one with more exponents than this (a tower of powers wedge
 
 
 def math_verify(response_text: str, answer: str) -> float:
-    """1.0 if Math-Verify finds the response's answer equal to ``answer``, else 0 (also when either
+    """1.0 if Math-Verify finds the response's answer — its last box, else what Math-Verify
+    extracts from its text — equal to ``answer``, else 0 (also when either
     does not parse, or a parse or a comparison takes longer than ``MATH_VERIFY_TIMEOUT_S``).
     Bounded before any sympy runs, so a batch of degenerate responses cannot stall a step: only
     the last ``MATH_VERIFY_TAIL`` characters are read, and a final box longer than
@@ -149,7 +150,10 @@ def math_verify(response_text: str, answer: str) -> float:
     try:
         gold = parse(f"\\boxed{{{answer if boxed is None else boxed}}}", (LatexExtractionConfig(),),
                      parsing_timeout=limit)  # fmt: skip
-        got = parse(text, (ExprExtractionConfig(), LatexExtractionConfig()), parsing_timeout=limit)
+        # the last box where there is one (Math-Verify would read every box of the text as one set:
+        # a response that corrects itself, "\boxed{5} ... no, \boxed{6}", matched neither)
+        read = text if final is None else f"\\boxed{{{final}}}"
+        got = parse(read, (ExprExtractionConfig(), LatexExtractionConfig()), parsing_timeout=limit)
         found = bool(gold) and bool(got) and verify(gold, got, timeout_seconds=limit)
     except Exception:  # Math-Verify's timeouts and sympy's errors: not a match (as verl scores them)
         return 0.0
