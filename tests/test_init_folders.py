@@ -1,7 +1,8 @@
 """The preflight's checks of the folders each role starts from (``preflight_child.torch_checks``,
 in process): a reward model must have its one-label head (a causal LM's would be zeros and score
 every response 0), and a critic or reward model with a tokenizer of its own must map tokens to
-the actor's ids (the same vocabulary size is not enough)."""
+the actor's ids (the same vocabulary size is not enough); and a data set smaller than one step's
+prompts is a warning."""
 
 from __future__ import annotations
 
@@ -181,3 +182,19 @@ def test_a_reference_without_an_entry_follows_the_actors(tmp_path: Path) -> None
     named = load_workload(_own_models(tmp_path, f"actor: {actor}, ref: tiny-llama"))
     assert named.model_of("ref") == "tiny-llama"  # a reference of its own stays its own
     assert s.role_weights("ref", named) == ("", "models.ref")  # a model YAML: random weights
+
+
+def test_a_data_set_smaller_than_a_step_is_a_warning(tmp_path: Path) -> None:
+    """One row and prompts_per_step 4 (grpo-tiny): every step trains on that row four times; it ran
+    with no notice."""
+    rows = tmp_path / "one.jsonl"
+    rows.write_text('{"prompt": "copy ab=", "answer": "ab", "id": 1}\n')
+    path = tmp_path / "exp.yaml"
+    path.write_text(f"name: x\nworkload: grpo-tiny\nmodel: tiny-llama\nverifier: exact\ndataset: {rows}\n")
+    (warning,) = torch_checks(ExperimentSpec.load(path))
+    assert warning == (
+        "dataset: 1 row, fewer than grpo-tiny's prompts_per_step 4: every step trains on rows repeated "
+        "(each about 4 times)"
+    )
+    rows.write_text("".join(f'{{"prompt": "copy ab=", "answer": "ab", "id": {i}}}\n' for i in range(4)))
+    assert torch_checks(ExperimentSpec.load(path)) == []

@@ -50,16 +50,29 @@ def torch_checks(spec: Any) -> list[str]:
         raise ConfigError(
             f"tokenizer: {tok.vocab_size} ids do not fit {model.name}'s vocabulary of {model.vocab_size}"
         )
+    train: tuple[str, int] | None = None  # the training prompts' key and rows
     if spec.data is not None:  # under by_source, every row's data_source names a verifier
         layout = spec.data.record_layout(by_source=spec.verifier == "by_source")
         for key, named in (("data.train", spec.data.files), ("data.val", spec.data.val_files)):
             try:
                 if named:
-                    PromptDataset.load([Path(f) for f in named], tok, workload.max_prompt_len, 0, layout)
+                    rows = PromptDataset.load(
+                        [Path(f) for f in named], tok, workload.max_prompt_len, 0, layout
+                    )
+                    train = train or (key, len(rows))
             except ConfigError as exc:
                 raise ConfigError(f"{key}: {exc}") from None
     elif spec.dataset:
-        keyed("dataset", lambda p: PromptDataset.load(Path(p), tok, workload.max_prompt_len), spec.dataset)
+        rows = keyed(
+            "dataset", lambda p: PromptDataset.load(Path(p), tok, workload.max_prompt_len), spec.dataset
+        )
+        train = ("dataset", len(rows))
+    if train is not None and train[1] < workload.prompts_per_step:
+        warnings.append(
+            f"{train[0]}: {train[1]} row{'s' if train[1] != 1 else ''}, fewer than {workload.name}'s "
+            f"prompts_per_step {workload.prompts_per_step}: every step trains on rows repeated "
+            f"(each about {workload.prompts_per_step / train[1]:.3g} times)"
+        )
     keyed("verifier", get_verifier, spec.verifier)
     runs = {ms.role.value for ms in workload.workflow().model_stages}
     for role, head in (("actor", Head.LM), ("ref", Head.LM), ("reward", Head.VALUE), ("critic", Head.VALUE)):
