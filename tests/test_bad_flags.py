@@ -304,6 +304,8 @@ def test_plan_json_that_is_not_a_plan(capsys: pytest.CaptureFixture[str]) -> Non
         ("3-1", "--lost: bad range '3-1' (expected LOW-HIGH)"),
         ("-3", "--lost: expected GPU ids like 3,8-11, got '-3'"),
         ("x" * 500, "--lost: expected GPU ids like 3,8-11, got " + brief("x" * 500)),
+        ("", "--lost: expected GPU ids like 3,8-11, got ''"),  # given, naming none: not "no loss"
+        (" ", "--lost: expected GPU ids like 3,8-11, got ' '"),
     ],
 )
 def test_transition_lost_gpus(lost: str, line: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -522,3 +524,13 @@ def test_json_commands_print_an_object_on_every_exit(capsys: pytest.CaptureFixtu
         assert list(doc) == ["error"] and message in doc["error"] and doc["error"] in err, (doc, err)
     code, out, err = cli(["run", "x.yaml", "--json"], capsys)  # a command without --json: stdout stays empty
     assert code == 2 and out == "" and "unrecognized arguments: --json" in err
+
+
+def test_a_plan_file_larger_than_a_config_is_read(capsys: pytest.CaptureFixture[str]) -> None:
+    """``plan --exhaustive --all --json`` lists every plan (1.1 MB at 4 GPUs); ``transition`` and
+    ``--anchor`` refused that file at the 1 MiB a config may take."""
+    plan_file(capsys, "a.json", "--gpus", "16", "--seq-len", "2048")
+    Path("big.json").write_text(Path("a.json").read_text() + " " * (2 << 20))
+    code, out, err = cli(["transition", "--from", "a.json", "--to", "big.json", "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["moved_bytes"] == 0

@@ -260,6 +260,13 @@ def test_bad_or_impossible_fixes(
     assert message in err and err.count("\n") == 1, err
 
 
+def test_a_model_stage_fixed_twice_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*PLAN, "--fix", "actor.train=tp4,pp1,dp2", "--fix", "actor.train=tp2,pp1,dp4"]) == 2
+    assert (
+        "--fix: model-stage actor.train is named twice (one --fix per model-stage)" in capsys.readouterr().err
+    )
+
+
 def _hf(folder: Path, heads: int, kv: int) -> str:
     """A Llama config.json with ``heads`` attention heads and ``kv`` KV heads (head_dim 128)."""
     folder.mkdir()

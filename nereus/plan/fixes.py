@@ -65,8 +65,10 @@ def held_space(
     """``space`` holding the ``--fix`` layouts (texts as given) on a pool of ``gpus``, each
     checked; one ``ConfigError`` naming the flag on the first that cannot be held."""
     held = [parse_fix(text, workload) for text in fixes]
-    if len({name for name, *_ in held}) != len(held):
-        raise ConfigError("--fix: a model-stage is named twice")
+    names = [name for name, *_ in held]
+    twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if twice is not None:
+        raise ConfigError(f"--fix: model-stage {twice} is named twice (one --fix per model-stage)")
     for name, layout, dp, micro in held:  # the layouts the runtime can shard (the planner's rule)
         why = layout_refusal(name, layout, models[workload.workflow().get(name).role], space, cluster)
         if why:

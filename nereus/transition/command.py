@@ -70,6 +70,7 @@ def same_setting(key: str, a: object, b: object) -> bool:
 PROBLEM_KEYS = ("model", "algo", "cluster", "gpus", "seq_len", "seq_len_p95", "prompt_len", "mode",
                 "max_tp", "headroom", "urgent", "calibration", "pipelined_gen")  # fmt: skip
 MAX_GPUS = 1 << 20  # --gpus, a plan's pool
+MAX_PLAN_BYTES = 64 << 20  # a plan file: ``plan --exhaustive --all --json`` lists up to 100,000 plans
 MAX_TP = 1024  # --max-tp, a plan's tp and pp
 MAX_STAGES = 64  # model-stages in a plan
 
@@ -161,13 +162,13 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("transition", help="the transition DAG between two plans (from nereus plan --json)")
     p.add_argument("--from", dest="source", required=True, type=Path, help="current plan JSON")
     p.add_argument("--to", dest="target", required=True, type=Path, help="target plan JSON")
-    p.add_argument("--lost", default="", help="GPU ids lost before the transition, e.g. 3,8-11")
+    p.add_argument("--lost", help="GPU ids lost before the transition, e.g. 3,8-11")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
 
 def read_plan(path: Path) -> PlanDoc:
     """A printed plan from ``path``: every field typed and in range, or one ``ConfigError`` line."""
-    doc = load_json(path, "plan")
+    doc = load_json(path, "plan", MAX_PLAN_BYTES)
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: not a plan JSON (expected an object; write it with nereus plan --json)")
     for key in ("problem", "stages"):
@@ -207,7 +208,7 @@ def parse_gpus(text: str, pool: int, source: Path) -> frozenset[int]:
     """``"3,8-11"`` → {3, 8, 9, 10, 11}; every id must lie in the pool of ``source`` (0…pool-1),
     checked before a range is expanded."""
     out: set[int] = set()
-    if text.strip() and not text.replace(",", "").strip():
+    if not text.replace(",", "").strip():  # given, but naming none ('', ' ', ',,')
         raise ConfigError(f"--lost: expected GPU ids like 3,8-11, got {brief(text)}")
     for part in filter(None, (p.strip() for p in text.split(","))):
         match = re.fullmatch(r"(\d{1,9})(?:-(\d{1,9}))?", part)
@@ -302,7 +303,7 @@ def run(
                 f"plans are for different {key}s: {brief(str(a))} ({args.source}) vs "
                 f"{brief(str(b))} ({args.target})"
             )
-    lost = parse_gpus(args.lost, a_doc.problem.gpus, args.source)
+    lost = parse_gpus(args.lost, a_doc.problem.gpus, args.source) if args.lost is not None else frozenset()
     problem = build_problem(b_doc.problem.namespace(args.target))
     current = plan_from_json(a_doc, build_problem(a_doc.problem.namespace(args.source)))
     target = plan_from_json(b_doc, problem)
