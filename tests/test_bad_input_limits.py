@@ -175,7 +175,7 @@ def test_plan_json_with_a_tp_the_heads_cannot_split(capsys: pytest.CaptureFixtur
         "(odd-30b: 48 attention heads, 6 KV heads; allowed tp: 1, 2)"
     )
     assert refused(["transition", "--from", "bad.json", "--to", "128.json"], capsys) == f"{E_TR}{want}"
-    assert refused([*plan, "--gpus", "64", "--anchor", "bad.json"], capsys) == f"{E_PLAN}{want}"
+    assert refused([*plan, "--gpus", "64", "--anchor", "bad.json"], capsys) == f"{E_PLAN}--anchor {want}"
 
 
 def test_sequence_curves_beyond_the_context_and_rows_beyond_the_header(

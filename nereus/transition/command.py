@@ -289,7 +289,10 @@ def load_plan(
                 f"{flag} {path}: the plan is for {key} {brief(theirs)}, not {brief(value)} "
                 f"(allowed: a plan of the same {', '.join(SAME)})"
             )
-    return plan_from_json(doc, build_problem(doc.problem.namespace(path)))
+    try:
+        return plan_from_json(doc, build_problem(doc.problem.namespace(path)))
+    except ConfigError as exc:
+        raise ConfigError(f"{flag} {exc}") from None
 
 
 def run(
