@@ -343,6 +343,7 @@ def test_fsdp_prices_gathers_and_reduce_scatters_behind_compute(capsys: pytest.C
     assert main([*a100, *train, "--fsdp"]) == 0  # torchtitan's layout: state sharded over 64 GPUs
     fsdp = json.loads(capsys.readouterr().out)
     assert fsdp["fits"] and fsdp["peak_mem_gib"] < serial["peak_mem_gib"] - 100
+    assert fsdp["fsdp"] and not serial["fsdp"]  # the answer says which trainer it priced
     half = list(train)
     half[half.index("--dp") + 1] = "32"
     assert main([*a100, *half, "--fsdp"]) == 0

@@ -226,6 +226,7 @@ class Price:
     # ``price(track=True)`` only: per op class, the (size, ranks per node) of its work (0: none),
     # what a measurement of the class carries for calibration by shape (``nereus.plan.shapefit``)
     shapes: dict[str, tuple[float, float]] = field(default_factory=dict)
+    fsdp: bool = False  # a trainer sharding parameters, gradients and optimizer state over DP
 
     @property
     def fits(self) -> bool:
@@ -239,6 +240,7 @@ class Price:
             "by_class": self.by_class,
             "model_stage": self.model_stage,
             "shape": str(self.shape),
+            "fsdp": self.fsdp,
             "gpus": self.shape.num_gpus,
             "limit_gib": self.limit_bytes / GIB,
             "by_term": self.by_term,
@@ -308,4 +310,4 @@ def price(
             op.value: (c.size, c.group)
             for op, c in class_shapes(terms, STEP_SYNCS, unsized(query.stage)).items()
         }
-    return Price(model_stage.name, est.shape, total, by_class, by_term, peak, limit, shapes)
+    return Price(model_stage.name, est.shape, total, by_class, by_term, peak, limit, shapes, query.fsdp)

@@ -126,7 +126,8 @@ def run(args: argparse.Namespace, out: Console) -> int:
 
 def _print(p: Price, model: str, cluster: str, out: Console) -> None:
     gib = 1 << 30
-    out.print(f"{p.model_stage} of {model} on {cluster}: {p.shape} ({p.shape.num_gpus} GPUs)")
+    fsdp = ", FSDP over DP" if p.fsdp else ""
+    out.print(f"{p.model_stage} of {model} on {cluster}: {p.shape}{fsdp} ({p.shape.num_gpus} GPUs)")
     table = Table("term", "seconds", "op class", "seconds")
     terms = [(k, v) for k, v in p.by_term.items() if v > 0]
     classes = [(k, v) for k, v in p.by_class.items() if v > 0]
