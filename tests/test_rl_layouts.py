@@ -102,6 +102,14 @@ def test_the_qa_layout_through_a_template(tmp_path: Path) -> None:
             "column 'reward_model.ground_truth': must not be",
         ),
         ({**VERL[0], "data_source": 7}, "column 'data_source': expected a string"),
+        (  # valid JSON ("\ud800"), not text: it was blamed on the tokenizer's chat template
+            {**VERL[0], "prompt": [{"role": "user", "content": "copy \ud800="}]},
+            "column 'prompt': message 0: content: not text (a lone surrogate \\ud800 at character 5)",
+        ),
+        (
+            {**VERL[0], "reward_model": {"ground_truth": "7\udfff"}},
+            "column 'reward_model.ground_truth': not text (a lone surrogate \\udfff at character 1)",
+        ),
         (
             {**VERL[0], "extra_info": {"index": [1]}},
             "column 'extra_info.index': expected a string or an integer",

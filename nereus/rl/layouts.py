@@ -134,6 +134,7 @@ def _text(value: Any, where: str, key: str) -> str:
     )
     if not text.strip():
         raise ConfigError(f"{where}: column {key!r}: must not be empty")
+    _encodable(text, f"{where}: column {key!r}")
     return text
 
 
@@ -148,8 +149,19 @@ def _messages(value: Any, where: str) -> tuple[tuple[str, str], ...]:
             or not isinstance(m.get("content"), str)
         ):
             raise ConfigError(f"{where}: message {i}: expected {{role: str, content: str}}, got {m!r}")
+        for field in ("role", "content"):
+            _encodable(m[field], f"{where}: message {i}: {field}")
         out.append((m["role"], m["content"]))
     return tuple(out)
+
+
+def _encodable(text: str, where: str) -> None:
+    """``text`` is text: JSON may escape a lone surrogate (``"\\ud800"``), which no tokenizer encodes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start : exc.end].encode("unicode_escape").decode()
+        raise ConfigError(f"{where}: not text (a lone surrogate {bad} at character {exc.start})") from None
 
 
 def _task(
