@@ -107,6 +107,10 @@ def test_the_qa_layout_through_a_template(tmp_path: Path) -> None:
             "column 'prompt': message 0: content: not text (a lone surrogate \\ud800 at character 5)",
         ),
         (
+            {**VERL[0], "extra_info": {"index": "a\ud800"}},
+            "column 'extra_info.index': not text (a lone surrogate \\ud800 at character 1)",
+        ),
+        (
             {**VERL[0], "reward_model": {"ground_truth": "7\udfff"}},
             "column 'reward_model.ground_truth': not text (a lone surrogate \\udfff at character 1)",
         ),

@@ -449,4 +449,13 @@ def test_the_price_json_reports_is_what_admission_prices_with_staging(
     assert main(["transition", "--from", str(a), "--to", str(b), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["price_path"] == "per-unit" and doc["staging_budget_mib"] == 32.0
-    assert doc["price_l_tran_s"] == doc["l_tran_s"]
+    from nereus.cli import _problem
+    from nereus.control.transition_cost import DagEstimator
+    from nereus.transition.between import price_transition
+    from nereus.transition.command import load_plan, read_plan
+
+    current, target = load_plan(a, _problem), load_plan(b, _problem)
+    problem = _problem(read_plan(b).problem.namespace(b))
+    admitted = DagEstimator().estimate(problem, current, target)  # what admission prices
+    assert doc["price_l_tran_s"] == admitted.features[0] == pytest.approx(doc["l_tran_s"])
+    assert price_transition(problem, current, target).l_tran_s > 1.1 * doc["price_l_tran_s"]  # before the fit

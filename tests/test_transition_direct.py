@@ -6,6 +6,7 @@ leaves every buffer byte for byte as the Split → Extend → Merge path does.""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -16,13 +17,13 @@ from nereus.plan.layout import Layout
 from nereus.spec import load_cluster, load_model
 from nereus.spec.workload import Precision, Stage
 from nereus.state.buffers import StatePolicy
-from nereus.transition import LinkModel, StageMove, build_dag
+from nereus.transition import LinkModel, StageMove, build_dag, plan_transition
 from nereus.transition.build import CommitOrder, _Locals, initial_bytes, plan_dag
 from nereus.transition.dag import Primitive
 from nereus.transition.local import applies_direct
-from nereus.transition.schedule import best_schedule
 from tests.helpers_spawn import world
 from tests.test_execute_zero_copy import STAGE, TIMEOUT_S, WORLD, _run, _same, reshards, start
+from tests.transition_cases import GOLDEN, plan_of, problem_of
 
 LINKS = LinkModel(load_cluster("local-cpu"), Efficiencies())
 
@@ -51,12 +52,25 @@ def test_where_extends_of_whole_shards_do_not_fit_the_target_unit_is_assembled_s
     assert set(dag.units[src].gpus) <= {0, 1}  # from a replica on other GPUs
     destroyed = {n.inputs[0] for n in dag.nodes if n.primitive is Primitive.DESTROY}
     assert destroyed == {u.id for u in move.current}  # both replicas freed, the source after it
-    # with room for the whole copies both fit: the planner keeps the shorter schedule
-    roomy, fast = plan_dag([move], {STAGE: 2}, LINKS, 2**40)
-    assert roomy.feasible and fast is not None
-    split = build_dag([move], {STAGE: 2}, LINKS, 2**40)
-    assert split.feasible and any(n.primitive is Primitive.EXTEND for n in split.nodes)
-    assert fast.makespan <= best_schedule(split).makespan + 1e-12
+    # with room for the whole copies both fit, as fast: the planner keeps Split → Extend → Merge
+    roomy, _ = plan_dag([move], {STAGE: 2}, LINKS, 2**40)
+    assert roomy.feasible and any(n.primitive is Primitive.EXTEND for n in roomy.nodes)
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("name", ["random pair 8 (8 GPUs)", "random pair 38 (16 GPUs)"])
+def test_where_the_direct_re_layout_is_shorter_it_is_kept(name: str) -> None:
+    """Both fit; assembling each target unit straight from one replica takes half as long here
+    (each GPU receives only its shard), so it is the plan (it was planned only for memory)."""
+    case = next(c for c in json.loads(GOLDEN.read_text()) if c["name"] == name)
+    problem = problem_of(case)
+    current, target = plan_of(case["current"], problem), plan_of(case["target"], problem)
+    kept = plan_transition(problem, current, target)
+    plain = plan_transition(problem, current, target, direct=False)
+    assert plain.feasible and kept.l_tran_s < 0.75 * plain.l_tran_s
+    assert sum(n.primitive is Primitive.EXTEND for n in kept.dag.nodes) < sum(
+        n.primitive is Primitive.EXTEND for n in plain.dag.nodes
+    )
 
 
 @pytest.mark.pure

@@ -58,7 +58,7 @@ def _check(case: dict[str, Any]) -> None:
     current, target = plan_of(case["current"], problem), plan_of(case["target"], problem)
     lost = frozenset(case.get("lost", ()))
     exact = plan_transition(problem, current, target, lost, grouped=False, direct=False)  # as groups plan
-    tr = plan_transition(problem, current, target, lost, grouped=True)
+    tr = plan_transition(problem, current, target, lost, grouped=True, direct=False)
     assert exact.schedule is not None and tr.schedule is not None
     if not tr.schedule.priority.startswith("grouped"):
         # memory too tight for the no-wait ledger: the exact per-unit plan, unchanged

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from nereus.rl.verifiers import answer_math, boxed_math, gsm8k, gsm8k_flexible, math_verify
+from nereus.rl.tasks import TaskRecord
+from nereus.rl.verifiers import answer_math, boxed_math, gsm8k, gsm8k_flexible, math_verify, unscorable
 
 pytestmark = pytest.mark.pure
 
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.pure
 def test_a_ground_truth_that_is_not_one_number_rewards_no_response(truth: str, response: str) -> None:
     """Its first number was the answer: ``#### 1`` was rewarded for ½ (verl compares strings)."""
     assert gsm8k(response, truth) == 0.0 and gsm8k_flexible(response, truth) == 0.0
+    assert unscorable("gsm8k", [TaskRecord("q", truth, "7")]) == [TaskRecord("q", truth, "7")]
 
 
 @pytest.mark.parametrize(
@@ -37,10 +39,14 @@ def test_a_ground_truth_that_is_not_one_number_rewards_no_response(truth: str, r
         (" 72. ", "#### 72"),
         ("$72", "#### 72"),
         ("1{,}234", "#### 1234"),
+        ("The answer is: 72", "#### 72"),  # MetaMath's: one number, words around it
+        ("#### 18 dollars", "#### 18"),
+        (r"\boxed{72}", "#### 72"),
     ],
 )
 def test_one_number_in_its_forms_is_still_a_ground_truth(truth: str, response: str) -> None:
     assert gsm8k(response, truth) == 1.0
+    assert unscorable("gsm8k", [TaskRecord("q", truth)]) == []
 
 
 @pytest.mark.parametrize(
@@ -68,14 +74,22 @@ def test_a_unicode_minus_and_a_unit_after_tex_spacing_are_the_answer(response: s
         (r"\boxed{x\text{cm}}", "x"),  # no space before the text: a name, not a unit
         (r"\boxed{5\,\text{and}\,6}", "5"),  # not a unit word
         (r"\boxed{-5}", "5"),
+        (r"\boxed{3\,\mathrm{i}}", "3"),  # i after spacing is the imaginary unit, no unit of measure
+        (r"\boxed{5\,\text{or}}", "5"),
     ],
 )
 def test_what_is_not_a_unit_or_a_sign_still_counts(response: str, truth: str) -> None:
     assert boxed_math(response, truth) == 0.0
 
 
+def test_a_complex_answer_keeps_its_imaginary_unit() -> None:
+    assert boxed_math(r"\boxed{1+2\,\mathrm{i}}", "1+2i") == 1.0
+
+
 def test_math_verify_reads_the_last_box_of_a_response_that_corrects_itself() -> None:
-    """Math-Verify reads every box of a text as one set: it matched neither 5 nor 6 here."""
+    """Math-Verify reads every box of a text as one set: it matched neither 5 nor 6 here; an
+    answer given as several boxes is still read as Math-Verify reads it."""
     text = r"So \boxed{5}. Wait, no: the count doubles. So \boxed{6}"
     assert math_verify(text, "6") == 1.0 and math_verify(text, "5") == 0.0
     assert math_verify("the answer is 6", "6") == 1.0  # no box: what Math-Verify extracts
+    assert math_verify(r"The roots are \boxed{1}, \boxed{2}", "1, 2") == 1.0

@@ -70,6 +70,7 @@ class RecordLayout:
                 source = ""
             if not isinstance(source, str):
                 raise ConfigError(f"{where}: column {self.source_key!r}: expected a string, got {source!r}")
+            _encodable(source, f"{where}: column {self.source_key!r}")
             if self.by_source:
                 from nereus.rl.verifiers import verifier_for_source
 
@@ -104,6 +105,8 @@ class RecordLayout:
             raise ConfigError(
                 f"{where}: column {self.id_key!r}: expected a string or an integer, got {raw!r}"
             )
+        if isinstance(raw, str):
+            _encodable(raw, f"{where}: column {self.id_key!r}")
         return f"{source}/{raw}" if source else str(raw)
 
 

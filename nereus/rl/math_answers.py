@@ -113,10 +113,12 @@ def gsm8k_number(text: str, flexible: bool = True) -> Fraction | None:
 
 
 def gsm8k_ground_truth(answer: str) -> Fraction | None:
-    """A GSM8K answer: a number, or a full solution ending ``#### <number>`` (what follows the last
-    marker); None where that is not one number (``1e3``, ``\\frac{1}{2}``, ``12-15``, ``5 000``:
-    its first number would have rewarded ``1``, ``1``, ``12`` and ``5``), which nothing matches."""
-    return to_number(_untex_thousands(answer).rpartition(GSM8K_MARKER)[2])
+    """A GSM8K answer: a number, or a full solution ending ``#### <number>``: the one number after
+    the last marker (``#### 18 dollars``, ``The answer is: 72`` read 18 and 72); None where there
+    is none or more than one (``1e3``, ``\\frac{1}{2}``, ``12-15``, ``5 000``: the first of them
+    would have rewarded ``1``, ``1``, ``12`` and ``5``), which nothing matches."""
+    found = numbers(_untex_thousands(answer).rpartition(GSM8K_MARKER)[2])
+    return to_number(found[0]) if len(found) == 1 else None
 
 
 # ------------------------------------------------------------------ boxes and braces
@@ -224,12 +226,24 @@ _REMOVED = re.compile(
     r"\\\$|\$|\\(?:left|right|displaystyle)(?![A-Za-z])|\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|°|\\%|%"
 )
 _SPACING = re.compile(r"\\(?:qquad|quad)(?![A-Za-z])|\\[!,;: ]|~|\s+")
-_TRAILING_SPACING = re.compile(r"(?:\\(?:qquad|quad)(?![A-Za-z])|\\[!,;: ]|~|\s)+$")
+_TEX_SPACES = ("\\qquad", "\\quad", "\\!", "\\,", "\\;", "\\:", "\\ ", "~")
 _VARIABLE = re.compile(r"[A-Za-z]{1,2}(?:_\{?\w+\}?)?|\\[A-Za-z]+")  # x, BC, a_1, \theta
 _ROW = "\x00"  # ``\\`` while the spacing rules run
 _BRACED_COMMAND = re.compile(r"\\(frac|sqrt)(?![A-Za-z])")
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _TRAILING_ZEROS = re.compile(r"(\d)\.(\d*[1-9])?0+(?!\d)")
+
+
+def _without_tex_spacing(s: str) -> str:
+    """``s`` less the TeX spacing and whitespace it ends with (linear: from the end)."""
+    while True:
+        cut = next((t for t in _TEX_SPACES if s.endswith(t)), None)  # before whitespace: "\\ "
+        if cut is not None:
+            s = s[: -len(cut)]
+        elif s[-1:].isspace():
+            s = s[:-1]
+        else:
+            return s
 
 
 def _unwrap_text(s: str) -> str:
@@ -241,10 +255,12 @@ def _unwrap_text(s: str) -> str:
         if close is None:
             return s
         content, after = s[m.end() : close], s[close + 1 :]
-        before = _TRAILING_SPACING.sub("", s[: m.start()])
-        spaced = len(before) < m.start()  # a space or TeX spacing between the value and the text
-        unit = _is_unit(content.strip())  # cm, cups, dollars: after a fraction too (\frac{3}{4}\,\text{cup})
-        is_unit = bool(before) and (content.startswith(" ") or before[-1].isdigit() or (spaced and unit))
+        before = s[: m.start()].rstrip()
+        is_unit = bool(before) and (content.startswith(" ") or before[-1].isdigit())
+        if not is_unit:  # TeX spacing before a unit word: 5\,\text{cm}, \frac{3}{4}\,\text{cup}
+            spaced = _without_tex_spacing(s[: m.start()])  # (not 3\,\mathrm{i}: i is no unit)
+            if spaced != before and spaced and _is_unit(content.strip()):
+                before, is_unit = spaced, True
         if is_unit and _UNIT_TAIL.fullmatch(after):
             return before
         s, pos = s[: m.start()] + content + after, m.start()

@@ -46,6 +46,8 @@ from nereus.rl.math_answers import answer_line, gsm8k_ground_truth, gsm8k_number
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from nereus.rl.tasks import TaskRecord
+
 Verifier = Callable[[str, str], float]
 """``verifier(response_text, answer) -> reward``"""
 
@@ -128,8 +130,8 @@ MAX_POWERS = 8  # nor one with more exponents than this (a tower of powers wedge
 
 
 def math_verify(response_text: str, answer: str) -> float:
-    """1.0 if Math-Verify finds the response's answer — its last box, else what Math-Verify
-    extracts from its text — equal to ``answer``, else 0 (also when either
+    """1.0 if Math-Verify finds the response's answer — its last box, else (several boxes, or
+    none) what Math-Verify extracts from its text — equal to ``answer``, else 0 (also when either
     does not parse, or a parse or a comparison takes longer than ``MATH_VERIFY_TIMEOUT_S``).
     Bounded before any sympy runs, so a batch of degenerate responses cannot stall a step: only
     the last ``MATH_VERIFY_TAIL`` characters are read, and a final box longer than
@@ -150,11 +152,17 @@ def math_verify(response_text: str, answer: str) -> float:
     try:
         gold = parse(f"\\boxed{{{answer if boxed is None else boxed}}}", (LatexExtractionConfig(),),
                      parsing_timeout=limit)  # fmt: skip
-        # the last box where there is one (Math-Verify would read every box of the text as one set:
-        # a response that corrects itself, "\boxed{5} ... no, \boxed{6}", matched neither)
-        read = text if final is None else f"\\boxed{{{final}}}"
-        got = parse(read, (ExprExtractionConfig(), LatexExtractionConfig()), parsing_timeout=limit)
-        found = bool(gold) and bool(got) and verify(gold, got, timeout_seconds=limit)
+        # the last box first (Math-Verify reads every box of a text as one set: a response that
+        # corrects itself, "\boxed{5} ... no, \boxed{6}", matched neither), then, where there are
+        # several, the text as Math-Verify reads it (an answer given as boxes: "\boxed{1}, \boxed{2}")
+        several = [text] if text.count("boxed") > 1 else []
+        reads = [text] if final is None else [f"\\boxed{{{final}}}", *several]
+        found = False
+        for read in reads:
+            got = parse(read, (ExprExtractionConfig(), LatexExtractionConfig()), parsing_timeout=limit)
+            found = bool(gold) and bool(got) and verify(gold, got, timeout_seconds=limit)
+            if found:
+                break
     except Exception:  # Math-Verify's timeouts and sympy's errors: not a match (as verl scores them)
         return 0.0
     return CORRECT if found else 0.0
@@ -218,6 +226,18 @@ def verifier_for_source(data_source: str) -> Verifier:
         f"unknown data_source {data_source!r} (known: {', '.join(SOURCES)}, or a name starting with "
         "'aime'; for another source name a verifier instead of by_source)"
     )
+
+
+def unscorable(name: str, records: Sequence[TaskRecord]) -> list[TaskRecord]:
+    """The records whose answer the verifier ``name`` (``by_source``: each record's source's) can
+    match with no response: under ``gsm8k``, a ground truth with no one number after its last
+    ``####``. A run on them trains on rewards of 0 whatever the model answers."""
+    verifier = get_verifier(name)
+
+    def of(r: TaskRecord) -> Verifier:
+        return verifier_for_source(r.source) if verifier is by_source else verifier
+
+    return [r for r in records if of(r) in (gsm8k, gsm8k_flexible) and gsm8k_ground_truth(r.answer) is None]
 
 
 def get_verifier(name: str) -> Verifier:

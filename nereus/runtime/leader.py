@@ -201,21 +201,21 @@ class Leader(PoolKeeping):
         started = time.perf_counter()
         reformed = change is not None and change.reforms
         tel = replace(tel, time_s=self.clock(), pool=self.m.members, reformed=reformed)
+        action: Action | None = None
         if change is not None and change.draining:
             action = self.drain(tel, change.draining)
-        elif step < self.spec.steps:
+            if isinstance(action, Keep) and change.leaving:
+                action = None  # the drain refused (said so): the GPUs lost beside it need a plan
+        if action is None and step < self.spec.steps:
+            max_new, defer = self.spec.max_new_tokens_at(step), self.defer and change is None
             try:
-                action = self.decide(
-                    tel, self.spec.max_new_tokens_at(step), defer=self.defer and change is None
-                )
+                action = self.decide(tel, max_new, defer=defer)
             except InfeasibleError as exc:  # GPUs that left (scripted, condemned) took the last plan
                 if change is None or not change.leaving:
                     raise
                 raise too_few_gpus(self.m.members, exc) from None
-        else:
-            action = Keep()
         self.decided_s = time.perf_counter() - started
-        return action
+        return action if action is not None else Keep()
 
     def decide(
         self, tel: Telemetry, max_new: int, rebuilt: frozenset[str] = frozenset(), defer: bool = False

@@ -377,7 +377,7 @@ class JobLoop(Acting, Surviving):
             started, leader = time.perf_counter(), self.leader
             try:
                 decided = leader.action(self.telemetry, b.step, b.change) if leader is not None else None
-            except TooFewGpusError:  # the step before was trained and checkpointed: its row stays
+            except TooFewGpusError:  # the step before was trained: its row stays (a resume drops later ones)
                 record, moved = self._row(b, Keep("too few GPUs left"))
                 if leader is not None and record is not None:
                     leader.write(self._dropped(record), moved, self.plan)
@@ -391,7 +391,7 @@ class JobLoop(Acting, Surviving):
         change, reformed = b.change, b.change is not None and b.change.reforms
         self.step = b.step
         moved += self._act(action, rebind=reformed)
-        if change is not None and change.draining and isinstance(action, Move):  # the drained leave now
+        if change is not None and change.draining and isinstance(action, Move) and action.drain:  # they leave
             if self.leader is not None:
                 self.leader.drained()
             if self.m.gpu in change.draining:

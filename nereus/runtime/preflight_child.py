@@ -9,11 +9,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from nereus.errors import ConfigError, NereusError
+from nereus.spec.files import brief
+
+if TYPE_CHECKING:
+    from nereus.rl.tasks import TaskRecord
 
 T = TypeVar("T")
 
@@ -24,6 +28,19 @@ def keyed(key: str, load: Callable[[str], T], value: str) -> T:
         return load(value)
     except ConfigError as exc:
         raise ConfigError(f"{key}: {exc}") from None
+
+
+def _warn_unscorable(warnings: list[str], key: str, verifier: str, records: Sequence[TaskRecord]) -> None:
+    """A warning where ``verifier`` can match no response to some of ``records`` (``unscorable``)."""
+    from nereus.rl.verifiers import unscorable
+
+    dead = unscorable(verifier, records)
+    if dead:
+        first = dead[0]
+        warnings.append(
+            f"{key}: {len(dead)} of {len(records)} rows have no one number after their answer's last "
+            f"#### (row {first.id}: {brief(first.answer)}), so {verifier} scores every response to them 0"
+        )
 
 
 def torch_checks(spec: Any) -> list[str]:
@@ -60,6 +77,7 @@ def torch_checks(spec: Any) -> list[str]:
                         [Path(f) for f in named], tok, workload.max_prompt_len, 0, layout
                     )
                     train = train or (key, len(rows))
+                    _warn_unscorable(warnings, key, spec.verifier, rows.records)
             except ConfigError as exc:
                 raise ConfigError(f"{key}: {exc}") from None
     elif spec.dataset:
@@ -67,6 +85,7 @@ def torch_checks(spec: Any) -> list[str]:
             "dataset", lambda p: PromptDataset.load(Path(p), tok, workload.max_prompt_len), spec.dataset
         )
         train = ("dataset", len(rows))
+        _warn_unscorable(warnings, "dataset", spec.verifier, rows.records)
     if train is not None and train[1] < workload.prompts_per_step:
         warnings.append(
             f"{train[0]}: {train[1]} row{'s' if train[1] != 1 else ''}, fewer than {workload.name}'s "

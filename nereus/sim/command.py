@@ -218,23 +218,12 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
             f"--gpus-per-instance must be in [1, --max-gpus {max_gpus}], got {args.gpus_per_instance}"
         )
     g = args.gpus_per_instance
-    if max_gpus % g:  # whole instances (a GPU over would never be used), so --min-gpus's fit too
-        down, up = max_gpus // g * g, -(-max_gpus // g) * g
-        named = (
-            f"--max-gpus {max_gpus} is"
-            if args.max_gpus is not None
-            else f"{cluster.name}'s {max_gpus} GPUs are"
-        )
-        raise ConfigError(
-            f"{named} not a whole number of instances of {g} GPUs (--gpus-per-instance): pass "
-            f"--max-gpus {down}" + (f" or {up}" if up <= cluster.total_gpus else "")
-        )
-    if args.min_gpus % g:  # its instances are reserved whole (rounding up would reserve more)
-        down, up = args.min_gpus // g * g, -(-args.min_gpus // g) * g
-        raise ConfigError(
-            f"--min-gpus {args.min_gpus} is not a whole number of instances of {g} GPUs "
-            f"(--gpus-per-instance): pass --min-gpus {down} or {up}"
-        )
+    # whole instances: a GPU over --max-gpus would never be used; --min-gpus's are reserved whole
+    named = (
+        f"--max-gpus {max_gpus} is" if args.max_gpus is not None else f"{cluster.name}'s {max_gpus} GPUs are"
+    )
+    _whole_instances(named, "--max-gpus", max_gpus, g, cluster.total_gpus)
+    _whole_instances(f"--min-gpus {args.min_gpus} is", "--min-gpus", args.min_gpus, g, max_gpus)
     if not 0 <= args.offset < len(trace.counts):
         raise ConfigError(f"--offset must be in [0, {len(trace.counts)}) ticks, got {args.offset}")
     if not (MIN_SPEEDUP <= args.speedup <= MAX_SPEEDUP and 0 <= args.noise <= MAX_NOISE):
@@ -275,6 +264,17 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         in_flight=workload.in_flight.value if args.in_flight is None else args.in_flight,
         pipelined_gen=args.pipelined_gen,
     )
+
+
+def _whole_instances(named: str, flag: str, gpus: int, g: int, most: int) -> None:
+    """``gpus`` (``named``, passed as ``flag``) is whole instances of ``g`` GPUs, or a one-line
+    ``ConfigError`` naming the nearest that are (the larger only where it is at most ``most``)."""
+    if gpus % g:
+        down, up = gpus // g * g, -(-gpus // g) * g
+        raise ConfigError(
+            f"{named} not a whole number of instances of {g} GPUs (--gpus-per-instance): pass "
+            f"{flag} {down}" + (f" or {up}" if up <= most else "")
+        )
 
 
 def runs(policies: str, gammas: list[float]) -> list[tuple[str, str, float]]:
