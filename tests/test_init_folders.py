@@ -184,36 +184,36 @@ def test_a_reference_without_an_entry_follows_the_actors(tmp_path: Path) -> None
     assert s.role_weights("ref", named) == ("", "models.ref")  # a model YAML: random weights
 
 
+def data_warnings(tmp_path: Path, answers: list[str], verifier: str) -> list[str]:
+    """The preflight's warnings on a grpo-tiny run (prompts_per_step 4) over a ``dataset:`` of one
+    row per answer, scored by ``verifier``."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        "".join(f'{{"prompt": "q{i}=", "answer": "{a}", "id": {i}}}\n' for i, a in enumerate(answers))
+    )
+    path = tmp_path / "exp.yaml"
+    path.write_text(
+        f"name: x\nworkload: grpo-tiny\nmodel: tiny-llama\nverifier: {verifier}\ndataset: {rows}\n"
+    )
+    return torch_checks(ExperimentSpec.load(path))
+
+
 def test_a_data_set_smaller_than_a_step_is_a_warning(tmp_path: Path) -> None:
     """One row and prompts_per_step 4 (grpo-tiny): every step trains on that row four times; it ran
     with no notice."""
-    rows = tmp_path / "one.jsonl"
-    rows.write_text('{"prompt": "copy ab=", "answer": "ab", "id": 1}\n')
-    path = tmp_path / "exp.yaml"
-    path.write_text(f"name: x\nworkload: grpo-tiny\nmodel: tiny-llama\nverifier: exact\ndataset: {rows}\n")
-    (warning,) = torch_checks(ExperimentSpec.load(path))
-    assert warning == (
+    assert data_warnings(tmp_path, ["ab"], "exact") == [
         "dataset: 1 row, fewer than grpo-tiny's prompts_per_step 4: every step trains on rows repeated "
         "(each about 4 times)"
-    )
-    rows.write_text("".join(f'{{"prompt": "copy ab=", "answer": "ab", "id": {i}}}\n' for i in range(4)))
-    assert torch_checks(ExperimentSpec.load(path)) == []
+    ]
+    assert data_warnings(tmp_path, ["ab"] * 4, "exact") == []
 
 
 def test_ground_truths_gsm8k_can_never_match_are_a_warning(tmp_path: Path) -> None:
     """A ground truth with no one number after its last ``####`` (``12-15``): ``gsm8k`` scores every
     response to it 0 — a run on such data trains on nothing, so the preflight says so."""
-    rows = tmp_path / "rows.jsonl"
     answers = ["72", "12-15", "the answer is: 5", "3:30"]  # (the bundled tokenizer's alphabet)
-    rows.write_text(
-        "".join(f'{{"prompt": "q{i}=", "answer": "{a}", "id": {i}}}\n' for i, a in enumerate(answers))
-    )
-    path = tmp_path / "exp.yaml"
-    path.write_text(f"name: x\nworkload: grpo-tiny\nmodel: tiny-llama\nverifier: gsm8k\ndataset: {rows}\n")
-    (warning,) = torch_checks(ExperimentSpec.load(path))
-    assert warning == (
+    assert data_warnings(tmp_path, answers, "gsm8k") == [
         "dataset: 2 of 4 rows have no one number after their answer's last #### (row 1: '12-15'), so "
         "gsm8k scores every response to them 0"
-    )
-    path.write_text(path.read_text().replace("verifier: gsm8k", "verifier: math"))
-    assert torch_checks(ExperimentSpec.load(path)) == []
+    ]
+    assert data_warnings(tmp_path, answers, "math") == []
