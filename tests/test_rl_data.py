@@ -143,6 +143,12 @@ GOOD = ['{"prompt": "1+2=", "answer": "3"}', '{"prompt": "copy 12=", "answer": "
             "expected a string or an integer, got True",
         ),
         ('{"prompt": "1+2=", "answer": "3", "id": "x"}', "'id'", "'x' repeats the id of"),
+        (
+            '{"prompt": "1+\\ud800=", "answer": "3"}',
+            "'prompt'",
+            "not text (a lone surrogate \\ud800 at character 2)",
+        ),
+        ('{"prompt": "1+2=", "answer": "3", "id": "\\udfff"}', "'id'", "not text (a lone surrogate"),
         ('["1+2=", "3"]', "", "expected a JSON object with fields prompt, answer, id"),
         ('{"prompt": "1+2=", ', "", "not valid JSON"),
         ("[" * 100_000 + "]" * 100_000, "", "not valid JSON (nested too deeply)"),

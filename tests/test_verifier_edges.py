@@ -60,6 +60,9 @@ def test_one_number_in_its_forms_is_still_a_ground_truth(truth: str, response: s
         (r"\boxed{5\;\mathrm{cm}}", "5"),
         (r"\boxed{5\quad\text{cm}}", "5"),
         (r"\boxed{\dfrac{3}{4}\,\text{cup}}", r"\frac{3}{4}"),
+        (r"\boxed{18\ \text{square units}}", "18"),  # several unit words
+        (r"\boxed{60\,\text{km/h}}", "60"),
+        (r"\boxed{12\,\text{cubic feet}}", "12"),
     ],
 )
 def test_a_unicode_minus_and_a_unit_after_tex_spacing_are_the_answer(response: str, truth: str) -> None:
@@ -82,8 +85,9 @@ def test_what_is_not_a_unit_or_a_sign_still_counts(response: str, truth: str) ->
     assert boxed_math(response, truth) == 0.0
 
 
-def test_a_complex_answer_keeps_its_imaginary_unit() -> None:
+def test_a_complex_answer_keeps_its_imaginary_unit_and_text_after_spacing_its_spacing() -> None:
     assert boxed_math(r"\boxed{1+2\,\mathrm{i}}", "1+2i") == 1.0
+    assert boxed_math(r"\boxed{4\quad\text{apples}}", "4 apples") == 1.0  # was 4\quadapples
 
 
 def test_math_verify_reads_the_last_box_of_a_response_that_corrects_itself() -> None:
@@ -93,3 +97,5 @@ def test_math_verify_reads_the_last_box_of_a_response_that_corrects_itself() -> 
     assert math_verify(text, "6") == 1.0 and math_verify(text, "5") == 0.0
     assert math_verify("the answer is 6", "6") == 1.0  # no box: what Math-Verify extracts
     assert math_verify(r"The roots are \boxed{1}, \boxed{2}", "1, 2") == 1.0
+    tower = "\\boxed{" + "9^" * 40 + "9} or rather \\boxed{1}"  # the whole text: not within the bounds
+    assert math_verify(tower, "7") == 0.0 and math_verify(tower, "1") == 1.0

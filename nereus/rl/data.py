@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from nereus.errors import ConfigError
-from nereus.rl.layouts import RecordLayout
+from nereus.rl.layouts import RecordLayout, encodable
 from nereus.rl.tasks import TaskRecord
 from nereus.rl.tokenizer import Tokenizer
 from nereus.spec.files import unique_keys
@@ -69,11 +69,14 @@ def _check(raw: object, where: str, tokenizer: Tokenizer, max_prompt_len: int, d
             raise ConfigError(f"{where}: field {key!r}: expected a string, got {value!r}")
         if not value:
             raise ConfigError(f"{where}: field {key!r}: must not be empty")
+        encodable(value, f"{where}: field {key!r}")
     rid = raw.get("id")
     if rid is None:  # absent, or null (as a Parquet column without a value)
         rid = default_id
     if isinstance(rid, bool) or not isinstance(rid, str | int):
         raise ConfigError(f"{where}: field 'id': expected a string or an integer, got {rid!r}")
+    if isinstance(rid, str):
+        encodable(rid, f"{where}: field 'id'")
     return TaskRecord(raw["prompt"], raw["answer"], str(rid))
 
 

@@ -70,7 +70,7 @@ class RecordLayout:
                 source = ""
             if not isinstance(source, str):
                 raise ConfigError(f"{where}: column {self.source_key!r}: expected a string, got {source!r}")
-            _encodable(source, f"{where}: column {self.source_key!r}")
+            encodable(source, f"{where}: column {self.source_key!r}")
             if self.by_source:
                 from nereus.rl.verifiers import verifier_for_source
 
@@ -106,7 +106,7 @@ class RecordLayout:
                 f"{where}: column {self.id_key!r}: expected a string or an integer, got {raw!r}"
             )
         if isinstance(raw, str):
-            _encodable(raw, f"{where}: column {self.id_key!r}")
+            encodable(raw, f"{where}: column {self.id_key!r}")
         return f"{source}/{raw}" if source else str(raw)
 
 
@@ -137,7 +137,7 @@ def _text(value: Any, where: str, key: str) -> str:
     )
     if not text.strip():
         raise ConfigError(f"{where}: column {key!r}: must not be empty")
-    _encodable(text, f"{where}: column {key!r}")
+    encodable(text, f"{where}: column {key!r}")
     return text
 
 
@@ -153,12 +153,12 @@ def _messages(value: Any, where: str) -> tuple[tuple[str, str], ...]:
         ):
             raise ConfigError(f"{where}: message {i}: expected {{role: str, content: str}}, got {m!r}")
         for field in ("role", "content"):
-            _encodable(m[field], f"{where}: message {i}: {field}")
+            encodable(m[field], f"{where}: message {i}: {field}")
         out.append((m["role"], m["content"]))
     return tuple(out)
 
 
-def _encodable(text: str, where: str) -> None:
+def encodable(text: str, where: str) -> None:
     """``text`` is text: JSON may escape a lone surrogate (``"\\ud800"``), which no tokenizer encodes."""
     try:
         text.encode("utf-8")

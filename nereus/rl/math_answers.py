@@ -170,7 +170,7 @@ _MATH_SPAN = re.compile(r"\$([^$]+)\$")
 # answer line when a number remains (verl's math_dapo drops a list of such words); "or", "and"
 # are not among them ("5 or 6" stays)
 _UNITS = """mm cm m km in inch inches ft foot feet yd yard mi mile meter metre centimeter centimetre
-    kilometer kilometre millimeter millimetre g gram kg kilogram lb lbs pound oz ounce ton l liter
+    kilometer kilometre millimeter millimetre g gram kg kilogram lb lbs pound oz ounce ton l liter sq
     litre ml gallon cup s sec second min minute h hr hour day week month year mph kph degree
     radian dollar cent percent unit square cubic way student people person child children point
     digit integer number time step term page item object value solution pair element
@@ -259,11 +259,12 @@ def _unwrap_text(s: str) -> str:
         is_unit = bool(before) and (content.startswith(" ") or before[-1].isdigit())
         if not is_unit:  # TeX spacing before a unit word: 5\,\text{cm}, \frac{3}{4}\,\text{cup}
             spaced = _without_tex_spacing(s[: m.start()])  # (not 3\,\mathrm{i}: i is no unit)
-            if spaced != before and spaced and _is_unit(content.strip()):
+            words = content.replace("/", " ").split()  # km/h, square units, cubic feet
+            if spaced != before and spaced and words and all(_is_unit(w) for w in words):
                 before, is_unit = spaced, True
         if is_unit and _UNIT_TAIL.fullmatch(after):
             return before
-        s, pos = s[: m.start()] + content + after, m.start()
+        s, pos = s[: m.start()] + " " + content + after, m.start()  # a space: \\quad apples stays spacing
     return s
 
 

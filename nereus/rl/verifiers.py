@@ -155,7 +155,8 @@ def math_verify(response_text: str, answer: str) -> float:
         # the last box first (Math-Verify reads every box of a text as one set: a response that
         # corrects itself, "\boxed{5} ... no, \boxed{6}", matched neither), then, where there are
         # several, the text as Math-Verify reads it (an answer given as boxes: "\boxed{1}, \boxed{2}")
-        several = [text] if text.count("boxed") > 1 else []
+        boxes = text.count("\\boxed") + text.count("\\fbox")  # the whole text only within the bounds
+        several = [text] if boxes > 1 and text.count("^") <= MAX_POWERS else []
         reads = [text] if final is None else [f"\\boxed{{{final}}}", *several]
         found = False
         for read in reads:

@@ -67,6 +67,7 @@ def torch_checks(spec: Any) -> list[str]:
         raise ConfigError(
             f"tokenizer: {tok.vocab_size} ids do not fit {model.name}'s vocabulary of {model.vocab_size}"
         )
+    keyed("verifier", get_verifier, spec.verifier)  # before the data's rows are judged by it
     train: tuple[str, int] | None = None  # the training prompts' key and rows
     if spec.data is not None:  # under by_source, every row's data_source names a verifier
         layout = spec.data.record_layout(by_source=spec.verifier == "by_source")
@@ -92,7 +93,6 @@ def torch_checks(spec: Any) -> list[str]:
             f"prompts_per_step {workload.prompts_per_step}: every step trains on rows repeated "
             f"(each about {workload.prompts_per_step / train[1]:.3g} times)"
         )
-    keyed("verifier", get_verifier, spec.verifier)
     runs = {ms.role.value for ms in workload.workflow().model_stages}
     for role, head in (("actor", Head.LM), ("ref", Head.LM), ("reward", Head.VALUE), ("critic", Head.VALUE)):
         # where the user named these weights: an init: entry, a models: entry, or the model: folder

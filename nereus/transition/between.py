@@ -246,25 +246,18 @@ def with_staging(tr: Transition, capacity: int, budgets: Sequence[int] = STAGING
 
 
 def fit_staging(problem: PlanningProblem, tr: Transition) -> Transition:
-    """``with_staging`` on the problem's ledger capacity; where no batch size fits, the DAG
-    without direct re-layouts (``plan_dag(direct=False)``: they stage more), and then the DAG
+    """``with_staging`` on the problem's ledger capacity; where no batch size fits, the DAG is
     planned again under each GPU's capacity less what it stages in the smallest batches — more
-    serial, so its state peaks lower and leave room for the staging — each counted again against
-    the real capacity. The first feasible, else the first's refusal."""
+    serial, so its state peaks lower and leave room for the staging — and counted again against
+    the real capacity. The first feasible of the two, else the first's refusal."""
     capacity = ledger_capacity(problem)
     out = with_staging(tr, capacity)
     if out.feasible or not tr.feasible:
         return out
-    rank = {ms.name: STAGE_ORDER.index(ms.stage) for ms in problem.workflow.model_stages}
-    links = link_model(problem.cluster, problem.efficiencies)
-    # a direct re-layout sends from one replica to many peers, which stage more: without them
-    plain, plain_schedule = plan_dag(tr.moves, rank, links, capacity, direct=False)
-    if plain.feasible and plain != tr.dag:
-        again = with_staging(Transition(plain, plain_schedule, tr.moves), capacity)
-        if again.feasible:
-            return again
     staging = staging_bytes(tr.dag, tr.moves, STAGING_BUDGETS[-1])
     caps = {g: tr.dag.capacity.get(g, capacity) for g in set(tr.dag.capacity) | set(staging)}
+    rank = {ms.name: STAGE_ORDER.index(ms.stage) for ms in problem.workflow.model_stages}
+    links = link_model(problem.cluster, problem.efficiencies)
     dag, schedule = plan_dag(tr.moves, rank, links, {g: c - staging.get(g, 0) for g, c in caps.items()})
     if not dag.feasible:
         return out
