@@ -17,6 +17,7 @@ from nereus.runtime.pool import (
     refused_shrinks,
     retake_shrinks,
 )
+from tests.test_inventory import leader
 
 pytestmark = pytest.mark.pure
 
@@ -97,23 +98,12 @@ def test_a_change_knows_whether_the_world_re_forms() -> None:
         ShrinkRequest(0)
 
 
-class _Members:
-    """The membership a leader's drain bookkeeping reads: the members now, and its log."""
-
-    def __init__(self, members: tuple[int, ...]) -> None:
-        self.members, self.lines = members, list[str]()
-
-    def log(self, line: str, kind: str = "") -> None:
-        self.lines.append(line)
-
-
 def _draining_leader(tmp_path: Path, survivors: tuple[int, ...]) -> Leader:
     """A leader that read one shrink request and is moving off GPUs 2 and 3, after a failed step
     left ``survivors`` (a real leader needs a running job: only what the bookkeeping reads)."""
     tmp_path.mkdir(exist_ok=True)
     write_shrink(tmp_path, ShrinkRequest(1, unix_ms=1_700_000_000_000))
-    lead = Leader.__new__(Leader)
-    lead.m = _Members(survivors)  # type: ignore[assignment]
+    lead = leader(members=survivors)  # with the membership these hooks read
     _, lead.shrinks = read_shrink_requests(tmp_path / "control", lead.m.log)
     lead.draining = (2, 3)
     return lead
