@@ -364,6 +364,20 @@ def test_rows_after_a_step_are_dropped_and_each_step_keeps_one_row(tmp_path: Pat
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+def test_a_line_that_is_not_a_row_is_dropped_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A half-written last line goes quietly (a stop leaves one); other text does not go unsaid."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "half')
+    drop_rows_after(path, 5)
+    assert [s for s, _ in read_rows(path)] == [0, 1] and capsys.readouterr().err == ""
+    path.write_text('{"step": 0}\nnote to self\n[1, 2]\n{"step": 1}\n')
+    drop_rows_after(path, 5)
+    assert [s for s, _ in read_rows(path)] == [0, 1]
+    assert "2 line(s) that are not metrics rows dropped (first: line 2)" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------ no torch in the command
 def test_the_run_command_and_its_preflight_load_no_torch(tmp_path: Path) -> None:
     """The preflight of a fresh run and of a ``--resume`` (a signed checkpoint, its key), in a
@@ -374,6 +388,11 @@ def test_the_run_command_and_its_preflight_load_no_torch(tmp_path: Path) -> None
     (out / "checkpoint.key").write_text(KEY.hex() + "\n")
     exp = tmp_path / "x.yaml"
     exp.write_text("name: x\nworkload: ppo-tiny\nmodel: tiny-llama\nworkers: 4\nsteps: 3\n")
+    from nereus.rl.tasks import generate_tasks, write_jsonl
+    from nereus.runtime.experiment import ExperimentSpec
+
+    t = ExperimentSpec.load(exp).task  # the run's record of the prompts it trained on
+    write_jsonl(generate_tasks(t.kind, t.n, t.seed, t.difficulty, t.length), out / "tasks.jsonl")
     code = (
         "import sys\n"
         "from pathlib import Path\n"
@@ -484,6 +503,13 @@ def test_a_resume_keeps_the_generated_task_and_says_which_rows_are_gone(tmp_path
             check_task(
                 ExperimentSpec(name="t", workload="ppo-tiny", model="tiny-llama", task=changed), tmp_path
             )
+    (tmp_path / "tasks.jsonl").unlink()  # the record gone: the prompts trained on are not known
+    with pytest.raises(
+        ConfigError, match=r"--resume: .*tasks.jsonl is missing: the prompts the run trained on"
+    ):
+        check_task(
+            ExperimentSpec(name="t", workload="ppo-tiny", model="tiny-llama", task=TaskSpec(n=9)), tmp_path
+        )
     rows = tmp_path / "metrics.jsonl"
     rows.write_text('{"step": 0}\n{"step": 1}\nnot json\n{"step": 4}\n')
     assert missing_rows(rows, 6) == [2, 3, 5]

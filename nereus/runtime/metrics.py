@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,12 @@ def drop_rows_after(path: Path, step: int) -> None:
     keep = [last[s] for s in sorted(last)]
     if keep == lines:
         return
+    stray = [i for i, line in enumerate(lines[:-1], 1) if line.strip() and _row_step(line) is None]
+    if stray:  # not the half-written last line a stop leaves: someone else's text
+        print(
+            f"nereus: warning: {path}: {len(stray)} line(s) that are not metrics rows dropped "
+            f"(first: line {stray[0]})", file=sys.stderr, flush=True,
+        )  # fmt: skip
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("w", encoding="utf-8") as f:
         f.write("".join(line + "\n" for line in keep))

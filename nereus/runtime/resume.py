@@ -49,13 +49,21 @@ def check_checkpoint(folder: Path, expected: dict[str, Any]) -> int:
 def check_task(spec: Any, folder: Path) -> None:
     """``--resume`` of a run on the generated task: the task the experiment names now is the one
     its ``tasks.jsonl`` records (the prompts its steps trained on), which a start would otherwise
-    overwrite with another. A prompt file (``data:``, ``dataset:``) is the user's and not checked."""
+    overwrite with another; without that record (removed, or the run trained on a prompt file)
+    they are not known, and the resume is refused. A prompt file (``data:``, ``dataset:``) is the
+    user's and not checked."""
     from nereus.rl.tasks import generate_tasks, jsonl_text
 
     path = folder / "tasks.jsonl"
-    if spec.data is not None or spec.dataset or not path.is_file():
+    if spec.data is not None or spec.dataset:
         return
     t = spec.task
+    if not path.is_file():
+        raise ConfigError(
+            f"--resume: {path} is missing: the prompts the run trained on are not known, so the task "
+            f"(task: {t.kind} n={t.n} seed={t.seed}) cannot be checked against them; restore the file "
+            "(or the run's data: setting), or start a new run"
+        )
     want = jsonl_text(generate_tasks(t.kind, t.n, t.seed, t.difficulty, t.length))
     try:
         same = path.read_text(encoding="utf-8") == want
