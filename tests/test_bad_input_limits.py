@@ -405,6 +405,14 @@ def test_an_experiment_a_worker_would_crash_on_is_refused_before_it_starts(
     path = write("e.yaml", shipped("experiments", "grpo-tiny").replace("rl:\n", "rl:\n  top_p: 0\n"))
     line = refused(["run", path, "--out", "out"], capsys)
     assert line == "nereus run: error: e.yaml: 'rl' top_p must be in (0, 1], got 0.0"
+    for knob, message in (  # the losses' own bounds: they crashed the job in its first training
+        ("clip_eps: 1.5", "clip_eps must be in (0, 1), got 1.5"),
+        ("vf_clip: 0", "vf_clip must be in (0, 1e6] or null (off), got 0.0"),
+    ):
+        path = write("e.yaml", shipped("experiments", "grpo-tiny").replace("rl:\n", f"rl:\n  {knob}\n"))
+        assert refused(["run", path, "--out", "out"], capsys) == f"nereus run: error: e.yaml: 'rl' {message}"
+    path = write("e.yaml", shipped("experiments", "grpo-tiny").replace("rl:\n", "rl:\n  vf_clip: null\n"))
+    assert ExperimentSpec.load(Path(path)).rl.vf_clip is None  # value clipping off (ValueLoss's None)
     path = write("e.yaml", shipped("experiments", "grpo-tiny", max_new_tokens="3000"))
     line = refused(["run", path, "--out", "out"], capsys)
     assert line.endswith("max_prompt_len + max_new_tokens: 32 + 3000 = 3032 tokens exceed tiny-llama-h32's "

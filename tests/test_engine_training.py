@@ -73,6 +73,26 @@ def test_train_step_scores_at_the_sampling_temperature(checkpoints: dict) -> Non
     assert eng.train_step(batch, loss_fn, temperature=0.7).loss == pytest.approx(hot, rel=1e-5)
 
 
+def test_a_non_finite_gradient_skips_the_update(checkpoints: dict) -> None:
+    """One NaN score makes the loss and the gradient norm NaN: the update is skipped (as verl
+    does), the weights and the optimizer's count stay, and the next finite batch trains as usual."""
+    d, _ = checkpoints["qwen3"]
+    spec = hf.read_config(d)
+    eng = one_rank_engine(spec, optim=AdamWConfig(lr=3e-3), checkpoint=d)
+    batch, loss_fn = _train_batch(spec)
+    before = eng.forward(batch)
+
+    def poisoned(scores: Tensor, fields: Mapping[str, Tensor]) -> Tensor:
+        return loss_fn(scores, fields) * torch.tensor(float("nan"))
+
+    stats = eng.train_step(batch, poisoned)
+    assert math.isnan(stats.grad_norm) and math.isnan(stats.loss)
+    assert eng.state.state.updates == 0 and eng.state.state.version == 0
+    assert torch.equal(eng.forward(batch), before)
+    assert math.isfinite(eng.train_step(batch, loss_fn).grad_norm) and eng.state.state.updates == 1
+    assert not torch.equal(eng.forward(batch), before)
+
+
 def test_train_step_needs_optimizer_state(checkpoints: dict) -> None:
     d, _ = checkpoints["qwen3"]
     spec = hf.read_config(d)

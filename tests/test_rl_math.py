@@ -224,10 +224,12 @@ def test_dual_clip_bounds_a_negative_advantages_cost_and_log_ratios_stay_finite(
     log-ratio of ±100 (a stale batch, a diverged policy) gives a finite gradient, in the surrogate
     and in k3."""
     scores, fields = one_token(2.0 - 1.0, -1.0, -1.0)  # ratio e² ≈ 7.39, A = −1
-    out = PolicyLoss(clip_eps=0.2, normaliser=1.0)(scores, fields)
+    fn = PolicyLoss(clip_eps=0.2, normaliser=1.0)
+    out = fn(scores, fields)
     assert out.item() == pytest.approx(3.0)
     out.backward()
     assert scores.grad is not None and float(scores.grad[0, 1]) == 0.0
+    assert fn.last_metrics().clip_fraction == 1.0  # the dual clip took its gradient: counted
     scores, fields = one_token(2.0 - 1.0, -1.0, -1.0)
     undual = PolicyLoss(clip_eps=0.2, normaliser=1.0, dual_clip=None)(scores, fields)
     assert undual.item() == pytest.approx(math.exp(2.0))
@@ -237,6 +239,12 @@ def test_dual_clip_bounds_a_negative_advantages_cost_and_log_ratios_stay_finite(
         loss = PolicyLoss(clip_eps=0.2, normaliser=1.0, kl_coef=0.1)(scores, fields)
         loss.backward()
         assert scores.grad is not None and torch.isfinite(scores.grad).all() and torch.isfinite(loss)
+    scores, fields = one_token(0.5, 0.0, 1.0)  # reference log-probs of ±inf on the padding
+    fields["ref_logprobs"] = torch.tensor([[-math.inf, -1.0]])
+    fields["old_logprobs"] = torch.tensor([[math.inf, -1.0]])
+    loss = PolicyLoss(clip_eps=0.2, normaliser=1.0, kl_coef=0.1)(scores, fields)
+    loss.backward()
+    assert scores.grad is not None and torch.isfinite(loss) and torch.isfinite(scores.grad).all()
     with pytest.raises(ValueError, match="dual_clip must be above 1"):
         PolicyLoss(0.2, 1.0, dual_clip=1.0)
 

@@ -74,7 +74,7 @@ class PolicyMetrics:
     """Contributions to global-batch means (divide-by-``normaliser``): they add over calls."""
 
     pg_loss: float = 0.0  # the clipped surrogate, without the KL term
-    clip_fraction: float = 0.0  # share of tokens whose gradient the clip removed
+    clip_fraction: float = 0.0  # share of tokens whose gradient the clip (or the dual clip) removed
     approx_kl: float = 0.0  # KL(π_old ‖ π), k3 estimate: the policy's move this update
     ref_kl: float = 0.0  # KL(π ‖ π_ref) with the loss's estimator (0 without kl_coef)
 
@@ -131,17 +131,20 @@ class PolicyLoss:
         unclipped = -adv * ratio
         clipped = -adv * ratio.clamp(1 - self.clip_eps, 1 + self.clip_eps)
         pg = torch.maximum(unclipped, clipped)
+        cut = clipped > unclipped  # the ratio clip took the gradient
         if self.dual_clip is not None:
-            pg = torch.where(adv < 0, torch.minimum(pg, -adv * self.dual_clip), pg)
+            bound_pg = -adv * self.dual_clip
+            cut = cut | ((adv < 0) & (bound_pg < pg))  # and so did the dual clip
+            pg = torch.where(adv < 0, torch.minimum(pg, bound_pg), pg)
         per_token = pg
         kl = torch.zeros_like(pg)
-        if ref:
-            kl = kl_penalty(torch.where(valid, logp, ref[0]), ref[0], self.kl_kind)  # 0 off the mask
+        if ref:  # 0 off the mask, whatever the padding holds (an inf there would make NaN)
+            kl = kl_penalty(torch.where(valid, logp, 0.0), torch.where(valid, ref[0], 0.0), self.kl_kind)
             per_token = pg + self.kl_coef * kl
         loss = (per_token * mask).sum() / self.normaliser
         with torch.no_grad():
             approx_kl = ratio - 1 - log_ratio  # Schulman 2020's k3 for KL(π_old ‖ π)
-            parts = torch.stack([pg, (clipped > unclipped).float(), approx_kl, kl])
+            parts = torch.stack([pg, cut.float(), approx_kl, kl])
             self._record.append((parts * mask).sum((1, 2)) / self.normaliser)
         return loss
 

@@ -130,8 +130,8 @@ class RlSpec:
     critic_lr: float = 1e-2
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    clip_eps: float = 0.2
-    vf_clip: float = 0.2
+    clip_eps: float = 0.2  # the losses' ratio clip: in (0, 1)
+    vf_clip: float | None = 0.2  # the critic's value clip; null: off
     kl_coef: float = 0.01  # PPO: KL (k1) in the reward; GRPO and ReMax: KL (k3) in the loss
     gamma: float = 1.0
     lam: float = 0.95
@@ -140,16 +140,21 @@ class RlSpec:
     dual_clip: float | None = 3.0  # verl's clip_ratio_c: a token with A < 0 costs at most −A·3; null: off
 
     def __post_init__(self) -> None:
-        names = ("lr", "critic_lr", "weight_decay", "max_grad_norm", "clip_eps", "vf_clip", "kl_coef")
+        names = ("lr", "critic_lr", "weight_decay", "max_grad_norm", "clip_eps", "kl_coef")
         require_finite(self, *names, "gamma", "lam", "temperature", "top_p")
         require_positive(self, "lr", "critic_lr", "clip_eps", "temperature")
         require_at_most(self, 1e6, *names, "temperature")
+        if self.clip_eps >= 1:  # 1 - clip_eps bounds the ratio from below: it must stay positive
+            raise ValueError(f"clip_eps must be in (0, 1), got {self.clip_eps}")
+        vf = self.vf_clip
+        if vf is not None and (isinstance(vf, bool) or not isinstance(vf, int | float) or not 0 < vf <= 1e6):
+            raise ValueError(f"vf_clip must be in (0, 1e6] or null (off), got {brief(vf)}")
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if not 0 < self.top_p <= 1:  # the nucleus keeps at least the likeliest token
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        for name in ("weight_decay", "max_grad_norm", "vf_clip", "kl_coef"):
+        for name in ("weight_decay", "max_grad_norm", "kl_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
         if self.dual_clip is not None and not (math.isfinite(self.dual_clip) and 1 < self.dual_clip <= 1e6):

@@ -7,6 +7,8 @@ timings kept for calibration, and an out-of-memory error named after the model-s
 
 from __future__ import annotations
 
+import math
+import sys
 import time
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -125,7 +127,8 @@ class StageWork:
         loss: Callable[[float], LossFn],
     ) -> float:
         """Every optimizer update of ``name`` over the step's batch: minibatches of the global
-        batch in order, each dealt to the DP replicas by ``sample_range``. Returns the summed loss."""
+        batch in order, each dealt to the DP replicas by ``sample_range``. Returns the loss: the mean over
+        the updates (as verl reports it)."""
         c = plan.candidate(name)
         gb = self.workload.global_batch
         if r.rows % gb or gb % c.dp:
@@ -144,6 +147,12 @@ class StageWork:
                 engine, loss_fn = self.engines[name], loss(normaliser)
                 step = partial(engine.train_step, batch, loss_fn, micro, self.temperature)
                 stats: TrainStats = self._timed(name, step)
+                if not math.isfinite(stats.grad_norm) and place.dp == 0 and place.reports:  # said once
+                    print(
+                        f"nereus: warning: {name}: update {u + 1} of the step: gradient norm "
+                        f"{stats.grad_norm}: the update is skipped (a non-finite score or loss)",
+                        file=sys.stderr, flush=True,
+                    )  # fmt: skip
                 dp_gpus = tuple(unit.gpu(place.t, place.p) for unit in replicas(c))
                 self.optimes += train_times(
                     name, self.model_of(name), c.layout, stats.tokens, stats.seconds, stats.dp_allreduce_s,
@@ -151,4 +160,5 @@ class StageWork:
                     self.cluster.peak_flops_at(self.workload.precision),
                 )  # fmt: skip
                 total += stats.loss
-        return from_rank(total, self.rank_of[c.gpus[0]], self.exchange)
+        updates = self.workload.epochs * (r.rows // gb)
+        return from_rank(total / max(1, updates), self.rank_of[c.gpus[0]], self.exchange)

@@ -14,6 +14,7 @@ Edge module (torch.distributed).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -94,9 +95,10 @@ def train_step(
             h.remove()
     dp_seconds = reduce_grad(b, grad)
     norm = clip(b, opt, grad)
-    step = b.state.state.updates + 1
-    opt.adamw.step(b.state, grad, step)
-    b.state.state = dataclasses.replace(b.state.state, updates=step, version=b.state.state.version + 1)
+    if math.isfinite(norm):  # a NaN or inf (a non-finite score or loss) would poison every weight:
+        step = b.state.state.updates + 1  # the update is skipped, as verl does (every rank of the
+        opt.adamw.step(b.state, grad, step)  # stage reduced the same norm, so all skip alike)
+        b.state.state = dataclasses.replace(b.state.state, updates=step, version=b.state.state.version + 1)
     loss_sum = global_loss(b, total)
     return TrainStats(
         loss_sum, norm, int(batch.valid.sum()), time.perf_counter() - t0, dp_seconds,
