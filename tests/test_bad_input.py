@@ -151,6 +151,28 @@ def test_bad_numbers_in_configs(
 
 
 @pytest.mark.parametrize(
+    ("kind", "flag"), [("models", "--model"), ("clusters", "--cluster"), ("workloads", "--algo")]
+)
+def test_a_blank_name_in_a_spec_is_refused(kind: str, flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Errors name a spec by its name: a blank one left them nameless (``: key 'models.critic'``)."""
+    base = {"models": "tiny-llama", "clusters": "local-cpu", "workloads": "ppo"}[kind]
+    text = "\n".join(x for x in shipped(kind, base).splitlines() if not x.startswith("name:"))
+    write("bad.yaml", f"name: '  '\n{text}\n")
+    line = "key 'name': expected a non-empty name (or leave it out: the file's stem)"
+    assert refused(with_flag(PLAN, flag, "bad.yaml"), capsys) == f"{E_PLAN}bad.yaml: {line}"
+
+
+def test_a_model_yaml_naming_a_head_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each role sets its model's head: a model YAML's ``head: value`` did nothing, silently."""
+    write("bad.yaml", shipped("models", "tiny-llama", head="value"))
+    line = refused(with_flag(PLAN, "--model", "bad.yaml"), capsys)
+    assert line == (
+        f"{E_PLAN}bad.yaml: key 'head': set by the role that runs the model (the critic and reward model "
+        "take a value head, the actor and reference an LM head); remove it"
+    )
+
+
+@pytest.mark.parametrize(
     ("extra", "line"),
     [
         ("rl: {lr: .nan}", f"key 'rl.lr': {FINITE} nan"),
@@ -200,6 +222,20 @@ def test_bad_numbers_in_configs(
             "drift at step 1: worker 0 hosts the controller and cannot leave or hang",
         ),
         ("drift: [{step: 1, freeze: [4]}]", "drift at step 1: worker 4 outside 0…3"),
+        (
+            "drift: [{step: 2, hang_s: 30}]",
+            "'drift[0]' step 2: hang_s is how long hang or freeze workers stop; name some",
+        ),
+        (
+            "drift: [{step: 2, oom_stage: critic.train}]",
+            "'drift[0]' step 2: oom_stage is where oom workers run out of memory; name some",
+        ),
+        (
+            "drift: [{step: 2}]",
+            "'drift[0]' step 2: the event changes nothing (name lose, kill, gain, oom, unhealthy, hang, "
+            "freeze or max_new_tokens)",
+        ),
+        ("rl: {temperature: 1.0e-300}", "'rl' temperature must be in [0.001, 1e6], got 1e-300"),
         ("collective_timeout_s: 0.5", "collective_timeout_s must be in [1, 86400] seconds, got 0.5"),
         ("collective_timeout_s: .nan", f"key 'collective_timeout_s': {FINITE} nan"),
         ("drift: [{step: 1, unhealthy: [9]}]", "drift at step 1: worker 9 outside 0…3"),

@@ -411,6 +411,13 @@ def test_an_experiment_a_worker_would_crash_on_is_refused_before_it_starts(
     ):
         path = write("e.yaml", shipped("experiments", "grpo-tiny").replace("rl:\n", f"rl:\n  {knob}\n"))
         assert refused(["run", path, "--out", "out"], capsys) == f"nereus run: error: e.yaml: 'rl' {message}"
+    for extra, message in (  # nothing rewards; a weight of a reward model the workload lacks
+        ("verifier: none\n", "verifier: none leaves no reward: workload grpo-tiny has reward_model: false"),
+        ("reward_coef: -5\n", "reward_coef: weighs the reward model's score; workload grpo-tiny has "),
+    ):
+        path = write("e.yaml", shipped("experiments", "grpo-tiny") + extra)
+        assert refused(["run", path, "--out", "out"], capsys).startswith(f"nereus run: error: {message}")
+    assert not Path("out").exists()
     path = write("e.yaml", shipped("experiments", "grpo-tiny").replace("rl:\n", "rl:\n  vf_clip: null\n"))
     assert ExperimentSpec.load(Path(path)).rl.vf_clip is None  # value clipping off (ValueLoss's None)
     path = write("e.yaml", shipped("experiments", "grpo-tiny", max_new_tokens="3000"))

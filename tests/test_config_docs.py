@@ -1,5 +1,5 @@
-"""``docs/configuration.md`` lists every key the experiment and workload loaders accept, each in
-its own section's table: a key added to a spec without a line there fails here."""
+"""``docs/configuration.md`` lists every key the experiment, workload, cluster and model loaders
+accept, each in its own section's table: a key added to a spec without a line there fails here."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import pytest
 
 from nereus.runtime.drift import DriftEvent
 from nereus.runtime.experiment import DataSpec, ExperimentSpec, InitSpec, RlSpec, TaskSpec
+from nereus.spec.cluster import ClusterSpec
+from nereus.spec.model import ModelSpec
 from nereus.spec.workload import WorkloadSpec
 
 pytestmark = pytest.mark.pure
@@ -24,6 +26,8 @@ SECTIONS = {
     "### `rl:`": RlSpec,
     "### `drift:`": DriftEvent,
     "## Workload file": WorkloadSpec,
+    "## Cluster file": ClusterSpec,
+    "## Model file": ModelSpec,
 }
 
 
@@ -35,7 +39,7 @@ def _sections() -> dict[str, list[str]]:
         if line.startswith("#"):
             current = next((h for h in SECTIONS if line.startswith(h)), None)
             continue
-        m = re.match(r"\| `([a-z_]+)` \|", line)
+        m = re.match(r"\| `([a-z0-9_]+)` \|", line)
         if current is not None and m:
             found.setdefault(current, []).append(m[1])
     return found

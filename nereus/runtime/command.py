@@ -152,6 +152,16 @@ def preflight(
     check_tokenizer(spec, workload)
     check_data_files(spec)
     roles = {ms.role.value for ms in workload.workflow().model_stages}
+    if "reward" not in roles and spec.verifier == "none":  # no reward: the job could never learn
+        raise ConfigError(
+            f"verifier: none leaves no reward: workload {workload.name} has reward_model: false "
+            "(allowed: a verifier such as exact_answer, gsm8k, math, or a workload with reward_model: true)"
+        )
+    if "reward" not in roles and spec.reward_coef != 1.0:  # a weight of nothing
+        raise ConfigError(
+            f"reward_coef: weighs the reward model's score; workload {workload.name} has reward_model: false "
+            "(leave reward_coef out, or use a workload with reward_model: true)"
+        )
     for role in ("critic", "reward"):  # weights for a model the workload does not run would do nothing
         if getattr(spec.init, role) and role not in roles:
             raise ConfigError(

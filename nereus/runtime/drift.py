@@ -14,6 +14,10 @@ MAX_STEPS = 10_000_000  # a run's most steps
 MAX_HANG_S = 600.0  # a scripted hang lasts at most this long
 
 
+DEFAULT_OOM_STAGE = "actor.train"
+DEFAULT_HANG_S = 20.0
+
+
 @dataclass(frozen=True, slots=True)
 class DriftEvent:
     """Scripted drift for local runs. ``lose``: workers whose processes leave at the boundary
@@ -39,11 +43,11 @@ class DriftEvent:
     kill: tuple[int, ...] = ()
     gain: tuple[int, ...] = ()
     oom: tuple[int, ...] = ()
-    oom_stage: str = "actor.train"
+    oom_stage: str = DEFAULT_OOM_STAGE
     unhealthy: tuple[int, ...] = ()
     hang: tuple[int, ...] = ()
     freeze: tuple[int, ...] = ()
-    hang_s: float = 20.0
+    hang_s: float = DEFAULT_HANG_S
     max_new_tokens: int = 0  # 0: unchanged
 
     def __post_init__(self) -> None:
@@ -73,6 +77,16 @@ class DriftEvent:
             )
         if not 0.0 < self.hang_s <= MAX_HANG_S:
             raise ValueError(f"hang_s must be in (0, {MAX_HANG_S:g}] seconds, got {brief(self.hang_s)}")
+        if self.hang_s != DEFAULT_HANG_S and not (self.hang or self.freeze):
+            raise ValueError(f"step {self.step}: hang_s is how long hang or freeze workers stop; name some")
+        if self.oom_stage != DEFAULT_OOM_STAGE and not self.oom:
+            raise ValueError(f"step {self.step}: oom_stage is where oom workers run out of memory; name some")
+        if not (self.lose or self.kill or self.gain or self.oom or self.unhealthy or self.hang or self.freeze
+                or self.max_new_tokens):  # fmt: skip
+            raise ValueError(
+                f"step {self.step}: the event changes nothing (name lose, kill, gain, oom, unhealthy, "
+                "hang, freeze or max_new_tokens)"
+            )
         if self.oom_stage.count(".") != 1:
             raise ValueError(
                 f"oom_stage: expected a model-stage (<model>.<stage>), got {brief(self.oom_stage)}"

@@ -124,6 +124,9 @@ LAYOUT_KEYS: dict[str, tuple[str, ...]] = {  # the column keys each layout reads
 DATA_DEFAULTS = {f.name: f.default for f in fields(DataSpec)}
 
 
+MIN_TEMPERATURE = 1e-3  # below it the scaled logits leave float range (vLLM samples greedily under 1e-5)
+
+
 @dataclass(frozen=True, slots=True)
 class RlSpec:
     lr: float = 3e-3
@@ -144,6 +147,10 @@ class RlSpec:
         require_finite(self, *names, "gamma", "lam", "temperature", "top_p")
         require_positive(self, "lr", "critic_lr", "clip_eps", "temperature")
         require_at_most(self, 1e6, *names, "temperature")
+        if self.temperature < MIN_TEMPERATURE:  # logits / T overflow: every log-prob NaN
+            raise ValueError(
+                f"temperature must be in [{MIN_TEMPERATURE:g}, 1e6], got {brief(self.temperature)}"
+            )
         if self.clip_eps >= 1:  # 1 - clip_eps bounds the ratio from below: it must stay positive
             raise ValueError(f"clip_eps must be in (0, 1), got {self.clip_eps}")
         vf = self.vf_clip
@@ -314,7 +321,7 @@ class ExperimentSpec:
     @classmethod
     def load(cls, path: Path) -> ExperimentSpec:
         try:
-            return load_spec(cls, Path(path))
+            return load_spec(cls, Path(path), check_name=False)  # its name names the results folder
         except ConfigError:
             raise
         except (ValueError, TypeError) as exc:

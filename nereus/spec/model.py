@@ -187,7 +187,16 @@ class ModelSpec:
     # ---------------------------------------------------------------- loading
     @classmethod
     def from_yaml(cls, path: Path) -> ModelSpec:
-        return load_spec(cls, path)
+        """A model YAML; ``head`` is not its to say: each role sets its own (the actor and the
+        reference an LM head, the critic and the reward model a value head), so it is refused
+        rather than silently overridden."""
+        spec = load_spec(cls, path)
+        if spec.head is not Head.LM:
+            raise ConfigError(
+                f"{path}: key 'head': set by the role that runs the model (the critic and reward "
+                "model take a value head, the actor and reference an LM head); remove it"
+            )
+        return spec
 
     @classmethod
     def from_hf_config(cls, path: Path, name: str | None = None) -> ModelSpec:

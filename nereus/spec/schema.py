@@ -180,10 +180,20 @@ def require_finite(obj: object, *names: str) -> None:
             raise ValueError(f"{name} must be a finite number, got {value}")
 
 
-def load_spec(cls: type[T], path: Path) -> T:
-    """A spec from a YAML file; its ``name`` defaults to the file's stem."""
-    data = load_yaml(path)
+def named(data: dict[str, Any], path: Path) -> dict[str, Any]:
+    """``data`` with its ``name`` (default: the file's stem), which must not be blank: errors
+    about the spec name it."""
     data.setdefault("name", path.stem)
+    if isinstance(data["name"], str) and not data["name"].strip():
+        raise ConfigError(f"{path}: key 'name': expected a non-empty name (or leave it out: the file's stem)")
+    return data
+
+
+def load_spec(cls: type[T], path: Path, check_name: bool = True) -> T:
+    """A spec from a YAML file; its ``name`` defaults to the file's stem (``named``; a spec that
+    checks its own name passes ``check_name=False``)."""
+    data = load_yaml(path)
+    data = named(data, path) if check_name else {"name": path.stem, **data}
     return build(cls, data, str(path))
 
 

@@ -20,7 +20,15 @@ from pathlib import Path
 from nereus.errors import ConfigError
 from nereus.spec.files import brief
 from nereus.spec.model import Head
-from nereus.spec.schema import ALLOWED, build, coerce_enums, load_yaml, require_at_most, require_positive
+from nereus.spec.schema import (
+    ALLOWED,
+    build,
+    coerce_enums,
+    load_yaml,
+    named,
+    require_at_most,
+    require_positive,
+)
 
 MAX_TOKENS = 1 << 24  # a prompt or response length beyond any context window
 MAX_SEQUENCES = 1 << 24  # sequences per step, per batch
@@ -266,8 +274,7 @@ class WorkloadSpec:
         synchronous workload are refused rather than ignored: a user who wrote them expects them to act.
         ``mode`` (a command's ``--mode``) overrides the file's: to async, its keys act; to sync, the
         user asked for the synchronous plan of an asynchronous workload, and they do not."""
-        data = load_yaml(path)
-        data.setdefault("name", path.stem)
+        data = named(load_yaml(path), path)
         if mode is not None:
             data["mode"] = mode.value
         elif data.get("mode", ExecutionMode.SYNC.value) == ExecutionMode.SYNC.value:
