@@ -80,7 +80,18 @@ class FreeGpus:
         for node, free in self.nodes.items():  # node ids ascending: each bucket sorted
             self.buckets[len(free)].append(node)
 
-    def take(self, count: int, tp: int = 1) -> tuple[int, ...]:
+    def _first(self, free: int, prefer: frozenset[int]) -> int:
+        """The node to take from bucket ``free``: the first (lowest id) of those in ``prefer``
+        (nodes), else the first. Nodes of one bucket have as many GPUs free, so preferring
+        among them changes no best-fit choice the cost model's replay (``occupancy``) priced."""
+        bucket = self.buckets[free]
+        if prefer:
+            for node in bucket:
+                if node in prefer:
+                    return node
+        return bucket[0]
+
+    def take(self, count: int, tp: int = 1, prefer: frozenset[int] = frozenset()) -> tuple[int, ...]:
         """``count`` free GPUs for one replica whose TP groups are runs of ``tp`` of them: the
         fullest node that still fits it, else whole free nodes, then the nodes with most free
         GPUs. On nodes of 6 or 12 GPUs each node gives whole TP groups while some node holds
@@ -88,24 +99,27 @@ class FreeGpus:
         what async generation left, not 6 + 2), and what no node holds straddles, the
         replica's own nodes first. On nodes of a power of two GPUs a TP group that fits
         divides the node, and whole nodes (replicas largest first) keep every node's free
-        GPUs a multiple of it; their fragmented pools are filled as they always were."""
+        GPUs a multiple of it; their fragmented pools are filled as they always were.
+        ``prefer``: nodes to take from first among equally free ones (a weight-sync receiver's
+        trainer's nodes: the sync then stays inside them)."""
         if count > self.free:
             raise InfeasibleError(f"placement needs {count} more GPUs, {self.free} free")
         if count <= self.gpn:
             for free in range(count, self.gpn + 1):  # best fit: the fullest node that still fits
                 if self.buckets[free]:
-                    return self._pop(self.buckets[free][0], count)
+                    return self._pop(self._first(free, prefer), count)
         tiled = self.gpn & (self.gpn - 1) == 0  # every TP group that fits divides the node
         unit = 1 if tiled or tp >= self.gpn else tp  # what each node gives: whole TP groups
         whole = self.gpn // unit * unit  # what a whole node gives: all of it when tp divides it
         taken: list[int] = []
         while count - len(taken) >= whole and self.buckets[self.gpn]:
-            taken.extend(self._pop(self.buckets[self.gpn][0], whole))  # whole free nodes
+            taken.extend(self._pop(self._first(self.gpn, prefer), whole))  # whole free nodes
         while len(taken) < count:  # ragged pool: fill from the nodes with most free GPUs
             free = max(f for f in range(1, self.gpn + 1) if self.buckets[f])
             if free < unit:  # no node holds a TP group: the rest straddles nodes
                 break
-            taken.extend(self._pop(self.buckets[free][0], min(count - len(taken), free // unit * unit)))
+            node = self._first(free, prefer)
+            taken.extend(self._pop(node, min(count - len(taken), free // unit * unit)))
         rest: list[int] = []
         # what the replica's own nodes have left first (no node more), then the most free
         own = sorted(

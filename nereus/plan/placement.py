@@ -10,8 +10,11 @@ the node may find no node with room left (the cost model prices it between nodes
 divides it always finds one. A trainer's replicas that fit one node together go into the fullest
 node that holds them all, so its DP group (the gradient all-reduce) stays inside one node too (one
 by one, best fit would fill a part-used node first and split the group).
-Within a stage, model-stages are visited in workflow order, so the actor's model-stages land on
-the same GPUs across stages and its weight sync stays local.
+The trainers are placed first; a model-stage that loads a trainer's weights at the step boundary
+(the actor's inference and generation, the critic's inference) then takes that trainer's nodes
+first among equally free nodes, so its weight sync stays inside them (best fit still comes
+first: on a pool async generation fragmented, a fuller node wins). Otherwise model-stages of a
+size are visited in workflow order.
 
 With failure domains (``FailureDomains``: reserved GPUs and revocable instances), placement is
 reserved-first for trainers: one replica of every training model-stage — the only state that
@@ -43,7 +46,9 @@ def _place_group(
     free: _FreeGpus,
     anchor: Plan | None,
     domains: FailureDomains | None = None,
+    prefer: Mapping[str, frozenset[int]] | None = None,
 ) -> list[Candidate]:
+    prefer = prefer or {}
     owned: dict[str, list[tuple[int, ...]]] = {ms.name: [] for ms in model_stages}
     if domains is not None:
         owned.update(_reserved_first(model_stages, shapes, free, anchor, domains))
@@ -53,7 +58,9 @@ def _place_group(
         kept = _anchored(ms.name, shapes[ms.name], free, anchor, shapes[ms.name].dp - len(owned[ms.name]))
         owned[ms.name].extend(kept)
         todo.append((ms.name, shapes[ms.name].dp - len(owned[ms.name])))
-    todo.sort(key=lambda item: -shapes[item[0]].layout.size)  # stable: workflow order kept
+    # largest first; of a size, those with nodes to prefer first (before others take them);
+    # stable: workflow order kept
+    todo.sort(key=lambda item: (-shapes[item[0]].layout.size, item[0] not in prefer))
     for name, count in todo:
         size = shapes[name].layout.size
         # a trainer's replicas that fit one node together share one: its DP group (gradient
@@ -63,7 +70,7 @@ def _place_group(
             owned[name].extend(block[i * size : (i + 1) * size] for i in range(count))
             continue
         for _ in range(count):
-            owned[name].append(free.take(size, shapes[name].layout.tp))
+            owned[name].append(free.take(size, shapes[name].layout.tp, prefer.get(name, frozenset())))
     return [
         Candidate(
             ms.name,
@@ -167,6 +174,7 @@ def _place_stage(
     gpus_per_node: int,
     anchor: Plan | None,
     domains: FailureDomains | None,
+    prefer: Mapping[str, frozenset[int]] | None = None,
 ) -> tuple[list[Candidate], list[int]]:
     """One stage's model-stages placed on ``pool`` (and the GPUs left free). Replicas kept where
     the running plan has them can leave the new ones only the scattered GPUs of a fragmented pool
@@ -174,12 +182,13 @@ def _place_stage(
     best fit alone keeps it inside one — not the links the cost model priced (``group_spans``),
     and a TP group over the network runs its per-layer all-reduces several times slower. The
     anchored placement is kept only where no model-stage's worst (TP group, replica) node span
-    is larger than in a placement from scratch."""
+    is larger than in a placement from scratch. ``prefer``: per model-stage, nodes its replicas
+    take first among equally free ones (``FreeGpus.take``)."""
     free = _FreeGpus(pool, gpus_per_node)
-    placed = _place_group(model_stages, shapes, free, anchor, domains)
+    placed = _place_group(model_stages, shapes, free, anchor, domains, prefer)
     if anchor is not None and any(_spans(c, gpus_per_node) > _least(c, gpus_per_node) for c in placed):
         fresh_free = _FreeGpus(pool, gpus_per_node)
-        fresh = _place_group(model_stages, shapes, fresh_free, None, domains)
+        fresh = _place_group(model_stages, shapes, fresh_free, None, domains, prefer)
         if any(
             _spans(a, gpus_per_node) > _spans(b, gpus_per_node) for a, b in zip(placed, fresh, strict=True)
         ):
@@ -221,18 +230,33 @@ def place(
 
     With an ``anchor`` (the running plan), replicas whose layout is unchanged stay on their GPUs
     when those are still available, so a transition moves only what must move. With
-    ``domains``, one replica of every trainer goes on reserved GPUs where it fits.
+    ``domains``, one replica of every trainer goes on reserved GPUs where it fits. The trainers
+    are placed first, and a model-stage that loads a trainer's weights at the step boundary
+    (``Workflow.sync_source``: the actor's inference and generation, the critic's inference)
+    takes that trainer's nodes first among equally free ones, so its weight sync stays inside
+    them, as the cost model prices it (``CommTerms._weight_sync``).
     """
     candidates: dict[str, Candidate] = {}
-    if mode is ExecutionMode.ASYNC:
-        gen, rest = _place_stage(workflow.by_stage(Stage.GEN), shapes, pool, gpus_per_node, anchor, domains)
-        candidates.update({c.model_stage: c for c in gen})
-        for group in (workflow.by_stage(Stage.INF), workflow.by_stage(Stage.TRAIN)):
-            placed, _ = _place_stage(group, shapes, rest, gpus_per_node, anchor, domains)
-            candidates.update({c.model_stage: c for c in placed})
-    else:
-        for stage in workflow.stages:
-            placed, _ = _place_stage(workflow.by_stage(stage), shapes, pool, gpus_per_node, anchor, domains)
-            candidates.update({c.model_stage: c for c in placed})
+
+    def prefer(group: Sequence[ModelStage]) -> dict[str, frozenset[int]]:
+        out = {}
+        for ms in group:
+            src = workflow.sync_source(ms.name)
+            if src is not None and src in candidates:
+                out[ms.name] = frozenset(g // gpus_per_node for g in candidates[src].gpus)
+        return out
+
+    def add(group: Sequence[ModelStage], on: Sequence[int]) -> list[int]:
+        placed, left = _place_stage(group, shapes, on, gpus_per_node, anchor, domains, prefer(group))
+        candidates.update({c.model_stage: c for c in placed})
+        return left
+
+    if mode is ExecutionMode.ASYNC:  # generation on GPUs of its own, the rest on what it leaves
+        rest = add(workflow.by_stage(Stage.GEN), pool)
+        for stage in (Stage.TRAIN, Stage.INF):
+            add(workflow.by_stage(stage), rest)
+    else:  # every stage on the whole pool (stages run one after another), the trainers first
+        for stage in sorted(workflow.stages, key=lambda s: s is not Stage.TRAIN):
+            add(workflow.by_stage(stage), pool)
     ordered = tuple(candidates[m.name] for m in workflow.model_stages)
     return Plan(workflow, ordered, tuple(pool), mode)
