@@ -42,7 +42,7 @@ from nereus.spec import (
 from nereus.spec.files import brief, one_line, shorten
 from nereus.spec.model import check_context
 from nereus.spec.registry import lasting_name, load_role_models
-from nereus.spec.workload import MAX_TOKENS
+from nereus.spec.workload import MAX_TOKENS, Recompute
 from nereus.telemetry import read_node
 from nereus.transition import command as transition_command
 from nereus.transition.command import MAX_GPUS, MAX_TP
@@ -235,13 +235,31 @@ def _problem(args: argparse.Namespace) -> PlanningProblem:
         raise ConfigError(f"{origin}: {exc}" if origin else str(exc)) from None
 
 
-def _pipelined_fits(problem: PlanningProblem) -> bool:
-    """Whether ``problem`` has a plan once generation may span pipeline stages."""
+def _fits_in(problem: PlanningProblem, **space: Any) -> float | None:
+    """The step latency of ``problem``'s plan once its search space has ``space``'s fields
+    (None: still no plan)."""
     try:
-        solve(dataclasses.replace(problem, space=dataclasses.replace(problem.space, flat=())), Solver.DP)
+        wider = dataclasses.replace(problem, space=dataclasses.replace(problem.space, **space))
+        return solve(wider, Solver.DP).step_latency_s
     except InfeasibleError:
-        return False
-    return True
+        return None
+
+
+def _why_not(problem: PlanningProblem, urgent: bool) -> str:
+    """What would give ``problem`` a plan: --urgent (recomputation, smaller micro-batches), then
+    --pipelined-gen (generation across pipeline stages); "" when neither does."""
+    hints = []
+    if not urgent and (step := _fits_in(problem, recompute=tuple(Recompute), shrink_micro_batch=True)):
+        hints.append(
+            "with --urgent, which also tries activation recomputation and smaller micro-batches, it "
+            f"has a plan ({step:.1f} s per step)"
+        )
+    if problem.space.flat and _fits_in(problem, flat=()) is not None:  # what the default engine costs
+        hints.append(
+            "generation at pp 1, as vLLM runs it; --pipelined-gen, the torch-native engine's "
+            "pipelined generation, has a plan"
+        )
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 def _plan(args: argparse.Namespace, out: Console) -> int:
@@ -262,13 +280,8 @@ def _plan(args: argparse.Namespace, out: Console) -> int:
     except ExhaustiveTooLargeError as exc:
         raise ConfigError(f"--solver {args.solver}: {exc} (allowed: fewer --gpus, or --solver dp)") from None
     except InfeasibleError as exc:
-        why = str(exc)
-        if problem.space.flat and _pipelined_fits(problem):  # say what the default engine costs
-            why += (
-                " (generation at pp 1, as vLLM runs it; --pipelined-gen, the torch-native "
-                "engine's pipelined generation, has a plan)"
-            )
-        raise InfeasibleError(why) from None  # with --json, main prints {"fits": false, "error"}
+        # with --json, main prints {"fits": false, "error"}
+        raise InfeasibleError(str(exc) + _why_not(problem, args.urgent)) from None
     doc = plan_json(problem, result)
     doc["problem"] = {k: getattr(args, k) for k in transition_command.PROBLEM_KEYS}
     doc["problem"]["mode"] = problem.workload.mode.value

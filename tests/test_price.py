@@ -10,6 +10,7 @@ spec and 3 when the held layout cannot run.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -388,6 +389,21 @@ def test_kv_memory_fraction_sizes_the_engines_kv_from_free_memory(capsys: pytest
              "--prompt-len", "8", "--seq-len", "8", "--kv-memory-fraction", "0.9"]  # fmt: skip
     assert main([*BASE, *train]) == 2
     assert "--kv-memory-fraction prices generation" in capsys.readouterr().err
+
+
+def test_a_refusal_says_that_urgent_has_a_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    """70B PPO on 64 H100s fits only with recomputation or micro-batch 1: the refusal said no
+    combination fits, and named --pipelined-gen but not --urgent, which has a plan (at the step
+    latency it quotes)."""
+    plan = ["plan", "--model", "llama-3.3-70b", "--algo", "ppo", "--cluster", "h100-ib", "--seq-len", "2048",
+            "--gpus", "64"]  # fmt: skip
+    assert main(plan) == 3
+    err = capsys.readouterr().err
+    hint = re.search(r"with --urgent, which also tries .* it has a plan \((\d+\.\d) s per step\)", err)
+    assert hint is not None, err
+    assert main([*plan, "--urgent", "--json"]) == 0
+    assert f"{json.loads(capsys.readouterr().out)['step_latency_s']:.1f}" == hint[1]
+    assert main([*plan[:-1], "8"]) == 3 and "--urgent" not in capsys.readouterr().err  # nothing fits
 
 
 def test_generation_is_planned_at_pp_1_as_vllm_runs_it(capsys: pytest.CaptureFixture[str]) -> None:
