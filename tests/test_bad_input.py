@@ -235,7 +235,7 @@ def test_a_model_yaml_naming_a_head_is_refused(capsys: pytest.CaptureFixture[str
             "'drift[0]' step 2: the event changes nothing (name lose, kill, gain, oom, unhealthy, hang, "
             "freeze or max_new_tokens)",
         ),
-        ("rl: {temperature: 1.0e-300}", "'rl' temperature must be in [0.001, 1e6], got 1e-300"),
+        ("rl: {temperature: 1.0e-300}", "'rl' temperature must be in [0.01, 1e6], got 1e-300"),
         ("collective_timeout_s: 0.5", "collective_timeout_s must be in [1, 86400] seconds, got 0.5"),
         ("collective_timeout_s: .nan", f"key 'collective_timeout_s': {FINITE} nan"),
         ("drift: [{step: 1, unhealthy: [9]}]", "drift at step 1: worker 9 outside 0…3"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nereus.errors import ConfigError
-from nereus.runtime import outdir, signing
+from nereus.runtime import outdir, outlock, signing
 from nereus.runtime.metrics import drop_rows_after, read_rows
 from nereus.spec import Role
 
@@ -470,6 +471,33 @@ def test_one_run_at_a_time_per_folder(tmp_path: Path) -> None:
                    "end, or choose another --out"] * 4, got  # fmt: skip
     assert _snapshot(out) == before
     outdir.prepare(out, resume=True, force=False)  # this process's own run: its lock
+
+
+def test_a_killed_runs_workers_keep_the_folder_in_use_until_they_end(tmp_path: Path) -> None:
+    """``nereus run`` killed outright lets go of its lock, but its workers run on to their next
+    boundary and write a checkpoint and a row there: a ``--resume`` started meanwhile ran beside
+    them (step 4's row twice). Each worker holds ``.nereus-workers`` while it lives; a run is
+    refused, writing nothing, until the last has ended."""
+    out = tmp_path / "run"
+    outdir.prepare(out, resume=False, force=False)
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    outlock.release(out)  # the supervisor's lock gone, as when it is killed
+    worker = subprocess.Popen(  # a worker of the killed run, still going
+        [sys.executable, "-c", "import sys; from nereus.runtime import outlock; "
+         "outlock.hold_as_worker(sys.argv[1]); print('held', flush=True); sys.stdin.read()", str(out)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert worker.stdout is not None and worker.stdout.readline().strip() == "held"
+        before = _snapshot(out)
+        message = f"--out: {out} is in use by the worker processes of a nereus run that was killed"
+        for step in (outdir.check, outdir.prepare):
+            with pytest.raises(ConfigError, match=re.escape(message)):
+                step(out, True, False)
+        assert _snapshot(out) == before
+    finally:
+        worker.communicate("", timeout=30)  # the worker ends
+    assert outdir.prepare(out, resume=True, force=False)  # free again
 
 
 def test_only_signed_checkpoints_count_and_they_sort_by_step(tmp_path: Path) -> None:

@@ -124,7 +124,7 @@ LAYOUT_KEYS: dict[str, tuple[str, ...]] = {  # the column keys each layout reads
 DATA_DEFAULTS = {f.name: f.default for f in fields(DataSpec)}
 
 
-MIN_TEMPERATURE = 1e-3  # below it the scaled logits leave float range (vLLM samples greedily under 1e-5)
+MIN_TEMPERATURE = 0.01  # vLLM raises a lower one to 0.01 (its _MAX_TEMP), which the trainer would not
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from nereus.errors import NereusError
-from nereus.runtime import outdir, signing
+from nereus.runtime import outdir, outlock, signing
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.signals import STOP_SIGNALS, exit_code, start, stop_with, stopped_by
 
@@ -253,6 +253,7 @@ def member_main(
 
     preemption = Preemption(STOP_SIGNALS).install()  # first: the signals were held until now
     stop_with(supervisor)  # a supervisor killed outright: SIGTERM, the job stops at a checkpoint
+    outlock.hold_as_worker(Path(out))  # no other run starts in the folder while this one may write
 
     from nereus.control.action import Outcome
     from nereus.devices import activate, choose
@@ -318,6 +319,7 @@ def joiner_main(
     from nereus.runtime.preemption import Preemption
 
     preemption = Preemption(STOP_SIGNALS).install()
+    outlock.hold_as_worker(Path(out))
 
     from nereus.control.action import Outcome
     from nereus.devices import activate, choose

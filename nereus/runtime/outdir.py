@@ -13,34 +13,24 @@ folder without the marker ``--force`` removes nothing: a name a run would write 
 there (a user's own ``checkpoints/``) is refused. ``check`` writes nothing;
 ``prepare`` writes only after every check passed.
 
-One run at a time: ``prepare`` takes an exclusive lock on ``.nereus-lock`` in the folder (``flock``,
-held by the ``nereus run`` process until it exits, which the kernel releases however it ends) before
-it replaces or writes anything, and a second run on the same folder (``--resume`` or ``--force``
-alike) is refused naming the holder's process id; ``check`` tries the lock too, without keeping it.
-A run whose fresh start is undone removes the file as it ends; whoever takes the lock checks that
-the file it locked is still the one in the folder, and takes it again if not. The lock lives in
-the ``nereus run`` process: its workers stop at their next boundary when it dies.
+One run at a time: ``nereus.runtime.outlock``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import os
 import shutil
-import stat
 import threading
 from pathlib import Path
 
 from nereus.errors import ConfigError
+from nereus.runtime.outlock import LOCKS, WORKERS, probe, release, take, workers_alive
 from nereus.runtime.signing import KEY_FILE, checkpoints, create_key, read_key
 
 MARKER = ".nereus-output"
 MARK = "run"
-LOCK = ".nereus-lock"
 REPLACED = ".nereus-replaced"  # a previous run's files, while the run that replaces them starts
-_HELD: dict[Path, int] = {}  # this process's locks (descriptors), by folder: open until it exits
 INPUTS = frozenset({"control"})  # shrink requests (nereus-launch shrink) may wait before the run
 RUN_FILES = (
     "metrics.jsonl", ".metrics.jsonl.tmp", "report.png", "report.tmp.png", "membership.log", "tensorboard",
@@ -91,109 +81,6 @@ def is_ours(path: Path) -> bool:
     return bool(lines) and lines[0].strip() == MARK
 
 
-def _in_use(path: Path) -> ConfigError:
-    try:
-        holder = (path / LOCK).read_text(encoding="utf-8").strip() or "?"
-    except (OSError, UnicodeDecodeError):
-        holder = "?"
-    return ConfigError(
-        f"--out: {path} is in use by another nereus run (pid {holder[:20]}); wait for it to end, or "
-        "choose another --out"
-    )
-
-
-def _open_lock(lock: Path, create: bool) -> int:
-    """A descriptor of the lock file: a regular file, never through a link (``O_NOFOLLOW``) and
-    never blocking on a FIFO put in its place."""
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | (os.O_CREAT if create else 0)
-    try:
-        fd = os.open(lock, flags, 0o644)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise ConfigError(
-                f"--out: {lock} is a symbolic link; expected the run lock file (move it away)"
-            ) from None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ConfigError(f"--out: {lock} is not a regular file; expected the run lock file (move it away)")
-    return fd
-
-
-def _current(fd: int, lock: Path) -> bool:
-    """Whether ``fd`` is still the file at ``lock`` (a run that ended may have removed it, and a
-    lock on a removed file locks nothing)."""
-    try:
-        on_disk = os.stat(lock, follow_symlinks=False)
-    except OSError:
-        return False
-    held = os.fstat(fd)
-    return (on_disk.st_dev, on_disk.st_ino) == (held.st_dev, held.st_ino)
-
-
-def _probe(path: Path) -> None:
-    """Refuse ``path`` when another run holds its lock (a lock this process holds is fine)."""
-    lock = path / LOCK
-    if _held(path) or not lock.exists():
-        return
-    try:
-        fd = _open_lock(lock, create=False)
-    except OSError:
-        return  # gone meanwhile, or unreadable: ``prepare`` says so when it takes the lock
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise _in_use(path) from None
-    finally:
-        os.close(fd)
-
-
-def _held(path: Path) -> bool:
-    """Whether this process holds ``path``'s lock (on the file that is there now)."""
-    fd = _HELD.get(path.resolve())
-    if fd is None:
-        return False
-    if _current(fd, path / LOCK):
-        return True
-    del _HELD[path.resolve()]  # the folder was removed and made again: that lock locks nothing
-    os.close(fd)
-    return False
-
-
-def _take(path: Path) -> None:
-    """Hold ``path``'s run lock until this process exits; ``ConfigError`` when another run has it."""
-    if _held(path):
-        return
-    lock = path / LOCK
-    for _ in range(5):  # a run that ended may remove the file between our open and our lock
-        try:
-            fd = _open_lock(lock, create=True)
-        except OSError as exc:
-            raise ConfigError(f"--out: {lock} cannot be opened ({exc.strerror})") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise _in_use(path) from None
-        if _current(fd, lock):
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()}\n".encode())
-            _HELD[path.resolve()] = fd
-            return
-        os.close(fd)
-    raise ConfigError(f"--out: {lock} keeps changing; is another nereus run starting in {path}?")
-
-
-def _release(path: Path) -> None:
-    """Let go of ``path``'s lock and remove its file (the run that held it ends; a run that opened
-    the file meanwhile finds it removed and takes a new one)."""
-    fd = _HELD.pop(path.resolve(), None)
-    with contextlib.suppress(OSError):
-        (path / LOCK).unlink()
-    if fd is not None:
-        os.close(fd)
-
-
 def _read_only(path: Path) -> bool:
     """Whether ``path`` is on a file system mounted read-only."""
     try:
@@ -209,7 +96,7 @@ def check(path: Path, resume: bool, force: bool) -> None:
     if resume and force:
         raise ConfigError("--force and --resume: pass one (--resume continues the run, --force replaces it)")
     if path.is_dir():
-        _probe(path)
+        probe(path)
     found = _existing_ancestor(path)
     if not found.is_dir():
         what = "is a file" if found == path.absolute() else f"is inside {found}, a file"
@@ -228,7 +115,7 @@ def check(path: Path, resume: bool, force: bool) -> None:
         _resumable(path)
     if resume or force or not path.exists():
         return
-    entries = sorted(e.name for e in path.iterdir() if e.name not in INPUTS and e.name != LOCK)
+    entries = sorted(e.name for e in path.iterdir() if e.name not in INPUTS and e.name not in LOCKS)
     if not entries:
         return
     if is_ours(path):
@@ -252,10 +139,12 @@ def prepare(path: Path, resume: bool, force: bool) -> bytes:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:  # a place no folder can be made (/proc, a read-only mount)
         raise ConfigError(f"--out: {path} cannot be created ({exc.strerror or type(exc).__name__})") from None
-    _take(path)
+    take(path)
     _remove_leftovers(path)
     settle(path)  # a replacing run that was killed before its first checkpoint: the old files back
     check(path, resume, force)  # again under the lock: a run that ended meanwhile left its files
+    if resume:
+        _writable(path)
     if force and is_ours(path):  # a previous run's files; a folder not ours holds none (``check``)
         _set_aside(path)
     marker = path / f"{MARKER}.tmp"
@@ -265,6 +154,24 @@ def prepare(path: Path, resume: bool, force: bool) -> bytes:
     if resume or key_file.exists():
         return read_key(key_file)
     return create_key(key_file)
+
+
+def _writable(path: Path) -> None:
+    """A resume writes into the run's folders: each there takes a file (a write probe, not the
+    permission bits, which root and immutable folders make say otherwise), or one line says not."""
+    for name in RUN_FOLDERS:
+        folder = path / name
+        if not folder.is_dir():
+            continue
+        probe = folder / ".nereus-probe"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError(
+                f"--out: {folder} is not writable ({exc.strerror or type(exc).__name__}); --resume "
+                "writes the run's files there"
+            ) from None
 
 
 def discard(path: Path, created: bool) -> bool:
@@ -277,8 +184,10 @@ def discard(path: Path, created: bool) -> bool:
         return False
     if not settle(path):
         _remove_run_files(path)
-    _release(path)  # this run's own, which ends now (another run refuses, never waits)
+    release(path)  # this run's own, which ends now (another run refuses, never waits)
     if created:
+        if not workers_alive(path):  # its workers have ended: their lock file goes with the folder
+            (path / WORKERS).unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             path.rmdir()  # only when empty: a control/ request or a user's file keeps it
     return True
@@ -340,7 +249,7 @@ def recover(path: Path) -> None:
     if not (path / REPLACED).is_dir() or (path / REPLACED).is_symlink():
         return
     try:
-        _take(path)
+        take(path)
     except ConfigError:
         return  # in use: ``check`` says so
     settle(path)
