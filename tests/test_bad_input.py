@@ -454,7 +454,15 @@ ENTRY = '{"window": 8, "samples": %s, "memory": %s}'
         (
             CAL % '{"window": 8, "samples": {}, "memory": {}, "shaped": {"gemm": [[1, 2, 3]]}}',
             "key 'clusters.local-cpu.shaped.gemm': expected a list of [ideal_s, measured_s, size, group] "
-            "lists (numbers in [1e-12, 1e+12])",
+            "lists (numbers in [1e-12, 1e+12]; size and group 0 or up to 1e+21)",
+        ),
+        (
+            '{"format": 2.0, "clusters": {}}',
+            "key 'format': expected 1 or 2 (this Nereus reads both), got 2.0",
+        ),
+        (
+            '{"format": 2, "clusters": {}, "extra": 1}',
+            "unknown key 'extra' (allowed: format, clusters)",
         ),
         (
             CAL % (ENTRY % ("{}", '{"train": [-1]}')),
@@ -606,6 +614,8 @@ def test_plan_mode_async_takes_a_workload_naming_async_keys(capsys: pytest.Captu
     argv = [*A100[:-1], "--gpus", "16", "--seq-len", "2048"]
     argv[argv.index("ppo")] = "w.yaml"
     assert "w.yaml: key 'max_staleness' applies to mode: async only" in refused(argv, capsys)
+    sync = refused([*argv, "--mode", "sync"], capsys)  # the file and the flag agree: still refused
+    assert "w.yaml: key 'max_staleness' applies to mode: async only" in sync
     code, out, err = cli([*argv, "--mode", "async", "--json"], capsys)
     assert code == 0, err
     doc = json.loads(out)

@@ -127,3 +127,33 @@ def test_values_are_validated() -> None:
         Measurement(OpClass.GEMM, 0.0, 1.0)
     with pytest.raises(ValueError, match="efficiency of gemm"):
         Efficiencies(eta={**PRIOR_EFFICIENCY, OpClass.GEMM: 1.5})
+
+
+def test_what_a_store_saves_it_loads_at_the_planners_sizes_and_full_windows(tmp_path: Path) -> None:
+    """Sized samples carry the planner's own sizes (70B inference: 1.6e13 FLOPs), and two
+    clusters' full windows make a file over 1 MiB: both were refused on load."""
+    path = tmp_path / "cal.json"
+    for cluster in ("a100-80gb-dgx", "h200-ib"):
+        store = CalibrationStore(cluster, window=4096)
+        for k in range(4096):
+            size = 1.6e13 * (1 + k % 7)
+            store.update(
+                Measurement(op, 1.0 + k % 3, 2.0 + k % 3, size=size)
+                for op in (OpClass.GEMM, OpClass.ATTENTION, OpClass.DECODE, OpClass.MEMORY)
+            )
+        store.save(path)
+    assert path.stat().st_size > 1 << 20
+    back = CalibrationStore.load(path, "h200-ib", strict=True)
+    assert back.sample_count(OpClass.GEMM) == 4096 and back.curve(OpClass.GEMM) is not None
+
+
+def test_sized_samples_past_their_bounds_are_warned_about() -> None:
+    """A GEMM cannot beat the GPU's peak: sized samples at η 50 (or 1e-6) moved the plan 3.7×
+    with no warning, where the class-wide η warned."""
+    store = CalibrationStore("h200-ib")
+    store.update(Measurement(OpClass.GEMM, 1.0, 1.0 / 50, size=s) for s in (1e6, 1e8, 1e10, 1e12))
+    (line,) = [w for w in store.clipped() if "sized" in w]
+    assert line.startswith("gemm sized samples' efficiencies 50–50 pass [0.01, 1]")
+    ok = CalibrationStore("h200-ib")  # a collective's curve may pass its ring ideal
+    ok.update(Measurement(OpClass.ALLREDUCE_INTER, 1.0, 1.0 / 3, size=s) for s in (1e6, 1e8, 1e10, 1e12))
+    assert [w for w in ok.clipped() if "sized" in w] == []

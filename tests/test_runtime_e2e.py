@@ -24,6 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from nereus.cli import main
 from tests.preempt import stop_after_rows
 
 pytestmark = pytest.mark.e2e
@@ -529,3 +530,7 @@ def test_a_calibrating_job_times_its_collectives_before_its_first_plan(tmp_path:
     log = (out / "membership.log").read_text()
     found = re.search(r"start-up collective sweep: (\d+) probes in [\d.]+ s", log)
     assert found is not None and int(found.group(1)) > 0, log
+    # what it measured, saved for nereus plan/price --calibration (keyed by the cluster's name)
+    assert main(["price", "--model", "tiny-llama", "--cluster", "local-cpu", "--stage", "train", "--tp", "1",
+                 "--pp", "1", "--dp", "1", "--sequences", "8", "--prompt-len", "8", "--seq-len", "8",
+                 "--calibration", str(out / "calibration.json")]) == 0  # fmt: skip

@@ -44,12 +44,14 @@ from nereus.control.transition_cost import (
     staged,
 )
 from nereus.control.triggers import POOL, Trigger, TriggerKind, TriggerMonitor, horizon
+from nereus.control.warmup import WarmUp
 from nereus.control.widened import is_widened, led_by_wider
 from nereus.errors import InfeasibleError
 from nereus.plan.cache import PlanCache
 from nereus.plan.calibration import OOM_STEP, CalibrationStore
 from nereus.plan.evaluate import price, shapes_of
 from nereus.plan.layout import Plan
+from nereus.plan.opclass import OpClass
 from nereus.plan.problem import DEFAULT_HEADROOM, PlanningProblem, SearchSpace, SeqStats
 from nereus.plan.search import search
 from nereus.spec.cluster import ClusterSpec
@@ -122,6 +124,7 @@ class Controller:
         # the memory checks ahead of the running plan, valid while the calibration they were
         # priced with holds (``_calibrate`` forgets them)
         self._ahead: MemoryAhead | None = None
+        self.warmup = WarmUp()  # steps on fresh engines: their timings are left out
 
     # ------------------------------------------------------------------ inputs
     def problem(
@@ -148,6 +151,11 @@ class Controller:
         if self._last_len is not None and self._last_len > 0:
             return 0.5 * self._growth + 0.5 * (seq_len_mean / self._last_len)
         return self._growth
+
+    def _fitted(self, op: OpClass) -> float | None:
+        """``op``'s efficiency as calibration has fitted it (what the triggers watch); None
+        before any sample."""
+        return self.calibration.efficiency(op) if self.calibration.sample_count(op) else None
 
     def _calibrate(self, t: Telemetry) -> None:
         """Fold measured op-class times and memory peaks into calibration (paper §2.5)."""
@@ -184,6 +192,7 @@ class Controller:
         the triggers it fires, after which a replan is due (``replan`` then ``commit``)."""
         if self.state in (State.TRANSITIONING, State.RESTART_REQUIRED):
             raise RuntimeError(f"observe() while {self.state.value}: report the transition or restart first")
+        t = self.warmup.strip(t)
         self._fold(t)
         if t.oom:  # the model under-predicted that stage's memory: correct it before replanning
             stages = {self.plan.workflow.get(t.oom_stage).stage} if t.oom_stage else set(Stage)
@@ -192,7 +201,7 @@ class Controller:
                 self.calibration.raise_memory_floor(stage, steps.get(stage, OOM_STEP))
         plan_gpus = frozenset(g for c in self.plan.candidates for g in c.gpus)
         violation = plan_gpus <= frozenset(t.pool) and self._over_capacity_ahead(self._seq(t))
-        fired = self.monitor.observe(t, plan_gpus, violation)
+        fired = self.monitor.observe(t, plan_gpus, violation, self._fitted)
         settled = self.pool_age.trigger(t, plan_gpus, self.monitor.horizon_now(POOL, t.step))
         fired += [settled] if settled is not None and not fired else []
         if self.config.period and (t.step + 1) % self.config.period == 0:
@@ -210,7 +219,7 @@ class Controller:
         out from the references the decision reset."""
         if t.oom:
             raise ValueError("an out-of-memory step is observed (triggers), never only folded in")
-        self._fold(t)
+        self._fold(self.warmup.strip(t))
 
     def _fold(self, t: Telemetry) -> None:
         """What every step's telemetry changes: the length growth, calibration and the pool's
@@ -226,7 +235,7 @@ class Controller:
     def commit(self, t: Telemetry, decision: Decision) -> Decision:
         """``decision`` (``replan`` on ``t``) taken: new trigger references, a rejected target
         remembered, the decision logged, and the state it leads to."""
-        self.monitor.reset(t)
+        self.monitor.reset(t, self._fitted)
         self.pool_age.priced(t.time_s)
         self.deferral.after(decision, self.config.rule)
         self.decisions.append(decision)
@@ -264,6 +273,7 @@ class Controller:
             self.estimator.observe(est, moving_s if sunk and moving_s is not None else measured_s)
         self.plan = self.pending.target
         self.state, self.pending = State.STEADY, None
+        self.warmup.rebuilt()
 
     def started(self, fixed: FixedCosts) -> None:
         """The job built its engines and groups in these seconds at start-up: until transitions
@@ -300,12 +310,14 @@ class Controller:
         rolled back to its boundary."""
         self.plan = plan
         self.state, self.pending = State.STEADY, None
+        self.warmup.rebuilt()
 
     def restarted(self, plan: Plan) -> None:
         """The job restarted from a checkpoint on ``plan`` (a static policy adopts its layouts)."""
         self.plan = plan
         self.first_layouts = {c.model_stage: c.layout for c in plan.candidates}
         self.state, self.pending = State.STEADY, None
+        self.warmup.rebuilt()
 
     def _oom_steps(self, t: Telemetry) -> dict[Stage, float]:
         """Per stage, the smallest correction under which the model would have predicted the

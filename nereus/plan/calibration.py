@@ -7,9 +7,12 @@ JSON file keyed by cluster name so another job (or another model) on that cluste
 Estimator (our choice; the paper leaves it open, paper-notes §5.3): per class, a window of the
 latest samples (ideal seconds at η = 1, measured seconds); samples whose ratio lies more than
 3 scaled MADs (at least 5% of the median) from the median are dropped; η = Σ ideal / Σ measured
-over the rest, clipped to [0.01, 1]. Memory: per stage, the ratio measured/predicted peak; the
-correction is the median plus two scaled MADs (an upper estimate, so feasibility stays
-conservative), clipped to [0.5, 4].
+over the rest, clipped to [0.01, 1]. A straggler step is dropped so, but so would a lasting change
+be until it filled half the window (a halved η stayed at the old one for 30 steps): when every
+sample of the last ``SHIFT_STEPS`` updates that timed a class lies outside the older samples'
+band, on one side, the class has a new level, and its older samples are forgotten.
+Memory: per stage, the ratio measured/predicted peak; the correction is the median plus two
+scaled MADs (an upper estimate, so feasibility stays conservative), clipped to [0.5, 4].
 
 By shape (``nereus.plan.shapefit``): a measurement may carry the size of the work it timed and,
 for collectives, the ranks per node of its group. The store keeps the latest ``SHAPE_WINDOW`` sized
@@ -39,6 +42,7 @@ import numpy as np
 from nereus.errors import ConfigError
 from nereus.plan.opclass import PRIOR_EFFICIENCY, OpClass
 from nereus.plan.replica import FloatArray
+from nereus.plan.shapefit import ETA_MAX as SHAPED_ETA_MAX
 from nereus.plan.shapefit import ShapeCurve, fit_curve
 from nereus.spec.files import brief, load_json, shorten
 from nereus.spec.workload import Stage
@@ -46,11 +50,16 @@ from nereus.spec.workload import Stage
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)  # format 1: no sized samples
 SHAPE_WINDOW = 512  # sized samples kept per op class (the curve needs more than one plan's shapes)
+SHIFT_STEPS = 2  # updates (steps) whose samples all lie off the older ones' band, on one side: a new level
+SHIFT_BASE = 3  # older updates that must be there to judge it against
 MAD_SCALE = 1.4826  # MAD → standard deviation for normal data
 RELATIVE_FLOOR = 0.05
 MEMORY_CAP = 4.0  # the largest memory correction (the model is not that wrong)
 MEMORY_MIN = 0.5  # the smallest
 ETA_MIN, ETA_MAX = 0.01, 1.0  # a fitted efficiency's bounds
+# a compute class's work cannot beat the GPU's peak; a collective's curve may pass its ring ideal
+COMPUTE = frozenset({OpClass.GEMM, OpClass.ATTENTION, OpClass.MEMORY, OpClass.DECODE})
+CURVE_MAX = 1.0
 OOM_STEP = 1.25  # an out-of-memory error raises a stage's memory correction by this factor
 
 
@@ -145,6 +154,8 @@ class CalibrationStore:
         self.cluster = cluster
         self.window = window
         self._samples: dict[OpClass, deque[tuple[float, float]]] = {}
+        self._updates = 0  # ``update`` calls so far (a step's measurements come in one)
+        self._update_of: dict[OpClass, deque[int]] = {}  # each sample's update, beside ``_samples``
         self._shaped: dict[OpClass, deque[tuple[float, float, float, float]]] = {}
         self._memory: dict[Stage, deque[float]] = {}
         self._floor: dict[Stage, float] = {}  # lower bounds from out-of-memory errors (not persisted)
@@ -152,13 +163,39 @@ class CalibrationStore:
 
     # ---------------------------------------------------------------- updates
     def update(self, measurements: Iterable[Measurement]) -> None:
+        """Fold in one step's measurements (one call per step: a level shift is counted in them)."""
         self._fitted = None
+        self._updates += 1
+        timed: set[OpClass] = set()
         for m in measurements:
             bucket = self._samples.setdefault(m.op_class, deque(maxlen=self.window))
             bucket.append((m.ideal_s, m.measured_s))
+            self._update_of.setdefault(m.op_class, deque(maxlen=self.window)).append(self._updates)
+            timed.add(m.op_class)
             if m.size > 0:
                 shaped = self._shaped.setdefault(m.op_class, deque(maxlen=SHAPE_WINDOW))
                 shaped.append((m.ideal_s, m.measured_s, m.size, m.group))
+        for op in timed:
+            self._follow_shift(op)
+
+    def _follow_shift(self, op: OpClass) -> None:
+        """Forget ``op``'s samples from before a level shift: every sample of its last
+        ``SHIFT_STEPS`` updates off the older samples' band (3 scaled MADs, at least 5% of
+        their median), all on one side."""
+        ratios = [i / m for i, m in self._samples[op]]
+        updates = list(self._update_of[op])
+        steps = sorted(set(updates))
+        recent = steps[-SHIFT_STEPS:]
+        if len(steps) < SHIFT_STEPS + SHIFT_BASE:  # too few older steps to tell a level from noise
+            return
+        old = [r for r, u in zip(ratios, updates, strict=True) if u < recent[0]]
+        new = [r for r, u in zip(ratios, updates, strict=True) if u >= recent[0]]
+        med = statistics.median(old)
+        band = 3 * max(statistics.median(abs(r - med) for r in old) * MAD_SCALE, RELATIVE_FLOOR * med)
+        if all(r > med + band for r in new) or all(r < med - band for r in new):
+            for _ in old:  # (the sized samples stay: a curve fits η by size, and another plan's
+                self._samples[op].popleft()  # sizes legitimately sit at another level)
+                self._update_of[op].popleft()
 
     def raise_memory_floor(self, stage: Stage, step: float = OOM_STEP) -> float:
         """A stage ran out of memory: its correction is at least ``step`` times what it was (the
@@ -219,6 +256,14 @@ class CalibrationStore:
                 used = self.memory_factor(stage)
                 bounds = f"[{MEMORY_MIN:g}, {MEMORY_CAP:g}]"
                 out.append(f"{stage.value} memory ratio {raw:.3g} is outside {bounds}; using {used:g}")
+        for op, shaped in self._shaped.items():  # a curve may pass 1 only where a collective's
+            etas = [i / m for i, m, _, _ in shaped]  # hierarchy beats the planner's ring ideal
+            high = CURVE_MAX if op in COMPUTE else SHAPED_ETA_MAX
+            if min(etas) < ETA_MIN / 1.1 or max(etas) > high * 1.1:
+                out.append(
+                    f"{op.value} sized samples' efficiencies {min(etas):.3g}–{max(etas):.3g} pass "
+                    f"[{ETA_MIN:g}, {high:g}]; their curve keeps within [{ETA_MIN:g}, {SHAPED_ETA_MAX:g}]"
+                )
         return out
 
     def curve(self, op: OpClass) -> ShapeCurve | None:
@@ -314,9 +359,9 @@ class CalibrationStore:
                     4: "[ideal_s, measured_s, size, group] lists",
                 }[width]
                 if not isinstance(values, list) or not all(_sample(v, width) for v in values):
-                    raise ConfigError(
-                        f"{where}: expected a list of {what} (numbers in [{SAMPLE_MIN:g}, {SAMPLE_MAX:g}])"
-                    )
+                    numbers = f"numbers in [{SAMPLE_MIN:g}, {SAMPLE_MAX:g}]"
+                    sizes = f"; size and group 0 or up to {SIZE_MAX:g}" if width == 4 else ""
+                    raise ConfigError(f"{where}: expected a list of {what} ({numbers}{sizes})")
                 if width == 2:
                     store.update(Measurement(OpClass(name), float(i), float(m)) for i, m in values)
                 elif width == 4:
@@ -331,6 +376,9 @@ class CalibrationStore:
 
 MAX_WINDOW = 1 << 16
 SAMPLE_MIN, SAMPLE_MAX = 1e-12, 1e12  # seconds and memory ratios a calibration file may hold
+SIZE_MAX = 1e21  # a sized sample's size (FLOPs, bytes: 70B inference is 1.6e13) and group
+MAX_FILE_BYTES = 64 << 20  # a file of many clusters' full windows (one is under 1 MiB)
+TOP_KEYS = ("format", "clusters")
 
 
 def _integer(value: object) -> bool:
@@ -353,19 +401,28 @@ def _sample(value: object, width: int) -> bool:
         return _number(value)
     if not isinstance(value, list) or len(value) != width:
         return False
-    return all(_number(v) for v in value[:2]) and all(_number(v) or _zero(v) for v in value[2:])
+    return all(_number(v) for v in value[:2]) and all(_size(v) for v in value[2:])
 
 
-def _zero(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and value == 0
+def _size(value: object) -> bool:
+    """A sized sample's size or group: 0 (unknown), or a positive number up to ``SIZE_MAX``."""
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (value == 0 or SAMPLE_MIN <= value <= SIZE_MAX)
+    )
 
 
 def _read(path: Path) -> dict[str, object]:
-    doc = load_json(path, "calibration file")
+    doc = load_json(path, "calibration file", MAX_FILE_BYTES)
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: expected a JSON object with keys format and clusters, got {brief(doc)}")
+    unknown = sorted(str(k) for k in doc if k not in TOP_KEYS)
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {brief(unknown[0])} (allowed: {', '.join(TOP_KEYS)})")
     fmt = doc.get("format")
-    if isinstance(fmt, bool) or fmt not in READABLE_FORMATS:  # True == 1 in Python
+    if not _integer(fmt) or fmt not in READABLE_FORMATS:  # True == 1 and 2.0 == 2 in Python
         raise ConfigError(f"{path}: key 'format': expected 1 or 2 (this Nereus reads both), got {brief(fmt)}")
     if not isinstance(doc.get("clusters"), dict):
         raise ConfigError(f"{path}: key 'clusters': expected a mapping")

@@ -292,10 +292,12 @@ def load(worker: Worker, plan: Plan, path: Path) -> Loaded:
     worker.pending = fresh(kept, worker.workload.max_staleness)
     stale = sorted(set(kept) - set(worker.pending))
     if stale and worker.rank == 0:
+        which = f"batch generated ahead for step {stale[0]} is" if len(stale) == 1 else (
+            f"batches generated ahead for steps {', '.join(map(str, stale))} are"
+        )  # fmt: skip
         print(
-            f"nereus: {path}: the batches generated ahead for steps {', '.join(map(str, stale))} are "
-            f"staler than this run's max_staleness {worker.workload.max_staleness}; they are generated "
-            "again",
+            f"nereus: {path}: the {which} staler than this run's max_staleness "
+            f"{worker.workload.max_staleness}; {'it is' if len(stale) == 1 else 'they are'} generated again",
             file=sys.stderr, flush=True,
         )  # fmt: skip
     return Loaded(step, len(stale))

@@ -82,6 +82,7 @@ class Leader(PoolKeeping):
             space=setup.space,
         )  # fmt: skip
         self.metrics = MetricsWriter(out, spec)
+        self.out = Path(out)
         self.started = time.perf_counter()  # the controller's clock
         self.decided_s = 0.0  # seconds the latest ``action`` took (a transition's own planning)
         self.helper = ThreadPoolExecutor(1, thread_name_prefix="nereus-leader")  # ``beside``
@@ -332,13 +333,23 @@ class Leader(PoolKeeping):
         self.metrics.write(record.with_transitions([t.to_json() for t in moved]), plan)
 
     def finish(self) -> None:
-        """Newcomers still waiting hear that there is nothing left to join; metrics close."""
+        """Newcomers still waiting hear that there is nothing left to join; metrics close; a
+        calibrating job's calibration is saved."""
         for req in self.m.pending_joins():
             self.m.refuse(req, "the job has finished")
         self.drop("the job ends")
         self.metrics.close()
+        self.save_calibration()
         self.helper.shutdown()
 
+    def save_calibration(self) -> None:
+        """``calibrate: true``: what the job measured, in ``calibration.json`` (``nereus plan`` and
+        ``nereus price --calibration`` read it, keyed by the cluster's name)."""
+        if self.spec.calibrate:
+            self.controller.calibration.save(self.out / CALIBRATION)
+
+
+CALIBRATION = "calibration.json"  # a calibrating job's measurements, in the output folder
 
 DECISION_KEYS = (
     "verdict", "urgent", "triggers", "reason", "target_label", "current_latency_s", "target_latency_s",

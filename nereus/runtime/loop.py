@@ -346,6 +346,7 @@ class JobLoop(Acting, Surviving):
         if self.leader is not None and record is not None:
             self.leader.write(self._dropped(record), [TransitionRecord(RecordKind.PREEMPTED, 0.0)], self.plan)
             self.leader.metrics.close()
+            self.leader.save_calibration()
         return Outcome.PREEMPTED
 
     def _dropped(self, record: StepRecord) -> StepRecord:

@@ -34,7 +34,7 @@ REPLACED = ".nereus-replaced"  # a previous run's files, while the run that repl
 INPUTS = frozenset({"control"})  # shrink requests (nereus-launch shrink) may wait before the run
 RUN_FILES = (
     "metrics.jsonl", ".metrics.jsonl.tmp", "report.png", "report.tmp.png", "membership.log", "tensorboard",
-    "checkpoints", "hf", "tasks.jsonl", "rendezvous.json", "vllm", KEY_FILE, MARKER,
+    "checkpoints", "hf", "tasks.jsonl", "rendezvous.json", "vllm", "calibration.json", KEY_FILE, MARKER,
 )  # fmt: skip
 
 

@@ -275,15 +275,16 @@ class WorkloadSpec:
         ``mode`` (a command's ``--mode``) overrides the file's: to async, its keys act; to sync, the
         user asked for the synchronous plan of an asynchronous workload, and they do not."""
         data = named(load_yaml(path), path)
-        if mode is not None:
-            data["mode"] = mode.value
-        elif data.get("mode", ExecutionMode.SYNC.value) == ExecutionMode.SYNC.value:
+        written_sync = data.get("mode", ExecutionMode.SYNC.value) == ExecutionMode.SYNC.value
+        if written_sync and mode is not ExecutionMode.ASYNC:  # the file says sync, and so does --mode
             given = [k for k in ASYNC_ONLY if k in data]
             if given:
                 raise ConfigError(
                     f"{path}: key '{given[0]}' applies to mode: async only; this workload's mode is sync "
                     "(set mode: async, or remove the key)"
                 )
+        if mode is not None:
+            data["mode"] = mode.value
         return build(cls, data, str(path))
 
     def model_key(self, role: str) -> str:
