@@ -417,6 +417,10 @@ def test_an_experiment_a_worker_would_crash_on_is_refused_before_it_starts(
     ):
         path = write("e.yaml", shipped("experiments", "grpo-tiny") + extra)
         assert refused(["run", path, "--out", "out"], capsys).startswith(f"nereus run: error: {message}")
+    rm = shipped("experiments", "ppo-tiny-rm", verifier="none", reward_coef="0")  # a reward model weighed 0
+    path = write("e.yaml", rm)
+    message = "nereus run: error: verifier: none leaves no reward: reward_coef: 0"
+    assert refused(["run", path, "--out", "out"], capsys).startswith(message)
     assert not Path("out").exists()
     path = write("e.yaml", shipped("experiments", "grpo-tiny").replace("rl:\n", "rl:\n  vf_clip: null\n"))
     assert ExperimentSpec.load(Path(path)).rl.vf_clip is None  # value clipping off (ValueLoss's None)

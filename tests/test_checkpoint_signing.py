@@ -498,6 +498,11 @@ def test_a_killed_runs_workers_keep_the_folder_in_use_until_they_end(tmp_path: P
     finally:
         worker.communicate("", timeout=30)  # the worker ends
     assert outdir.prepare(out, resume=True, force=False)  # free again
+    outlock.release(out)
+    (out / ".nereus-workers").unlink()
+    (out / ".nereus-workers").symlink_to(tmp_path / "elsewhere")  # no worker could hold that
+    with pytest.raises(ConfigError, match=r"nereus-workers is a symbolic link; expected the run lock file"):
+        outdir.check(out, True, False)
 
 
 def test_only_signed_checkpoints_count_and_they_sort_by_step(tmp_path: Path) -> None:

@@ -160,7 +160,8 @@ def test_the_step_beside_a_deferred_move_is_folded_in() -> None:
     watched = Controller(problem.workload, problem.models, problem.cluster, plan, policy_config("always"))
     helper = ThreadPoolExecutor(1)
     deferral = Deferral(moved, helper.submit)
-    calm = Telemetry(0, 0.0, 2048.0, 2400.0, plan.pool)
+    warm_up = (Measurement(OpClass.GEMM, 1.0, 2.0),)  # the first step's timings: left out
+    calm = Telemetry(0, 0.0, 2048.0, 2400.0, plan.pool, measurements=warm_up)
     assert moved.observe(calm) is None and watched.observe(calm) is None
     grown = Telemetry(1, 10.0, 2048.0, 2400.0, tuple(range(16)))  # 8 more GPUs: worth moving
     deferral.start(grown, moved.triggers(grown))

@@ -57,6 +57,9 @@ def test_every_rebuild_makes_the_next_step_warm_up() -> None:
     assert w.strip(_tel(3, pool, reformed=True)).measurements != ()  # this one ran before the re-form
     assert w.strip(_tel(4, pool)).measurements == ()  # the first step in the re-formed world
     assert w.strip(_tel(5, pool)).measurements != ()
+    w.rebuilt()  # a rollback, then the recovery's decision on telemetry of no step
+    assert w.strip(Telemetry(5, 500.0, 2048.0, 2048.0, pool)).measurements == ()
+    assert w.strip(_tel(6, pool)).measurements == ()  # still the first step on the rebuilt engines
 
 
 def test_a_lasting_change_is_taken_in_after_two_steps_and_then_triggers() -> None:
@@ -76,3 +79,15 @@ def test_a_lasting_change_is_taken_in_after_two_steps_and_then_triggers() -> Non
     d = ctl.observe(_tel(11, pool, slow=5.0))  # the second: a new level
     assert ctl.calibration.efficiency(OpClass.DECODE) == pytest.approx(ETA / 5)
     assert d is not None and any(t.signal == "efficiency.decode" for t in d.triggers)
+
+
+def test_a_dropped_decision_rebuilds_nothing_so_the_next_step_counts() -> None:
+    p = make_problem(gpus=16)
+    ctl = Controller(p.workload, p.models, p.cluster, search(p).plan)
+    ctl.observe(_tel(0, p.pool))
+    ctl.adopt(ctl.plan, rebuilt=False)  # a deferred decision dropped before it acted
+    ctl.observe(_tel(1, p.pool))
+    assert ctl.calibration.sample_count(OpClass.DECODE) == 1
+    ctl.adopt(ctl.plan)  # a rollback: the engines are built again
+    ctl.observe(_tel(2, p.pool))
+    assert ctl.calibration.sample_count(OpClass.DECODE) == 1

@@ -305,12 +305,14 @@ class Controller:
             return Keep(f"no transition onto GPUs {list(problem.pool)}: {est.reason}")
         return Move(target, est.transition, reason, drain=True)
 
-    def adopt(self, plan: Plan) -> None:
+    def adopt(self, plan: Plan, rebuilt: bool = True) -> None:
         """The job runs ``plan`` again: a step that failed part-way (a transition included) was
-        rolled back to its boundary."""
+        rolled back to its boundary (``rebuilt``: engines were built again, so the next step
+        warms up; not for a decision dropped before it acted)."""
         self.plan = plan
         self.state, self.pending = State.STEADY, None
-        self.warmup.rebuilt()
+        if rebuilt:
+            self.warmup.rebuilt()
 
     def restarted(self, plan: Plan) -> None:
         """The job restarted from a checkpoint on ``plan`` (a static policy adopts its layouts)."""

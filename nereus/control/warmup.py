@@ -35,5 +35,8 @@ class WarmUp:
     def strip(self, t: Telemetry) -> Telemetry:
         """``t`` without its op-class measurements if its step warmed engines up; a boundary that
         re-forms the world (``t.reformed``) makes the next step a warm-up step too."""
+        if not t.measurements:  # no step ran (a recovery's telemetry): nothing warmed up yet
+            self._cold = self._cold or t.reformed
+            return t
         cold, self._cold = self._cold, t.reformed
-        return replace(t, measurements=()) if cold and t.measurements else t
+        return replace(t, measurements=()) if cold else t

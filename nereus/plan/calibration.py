@@ -5,12 +5,13 @@ samples, refits after every ``update`` (paper §2.5: refined after every step), 
 JSON file keyed by cluster name so another job (or another model) on that cluster starts warm.
 
 Estimator (our choice; the paper leaves it open, paper-notes §5.3): per class, a window of the
-latest samples (ideal seconds at η = 1, measured seconds); samples whose ratio lies more than
+latest steps' samples (ideal seconds at η = 1, measured seconds, summed over the step's timed
+operations: one sample per step however many ranks timed it); samples whose ratio lies more than
 3 scaled MADs (at least 5% of the median) from the median are dropped; η = Σ ideal / Σ measured
 over the rest, clipped to [0.01, 1]. A straggler step is dropped so, but so would a lasting change
-be until it filled half the window (a halved η stayed at the old one for 30 steps): when every
-sample of the last ``SHIFT_STEPS`` updates that timed a class lies outside the older samples'
-band, on one side, the class has a new level, and its older samples are forgotten.
+be until it filled half the window (a halved η stayed at the old one for 30 steps): when the last
+``SHIFT_STEPS`` steps that timed a class lie outside the older steps' band, on one side, the class
+has a new level, and its older samples are forgotten.
 Memory: per stage, the ratio measured/predicted peak; the correction is the median plus two
 scaled MADs (an upper estimate, so feasibility stays conservative), clipped to [0.5, 4].
 
@@ -154,8 +155,6 @@ class CalibrationStore:
         self.cluster = cluster
         self.window = window
         self._samples: dict[OpClass, deque[tuple[float, float]]] = {}
-        self._updates = 0  # ``update`` calls so far (a step's measurements come in one)
-        self._update_of: dict[OpClass, deque[int]] = {}  # each sample's update, beside ``_samples``
         self._shaped: dict[OpClass, deque[tuple[float, float, float, float]]] = {}
         self._memory: dict[Stage, deque[float]] = {}
         self._floor: dict[Stage, float] = {}  # lower bounds from out-of-memory errors (not persisted)
@@ -163,39 +162,40 @@ class CalibrationStore:
 
     # ---------------------------------------------------------------- updates
     def update(self, measurements: Iterable[Measurement]) -> None:
-        """Fold in one step's measurements (one call per step: a level shift is counted in them)."""
+        """Fold in one step's measurements (one call per step). A class's samples of the step —
+        one per rank and update, hundreds at scale — count as one (Σ ideal, Σ measured): the
+        window, the straggler rejection and the level shift are over steps, so a slow step is one
+        sample however many ranks timed it. Sized samples are kept one by one (their curve)."""
         self._fitted = None
-        self._updates += 1
-        timed: set[OpClass] = set()
+        sums: dict[OpClass, tuple[float, float]] = {}
         for m in measurements:
-            bucket = self._samples.setdefault(m.op_class, deque(maxlen=self.window))
-            bucket.append((m.ideal_s, m.measured_s))
-            self._update_of.setdefault(m.op_class, deque(maxlen=self.window)).append(self._updates)
-            timed.add(m.op_class)
+            ideal, measured = sums.get(m.op_class, (0.0, 0.0))
+            sums[m.op_class] = (ideal + m.ideal_s, measured + m.measured_s)
             if m.size > 0:
                 shaped = self._shaped.setdefault(m.op_class, deque(maxlen=SHAPE_WINDOW))
                 shaped.append((m.ideal_s, m.measured_s, m.size, m.group))
-        for op in timed:
+        for op, (ideal, measured) in sums.items():
+            self._append(op, ideal, measured)
             self._follow_shift(op)
 
+    def _append(self, op: OpClass, ideal_s: float, measured_s: float) -> None:
+        """One step's sample of ``op``."""
+        self._samples.setdefault(op, deque(maxlen=self.window)).append((ideal_s, measured_s))
+
     def _follow_shift(self, op: OpClass) -> None:
-        """Forget ``op``'s samples from before a level shift: every sample of its last
-        ``SHIFT_STEPS`` updates off the older samples' band (3 scaled MADs, at least 5% of
-        their median), all on one side."""
-        ratios = [i / m for i, m in self._samples[op]]
-        updates = list(self._update_of[op])
-        steps = sorted(set(updates))
-        recent = steps[-SHIFT_STEPS:]
-        if len(steps) < SHIFT_STEPS + SHIFT_BASE:  # too few older steps to tell a level from noise
+        """Forget ``op``'s samples from before a level shift: its last ``SHIFT_STEPS`` steps'
+        samples off the older samples' band (3 scaled MADs, at least 5% of their median), all on
+        one side, with at least ``SHIFT_BASE`` older steps to judge against."""
+        if len(self._samples[op]) < SHIFT_STEPS + SHIFT_BASE:  # too few older steps to judge
             return
-        old = [r for r, u in zip(ratios, updates, strict=True) if u < recent[0]]
-        new = [r for r, u in zip(ratios, updates, strict=True) if u >= recent[0]]
-        med = statistics.median(old)
-        band = 3 * max(statistics.median(abs(r - med) for r in old) * MAD_SCALE, RELATIVE_FLOOR * med)
-        if all(r > med + band for r in new) or all(r < med - band for r in new):
+        pairs = np.array(self._samples[op], dtype=np.float64)  # one sample per step, in order
+        ratios = pairs[:, 0] / pairs[:, 1]
+        old, new = ratios[:-SHIFT_STEPS], ratios[-SHIFT_STEPS:]
+        med = float(np.median(old))
+        band = 3 * max(float(np.median(np.abs(old - med))) * MAD_SCALE, RELATIVE_FLOOR * med)
+        if bool(np.all(new > med + band)) or bool(np.all(new < med - band)):
             for _ in old:  # (the sized samples stay: a curve fits η by size, and another plan's
                 self._samples[op].popleft()  # sizes legitimately sit at another level)
-                self._update_of[op].popleft()
 
     def raise_memory_floor(self, stage: Stage, step: float = OOM_STEP) -> float:
         """A stage ran out of memory: its correction is at least ``step`` times what it was (the
@@ -258,6 +258,8 @@ class CalibrationStore:
                 out.append(f"{stage.value} memory ratio {raw:.3g} is outside {bounds}; using {used:g}")
         for op, shaped in self._shaped.items():  # a curve may pass 1 only where a collective's
             etas = [i / m for i, m, _, _ in shaped]  # hierarchy beats the planner's ring ideal
+            if not etas:
+                continue
             high = CURVE_MAX if op in COMPUTE else SHAPED_ETA_MAX
             if min(etas) < ETA_MIN / 1.1 or max(etas) > high * 1.1:
                 out.append(
@@ -362,8 +364,9 @@ class CalibrationStore:
                     numbers = f"numbers in [{SAMPLE_MIN:g}, {SAMPLE_MAX:g}]"
                     sizes = f"; size and group 0 or up to {SIZE_MAX:g}" if width == 4 else ""
                     raise ConfigError(f"{where}: expected a list of {what} ({numbers}{sizes})")
-                if width == 2:
-                    store.update(Measurement(OpClass(name), float(i), float(m)) for i, m in values)
+                if width == 2:  # each saved pair is a step's sample
+                    for i, m in values:
+                        store._append(OpClass(name), float(i), float(m))
                 elif width == 4:
                     shaped = store._shaped.setdefault(OpClass(name), deque(maxlen=SHAPE_WINDOW))
                     shaped.extend((float(i), float(m), float(s), float(g)) for i, m, s, g in values)

@@ -152,10 +152,13 @@ def preflight(
     check_tokenizer(spec, workload)
     check_data_files(spec)
     roles = {ms.role.value for ms in workload.workflow().model_stages}
-    if "reward" not in roles and spec.verifier == "none":  # no reward: the job could never learn
+    if spec.verifier == "none" and ("reward" not in roles or spec.reward_coef == 0):  # nothing rewards
+        why = (
+            f"workload {workload.name} has reward_model: false" if "reward" not in roles else "reward_coef: 0"
+        )
         raise ConfigError(
-            f"verifier: none leaves no reward: workload {workload.name} has reward_model: false "
-            "(allowed: a verifier such as exact_answer, gsm8k, math, or a workload with reward_model: true)"
+            f"verifier: none leaves no reward: {why} (allowed: a verifier such as exact_answer, gsm8k, "
+            "math, or a reward model with a non-zero reward_coef)"
         )
     if "reward" not in roles and spec.reward_coef != 1.0:  # a weight of nothing
         raise ConfigError(

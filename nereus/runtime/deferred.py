@@ -117,5 +117,5 @@ class Deferral:
             return None
         taken = self.take()
         if not taken.keeps:
-            self.controller.adopt(self.controller.plan)
+            self.controller.adopt(self.controller.plan, rebuilt=False)  # nothing ran: no warm-up
         return Taken(taken.decision, taken.seconds, dropped=True)

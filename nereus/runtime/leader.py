@@ -21,7 +21,7 @@ from nereus.control.action import Action, Keep, Move, Restart, TransitionRecord
 from nereus.control.admission import Decision
 from nereus.control.controller import Controller, policy_config
 from nereus.control.telemetry import Telemetry
-from nereus.errors import InfeasibleError, TooFewGpusError
+from nereus.errors import ConfigError, InfeasibleError, TooFewGpusError
 from nereus.plan.calibration import CalibrationStore
 from nereus.plan.layout import Plan
 from nereus.plan.problem import SeqStats
@@ -345,8 +345,14 @@ class Leader(PoolKeeping):
     def save_calibration(self) -> None:
         """``calibrate: true``: what the job measured, in ``calibration.json`` (``nereus plan`` and
         ``nereus price --calibration`` read it, keyed by the cluster's name)."""
-        if self.spec.calibrate:
+        if not self.spec.calibrate:
+            return
+        try:  # the job trained: a file that cannot take it is a warning, not the job's failure
             self.controller.calibration.save(self.out / CALIBRATION)
+        except (OSError, ConfigError) as exc:
+            print(
+                f"nereus: warning: {self.out / CALIBRATION} not written ({exc})", file=sys.stderr, flush=True
+            )
 
 
 CALIBRATION = "calibration.json"  # a calibrating job's measurements, in the output folder

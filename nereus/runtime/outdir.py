@@ -184,10 +184,10 @@ def discard(path: Path, created: bool) -> bool:
         return False
     if not settle(path):
         _remove_run_files(path)
+    if created and not workers_alive(path):  # its workers have ended: their lock file goes with
+        (path / WORKERS).unlink(missing_ok=True)  # the folder (under the run lock, still held)
     release(path)  # this run's own, which ends now (another run refuses, never waits)
     if created:
-        if not workers_alive(path):  # its workers have ended: their lock file goes with the folder
-            (path / WORKERS).unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             path.rmdir()  # only when empty: a control/ request or a user's file keeps it
     return True

@@ -49,11 +49,12 @@ def _workers_in_use(path: Path) -> ConfigError:
 
 
 def workers_alive(path: Path) -> bool:
-    """Whether a worker process of some run still holds ``path``'s ``WORKERS`` lock."""
+    """Whether a worker process of some run still holds ``path``'s ``WORKERS`` lock; a link, a
+    folder or a FIFO in its place is a ``ConfigError`` (a worker could not hold it)."""
     try:
         fd = _open_lock(path / WORKERS, create=False)
-    except (OSError, ConfigError):
-        return False  # none there (a link or a folder in its place: ``hold_as_worker`` says so)
+    except OSError:
+        return False  # none there
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -67,10 +68,15 @@ def hold_as_worker(path: Path) -> int:
     """A local worker of the run in ``path``: hold a shared lock on its ``WORKERS`` file until
     this process exits (the kernel lets go however it ends), so that no other run starts in the
     folder while this worker may still write there. Returns the descriptor."""
-    fd = _open_lock(Path(path) / WORKERS, create=True)
-    fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while another run probes it
-    _WORKING.append(fd)
-    return fd
+    lock = Path(path) / WORKERS
+    for _ in range(5):  # a run that ended may remove the file between our open and our lock
+        fd = _open_lock(lock, create=True)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while another run probes it
+        if _current(fd, lock):
+            _WORKING.append(fd)
+            return fd
+        os.close(fd)
+    raise ConfigError(f"--out: {lock} keeps changing; is another nereus run in {path}?")
 
 
 def _open_lock(lock: Path, create: bool) -> int:
@@ -107,20 +113,20 @@ def probe(path: Path) -> None:
     lock = path / LOCK
     if _held(path):
         return
+    if lock.exists():  # a running run first: its pid is the better answer
+        try:
+            fd = _open_lock(lock, create=False)
+        except OSError:
+            fd = -1  # gone meanwhile, or unreadable: ``prepare`` says so when it takes the lock
+        if fd >= 0:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise _in_use(path) from None
+            finally:
+                os.close(fd)
     if workers_alive(path):
         raise _workers_in_use(path)
-    if not lock.exists():
-        return
-    try:
-        fd = _open_lock(lock, create=False)
-    except OSError:
-        return  # gone meanwhile, or unreadable: ``prepare`` says so when it takes the lock
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise _in_use(path) from None
-    finally:
-        os.close(fd)
 
 
 def _held(path: Path) -> bool:
