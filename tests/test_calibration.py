@@ -43,17 +43,6 @@ def test_window_forgets_old_samples() -> None:
     assert store.sample_count(OpClass.MEMORY) == 4
 
 
-def test_a_steps_samples_count_as_one_however_many_ranks_timed_it() -> None:
-    """At scale a step brings hundreds of samples of a class (one per rank and update): counted one
-    by one, a 64-sample window held one step, and one straggler step set η alone."""
-    store = CalibrationStore("x", window=64)
-    for _ in range(8):
-        store.update(Measurement(OpClass.DECODE, 1.0, 2.0) for _ in range(128))
-    assert store.sample_count(OpClass.DECODE) == 8
-    store.update(Measurement(OpClass.DECODE, 1.0, 20.0) for _ in range(128))  # a straggler step
-    assert store.efficiency(OpClass.DECODE) == pytest.approx(0.5)
-
-
 def test_efficiency_clipped_to_unit_interval() -> None:
     store = CalibrationStore("x")
     store.update([Measurement(OpClass.GEMM, 2.0, 1.0)])  # faster than peak: mis-specified peak

@@ -51,7 +51,6 @@ from nereus.plan.cache import PlanCache
 from nereus.plan.calibration import OOM_STEP, CalibrationStore
 from nereus.plan.evaluate import price, shapes_of
 from nereus.plan.layout import Plan
-from nereus.plan.opclass import OpClass
 from nereus.plan.problem import DEFAULT_HEADROOM, PlanningProblem, SearchSpace, SeqStats
 from nereus.plan.search import search
 from nereus.spec.cluster import ClusterSpec
@@ -152,11 +151,6 @@ class Controller:
             return 0.5 * self._growth + 0.5 * (seq_len_mean / self._last_len)
         return self._growth
 
-    def _fitted(self, op: OpClass) -> float | None:
-        """``op``'s efficiency as calibration has fitted it (what the triggers watch); None
-        before any sample."""
-        return self.calibration.efficiency(op) if self.calibration.sample_count(op) else None
-
     def _calibrate(self, t: Telemetry) -> None:
         """Fold measured op-class times and memory peaks into calibration (paper §2.5)."""
         if t.measurements or t.peak_memory or t.oom:  # the calibration changes
@@ -201,7 +195,7 @@ class Controller:
                 self.calibration.raise_memory_floor(stage, steps.get(stage, OOM_STEP))
         plan_gpus = frozenset(g for c in self.plan.candidates for g in c.gpus)
         violation = plan_gpus <= frozenset(t.pool) and self._over_capacity_ahead(self._seq(t))
-        fired = self.monitor.observe(t, plan_gpus, violation, self._fitted)
+        fired = self.monitor.observe(t, plan_gpus, violation)
         settled = self.pool_age.trigger(t, plan_gpus, self.monitor.horizon_now(POOL, t.step))
         fired += [settled] if settled is not None and not fired else []
         if self.config.period and (t.step + 1) % self.config.period == 0:
@@ -235,7 +229,7 @@ class Controller:
     def commit(self, t: Telemetry, decision: Decision) -> Decision:
         """``decision`` (``replan`` on ``t``) taken: new trigger references, a rejected target
         remembered, the decision logged, and the state it leads to."""
-        self.monitor.reset(t, self._fitted)
+        self.monitor.reset(t)
         self.pool_age.priced(t.time_s)
         self.deferral.after(decision, self.config.rule)
         self.decisions.append(decision)

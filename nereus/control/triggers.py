@@ -3,11 +3,7 @@
 * Events: the GPU pool changed (urgent when the running plan lost GPUs), a memory violation is
   predicted for the next step, or a step ran out of memory (both urgent).
 * Thresholds: a drifting signal x fires when |x − x_ref| / x_ref > δ_x. Signals: the mean response
-  length (δ_len = 30%) and the achieved efficiency of every timed op class (δ_eff = 25%), as the
-  controller's calibration has fitted it (``efficiency``): a one-step straggler, which calibration
-  rejects, fires nothing, and a lasting change fires once calibration has taken it in — so the
-  replan it starts prices with it (read from the step alone, the trigger fired on the first slow
-  step, the replan priced the old η and kept the plan, and the reset reference never fired again).
+  length (δ_len = 30%) and the achieved efficiency of every timed op class (δ_eff = 25%).
   References are reset after every replan, also when the target is rejected, so a persistent
   deviation does not re-fire every step while steady growth still crosses again and again.
 * H_x, the expected number of steps until x next crosses (or the pool next changes), is an EMA of
@@ -17,7 +13,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -26,7 +22,6 @@ from nereus.plan.opclass import OpClass
 
 SEQ_LEN = "seq_len"
 POOL = "pool"
-Efficiency = Callable[[OpClass], float | None]  # an op class's efficiency (None: not measured)
 
 
 class TriggerKind(StrEnum):
@@ -144,16 +139,8 @@ class TriggerMonitor:
         self.pool_horizon = Horizon(weight)
         self._pool: frozenset[int] | None = None if pool is None else frozenset(pool)
 
-    def observe(
-        self,
-        t: Telemetry,
-        plan_gpus: frozenset[int],
-        memory_violation: bool,
-        efficiency: Efficiency | None = None,
-    ) -> list[Trigger]:
-        """Triggers that fire at the end of step ``t.step`` for a plan running on ``plan_gpus``;
-        ``efficiency``: an op class's efficiency now (default: the step's own, ``t.efficiency``)."""
-        efficiency = efficiency or t.efficiency
+    def observe(self, t: Telemetry, plan_gpus: frozenset[int], memory_violation: bool) -> list[Trigger]:
+        """Triggers that fire at the end of step ``t.step`` for a plan running on ``plan_gpus``."""
         fired: list[Trigger] = []
         pool = frozenset(t.pool)
         if self._pool is not None and pool != self._pool:
@@ -171,7 +158,7 @@ class TriggerMonitor:
         if drift is not None:
             fired.append(drift)
         for op in sorted({m.op_class for m in t.measurements}):
-            eff = efficiency(op)
+            eff = t.efficiency(op)
             if eff is None:
                 continue
             tracker = self.efficiency.setdefault(
@@ -193,12 +180,11 @@ class TriggerMonitor:
                 return tracker.horizon.effective(step)
         return 1.0
 
-    def reset(self, t: Telemetry, efficiency: Efficiency | None = None) -> None:
+    def reset(self, t: Telemetry) -> None:
         """New references after a replan, whatever its verdict (paper §2.7)."""
-        efficiency = efficiency or t.efficiency
         self.seq_len.reset(t.seq_len_mean)
         for op, tracker in self.efficiency.items():
-            eff = efficiency(op)
+            eff = t.efficiency(op)
             if eff is not None:
                 tracker.reset(eff)
 

@@ -5,15 +5,11 @@ samples, refits after every ``update`` (paper §2.5: refined after every step), 
 JSON file keyed by cluster name so another job (or another model) on that cluster starts warm.
 
 Estimator (our choice; the paper leaves it open, paper-notes §5.3): per class, a window of the
-latest steps' samples (ideal seconds at η = 1, measured seconds, summed over the step's timed
-operations: one sample per step however many ranks timed it); samples whose ratio lies more than
+latest samples (ideal seconds at η = 1, measured seconds); samples whose ratio lies more than
 3 scaled MADs (at least 5% of the median) from the median are dropped; η = Σ ideal / Σ measured
-over the rest, clipped to [0.01, 1]. A straggler step is dropped so, but so would a lasting change
-be until it filled half the window (a halved η stayed at the old one for 30 steps): when the last
-``SHIFT_STEPS`` steps that timed a class lie outside the older steps' band, on one side, the class
-has a new level, and its older samples are forgotten.
-Memory: per stage, the ratio measured/predicted peak; the correction is the median plus two
-scaled MADs (an upper estimate, so feasibility stays conservative), clipped to [0.5, 4].
+over the rest, clipped to [0.01, 1]. Memory: per stage, the ratio measured/predicted peak; the
+correction is the median plus two scaled MADs (an upper estimate, so feasibility stays
+conservative), clipped to [0.5, 4].
 
 By shape (``nereus.plan.shapefit``): a measurement may carry the size of the work it timed and,
 for collectives, the ranks per node of its group. The store keeps the latest ``SHAPE_WINDOW`` sized
@@ -51,8 +47,6 @@ from nereus.spec.workload import Stage
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)  # format 1: no sized samples
 SHAPE_WINDOW = 512  # sized samples kept per op class (the curve needs more than one plan's shapes)
-SHIFT_STEPS = 2  # updates (steps) whose samples all lie off the older ones' band, on one side: a new level
-SHIFT_BASE = 3  # older updates that must be there to judge it against
 MAD_SCALE = 1.4826  # MAD → standard deviation for normal data
 RELATIVE_FLOOR = 0.05
 MEMORY_CAP = 4.0  # the largest memory correction (the model is not that wrong)
@@ -162,40 +156,16 @@ class CalibrationStore:
 
     # ---------------------------------------------------------------- updates
     def update(self, measurements: Iterable[Measurement]) -> None:
-        """Fold in one step's measurements (one call per step). A class's samples of the step —
-        one per rank and update, hundreds at scale — count as one (Σ ideal, Σ measured): the
-        window, the straggler rejection and the level shift are over steps, so a slow step is one
-        sample however many ranks timed it. Sized samples are kept one by one (their curve)."""
         self._fitted = None
-        sums: dict[OpClass, tuple[float, float]] = {}
         for m in measurements:
-            ideal, measured = sums.get(m.op_class, (0.0, 0.0))
-            sums[m.op_class] = (ideal + m.ideal_s, measured + m.measured_s)
+            self._append(m.op_class, m.ideal_s, m.measured_s)
             if m.size > 0:
                 shaped = self._shaped.setdefault(m.op_class, deque(maxlen=SHAPE_WINDOW))
                 shaped.append((m.ideal_s, m.measured_s, m.size, m.group))
-        for op, (ideal, measured) in sums.items():
-            self._append(op, ideal, measured)
-            self._follow_shift(op)
 
     def _append(self, op: OpClass, ideal_s: float, measured_s: float) -> None:
-        """One step's sample of ``op``."""
+        """One sample of ``op``."""
         self._samples.setdefault(op, deque(maxlen=self.window)).append((ideal_s, measured_s))
-
-    def _follow_shift(self, op: OpClass) -> None:
-        """Forget ``op``'s samples from before a level shift: its last ``SHIFT_STEPS`` steps'
-        samples off the older samples' band (3 scaled MADs, at least 5% of their median), all on
-        one side, with at least ``SHIFT_BASE`` older steps to judge against."""
-        if len(self._samples[op]) < SHIFT_STEPS + SHIFT_BASE:  # too few older steps to judge
-            return
-        pairs = np.array(self._samples[op], dtype=np.float64)  # one sample per step, in order
-        ratios = pairs[:, 0] / pairs[:, 1]
-        old, new = ratios[:-SHIFT_STEPS], ratios[-SHIFT_STEPS:]
-        med = float(np.median(old))
-        band = 3 * max(float(np.median(np.abs(old - med))) * MAD_SCALE, RELATIVE_FLOOR * med)
-        if bool(np.all(new > med + band)) or bool(np.all(new < med - band)):
-            for _ in old:  # (the sized samples stay: a curve fits η by size, and another plan's
-                self._samples[op].popleft()  # sizes legitimately sit at another level)
 
     def raise_memory_floor(self, stage: Stage, step: float = OOM_STEP) -> float:
         """A stage ran out of memory: its correction is at least ``step`` times what it was (the
@@ -364,7 +334,7 @@ class CalibrationStore:
                     numbers = f"numbers in [{SAMPLE_MIN:g}, {SAMPLE_MAX:g}]"
                     sizes = f"; size and group 0 or up to {SIZE_MAX:g}" if width == 4 else ""
                     raise ConfigError(f"{where}: expected a list of {what} ({numbers}{sizes})")
-                if width == 2:  # each saved pair is a step's sample
+                if width == 2:
                     for i, m in values:
                         store._append(OpClass(name), float(i), float(m))
                 elif width == 4:

@@ -62,8 +62,8 @@ class Seeding:
             return store
         if self._seed is None and problem is not None and problem.pool:
             self._probe_truth(problem)
-        for _ in range(SEED_REPEATS):  # one update per repeat, as one step's telemetry is one:
-            store.update(m for ms in self._seed or [] for m in ms)  # stages are not level shifts
+        for _ in range(SEED_REPEATS):  # every stage's samples, once per repeat
+            store.update(m for ms in self._seed or [] for m in ms)
         for stage, raw, measured in self._seed_memory:
             for _ in range(SEED_REPEATS):
                 store.update_memory(stage, raw, measured)
