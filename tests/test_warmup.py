@@ -72,3 +72,12 @@ def test_a_dropped_decision_rebuilds_nothing_so_the_next_step_counts() -> None:
     ctl.adopt(ctl.plan)  # a rollback: the engines are built again
     ctl.observe(_tel(2, p.pool))
     assert ctl.calibration.sample_count(OpClass.DECODE) == 4
+
+
+def test_off_every_step_counts() -> None:
+    """The simulator's truth models no warm-up: its controller keeps every step's timings."""
+    w, pool = WarmUp(enabled=False), (0, 1)
+    assert w.strip(_tel(0, pool)).measurements != ()
+    w.rebuilt()
+    assert w.strip(_tel(1, pool, reformed=True)).measurements != ()
+    assert w.strip(_tel(2, pool)).measurements != ()

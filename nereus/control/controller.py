@@ -88,6 +88,7 @@ class Controller:
         headroom: float = DEFAULT_HEADROOM,
         space: SearchSpace | None = None,
         domains: FailureDomains | None = None,
+        warm_up: bool = True,
     ) -> None:
         self.workload = workload
         # reserved and revocable GPUs (None: the cluster's YAML marks none revocable)
@@ -123,7 +124,9 @@ class Controller:
         # the memory checks ahead of the running plan, valid while the calibration they were
         # priced with holds (``_calibrate`` forgets them)
         self._ahead: MemoryAhead | None = None
-        self.warmup = WarmUp()  # steps on fresh engines: their timings are left out
+        # steps on fresh engines: their timings are left out (``warm_up``: the job's first step
+        # after a rebuild is slower; the simulator's truth models none, so it keeps them)
+        self.warmup = WarmUp(warm_up)
 
     # ------------------------------------------------------------------ inputs
     def problem(

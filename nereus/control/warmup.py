@@ -12,6 +12,10 @@ transition or a restart (its engines were rebuilt), after a step that was rolled
 a boundary that re-formed the world. Memory peaks, lengths and the pool still count: a warm-up
 step's memory is real memory.
 
+The simulator's hardware truth models no warm-up (a rebuilt engine's first step runs at its
+steady speed), so its controller keeps every step (``WarmUp(enabled=False)``): stripping there
+would only discard the first measurement of each new plan.
+
 Pure: steps come in with the telemetry.
 """
 
@@ -25,18 +29,20 @@ from nereus.control.telemetry import Telemetry
 class WarmUp:
     """Whether the next step observed runs on engines that have not run a step yet."""
 
-    def __init__(self) -> None:
-        self._cold = True  # the job's first step
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled  # off: every step counts (a truth that models no warm-up)
+        self._cold = enabled  # the job's first step
 
     def rebuilt(self) -> None:
         """The engines (some of them) were built again: the next step warms them up."""
-        self._cold = True
+        self._cold = self.enabled
 
     def strip(self, t: Telemetry) -> Telemetry:
         """``t`` without its op-class measurements if its step warmed engines up; a boundary that
         re-forms the world (``t.reformed``) makes the next step a warm-up step too."""
+        reformed = t.reformed and self.enabled
         if not t.measurements:  # no step ran (a recovery's telemetry): nothing warmed up yet
-            self._cold = self._cold or t.reformed
+            self._cold = self._cold or reformed
             return t
-        cold, self._cold = self._cold, t.reformed
+        cold, self._cold = self._cold, reformed
         return replace(t, measurements=()) if cold else t

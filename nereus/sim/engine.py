@@ -168,6 +168,7 @@ class _Run:
                 self.seeding.store(),
                 space=self.s.space,
                 domains=self.domains,
+                warm_up=False,  # the truth's first step after a rebuild is no slower (``warmup``)
             )
             self._started(plan)
         ctl = self.controller
