@@ -306,7 +306,7 @@ def test_a_resume_under_a_lower_max_staleness_counts_the_batches_it_drops(tmp_pa
     wl.write_text(wl.read_text().replace("max_staleness: 1", "max_staleness: 0"))
     resumed = run(exp, out, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"steps {last + 1} are staler" in resumed.stderr, resumed.stderr[-3000:]
+    assert f"step {last + 1} is staler" in resumed.stderr, resumed.stderr[-3000:]  # one batch
     first = rows(out)[last + 1]["asynchrony"]
     assert first["dropped"] == 1.0 and first["staleness"] == 0.0, first  # type: ignore[index]
     assert all(r["asynchrony"]["dropped"] == 0.0 for r in rows(out)[last + 2 :])  # type: ignore[index]
