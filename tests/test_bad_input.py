@@ -1,5 +1,6 @@
 """Bad files, as a careless or hostile user gives them: non-UTF-8 bytes, numbers out of range in
-configs, traces and curves, experiment names, calibration and anchors, YAML bombs and odd files.
+configs, traces and curves, experiment names, anchors, YAML bombs and odd files (calibration files:
+``test_bad_calibration.py``).
 One line on stderr naming the field and what is allowed, exit 2, no traceback, nothing
 half-written (issue 15). Command-line flags: ``test_bad_flags.py``."""
 
@@ -13,8 +14,6 @@ from pathlib import Path
 import pytest
 
 from nereus.errors import ConfigError
-from nereus.plan.calibration import CalibrationStore, Measurement
-from nereus.plan.opclass import OpClass
 from nereus.runtime.command import check_tokenizer, check_weights
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.spec import ModelSpec
@@ -407,81 +406,6 @@ def test_good_experiment_names(name: str) -> None:
 def test_shipped_experiments_pass() -> None:
     for path in sorted((CONFIGS / "experiments").glob("*.yaml")):
         assert ExperimentSpec.load(path).name == path.stem
-
-
-# ------------------------------------------------------------------ calibration and anchor
-CAL = '{"format": 1, "clusters": {"local-cpu": %s}}'
-ENTRY = '{"window": 8, "samples": %s, "memory": %s}'
-
-
-@pytest.mark.parametrize(
-    ("text", "line"),
-    [
-        ("{", "line 1: not valid JSON (Expecting property name enclosed in double quotes)"),
-        ('{"format": 3, "clusters": {}}', "key 'format': expected 1 or 2 (this Nereus reads both), got 3"),
-        (
-            '{"format": true, "clusters": {}}',
-            "key 'format': expected 1 or 2 (this Nereus reads both), got True",
-        ),
-        ("[]", "expected a JSON object with keys format and clusters, got []"),
-        ('{"format": 1, "clusters": []}', "key 'clusters': expected a mapping"),
-        (
-            '{"format": 1, "clusters": {"h200-ib": {}}}',
-            "no calibration for cluster local-cpu (clusters in it: h200-ib)",
-        ),
-        (
-            CAL % "[1]",
-            "key 'clusters.local-cpu': malformed calibration "
-            "(expected a mapping of window, samples, memory[, shaped])",
-        ),
-        (
-            CAL % '{"window": 1e20, "samples": {}, "memory": {}}',
-            "key 'clusters.local-cpu.window': expected an integer in [1, 65536], got 1e+20",
-        ),
-        (
-            CAL % (ENTRY % ("[]", "{}")),
-            f"key 'clusters.local-cpu.samples': expected a mapping of {OPS}, got []",
-        ),
-        (
-            CAL % (ENTRY % ('{"gemm": [[1, 0]]}', "{}")),
-            "key 'clusters.local-cpu.samples.gemm': expected a list of [ideal_s, measured_s] pairs "
-            "(numbers in [1e-12, 1e+12])",
-        ),
-        (
-            CAL % (ENTRY % ('{"tpu": []}', "{}")),
-            f"key 'clusters.local-cpu.samples.tpu': malformed calibration (allowed: {OPS})",
-        ),
-        (
-            CAL % '{"window": 8, "samples": {}, "memory": {}, "shaped": {"gemm": [[1, 2, 3]]}}',
-            "key 'clusters.local-cpu.shaped.gemm': expected a list of [ideal_s, measured_s, size, group] "
-            "lists (numbers in [1e-12, 1e+12]; size and group 0 or up to 1e+21)",
-        ),
-        (
-            '{"format": 2.0, "clusters": {}}',
-            "key 'format': expected 1 or 2 (this Nereus reads both), got 2.0",
-        ),
-        (
-            '{"format": 2, "clusters": {}, "extra": 1}',
-            "unknown key 'extra' (allowed: format, clusters)",
-        ),
-        (
-            CAL % (ENTRY % ("{}", '{"train": [-1]}')),
-            "key 'clusters.local-cpu.memory.train': expected a list of ratios (numbers in [1e-12, 1e+12])",
-        ),
-    ],
-)
-def test_malformed_calibration(text: str, line: str, capsys: pytest.CaptureFixture[str]) -> None:
-    write("cal.json", text)
-    assert refused([*PLAN, "--calibration", "cal.json"], capsys) == f"{E_PLAN}--calibration cal.json: {line}"
-
-
-def test_missing_calibration_and_a_good_one(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = [*PLAN, "--calibration", "cal.json"]
-    assert refused(argv, capsys) == f"{E_PLAN}--calibration cal.json: no such file"
-    store = CalibrationStore("local-cpu")
-    store.update(Measurement(op, 1.0, 1.1) for op in OpClass)
-    store.save(Path("cal.json"))
-    assert cli(argv, capsys)[0] == 0
 
 
 def test_anchor_from_another_model_or_cluster(capsys: pytest.CaptureFixture[str]) -> None:
