@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,17 @@ def test_a_step_run_again_has_one_point(tmp_path: Path) -> None:
     again.tb.close()
     assert [s for s, _ in read_rows(tmp_path / "out" / "metrics.jsonl")] == [0, 1, 2, 3]
     assert _points(tmp_path / "out" / "tensorboard") == [(0, 0.0), (1, 0.1), (2, 2.5), (3, 9.0)]
+
+
+def test_the_engines_probability_difference_is_a_tensorboard_scalar(tmp_path: Path) -> None:
+    spec_file = tmp_path / "exp.yaml"
+    spec_file.write_text("name: x\nworkload: grpo-tiny\nmodel: tiny-llama\n")
+    writer = MetricsWriter(tmp_path / "out", ExperimentSpec.load(spec_file), Console(file=io.StringIO()))
+    diff = {"max": 0.25, "mean": 0.05, "std": 0.01}
+    writer.write(replace(_record(0, 0.0), rollout_probs_diff=diff), None)  # type: ignore[arg-type]
+    writer.write(_record(1, 0.0), None)  # type: ignore[arg-type]  # a step not measured: no point
+    writer.tb.close()
+    acc = EventAccumulator(str(tmp_path / "out" / "tensorboard"))
+    acc.Reload()
+    got = {k: [(e.step, round(e.value, 3)) for e in acc.Scalars(f"rollout/probs_diff_{k}")] for k in diff}
+    assert got == {"max": [(0, 0.25)], "mean": [(0, 0.05)], "std": [(0, 0.01)]}

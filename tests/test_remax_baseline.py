@@ -54,7 +54,7 @@ class StandIn:
         part: tuple[int, list[Tensor]], ids: Tensor, valid: Tensor, sample_ids: list[int], pad_id: int
     ) -> Rollouts:
         start, (tokens, ok) = part
-        return assemble(ids, valid, [(start, tokens, ok)], sample_ids, pad_id)
+        return assemble(ids, valid, [(start, tokens, ok, None)], sample_ids, pad_id)
 
     def infer(self, plan: Plan, name: str, r: Rollouts) -> Tensor:
         if name != "reward.inf":

@@ -348,3 +348,5 @@ def test_vllm_generates_ahead_of_training(tmp_path: Path) -> None:
         gen = r["generation"]["actor.gen"]  # type: ignore[index]
         assert gen["tokens"] > 0 and gen["decode_steps"] > 0  # vLLM's own statistics
     assert got[2]["generation"] == {}
+    for r in got:  # each trained batch: vLLM against actor.inf on the weights that generated it
+        assert r["rollout_probs_diff"]["max"] < 1e-4, r  # type: ignore[index]

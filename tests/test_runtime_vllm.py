@@ -86,6 +86,11 @@ def test_the_tiny_experiments_generate_with_vllm(tiny_runs: dict[str, Run], algo
         gen = r["generation"]["actor.gen"]  # type: ignore[index]
         assert gen["decode_steps"] > 0 and 0 < gen["kv_usage"] <= 1 and gen["preemptions"] >= 0
         assert r["stage_times"]["actor.gen"] > 0  # type: ignore[index]
+        # vLLM's probabilities of the tokens it sampled are the trainer's (float32 on both sides)
+        diff = r["rollout_probs_diff"]
+        assert isinstance(diff, dict) and set(diff) == {"max", "mean", "std"} and 0 <= diff["max"] < 1e-4, (
+            diff
+        )
     assert (out / "hf" / "actor" / "model.safetensors").is_file()
 
 

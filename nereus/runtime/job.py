@@ -34,7 +34,7 @@ from nereus.runtime import checkpoint as ckpt
 from nereus.runtime.comm import all_gather
 from nereus.runtime.engines import engines_of, job_models, space_of
 from nereus.runtime.experiment import ExperimentSpec
-from nereus.runtime.rollout import Batch, Rollouts, responses
+from nereus.runtime.rollout import Batch, Rollouts, probs_diff, responses
 from nereus.runtime.worker import Worker
 from nereus.spec import ClusterSpec, load_cluster, load_model, load_workload
 from nereus.spec.model import ModelSpec
@@ -211,8 +211,10 @@ def behaviour(
     worker: Worker, plan: Plan, step: int, version: int, r: Rollouts, base: Rollouts | None
 ) -> Batch:
     """The batch of ``r`` with the generating policy's log-probs, from actor.inf while it still
-    holds version ``version`` (the weights that generated ``r``)."""
-    return Batch(step, version, r, worker.infer(plan, "actor.inf", r), base)
+    holds version ``version`` (the weights that generated ``r``), and how far the engine's
+    probabilities of the sampled tokens are from them (``probs_diff``)."""
+    logprobs = worker.infer(plan, "actor.inf", r)
+    return Batch(step, version, r, logprobs, base, probs_diff(r, logprobs))
 
 
 def algorithm_step(
@@ -275,6 +277,7 @@ def learn(worker: Worker, plan: Plan, setup: JobSetup, batch: Batch) -> tuple[Te
     metrics["reward"] = float(scores.mean())
     metrics["accuracy"] = float((verifier >= 1.0).float().mean())  # the verifier's alone, as validation's
     metrics["kl"] = float(kl.sum() / mask.sum().clamp(min=1))
+    metrics.update(batch.probs_diff)
     return scores, metrics
 
 

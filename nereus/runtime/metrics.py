@@ -80,16 +80,22 @@ class StepRecord:
     # data.val after this step (``nereus.runtime.validation``): reward, accuracy, prompts, seconds
     # and reward/<data source>; None where the step is not validated
     validation: dict[str, float] | None = None
+    # the generation engine's probabilities of the tokens it sampled against the trainer side's
+    # (actor.inf): "max", "mean", "std" of |p_engine − p_trainer| over the response tokens
+    # (verl's rollout_probs_diff; ``nereus.runtime.rollout.probs_diff``); None where not measured
+    rollout_probs_diff: dict[str, float] | None = None
 
     @classmethod
     def of(
         cls, step: int, m: dict[str, float], step_s: float, seq_len: float, plan: Plan, sync_s: float,
         stage_times: dict[str, float],
     ) -> StepRecord:  # fmt: skip
+        prefix = "rollout_probs_diff_"
+        diff = {k.removeprefix(prefix): v for k, v in m.items() if k.startswith(prefix)}
         return cls(
             step, m["reward"], m["accuracy"], m["kl"], m["actor_loss"], m.get("critic_loss"),
             m.get("rm_score"), step_s, sync_s, seq_len, len({g for c in plan.candidates for g in c.gpus}),
-            plan_summary(plan), dict(sorted(stage_times.items())),
+            plan_summary(plan), dict(sorted(stage_times.items())), rollout_probs_diff=diff or None,
         )  # fmt: skip
 
     def with_transitions(self, transitions: list[dict[str, Any]]) -> StepRecord:
@@ -230,6 +236,8 @@ class MetricsWriter:
                 self.tb.add_scalar(f"async/{key}", value, r.step)
             for key, value in (r.validation or {}).items():
                 self.tb.add_scalar(f"val/{key}", value, r.step)
+            for key, value in (r.rollout_probs_diff or {}).items():
+                self.tb.add_scalar(f"rollout/probs_diff_{key}", value, r.step)
         moved = ", ".join(f"{t['kind']} {t['seconds']:.2f}s" for t in r.transitions) or "-"
         layouts = " ".join(f"{short(k)}:{v.split(' @')[0]}" for k, v in r.plan.items())
         self.console.print(

@@ -7,10 +7,11 @@ skips samples, and trains each batch under the version that generated it), a new
 them from the leader, and a rollback restores them with the boundary's snapshot.
 
 The format is a JSON header — per batch its step, version, prompt length, sample ids and shape
-(and its greedy baseline's) — then the tensors' raw little-endian bytes in a fixed order: token
-ids as int32, the valid and response masks as uint8, the behaviour log-probs as float32. Nothing is
-unpickled; ``unpack`` checks every field and the exact byte count, and refuses anything else with a
-``ValueError`` naming what is wrong. Edge module (torch; ``share`` is collective over the world).
+(and its greedy baseline's, and the engine's ``probs_diff`` where measured) — then the tensors'
+raw little-endian bytes in a fixed order: token ids as int32, the valid and response masks as
+uint8, the behaviour log-probs as float32. Nothing is unpickled; ``unpack`` checks every field
+and the exact byte count, and refuses anything else with a ``ValueError`` naming what is wrong.
+Edge module (torch; ``share`` is collective over the world).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from torch import Tensor
 
 from nereus.runtime.comm import broadcast_bytes
-from nereus.runtime.rollout import Batch, Rollouts
+from nereus.runtime.rollout import PROBS_DIFF, Batch, Rollouts
 
 FORMAT = "nereus-pending/1"
 HEAD = 8  # the header's length, little-endian
@@ -39,6 +40,8 @@ def pack(pending: Mapping[int, Batch]) -> bytes:
     for step in sorted(pending):
         b = pending[step]
         head = {"step": b.step, "version": b.version, **_head(b.rollouts), "baseline": None}
+        if b.probs_diff:
+            head["probs_diff"] = dict(b.probs_diff)
         blobs += [*_blobs(b.rollouts), _raw(b.behaviour, LOGP)]
         if b.baseline is not None:
             head["baseline"] = _head(b.baseline)
@@ -72,7 +75,7 @@ def unpack(data: bytes) -> dict[int, Batch]:
         baseline = reader.rollouts(base, f"{where}: baseline") if base is not None else None
         if step in out:
             raise ValueError(f"{where}: step {step} twice")
-        out[step] = Batch(step, version, r, behaviour, baseline)
+        out[step] = Batch(step, version, r, behaviour, baseline, _probs_diff(head, where))
     if reader.at != len(data):
         raise ValueError(f"pending batches: {len(data) - reader.at} bytes after the last batch")
     return out
@@ -81,6 +84,16 @@ def unpack(data: bytes) -> dict[int, Batch]:
 def share(pending: Mapping[int, Batch] | None, src: int = 0) -> dict[int, Batch]:
     """Rank ``src``'s pending batches on every rank (the others pass None; collective)."""
     return unpack(broadcast_bytes(pack(pending) if pending is not None else b"", src))
+
+
+def _probs_diff(head: Mapping[str, Any], where: str) -> dict[str, float]:
+    got = head.get("probs_diff", {})
+    if not isinstance(got, dict) or not set(got) <= set(PROBS_DIFF):
+        raise ValueError(f"{where}: 'probs_diff' must map some of {list(PROBS_DIFF)} to numbers")
+    for key, value in got.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+            raise ValueError(f"{where}: probs_diff {key!r} must be a number in [0, 1], got {value!r}")
+    return {k: float(v) for k, v in got.items()}
 
 
 def _head(r: Rollouts) -> dict[str, Any]:

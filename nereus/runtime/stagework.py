@@ -85,16 +85,18 @@ class StageWork:
         width = dict(self.policy_of(name).kinds)[BufferKind.PARAM].itemsize
         ideal = decode_s(self.model_of(name), c.layout, int(out.tokens.shape[1]), width, self.cluster)
         self.optimes.append(OpTime(name, OpClass.DECODE, ideal, time.perf_counter() - started))
-        return (rows.start, [out.tokens, out.valid]) if place.reports else None
+        return (rows.start, [out.tokens, out.valid, out.logprobs]) if place.reports else None
 
     @staticmethod
     def collect(
         part: tuple[int, list[Tensor]] | None, prompt_ids: Tensor, prompt_valid: Tensor,
         sample_ids: list[int], pad_id: int,
     ) -> Rollouts:  # fmt: skip
-        """The replicas' parts gathered into the rollouts, on every worker (collective over the world)."""
-        parts = gather_parts(part, (torch.long, torch.long))
-        return assemble(prompt_ids, prompt_valid, [(s, t, v) for s, (t, v) in parts], sample_ids, pad_id)
+        """The replicas' parts gathered into the rollouts, with the engine's log-probs of the
+        tokens, on every worker (collective over the world)."""
+        parts = gather_parts(part, (torch.long, torch.long, torch.float32))
+        got = [(s, t, v, lp) for s, (t, v, lp) in parts]
+        return assemble(prompt_ids, prompt_valid, got, sample_ids, pad_id)
 
     def infer(self, plan: Plan, name: str, r: Rollouts) -> Tensor:
         """Per-token log-probs (or values) of ``name`` over the whole batch, on every worker."""
