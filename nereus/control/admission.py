@@ -30,9 +30,10 @@ from enum import StrEnum
 from typing import Any
 
 from nereus.control.action import Action, Keep, Move, Restart
-from nereus.control.transition_cost import TransitionEstimate
+from nereus.control.transition_cost import TransitionEstimate, staged
 from nereus.control.triggers import Trigger
 from nereus.plan.layout import Plan
+from nereus.plan.problem import PlanningProblem
 
 
 class Verdict(StrEnum):
@@ -225,3 +226,19 @@ def restart_instead(
         payback_steps=payback_steps(delta, restart_s),
         target_risk_s=best.risk_s,
     )
+
+
+def admit_staged(
+    rule: Rule, problem: PlanningProblem, expected: float | None, options: Sequence[Option],
+    estimates: list[TransitionEstimate], h: float, urgent: bool,
+) -> tuple[int | None, str]:  # fmt: skip
+    """``admit``, the chosen move's zero-copy staging counted (``transition_cost.staged``): a
+    move priced from a class plan whose staging does not fit becomes infeasible in
+    ``estimates`` and admission goes on to the next option."""
+    while True:
+        index, reason = admit(rule, expected, options, estimates, h, urgent)
+        if index is None:
+            return index, reason
+        estimates[index] = staged(problem, estimates[index])
+        if estimates[index].feasible:
+            return index, reason

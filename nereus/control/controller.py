@@ -24,7 +24,7 @@ from nereus.control.admission import (
     Decision,
     Option,
     Verdict,
-    admit,
+    admit_staged,
     payback_steps,
     restart_instead,
 )
@@ -367,7 +367,7 @@ class Controller:
         estimates = [
             self.estimator.estimate(problem, self.plan, o.plan, lost, rebuilt, t.reformed) for o in options
         ]
-        index, reason = self._admit(problem, expected, options, estimates, h, urgent)
+        index, reason = admit_staged(self.config.rule, problem, expected, options, estimates, h, urgent)
         if index is None and urgent:  # also try smaller micro-batches and recomputation
             widened = [
                 o
@@ -378,7 +378,7 @@ class Controller:
                 self.estimator.estimate(problem, self.plan, o.plan, lost, rebuilt, t.reformed)
                 for o in widened
             ]
-            index, why = self._admit(problem, expected, widened, more, h, True)
+            index, why = admit_staged(self.config.rule, problem, expected, widened, more, h, True)
             if index is None:
                 best = next(iter(options or widened), None)
                 if best is None and not lost and not oom:  # a restart could only reload it as it is
@@ -428,21 +428,6 @@ class Controller:
             payback_steps=payback_steps(delta, est.seconds) if delta is not None else None,
             transition=est,
         )
-
-    def _admit(
-        self, problem: PlanningProblem, expected: float | None, options: Sequence[Option],
-        estimates: list[TransitionEstimate], h: float, urgent: bool,
-    ) -> tuple[int | None, str]:  # fmt: skip
-        """``admit``, the chosen move's zero-copy staging counted (``transition_cost.staged``): a
-        move priced from a class plan whose staging does not fit becomes infeasible in
-        ``estimates`` and admission goes on to the next option."""
-        while True:
-            index, reason = admit(self.config.rule, expected, options, estimates, h, urgent)
-            if index is None:
-                return index, reason
-            estimates[index] = staged(problem, estimates[index])
-            if estimates[index].feasible:
-                return index, reason
 
     def _held_instead(
         self, problem: PlanningProblem, restart: Decision, expected: float, h: float,
