@@ -37,7 +37,6 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-from torch.distributed.device_mesh import DeviceMesh
 
 from nereus.errors import ConfigError, NereusError
 from nereus.plan.layout import Plan
@@ -81,34 +80,24 @@ def identity(worker: Worker) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _state_dict(worker: Worker, plan: Plan) -> Iterator[dict[str, Any]]:
-    """The saved model-stages' buffers as DTensors, for DCP; the meshes' process groups are
-    destroyed after (a GPU world splits NCCL communicators for them: one set per checkpoint would
-    otherwise pile up for the job's life)."""
+    """The saved model-stages' buffers as DTensors, for DCP, on meshes without process groups of
+    their own (``layout_mesh``): a save or load forms no group, so a peer that dies at the
+    checkpoint fails its collectives at once instead of a group's store barrier."""
     out: dict[str, Any] = {}
-    meshes: list[DeviceMesh] = []
     try:
         for name in saved_stages(worker):
+            rs = worker.holder.units.get(name)
+            if rs is None:
+                continue
             c = plan.candidate(name)
             ranks = [worker.rank_of[g] for u in replicas(c) for g in u.gpus]
-            model = worker.model_of(name)
             kind = worker.device.type
-            mesh = layout_mesh(c.layout, ranks, kind)  # collective
-            meshes.append(mesh)
-            kv = kv_mesh(model, c.layout, ranks, kind)
-            meshes += [kv] if kv is not None else []
-            rs = worker.holder.units.get(name)
-            if rs is not None:
-                out.update({f"{name}/{k}": v for k, v in to_dtensors(rs, mesh, kv).items()})
+            mesh = layout_mesh(c.layout, ranks, kind)
+            kv = kv_mesh(worker.model_of(name), c.layout, ranks, kind)
+            out.update({f"{name}/{k}": v for k, v in to_dtensors(rs, mesh, kv).items()})
         yield out
     finally:
         out.clear()
-    # after DCP succeeded only: a failed save or load (a lost peer) leaves them to the world's abort,
-    # as destroying a communicator whose peer died can block
-    world = dist.group.WORLD
-    mine = [m for m in meshes if m.get_coordinate() is not None]  # others hold no groups here
-    for pg in {id(g): g for m in mine for g in m.get_all_groups()}.values():
-        if pg is not world:
-            dist.destroy_process_group(pg)
 
 
 def save(worker: Worker, plan: Plan, step: int, folder: Path, keep: int = 2) -> Path:

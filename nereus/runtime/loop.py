@@ -128,6 +128,7 @@ class JobLoop(Acting, Surviving):
         self.dropped = 0  # async: batches generated ahead that a transition dropped, since the last record
         self.left_behind = False  # the job went on without this healthy GPU (``LeftBehindError``)
         self.slowest = 0.0  # seconds of the slowest step this process ran (the step's collective timeout)
+        self.unwritten: StepRecord | None = None  # the leader's record of a step whose row is not written yet
 
     # ------------------------------------------------------------------ the two ways in
     @classmethod
@@ -248,6 +249,7 @@ class JobLoop(Acting, Surviving):
             notice = broadcast(notice, Notice)
         finally:  # the leader's record is built while the notice travels
             record = later.result() if later is not None else None
+            self.unwritten = record  # until its row is written (``Surviving._write_unwritten``)
         parts["notice"] = time.perf_counter() - t_notice
         if notice.preempted:
             return self._preempted(step, saved, record)
@@ -402,6 +404,7 @@ class JobLoop(Acting, Surviving):
             moved.append(TransitionRecord.membership(0.0, self.m.generation, change.draining, ()))
         if self.leader is not None and record is not None:
             self.leader.write(self._dropped(record), moved, self.plan)
+        self.unwritten = None
         if self.leader is not None:  # a replan deferred at this boundary begins beside the next step
             self.leader.deferral.launch()
         self.dropped = 0

@@ -21,6 +21,7 @@ from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.job import JobSetup
 from nereus.runtime.leader import Leader, too_few_gpus
 from nereus.runtime.membership import Membership
+from nereus.runtime.metrics import StepRecord
 from nereus.runtime.pending import share as share_pending
 from nereus.runtime.snapshot import Mark, agreed
 from nereus.runtime.worker import Worker
@@ -46,6 +47,7 @@ class Surviving:
     ooms_at: int
     oom_tries: int
     frozen: set[int]
+    unwritten: StepRecord | None
 
     def _act(self, action: Action, rebind: bool) -> list[TransitionRecord]:  # ``Acting``'s, first in the MRO
         raise NotImplementedError
@@ -119,9 +121,23 @@ class Surviving:
                 raise too_few_gpus(self.m.members, exc) from None
         action: Action = broadcast(decided, Action)
         moved = self._act(action, rebind=True)
+        self._write_unwritten()
         if not isinstance(action, Restart):
             self.worker.weight_sync(self.plan)  # the rollback dropped the weight copies
         seconds = reduce_max(time.perf_counter() - t0)
         record = TransitionRecord.recovered(seconds, lost, self.m.members, self.m.generation, oom)
         self.moved = [record, *moved]
         self.lost = None
+
+    def _write_unwritten(self) -> None:
+        """The row of a step that trained and was checkpointed, but whose boundary failed before
+        the leader wrote it (a peer died in the pool change, say), when the recovery resumed past
+        it: a restart from that checkpoint does not run the step again. Written as the leader
+        recorded it at that boundary; the recovery's transitions go with the next step's row. A
+        step that runs again (a rollback, an older checkpoint) writes its own row instead."""
+        record, self.unwritten = self.unwritten, None
+        if self.leader is None or record is None or record.step >= self.step:
+            return
+        last = self.leader.metrics.last
+        if last is None or last < record.step:
+            self.leader.write(record, [], self.plan)
