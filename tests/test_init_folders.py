@@ -23,11 +23,11 @@ from tests.test_runtime_e2e import _hf_checkpoint
 pytestmark = pytest.mark.pure
 
 
-def spec(tmp_path: Path, workload: str, init: str) -> ExperimentSpec:
+def spec(tmp_path: Path, workload: str, init: str, extra: str = "max_new_tokens: 2\n") -> ExperimentSpec:
     path = tmp_path / "exp.yaml"
     path.write_text(
         f"name: x\nworkload: {workload}\nmodel: tiny-llama\nverifier: none\n"
-        f"task: {{kind: copy, n: 8, difficulty: 2, length: 2}}\ninit: {{{init}}}\n"
+        f"task: {{kind: copy, n: 8, difficulty: 2, length: 2}}\ninit: {{{init}}}\n{extra}"
     )
     return ExperimentSpec.load(path)
 
@@ -63,7 +63,7 @@ def test_a_reward_model_falling_back_to_the_actors_folder_is_a_warning_beside_a_
     actor = _hf_checkpoint(tmp_path / "actor", "lm", 11)
     path = tmp_path / "exp.yaml"
     base = f"name: x\nworkload: ppo-tiny-rm\nmodel: {actor}\ntokenizer: {build(tmp_path / 'tok')}\n"
-    base += "task: {kind: copy, n: 8, difficulty: 2, length: 2}\n"
+    base += "task: {kind: copy, n: 8, difficulty: 2, length: 2}\nmax_new_tokens: 2\n"
     path.write_text(base + "verifier: exact_answer\n")
     [warning] = torch_checks(ExperimentSpec.load(path))
     assert warning.startswith(f"model (reward): {actor} has no reward head (no score.weight: a causal LM)")
@@ -217,3 +217,14 @@ def test_ground_truths_gsm8k_can_never_match_are_a_warning(tmp_path: Path) -> No
         "gsm8k scores every response to them 0"
     ]
     assert data_warnings(tmp_path, answers, "math") == []
+
+
+def test_responses_left_at_the_default_length_from_a_checkpoint_are_a_warning(tmp_path: Path) -> None:
+    """A user's pretrained actor with ``max_new_tokens`` left at 8 would have every response cut
+    (and planned) at 8 tokens; the shipped tiny experiments, on random weights, name theirs."""
+    actor = _hf_checkpoint(tmp_path / "actor", "lm", 11)
+    [warning] = torch_checks(spec(tmp_path, "ppo-tiny", f"actor: {actor}", extra=""))
+    assert warning.startswith("max_new_tokens is 8 (the default): every response is cut at 8 tokens")
+    assert "up to 16 tokens (max_response_len)" in warning, warning
+    assert torch_checks(spec(tmp_path, "ppo-tiny", f"actor: {actor}", extra="max_new_tokens: 16\n")) == []
+    assert torch_checks(spec(tmp_path, "ppo-tiny", "", extra="")) == []  # random weights: by design

@@ -108,6 +108,7 @@ def test_adaptive_run_equals_the_static_run(drifted_ppo_run: Path, untouched: Pa
         assert (r["plan_s"] > 0) == bool(r["transitions"]) and r["monitor_s"] > 0, r  # type: ignore[operator]
         # the engine generates with the weights actor.inf scores with, after every move too
         assert r["rollout_probs_diff"]["max"] < 1e-4, r  # type: ignore[index]
+        assert 0 <= r["truncated"] <= 1 and 0 <= r["accuracy"] <= 1, r  # type: ignore[operator]
     assert all(r["plan_s"] == 0 for r in metrics(still))
     assert (moved / "report.png").stat().st_size > 0
     assert any((moved / "tensorboard").iterdir())

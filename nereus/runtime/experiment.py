@@ -129,8 +129,10 @@ MIN_TEMPERATURE = 0.01  # vLLM raises a lower one to 0.01 (its _MAX_TEMP), which
 
 @dataclass(frozen=True, slots=True)
 class RlSpec:
-    lr: float = 3e-3
-    critic_lr: float = 1e-2
+    # verl's defaults (actor 1e-6, critic 1e-5): pretrained weights. The shipped experiments,
+    # which learn a toy task from random weights, name much larger ones
+    lr: float = 1e-6
+    critic_lr: float = 1e-5
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     clip_eps: float = 0.2  # the losses' ratio clip: in (0, 1)

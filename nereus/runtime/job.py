@@ -9,7 +9,7 @@ controller, membership and failures, is ``nereus.runtime.loop``. Edge module (to
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -275,7 +275,9 @@ def learn(worker: Worker, plan: Plan, setup: JobSetup, batch: Batch) -> tuple[Te
         policy = lambda n: PolicyLoss(rl.clip_eps, n, rl.kl_coef, dual_clip=rl.dual_clip)  # noqa: E731
     metrics["actor_loss"] = worker.train(plan, "actor.train", r, fields, policy)
     metrics["reward"] = float(scores.mean())
-    metrics["accuracy"] = float((verifier >= 1.0).float().mean())  # the verifier's alone, as validation's
+    if spec.verifier != "none":  # the verifier's alone, as validation's
+        metrics["accuracy"] = float((verifier >= 1.0).float().mean())
+    metrics["truncated"] = truncated(r, setup.tokenizer.stop_ids)
     metrics["kl"] = float(kl.sum() / mask.sum().clamp(min=1))
     metrics.update(batch.probs_diff)
     return scores, metrics
@@ -307,6 +309,14 @@ def verified(setup: JobSetup, r: Rollouts, records: list[TaskRecord]) -> Tensor:
     if verifier is by_source:
         return score_by_source(texts, answers, [x.source for x in records])
     return score(verifier, texts, answers)
+
+
+def truncated(r: Rollouts, stop_ids: Sequence[int]) -> float:
+    """The share of responses cut at the length limit: those that end without a stop token
+    (verl's ``response_length/clip_ratio``)."""
+    last = r.ids.gather(1, last_tokens(r).unsqueeze(1)).squeeze(1)
+    stopped = torch.isin(last, torch.tensor(list(stop_ids), dtype=last.dtype)) & (r.mask.sum(1) > 0)
+    return float((~stopped).float().mean())
 
 
 def last_tokens(r: Rollouts) -> Tensor:

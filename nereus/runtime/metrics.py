@@ -38,7 +38,7 @@ def short(model_stage: str) -> str:
 class StepRecord:
     step: int
     reward: float
-    accuracy: float
+    accuracy: float | None  # the share the verifier scores 1; None under verifier: none
     kl: float
     actor_loss: float
     critic_loss: float | None
@@ -84,6 +84,9 @@ class StepRecord:
     # (actor.inf): "max", "mean", "std" of |p_engine − p_trainer| over the response tokens
     # (verl's rollout_probs_diff; ``nereus.runtime.rollout.probs_diff``); None where not measured
     rollout_probs_diff: dict[str, float] | None = None
+    # the share of the step's responses cut at max_new_tokens (no stop token; verl's
+    # response_length/clip_ratio); None where not measured
+    truncated: float | None = None
 
     @classmethod
     def of(
@@ -93,9 +96,10 @@ class StepRecord:
         prefix = "rollout_probs_diff_"
         diff = {k.removeprefix(prefix): v for k, v in m.items() if k.startswith(prefix)}
         return cls(
-            step, m["reward"], m["accuracy"], m["kl"], m["actor_loss"], m.get("critic_loss"),
+            step, m["reward"], m.get("accuracy"), m["kl"], m["actor_loss"], m.get("critic_loss"),
             m.get("rm_score"), step_s, sync_s, seq_len, len({g for c in plan.candidates for g in c.gpus}),
             plan_summary(plan), dict(sorted(stage_times.items())), rollout_probs_diff=diff or None,
+            truncated=m.get("truncated"),
         )  # fmt: skip
 
     def with_transitions(self, transitions: list[dict[str, Any]]) -> StepRecord:
@@ -224,6 +228,7 @@ class MetricsWriter:
                 "actor_loss",
                 "critic_loss",
                 "rm_score",
+                "truncated",
                 "step_time_s",
                 "seq_len_mean",
                 "gpus",
@@ -240,8 +245,9 @@ class MetricsWriter:
                 self.tb.add_scalar(f"rollout/probs_diff_{key}", value, r.step)
         moved = ", ".join(f"{t['kind']} {t['seconds']:.2f}s" for t in r.transitions) or "-"
         layouts = " ".join(f"{short(k)}:{v.split(' @')[0]}" for k, v in r.plan.items())
+        acc = f"{r.accuracy:4.2f}" if r.accuracy is not None else "   -"
         self.console.print(
-            f"step {r.step:>3} │ reward {r.reward:5.2f} acc {r.accuracy:4.2f} │ kl {r.kl:7.4f} │ "
+            f"step {r.step:>3} │ reward {r.reward:5.2f} acc {acc} │ kl {r.kl:7.4f} │ "
             f"{r.step_time_s:5.2f}s │ len {r.seq_len_mean:4.1f} │ gpus {r.gpus} │ {layouts} │ "
             f"transitions: {moved}",
             soft_wrap=True,
@@ -270,4 +276,4 @@ class MetricsWriter:
             self.tb.close()
         from nereus.runtime.report import write_report
 
-        write_report(self.path, self.out / "report.png", self.spec.name)
+        write_report(self.path, self.out / "report.png", self.spec.name, self.spec.policy)

@@ -148,7 +148,7 @@ def torch_checks(spec: Any) -> list[str]:
                 f"{label}: {path} holds {unused[0]}{more}, which {wanted.name} does not have "
                 "(another architecture: its config.json does not describe these weights)"
             )
-    return warnings + _random_reference(spec, workload, runs)
+    return warnings + _random_reference(spec, workload, runs) + _short_responses(spec, workload)
 
 
 def _random_reference(spec: Any, workload: Any, runs: set[str]) -> list[str]:
@@ -164,6 +164,25 @@ def _random_reference(spec: Any, workload: Any, runs: set[str]) -> list[str]:
         f"models.ref: {own} holds no weights, so the reference starts from random weights while the "
         f"actor starts from a checkpoint, and the KL penalty (kl_coef {spec.rl.kl_coef}) pulls the actor "
         "toward them; name a Hugging Face folder with safetensors weights under models.ref"
+    ]
+
+
+def _short_responses(spec: Any, workload: Any) -> list[str]:
+    """A warning when the actor starts from a checkpoint and ``max_new_tokens`` is left at its
+    default while the workload's responses run longer: every response would be cut (and the
+    plans priced) at the default's few tokens."""
+    from nereus.runtime.experiment import ExperimentSpec
+
+    default = ExperimentSpec.__dataclass_fields__["max_new_tokens"].default
+    longest = spec.longest_response()
+    pretrained = bool(spec.role_weights("actor", workload)[0])
+    if longest != default or workload.max_response_len <= longest or not pretrained:
+        return []
+    return [
+        f"max_new_tokens is {longest} (the default): every response is cut at {longest} tokens, and the "
+        f"plans are priced for them, while {workload.name} allows responses of up to "
+        f"{workload.max_response_len} tokens (max_response_len); set max_new_tokens (verl's "
+        "data.max_response_length)"
     ]
 
 

@@ -64,7 +64,7 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def write_report(metrics: Path, out: Path, title: str) -> None:
+def write_report(metrics: Path, out: Path, title: str, policy: str = "nereus") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,7 +76,9 @@ def write_report(metrics: Path, out: Path, title: str) -> None:
     steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
     axes[0].plot(steps, [r["reward"] for r in rows], marker="o", label="reward")
-    axes[0].plot(steps, [r.get("accuracy", 0.0) for r in rows], marker=".", label="accuracy")
+    if any(r.get("accuracy") is not None for r in rows):  # none under verifier: none
+        accuracy = [r["accuracy"] if r.get("accuracy") is not None else float("nan") for r in rows]
+        axes[0].plot(steps, accuracy, marker=".", label="accuracy")
     axes[0].set_ylabel("reward")
     axes[0].legend(loc="upper left")
     moved = [sum(t["seconds"] for t in r["transitions"]) for r in rows]
@@ -109,7 +111,7 @@ def write_report(metrics: Path, out: Path, title: str) -> None:
     twin = axes[3].twinx()
     twin.step(steps, gpus, where="mid", color="tab:green", alpha=0.6)
     twin.set_ylabel("GPUs in plan", color="tab:green")
-    fig.suptitle(f"{title}: adaptive run")
+    fig.suptitle(f"{title}: policy {policy}")
     fig.tight_layout()
     tmp = out.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110)
