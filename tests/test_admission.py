@@ -318,9 +318,10 @@ def test_out_of_memory_never_keeps_the_plan_and_raises_the_stage_correction(plan
     peak = max(b for n, b in bound.items() if plan.workflow.get(n).stage is Stage.TRAIN)
     physical = problem.cluster.gpu_memory_bytes - problem.reserved_bytes
     step = min(1.25, max(1.02, physical / peak))
-    d = ctl.observe(t(1, 2048, pool, oom=True, oom_stage="actor.train"))
+    ctl.monitor.pool_horizon.crossed(0)  # the pool last changed at step 0: its H at step 6 is 6
+    d = ctl.observe(t(6, 2048, pool, oom=True, oom_stage="actor.train"))
     assert d is not None and d.urgent and d.current_latency_s is None
-    assert d.horizon_steps == ctl.monitor.horizon_now(POOL, 1)  # urgent options weighed over the pool's H
+    assert d.horizon_steps == ctl.monitor.horizon_now(POOL, 6) == 6.0  # urgent options: the pool's H, not 1
     assert any(tr.kind is TriggerKind.OOM for tr in d.triggers)
     assert d.verdict in (Verdict.ADMIT, Verdict.RESTART)  # never "keep": that plan ran out
     if d.verdict is Verdict.ADMIT:

@@ -415,3 +415,13 @@ def test_the_reward_model_scores_the_head_at_the_last_token_itself() -> None:
     assert rm is not None and rm.tolist() == [4.0, 5.0]
     # accuracy reads the verifier's scores alone: a reward model scoring above 1 is not "correct"
     assert verifier.tolist() == [0.0, 0.0] and scores.tolist() == [4.0, 5.0]
+
+
+def test_k3_is_clamped_and_approx_kl_is_schulmans_k3_of_the_ratio() -> None:
+    # π_ref/π = e⁵: e⁵ − 5 − 1 ≈ 142 unclamped; verl's bound is 10
+    assert kl_penalty(torch.tensor([0.0]), torch.tensor([5.0]), KLKind.K3).item() == 10.0
+    old = torch.tensor([[-1.0, -2.0]])
+    fields = {"old_logprobs": old, "advantages": torch.zeros(1, 2), "mask": torch.tensor([[1.0, 0.0]])}
+    loss = PolicyLoss(0.2, 1.0)
+    loss(old + math.log(1.5), fields)  # ratio 1.5 on the one masked-in token
+    assert loss.last_metrics().approx_kl == pytest.approx(0.5 - math.log(1.5))

@@ -148,6 +148,32 @@ def test_batches_ahead_round_trip_exactly_and_bad_bytes_are_refused() -> None:
             unpack(bad)
 
 
+def _same(a: Rollouts, b: Rollouts) -> bool:
+    tensors = all(torch.equal(getattr(a, k), getattr(b, k)) for k in ("ids", "valid", "mask"))
+    return tensors and a.sample_ids == b.sample_ids and a.prompt_len == b.prompt_len
+
+
+@pytest.mark.pure
+def test_every_field_of_a_batch_ahead_round_trips_and_inconsistent_ones_are_refused() -> None:
+    r, base = _rollouts(4, 7, 10), _rollouts(2, 7, 20)
+    base = Rollouts(base.ids, base.valid, base.mask, base.sample_ids, 5)  # a prompt length of its own
+    got = unpack(pack({6: Batch(6, 4, r, torch.randn(4, 7), base)}))[6]
+    assert _same(got.rollouts, r) and got.baseline is not None and _same(got.baseline, base)
+    outside = r.mask.clone()
+    outside[0, -1] = 1  # a response token where the row is not valid
+    negative = r.ids.clone()
+    negative[1, 4] = -3
+    for bad, why in [
+        (Rollouts(r.ids, r.valid, outside, r.sample_ids, 3), "the response mask within the valid one"),
+        (Rollouts(negative, r.valid, r.mask, r.sample_ids, 3), "negative token ids"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            unpack(pack({5: Batch(5, 4, bad, torch.zeros(4, 7))}))
+    twice = pack({5: Batch(5, 4, r, torch.zeros(4, 7)), 6: Batch(6, 4, r, torch.zeros(4, 7))})
+    with pytest.raises(ValueError, match="step 5 twice"):
+        unpack(twice.replace(b'"step":6', b'"step":5', 1))
+
+
 @pytest.mark.pure
 def test_a_batch_is_never_newer_than_its_step() -> None:
     r = _rollouts(2, 5, 0)

@@ -102,3 +102,42 @@ def test_a_pool_grown_before_the_first_telemetry_fires() -> None:
     assert TriggerMonitor().observe(tel(0, pool=grown), frozenset({0, 1}), False) == []
     same = TriggerMonitor(pool=grown)
     assert same.observe(tel(0, pool=grown), frozenset({0, 1}), False) == []
+
+
+def test_exactly_delta_does_not_fire_and_a_zero_reference_is_replaced() -> None:
+    th = Threshold("seq_len", 0.30, 0.5)
+    th.observe(0, 1000)
+    assert th.observe(1, 1300) is None  # exactly +30%: within δ
+    zero = Threshold("efficiency.gemm", 0.25, 0.5)
+    assert zero.observe(0, 0.0) is None and zero.observe(1, 5.0) is None  # 0 is no reference to divide by
+    assert zero.reference == 5.0
+
+
+def test_a_horizon_is_at_least_the_steps_since_the_last_crossing() -> None:
+    h = Horizon(0.5)
+    h.crossed(2)
+    h.crossed(10)  # one interval: 8 steps
+    assert h.steps == 8.0 and h.effective(12) == 8.0
+    assert h.effective(30) == 20.0  # stable for 20 steps: not expected to change within 8
+    h.crossed(10)  # the same step again is no interval
+    assert h.steps == 8.0
+
+
+def test_a_plan_on_gpus_outside_an_unchanged_pool_is_a_gpu_loss() -> None:
+    mon = TriggerMonitor(pool=(0, 1))
+    [fired] = mon.observe(tel(0, pool=(0, 1)), frozenset({0, 1, 2}), False)
+    assert fired.kind is TriggerKind.GPU_LOSS
+
+
+def test_reset_takes_the_replans_efficiency_as_the_new_reference() -> None:
+    mon = TriggerMonitor(pool=(0, 1, 2, 3))
+    plan = frozenset({0, 1, 2, 3})
+
+    def measured(step: int, eff: float) -> Telemetry:
+        return tel(step, measurements=(Measurement(OpClass.GEMM, 1.0, 1.0 / eff),))
+
+    assert mon.observe(measured(0, 0.5), plan, False) == []
+    [drift] = mon.observe(measured(1, 0.3), plan, False)
+    assert drift.signal == "efficiency.gemm"
+    mon.reset(measured(1, 0.3))
+    assert mon.observe(measured(2, 0.3), plan, False) == []  # the new reference: no drift

@@ -60,6 +60,10 @@ def test_every_rebuild_makes_the_next_step_warm_up() -> None:
     w.rebuilt()  # a rollback, then the recovery's decision on telemetry of no step
     assert w.strip(Telemetry(5, 500.0, 2048.0, 2048.0, pool)).measurements == ()
     assert w.strip(_tel(6, pool)).measurements == ()  # still the first step on the rebuilt engines
+    assert w.strip(_tel(7, pool)).measurements != ()
+    # a recovery's telemetry (no step ran) at a boundary that re-formed the world: the next step warms up
+    assert w.strip(Telemetry(7, 700.0, 2048.0, 2048.0, pool, reformed=True)).measurements == ()
+    assert w.strip(_tel(8, pool)).measurements == ()
 
 
 def test_a_dropped_decision_rebuilds_nothing_so_the_next_step_counts() -> None:
