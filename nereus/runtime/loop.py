@@ -63,7 +63,7 @@ from nereus.runtime.job import JobSetup, algorithm_step, first_state, initial_pl
 from nereus.runtime.leader import Leader, measured_setup
 from nereus.runtime.membership import LeftBehindError, Membership
 from nereus.runtime.metrics import StepRecord, drop_rows_after
-from nereus.runtime.monitor import Notice, StepResult, gather_reports
+from nereus.runtime.monitor import Notice, StepResult, gather_reports, step_record
 from nereus.runtime.pending import share as share_pending
 from nereus.runtime.pool import Change
 from nereus.runtime.preemption import Preemption
@@ -233,7 +233,7 @@ class JobLoop(Acting, Surviving):
         self._time_collectives(self.m.timeout)  # the boundary: checkpoints, moves
         self.slowest = max(self.slowest, result.seconds)
         t_ckpt = time.perf_counter()
-        saved = self._checkpoint_if_due(step)
+        saved = self._checkpoint_if_due(result)
         t_monitor = time.perf_counter()
         ready_at = time.time()  # wall clock: comparable across this job's processes
         notice, later, parts = None, None, dict[str, float]()
@@ -249,7 +249,8 @@ class JobLoop(Acting, Surviving):
             notice = broadcast(notice, Notice)
         finally:  # the leader's record is built while the notice travels
             record = later.result() if later is not None else None
-            self.unwritten = record  # until its row is written (``Surviving._write_unwritten``)
+            if record is not None:  # until its row is written (``Surviving._write_unwritten``)
+                self.unwritten = record
         parts["notice"] = time.perf_counter() - t_notice
         if notice.preempted:
             return self._preempted(step, saved, record)
@@ -332,10 +333,12 @@ class JobLoop(Acting, Surviving):
         set_world_timeout(timeout)
         self.worker.time_collectives_out(timeout)
 
-    def _checkpoint_if_due(self, step: int) -> bool:
-        every, last = self.spec.checkpoint_every, step + 1 == self.spec.steps
-        saved = bool(every and (step + 1) % every == 0) or last
+    def _checkpoint_if_due(self, result: StepResult) -> bool:
+        step, every = result.step, self.spec.checkpoint_every
+        saved = bool(every and (step + 1) % every == 0) or step + 1 == self.spec.steps
         if saved:
+            if self.leader is not None:  # the step's row, should the boundary fail once it is saved
+                self.unwritten = step_record(result, [], self.plan)  # until the monitor's full record
             ckpt.save(self.worker, self.plan, step, self.folder, self.spec.checkpoint_keep)
         return saved
 

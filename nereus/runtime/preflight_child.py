@@ -168,19 +168,19 @@ def _random_reference(spec: Any, workload: Any, runs: set[str]) -> list[str]:
 
 
 def _short_responses(spec: Any, workload: Any) -> list[str]:
-    """A warning when the actor starts from a checkpoint and ``max_new_tokens`` is left at its
-    default while the workload's responses run longer: every response would be cut (and the
-    plans priced) at the default's few tokens."""
+    """A warning when the actor starts from a checkpoint and the first steps generate at the
+    default ``max_new_tokens`` while the workload's responses run longer: every response would
+    be cut (and the plans priced) at the default's few tokens."""
     from nereus.runtime.experiment import ExperimentSpec
 
     default = ExperimentSpec.__dataclass_fields__["max_new_tokens"].default
-    longest = spec.longest_response()
+    first = spec.max_new_tokens_at(0)
     pretrained = bool(spec.role_weights("actor", workload)[0])
-    if longest != default or workload.max_response_len <= longest or not pretrained:
+    if first != default or workload.max_response_len <= first or not pretrained:
         return []
     return [
-        f"max_new_tokens is {longest} (the default): every response is cut at {longest} tokens, and the "
-        f"plans are priced for them, while {workload.name} allows responses of up to "
+        f"max_new_tokens is {first} (the default) at step 0: every response is cut at {first} tokens, "
+        f"and the plans are priced for them, while {workload.name} allows responses of up to "
         f"{workload.max_response_len} tokens (max_response_len); set max_new_tokens (verl's "
         "data.max_response_length)"
     ]

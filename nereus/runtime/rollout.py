@@ -119,7 +119,8 @@ def probs_diff(r: Rollouts, logprobs: Tensor) -> dict[str, float]:
     """How far the generation engine's probabilities of the tokens it sampled are from the
     trainer-side ``logprobs`` (B, P + N) of them (verl's ``rollout_probs_diff``): the max, mean
     and standard deviation of |p_engine − p_trainer| over the response tokens; empty when the
-    rollouts carry no engine log-probs or no response token. Precision, kernels, top-p/top-k
+    rollouts carry no engine log-probs or no response token; non-finite differences are left out
+    and each is at most 1 (a log-prob rounded above 0). Precision, kernels, top-p/top-k
     renormalisation or weights out of sync all show here."""
     if r.sampled is None or tuple(r.sampled.shape) != tuple(logprobs.shape):
         return {}
@@ -127,6 +128,9 @@ def probs_diff(r: Rollouts, logprobs: Tensor) -> dict[str, float]:
     if not bool(keep.any()):
         return {}
     diff = (r.sampled[keep].double().exp() - logprobs[keep].double().exp()).abs()
+    diff = diff[diff.isfinite()].clamp(max=1.0)  # a NaN log-prob (a skipped update's) says nothing
+    if not diff.numel():
+        return {}
     std = float(diff.std()) if diff.numel() > 1 else 0.0
     return dict(zip(PROBS_DIFF, (float(diff.max()), float(diff.mean()), std), strict=True))
 

@@ -52,6 +52,9 @@ class Surviving:
     def _act(self, action: Action, rebind: bool) -> list[TransitionRecord]:  # ``Acting``'s, first in the MRO
         raise NotImplementedError
 
+    def _dropped(self, record: StepRecord) -> StepRecord:  # ``JobLoop``'s
+        return record
+
     def _survive(self, oom: str = "") -> None:
         """A peer died, or ``oom`` ran out of memory here: let go of every group, form the next
         generation with the survivors; ``_recover`` rolls back to the boundary (its collectives
@@ -133,11 +136,13 @@ class Surviving:
         """The row of a step that trained and was checkpointed, but whose boundary failed before
         the leader wrote it (a peer died in the pool change, say), when the recovery resumed past
         it: a restart from that checkpoint does not run the step again. Written as the leader
-        recorded it at that boundary; the recovery's transitions go with the next step's row. A
-        step that runs again (a rollback, an older checkpoint) writes its own row instead."""
+        recorded it at that boundary (before its reports arrived, when the boundary failed as soon
+        as its checkpoint was written: its metrics, lengths and plan, without its timings); the
+        recovery's transitions go with the next step's row. A step that runs again (a rollback,
+        an older checkpoint) writes its own row instead."""
         record, self.unwritten = self.unwritten, None
         if self.leader is None or record is None or record.step >= self.step:
             return
         last = self.leader.metrics.last
         if last is None or last < record.step:
-            self.leader.write(record, [], self.plan)
+            self.leader.write(self._dropped(record), [], self.plan)
