@@ -4,6 +4,8 @@ ahead, and written with the step's row."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -102,3 +104,19 @@ def _plan() -> Plan:
         load_workload("grpo-tiny"), models, load_cluster("local-cpu"), (0, 1), SeqStats(4, 8, 8)
     )
     return search(p).plan
+
+
+@pytest.mark.pure
+def test_non_finite_log_probs_are_left_out_and_a_held_batch_still_packs() -> None:
+    prompt, valid, parts = _parts()
+    r = assemble(prompt, valid, parts, [0, 1, 2], PAD)
+    trainer = torch.zeros(r.ids.shape)
+    trainer[1, 2] = float("nan")  # a token of a skipped (non-finite) update's scoring
+    got = probs_diff(r, trainer)
+    assert got["rollout_probs_diff_max"] == pytest.approx(0.9)  # |0.1 − 1|: the NaN token is not counted
+    assert probs_diff(r, torch.full(r.ids.shape, float("nan"))) == {}
+    above = r.sampled.clone()  # type: ignore[union-attr]
+    above[r.mask.bool()] = 1e-6  # a log-prob rounded just above 0: p > 1
+    diff = probs_diff(replace(r, sampled=above), torch.full(r.ids.shape, -50.0))
+    assert 0.99 < diff["rollout_probs_diff_max"] <= 1.0
+    unpack(pack({4: Batch(4, 3, r, trainer, None, diff)}))  # what pack writes, unpack reads
