@@ -224,7 +224,7 @@ def test_responses_left_at_the_default_length_from_a_checkpoint_are_a_warning(tm
     (and planned) at 8 tokens; the shipped tiny experiments, on random weights, name theirs."""
     actor = _hf_checkpoint(tmp_path / "actor", "lm", 11)
     [warning] = torch_checks(spec(tmp_path, "ppo-tiny", f"actor: {actor}", extra=""))
-    assert warning.startswith("max_new_tokens is 8 (the default) at step 0: every response is cut at 8 tokens")
+    assert warning.startswith("max_new_tokens is 8 (the default) at step 0: every response is cut at 8")
     assert "up to 16 tokens (max_response_len)" in warning, warning
     assert torch_checks(spec(tmp_path, "ppo-tiny", f"actor: {actor}", extra="max_new_tokens: 16\n")) == []
     assert torch_checks(spec(tmp_path, "ppo-tiny", "", extra="")) == []  # random weights: by design
