@@ -241,3 +241,17 @@ def test_a_broken_engine_install_is_one_line_before_anything_starts(monkeypatch:
     ) as info:
         check_importable({"actor.gen": "vllm", "actor.train": "torch_native"})
     assert "\n" not in str(info.value)
+
+
+def test_a_jobs_engines_are_named_in_one_line_in_workflow_order(no_vllm: None) -> None:
+    from nereus.runtime.engines import describe_engines, job_engines
+    from nereus.runtime.experiment import ExperimentSpec
+
+    assert describe_engines(
+        {"actor.gen": "vllm", "actor.inf": "torch_native", "actor.train": "torch_native"}
+    ) == ("engines: vllm (actor.gen), torch_native (actor.inf, actor.train)")
+    spec = ExperimentSpec.load("configs/experiments/grpo-tiny.yaml")
+    # without vLLM the default generation engine is the reference one, and the line says so
+    assert describe_engines(job_engines(spec)) == (
+        "engines: torch_native (actor.gen, actor.inf, ref.inf, actor.train)"
+    )

@@ -507,6 +507,10 @@ def test_a_job_from_a_users_model_folder_and_verl_data(tmp_path: Path, family: s
         assert isinstance(v, dict) and v["prompts"] == 20 and 0 <= v["reward"] <= 1, v
         assert set(v) == {"reward", "accuracy", "prompts", "seconds", "reward/math", "reward/openai/gsm8k"}
     assert "validation: reward" in proc.stdout
+    from nereus.runtime.engines import describe_engines, job_engines
+    from nereus.runtime.experiment import ExperimentSpec
+
+    assert describe_engines(job_engines(ExperimentSpec.load(exp))) in proc.stdout  # the run's header
     exp.write_text(
         exp.read_text().replace(f", val: {held_out}}}\nval_every: 1", "}")
     )  # the same job unvalidated

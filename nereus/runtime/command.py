@@ -344,9 +344,12 @@ def _run(args: argparse.Namespace, out: Console) -> int:
             f"removed); they are not written again: this run writes rows from step {first} on",
             file=sys.stderr,
         )
+    from nereus.runtime.engines import describe_engines, job_engines
+
     out.print(
         f"[bold]{spec.name}[/]: {spec.workload} on {spec.model}, "
-        f"{spec.workers} local workers, {spec.steps} steps"
+        f"{spec.workers} local workers, {spec.steps} steps; {describe_engines(job_engines(spec))}",
+        soft_wrap=True,
     )
     quiet_torch_warnings()  # the workers' environment
     end = launch_local(spec, folder, resume=args.resume, force=args.force)

@@ -48,6 +48,24 @@ def engines_of(spec: Any, workload: WorkloadSpec, models: Mapping[Role, ModelSpe
     return out
 
 
+def describe_engines(engines: Mapping[str, str]) -> str:
+    """The engines of a job in one line, each with its model-stages in workflow order:
+    ``engines: vllm (actor.gen), torch_native (actor.inf, ref.inf, actor.train)``."""
+    by: dict[str, list[str]] = {}
+    for stage, engine in engines.items():
+        by.setdefault(engine, []).append(stage)
+    return "engines: " + ", ".join(f"{e} ({', '.join(stages)})" for e, stages in by.items())
+
+
+def job_engines(spec: Any) -> dict[str, str]:
+    """The engine of every model-stage of the experiment ``spec`` (``engines_of`` on its
+    workload and models)."""
+    from nereus.spec import load_model, load_workload
+
+    workload = load_workload(spec.workload)
+    return engines_of(spec, workload, job_models(workload, load_model(spec.model)))
+
+
 def space_of(engines: Mapping[str, str]) -> SearchSpace:
     """The job's search space: model-stages on an engine without pipelining have pp = 1."""
     return SearchSpace(flat=tuple(sorted(n for n, e in engines.items() if not pipelines(e))))

@@ -40,6 +40,7 @@ from nereus.runtime import checkpoint as ckpt
 from nereus.runtime import joberror
 from nereus.runtime.bootstrap import Bootstrap, bootstrap, torchrun_on_slurm
 from nereus.runtime.comm import first_line, is_peer_failure
+from nereus.runtime.engines import describe_engines, job_engines
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.loop import JobLoop
 from nereus.runtime.membership import JoinRefusedError, Membership, Rendezvous, node_address
@@ -122,6 +123,8 @@ def main(job_dir: str, join: bool = False) -> Outcome:
         m = Membership.connect(rdzv, secret, boot.rank, devices=devices)
     try:
         m.form(tuple(range(boot.world)), 0)
+        if m.leader:  # the job's log names what runs each model-stage (``nereus run`` prints it too)
+            print(f"{spec.name}: {describe_engines(job_engines(spec))}", flush=True)
         if boot.source == "torchrun-slurm" and m.leader:  # what hand_over runs after the checkpoint
             signal.signal(signal.SIGUSR2, _requeue_after_checkpoint)
         preemption = Preemption(stop_signals(boot.source)).install()
