@@ -137,12 +137,20 @@ def test_forged_store_entries_are_ignored_and_the_log_stays_bounded(tmp_path: Pa
     log = tmp_path / "m.log"
     leader = Membership.host(SECRET, log=log)
     leader.members = (0, 1)
-    assert leader.gone(1)  # never beat
+    assert leader._silent(1, True, {}, 0.0, 0.0)  # a member that never beat: gone at once
     leader.signed.put("hb/1", {"t": time.time() - 10})
-    assert leader.gone(1)  # its own beat, stale
-    for garbage in ("not a number", json.dumps({"value": {"t": 1e18}, "mac": "0" * 64}), "\x00"):
+    beats: dict[int, Any] = {}
+    assert not leader._silent(1, True, beats, 0.0, 0.0)  # a beat the leader sees for the first time
+    assert leader._silent(1, True, beats, 0.0, 4.0)  # unchanged 4 s of the leader's clock: gone
+    for garbage in (
+        "not a number",
+        json.dumps({"value": {"t": 1e18}, "mac": "0" * 64}),
+        "\x00",
+        leader.signed.envelope("hb/1", {"t": 1.0, "hold": 1e9}),  # a hold no member of ours says
+        leader.signed.envelope("hb/1", [1.0]),
+    ):
         leader.store.set("hb/1", garbage)  # a stranger's heartbeat for GPU 1: says nothing either way
-        assert leader.gone(1) is False
+        assert leader._silent(1, True, {}, 0.0, 1e6) is False
         leader.store.set("host/1", garbage)
         assert leader.hosts()[1] == "gpu1"
     assert "ignored the heartbeat of GPU 1" in log.read_text()
@@ -379,3 +387,68 @@ def test_a_newcomer_that_never_comes_fails_the_formation_after_its_grace(tmp_pat
         assert got["lost"] == [3] and 3.0 <= got["s"] < 10.0, got
     assert [json.loads((tmp_path / f"sum{g}.json").read_text()) for g in (0, 1, 4)] == [3.0] * 3
     assert "generation 1 did not form: GPUs [3]" in (tmp_path / "m.log").read_text()
+
+
+def _next_beat(leader: Membership, gpu: int, after: Any, timeout_s: float = 5.0) -> Any:
+    """The first beat of ``gpu`` the leader reads that is not ``after``."""
+    deadline = time.monotonic() + timeout_s
+    while (beat := leader._last_beat(gpu)) == after:
+        assert time.monotonic() < deadline, "no new beat"
+        time.sleep(0.02)
+    return beat
+
+
+def test_a_member_holding_the_interpreter_says_so_first_and_is_not_taken_for_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full garbage collection (``abandon``) holds the interpreter, the heartbeat thread's too,
+    for seconds on a loaded node: the beat written before it holds the rule for ``HOLD_S``; the
+    beats after it say nothing more, so a member silent after that is gone after 4 s."""
+    from nereus.runtime import membership
+    from nereus.runtime.rollcall import HOLD_S, STALE_S
+
+    leader = Membership.host(SECRET, log=tmp_path / "m.log")
+    leader.members = (0, 1)
+    member = Membership.connect(leader.rendezvous, SECRET, 1)
+    member.members = (0, 1)
+    seen: list[Any] = []
+
+    def collect() -> None:  # what the leader reads while the member's interpreter is held
+        seen.append(leader._last_beat(1))
+
+    monkeypatch.setattr(membership, "let_go", collect)
+    member.start_heartbeat()
+    member.abandon()
+    held = seen[0]
+    assert HOLD_S - 1 < held.hold <= HOLD_S
+    assert _next_beat(leader, 1, held).hold == 0  # the beat after the collection: no hold
+    member._stop.set()  # its heartbeat stops: the held beat is the last the leader sees
+    member._beat.join(5)  # type: ignore[union-attr]
+    leader.store.set("hb/1", leader.signed.envelope("hb/1", held._asdict()))
+    beats: dict[int, Any] = {}
+    assert not leader._silent(1, True, beats, 0.0, 0.0)
+    assert not leader._silent(1, True, beats, 0.0, STALE_S + 1)  # held: not gone after 4 s
+    assert leader._silent(1, True, beats, 0.0, HOLD_S + 0.1)  # past the hold: gone
+    member.abandon()  # without a heartbeat: no beat is written
+    assert leader._last_beat(1) == held
+    member.close()
+    leader.close()
+
+
+def test_a_beat_after_the_hold_says_no_more_hold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nereus.runtime import membership
+
+    leader = Membership.host(SECRET, log=tmp_path / "m.log")
+    member = Membership.connect(leader.rendezvous, SECRET, 1)
+    member.start_heartbeat()
+    with member.holding(12.0):
+        inside = leader._last_beat(1)
+        assert inside is not None and 11 < inside.hold <= 12
+        assert _next_beat(leader, 1, inside).hold > 10  # beats while it holds say so too
+    after = _next_beat(leader, 1, inside)
+    assert after.hold == 0 and after.t > inside.t
+    monkeypatch.setattr(membership, "let_go", lambda: None)  # the collection's own time aside
+    started = time.monotonic()
+    member.close()  # the heartbeat stops: closing does not wait for a beat
+    assert time.monotonic() - started < 0.9
+    leader.close()

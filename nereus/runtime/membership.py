@@ -24,7 +24,9 @@ check-ins and the survivors' list. An entry that does not verify or does not par
   only for members whose heartbeat does not say they are gone.
 - **Heartbeats**: each member's thread writes the time to ``hb/<gpu>`` every second over its own
   store connection, from the moment it starts forming its first generation (a newcomer: from the
-  moment it reads the leader's answer). A member is gone when its own beat is stale or it never
+  moment it reads the leader's answer). A member is gone when its own beat has not changed for
+  a while on the leader's clock (``rollcall.py``'s rule: 4 s, or the hold the member announced
+  before a full garbage collection, during which its heartbeat thread cannot run) or it never
   beat; an entry that does not verify says nothing, so a stranger's writes cannot push a member
   out (they can still stall a formation or a recovery: the store's availability is not
   protected).
@@ -46,6 +48,8 @@ import math
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -58,10 +62,20 @@ from nereus.runtime.comm import first_line
 from nereus.runtime.joins import JOIN_QUEUE, JoinRefusedError, JoinRequest, Joins, gpu_list
 from nereus.runtime.pins import let_go
 from nereus.runtime.rendezvous import Rendezvous, listening_socket, node_address, node_name
-from nereus.runtime.rollcall import JOIN_GRACE_S, STALE_S, UNVERIFIED, FormationError, RollCalls
+from nereus.runtime.rollcall import (
+    HOLD_S,
+    JOIN_GRACE_S,
+    MAX_HOLD_S,
+    STALE_S,
+    UNVERIFIED,
+    Beat,
+    FormationError,
+    RollCalls,
+)
 from nereus.runtime.signed import SECRET_MIN_BYTES, BoundedLog, SignedStore, UnauthenticError, sign
 
 HEARTBEAT_S = 1.0
+HOLD_WRITE_S = 1.0  # how long ``holding`` waits for its beat to be written
 STORE_GONE_S = 3.0  # a member recovering: the job's store not answering this long is gone (a
 # client write would only fail after torch has printed its stack)
 
@@ -111,6 +125,10 @@ class Membership(RollCalls, Joins):
         self.oom: dict[int, str] = {}  # after ``recover``: GPU → the model-stage that ran out of memory
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
+        self._hold_until = 0.0  # monotonic: until then, beats say this member may fall silent
+        self._beats = threading.Condition()  # the heartbeat thread's wake-up, and holds it wrote
+        self._asked = 0  # changes of the hold asked of the heartbeat thread
+        self._written = 0  # the last of them a beat it wrote carries
 
     # ------------------------------------------------------------------ the store
     @classmethod
@@ -198,53 +216,84 @@ class Membership(RollCalls, Joins):
         this process's gloo connections close and peers blocked on it fail at once."""
         abort_world()
         release_engine_groups()  # vLLM's own, and its engine holding ours
-        let_go()  # groups frozen with the run's objects, or pinned by a library's stored traceback
+        with self.holding(HOLD_S):  # a full collection holds the interpreter, the heartbeat's too
+            let_go()  # groups frozen with the run's objects, or pinned by a library's stored traceback
 
     # ------------------------------------------------------------------ heartbeats
     def start_heartbeat(self) -> None:
         if self._beat is not None:
             return
         beats = SignedStore(self.store.clone(), self.signed.secret)  # type: ignore[attr-defined]
-        beats.put(f"hb/{self.gpu}", {"t": time.time()})  # the first before this returns
+        beats.put(f"hb/{self.gpu}", self._beat_entry())  # the first before this returns
 
         def beat() -> None:
             last = time.monotonic()
             while not self._stop.is_set():
                 if time.monotonic() - last > STALE_S and not self.rendezvous.answers(HEARTBEAT_S):
                     return  # this process was stopped a while and the job ended meanwhile
+                with self._beats:
+                    asked, entry = self._asked, self._beat_entry()
                 try:
-                    beats.put(f"hb/{self.gpu}", {"t": time.time()})
+                    beats.put(f"hb/{self.gpu}", entry)
                 except Exception:  # the leader is gone; the main thread will see it
                     return
                 last = time.monotonic()
-                self._stop.wait(HEARTBEAT_S)
+                with self._beats:
+                    self._written = asked
+                    self._beats.notify_all()
+                    if self._asked == asked and not self._stop.is_set():  # nothing new asked meanwhile
+                        self._beats.wait(HEARTBEAT_S)
 
         self._beat = threading.Thread(target=beat, name=f"nereus-heartbeat-{self.gpu}", daemon=True)
         self._beat.start()
 
-    def gone(self, gpu: int, now: float | None = None) -> bool:
-        """Whether ``gpu``'s own heartbeat says it is gone: it never beat, or its last beat is
-        stale. An entry that does not verify (a stranger's, which is logged) says nothing: only
-        the member's own beat, or its absence, decides, so a stranger's writes cannot push a
-        member out of the job."""
-        beat = self._last_beat(gpu)
-        if beat == UNVERIFIED:
-            return False
-        return beat is None or (now or time.time()) - beat >= STALE_S
+    def _beat_entry(self) -> dict[str, float]:
+        """A heartbeat: this process's clock, and the seconds it may yet fall silent (``holding``)."""
+        return {"t": time.time(), "hold": round(max(0.0, self._hold_until - time.monotonic()), 3)}
 
-    def _last_beat(self, gpu: int) -> float | None:
-        """When ``gpu`` last beat: None when it never did, ``UNVERIFIED`` when the entry does not
-        verify (logged)."""
+    @contextmanager
+    def holding(self, seconds: float) -> Iterator[None]:
+        """Around work that holds the interpreter (a full garbage collection of a heap with vLLM
+        and torch in it: a second or two alone, many more on a loaded node), during which the
+        heartbeat thread cannot run: the heartbeat thread first writes a beat saying this member
+        may be silent for up to ``seconds`` (the roll calls' rule), so a live member is not taken
+        for a lost one, and one that dies meanwhile is found ``seconds`` later; its next beat
+        after the work says no more. Only that thread touches the store (a store gone silent
+        holds it, not the caller), and the caller waits at most ``HOLD_WRITE_S`` for the write."""
+        with self._beats:
+            self._hold_until = time.monotonic() + seconds
+            self._asked += 1
+            asked = self._asked
+            self._beats.notify_all()
+            if self._beating() and not self._stop.is_set():
+                self._beats.wait_for(lambda: self._written >= asked or not self._beating(), HOLD_WRITE_S)
+        try:
+            yield
+        finally:
+            with self._beats:
+                self._hold_until = 0.0
+                self._asked += 1
+                self._beats.notify_all()
+
+    def _beating(self) -> bool:
+        return self._beat is not None and self._beat.is_alive()
+
+    def _last_beat(self, gpu: int) -> Beat | None:
+        """``gpu``'s last heartbeat: None when it never beat, ``UNVERIFIED`` when the entry does
+        not verify (logged)."""
         key = f"hb/{gpu}"
         if not self.store.check([key]):
             return None
         try:
             entry = self.signed.read(key)
-            beat = float(entry["t"]) if isinstance(entry, dict) else math.nan
+            if not isinstance(entry, dict):
+                raise TypeError(f"expected a mapping, got {type(entry).__name__}")
+            beat = Beat(float(entry["t"]), float(entry.get("hold", 0.0)))
         except (UnauthenticError, KeyError, TypeError, ValueError) as exc:
             self.log(f"ignored the heartbeat of GPU {gpu}: {exc}", "heartbeat")
             return UNVERIFIED
-        return beat if math.isfinite(beat) else UNVERIFIED
+        ok = math.isfinite(beat.t) and math.isfinite(beat.hold) and 0 <= beat.hold <= MAX_HOLD_S
+        return beat if ok else UNVERIFIED
 
     def close(self) -> None:
         self._stop.set()
@@ -275,11 +324,17 @@ class Membership(RollCalls, Joins):
             ) from None
         key = f"recover/{g}/members"
         if self.leader:
-            deadline = time.monotonic() + grace_s
+            start = time.monotonic()
+            beats: dict[int, tuple[Beat, float]] = {}  # what the roll calls' rule has seen of each beat
             while True:
+                now = time.monotonic()
                 checked = {m: e for m in self.members if (e := self._check_in(g, m)) is not None}
-                waiting = [m for m in self.members if m not in checked and not self.gone(m)]
-                if not waiting or time.monotonic() > deadline:
+                waiting = [
+                    m
+                    for m in self.members
+                    if m not in checked and not self._silent(m, True, beats, start, now)
+                ]
+                if not waiting or now > start + grace_s:
                     break
                 time.sleep(0.05)
             survivors = tuple(sorted(checked))

@@ -11,15 +11,19 @@ rendezvous would hold the others for the formation's 30 minutes.
 
 A missing member is gone when its heartbeat has not changed for ``STALE_S`` of the leader's own
 monotonic clock (beats are compared with each other, never with the leader's wall clock, so a
-node whose clock is off is judged as any other), or when it never beat: a member of the last
-generation at once, a newcomer (which beats from the moment it reads the leader's answer) after
-``join_grace_s``. A heartbeat entry that does not verify (a stranger's) says nothing.
+node whose clock is off is judged as any other), or for the *hold* its last beat announced if
+that is longer (a member about to hold the interpreter in a full garbage collection, when its
+heartbeat thread cannot run, says so first: ``Membership.holding``), or when it never beat: a
+member of the last generation at once, a newcomer (which beats from the moment it reads the
+leader's answer) after ``join_grace_s``. A heartbeat entry that does not verify (a stranger's)
+says nothing. The recoveries' check-ins follow the same rule.
 """
 
 from __future__ import annotations
 
 import time
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore
@@ -27,11 +31,23 @@ from torch._C._distributed_c10d import TCPStore
 from nereus.runtime.joins import gpu_list
 from nereus.runtime.signed import SignedStore, UnauthenticError
 
-STALE_S = 4.0  # a heartbeat unchanged this long: the member is gone
+STALE_S = 4.0  # a heartbeat unchanged this long (or its hold, if longer): the member is gone
+HOLD_S = 30.0  # what a member says it may be silent for around a full garbage collection
+MAX_HOLD_S = 120.0  # a longer hold is not a heartbeat of ours: it says nothing
 JOIN_GRACE_S = 60.0  # a newcomer that has not beaten this long into a roll call: gone (it died
 # before reading the leader's answer, or before reaching the formation)
 VERDICT_MARGIN_S = 60.0  # members wait this much longer for the verdict than the leader waits
-UNVERIFIED = float("inf")  # a heartbeat entry that does not verify: it says nothing
+
+
+class Beat(NamedTuple):
+    """A member's heartbeat: its own clock (compared only with its earlier beats), and the
+    seconds it said it may be silent for from then (``Membership.holding``)."""
+
+    t: float
+    hold: float = 0.0
+
+
+UNVERIFIED = Beat(float("inf"))  # a heartbeat entry that does not verify: it says nothing
 
 
 class FormationError(dist.DistError):
@@ -60,7 +76,7 @@ class RollCalls:
     def log(self, line: str, kind: str = "") -> None:
         raise NotImplementedError  # Membership's own, which comes first in its method order
 
-    def _last_beat(self, gpu: int) -> float | None:
+    def _last_beat(self, gpu: int) -> Beat | None:
         raise NotImplementedError  # Membership's: None when it never beat, else the beat or UNVERIFIED
 
     def roll_call(self, previous: frozenset[int]) -> None:
@@ -98,7 +114,7 @@ class RollCalls:
         gone, or, past the formation's timeout, every member still missing."""
         start = time.monotonic()
         deadline = start + self.timeout.total_seconds()
-        beats: dict[int, tuple[float, float]] = {}  # GPU → (its last beat seen, when it was first seen)
+        beats: dict[int, tuple[Beat, float]] = {}  # GPU → (its last beat seen, when it was first seen)
         while True:
             missing = [m for m in self.members if not self._checked_in(m)]
             if not missing:
@@ -121,7 +137,7 @@ class RollCalls:
         return isinstance(entry, dict) and entry.get("gpu") == gpu
 
     def _silent(
-        self, gpu: int, member: bool, beats: dict[int, tuple[float, float]], start: float, now: float
+        self, gpu: int, member: bool, beats: dict[int, tuple[Beat, float]], start: float, now: float
     ) -> bool:
         """Whether missing ``gpu`` is gone (the module's rule): ``beats`` holds what the leader
         saw of each heartbeat and since when, on its monotonic clock; ``member``: of the last
@@ -131,8 +147,8 @@ class RollCalls:
             return False
         if beat is None:
             return member or now - start > self.join_grace_s
-        seen, since = beats.get(gpu, (float("nan"), now))
+        seen, since = beats.get(gpu, (None, now))
         if beat != seen:
             beats[gpu] = (beat, now)
             return False
-        return now - since >= STALE_S
+        return now - since >= max(STALE_S, beat.hold)
