@@ -50,7 +50,7 @@ def engines_of(spec: Any, workload: WorkloadSpec, models: Mapping[Role, ModelSpe
 
 def describe_engines(engines: Mapping[str, str]) -> str:
     """The engines of a job in one line, each with its model-stages in workflow order:
-    ``engines: vllm (actor.gen), torch_native (actor.inf, ref.inf, actor.train)``."""
+    ``engines: E1 (actor.gen), E2 (actor.inf, ref.inf, actor.train)``."""
     by: dict[str, list[str]] = {}
     for stage, engine in engines.items():
         by.setdefault(engine, []).append(stage)
