@@ -1,4 +1,4 @@
-"""Cost model golden values: every term of one training and one generation shape, by hand.
+"""Cost model golden values: every term of one training, one inference and one generation shape, by hand.
 
 The expected seconds are plain arithmetic on the model's sizes, the cluster's peaks and bandwidths
 and the documented formulas (``nereus.plan.cost`` docstring, ``nereus.plan.links``), never the
@@ -93,11 +93,13 @@ def test_training_terms_by_hand() -> None:
     # forward matmul FLOPs per token of the busiest GPU: 2·(matmul params) per layer, the LM head's
     # 2·V·h on the last stage only, the whole over tp
     layer_flops = 2.0 * (h * (2 * q + 2 * kv) + 3 * h * inter)
-    fwd_gemm = (layers * layer_flops + 2.0 * vocab * h) / tp * tokens
+    head_flops = 2.0 * vocab * h
     # forward attention: QKᵀ and AV, 4·q_size per attended pair per layer, causal s(s+1)/2 pairs
     fwd_attn = 4.0 * q * layers * b * s * (s + 1) / 2 / tp
-    # training = 3× forward, +1 forward recomputed (full recompute): GEMM ×4, attention ×4
-    compute = {OpClass.GEMM: 4 * fwd_gemm / (ETA[OpClass.GEMM] * PEAK),
+    # training = 3× forward, +1 forward of the layers recomputed (full recompute; the LM head is
+    # not recomputed, Megatron-LM's formula): the layers' GEMMs ×4, the head's ×3, attention ×4
+    train_gemm = (4 * layers * layer_flops + 3 * head_flops) / tp * tokens
+    compute = {OpClass.GEMM: train_gemm / (ETA[OpClass.GEMM] * PEAK),
                OpClass.ATTENTION: 4 * fwd_attn / (ETA[OpClass.ATTENTION] * PEAK)}  # fmt: skip
     # TP: 2 all-reduces of b·s·h per layer forward, 2 backward, 2 in the recomputed forward = 6
     tp_ar = {OpClass.ALLREDUCE_INTRA: _ring_intra("allreduce", tp, tokens * h * BF16) * 6 * layers}
@@ -122,6 +124,39 @@ def test_training_terms_by_hand() -> None:
     _check(got["bubble"], _scale(slot, updates * (pp - 1)))  # 1F1B: p − 1 slots per update
     _check(got["dp_sync"], dp_sync)
     _check(got["optimizer"], optimizer)
+
+
+def test_inference_terms_by_hand() -> None:
+    """ref.inf of llama-3.1-8b on h100-ib: tp 2 · pp 2, dp 2, micro-batch 4 over 256 sequences
+    (32 micro-batches per replica), sequence parallelism; no weight sync (the reference is frozen)."""
+    prompt, response = 256, 1024
+    p = make_problem("llama-3.1-8b", "h100-ib", 16, response, prompt=prompt, prompts_per_step=256,
+                     global_batch=64)  # fmt: skip
+    assert p.workload.sequence_parallel
+    m = p.models[next(iter(p.models))]
+    h, q, kv, inter, vocab = m.hidden_size, m.q_size, m.kv_size, m.intermediate_size, m.vocab_size
+    tp, pp, dp, b = 2, 2, 2, 4
+    layers = m.num_hidden_layers // pp
+    chunks = 256 / dp / b  # micro-batches per replica
+    s = prompt + response
+    tokens = b * s
+    # one forward: the layers' matmuls, and the LM head's on the last stage (the busiest), over tp
+    gemm = (layers * 2.0 * (h * (2 * q + 2 * kv) + 3 * h * inter) + 2.0 * vocab * h) / tp * tokens
+    attn = 4.0 * q * layers * b * s * (s + 1) / 2 / tp
+    compute = {OpClass.GEMM: gemm / (ETA[OpClass.GEMM] * PEAK),
+               OpClass.ATTENTION: attn / (ETA[OpClass.ATTENTION] * PEAK)}  # fmt: skip
+    # TP: 2 all-reduces of b·s·h per layer (attention and MLP outputs), forward only
+    tp_ar = {OpClass.ALLREDUCE_INTRA: _ring_intra("allreduce", tp, tokens * h * BF16) * 2 * layers}
+    # PP: one activation send per micro-batch, b·s·h / tp under sequence parallelism (as training's)
+    pp_p2p = {OpClass.SENDRECV_INTRA: _ring_intra("sendrecv", 2, tokens * h * BF16 / tp)}
+    slot = _add(compute, tp_ar, pp_p2p)
+
+    got = _parts(p, "ref.inf", Layout(tp, pp), dp, b, Recompute.NONE)
+    assert set(got) == {"compute", "tp_comm", "pp_comm", "bubble"}
+    _check(got["compute"], _scale(compute, chunks))
+    _check(got["tp_comm"], _scale(tp_ar, chunks))
+    _check(got["pp_comm"], _scale(pp_p2p, chunks))
+    _check(got["bubble"], _scale(slot, pp - 1))  # the pipeline fills once: p − 1 slots
 
 
 def test_generation_terms_by_hand() -> None:
@@ -176,3 +211,20 @@ def test_generation_terms_by_hand() -> None:
     _check(got["tp_comm"], {})  # tp 1: no TP collectives
     _check(got["pp_comm"], pp_comm)
     _check(got["weight_sync"], sync)
+
+
+def test_an_fsdp_trainer_updates_its_shard() -> None:
+    """Under FSDP each GPU holds and updates 1/dp of the replica's parameters: the AdamW step's
+    HBM traffic is the shard's (``nereus price --fsdp``)."""
+    p = make_problem("llama-3.1-8b", "h100-ib", 16, 1024, prompts_per_step=256, global_batch=64)
+    stage = p.workflow.get("actor.train")
+    dp = 8
+
+    def optimizer(fsdp: frozenset[str]) -> float:
+        terms, _ = CostModel(p, fsdp=fsdp).evaluate(stage, Layout(1, 1), np.array([dp]), np.array([1]))
+        return float(np.ravel(terms.parts["optimizer"].total)[0])
+
+    whole, shard = optimizer(frozenset()), optimizer(frozenset({"actor.train"}))
+    m = p.models[next(iter(p.models))]
+    assert whole == pytest.approx(m.param_count() * 30.0 / (HBM * ETA[OpClass.MEMORY]) * 4, rel=0.01)
+    assert shard == pytest.approx(whole / dp, rel=1e-12)

@@ -75,12 +75,17 @@ STEP_SYNCS = ("weight_sync", SYNC_WAIT)
 ADAM_BYTES_PER_PARAM = 30.0
 
 
-def _gemm_flops_per_token(model: ModelSpec, rep: ReplicaFacts) -> FloatArray:
-    """Forward matmul FLOPs per token on one GPU of the slowest pipeline stage."""
+def _gemm_flops_per_token(
+    model: ModelSpec, rep: ReplicaFacts, layer_mult: float = 1.0, head_mult: float = 1.0
+) -> FloatArray:
+    """Matmul FLOPs per token on one GPU of the slowest pipeline stage: the forward's, with the
+    decoder layers' counted ``layer_mult`` times and the LM head's ``head_mult`` times (training:
+    3 and 3, forward and backward; under full recompute the layers' forward runs again, 4 and 3:
+    Megatron-LM's formula recomputes the layers, not the head, Narayanan et al. 2021 §5.1)."""
     layer = 2.0 * float(model.hidden_size * (2 * model.q_size + 2 * model.kv_size) + model.mlp_params())
-    head = 2.0 * model.head_matmul_params()
-    first = rep.layers_first * layer + np.where(rep.single_stage, head, 0.0)
-    last = rep.layers_last * layer + head
+    head = 2.0 * model.head_matmul_params() * head_mult
+    first = rep.layers_first * layer * layer_mult + np.where(rep.single_stage, head, 0.0)
+    last = rep.layers_last * layer * layer_mult + head
     result: FloatArray = np.maximum(first, last) / rep.tp
     return result
 
@@ -256,11 +261,12 @@ class CostModel(CommTerms):
         tokens = b * s
         fwd_gemm = _gemm_flops_per_token(model, rep) * tokens
         fwd_attn = _attn_flops(model, rep, b * s * (s + 1.0) / 2.0)
-        gemm_mult = 4.0 if recompute is Recompute.FULL else 3.0
+        layer_mult = 4.0 if recompute is Recompute.FULL else 3.0  # the LM head's: 3 either way
         attn_mult = 3.0 if recompute is Recompute.NONE else 4.0
         ctx_mb = b * s * (s + 1.0) / 2.0
         tp_span, rep_span, dp_span = spans
-        t_compute = self._compute(gemm_mult * fwd_gemm, attn_mult * fwd_attn, model, rep, tokens, ctx_mb)
+        train_gemm = _gemm_flops_per_token(model, rep, layer_mult, 3.0) * tokens
+        t_compute = self._compute(train_gemm, attn_mult * fwd_attn, model, rep, tokens, ctx_mb)
         n_ar = (6.0 if recompute is Recompute.FULL else 4.0) * rep.layers_first
         t_tp = self._tp(rep, tokens * model.hidden_size * self.act_b, tp_span) * n_ar
         p2p = tokens * model.hidden_size * self.act_b / (rep.tp if w.sequence_parallel else 1.0)
@@ -271,7 +277,12 @@ class CostModel(CommTerms):
         # hides its last buckets behind
         backward = (
             self._compute(
-                (gemm_mult - 1.0) * fwd_gemm, (attn_mult - 1.0) * fwd_attn, model, rep, tokens, ctx_mb
+                _gemm_flops_per_token(model, rep, layer_mult - 1.0, 2.0) * tokens,
+                (attn_mult - 1.0) * fwd_attn,
+                model,
+                rep,
+                tokens,
+                ctx_mb,
             )
             if overlap
             else None
@@ -289,7 +300,11 @@ class CostModel(CommTerms):
             "pp_comm": t_pp * per_step,
             "bubble": slot * (updates * (rep.pp - 1.0)),
             "dp_sync": dp_sync,
-            "optimizer": memory_bound(self.links, params_gpu * ADAM_BYTES_PER_PARAM, self.track) * updates,
+            # AdamW over this GPU's parameters: FSDP's shard of them (1/dp), the whole replica's otherwise
+            "optimizer": memory_bound(
+                self.links, params_gpu / (dp if fsdp else 1.0) * ADAM_BYTES_PER_PARAM, self.track
+            )
+            * updates,
         }
         mem = trainer_memory(
             model,
@@ -329,7 +344,9 @@ class CostModel(CommTerms):
         )
         tp_span, rep_span, _ = spans
         t_tp = self._tp(rep, tokens * model.hidden_size * self.act_b, tp_span) * (2.0 * rep.layers_first)
-        t_pp = self._p2p(rep, tokens * model.hidden_size * self.act_b, rep_span)
+        # a stage's activations, scattered over tp under sequence parallelism (as in training)
+        sp = rep.tp if w.sequence_parallel else 1.0
+        t_pp = self._p2p(rep, tokens * model.hidden_size * self.act_b / sp, rep_span)
         slot = t_compute + t_tp + t_pp
         terms = {
             "compute": t_compute * chunks,
