@@ -139,3 +139,22 @@ def test_a_request_written_again_meanwhile_is_kept_over_the_one_taken_back(tmp_p
     retake_shrinks(done)
     assert [p.name for p in (tmp_path / "control").iterdir()] == [request.name]
     assert ShrinkRequest.parse(request).nodes == 2
+
+
+def test_a_pool_change_is_one_line_of_the_membership_log() -> None:
+    from nereus.runtime.poolkeeping import describe_change
+
+    lost = Change(5, (0, 1, 2), 3, leaving=(3,))
+    assert (
+        describe_change(lost) == "before step 5: GPUs [3] leave (scripted); generation 3 has GPUs [0, 1, 2]"
+    )
+    both = Change(7, (0, 2, 4), 4, leaving=(1, 3), joining=(4,))
+    assert describe_change(both, condemned=(3,)) == (
+        "before step 7: GPUs [1] leave (scripted); GPUs [3] leave (unhealthy); GPUs [4] join; "
+        "generation 4 has GPUs [0, 2, 4]"
+    )
+    drain = Change(9, (0, 1, 2, 3), 4, draining=(2, 3))
+    assert (
+        describe_change(drain)
+        == "before step 9: GPUs [2, 3] drain (shrink); generation 4 has GPUs [0, 1, 2, 3]"
+    )

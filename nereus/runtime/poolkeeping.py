@@ -74,6 +74,7 @@ class PoolKeeping:
         members = tuple(sorted((set(self.m.members) - set(leaving)) | set(joining)))
         generation = self.m.generation + (1 if leaving or joining else 0)
         change = Change(nxt, members, generation, leaving, joining, draining)
+        self.m.log(describe_change(change, condemned))
         for gpu, req in accepted:
             self.m.answer(req, gpu, change.generation, members)
         return change
@@ -147,3 +148,22 @@ class PoolKeeping:
         if self.m.gpu in problems:
             self.m.log(f"GPU {self.m.gpu} hosts the job's controller and stays; replace its node")
         return tuple(g for g in problems if g != self.m.gpu)
+
+
+def describe_change(change: Change, condemned: Sequence[int] = ()) -> str:
+    """The ``membership.log`` line of a pool change decided at a boundary: who leaves (scripted,
+    or condemned by its health report), who joins, who is drained, and the members from then on."""
+    parts = []
+    if change.leaving:
+        unhealthy = [g for g in change.leaving if g in condemned]
+        scripted = [g for g in change.leaving if g not in condemned]
+        parts += [f"GPUs {scripted} leave (scripted)"] if scripted else []
+        parts += [f"GPUs {unhealthy} leave (unhealthy)"] if unhealthy else []
+    if change.joining:
+        parts.append(f"GPUs {list(change.joining)} join")
+    if change.draining:
+        parts.append(f"GPUs {list(change.draining)} drain (shrink)")
+    return (
+        f"before step {change.step}: {'; '.join(parts)}; generation {change.generation} has GPUs "
+        f"{list(change.members)}"
+    )
