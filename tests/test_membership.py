@@ -421,7 +421,8 @@ def test_a_member_holding_the_interpreter_says_so_first_and_is_not_taken_for_los
     member.abandon()
     held = seen[0]
     assert HOLD_S - 1 < held.hold <= HOLD_S
-    assert _next_beat(leader, 1, held).hold == 0  # the beat after the collection: no hold
+    after = leader._last_beat(1)  # written before abandon returns: a freeze right after it (a
+    assert after is not None and after.hold == 0  # scripted hang) is judged by the 4 s again
     member._stop.set()  # its heartbeat stops: the held beat is the last the leader sees
     member._beat.join(5)  # type: ignore[union-attr]
     leader.store.set("hb/1", leader.signed.envelope("hb/1", held._asdict()))
@@ -437,6 +438,7 @@ def test_a_member_holding_the_interpreter_says_so_first_and_is_not_taken_for_los
 
 def test_a_beat_after_the_hold_says_no_more_hold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from nereus.runtime import membership
+    from nereus.runtime.rollcall import MAX_HOLD_S
 
     leader = Membership.host(SECRET, log=tmp_path / "m.log")
     member = Membership.connect(leader.rendezvous, SECRET, 1)
@@ -445,10 +447,46 @@ def test_a_beat_after_the_hold_says_no_more_hold(tmp_path: Path, monkeypatch: py
         inside = leader._last_beat(1)
         assert inside is not None and 11 < inside.hold <= 12
         assert _next_beat(leader, 1, inside).hold > 10  # beats while it holds say so too
-    after = _next_beat(leader, 1, inside)
-    assert after.hold == 0 and after.t > inside.t
+    after = leader._last_beat(1)  # the beat saying no more is written before holding returns
+    assert after is not None and after.hold == 0 and after.t > inside.t
+    with member.holding(1e6):  # never more than the leader reads as a beat of ours
+        assert leader._last_beat(1).hold <= MAX_HOLD_S  # type: ignore[union-attr]
     monkeypatch.setattr(membership, "let_go", lambda: None)  # the collection's own time aside
     started = time.monotonic()
-    member.close()  # the heartbeat stops: closing does not wait for a beat
+    member.close()  # the heartbeat stops and closing holds nothing: no hold is the last beat
     assert time.monotonic() - started < 0.9
+    last = leader._last_beat(1)
+    assert last is not None and last.hold == 0
+    leader.close()
+
+
+def test_a_recovery_judges_heartbeats_on_the_leaders_clock_not_across_clocks(tmp_path: Path) -> None:
+    """A live member whose node's clock runs 100 s behind the leader's, and which checks in 5 s
+    into the recovery, is a survivor: its beats change, whatever their time says (read against
+    the leader's clock, they said it was gone, and the recovery went on without it once the
+    member whose beats stopped was lost, 4 s of the leader's clock after the recovery began)."""
+    leader = Membership.host(SECRET, log=tmp_path / "m.log")
+    leader.members, leader.generation = (0, 1, 2), 0
+    leader.signed.put("hb/2", {"t": time.time()})  # GPU 2's last beat: it is gone
+    stop = threading.Event()
+
+    def behind() -> None:  # GPU 1: beats on a clock 100 s behind, checks in after 5 s
+        started = time.monotonic()
+        while not stop.is_set():
+            leader.signed.put("hb/1", {"t": time.time() - 100.0})
+            if time.monotonic() - started > 5.0:
+                leader.signed.put("recover/0/alive/1", {"gpu": 1, "oom": ""})
+            stop.wait(0.5)
+
+    member = threading.Thread(target=behind, daemon=True)
+    member.start()
+    started = time.monotonic()
+    try:
+        survivors = leader.recover(grace_s=30.0)
+    finally:
+        stop.set()
+        member.join(5)
+    assert survivors == (0, 1)
+    assert 5.0 <= time.monotonic() - started < 15.0
+    assert "lost GPUs [2]" in (tmp_path / "m.log").read_text()
     leader.close()

@@ -145,16 +145,15 @@ def test_a_pool_change_is_one_line_of_the_membership_log() -> None:
     from nereus.runtime.poolkeeping import describe_change
 
     lost = Change(5, (0, 1, 2), 3, leaving=(3,))
-    assert (
-        describe_change(lost) == "before step 5: GPUs [3] leave (scripted); generation 3 has GPUs [0, 1, 2]"
-    )
+    assert describe_change(lost) == "before step 5: GPUs 3 leave (scripted); generation 3 has GPUs 0-2"
     both = Change(7, (0, 2, 4), 4, leaving=(1, 3), joining=(4,))
     assert describe_change(both, condemned=(3,)) == (
-        "before step 7: GPUs [1] leave (scripted); GPUs [3] leave (unhealthy); GPUs [4] join; "
-        "generation 4 has GPUs [0, 2, 4]"
+        "before step 7: GPUs 1 leave (scripted); GPUs 3 leave (unhealthy); GPUs 4 join; "
+        "generation 4 has GPUs 0,2,4"
     )
     drain = Change(9, (0, 1, 2, 3), 4, draining=(2, 3))
-    assert (
-        describe_change(drain)
-        == "before step 9: GPUs [2, 3] drain (shrink); generation 4 has GPUs [0, 1, 2, 3]"
+    assert describe_change(drain) == (
+        "before step 9: GPUs 2-3 drain (shrink), leaving GPUs 0-1; generation 4 has GPUs 0-3"
     )
+    big = Change(3, tuple(g for g in range(1024) if g != 700), 2, leaving=(700,))
+    assert describe_change(big).endswith("has GPUs 0-699,701-1023")  # within the log's line limit

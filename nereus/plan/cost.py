@@ -11,11 +11,12 @@ Sources, one line each where used:
   the same volume as all-gather + reduce-scatter): Narayanan et al. 2021 §3.2, Korthikanti 2022 §3.
 * 1F1B pipeline: (m + p − 1) slots of one micro-batch's stage time, bubble (p − 1) slots:
   Narayanan et al. 2021 §2.2.
-* Training FLOPs = 3× forward (+1 forward with full recomputation): Narayanan et al. 2021 §5.1.
+* Training FLOPs = 3× forward, +1 forward of the decoder layers with full recomputation (not of
+  the LM head, which is not recomputed): Narayanan et al. 2021 §5.1.
 * Decode is bound by HBM reads of weights and KV cache (roofline: max of memory and compute
   time): Kwon et al. 2023 (vLLM) §2, Williams et al. 2009.
 * Adam step: ~30 B of HBM traffic per parameter (read grad, master, m, v; write master, m, v,
-  bf16 param).
+  bf16 param), over the GPU's parameters (an FSDP trainer's shard of them, ``--fsdp``).
 * DP gradient sync, FSDP, weight syncs: ``nereus.plan.commcost``.
 * Paged KV (``SearchSpace.paged_kv``): pool at mean occupancy, recompute preemption priced as
   prefill (``memory.kv_pool_tokens``, ``memory.preempted_tokens``; vLLM docs "Preemption").

@@ -232,6 +232,8 @@ class Membership(RollCalls, Joins):
                 if time.monotonic() - last > STALE_S and not self.rendezvous.answers(HEARTBEAT_S):
                     return  # this process was stopped a while and the job ended meanwhile
                 with self._beats:
+                    if self._stop.is_set():  # closing: no beat after the last (nor a hold in it)
+                        return
                     asked, entry = self._asked, self._beat_entry()
                 try:
                     beats.put(f"hb/{self.gpu}", entry)
@@ -259,21 +261,28 @@ class Membership(RollCalls, Joins):
         may be silent for up to ``seconds`` (the roll calls' rule), so a live member is not taken
         for a lost one, and one that dies meanwhile is found ``seconds`` later; its next beat
         after the work says no more. Only that thread touches the store (a store gone silent
-        holds it, not the caller), and the caller waits at most ``HOLD_WRITE_S`` for the write."""
+        holds it, not the caller), and the caller waits at most ``HOLD_WRITE_S`` for each of the
+        two writes: a member that freezes or dies right after the work is then judged by the
+        usual 4 s again. Nothing is held once the member is closing (its heartbeat stops)."""
+        if self._stop.is_set():
+            yield
+            return
+        self._ask_beat(min(seconds, MAX_HOLD_S))
+        try:
+            yield
+        finally:
+            self._ask_beat(0.0)
+
+    def _ask_beat(self, hold_s: float) -> None:
+        """Set the hold (seconds from now; 0: none), wake the heartbeat thread and wait up to
+        ``HOLD_WRITE_S`` for a beat that carries it."""
         with self._beats:
-            self._hold_until = time.monotonic() + seconds
+            self._hold_until = time.monotonic() + hold_s if hold_s > 0 else 0.0
             self._asked += 1
             asked = self._asked
             self._beats.notify_all()
             if self._beating() and not self._stop.is_set():
                 self._beats.wait_for(lambda: self._written >= asked or not self._beating(), HOLD_WRITE_S)
-        try:
-            yield
-        finally:
-            with self._beats:
-                self._hold_until = 0.0
-                self._asked += 1
-                self._beats.notify_all()
 
     def _beating(self) -> bool:
         return self._beat is not None and self._beat.is_alive()
@@ -289,7 +298,7 @@ class Membership(RollCalls, Joins):
             if not isinstance(entry, dict):
                 raise TypeError(f"expected a mapping, got {type(entry).__name__}")
             beat = Beat(float(entry["t"]), float(entry.get("hold", 0.0)))
-        except (UnauthenticError, KeyError, TypeError, ValueError) as exc:
+        except (UnauthenticError, KeyError, TypeError, ValueError, OverflowError) as exc:
             self.log(f"ignored the heartbeat of GPU {gpu}: {exc}", "heartbeat")
             return UNVERIFIED
         ok = math.isfinite(beat.t) and math.isfinite(beat.hold) and 0 <= beat.hold <= MAX_HOLD_S
@@ -307,6 +316,11 @@ class Membership(RollCalls, Joins):
         out of memory on which GPU. Does not form the next generation: the caller does, with the
         survivors, at ``generation + 1``."""
         g = self.generation
+        start = time.monotonic()
+        beats: dict[int, tuple[Beat, float]] = {}  # what the roll calls' rule has seen of each beat
+        if self.leader:  # seen before its own collection: a dead member's 4 s run from here
+            for m in self.members:
+                self._silent(m, True, beats, start, start)
         self.abandon()
         if not self.leader and not self.rendezvous.answers(STORE_GONE_S):  # the job ended meanwhile
             raise LeftBehindError(
@@ -324,8 +338,6 @@ class Membership(RollCalls, Joins):
             ) from None
         key = f"recover/{g}/members"
         if self.leader:
-            start = time.monotonic()
-            beats: dict[int, tuple[Beat, float]] = {}  # what the roll calls' rule has seen of each beat
             while True:
                 now = time.monotonic()
                 checked = {m: e for m in self.members if (e := self._check_in(g, m)) is not None}

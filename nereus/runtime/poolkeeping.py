@@ -12,6 +12,7 @@ from pathlib import Path
 
 from torch._C._distributed_c10d import TCPStore
 
+from nereus.plan.report import gpu_ranges
 from nereus.runtime.experiment import ExperimentSpec
 from nereus.runtime.health import describe, unhealthy_members
 from nereus.runtime.membership import JOIN_QUEUE, JoinRequest, Membership
@@ -152,18 +153,18 @@ class PoolKeeping:
 
 def describe_change(change: Change, condemned: Sequence[int] = ()) -> str:
     """The ``membership.log`` line of a pool change decided at a boundary: who leaves (scripted,
-    or condemned by its health report), who joins, who is drained, and the members from then on."""
+    or condemned by its health report), who joins, who is drained, and the members from then on
+    (GPU ids as ranges, so a large pool's line stays within the log's line limit)."""
     parts = []
-    if change.leaving:
-        unhealthy = [g for g in change.leaving if g in condemned]
-        scripted = [g for g in change.leaving if g not in condemned]
-        parts += [f"GPUs {scripted} leave (scripted)"] if scripted else []
-        parts += [f"GPUs {unhealthy} leave (unhealthy)"] if unhealthy else []
-    if change.joining:
-        parts.append(f"GPUs {list(change.joining)} join")
+    scripted = [g for g in change.leaving if g not in condemned]
+    unhealthy = [g for g in change.leaving if g in condemned]
+    parts += [f"GPUs {gpu_ranges(tuple(scripted))} leave (scripted)"] if scripted else []
+    parts += [f"GPUs {gpu_ranges(tuple(unhealthy))} leave (unhealthy)"] if unhealthy else []
+    parts += [f"GPUs {gpu_ranges(change.joining)} join"] if change.joining else []
     if change.draining:
-        parts.append(f"GPUs {list(change.draining)} drain (shrink)")
+        after = gpu_ranges(change.after_drain)
+        parts.append(f"GPUs {gpu_ranges(change.draining)} drain (shrink), leaving GPUs {after}")
     return (
         f"before step {change.step}: {'; '.join(parts)}; generation {change.generation} has GPUs "
-        f"{list(change.members)}"
+        f"{gpu_ranges(change.members)}"
     )
