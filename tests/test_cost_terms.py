@@ -226,5 +226,7 @@ def test_an_fsdp_trainer_updates_its_shard() -> None:
 
     whole, shard = optimizer(frozenset()), optimizer(frozenset({"actor.train"}))
     m = p.models[next(iter(p.models))]
-    assert whole == pytest.approx(m.param_count() * 30.0 / (HBM * ETA[OpClass.MEMORY]) * 4, rel=0.01)
+    updates = p.workload.updates_per_step  # 256 sequences in global batches of 64
+    assert updates == 4
+    assert whole == pytest.approx(m.param_count() * 30.0 / (HBM * ETA[OpClass.MEMORY]) * updates, rel=1e-9)
     assert shard == pytest.approx(whole / dp, rel=1e-12)
