@@ -18,7 +18,8 @@ from nereus.spec import load_cluster, load_model
 from nereus.spec.workload import Precision, Stage
 from nereus.state.buffers import StatePolicy
 from nereus.transition import LinkModel, StageMove, build_dag, plan_transition
-from nereus.transition.build import CommitOrder, _Locals, initial_bytes, plan_dag
+from nereus.transition.build import CommitOrder, _Locals, initial_bytes
+from nereus.transition.choose import plan_dag
 from nereus.transition.dag import Primitive
 from nereus.transition.local import applies_direct
 from tests.helpers_spawn import world

@@ -17,7 +17,8 @@ import pytest
 from nereus.spec.workload import STAGE_ORDER
 from nereus.transition import LinkModel, plan_transition
 from nereus.transition.between import ledger_capacity
-from nereus.transition.build import initial_bytes, plan_dag
+from nereus.transition.build import initial_bytes
+from nereus.transition.choose import plan_dag
 from nereus.transition.dag import EdgeKind
 from nereus.transition.group import Groups, room_for_everything
 from nereus.transition.rcpsp import verify

@@ -18,7 +18,8 @@ from nereus.plan.problem import PlanningProblem
 from nereus.spec.workload import STAGE_ORDER
 from nereus.state.buffers import StatePolicy
 from nereus.state.sources import STORAGE, state_source
-from nereus.transition.build import _Locals, plan_dag
+from nereus.transition.build import _Locals
+from nereus.transition.choose import plan_dag
 from nereus.transition.classplan import ClassPlan, plan_classes
 from nereus.transition.dag import TransitionDag
 from nereus.transition.links import link_model
@@ -281,7 +282,7 @@ def plan_transition(
     the per-unit DAG) and else groups per-unit nodes where that applies (``group.py``); True
     groups wherever memory allows; False (the default, what the goldens pin) is the exact
     per-unit greedy; ``direct``: whether it also plans re-layouts straight from one replica
-    (``build.plan_dag``; the class and group plans do not). Admission prices with
+    (``choose.plan_dag``; the class and group plans do not). Admission prices with
     ``price_transition`` instead, which leaves the per-unit DAG of a class plan unbuilt until
     the transition runs."""
     if grouped is None:

@@ -14,7 +14,8 @@ close a cycle, because a committed node or an executable Destroy never descends 
 being committed. A node that still does not fit waits for later commits; if every remaining
 node waits, the target fails feasibility. Because the bound holds for every execution order,
 the executor needs no memory check of its own and cannot deadlock, and ``peak`` is the per-GPU
-memory the controller's feasibility check reads.
+memory the controller's feasibility check reads. Which orders are built, and which DAG a
+transition runs, is ``choose.py``'s choice.
 """
 
 from __future__ import annotations
@@ -29,19 +30,9 @@ from nereus.spec.cluster import GIB
 from nereus.state.emu import Emu
 from nereus.transition.dag import Edge, EdgeKind, Node, Primitive, TransitionDag
 from nereus.transition.links import LinkModel
-from nereus.transition.local import applies_direct, local_dag
+from nereus.transition.local import local_dag
 from nereus.transition.move import StageMove
 from nereus.transition.primitives import geometry
-from nereus.transition.schedule import (
-    SAMPLE_NODES,
-    SAMPLE_SLACK,
-    SAMPLES,
-    Prepared,
-    Schedule,
-    best_schedule,
-    lower_bound,
-    sampled,
-)
 
 
 def initial_bytes(moves: Sequence[StageMove]) -> dict[int, int]:
@@ -118,84 +109,6 @@ def _restores_read_first(nodes: list[Node], moves: Sequence[StageMove]) -> list[
             if x.model_stage == r.source and any(g in gpus for g, b in x.release if b > 0):
                 out.append(Edge(r.id, x.id, EdgeKind.LOCAL))
     return out
-
-
-SLACK = 0.05  # try the other commit order when the schedule is this far above its lower bound
-
-
-def plan_dag(
-    moves: Sequence[StageMove],
-    stage_rank: Mapping[str, int],
-    links: LinkModel,
-    capacity: int | Mapping[int, int],
-    grouped: bool | None = False,
-    direct: bool = True,
-) -> tuple[TransitionDag, Schedule | None]:
-    """The DAG and schedule a transition runs: splits-first, and stage-first when that may help.
-
-    ``grouped``: None plans identical units as groups where that applies (``group.py``: many
-    nodes, memory for every acquisition), True wherever memory allows, False never (the exact
-    per-unit greedy below).
-
-    The second commit order is built only when the first is infeasible or its schedule lies more
-    than ``SLACK`` above the lower bound (critical path of the local edges, busiest port). The
-    shorter feasible schedule wins. Where a move changes its layout and GPUs, the re-layout
-    straight from one replica (``_direct``) is planned too, and kept where it is shorter
-    (``direct``; False: only where Split → Extend → Merge runs out of memory, the per-unit
-    reference the class and grouped plans are held to, which plan Split → Extend → Merge).
-    """
-    locals_ = _Locals(moves, links, capacity)
-    if grouped is not False:
-        from nereus.transition.group import plan_grouped
-
-        out = plan_grouped(
-            locals_.nodes, locals_.edges, locals_.units, locals_.init, locals_.cap, stage_rank,
-            locals_.order_of, (_CLASS, _RELEASE_FIRST), force=grouped is True,
-        )  # fmt: skip
-        if out is not None:
-            return out
-    best: tuple[TransitionDag, Schedule | None] | None = None
-    best_prep, best_bound = None, 0.0
-    for order in CommitOrder:
-        dag = locals_.commit(stage_rank, order)
-        prep = Prepared(dag) if dag.feasible else None
-        bound = lower_bound(dag, prep) if dag.feasible else 0.0
-        sched = best_schedule(dag, bound=bound, prep=prep, samples=0) if dag.feasible else None
-        if sched is not None and (
-            best is None or best[1] is None or sched.makespan < best[1].makespan - 1e-12
-        ):
-            best, best_prep, best_bound = (dag, sched), prep, bound
-        elif best is None:
-            best = (dag, None)
-        if sched is not None and sched is best[1] and sched.makespan <= (1.0 + SLACK) * bound:
-            break
-    assert best is not None
-    if best[1] is not None and best_prep is not None and best[1].makespan > (1.0 + SAMPLE_SLACK) * best_bound:
-        samples = min(SAMPLES, SAMPLE_NODES // max(len(best[0].nodes), 1))  # the winner only
-        best = (best[0], sampled(best[0], None, best[1], best_prep, samples))
-    if (direct or best[1] is None) and any(applies_direct(m) for m in moves):
-        straight = _direct(_Locals(moves, links, capacity, direct=True), stage_rank)
-        if straight is not None and (best[1] is None or straight[1].makespan < best[1].makespan - 1e-12):
-            return straight
-    return best
-
-
-def _direct(direct: _Locals, stage_rank: Mapping[str, int]) -> tuple[TransitionDag, Schedule] | None:
-    """The re-layouts straight from one replica each (``local._direct``), whose GPUs acquire only
-    their target shards (Split → Extend → Merge copies whole T_sub shards first: more bytes, more
-    memory, and out of memory where a deeper pipeline's Extends land whole shards), in the commit
-    order with the shorter schedule that fits; None where none fits. ``plan_dag`` keeps it where
-    it is shorter than Split → Extend → Merge, or where that runs out of memory (the infeasible
-    DAG's reason then names what blocks)."""
-    best: tuple[TransitionDag, Schedule] | None = None
-    for order in CommitOrder:
-        dag = direct.commit(stage_rank, order)
-        if dag.feasible:
-            prep = Prepared(dag)
-            sched = best_schedule(dag, bound=lower_bound(dag, prep), prep=prep)
-            if sched is not None and (best is None or sched.makespan < best[1].makespan - 1e-12):
-                best = (dag, sched)
-    return best
 
 
 class _Ledger:

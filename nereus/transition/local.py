@@ -19,7 +19,7 @@ of its target unit. Simpler moves take shortcuts: a DP-only move (the layout sta
 in place, extends the new ones and destroys the surplus; a unit re-laid-out on its own GPUs is
 resharded in one exchange; a model-stage with no intact unit is *restored* straight into the
 target layout from its weight-sync source or from shared storage. A move that changes layout and
-GPUs is also planned *direct* (``build._direct``): each target unit assembled straight from one
+GPUs is also planned *direct* (``choose._direct``): each target unit assembled straight from one
 current unit (``_direct``), kept where its schedule is shorter or the DAG of the others runs out
 of memory. Pure.
 """
