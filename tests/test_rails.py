@@ -118,7 +118,8 @@ def test_fsdp_on_eight_nodes_is_no_slower_than_on_one(capsys: pytest.CaptureFixt
         argv = [
             "price", "--model", "llama-2-13b", "--cluster", "h100-ib", "--stage", "train", "--tp", "1",
             "--pp", "1", "--dp", str(gpus), "--sequences", str(8 * gpus), "--global-batch", str(8 * gpus),
-            "--micro-batch", "4", "--recompute", "full", "--prompt-len", "1", "--seq-len", "2047", "--fsdp", "--json",
+            "--micro-batch", "4", "--recompute", "full", "--prompt-len", "1", "--seq-len", "2047",
+            "--fsdp", "--json",
         ]  # fmt: skip
         assert main(argv) == 0
         return float(json.loads(capsys.readouterr().out)["latency_s"])
