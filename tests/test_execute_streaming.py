@@ -168,6 +168,48 @@ class _Viewer:
         self.views = None
 
 
+@pytest.mark.pure
+def test_closing_a_trainers_engine_collects_under_a_heartbeat_hold() -> None:
+    """The collection that frees a closed engine's buffers holds the interpreter, the heartbeat
+    thread's too: it runs inside the member's hold (``Membership.holding``), as a recovery's does,
+    so peers do not take the worker for lost (a transition's ``let_go``)."""
+    import gc
+
+    from nereus.runtime.rollcall import HOLD_S
+
+    move = _in_place()
+    worker = Worker(
+        0, load_workload("ppo"), dict.fromkeys(Role, move.model), load_cluster("local-cpu"),
+        {}, 0, lambda name: "torch",
+    )  # fmt: skip
+    worker.holder = start(move, 0)
+    worker.engines = {STAGE: _Viewer(worker.holder.units[STAGE])}  # type: ignore[dict-item]
+    events: list[str] = []
+
+    class Hold:
+        def __init__(self, seconds: float) -> None:
+            events.append(f"hold {seconds}")
+
+        def __enter__(self) -> None:
+            events.append("enter")
+
+        def __exit__(self, *exc: object) -> None:
+            events.append("exit")
+
+    def collected(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            events.append("collect")
+
+    worker.hold = Hold  # type: ignore[assignment]
+    gc.callbacks.append(collected)
+    try:
+        worker.let_go({STAGE})
+    finally:
+        gc.callbacks.remove(collected)
+    assert events[:4] == [f"hold {HOLD_S}", "enter", "collect", "exit"], events
+    assert STAGE not in worker.engines
+
+
 def _lets_go(rank: int) -> None:
     move = _in_place()
     worker = Worker(

@@ -67,6 +67,7 @@ from nereus.runtime.monitor import Notice, StepResult, gather_reports, step_reco
 from nereus.runtime.pending import share as share_pending
 from nereus.runtime.pool import Change
 from nereus.runtime.preemption import Preemption
+from nereus.runtime.rollcall import HOLD_S
 from nereus.runtime.rollout import Rollouts
 from nereus.runtime.surviving import Surviving
 from nereus.runtime.sweep import sweep_world
@@ -115,6 +116,7 @@ class JobLoop(Acting, Surviving):
     ) -> None:  # fmt: skip
         self.m, self.spec, self.out, self.folder = m, spec, out, out / "checkpoints"
         self.setup, self.worker, self.plan, self.leader = setup, worker, plan, leader
+        worker.hold = m.holding  # the worker's full collections hold this member's heartbeat
         self.step = step  # the next step to run
         self.first_step = step  # scripted kills apply from the step this process started at
         self.pending = pending  # a boundary to finish first (a newcomer enters at one)
@@ -184,7 +186,8 @@ class JobLoop(Acting, Surviving):
         hundreds of ms under load, on any rank, which the others then waited for at the next
         boundary. An initial member collects first; a newcomer, awaited by the job, does not."""
         if self.pending is None:
-            gc.collect()
+            with self.m.holding(HOLD_S):  # a full collection holds the interpreter, the heartbeat's too
+                gc.collect()
         gc.freeze()
         try:
             return self._run()

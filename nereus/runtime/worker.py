@@ -18,7 +18,7 @@ import datetime
 import gc
 import time
 from collections.abc import Callable, Mapping
-from contextlib import suppress
+from contextlib import AbstractContextManager, nullcontext, suppress
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from nereus.plan.layout import Candidate, Layout, Plan
 from nereus.runtime.health import HealthCheck
 from nereus.runtime.optimes import OpTime
 from nereus.runtime.place import Place, StageTimes, grid_of
+from nereus.runtime.rollcall import HOLD_S
 from nereus.runtime.rollout import Batch
 from nereus.runtime.snapshot import Mark, Snapshot
 from nereus.runtime.stagework import StageWork
@@ -59,6 +60,10 @@ from nereus.transition.wire import consumed_on
 # the weight sync's group (``Worker.bind``): a peer that dies mid-sync surfaces within this, as
 # it did with a group of the walk's own (``Executor``'s default)
 SYNC_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def _no_hold(seconds: float) -> AbstractContextManager[None]:
+    return nullcontext()
 
 
 class Worker(StageWork):
@@ -98,6 +103,9 @@ class Worker(StageWork):
         self.times = StageTimes()
         self.temperature = 1.0  # the sampling's (``make_worker`` sets the experiment's)
         self.optimes: list[OpTime] = []  # this step's op-class timings (for calibration)
+        # around a full collection: the member's heartbeat hold (``Membership.holding``; the job's
+        # loop sets it), so peers do not take this worker for lost while it collects
+        self.hold: Callable[[float], AbstractContextManager[None]] = _no_hold
         self.memory = StageMemory(self.devices)  # this step's peak memory per model-stage (GPU)
         self.fault: Callable[[str], None] | None = None  # a scripted fault at a stage's start
         # How long a peer is waited for in the groups ``bind`` forms (None: torch's default): a
@@ -372,7 +380,8 @@ class Worker(StageWork):
         for name in closing:
             self.engines.pop(name).close()
         if closing:
-            gc.collect()  # modules hold reference cycles: free their buffers now, not at some later GC
+            with self.hold(HOLD_S):  # a full collection holds the interpreter, the heartbeat's too
+                gc.collect()  # modules hold reference cycles: free their buffers now, not at some later GC
 
     def weight_sync(self, plan: Plan) -> float:
         """Trainers' weights into their receivers (actor.gen, actor.inf, critic.inf), as one DAG of
