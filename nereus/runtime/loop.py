@@ -116,7 +116,8 @@ class JobLoop(Acting, Surviving):
     ) -> None:  # fmt: skip
         self.m, self.spec, self.out, self.folder = m, spec, out, out / "checkpoints"
         self.setup, self.worker, self.plan, self.leader = setup, worker, plan, leader
-        worker.hold = m.holding  # the worker's full collections hold this member's heartbeat
+        if m is not None:  # (stand-in loops in tests have no membership)
+            worker.hold = m.holding  # the worker's full collections hold this member's heartbeat
         self.step = step  # the next step to run
         self.first_step = step  # scripted kills apply from the step this process started at
         self.pending = pending  # a boundary to finish first (a newcomer enters at one)
