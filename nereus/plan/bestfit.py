@@ -40,7 +40,6 @@ from nereus.errors import InfeasibleError
 from nereus.plan.layout import Candidate, Plan
 from nereus.plan.problem import PlanningProblem
 from nereus.plan.replica import FloatArray
-from nereus.spec.domains import FailureDomains
 from nereus.spec.workload import ExecutionMode, ModelStage, Stage, Workflow
 
 Occupancy = tuple[int, ...]
@@ -233,18 +232,6 @@ def _spread(profile: Occupancy, gpn: int, size: int, tp: int) -> tuple[np.ndarra
         )
         tp_n[d], rep_n[d], dp_n[d] = (1, 1, 1) if d * size <= roomiest else worst
     return tp_n, rep_n, dp_n
-
-
-def rails_priced(domains: FailureDomains | None) -> bool:
-    """Whether a model-stage placement places alone on the pool (``alone_on_pool``) has its DP
-    groups priced over one rail per rank on each node (``Links.rails``): best fit by itself is
-    what ``group_spans`` simulates, so the search knows how many of a group's ranks each node
-    holds — unless failure domains reserve GPUs, where placement puts a trainer's replica on
-    them first. Model-stages that share the pool are priced at one rail: their stage-mates'
-    shapes, unknown to each row's price, decide how their replicas interleave (a tp4·pp2
-    trainer beside a tp4 one on nodes of 12 leaves each of the second's replicas a node of its
-    own), and a price must never be below what placement gives."""
-    return domains is None or not domains.reserved
 
 
 def alone_on_pool(workflow: Workflow, mode: ExecutionMode, model_stage: ModelStage) -> bool:

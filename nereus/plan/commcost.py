@@ -94,19 +94,16 @@ class CommTerms:
         grad_bytes: FloatArray,
         backward: Cost | None,
         span: FloatArray,
-        rails: bool = False,
     ) -> Cost:
         """The DP gradient all-reduce a step waits for. Serial (``backward`` None): one all-reduce
         of the whole buffer after backward. Overlapped: n equal buckets of at most
         ``GRAD_BUCKET_BYTES``, reduced in order behind the last micro-batch's backward
-        (``exposed``). Attributed to the all-reduce's op class; the DP group spans ``span`` GPUs,
-        between nodes over its ranks' rails where ``rails`` (``bestfit.rails_priced``)."""
-        ar = Collective.ALLREDUCE
+        (``exposed``). Attributed to the all-reduce's op class; the DP group spans ``span`` GPUs."""
         if backward is None:
-            return collective(self.links, ar, span, dp, grad_bytes, self.track, rails)
+            return collective(self.links, Collective.ALLREDUCE, span, dp, grad_bytes, self.track)
         bucket_bytes = np.maximum(BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK * dp) * GRAD_BYTES
         buckets = np.maximum(np.ceil(grad_bytes / bucket_bytes), 1.0)
-        per_bucket = collective(self.links, ar, span, dp, grad_bytes / buckets, self.track, rails)
+        per_bucket = collective(self.links, Collective.ALLREDUCE, span, dp, grad_bytes / buckets, self.track)
         return exposed(per_bucket, buckets, backward)
 
     def _fsdp_sync(
@@ -117,7 +114,6 @@ class CommTerms:
         forward: Cost,
         backward: Cost,
         span: FloatArray,
-        rails: bool = False,
     ) -> Cost:
         """Per micro-batch, the communication an FSDP (ZeRO-3) trainer waits for: each layer's bf16
         parameters all-gathered before its forward and again before its backward, and its fp32
@@ -128,10 +124,11 @@ class CommTerms:
         backward's all-gathers and reduce-scatters behind backward compute; the first layer's
         gather and the last's reduce-scatter never hide (``exposed``)."""
         layers = np.maximum(rep.layers_first, 1.0)
-        links, track = self.links, self.track
-        gather = collective(links, Collective.ALLGATHER, span, dp, params * self.act_b / layers, track, rails)
-        scatter = collective(
-            links, Collective.ALLREDUCE, span, dp, params * GRAD_BYTES / layers, track, rails
+        gather = collective(
+            self.links, Collective.ALLGATHER, span, dp, params * self.act_b / layers, self.track
         )
-        scatter = scatter * 0.5
+        scatter = (
+            collective(self.links, Collective.ALLREDUCE, span, dp, params * GRAD_BYTES / layers, self.track)
+            * 0.5
+        )
         return exposed(gather, layers, forward) + exposed(gather + scatter, layers, backward)

@@ -44,7 +44,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from nereus.plan.bestfit import alone_on_pool, anchored, group_spans, occupancy, pool_span, rails_priced
+from nereus.plan.bestfit import alone_on_pool, anchored, group_spans, occupancy, pool_span
 from nereus.plan.commcost import GRAD_BYTES, CommTerms
 from nereus.plan.costterms import Cost, LatencyTerms, collective, compute, memory_bound
 from nereus.plan.layout import Layout
@@ -146,9 +146,6 @@ class CostModel(CommTerms):
         self.gen_apart = problem.workload.mode is ExecutionMode.ASYNC
         self.pool_span = pool_span(problem.pool, problem.cluster.gpus_per_node)
         self.pool_per_node = len(problem.pool) / len({self.links.node_of(g) for g in problem.pool})
-        # model-stages whose DP groups are priced over their ranks' rails between nodes: those
-        # whose ranks per node the search knows (``bestfit.rails_priced``)
-        self.rails = frozenset(n for n in self.alone if rails_priced(problem.domains))
 
     # ------------------------------------------------------------ dispatch
     def evaluate_rows(
@@ -178,10 +175,7 @@ class CostModel(CommTerms):
         else:
             overlap = model_stage.name in space.overlap_dp_sync
             fsdp = model_stage.name in self.fsdp
-            rails = model_stage.name in self.rails
-            terms, mem = self._training(
-                model, rep, dpf, micro, recompute, spans, overlap or fsdp, fsdp, rails
-            )
+            terms, mem = self._training(model, rep, dpf, micro, recompute, spans, overlap or fsdp, fsdp)
         if self.syncs(model_stage):
             terms["weight_sync"] = self._weight_sync(rep, model_stage)
         elif self.gen_apart and model_stage.stage is Stage.TRAIN:
@@ -260,7 +254,6 @@ class CostModel(CommTerms):
         spans: Spans,
         overlap: bool = False,
         fsdp: bool = False,
-        rails: bool = False,
     ) -> tuple[dict[str, Cost], MemoryTerms]:
         w = self.problem.workload
         seq = self.problem.seq
@@ -299,9 +292,9 @@ class CostModel(CommTerms):
         per_step = updates * accum  # micro-batch slots per step (before the bubble)
         if fsdp and backward is not None:  # every micro-batch gathers and reduce-scatters
             forward = self._compute(fwd_gemm, fwd_attn, model, rep, tokens, ctx_mb)
-            dp_sync = self._fsdp_sync(rep, dp, params_gpu, forward, backward, dp_span, rails) * per_step
+            dp_sync = self._fsdp_sync(rep, dp, params_gpu, forward, backward, dp_span) * per_step
         else:
-            dp_sync = self._dp_sync(rep, dp, params_gpu * GRAD_BYTES, backward, dp_span, rails) * updates
+            dp_sync = self._dp_sync(rep, dp, params_gpu * GRAD_BYTES, backward, dp_span) * updates
         terms = {
             "compute": t_compute * per_step,
             "tp_comm": t_tp * per_step,

@@ -18,8 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from nereus.plan.calibration import Efficiencies
-from nereus.plan.links import GROUPED, Links, ring
-from nereus.plan.links import ranks_per_node as _per_node
+from nereus.plan.links import Links, ring
 from nereus.plan.opclass import Collective, Link, OpClass
 from nereus.plan.replica import FloatArray
 
@@ -100,9 +99,17 @@ class LatencyTerms:
         return sum((c.total for c in self.parts.values()), np.zeros(()))
 
 
+GROUPED = (Collective.ALLREDUCE, Collective.ALLGATHER)  # collectives whose η follows ranks per node
+
+
 def ranks_per_node(links: Links, span: FloatArray | float, ranks: FloatArray | float) -> FloatArray:
-    """Ranks of a group on each node it spans (``links.ranks_per_node``)."""
-    return _per_node(links.gpus_per_node, span, ranks)
+    """Ranks of a group on each node it spans: all of them inside a node; spread evenly over
+    ⌈span / GPUs per node⌉ nodes otherwise."""
+    gpn = links.gpus_per_node
+    r = np.asarray(ranks, dtype=np.float64)
+    nodes = np.maximum(np.ceil(np.asarray(span, dtype=np.float64) / gpn), 1.0)
+    result: FloatArray = np.maximum(r / nodes, 1.0)
+    return result
 
 
 def _shaped_ring_s(
@@ -113,8 +120,7 @@ def _shaped_ring_s(
     nbytes: FloatArray,
     group: FloatArray,
 ) -> tuple[FloatArray, npt.NDArray[np.bool_]]:
-    """``Links.ring_s`` with each row's η read from the classes' shape curves (``group``: its
-    ranks per node, the curves' second axis and, between nodes, its rails)."""
+    """``Links.ring_s`` with each row's η read from the classes' shape curves."""
     eff = links.efficiencies
     intra = np.asarray(span) <= links.gpus_per_node
     g = group if kind in GROUPED else None
@@ -123,7 +129,7 @@ def _shaped_ring_s(
         eff.at(OpClass.of(kind, Link.INTRA), nbytes, g),
         eff.at(OpClass.of(kind, Link.INTER), nbytes, g),
     )
-    peak = np.where(intra, links.peak_bandwidth(Link.INTRA), links.rails(kind, group))
+    peak = np.where(intra, links.peak_bandwidth(Link.INTRA), links.peak_bandwidth(Link.INTER))
     hop = np.where(intra, links.hop_s(Link.INTRA), links.hop_s(Link.INTER))
     factor, steps = ring(kind, np.maximum(r, 1.0))
     # η divides the whole ideal, latency too (see ``Links.ideal_ring_s``)
@@ -132,23 +138,17 @@ def _shaped_ring_s(
 
 
 def collective(links: Links, kind: Collective, span: FloatArray | float, ranks: FloatArray | float,
-               nbytes: FloatArray | float, track: bool = False,
-               rails: npt.NDArray[np.bool_] | bool = False) -> Cost:  # fmt: skip
+               nbytes: FloatArray | float, track: bool = False) -> Cost:  # fmt: skip
     """One ring collective of ``nbytes`` per rank among ``ranks`` ranks whose GPUs span ``span``
     consecutive GPUs (inside a node when span ≤ GPUs per node), attributed to its link's op class;
-    at each row's η by message size and ranks per node where calibration has curves. Between
-    nodes, where ``rails`` (per row) says the group's ranks per node are known, over one rail per
-    rank on each node (``Links.rails``); elsewhere as if each rank sat on a node of its own: one
-    rail, and the η of a group of one rank per node (what the start-up sweep measures there)."""
+    at each row's η by message size and ranks per node where calibration has curves."""
     intra_op, inter_op = OpClass.of(kind, Link.INTRA), OpClass.of(kind, Link.INTER)
-    r = np.asarray(ranks, dtype=np.float64)
-    group = ranks_per_node(links, span, r)
-    if not np.all(rails):
-        group = np.where(rails | (np.asarray(span) <= links.gpus_per_node), group, 1.0)
     if not (track or links.efficiencies.shaped(intra_op, inter_op)):
-        t, intra = links.ring_s(kind, span, ranks, nbytes, group)
+        t, intra = links.ring_s(kind, span, ranks, nbytes)
         return Cost({intra_op: np.where(intra, t, 0.0), inter_op: np.where(intra, 0.0, t)})
+    r = np.asarray(ranks, dtype=np.float64)
     b = np.asarray(nbytes, dtype=np.float64)
+    group = ranks_per_node(links, span, r)
     t, intra = _shaped_ring_s(links, kind, span, r, b, group)
     on, off = np.where(intra, t, 0.0), np.where(intra, 0.0, t)
     if not track:

@@ -17,8 +17,8 @@ import numpy as np
 from nereus.plan.calibration import Efficiencies
 from nereus.plan.candidates import Shape
 from nereus.plan.cost import Cost, CostModel, LatencyTerms
+from nereus.plan.costterms import GROUPED
 from nereus.plan.layout import Plan
-from nereus.plan.links import GROUPED
 from nereus.plan.memory import coresident_bounds
 from nereus.plan.opclass import OpClass
 from nereus.plan.overlap import step_latency

@@ -11,17 +11,6 @@ Ring collectives (n ranks, B bytes per rank): all-reduce 2(n−1)/n·B, all-gath
 and send/recv B, over the link's peak bandwidth, plus one hop latency per ring step (NCCL-tests
 PERFORMANCE.md, "bus bandwidth"), all over the collective's efficiency η: a measured collective's η is
 that whole ideal over what it took, so latency-bound collectives price back as measured. Pure (NumPy).
-
-Between nodes an all-reduce or all-gather with g ranks on each node runs over g NICs at once:
-NCCL builds one ring (channel) per NIC, each leaving the node through its own rail, so the bytes
-that leave a node split over the g ranks' rails, and the bus bandwidth is g × the per-GPU network
-rate, up to the rate inside the node (``rails``; nccl-tests on DGX nodes reach 8 NICs' worth
-across nodes). g is the group's ranks per node on average over the nodes it spans
-(``ranks_per_node``); other groups running at the same time use their own GPUs' rails. A tp-1
-DP group of 64 ranks on 8 nodes priced at one rail came out 6× slow against llm-foundry's
-MPT-13B table (docs/planner.md, the held-out check). Broadcasts and sends stay at one rail, and
-so does every group whose ranks per node the caller cannot vouch for (``per_node`` 1, the
-default: the cost model prices rails only where placement is known, ``bestfit.rails_priced``).
 """
 
 from __future__ import annotations
@@ -49,18 +38,6 @@ def ring(kind: Collective, ranks: FloatArray) -> tuple[FloatArray, FloatArray]:
     if kind is Collective.BROADCAST:
         return one, ranks - 1.0
     return one, one
-
-
-GROUPED = (Collective.ALLREDUCE, Collective.ALLGATHER)  # collectives that run a ring per rail
-
-
-def ranks_per_node(gpus_per_node: int, span: FloatArray | float, ranks: FloatArray | float) -> FloatArray:
-    """Ranks of a group on each node it spans: all of them inside a node; spread evenly over
-    ⌈span / GPUs per node⌉ nodes otherwise."""
-    r = np.asarray(ranks, dtype=np.float64)
-    nodes = np.maximum(np.ceil(np.asarray(span, dtype=np.float64) / gpus_per_node), 1.0)
-    result: FloatArray = np.maximum(r / nodes, 1.0)
-    return result
 
 
 class Links:
@@ -119,16 +96,6 @@ class Links:
         """Bytes per second into one GPU over ``link`` at efficiency 1."""
         return self._peak[link]
 
-    def rails(self, kind: Collective, per_node: FloatArray | float) -> FloatArray:
-        """Bytes per second into one GPU between nodes at efficiency 1 for ``kind`` with
-        ``per_node`` of the group's ranks on each node: one rail per rank for all-reduce and
-        all-gather, up to the rate inside the node; one rail otherwise."""
-        g = np.asarray(per_node, dtype=np.float64)
-        if kind not in GROUPED:
-            return np.full_like(g, self._peak[Link.INTER])
-        out: FloatArray = np.minimum(np.maximum(g, 1.0) * self._peak[Link.INTER], self._peak[Link.INTRA])
-        return out
-
     def hop_s(self, link: Link | None) -> float:
         """One ring step's latency over ``link`` (None, shared storage, counts as inter-node)."""
         return self._hop[Link.INTRA if link is Link.INTRA else Link.INTER]
@@ -140,15 +107,13 @@ class Links:
         span: FloatArray | float,
         ranks: FloatArray | float,
         nbytes: FloatArray | float,
-        per_node: FloatArray | float = 1.0,
     ) -> tuple[FloatArray, BoolArray]:
         """(seconds, inside-a-node mask) of one ring collective of ``nbytes`` per rank among
-        ``ranks`` ranks whose GPUs span ``span`` consecutive GPUs, vectorised over rows; between
-        nodes over ``per_node`` rails (``rails``)."""
+        ``ranks`` ranks whose GPUs span ``span`` consecutive GPUs, vectorised over rows."""
         r = np.asarray(ranks, dtype=np.float64)
         intra: BoolArray = np.asarray(span) <= self.gpus_per_node
         eta = np.where(intra, self._eta[kind, Link.INTRA], self._eta[kind, Link.INTER])
-        peak = np.where(intra, self._peak[Link.INTRA], self.rails(kind, per_node))
+        peak = np.where(intra, self._peak[Link.INTRA], self._peak[Link.INTER])
         hop = np.where(intra, self._hop[Link.INTRA], self._hop[Link.INTER])
         factor, steps = ring(kind, np.maximum(r, 1.0))
         # η divides the whole ideal, the hops' latency too: a measured collective's η is its
@@ -157,16 +122,12 @@ class Links:
         t: FloatArray = np.where(r > 1, (factor * b / peak + steps * hop) / eta, 0.0)
         return t, intra
 
-    def ideal_ring_s(
-        self, kind: Collective, ranks: int, nbytes: float, link: Link, per_node: float = 1.0
-    ) -> float:
+    def ideal_ring_s(self, kind: Collective, ranks: int, nbytes: float, link: Link) -> float:
         """Seconds of a ring collective at the link's peak and hop latency (efficiency 1): what a
         measured collective is compared to for calibration. Its η is this whole ideal over what
         it took, and ``ring_s`` divides the whole ideal by η, so a latency-bound collective's
-        measured η prices it back as measured. ``per_node``: the group's ranks per node between
-        nodes (``rails``), as ``ring_s`` reads them from its span."""
+        measured η prices it back as measured."""
         if ranks <= 1:
             return 0.0
         factor, steps = ring(kind, np.asarray(float(ranks)))
-        peak = self._peak[link] if link is Link.INTRA else float(self.rails(kind, per_node))
-        return float(factor) * nbytes / peak + float(steps) * self._hop[link]
+        return float(factor) * nbytes / self._peak[link] + float(steps) * self._hop[link]

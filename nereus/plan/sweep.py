@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 from nereus.plan.calibration import CalibrationStore, Efficiencies, Measurement
 from nereus.plan.candidates import powers_of_two_upto
-from nereus.plan.links import GROUPED, Links
+from nereus.plan.costterms import GROUPED
+from nereus.plan.links import Links
 from nereus.plan.opclass import Collective, Link, OpClass
 from nereus.spec.cluster import ClusterSpec
 
@@ -69,7 +70,7 @@ class Probe:
         """This probe's timing as a calibration sample: against the planner's ideal of the same
         collective, sized by its bytes per rank and (all-reduce, all-gather) grouped by its ranks
         per node, as the cost model sizes and groups it (``nereus.plan.costterms.collective``)."""
-        ideal = links.ideal_ring_s(self.kind, len(self.gpus), float(self.nbytes), self.link, self.per_node)
+        ideal = links.ideal_ring_s(self.kind, len(self.gpus), float(self.nbytes), self.link)
         group = float(self.per_node) if self.kind in GROUPED else 0.0
         return Measurement(self.op_class, ideal, measured_s, float(self.nbytes), group)
 

@@ -64,17 +64,13 @@ def measurements(times: list[OpTime]) -> tuple[Measurement, ...]:
 
 def train_times(
     name: str, model: ModelSpec, layout: Layout, tokens: int, seconds: float, dp_s: float, dp_bytes: int,
-    dp_gpus: tuple[int, ...], cluster: ClusterSpec, peak_flops: float, rails: bool = False,
+    dp_gpus: tuple[int, ...], cluster: ClusterSpec, peak_flops: float,
 ) -> list[OpTime]:  # fmt: skip
-    """A training update's op times: its GEMMs, and its DP all-reduce against the ideal the cost
-    model prices it at (between nodes over its ranks' rails where ``rails``:
-    ``bestfit.rails_priced``, else over one)."""
     out = [OpTime(name, OpClass.GEMM, gemm_s(model, layout, tokens, 6.0, peak_flops), seconds - dp_s)]
     if dp_bytes and len(dp_gpus) > 1:
         links = Links(cluster, Efficiencies.unit())
         link = links.group_link(dp_gpus)
-        per_node = len(dp_gpus) / len({links.node_of(g) for g in dp_gpus}) if rails else 1.0
-        ideal = links.ideal_ring_s(Collective.ALLREDUCE, len(dp_gpus), dp_bytes, link, per_node)
+        ideal = links.ideal_ring_s(Collective.ALLREDUCE, len(dp_gpus), dp_bytes, link)
         out.append(OpTime(name, OpClass.of(Collective.ALLREDUCE, link), ideal, dp_s))
     return out
 

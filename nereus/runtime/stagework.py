@@ -19,7 +19,6 @@ from torch import Tensor
 
 from nereus.backends.protocol import Backend, GenerationStats, LossFn, SamplingParams, TokenBatch, TrainStats
 from nereus.devices import StageMemory
-from nereus.plan.bestfit import alone_on_pool, rails_priced
 from nereus.plan.layout import Candidate, Plan
 from nereus.plan.opclass import OpClass
 from nereus.runtime.comm import from_rank, gather_parts
@@ -137,10 +136,6 @@ class StageWork:
         if r.rows % gb or gb % c.dp:
             raise ValueError(f"{name}: {r.rows} rollouts, global batch {gb} and dp {c.dp} must divide evenly")
         place = self.place(c)
-        # the DP all-reduce's ideal as the planner prices it: over its ranks' rails where placed alone
-        rails = alone_on_pool(plan.workflow, plan.mode, plan.workflow.get(name)) and rails_priced(
-            self.cluster.failure_domains()
-        )
         total = 0.0
         for _ in range(self.workload.epochs):
             for u in range(r.rows // gb):
@@ -164,7 +159,7 @@ class StageWork:
                 self.optimes += train_times(
                     name, self.model_of(name), c.layout, stats.tokens, stats.seconds, stats.dp_allreduce_s,
                     stats.dp_allreduce_bytes, dp_gpus, self.cluster,
-                    self.cluster.peak_flops_at(self.workload.precision), rails,
+                    self.cluster.peak_flops_at(self.workload.precision),
                 )  # fmt: skip
                 total += stats.loss
         updates = self.workload.epochs * (r.rows // gb)
