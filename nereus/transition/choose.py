@@ -65,7 +65,7 @@ def plan_dag(
     grouped: bool | None = False,
     direct: bool = True,
 ) -> tuple[TransitionDag, Schedule | None]:
-    """The DAG and schedule a transition runs: the shortest of the orders above.
+    """The DAG and schedule a transition runs: the paper's stage order's, or a shorter one's.
 
     ``grouped``: None plans identical units as groups where that applies (``group.py``: many
     nodes, memory for every acquisition), True wherever memory allows, False never (the exact
