@@ -24,6 +24,7 @@ from nereus.transition import (
     LinkModel,
     Primitive,
     StageMove,
+    Transition,
     TransitionDag,
     best_schedule,
     build_dag,
@@ -326,6 +327,19 @@ def test_a_split_that_needs_room_goes_before_an_extend_onto_its_gpu() -> None:
         assert final["actor.train"] == {(one, (2,)), (one, (1,))}
 
 
+def _replanned(
+    before: PlanningProblem, after: PlanningProblem
+) -> tuple[Transition, dict[str, int], LinkModel, int]:
+    """The feasible transition from ``before``'s plan to ``after``'s (anchored on it), with the
+    stage ranks, links and ledger capacity its DAG was built with."""
+    a = search(before).plan
+    p2 = dataclasses.replace(after, anchor=a)
+    tr = plan_transition(p2, a, search(p2).plan)
+    assert tr.feasible and tr.schedule is not None
+    rank = {ms.name: STAGE_ORDER.index(ms.stage) for ms in p2.workflow.model_stages}
+    return tr, rank, LinkModel(p2.cluster, p2.efficiencies), int(p2.capacity_bytes - p2.reserved_bytes)
+
+
 def test_the_second_commit_order_repairs_a_split_that_delays_short_copies() -> None:
     """Found by benchmarks/dag_schedule.py (64 GCDs, responses 2,048 → 4,096): splits-first made
     the inference copies wait for a long trainer Split, 21% above SCIP's optimum; plan_dag then
@@ -333,15 +347,11 @@ def test_the_second_commit_order_repairs_a_split_that_delays_short_copies() -> N
     from nereus.transition.build import CommitOrder
     from nereus.transition.schedule import best_schedule, lower_bound
 
-    a = search(make_problem(cluster="mi250x-slingshot", gpus=64, response=2048)).plan
-    p2 = dataclasses.replace(make_problem(cluster="mi250x-slingshot", gpus=64, response=4096), anchor=a)
-    b = search(p2).plan
-    tr = plan_transition(p2, a, b)
-    assert tr.feasible and tr.schedule is not None
+    before = make_problem(cluster="mi250x-slingshot", gpus=64, response=2048)
+    tr, rank, links, cap = _replanned(
+        before, make_problem(cluster="mi250x-slingshot", gpus=64, response=4096)
+    )
     assert tr.l_tran_s <= 1.05 * lower_bound(tr.dag)
-    rank = {ms.name: STAGE_ORDER.index(ms.stage) for ms in p2.workflow.model_stages}
-    links = LinkModel(p2.cluster, p2.efficiencies)
-    cap = int(p2.capacity_bytes - p2.reserved_bytes)
     splits_first = build_dag(tr.moves, rank, links, cap, CommitOrder.SPLITS_FIRST)
     assert tr.l_tran_s <= best_schedule(splits_first).makespan
 
@@ -476,15 +486,8 @@ def test_a_trainer_committed_first_repairs_a_long_extend_held_behind_inference_c
         space = SearchSpace.engines(load_workload("ppo"))
         return make_problem(cluster="mi250x-slingshot", gpus=gpus, response=2048, space=space)
 
-    a = search(problem(16)).plan
-    p2 = dataclasses.replace(problem(32), anchor=a)
-    b = search(p2).plan
-    tr = plan_transition(p2, a, b)
-    assert tr.feasible and tr.schedule is not None
+    tr, rank, links, cap = _replanned(problem(16), problem(32))
     assert tr.l_tran_s <= 1.05 * lower_bound(tr.dag)
-    rank = {ms.name: STAGE_ORDER.index(ms.stage) for ms in p2.workflow.model_stages}
-    links = LinkModel(p2.cluster, p2.efficiencies)
-    cap = int(p2.capacity_bytes - p2.reserved_bytes)
     for order in CommitOrder:
         paper = build_dag(tr.moves, rank, links, cap, order)
         assert best_schedule(paper).makespan > 1.05 * lower_bound(paper)
