@@ -96,7 +96,7 @@ def plan_dag(
     if not _within(best, SLACK):
         alternative: _Built | None = None
         for rank in orders:  # the shortest unsampled one, up to the first within SLACK
-            built = _commit_orders(locals_, rank)
+            built = _commit_orders(locals_, rank, best.bound)
             if built.schedule is not None and (alternative is None or _shorter(built, alternative)):
                 alternative = built
             if _within(built, SLACK):
@@ -125,16 +125,20 @@ class _Built:
     bound: float
 
 
-def _commit_orders(locals_: _Locals, rank: Mapping[str, int]) -> _Built:
+def _commit_orders(locals_: _Locals, rank: Mapping[str, int], bound: float = 0.0) -> _Built:
     """The DAG under ``rank`` in each commit order (the second only while the first stays over
-    ``SLACK`` above its bound or is infeasible), the shorter list schedule kept, not sampled."""
+    ``SLACK`` above its bound or is infeasible), the shorter list schedule kept, not sampled.
+    ``bound``: the lower bound where already known (0: not yet). It reads only the nodes, their
+    local edges and ports, which every order of one transition shares; resource edges are the
+    orders' own."""
     best: _Built | None = None
     for order in CommitOrder:
         dag = locals_.commit(rank, order)
         prep = Prepared(dag) if dag.feasible else None
-        bound = lower_bound(dag, prep) if dag.feasible else 0.0
+        if dag.feasible and not bound:
+            bound = lower_bound(dag, prep)
         sched = best_schedule(dag, bound=bound, prep=prep, samples=0) if dag.feasible else None
-        built = _Built(dag, sched, prep, bound)
+        built = _Built(dag, sched, prep, bound if dag.feasible else 0.0)
         if best is None or (sched is not None and (best.schedule is None or _shorter(built, best))):
             best = built
         if _within(best, SLACK):
