@@ -9,6 +9,7 @@ The pairs are the stored plans of ``tests/golden/transition_reference.json`` (no
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from collections import Counter
 from typing import Any
@@ -20,13 +21,15 @@ from nereus.spec.workload import STAGE_ORDER
 from nereus.transition import plan_transition
 from nereus.transition.between import ledger_capacity, price_transition, stage_moves
 from nereus.transition.build import _Locals, initial_bytes
+from nereus.transition.choose import SLACK
 from nereus.transition.class_moves import derive
 from nereus.transition.classplan import plan_classes
-from nereus.transition.dag import EdgeKind
+from nereus.transition.dag import TransitionDag
 from nereus.transition.group import Groups, signatures
 from nereus.transition.links import link_model
 from nereus.transition.rcpsp import verify
-from tests.transition_cases import GOLDEN, plan_of, problem_of
+from nereus.transition.schedule import lower_bound
+from tests.transition_cases import GOLDEN, _drift_case, plan_of, problem_of
 
 pytestmark = pytest.mark.pure
 
@@ -45,17 +48,17 @@ def _pair(case: dict[str, Any]) -> tuple[Any, Any, Any]:
 
 def test_derived_classes_are_the_groups_of_the_per_unit_dag() -> None:
     """Wherever ``derive`` follows the moves, its classes are ``Groups`` of the DAG ``local.py``
-    builds, one for one: model-stage, primitive, seconds, bytes, acquisitions, members, rounds
-    and predecessors."""
-    derived = 0
-    for case in INTACT:
+    builds (Split → Extend → Merge, or ``direct``: straight from one replica), one for one:
+    model-stage, primitive, seconds, bytes, acquisitions, members, rounds and predecessors."""
+    derived = Counter[bool]()
+    for case, direct in itertools.product(INTACT, (False, True)):
         problem, current, target = _pair(case)
         links = link_model(problem.cluster, problem.efficiencies)
-        d = derive(problem, current, target, links, frozenset())
+        d = derive(problem, current, target, links, frozenset(), direct)
         if d is None:
             continue
-        derived += 1
-        loc = _Locals(stage_moves(problem, current, target), links, ledger_capacity(problem))
+        derived[direct] += bool(d.resharded) or not direct
+        loc = _Locals(stage_moves(problem, current, target), links, ledger_capacity(problem), direct)
         mine = signatures(loc.nodes, Groups(loc.nodes, loc.edges))
         sigs: list[tuple[object, ...]] = []
         for c in d.classes:
@@ -75,7 +78,8 @@ def test_derived_classes_are_the_groups_of_the_per_unit_dag() -> None:
         assert {g: b for g, b in enumerate(d.acquired.tolist()) if b} == {
             g: b for g, b in acquired.items() if b
         }
-    assert derived >= 20  # the benchmark's drifts at every size and most seeded ones
+    assert derived[False] >= 20  # the benchmark's drifts at every size and most seeded ones
+    assert derived[True] >= 20  # re-laid out straight from one replica (``local._direct``)
 
 
 @pytest.mark.parametrize("case", BIG, ids=[c["name"] for c in BIG])
@@ -84,15 +88,18 @@ def test_a_class_plan_expands_to_a_valid_schedule_of_its_makespan(case: dict[str
     priced = price_transition(problem, current, target)
     assert priced.classes is not None and not priced.expanded
     assert len(priced.classes.nodes) * 20 < priced.classes.derived.nodes
-    exact = plan_transition(problem, current, target, direct=False)  # Split → Extend → Merge, as classes
+    direct = priced.classes.direct  # re-laid out straight from one replica, or Split → Extend → Merge
+    exact = plan_transition(problem, current, target, direct=direct)
     assert exact.schedule is not None
     tr = priced.transition
     assert tr.path == "class" and priced.expanded and tr.schedule is not None
     dag, sched = tr.dag, tr.schedule
     # the per-unit DAG the executor runs: the exact builder's nodes, local edges and units
-    assert dag.nodes == exact.dag.nodes and dag.units == exact.dag.units
-    assert set(dag.edges) == {e for e in exact.dag.edges if e.kind is EdgeKind.LOCAL}
-    assert priced.moved_bytes == exact.moved_bytes and priced.changed == exact.changed
+    loc = _Locals(
+        tr.moves, link_model(problem.cluster, problem.efficiencies), ledger_capacity(problem), direct
+    )
+    assert dag.nodes == tuple(loc.nodes) and dag.units == loc.units and set(dag.edges) == set(loc.edges)
+    assert priced.moved_bytes == sum(n.bytes for n in loc.nodes) and priced.changed == exact.changed
     assert priced.resharded == exact.resharded
     assert priced.peak_max == tr.peak_max >= exact.peak_max
     # the schedule the controller priced is the one that runs, valid on every edge, port and GPU
@@ -100,7 +107,8 @@ def test_a_class_plan_expands_to_a_valid_schedule_of_its_makespan(case: dict[str
     starts = [round(s / TICK_S) for s in sched.start]
     durations = [round(f / TICK_S) - s for f, s in zip(sched.finish, starts, strict=True)]
     assert not verify(dag, initial_bytes(tr.moves), durations, starts, edges=None)
-    assert sched.makespan <= (1 + GAP) * exact.l_tran_s + 1e-9
+    best = plan_transition(problem, current, target)  # the per-unit greedy, straight re-layouts too
+    assert sched.makespan <= (1 + GAP) * best.l_tran_s + 1e-9
     done = priced.gpu_done()
     assert max(done.values()) == pytest.approx(priced.l_tran_s)
     assert all(done[g] >= t - 1e-9 for g, t in tr.gpu_done().items() if g in done)
@@ -144,10 +152,16 @@ def test_skipped_model_stages_are_left_out_of_the_class_plan() -> None:
     moving = price_transition(problem, current, target).changed
     skip = frozenset(moving[:1])
     priced = price_transition(problem, current, target, skip=skip)
-    exact = plan_transition(problem, current, target, skip=skip, direct=False)
-    assert skip.isdisjoint(priced.changed) and priced.changed == exact.changed
+    assert skip.isdisjoint(priced.changed)
     if priced.classes is not None:
-        assert priced.transition.dag.nodes == exact.dag.nodes
+        exact = plan_transition(problem, current, target, skip=skip, direct=priced.classes.direct)
+        assert priced.changed == exact.changed
+        moves = priced.transition.moves
+        assert skip.isdisjoint(m.name for m in moves)
+        links = link_model(problem.cluster, problem.efficiencies)
+        loc = _Locals(moves, links, ledger_capacity(problem), priced.classes.direct)
+        assert priced.transition.dag.nodes == tuple(loc.nodes)
+        assert skip.isdisjoint(n.model_stage for n in loc.nodes)
 
 
 def test_a_class_plan_is_a_pure_function_of_the_plans() -> None:
@@ -159,3 +173,64 @@ def test_a_class_plan_is_a_pure_function_of_the_plans() -> None:
     fresh = dataclasses.replace(problem)  # another problem object: a fresh link model, same plan
     c = price_transition(fresh, current, target)
     assert c.classes is not None and c.classes.schedule == a.classes.schedule
+
+
+def test_the_class_lower_bound_is_the_per_unit_dags() -> None:
+    """``ClassPlan.lower_bound`` (from the classes) equals ``schedule.lower_bound`` of the per-unit
+    DAG the plan expands onto: its longest chain of members and its busiest port."""
+    checked = 0
+    for case in BIG + [c for c in INTACT if c["name"].startswith("drift")]:
+        problem, current, target = _pair(case)
+        priced = price_transition(problem, current, target)
+        if priced.classes is None:
+            continue
+        loc = _Locals(
+            stage_moves(problem, current, target),
+            link_model(problem.cluster, problem.efficiencies),
+            ledger_capacity(problem),
+            priced.classes.direct,
+        )
+        dag = TransitionDag(tuple(loc.nodes), tuple(loc.edges), loc.units, (), {}, loc.cap, True)
+        assert priced.classes.lower_bound() == pytest.approx(lower_bound(dag), rel=1e-9), case["name"]
+        assert priced.classes.lower_bound() <= priced.l_tran_s + 1e-9
+        checked += 1
+    assert checked >= 4
+
+
+def test_a_class_plan_re_lays_out_straight_from_one_replica_where_that_is_shorter() -> None:
+    """1,024 GCDs, the pool doubled: the trainer's pipeline deepens (tp8·pp2 → tp8·pp4). Split →
+    Extend → Merge copies whole T_sub shards first; straight from one replica each GPU acquires
+    only its target shard. The class plan prices both and keeps the shorter: the per-unit
+    greedy's makespan, not 53% above it."""
+    problem, current, target = _pair(next(c for c in BIG if c["name"] == "mi250x 1024 grow"))
+    priced = price_transition(problem, current, target)
+    assert priced.classes is not None and priced.classes.direct
+    links = link_model(problem.cluster, problem.efficiencies)
+    rank = {ms.name: STAGE_ORDER.index(ms.stage) for ms in target.workflow.model_stages}
+    split_extend_merge = plan_transition(problem, current, target, direct=False)
+    assert priced.l_tran_s < split_extend_merge.l_tran_s
+    assert priced.l_tran_s <= (1 + GAP) * plan_transition(problem, current, target).l_tran_s
+    assert priced.peak_max < split_extend_merge.peak_max  # target shards only
+    # memory for the straight re-layouts only: they run, where Split → Extend → Merge would wait
+    assert plan_classes(problem, current, target, links, priced.peak_max, rank) is not None
+
+
+def test_a_class_plan_far_above_its_bound_runs_the_per_unit_greedy_where_shorter() -> None:
+    """Members of one class start together in the class plan; where that leaves its schedule more
+    than ``SLACK`` above the lower bound, the transition that runs is planned per unit when that
+    is shorter. Admission priced the class plan: what runs is never longer."""
+    case = _drift_case("llama-3.1-8b", "mi250x-slingshot", 256, (0.25, 1024), (1.0, 1024))
+    assert case is not None
+    problem, current, target = _pair(case)
+    priced = price_transition(problem, current, target)
+    assert priced.classes is not None
+    assert priced.l_tran_s > (1 + SLACK) * priced.classes.lower_bound()
+    tr = priced.transition
+    assert tr.path == "per-unit (shorter than the class plan)"
+    assert tr.l_tran_s < priced.l_tran_s
+    assert tr.dag == plan_transition(problem, current, target).dag
+    for case in BIG:  # near their bounds: the class plan runs as priced
+        problem, current, target = _pair(case)
+        priced = price_transition(problem, current, target)
+        if priced.classes is not None and priced.l_tran_s <= (1 + SLACK) * priced.classes.lower_bound():
+            assert priced.transition.path == "class"

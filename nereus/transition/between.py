@@ -19,7 +19,7 @@ from nereus.spec.workload import STAGE_ORDER
 from nereus.state.buffers import StatePolicy
 from nereus.state.sources import STORAGE, state_source
 from nereus.transition.build import _Locals
-from nereus.transition.choose import plan_dag
+from nereus.transition.choose import SLACK, plan_dag
 from nereus.transition.classplan import ClassPlan, plan_classes
 from nereus.transition.dag import TransitionDag
 from nereus.transition.links import link_model
@@ -326,15 +326,23 @@ def _expand(
     problem: PlanningProblem, current: Plan, target: Plan, skip: frozenset[str], plan: ClassPlan
 ) -> Transition:
     """The per-unit DAG with the class schedule laid onto it; the exact per-unit plan (and why)
-    where its groups are not the classes."""
+    where its groups are not the classes, or where the class schedule stays more than ``SLACK``
+    above its lower bound and the per-unit greedy (members of one class need not start together)
+    finds a shorter one. Admission priced the class plan: what runs is never longer."""
     from nereus.transition.group import expand_onto
 
     rank = {ms.name: STAGE_ORDER.index(ms.stage) for ms in target.workflow.model_stages}
     links = link_model(problem.cluster, problem.efficiencies)
     moves = tuple(m for m in stage_moves(problem, current, target) if m.name not in skip)
-    loc = _Locals(moves, links, ledger_capacity(problem))
+    loc = _Locals(moves, links, ledger_capacity(problem), direct=plan.direct)
     out = expand_onto(loc.nodes, loc.edges, loc.units, loc.init, loc.cap, plan.signatures(), plan.schedule)
-    if out is not None:
-        return Transition(out[0], out[1], moves, "class")
+    if out is None:
+        dag, schedule = plan_dag(moves, rank, links, ledger_capacity(problem))
+        return Transition(dag, schedule, moves, "per-unit (the groups are not the classes)")
+    expanded = Transition(out[0], out[1], moves, "class")
+    if plan.makespan <= (1.0 + SLACK) * plan.lower_bound():
+        return expanded
     dag, schedule = plan_dag(moves, rank, links, ledger_capacity(problem))
-    return Transition(dag, schedule, moves, "per-unit (the groups are not the classes)")
+    if schedule is not None and schedule.makespan < expanded.l_tran_s - 1e-12:
+        return Transition(dag, schedule, moves, "per-unit (shorter than the class plan)")
+    return expanded

@@ -4,20 +4,26 @@ See ``classes.py`` for what a class is. ``derive`` walks the model-stages in wor
 for every move that changes, makes the classes of the per-unit nodes ``local.local_dag`` would
 make: DP-only moves (Extends from the current replicas round robin, Destroys of the surplus),
 reshapes to a multiple of the current layout (kept slots, Extends, Merges) and reshapes to a
-divisor of it (Splits of the replicas with kept slots and the nearest others, Extends, Destroys).
-Anything else raises ``FallbackError`` and ``derive`` returns None.
+divisor of it (Splits of the replicas with kept slots and the nearest others, Extends, Destroys);
+with ``direct``, every reshape as ``local._direct`` re-lays it out (each target replica assembled
+straight from one current replica, ``class_direct.py``). Anything else raises ``FallbackError`` and
+``derive`` returns None.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 
 from nereus.plan.layout import Layout, Plan
 from nereus.plan.opclass import Link
 from nereus.plan.problem import PlanningProblem
+from nereus.transition.class_direct import direct
 from nereus.transition.classes import (
     SECONDS,
     Builder,
+    Cls,
     Derived,
     FallbackError,
     Ints,
@@ -34,11 +40,42 @@ _E, _D, _M, _S = Primitive.EXTEND, Primitive.DESTROY, Primitive.MERGE, Primitive
 
 
 def derive(
-    problem: PlanningProblem, current: Plan, target: Plan, links: LinkModel, skip: frozenset[str]
+    problem: PlanningProblem,
+    current: Plan,
+    target: Plan,
+    links: LinkModel,
+    skip: frozenset[str],
+    direct: bool = False,
 ) -> Derived | None:
-    """The classes of the transition ``current`` → ``target``, or None where a move leaves the rules."""
+    """The classes of the transition ``current`` → ``target``, or None where a move leaves the rules.
+    ``direct``: reshapes re-laid out straight from one replica each (``local._direct``)."""
+    return _derive(problem, current, target, links, skip, (direct,))[0]
+
+
+def derive_both(
+    problem: PlanningProblem, current: Plan, target: Plan, links: LinkModel, skip: frozenset[str]
+) -> tuple[Derived | None, Derived | None]:
+    """``derive`` for Split → Extend → Merge and for ``direct`` at once (moves that keep their
+    layout derived once); both None where the first leaves the rules."""
+    first, second = _derive(problem, current, target, links, skip, (False, True))
+    return first, second
+
+
+def _derive(
+    problem: PlanningProblem,
+    current: Plan,
+    target: Plan,
+    links: LinkModel,
+    skip: frozenset[str],
+    modes: tuple[bool, ...],
+) -> list[Derived | None]:
+    """One ``Derived`` per mode (``direct`` or not), None where a move leaves its rules (every one
+    where the first mode's does). A move that keeps its layout is the same in every mode: it is
+    derived on the first builder and copied onto the others."""
     size = max(max(current.pool, default=0), max(target.pool, default=0)) + 1
-    b = _Moves(links, size)
+    builders: list[_Moves | None] = [_Moves(links, size, direct) for direct in modes]
+    first = builders[0]
+    assert first is not None
     changed, resharded = [], []
     try:
         for ms in target.workflow.model_stages:
@@ -47,7 +84,7 @@ def derive(
             old, new = current.candidate(ms.name), target.candidate(ms.name)
             geo = stage_geometry(problem.models[ms.role], ms.head, ms.stage, problem.workload.precision)
             cur = rows_of(old)
-            b.hold(cur, geo, old.layout)
+            first.hold(cur, geo, old.layout)
             tgt = rows_of(new)
             if old.layout == new.layout and (
                 old.gpus == new.gpus
@@ -55,12 +92,31 @@ def derive(
             ):
                 continue
             changed.append(ms.name)
-            if old.layout != new.layout:
-                resharded.append(ms.name)
-            b.move(ms.name, geo, old.layout, cur, new.layout, tgt)
+            if old.layout == new.layout:
+                base, acq = len(first.out), first.acq.copy()
+                first.same_layout(ms.name, geo, old.layout, cur, tgt)
+                for b in builders[1:]:
+                    if b is not None:
+                        b.copy(first.out[base:], len(b.out) - base, first.acq - acq)
+                continue
+            resharded.append(ms.name)
+            for i, b in enumerate(builders):
+                if b is None:
+                    continue
+                try:
+                    b.move(ms.name, geo, old.layout, cur, new.layout, tgt)
+                except FallbackError:
+                    if not i:
+                        raise
+                    builders[i] = None
     except FallbackError:
-        return None
-    return Derived(tuple(b.out), b.init, b.acq, tuple(changed), tuple(resharded))
+        return [None] * len(modes)
+    return [
+        None
+        if b is None
+        else Derived(tuple(b.out), first.init, b.acq, tuple(changed), tuple(resharded), b.direct_moves)
+        for b in builders
+    ]
 
 
 _Q_INDEX: dict[tuple[Layout, Layout], Ints] = {}
@@ -110,9 +166,24 @@ def _takes(geo: Geometry, cl: Layout, sub: Layout) -> Ints:
 class _Moves(Builder):
     """The rules of ``local.py``, move by move, on replica arrays."""
 
+    def __init__(self, links: LinkModel, size: int, direct: bool = False) -> None:
+        super().__init__(links, size)
+        self.direct_moves = direct
+
+    def copy(self, classes: list[Cls], shift: int, acquired: Ints) -> None:
+        """Another builder's classes of one model-stage (``shift``: how much later they start
+        here) and what they acquire."""
+        self.out += [
+            c if not c.preds else replace(c, preds=frozenset(p + shift for p in c.preds)) for c in classes
+        ]
+        self.acq += acquired
+
     def move(self, stage: str, geo: Geometry, cl: Layout, cur: Ints, tl: Layout, tgt: Ints) -> None:
         if cl == tl:
             self.same_layout(stage, geo, cl, cur, tgt)
+            return
+        if self.direct_moves:
+            direct(self, stage, geo, cl, cur, tl, tgt)
             return
         # a layout that grows (sub = current) or shrinks (sub = target) changes the replica size, so
         # no replica can be re-laid-out on its own GPUs (``local._in_place``); an in-place reshard

@@ -73,6 +73,7 @@ class Derived:
     acquired: Ints  # per GPU id: every acquisition of the transition
     changed: tuple[str, ...]
     resharded: tuple[str, ...]
+    direct: bool = False  # reshapes re-laid out straight from one replica (``local._direct``)
 
     @property
     def nodes(self) -> int:

@@ -4,8 +4,11 @@
 GPU has room for its state plus every acquisition of the transition, one numpy pass: then the
 per-unit builder would add no resource edge either) and list-schedules the class DAG as
 ``group.py`` schedules groups: a class runs ``rounds × est_s`` and holds the port classes it
-shares with other classes. Its makespan, peak and moved bytes are what admission prices; no
-``Node`` per unit, ``Emu`` or ``StageMove`` is made.
+shares with other classes. Where a model-stage changes its layout it does so twice, for
+Split → Extend → Merge and for the re-layouts straight from one replica (``local._direct``: a
+GPU acquires only its target shard), and keeps the shorter, as ``choose.plan_dag`` does per unit.
+Its makespan, peak and moved bytes are what admission prices; no ``Node`` per unit, ``Emu`` or
+``StageMove`` is made.
 
 ``ClassPlan.expand`` builds the per-unit DAG when the transition is executed and lays the class
 schedule onto it (member k of a class starts at the class's start plus its round × ``est_s``);
@@ -22,7 +25,7 @@ import numpy as np
 
 from nereus.plan.layout import Plan
 from nereus.plan.problem import PlanningProblem
-from nereus.transition.class_moves import derive
+from nereus.transition.class_moves import derive_both
 from nereus.transition.classes import Derived
 from nereus.transition.dag import Node
 from nereus.transition.group import GROUP_MIN_NODES, GROUP_MIN_RATIO, schedule_groups
@@ -37,6 +40,11 @@ class ClassPlan:
     edges: tuple[tuple[int, int], ...]
     schedule: Schedule
     peak_max: int  # the largest per-GPU state + staging (init + every acquisition)
+
+    @property
+    def direct(self) -> bool:
+        """Whether reshapes are re-laid out straight from one replica (``local._direct``)."""
+        return self.derived.direct
 
     def __post_init__(self) -> None:
         if len(self.nodes) != len(self.derived.classes) or len(self.schedule.start) != len(self.nodes):
@@ -54,6 +62,20 @@ class ClassPlan:
         held = self.derived.init + self.derived.acquired
         gpus = np.flatnonzero(held)
         return dict(zip(gpus.tolist(), held[gpus].tolist(), strict=True))
+
+    def lower_bound(self) -> float:
+        """No schedule of the per-unit DAG is shorter (``schedule.lower_bound`` from the classes):
+        the longest chain of members through the local edges (every member of a class has a
+        predecessor in each of its predecessor classes), or the busiest GPU port's total work."""
+        classes = self.derived.classes
+        finish = [0.0] * len(classes)
+        for i, c in enumerate(classes):  # a topological order
+            finish[i] = max((finish[p] for p in c.preds), default=0.0) + c.est_s
+        work = np.zeros(2 * len(self.derived.init), np.float64)
+        for c in classes:
+            if len(c.ports) and c.est_s > 0:
+                work += np.bincount(c.ports, minlength=len(work)) * c.est_s
+        return max(max(finish, default=0.0), float(work.max(initial=0.0)))
 
     def gpu_done(self) -> dict[int, float]:
         """Per GPU, when the last class holding one of its ports finishes (members of earlier
@@ -121,17 +143,32 @@ def plan_classes(
 ) -> ClassPlan | None:
     """The class plan, or None where it does not apply: a move outside ``classes.py``'s rules,
     fewer than ``GROUP_MIN_NODES`` per-unit nodes or too little to group, or memory too tight
-    for every acquisition at once (resource edges needed)."""
-    from nereus.transition.build import _CLASS, _RELEASE_FIRST
-
+    for every acquisition at once (resource edges needed). Where a model-stage changes its
+    layout, the re-layouts straight from one replica (``derive(direct=True)``) are planned too
+    and kept where their schedule is shorter (``ClassPlan.direct``)."""
     if _most_nodes(current, target, skip) < GROUP_MIN_NODES:
         return None  # too few units to group, whatever the rules say: not worth deriving
-    d = derive(problem, current, target, links, skip)
+    d, straight = derive_both(problem, current, target, links, skip)
     if d is None or d.nodes < GROUP_MIN_NODES or len(d.classes) * GROUP_MIN_RATIO > d.nodes:
         return None
+    plan = _scheduled(d, target, stage_rank, skip)
+    fits = plan.peak_max <= capacity
+    if straight is not None and d.resharded and len(straight.classes) * GROUP_MIN_RATIO <= straight.nodes:
+        # the re-layouts straight from one replica (a GPU acquires only its target shard), kept
+        # where shorter, as ``choose.plan_dag`` keeps them; and where Split → Extend → Merge would
+        # wait for memory, while they are shorter than its schedule without waiting
+        other = _scheduled(straight, target, stage_rank, skip)
+        if other.peak_max <= capacity and other.makespan < plan.makespan - 1e-12:
+            return other
+    return plan if fits else None
+
+
+def _scheduled(d: Derived, target: Plan, stage_rank: Mapping[str, int], skip: frozenset[str]) -> ClassPlan:
+    """The class DAG of ``d`` list-scheduled (valid where its ``peak_max`` fits: no acquisition
+    then waits for a release)."""
+    from nereus.transition.build import _CLASS, _RELEASE_FIRST
+
     held = d.init + d.acquired
-    if int(held.max(initial=0)) > capacity:
-        return None
     held_by = _port_classes(d, len(held))
     nodes = tuple(
         Node(
