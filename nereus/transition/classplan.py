@@ -64,18 +64,8 @@ class ClassPlan:
         return dict(zip(gpus.tolist(), held[gpus].tolist(), strict=True))
 
     def lower_bound(self) -> float:
-        """No schedule of the per-unit DAG is shorter (``schedule.lower_bound`` from the classes):
-        the longest chain of members through the local edges (every member of a class has a
-        predecessor in each of its predecessor classes), or the busiest GPU port's total work."""
-        classes = self.derived.classes
-        finish = [0.0] * len(classes)
-        for i, c in enumerate(classes):  # a topological order
-            finish[i] = max((finish[p] for p in c.preds), default=0.0) + c.est_s
-        work = np.zeros(2 * len(self.derived.init), np.float64)
-        for c in classes:
-            if len(c.ports) and c.est_s > 0:
-                work += np.bincount(c.ports, minlength=len(work)) * c.est_s
-        return max(max(finish, default=0.0), float(work.max(initial=0.0)))
+        """No schedule of the per-unit DAG is shorter (``class_bound``)."""
+        return class_bound(self.derived)
 
     def gpu_done(self) -> dict[int, float]:
         """Per GPU, when the last class holding one of its ports finishes (members of earlier
@@ -95,6 +85,20 @@ class ClassPlan:
                 frozenset(out[p] for p in c.preds),
             ))  # fmt: skip
         return out
+
+
+def class_bound(d: Derived) -> float:
+    """``schedule.lower_bound`` of the per-unit DAG, from its classes: the longest chain of members
+    through the local edges (every member of a class has a predecessor in each of its predecessor
+    classes), or the busiest GPU port's total work."""
+    finish = [0.0] * len(d.classes)
+    for i, c in enumerate(d.classes):  # a topological order
+        finish[i] = max((finish[p] for p in c.preds), default=0.0) + c.est_s
+    work = np.zeros(2 * len(d.init), np.float64)
+    for c in d.classes:
+        if len(c.ports) and c.est_s > 0:
+            work += np.bincount(c.ports, minlength=len(work)) * c.est_s
+    return max(max(finish, default=0.0), float(work.max(initial=0.0)))
 
 
 def _port_classes(d: Derived, gpus: int) -> list[tuple[int, ...]]:
@@ -157,9 +161,11 @@ def plan_classes(
         # the re-layouts straight from one replica (a GPU acquires only its target shard), kept
         # where shorter, as ``choose.plan_dag`` keeps them; and where Split → Extend → Merge would
         # wait for memory, while they are shorter than its schedule without waiting
-        other = _scheduled(straight, target, stage_rank, skip)
-        if other.peak_max <= capacity and other.makespan < plan.makespan - 1e-12:
-            return other
+        held = straight.init + straight.acquired
+        if int(held.max(initial=0)) <= capacity and class_bound(straight) < plan.makespan - 1e-12:
+            other = _scheduled(straight, target, stage_rank, skip)
+            if other.makespan < plan.makespan - 1e-12:
+                return other
     return plan if fits else None
 
 
