@@ -43,7 +43,9 @@ def run_quick(script: str, out: Path) -> dict[str, object]:
 
 
 Runs = dict[str, tuple[Path, Future[subprocess.CompletedProcess[str]]]]  # script -> (its folder, its run)
-ONE_PROCESS = ("planner.py", "admission.py", "coordination.py", "dag_schedule.py", "fidelity.py")
+ONE_PROCESS = (
+    "planner.py", "admission.py", "coordination.py", "dag_schedule.py", "fidelity.py", "class_plans.py",
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +64,7 @@ def quick_doc(runs: Runs, script: str) -> tuple[dict[str, object], Path]:
     return _doc(script, out, run.result()), out  # a run that timed out fails its own test only
 
 
-@pytest.mark.timeout(480)  # the first of these waits for all five runs
+@pytest.mark.timeout(480)  # the first of these waits for all six runs
 def test_planner_benchmark_quick(one_process: Runs) -> None:
     doc, out = quick_doc(one_process, "planner.py")
     assert {"benchmark", "git_sha", "date", "command", "machine", "targets", "results"} <= set(doc)
@@ -135,6 +137,20 @@ def test_dag_schedule_benchmark_quick(one_process: Runs) -> None:
             assert r["scip"]["valid"] is not False
             assert r["scip"]["makespan_ticks"] <= r["greedy_ticks"]
     assert (out / "dag_schedule.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(480)
+def test_class_plans_benchmark_quick(one_process: Runs) -> None:
+    doc, out = quick_doc(one_process, "class_plans.py")
+    summary = doc["summary"]
+    assert isinstance(summary, dict) and summary["class_pairs"] == 4
+    assert summary["executed_never_longer_than_priced"] is True
+    for r in doc["results"]:
+        assert isinstance(r, dict)
+        if "priced_s" in r:  # what runs is never longer than priced, nor than its lower bound allows
+            assert r["bound_s"] - 1e-9 <= r["executed_s"] <= r["priced_s"] + 1e-9
+            assert r["bound_s"] <= r["per_unit_s"] + 1e-9
+    assert (out / "class_plans.png").stat().st_size > 0
 
 
 @pytest.mark.timeout(240)
