@@ -144,12 +144,12 @@ def test_class_plans_benchmark_quick(one_process: Runs) -> None:
     doc, out = quick_doc(one_process, "class_plans.py")
     summary = doc["summary"]
     assert isinstance(summary, dict) and summary["class_pairs"] == 4
-    assert summary["executed_never_longer_than_priced"] is True
+    assert summary["executed_as_priced"] is True
     for r in doc["results"]:
         assert isinstance(r, dict)
-        if "priced_s" in r:  # what runs is never longer than priced, nor than its lower bound allows
-            assert r["bound_s"] - 1e-9 <= r["executed_s"] <= r["priced_s"] + 1e-9
-            assert r["bound_s"] <= r["per_unit_s"] + 1e-9
+        if "priced_s" in r:  # priced within 5% of the bound, or no longer than the per-unit greedy
+            assert r["bound_s"] <= r["per_unit_s"] + 1e-9 and r["bound_s"] <= r["class_s"] + 1e-9
+            assert r["priced_s"] <= max(1.05 * r["bound_s"], r["per_unit_s"]) + 1e-9
     assert (out / "class_plans.png").stat().st_size > 0
 
 

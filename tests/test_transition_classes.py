@@ -11,12 +11,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import random
 from collections import Counter
 from typing import Any
 
+import numpy as np
 import pytest
 
 from nereus.control.transition_cost import DagEstimator
+from nereus.plan.problem import PlanningProblem, SearchSpace, SeqStats
+from nereus.plan.search import search
+from nereus.spec import Role, load_cluster, load_model, load_workload
 from nereus.spec.workload import STAGE_ORDER
 from nereus.transition import plan_transition
 from nereus.transition.between import ledger_capacity, price_transition, stage_moves
@@ -25,7 +30,7 @@ from nereus.transition.choose import SLACK
 from nereus.transition.class_moves import derive
 from nereus.transition.classplan import plan_classes
 from nereus.transition.dag import TransitionDag
-from nereus.transition.group import Groups, signatures
+from nereus.transition.group import Groups, match, signatures
 from nereus.transition.links import link_model
 from nereus.transition.rcpsp import verify
 from nereus.transition.schedule import lower_bound
@@ -78,6 +83,20 @@ def test_derived_classes_are_the_groups_of_the_per_unit_dag() -> None:
         assert {g: b for g, b in enumerate(d.acquired.tolist()) if b} == {
             g: b for g, b in acquired.items() if b
         }
+        # and class by class, what its members acquire and release on every GPU (the ledger's input)
+        found = match(loc.nodes, loc.edges, sigs)
+        assert found is not None
+        groups, to = found
+        size = len(d.init)
+        for g, members in enumerate(groups.members):
+            c = d.classes[to[g]]
+            for kind, mem in (("acquire", c.acquire), ("release", c.release)):
+                want = np.zeros(size, np.int64)
+                for i in members:
+                    for gpu, b in getattr(loc.nodes[i], kind):
+                        want[gpu] += b
+                got = mem.vector(size) if mem is not None else np.zeros(size, np.int64)
+                assert (got == want).all(), (case["name"], c.stage, c.primitive, kind)
     assert derived[False] >= 20  # the benchmark's drifts at every size and most seeded ones
     assert derived[True] >= 20  # re-laid out straight from one replica (``local._direct``)
 
@@ -137,14 +156,20 @@ def test_where_the_class_plan_does_not_apply_the_exact_planner_runs() -> None:
     problem, current, target = _pair(small)
     priced = price_transition(problem, current, target)
     assert priced.classes is None and priced.transition == plan_transition(problem, current, target)
-    # memory for every acquisition at once: one byte short and the class plan steps aside
+    # memory for every acquisition at once, then one byte short: the class ledger orders some
+    # acquisitions after releases, within the capacity; and none where nothing can free enough
     problem, current, target = _pair(BIG[0])
     links = link_model(problem.cluster, problem.efficiencies)
     rank = {ms.name: STAGE_ORDER.index(ms.stage) for ms in target.workflow.model_stages}
     plan = plan_classes(problem, current, target, links, ledger_capacity(problem), rank)
-    assert plan is not None
-    assert plan_classes(problem, current, target, links, plan.peak_max - 1, rank) is None
-    assert plan_classes(problem, current, target, links, plan.peak_max, rank) is not None
+    assert plan is not None and plan.ledger is None
+    roomy = plan_classes(problem, current, target, links, plan.peak_max, rank)
+    assert roomy is not None and roomy.ledger is None and roomy.schedule == plan.schedule
+    tight = plan_classes(problem, current, target, links, plan.peak_max - 1, rank)
+    assert tight is not None and tight.ledger is not None and tight.ledger.edges
+    assert tight.peak_max <= plan.peak_max - 1 and tight.makespan >= plan.makespan
+    least = int(plan.derived.init.max())  # the state before the transition alone
+    assert plan_classes(problem, current, target, links, least - 1, rank) is None
 
 
 def test_skipped_model_stages_are_left_out_of_the_class_plan() -> None:
@@ -215,22 +240,69 @@ def test_a_class_plan_re_lays_out_straight_from_one_replica_where_that_is_shorte
     assert plan_classes(problem, current, target, links, priced.peak_max, rank) is not None
 
 
-def test_a_class_plan_far_above_its_bound_runs_the_per_unit_greedy_where_shorter() -> None:
-    """Members of one class start together in the class plan; where that leaves its schedule more
-    than ``SLACK`` above the lower bound, the transition that runs is planned per unit when that
-    is shorter. Admission priced the class plan: what runs is never longer."""
+def test_a_class_plan_far_above_its_bound_is_priced_per_unit_where_that_is_shorter() -> None:
+    """Members of one class start together; where that leaves the class schedule more than
+    ``SLACK`` above its lower bound, the per-unit greedy prices the transition too and the shorter
+    is what admission prices and what runs. Within ``SLACK`` of the bound, no schedule of the
+    per-unit DAG is more than ``SLACK`` shorter, and the class plan stands."""
     case = _drift_case("llama-3.1-8b", "mi250x-slingshot", 256, (0.25, 1024), (1.0, 1024))
     assert case is not None
     problem, current, target = _pair(case)
+    links = link_model(problem.cluster, problem.efficiencies)
+    rank = {ms.name: STAGE_ORDER.index(ms.stage) for ms in target.workflow.model_stages}
+    plan = plan_classes(problem, current, target, links, ledger_capacity(problem), rank)
+    assert plan is not None and plan.makespan > (1 + SLACK) * plan.lower_bound()
     priced = price_transition(problem, current, target)
-    assert priced.classes is not None
-    assert priced.l_tran_s > (1 + SLACK) * priced.classes.lower_bound()
-    tr = priced.transition
-    assert tr.path == "per-unit (shorter than the class plan)"
-    assert tr.l_tran_s < priced.l_tran_s
-    assert tr.dag == plan_transition(problem, current, target).dag
-    for case in BIG:  # near their bounds: the class plan runs as priced
+    exact = plan_transition(problem, current, target)
+    assert priced.classes is None and priced.path == "per-unit"
+    assert priced.l_tran_s == exact.l_tran_s < plan.makespan
+    assert priced.transition.dag == exact.dag
+    for case in BIG:
         problem, current, target = _pair(case)
         priced = price_transition(problem, current, target)
-        if priced.classes is not None and priced.l_tran_s <= (1 + SLACK) * priced.classes.lower_bound():
-            assert priced.transition.path == "class"
+        assert priced.classes is not None
+        assert priced.l_tran_s <= (1 + SLACK) * priced.classes.lower_bound()
+
+
+def test_memory_too_tight_for_every_acquisition_at_once_orders_classes_by_a_ledger() -> None:
+    """1,024 GCDs, responses 2,048 → 4,096: both trainers re-laid out, and holding every
+    acquisition at once would need 71 GB on a 64-GB GCD. The class ledger
+    (``class_ledger.py``) makes some classes wait for others' releases; the plan it prices is the
+    per-unit greedy's makespan, its expansion adds per-GPU resource edges and keeps the ledger's
+    peak on every schedule: the priced one and random ones that respect the edges."""
+    model, workload = load_model("llama-3.1-8b"), load_workload("ppo")
+
+    def problem_at(pool: int, response: int) -> PlanningProblem:
+        return PlanningProblem(
+            workload, {r: model for r in Role}, load_cluster("mi250x-slingshot"), tuple(range(pool)),
+            SeqStats.fixed(256, response), space=SearchSpace.engines(workload),
+        )  # fmt: skip
+
+    current = search(problem_at(1024, 2048)).plan
+    problem = dataclasses.replace(problem_at(1024, 4096), anchor=current)
+    target = search(problem).plan
+    cap = ledger_capacity(problem)
+    priced = price_transition(problem, current, target)
+    plan = priced.classes
+    assert plan is not None and plan.ledger is not None and plan.ledger.edges
+    assert int((plan.derived.init + plan.derived.acquired).max()) > cap >= priced.peak_max
+    exact = plan_transition(problem, current, target)
+    assert priced.l_tran_s <= (1 + GAP) * exact.l_tran_s
+    tr = priced.transition
+    assert tr.path == "class" and tr.l_tran_s == pytest.approx(priced.l_tran_s, rel=1e-12)
+    assert tr.dag.resource_edges > 0 and tr.peak_max == priced.peak_max <= cap
+    init = initial_bytes(tr.moves)
+    starts = [round(s / TICK_S) for s in tr.schedule.start]
+    durations = [round(f / TICK_S) - s for f, s in zip(tr.schedule.finish, starts, strict=True)]
+    assert not verify(tr.dag, init, durations, starts, edges=None)
+    preds: list[list[int]] = [[] for _ in tr.dag.nodes]
+    for e in tr.dag.edges:
+        preds[e.dst].append(e.src)
+    rng = random.Random(3)
+    for _ in range(20):  # any durations, any delays: memory holds wherever the edges are kept
+        d = [rng.randint(0, 100) for _ in tr.dag.nodes]
+        start = [0] * len(d)
+        for i in tr.dag.order:
+            start[i] = max((start[p] + d[p] for p in preds[i]), default=0) + rng.randint(0, 50)
+        broken = verify(tr.dag, init, d, start, edges=None)
+        assert not [b for b in broken if not b.startswith("port")], broken[:3]

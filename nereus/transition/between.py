@@ -304,7 +304,9 @@ def price_transition(
     skip: frozenset[str] = frozenset(),
 ) -> Priced:
     """What admission needs to decide: the class plan where it applies (no per-unit node is made
-    until ``Priced.transition`` is read), else the exact per-unit plan (raises NoSourceError)."""
+    until ``Priced.transition`` is read), else the exact per-unit plan (raises NoSourceError).
+    A class plan more than ``SLACK`` above its lower bound is priced per unit too and the shorter
+    kept, so what is priced is within ``SLACK`` of the bound or no longer than the per-unit plan."""
     priced = _classes(problem, current, target, lost, skip)
     return priced if priced is not None else Priced(plan_transition(problem, current, target, lost, skip))
 
@@ -319,6 +321,12 @@ def _classes(
     plan = plan_classes(problem, current, target, links, ledger_capacity(problem), rank, skip)
     if plan is None:
         return None
+    if plan.makespan > (1.0 + SLACK) * plan.lower_bound():
+        # members of a class start together: where that leaves the plan this far above its bound,
+        # the per-unit greedy may find shorter (within SLACK of the bound, nothing can be much)
+        exact = plan_transition(problem, current, target, lost, skip)
+        if exact.feasible and exact.l_tran_s < plan.makespan - 1e-12:
+            return Priced(exact)
     return Priced(None, plan, lambda: _expand(problem, current, target, skip, plan))
 
 
@@ -326,23 +334,25 @@ def _expand(
     problem: PlanningProblem, current: Plan, target: Plan, skip: frozenset[str], plan: ClassPlan
 ) -> Transition:
     """The per-unit DAG with the class schedule laid onto it; the exact per-unit plan (and why)
-    where its groups are not the classes, or where the class schedule stays more than ``SLACK``
-    above its lower bound and the per-unit greedy (members of one class need not start together)
-    finds a shorter one. Admission priced the class plan: what runs is never longer."""
+    where its groups are not the classes."""
+    from nereus.transition.class_ledger import expand_ledgered
     from nereus.transition.group import expand_onto
 
     rank = {ms.name: STAGE_ORDER.index(ms.stage) for ms in target.workflow.model_stages}
     links = link_model(problem.cluster, problem.efficiencies)
     moves = tuple(m for m in stage_moves(problem, current, target) if m.name not in skip)
     loc = _Locals(moves, links, ledger_capacity(problem), direct=plan.direct)
-    out = expand_onto(loc.nodes, loc.edges, loc.units, loc.init, loc.cap, plan.signatures(), plan.schedule)
-    if out is None:
-        dag, schedule = plan_dag(moves, rank, links, ledger_capacity(problem))
-        return Transition(dag, schedule, moves, "per-unit (the groups are not the classes)")
-    expanded = Transition(out[0], out[1], moves, "class")
-    if plan.makespan <= (1.0 + SLACK) * plan.lower_bound():
-        return expanded
+    if plan.ledger is None:
+        out = expand_onto(
+            loc.nodes, loc.edges, loc.units, loc.init, loc.cap, plan.signatures(), plan.schedule
+        )
+    else:
+        led = plan.ledger
+        out = expand_ledgered(
+            loc.nodes, loc.edges, loc.units, loc.cap, plan.signatures(), plan.schedule, led.edges, led.order,
+            led.peak,
+        )  # fmt: skip
+    if out is not None:
+        return Transition(out[0], out[1], moves, "class")
     dag, schedule = plan_dag(moves, rank, links, ledger_capacity(problem))
-    if schedule is not None and schedule.makespan < expanded.l_tran_s - 1e-12:
-        return Transition(dag, schedule, moves, "per-unit (shorter than the class plan)")
-    return expanded
+    return Transition(dag, schedule, moves, "per-unit (the groups are not the classes)")

@@ -40,7 +40,8 @@ def direct(b: Builder, stage: str, geo: Geometry, cl: Layout, cur: Ints, tl: Lay
     pos = np.where(mine, at % sc, -1)  # per target rank, the source rank on its GPU (−1 none)
     uses = np.bincount(src, minlength=len(cur))
     idle_rows = cur[uses == 0]
-    waits = b.idle(stage, idle_rows, tgt)
+    held = table(geo, cl)[1]
+    waits = b.idle(stage, idle_rows, tgt, held)
     gpn = b.gpn
     lo = np.minimum(cur[src].min(1), tgt.min(1)) // gpn
     hi = np.maximum(cur[src].max(1), tgt.max(1)) // gpn
@@ -67,12 +68,13 @@ def direct(b: Builder, stage: str, geo: Geometry, cl: Layout, cur: Ints, tl: Lay
             est = b.links.node_seconds(Primitive.MERGE, tuple(flows), sc, local)
             out = remember(memo, est, moved, st)
         keys.append((*out, frozenset([row[st + 1]] if row[st + 1] >= 0 else [])))
-    b.acq[tgt] += table(geo, tl)[1]  # every target rank acquires its own shard
-    ext = b.classes(stage, Primitive.MERGE, keys, of, src, [2 * cur[src], 2 * tgt + 1])
+    acquire = table(geo, tl)[1]
+    b.acq[tgt] += acquire  # every target rank acquires its own shard
+    ext = b.classes(stage, Primitive.MERGE, keys, of, src, [2 * cur[src], 2 * tgt + 1], (tgt, acquire))
     fed = np.flatnonzero(uses)
     first = np.full(len(cur), -1, np.int64)
     first[fed] = np.arange(len(fed))
-    b.destroys(stage, *b.preds_of(ext, len(fed), first[src]))
+    b.destroys(stage, *b.preds_of(ext, len(fed), first[src]), cur[fed], held)
 
 
 def _receives(

@@ -30,6 +30,7 @@ from nereus.transition.classes import (
     remember,
     rows_of,
     stage_geometry,
+    table,
     unique_rows,
 )
 from nereus.transition.dag import Flow, Primitive
@@ -224,13 +225,14 @@ class _Moves(Builder):
         fed = min(len(dst), len(cur))  # sources 0 … fed−1 feed copies
         gone = np.flatnonzero(~kept)
         idle_rows = cur[gone[gone >= fed]]
-        waits = self.idle(stage, idle_rows, dst)
+        held = table(geo, lay)[1]
+        waits = self.idle(stage, idle_rows, dst, held)
         ext, src = self.extends(stage, geo, lay, dst, cur, waits[:, None])
         used = gone[gone < fed]
         if len(used):
             at = np.full(len(cur), -1, np.int64)
             at[used] = np.arange(len(used))
-            self.destroys(stage, *self.preds_of(ext, len(used), at[src]))
+            self.destroys(stage, *self.preds_of(ext, len(used), at[src]), cur[used], held)
 
     def _slots(self, cur: Ints, cl: Layout, sub: Layout, slots: Ints) -> tuple[Ints, Ints]:
         """Which slots (rows of GPUs in T_sub rank order) are kept: each GPU in the matching group
@@ -262,11 +264,13 @@ class _Moves(Builder):
         n_free = len(free)
         fed = min(len(dst), len(pool))
         idle_rows = cur[free[fed:]] if fed < n_free else np.zeros((0, cur.shape[1]), np.int64)
-        waits = self.idle(stage, idle_rows, dst)
+        held = table(geo, cl)[1]
+        waits = self.idle(stage, idle_rows, dst, held)
         ext, src = self.extends(stage, geo, sub, dst, pool, waits[:, None])
         if fed > 0 and n_free:
             used = min(fed, n_free)
-            self.destroys(stage, *self.preds_of(ext, used, np.where(src < used, src, -1)))
+            of, sets = self.preds_of(ext, used, np.where(src < used, src, -1))
+            self.destroys(stage, of, sets, cur[free[:used]], held)
         # each target replica merges its slots, after the Extends into them and the copies of its kept ones
         reads = np.full(len(pool), -1, np.int64)  # pool index → the target whose kept slot it is
         reads[n_free:] = kept_si // m
@@ -275,7 +279,8 @@ class _Moves(Builder):
         rows = geo.merge_rows(sub, tl)
         gpn = self.gpn
         intra = tgt.min(1) // gpn == tgt.max(1) // gpn
-        self.acq[tgt] += np.asarray(rows.acquire, np.int64)
+        acquire = np.asarray(rows.acquire, np.int64)
+        self.acq[tgt] += acquire
         moved = sum(rows.recv)
         pats, of = unique_rows(np.stack([intra.astype(np.int64), dep_of], 1))
         keys = []
@@ -289,7 +294,8 @@ class _Moves(Builder):
                 out = remember(memo, est, moved, tl.size)
             keys.append((*out, dep_sets[dep]))
         ports = [2 * tgt, 2 * tgt + 1] if moved else []
-        self.classes(stage, _M, keys, of, None, ports)
+        release = (tgt, np.asarray(rows.release, np.int64))
+        self.classes(stage, _M, keys, of, None, ports, (tgt, acquire), release)
 
     def split_reshape(self, stage: str, geo: Geometry, cl: Layout, cur: Ints, sub: Layout, tgt: Ints) -> None:
         kt, kp = cl.tp // sub.tp, cl.pp // sub.pp
@@ -362,13 +368,22 @@ class _Moves(Builder):
         self.acq[U[kmask]] += (kmask * take_of)[kmask]  # each kept rank's take (slots are disjoint)
         recv_ports = np.where(kmask, 2 * U + 1, -1)
         split_cls = np.full(len(cur), -1, np.int64)
+        held = table(geo, cl)[1]
         if len(splits):
-            split_cls[splits] = self.classes(stage, _S, keys, of, None, [2 * cur[splits], recv_ports])
+            # a kept rank ends with its sub-shard (its take less what the sub-shard adds), the
+            # others free their old shard
+            old = held[flat]
+            grows = table(geo, sub)[1][np.arange(len(flat)) // k] - old
+            acquire = (U, kmask * take_of)
+            release = (U, np.where(kmask, take_of - grows, old))
+            ports = [2 * cur[splits], recv_ports]
+            split_cls[splits] = self.classes(stage, _S, keys, of, None, ports, acquire, release)
         idle_units = np.flatnonzero(~split | ~live)
-        waits = self.idle(stage, cur[idle_units], dst)
+        waits = self.idle(stage, cur[idle_units], dst, held)
         made = split_cls[pool_owner]
         src_made = made[np.arange(len(dst)) % len(pool)] if len(dst) else np.zeros(0, np.int64)
         ext, src = self.extends(stage, geo, sub, dst, pool, np.stack([src_made, waits], 1))
         used = min(fed, n_free)
         if used:
-            self.destroys(stage, *self.preds_of(ext, used, np.where(src < used, src, -1), made[:used]))
+            of, sets = self.preds_of(ext, used, np.where(src < used, src, -1), made[:used])
+            self.destroys(stage, of, sets, free[:used], table(geo, sub)[1])

@@ -45,6 +45,25 @@ _E, _D, _M, _S = Primitive.EXTEND, Primitive.DESTROY, Primitive.MERGE, Primitive
 
 
 @dataclass(frozen=True, slots=True)
+class Mem:
+    """Bytes a class's members acquire (or release) per GPU, kept as the builder made them and
+    reduced only where the ledger asks (``vector``): ``gpus`` one row per member of the move
+    (its GPUs), ``bytes`` per column (one row for all) or per cell, ``mine`` the class's rows."""
+
+    gpus: Ints
+    bytes: Ints
+    mine: Ints | slice
+
+    def vector(self, size: int) -> Ints:
+        """The class's bytes on every GPU id below ``size``."""
+        g = self.gpus[self.mine]
+        b = np.broadcast_to(self.bytes, self.gpus.shape)[self.mine]
+        out = np.zeros(size, np.int64)
+        np.add.at(out, g.ravel(), b.ravel())
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class Cls:
     """One class: ``count`` nodes alike, ``rounds`` port-disjoint waves of them, ``ports`` (GPU
     ports as ints, 2·GPU send, 2·GPU + 1 receive) every member occupies, ``preds`` earlier classes."""
@@ -58,6 +77,8 @@ class Cls:
     rounds: int
     preds: frozenset[int]
     ports: Ints
+    acquire: Mem | None = None  # what its members acquire (None: nothing)
+    release: Mem | None = None  # what its members release (None: nothing)
 
     def __post_init__(self) -> None:
         if self.count <= 0 or self.rounds <= 0 or self.est_s < 0:
@@ -197,11 +218,13 @@ class Builder:
     # ------------------------------------------------------------ classes
     def classes(
         self, stage: str, prim: Primitive, keys: list[tuple[float, int, int, frozenset[int]]], of: Ints,
-        src: Ints | None, ports: list[Ints],
+        src: Ints | None, ports: list[Ints], acquire: tuple[Ints, Ints] | None = None,
+        release: tuple[Ints, Ints] | None = None,
     ) -> Ints:  # fmt: skip
         """Group members by (seconds, bytes, acquisitions, preds): ``keys`` per distinct pattern,
         ``of`` each member's pattern; ``src`` each member's Extend source (rounds: copies of one
-        source serialise on its ports). Returns each member's class id."""
+        source serialise on its ports); ``acquire``/``release``: (GPUs per member, bytes) as
+        ``Mem`` keeps them. Returns each member's class id."""
         index: dict[tuple[float, int, int, frozenset[int]], int] = {}
         cls_of_pattern = np.asarray([index.setdefault(k, len(index)) for k in keys], np.int64)
         member = cls_of_pattern[of] if len(of) else of
@@ -219,7 +242,9 @@ class Builder:
             held = np.concatenate([p[mine].ravel() for p in ports]) if ports else np.zeros(0, np.int64)
             if ports and held.min(initial=0) < 0:
                 held = held[held >= 0]
-            self.out.append(Cls(stage, prim, k[0], k[1], k[2], count, rounds, k[3], held))
+            acq = Mem(acquire[0], acquire[1], mine) if acquire is not None else None
+            rel = Mem(release[0], release[1], mine) if release is not None else None
+            self.out.append(Cls(stage, prim, k[0], k[1], k[2], count, rounds, k[3], held, acq, rel))
         return member + base
 
     def preds_of(
@@ -277,18 +302,22 @@ class Builder:
                     memo, self.links.node_seconds(_E, flows, distinct=True), sum(f.bytes for f in flows), s
                 )
             keys.append((*out, frozenset(x for x in row[s:] if x >= 0)))
-        return self.classes(stage, _E, keys, of, src, [2 * sg, 2 * dst + 1]), src
+        return self.classes(stage, _E, keys, of, src, [2 * sg, 2 * dst + 1], (dst, held)), src
 
-    def destroys(self, stage: str, of: Ints, sets: list[frozenset[int]]) -> Ints:
-        """Destroys whose preds are ``sets[of[i]]``."""
-        return self.classes(stage, _D, [(0.0, 0, 0, p) for p in sets], of, None, [])
+    def destroys(self, stage: str, of: Ints, sets: list[frozenset[int]], rows: Ints, held: Ints) -> Ints:
+        """Destroys whose preds are ``sets[of[i]]``, member i freeing replica ``rows[i]``
+        (``held``: the bytes per rank of its layout)."""
+        keys = [(0.0, 0, 0, p) for p in sets]
+        return self.classes(stage, _D, keys, of, None, [], release=(rows, held))
 
-    def idle(self, stage: str, idle_rows: Ints, dst: Ints) -> Ints:
-        """Destroy the current replicas ``idle_rows`` (no copy reads them) before every Extend onto
-        their GPUs; per Extend row of ``dst``, the idle-Destroy class it waits for (−1 none)."""
+    def idle(self, stage: str, idle_rows: Ints, dst: Ints, held: Ints) -> Ints:
+        """Destroy the current replicas ``idle_rows`` (no copy reads them, ``held`` bytes per rank)
+        before every Extend onto their GPUs; per Extend row of ``dst``, the idle-Destroy class it
+        waits for (−1 none)."""
         if not len(idle_rows):
             return np.full(len(dst), -1, np.int64)
-        cls = int(self.destroys(stage, np.zeros(len(idle_rows), np.int64), [frozenset()])[0])
+        none = np.zeros(len(idle_rows), np.int64)
+        cls = int(self.destroys(stage, none, [frozenset()], idle_rows, held)[0])
         mark = np.zeros(len(self.init), bool)
         mark[idle_rows.ravel()] = True
         return np.where(mark[dst].any(axis=1), cls, -1)

@@ -25,6 +25,7 @@ import numpy as np
 
 from nereus.plan.layout import Plan
 from nereus.plan.problem import PlanningProblem
+from nereus.transition.class_ledger import Ledgered, class_ledger
 from nereus.transition.class_moves import derive_both
 from nereus.transition.classes import Derived
 from nereus.transition.dag import Node
@@ -37,9 +38,10 @@ from nereus.transition.schedule import Schedule
 class ClassPlan:
     derived: Derived
     nodes: tuple[Node, ...]  # one per class: ``rounds × est_s``, port classes as ``sends``
-    edges: tuple[tuple[int, int], ...]
+    edges: tuple[tuple[int, int], ...]  # local, then resource
     schedule: Schedule
-    peak_max: int  # the largest per-GPU state + staging (init + every acquisition)
+    peak_max: int  # the largest per-GPU state + staging (init + every acquisition, or the ledger's)
+    ledger: Ledgered | None = None  # resource edges where memory lacks room for every acquisition
 
     @property
     def direct(self) -> bool:
@@ -59,7 +61,7 @@ class ClassPlan:
         return sum(c.bytes * c.count for c in self.derived.classes)
 
     def peak(self) -> dict[int, int]:
-        held = self.derived.init + self.derived.acquired
+        held = self.ledger.peak if self.ledger is not None else self.derived.init + self.derived.acquired
         gpus = np.flatnonzero(held)
         return dict(zip(gpus.tolist(), held[gpus].tolist(), strict=True))
 
@@ -166,16 +168,12 @@ def plan_classes(
             other = _scheduled(straight, target, stage_rank, skip)
             if other.makespan < plan.makespan - 1e-12:
                 return other
-    return plan if fits else None
+    return plan if fits else _ledgered(d, target, capacity, stage_rank, skip)
 
 
-def _scheduled(d: Derived, target: Plan, stage_rank: Mapping[str, int], skip: frozenset[str]) -> ClassPlan:
-    """The class DAG of ``d`` list-scheduled (valid where its ``peak_max`` fits: no acquisition
-    then waits for a release)."""
-    from nereus.transition.build import _CLASS, _RELEASE_FIRST
-
-    held = d.init + d.acquired
-    held_by = _port_classes(d, len(held))
+def _class_dag(d: Derived) -> tuple[tuple[Node, ...], tuple[tuple[int, int], ...]]:
+    """One node per class (``rounds × est_s``, its port classes as ``sends``) and the local edges."""
+    held_by = _port_classes(d, len(d.init))
     nodes = tuple(
         Node(
             id=i, primitive=c.primitive, model_stage=c.stage, gpus=(), bytes=c.bytes * c.count,
@@ -183,7 +181,42 @@ def _scheduled(d: Derived, target: Plan, stage_rank: Mapping[str, int], skip: fr
         )
         for i, c in enumerate(d.classes)
     )  # fmt: skip
-    edges = tuple((p, i) for i, c in enumerate(d.classes) for p in sorted(c.preds))
+    return nodes, tuple((p, i) for i, c in enumerate(d.classes) for p in sorted(c.preds))
+
+
+def _scheduled(d: Derived, target: Plan, stage_rank: Mapping[str, int], skip: frozenset[str]) -> ClassPlan:
+    """The class DAG of ``d`` list-scheduled (valid where its ``peak_max`` fits: no acquisition
+    then waits for a release)."""
+    from nereus.transition.build import _CLASS, _RELEASE_FIRST
+
+    nodes, edges = _class_dag(d)
     order_of = {ms.name: i for i, ms in enumerate(target.workflow.model_stages) if ms.name not in skip}
     sched = schedule_groups(nodes, edges, {}, stage_rank, order_of, (_CLASS, _RELEASE_FIRST))
-    return ClassPlan(d, nodes, edges, sched, int(held.max(initial=0)))
+    return ClassPlan(d, nodes, edges, sched, int((d.init + d.acquired).max(initial=0)))
+
+
+def _ledgered(
+    d: Derived, target: Plan, capacity: int, stage_rank: Mapping[str, int], skip: frozenset[str]
+) -> ClassPlan | None:
+    """Where memory lacks room for every acquisition at once: the class ledger's resource edges
+    (``class_ledger.py``) in both commit orders, the shorter schedule kept; None where neither
+    finds room."""
+    from nereus.transition.build import _CLASS, _RELEASE_FIRST
+
+    nodes, local = _class_dag(d)
+    order_of = {ms.name: i for i, ms in enumerate(target.workflow.model_stages) if ms.name not in skip}
+    seconds = [n.est_s for n in nodes]
+    best: ClassPlan | None = None
+    for priority in (_CLASS, _RELEASE_FIRST):
+        key = [
+            (priority[c.primitive], stage_rank.get(c.stage, 0), order_of.get(c.stage, 0), i)
+            for i, c in enumerate(d.classes)
+        ]
+        led = class_ledger(d, capacity, key, seconds)
+        if led is None:
+            continue
+        edges = local + tuple(e for e in led.edges if e not in set(local))
+        sched = schedule_groups(nodes, edges, {}, stage_rank, order_of, (_CLASS, _RELEASE_FIRST))
+        if best is None or sched.makespan < best.makespan - 1e-12:
+            best = ClassPlan(d, nodes, edges, sched, int(led.peak.max(initial=0)), led)
+    return best

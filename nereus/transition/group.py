@@ -209,7 +209,7 @@ def plan_grouped(
         return None
     gnodes = groups.grouped_nodes(nodes)
     gsched = schedule_groups(gnodes, groups.edges, cap, stage_rank, order_of, classes)
-    return _expand(nodes, edges, units, groups, gsched, peak, cap)
+    return expand_schedule(nodes, edges, units, groups, gsched, peak, cap)
 
 
 def schedule_groups(
@@ -300,11 +300,11 @@ def expand_onto(
     back = {c: g for g, c in enumerate(to)}
     path = tuple(back[c] for c in sched.critical_path)
     gsched = Schedule(start, finish, sched.makespan, path, sched.priority)
-    dag, out = _expand(nodes, edges, units, groups, gsched, peak, cap)
+    dag, out = expand_schedule(nodes, edges, units, groups, gsched, peak, cap)
     return dag, Schedule(out.start, out.finish, out.makespan, out.critical_path, f"class {sched.priority}")
 
 
-def _expand(
+def expand_schedule(
     nodes: list[Node],
     edges: list[Edge],
     units: dict[str, Emu],
@@ -312,14 +312,19 @@ def _expand(
     gsched: Schedule,
     peak: dict[int, int],
     cap: Mapping[int, int],
+    rank: Sequence[int] | None = None,
 ) -> tuple[TransitionDag, Schedule]:
+    """Member k of a group starts at the group's start plus its round × ``est_s``; the order is
+    by group start, then the group's ``rank`` (default its id: a topological order of the local
+    edges), then the round."""
     n = len(nodes)
     of, rnd = groups.of, groups.round
     gstart = gsched.start
     start = [gstart[of[i]] + rnd[i] * nodes[i].est_s for i in range(n)]
     gfinish = gsched.finish  # a member's end never passes its group's (float sums may)
     finish = [min(s + nd.est_s, gfinish[of[i]]) for i, (s, nd) in enumerate(zip(start, nodes, strict=True))]
-    order = tuple(sorted(range(n), key=lambda i: (gstart[of[i]], of[i], rnd[i], i)))
+    place = rank if rank is not None else range(len(groups.members))
+    order = tuple(sorted(range(n), key=lambda i: (gstart[of[i]], place[of[i]], rnd[i], i)))
     # the grouped critical path, each group by its member that finishes last
     path = tuple(max(groups.members[g], key=lambda i: (finish[i], -i)) for g in gsched.critical_path)
     makespan = max(finish, default=0.0)
