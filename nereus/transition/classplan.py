@@ -2,7 +2,8 @@
 
 ``plan_classes`` derives the classes (``classes.py``), checks the no-wait ledger on them (every
 GPU has room for its state plus every acquisition of the transition, one numpy pass: then the
-per-unit builder would add no resource edge either) and list-schedules the class DAG as
+per-unit builder would add no resource edge either; where it fails, ``class_ledger.py`` orders
+classes after releases) and list-schedules the class DAG as
 ``group.py`` schedules groups: a class runs ``rounds × est_s`` and holds the port classes it
 shares with other classes. Where a model-stage changes its layout it does so twice, for
 Split → Extend → Merge and for the re-layouts straight from one replica (``local._direct``: a
@@ -149,9 +150,11 @@ def plan_classes(
 ) -> ClassPlan | None:
     """The class plan, or None where it does not apply: a move outside ``classes.py``'s rules,
     fewer than ``GROUP_MIN_NODES`` per-unit nodes or too little to group, or memory too tight
-    for every acquisition at once (resource edges needed). Where a model-stage changes its
-    layout, the re-layouts straight from one replica (``derive(direct=True)``) are planned too
-    and kept where their schedule is shorter (``ClassPlan.direct``)."""
+    even for the class ledger. Where every GPU has room for every acquisition at once, no class
+    waits for another's release; else the class ledger (``class_ledger.py``) adds resource edges
+    (``ClassPlan.ledger``). Where a model-stage changes its layout, the re-layouts straight from
+    one replica (``derive(direct=True)``) are planned too and kept where their schedule is
+    shorter (``ClassPlan.direct``; with room for every acquisition)."""
     if _most_nodes(current, target, skip) < GROUP_MIN_NODES:
         return None  # too few units to group, whatever the rules say: not worth deriving
     d, straight = derive_both(problem, current, target, links, skip)
