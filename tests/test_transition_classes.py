@@ -27,8 +27,8 @@ from nereus.transition import plan_transition
 from nereus.transition.between import ledger_capacity, price_transition, stage_moves
 from nereus.transition.build import _Locals, initial_bytes
 from nereus.transition.choose import SLACK
-from nereus.transition.class_moves import derive
-from nereus.transition.classplan import plan_classes
+from nereus.transition.class_moves import derive, derive_both
+from nereus.transition.classplan import class_bound, plan_classes
 from nereus.transition.dag import TransitionDag
 from nereus.transition.group import Groups, match, signatures
 from nereus.transition.links import link_model
@@ -306,3 +306,27 @@ def test_memory_too_tight_for_every_acquisition_at_once_orders_classes_by_a_ledg
             start[i] = max((start[p] + d[p] for p in preds[i]), default=0) + rng.randint(0, 50)
         broken = verify(tr.dag, init, d, start, edges=None)
         assert not [b for b in broken if not b.startswith("port")], broken[:3]
+
+
+def test_where_split_extend_merge_lacks_room_the_straight_re_layout_that_fits_is_weighed() -> None:
+    """1,024 GCDs, Qwen3-14B, the pool shrinking from 768 to 512: Split → Extend → Merge would need
+    83 GB per GPU at once (its ledgered schedule takes twice as long), the straight re-layouts fit
+    without waiting. The class plan compares the two as they would run, keeps the straight one,
+    and prices the per-unit greedy's makespan. ``floor``, the least bound of the two variants,
+    is no longer than either per-unit plan."""
+    case = _drift_case("qwen3-14b", "mi250x-slingshot", 1024, (0.75, 2048), (0.5, 2048))
+    assert case is not None
+    problem, current, target = _pair(case)
+    links = link_model(problem.cluster, problem.efficiencies)
+    cap = ledger_capacity(problem)
+    d, straight = derive_both(problem, current, target, links, frozenset())
+    assert d is not None and straight is not None
+    assert int((d.init + d.acquired).max()) > cap >= int((straight.init + straight.acquired).max())
+    priced = price_transition(problem, current, target)
+    assert priced.classes is not None and priced.classes.direct and priced.classes.ledger is None
+    exact = plan_transition(problem, current, target)
+    assert priced.l_tran_s <= (1 + GAP) * exact.l_tran_s
+    split_extend_merge = plan_transition(problem, current, target, direct=False)
+    floor = priced.classes.floor
+    assert floor == min(class_bound(d), class_bound(straight))
+    assert floor <= min(exact.l_tran_s, split_extend_merge.l_tran_s) + 1e-9

@@ -321,9 +321,10 @@ def _classes(
     plan = plan_classes(problem, current, target, links, ledger_capacity(problem), rank, skip)
     if plan is None:
         return None
-    if plan.makespan > (1.0 + SLACK) * plan.lower_bound():
-        # members of a class start together: where that leaves the plan this far above its bound,
-        # the per-unit greedy may find shorter (within SLACK of the bound, nothing can be much)
+    if plan.makespan > (1.0 + SLACK) * plan.floor:
+        # members of a class start together: where that leaves the plan this far above the bound
+        # of either variant's per-unit DAG, the per-unit greedy may find shorter (within SLACK of
+        # it, no plan can be much)
         exact = plan_transition(problem, current, target, lost, skip)
         if exact.feasible and exact.l_tran_s < plan.makespan - 1e-12:
             return Priced(exact)
@@ -347,11 +348,10 @@ def _expand(
             loc.nodes, loc.edges, loc.units, loc.init, loc.cap, plan.signatures(), plan.schedule
         )
     else:
-        led = plan.ledger
+        sigs = plan.signatures()
         out = expand_ledgered(
-            loc.nodes, loc.edges, loc.units, loc.cap, plan.signatures(), plan.schedule, led.edges, led.order,
-            led.peak,
-        )  # fmt: skip
+            loc.nodes, loc.edges, loc.units, loc.cap, sigs, plan.schedule, plan.derived, plan.ledger
+        )
     if out is not None:
         return Transition(out[0], out[1], moves, "class")
     dag, schedule = plan_dag(moves, rank, links, ledger_capacity(problem))

@@ -120,6 +120,7 @@ def class_ledger(
         _, i = heapq.heappop(heap)
         if committed[i]:
             continue
+        before = len(order)
         lvl = level(i)
         over = np.flatnonzero((acq[i] > 0) & (lvl > capacity))
         while len(over):
@@ -132,6 +133,10 @@ def class_ledger(
         if len(over):
             waits_for[i].clear()
             blocked.append(i)
+            if len(order) > before:  # a Destroy committed on the spot: room for the blocked, maybe
+                for b in blocked:
+                    heapq.heappush(heap, (key[b], b))
+                blocked.clear()
             continue
         commit(i, lvl)
         for b in blocked:
@@ -139,6 +144,21 @@ def class_ledger(
         blocked.clear()
     edges = tuple(sorted({(a, i) for i in range(n) for a in waits_for[i]}))
     return Ledgered(edges, tuple(order), peak)
+
+
+def _same_bytes(nodes: Sequence[Node], members: Sequence[Sequence[int]], d: Derived) -> bool:
+    """Whether each class's members acquire and release on every GPU what its ``Mem`` says."""
+    size = len(d.init)
+    for c, mine in zip(d.classes, members, strict=True):
+        for mem, kind in ((c.acquire, "acquire"), (c.release, "release")):
+            got = np.zeros(size, np.int64)
+            for i in mine:
+                for g, b in getattr(nodes[i], kind):
+                    got[g] += b
+            want = mem.vector(size) if mem is not None else np.zeros(size, np.int64)
+            if not np.array_equal(got, want):
+                return False
+    return True
 
 
 def resource_edges(
@@ -168,20 +188,23 @@ def expand_ledgered(
     cap: Mapping[int, int],
     sigs: Sequence[tuple[object, ...]],
     sched: Schedule,
-    resource: Sequence[tuple[int, int]],
-    order: Sequence[int],
-    peak: Ints,
+    d: Derived,
+    led: Ledgered,
 ) -> tuple[TransitionDag, Schedule] | None:
-    """``group.expand_onto`` for a class plan with resource edges: the per-unit DAG (local edges
-    plus ``resource_edges``) with the class schedule laid onto it and the ledger's ``peak``;
-    members are ordered by their class's start, then its place in ``order`` (a topological order
-    of every class edge). None where the per-unit groups are not the classes."""
+    """``group.expand_onto`` for a class plan with resource edges (``led``): the per-unit DAG
+    (local edges plus ``resource_edges``) with the class schedule laid onto it and the ledger's
+    peak; members are ordered by their class's start, then its place in the ledger's order (a
+    topological order of every class edge). None where the per-unit groups are not the classes
+    of ``d``, bytes per GPU included (the ledger's peak holds only for those)."""
     found = match(nodes, edges, sigs)
     if found is None:
         return None
     groups, to = found
     back = {c: g for g, c in enumerate(to)}
     members = [groups.members[back[c]] for c in range(len(sigs))]
+    if not _same_bytes(nodes, members, d):
+        return None
+    resource, order, peak = led.edges, led.order, led.peak
     extra = resource_edges(nodes, members, resource)
     place = {c: i for i, c in enumerate(order)}
     start = tuple(sched.start[c] for c in to)

@@ -19,6 +19,7 @@ exact per-unit planner runs instead, and ``Transition.path`` says so.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ class ClassPlan:
     edges: tuple[tuple[int, int], ...]  # local, then resource
     schedule: Schedule
     peak_max: int  # the largest per-GPU state + staging (init + every acquisition, or the ledger's)
+    floor: float  # no per-unit plan of the transition is shorter (either variant; 0: unknown)
     ledger: Ledgered | None = None  # resource edges where memory lacks room for every acquisition
 
     @property
@@ -67,7 +69,8 @@ class ClassPlan:
         return dict(zip(gpus.tolist(), held[gpus].tolist(), strict=True))
 
     def lower_bound(self) -> float:
-        """No schedule of the per-unit DAG is shorter (``class_bound``)."""
+        """No schedule of this plan's per-unit DAG is shorter (``class_bound``); ``floor`` is the
+        least of that and the other variant's (Split → Extend → Merge or straight)."""
         return class_bound(self.derived)
 
     def gpu_done(self) -> dict[int, float]:
@@ -160,18 +163,22 @@ def plan_classes(
     d, straight = derive_both(problem, current, target, links, skip)
     if d is None or d.nodes < GROUP_MIN_NODES or len(d.classes) * GROUP_MIN_RATIO > d.nodes:
         return None
-    plan = _scheduled(d, target, stage_rank, skip)
-    fits = plan.peak_max <= capacity
+    bound = class_bound(d)
+    if d.resharded:  # the per-unit planner also plans every reshape straight from one replica
+        bound = min(bound, class_bound(straight)) if straight is not None else 0.0  # (unknown)
+    plan: ClassPlan | None = _scheduled(d, target, stage_rank, skip, bound)
+    if plan is not None and plan.peak_max > capacity:  # some acquisitions wait for releases
+        plan = _ledgered(d, target, capacity, stage_rank, skip, bound)
     if straight is not None and d.resharded and len(straight.classes) * GROUP_MIN_RATIO <= straight.nodes:
         # the re-layouts straight from one replica (a GPU acquires only its target shard), kept
-        # where shorter, as ``choose.plan_dag`` keeps them; and where Split → Extend → Merge would
-        # wait for memory, while they are shorter than its schedule without waiting
+        # where shorter, as ``choose.plan_dag`` keeps them, or where only they find room
         held = straight.init + straight.acquired
-        if int(held.max(initial=0)) <= capacity and class_bound(straight) < plan.makespan - 1e-12:
-            other = _scheduled(straight, target, stage_rank, skip)
-            if other.makespan < plan.makespan - 1e-12:
+        longest = plan.makespan if plan is not None else math.inf
+        if int(held.max(initial=0)) <= capacity and class_bound(straight) < longest - 1e-12:
+            other = _scheduled(straight, target, stage_rank, skip, bound)
+            if other.makespan < longest - 1e-12:
                 return other
-    return plan if fits else _ledgered(d, target, capacity, stage_rank, skip)
+    return plan
 
 
 def _class_dag(d: Derived) -> tuple[tuple[Node, ...], tuple[tuple[int, int], ...]]:
@@ -187,7 +194,9 @@ def _class_dag(d: Derived) -> tuple[tuple[Node, ...], tuple[tuple[int, int], ...
     return nodes, tuple((p, i) for i, c in enumerate(d.classes) for p in sorted(c.preds))
 
 
-def _scheduled(d: Derived, target: Plan, stage_rank: Mapping[str, int], skip: frozenset[str]) -> ClassPlan:
+def _scheduled(
+    d: Derived, target: Plan, stage_rank: Mapping[str, int], skip: frozenset[str], bound: float
+) -> ClassPlan:
     """The class DAG of ``d`` list-scheduled (valid where its ``peak_max`` fits: no acquisition
     then waits for a release)."""
     from nereus.transition.build import _CLASS, _RELEASE_FIRST
@@ -195,11 +204,11 @@ def _scheduled(d: Derived, target: Plan, stage_rank: Mapping[str, int], skip: fr
     nodes, edges = _class_dag(d)
     order_of = {ms.name: i for i, ms in enumerate(target.workflow.model_stages) if ms.name not in skip}
     sched = schedule_groups(nodes, edges, {}, stage_rank, order_of, (_CLASS, _RELEASE_FIRST))
-    return ClassPlan(d, nodes, edges, sched, int((d.init + d.acquired).max(initial=0)))
+    return ClassPlan(d, nodes, edges, sched, int((d.init + d.acquired).max(initial=0)), bound)
 
 
 def _ledgered(
-    d: Derived, target: Plan, capacity: int, stage_rank: Mapping[str, int], skip: frozenset[str]
+    d: Derived, target: Plan, capacity: int, stage_rank: Mapping[str, int], skip: frozenset[str], bound: float
 ) -> ClassPlan | None:
     """Where memory lacks room for every acquisition at once: the class ledger's resource edges
     (``class_ledger.py``) in both commit orders, the shorter schedule kept; None where neither
@@ -221,5 +230,5 @@ def _ledgered(
         edges = local + tuple(e for e in led.edges if e not in set(local))
         sched = schedule_groups(nodes, edges, {}, stage_rank, order_of, (_CLASS, _RELEASE_FIRST))
         if best is None or sched.makespan < best.makespan - 1e-12:
-            best = ClassPlan(d, nodes, edges, sched, int(led.peak.max(initial=0)), led)
+            best = ClassPlan(d, nodes, edges, sched, int(led.peak.max(initial=0)), bound, led)
     return best
