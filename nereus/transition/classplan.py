@@ -216,6 +216,7 @@ def _ledgered(
     from nereus.transition.build import _CLASS, _RELEASE_FIRST
 
     nodes, local = _class_dag(d)
+    known = set(local)
     order_of = {ms.name: i for i, ms in enumerate(target.workflow.model_stages) if ms.name not in skip}
     seconds = [n.est_s for n in nodes]
     best: ClassPlan | None = None
@@ -227,7 +228,7 @@ def _ledgered(
         led = class_ledger(d, capacity, key, seconds)
         if led is None:
             continue
-        edges = local + tuple(e for e in led.edges if e not in set(local))
+        edges = local + tuple(e for e in led.edges if e not in known)
         sched = schedule_groups(nodes, edges, {}, stage_rank, order_of, (_CLASS, _RELEASE_FIRST))
         if best is None or sched.makespan < best.makespan - 1e-12:
             best = ClassPlan(d, nodes, edges, sched, int(led.peak.max(initial=0)), bound, led)
