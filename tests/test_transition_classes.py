@@ -24,7 +24,7 @@ from nereus.plan.search import search
 from nereus.spec import Role, load_cluster, load_model, load_workload
 from nereus.spec.workload import STAGE_ORDER
 from nereus.transition import plan_transition
-from nereus.transition.between import ledger_capacity, price_transition, stage_moves
+from nereus.transition.between import _expand, ledger_capacity, price_transition, stage_moves
 from nereus.transition.build import _Locals, initial_bytes
 from nereus.transition.choose import SLACK
 from nereus.transition.class_moves import derive, derive_both
@@ -295,17 +295,7 @@ def test_memory_too_tight_for_every_acquisition_at_once_orders_classes_by_a_ledg
     starts = [round(s / TICK_S) for s in tr.schedule.start]
     durations = [round(f / TICK_S) - s for f, s in zip(tr.schedule.finish, starts, strict=True)]
     assert not verify(tr.dag, init, durations, starts, edges=None)
-    preds: list[list[int]] = [[] for _ in tr.dag.nodes]
-    for e in tr.dag.edges:
-        preds[e.dst].append(e.src)
-    rng = random.Random(3)
-    for _ in range(20):  # any durations, any delays: memory holds wherever the edges are kept
-        d = [rng.randint(0, 100) for _ in tr.dag.nodes]
-        start = [0] * len(d)
-        for i in tr.dag.order:
-            start[i] = max((start[p] + d[p] for p in preds[i]), default=0) + rng.randint(0, 50)
-        broken = verify(tr.dag, init, d, start, edges=None)
-        assert not [b for b in broken if not b.startswith("port")], broken[:3]
+    _random_schedules_keep_memory(tr, 20, 3)  # any durations and delays that keep the edges
 
 
 def test_where_split_extend_merge_lacks_room_the_straight_re_layout_that_fits_is_weighed() -> None:
@@ -330,3 +320,44 @@ def test_where_split_extend_merge_lacks_room_the_straight_re_layout_that_fits_is
     floor = priced.classes.floor
     assert floor == min(class_bound(d), class_bound(straight))
     assert floor <= min(exact.l_tran_s, split_extend_merge.l_tran_s) + 1e-9
+
+
+def _random_schedules_keep_memory(tr: Any, rounds: int, seed: int) -> None:
+    """Random durations and delays that keep every edge of ``tr``'s DAG never pass a GPU's capacity."""
+    init = initial_bytes(tr.moves)
+    preds: list[list[int]] = [[] for _ in tr.dag.nodes]
+    for e in tr.dag.edges:
+        preds[e.dst].append(e.src)
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        d = [rng.randint(0, 100) for _ in tr.dag.nodes]
+        start = [0] * len(d)
+        for i in tr.dag.order:
+            start[i] = max((start[p] + d[p] for p in preds[i]), default=0) + rng.randint(0, 50)
+        broken = verify(tr.dag, init, d, start, edges=None)
+        assert not [b for b in broken if not b.startswith("port")], broken[:3]
+
+
+def test_a_straight_re_layout_short_of_room_goes_through_the_ledger_too() -> None:
+    """The 1,024-GCD pool doubling with a capacity 1 MiB short of the straight re-layouts' room
+    for every acquisition at once (Split → Extend → Merge needs far more): the straight variant
+    is ledgered too and wins; its expansion keeps the ledger's peak on every schedule."""
+    problem, current, target = _pair(next(c for c in BIG if c["name"] == "mi250x 1024 grow"))
+    links = link_model(problem.cluster, problem.efficiencies)
+    rank = {ms.name: STAGE_ORDER.index(ms.stage) for ms in target.workflow.model_stages}
+    d, straight = derive_both(problem, current, target, links, frozenset())
+    assert d is not None and straight is not None
+    need = int((straight.init + straight.acquired).max())
+    room = need - 2**20 + problem.reserved_bytes
+    tight = dataclasses.replace(problem, headroom=1.0 - room / problem.cluster.gpu_memory_bytes)
+    cap = ledger_capacity(tight)
+    assert cap < need < int((d.init + d.acquired).max())
+    plan = plan_classes(tight, current, target, links, cap, rank)
+    assert plan is not None and plan.direct and plan.ledger is not None and plan.peak_max <= cap
+    assert plan.makespan < plan_transition(tight, current, target, direct=False).l_tran_s
+    tr = _expand(tight, current, target, frozenset(), plan)
+    assert tr.path == "class" and tr.dag.resource_edges > 0 and tr.peak_max <= cap
+    starts = [round(s / TICK_S) for s in tr.schedule.start]
+    durations = [round(f / TICK_S) - s for f, s in zip(tr.schedule.finish, starts, strict=True)]
+    assert not verify(tr.dag, initial_bytes(tr.moves), durations, starts, edges=None)
+    _random_schedules_keep_memory(tr, 10, 5)

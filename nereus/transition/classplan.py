@@ -156,8 +156,8 @@ def plan_classes(
     even for the class ledger. Where every GPU has room for every acquisition at once, no class
     waits for another's release; else the class ledger (``class_ledger.py``) adds resource edges
     (``ClassPlan.ledger``). Where a model-stage changes its layout, the re-layouts straight from
-    one replica (``derive(direct=True)``) are planned too and kept where their schedule is
-    shorter (``ClassPlan.direct``; with room for every acquisition)."""
+    one replica (``derive(direct=True)``) are planned too, through the ledger where they need it,
+    and kept where their schedule is shorter (``ClassPlan.direct``)."""
     if _most_nodes(current, target, skip) < GROUP_MIN_NODES:
         return None  # too few units to group, whatever the rules say: not worth deriving
     d, straight = derive_both(problem, current, target, links, skip)
@@ -172,11 +172,12 @@ def plan_classes(
     if straight is not None and d.resharded and len(straight.classes) * GROUP_MIN_RATIO <= straight.nodes:
         # the re-layouts straight from one replica (a GPU acquires only its target shard), kept
         # where shorter, as ``choose.plan_dag`` keeps them, or where only they find room
-        held = straight.init + straight.acquired
         longest = plan.makespan if plan is not None else math.inf
-        if int(held.max(initial=0)) <= capacity and class_bound(straight) < longest - 1e-12:
-            other = _scheduled(straight, target, stage_rank, skip, bound)
-            if other.makespan < longest - 1e-12:
+        if class_bound(straight) < longest - 1e-12:
+            other: ClassPlan | None = _scheduled(straight, target, stage_rank, skip, bound)
+            if other is not None and other.peak_max > capacity:
+                other = _ledgered(straight, target, capacity, stage_rank, skip, bound)
+            if other is not None and other.makespan < longest - 1e-12:
                 return other
     return plan
 
