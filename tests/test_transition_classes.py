@@ -170,6 +170,10 @@ def test_where_the_class_plan_does_not_apply_the_exact_planner_runs() -> None:
     assert tight.peak_max <= plan.peak_max - 1 and tight.makespan >= plan.makespan
     least = int(plan.derived.init.max())  # the state before the transition alone
     assert plan_classes(problem, current, target, links, least - 1, rank) is None
+    # a fuller GPU that acquires nothing counts too (a ledgered plan never exceeds the capacity)
+    for cap in (least - 1, least, (least + tight.peak_max) // 2):
+        found = plan_classes(problem, current, target, links, cap, rank)
+        assert found is None or found.peak_max <= cap
 
 
 def test_skipped_model_stages_are_left_out_of_the_class_plan() -> None:

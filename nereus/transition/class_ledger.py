@@ -55,6 +55,8 @@ def class_ledger(
     """Commit the classes of ``d`` in ``key`` order; None where some acquisition can never fit.
     ``seconds``: each class's duration (its expected finish picks among releases)."""
     classes, size = d.classes, len(d.init)
+    if int(d.init.max(initial=0)) > capacity:
+        return None  # some GPU's state before the transition does not fit: no order helps
     n = len(classes)
     zero = np.zeros(size, np.int64)
     acq = [c.acquire.vector(size) if c.acquire is not None else zero for c in classes]
