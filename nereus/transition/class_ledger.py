@@ -35,7 +35,7 @@ import numpy as np
 from nereus.state.emu import Emu
 from nereus.transition.classes import Derived, Ints
 from nereus.transition.dag import Edge, EdgeKind, Node, Primitive, TransitionDag
-from nereus.transition.group import expand_schedule, match
+from nereus.transition.group import lay_onto, match
 from nereus.transition.schedule import Schedule
 
 
@@ -206,14 +206,8 @@ def expand_ledgered(
     members = [groups.members[back[c]] for c in range(len(sigs))]
     if not _same_bytes(nodes, members, d):
         return None
-    resource, order, peak = led.edges, led.order, led.peak
-    extra = resource_edges(nodes, members, resource)
-    place = {c: i for i, c in enumerate(order)}
-    start = tuple(sched.start[c] for c in to)
-    finish = tuple(sched.finish[c] for c in to)
-    path = tuple(back[c] for c in sched.critical_path)
-    gsched = Schedule(start, finish, sched.makespan, path, sched.priority)
-    held = {g: int(peak[g]) for g in cap}
+    extra = resource_edges(nodes, members, led.edges)
+    place = {c: i for i, c in enumerate(led.order)}
+    held = {g: int(led.peak[g]) for g in cap}
     rank = [place[c] for c in to]
-    dag, out = expand_schedule(nodes, [*edges, *extra], dict(units), groups, gsched, held, cap, rank)
-    return dag, Schedule(out.start, out.finish, out.makespan, out.critical_path, f"class {sched.priority}")
+    return lay_onto(nodes, [*edges, *extra], dict(units), groups, to, sched, held, cap, rank)

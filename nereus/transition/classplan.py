@@ -164,19 +164,16 @@ def plan_classes(
     if d is None or d.nodes < GROUP_MIN_NODES or len(d.classes) * GROUP_MIN_RATIO > d.nodes:
         return None
     bound = class_bound(d)
+    straight_bound = class_bound(straight) if straight is not None else 0.0
     if d.resharded:  # the per-unit planner also plans every reshape straight from one replica
-        bound = min(bound, class_bound(straight)) if straight is not None else 0.0  # (unknown)
-    plan: ClassPlan | None = _scheduled(d, target, stage_rank, skip, bound)
-    if plan is not None and plan.peak_max > capacity:  # some acquisitions wait for releases
-        plan = _ledgered(d, target, capacity, stage_rank, skip, bound)
+        bound = min(bound, straight_bound) if straight is not None else 0.0  # (0: unknown)
+    plan = _planned(d, target, capacity, stage_rank, skip, bound)
     if straight is not None and d.resharded and len(straight.classes) * GROUP_MIN_RATIO <= straight.nodes:
         # the re-layouts straight from one replica (a GPU acquires only its target shard), kept
         # where shorter, as ``choose.plan_dag`` keeps them, or where only they find room
         longest = plan.makespan if plan is not None else math.inf
-        if class_bound(straight) < longest - 1e-12:
-            other: ClassPlan | None = _scheduled(straight, target, stage_rank, skip, bound)
-            if other is not None and other.peak_max > capacity:
-                other = _ledgered(straight, target, capacity, stage_rank, skip, bound)
+        if straight_bound < longest - 1e-12:
+            other = _planned(straight, target, capacity, stage_rank, skip, bound)
             if other is not None and other.makespan < longest - 1e-12:
                 return other
     return plan
@@ -195,33 +192,26 @@ def _class_dag(d: Derived) -> tuple[tuple[Node, ...], tuple[tuple[int, int], ...
     return nodes, tuple((p, i) for i, c in enumerate(d.classes) for p in sorted(c.preds))
 
 
-def _scheduled(
-    d: Derived, target: Plan, stage_rank: Mapping[str, int], skip: frozenset[str], bound: float
-) -> ClassPlan:
-    """The class DAG of ``d`` list-scheduled (valid where its ``peak_max`` fits: no acquisition
-    then waits for a release)."""
-    from nereus.transition.build import _CLASS, _RELEASE_FIRST
-
-    nodes, edges = _class_dag(d)
-    order_of = {ms.name: i for i, ms in enumerate(target.workflow.model_stages) if ms.name not in skip}
-    sched = schedule_groups(nodes, edges, {}, stage_rank, order_of, (_CLASS, _RELEASE_FIRST))
-    return ClassPlan(d, nodes, edges, sched, int((d.init + d.acquired).max(initial=0)), bound)
-
-
-def _ledgered(
+def _planned(
     d: Derived, target: Plan, capacity: int, stage_rank: Mapping[str, int], skip: frozenset[str], bound: float
 ) -> ClassPlan | None:
-    """Where memory lacks room for every acquisition at once: the class ledger's resource edges
-    (``class_ledger.py``) in both commit orders, the shorter schedule kept; None where neither
-    finds room."""
+    """The class DAG of ``d`` list-scheduled: as it is where every GPU has room for its state plus
+    every acquisition at once (no acquisition waits for a release), else with the class ledger's
+    resource edges (``class_ledger.py``) in both commit orders, the shorter schedule kept; None
+    where neither finds room."""
     from nereus.transition.build import _CLASS, _RELEASE_FIRST
 
     nodes, local = _class_dag(d)
-    known = set(local)
     order_of = {ms.name: i for i, ms in enumerate(target.workflow.model_stages) if ms.name not in skip}
+    priorities = (_CLASS, _RELEASE_FIRST)
+    held = int((d.init + d.acquired).max(initial=0))
+    if held <= capacity:
+        sched = schedule_groups(nodes, local, {}, stage_rank, order_of, priorities)
+        return ClassPlan(d, nodes, local, sched, held, bound)
+    known = set(local)
     seconds = [n.est_s for n in nodes]
     best: ClassPlan | None = None
-    for priority in (_CLASS, _RELEASE_FIRST):
+    for priority in priorities:
         key = [
             (priority[c.primitive], stage_rank.get(c.stage, 0), order_of.get(c.stage, 0), i)
             for i, c in enumerate(d.classes)
@@ -230,7 +220,7 @@ def _ledgered(
         if led is None:
             continue
         edges = local + tuple(e for e in led.edges if e not in known)
-        sched = schedule_groups(nodes, edges, {}, stage_rank, order_of, (_CLASS, _RELEASE_FIRST))
+        sched = schedule_groups(nodes, edges, {}, stage_rank, order_of, priorities)
         if best is None or sched.makespan < best.makespan - 1e-12:
             best = ClassPlan(d, nodes, edges, sched, int(led.peak.max(initial=0)), bound, led)
     return best

@@ -295,12 +295,28 @@ def expand_onto(
     if peak is None or found is None:
         return None
     groups, to = found
+    return lay_onto(nodes, edges, units, groups, to, sched, peak, cap)
+
+
+def lay_onto(
+    nodes: list[Node],
+    edges: list[Edge],
+    units: dict[str, Emu],
+    groups: Groups,
+    to: Sequence[int],
+    sched: Schedule,
+    peak: dict[int, int],
+    cap: Mapping[int, int],
+    rank: Sequence[int] | None = None,
+) -> tuple[TransitionDag, Schedule]:
+    """The class schedule ``sched`` laid onto the per-unit DAG (``to``: each group's class;
+    ``expand_schedule`` with ``rank`` per group)."""
     start = tuple(sched.start[c] for c in to)
     finish = tuple(sched.finish[c] for c in to)
     back = {c: g for g, c in enumerate(to)}
     path = tuple(back[c] for c in sched.critical_path)
     gsched = Schedule(start, finish, sched.makespan, path, sched.priority)
-    dag, out = expand_schedule(nodes, edges, units, groups, gsched, peak, cap)
+    dag, out = expand_schedule(nodes, edges, units, groups, gsched, peak, cap, rank)
     return dag, Schedule(out.start, out.finish, out.makespan, out.critical_path, f"class {sched.priority}")
 
 
