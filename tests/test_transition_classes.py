@@ -27,7 +27,9 @@ from nereus.transition import plan_transition
 from nereus.transition.between import _expand, ledger_capacity, price_transition, stage_moves
 from nereus.transition.build import _Locals, initial_bytes
 from nereus.transition.choose import SLACK
+from nereus.transition.class_ledger import class_ledger
 from nereus.transition.class_moves import derive, derive_both
+from nereus.transition.classes import Derived
 from nereus.transition.classplan import class_bound, plan_classes
 from nereus.transition.dag import TransitionDag
 from nereus.transition.group import Groups, match, signatures
@@ -365,3 +367,23 @@ def test_a_straight_re_layout_short_of_room_goes_through_the_ledger_too() -> Non
     durations = [round(f / TICK_S) - s for f, s in zip(tr.schedule.finish, starts, strict=True)]
     assert not verify(tr.dag, initial_bytes(tr.moves), durations, starts, edges=None)
     _random_schedules_keep_memory(tr, 10, 5)
+
+
+def test_the_class_ledger_refuses_a_gpu_over_capacity_before_the_transition() -> None:
+    """A GPU whose state before the transition is over the capacity refuses the plan, even where
+    no class acquires on it (the ledger checks acquiring GPUs only); one byte less and it plans."""
+    problem, current, target = _pair(BIG[0])
+    links = link_model(problem.cluster, problem.efficiencies)
+    d = derive(problem, current, target, links, frozenset())
+    assert d is not None
+    cap = int((d.init + d.acquired).max()) - 1  # too tight for every acquisition at once
+    key = [(i,) for i in range(len(d.classes))]  # the classes' own topological order
+    seconds = [c.est_s * c.rounds for c in d.classes]
+    assert class_ledger(d, cap, key, seconds) is not None
+
+    def with_idle_gpu(held: int) -> Derived:  # one more GPU, holding ``held``, that no class touches
+        return dataclasses.replace(d, init=np.append(d.init, held), acquired=np.append(d.acquired, 0))
+
+    assert class_ledger(with_idle_gpu(cap + 1), cap, key, seconds) is None
+    led = class_ledger(with_idle_gpu(cap), cap, key, seconds)
+    assert led is not None and int(led.peak.max()) <= cap
