@@ -273,6 +273,62 @@ def test_a_pool_that_empties_mid_run_stalls_the_job_until_gpus_return(policy: st
     assert sum(r.stalled_s for r in s.records) > 0
 
 
+@pytest.mark.parametrize("policy", ["static", "nereus"])
+def test_gpus_revoked_and_back_within_a_step_lose_the_step_and_their_state(
+    policy: str, tmp_path: Path
+) -> None:
+    """The pool falls to its reserved floor for one tick inside a step and is whole again at its
+    end: the step is lost all the same, and the trainers whose every replica sat on the revoked
+    GPUs restart from the checkpoint (their replacements start empty)."""
+    trace = SpotTrace.load(write_trace(tmp_path, [16] * 5 + [4] + [16] * 100))
+    supply = GpuSupply(trace, 2, 32, 8, speedup=30.0, seed=0)
+    gap = 300.0 / 30.0
+    assert supply.pool_at(4 * gap) == supply.pool_at(6 * gap) == tuple(range(32))
+    assert supply.held_through(4 * gap, 6 * gap) == frozenset(range(8))  # the floor only
+    assert supply.held_through(4 * gap, 4.5 * gap) == frozenset(range(32))
+    model = load_model("llama-3.1-8b")
+    scenario = Scenario(load_workload("ppo"), {r: model for r in Role}, load_cluster("a100-64gb-hdr100"),
+                        supply, SeqCurve.growth(1147, 3722, 20), 6, 0)  # fmt: skip
+    s = simulate(scenario, policy)
+    lost = [r for r in s.records if r.preempted]
+    assert lost and all(r.start_s < 6 * gap for r in lost)
+    assert s.restarts >= 1 and all(r.gpus == 32 for r in s.records)
+
+
+GEMMA_LIKE = """family: llama
+hidden_size: 3584
+num_hidden_layers: 42
+num_attention_heads: 16
+num_key_value_heads: 8
+head_dim: 256
+intermediate_size: 14336
+vocab_size: 256000
+tie_word_embeddings: true
+rms_norm_eps: 1.0e-6
+rope_theta: 10000.0
+max_position_embeddings: 8192
+"""
+
+
+def test_a_restart_runs_on_what_the_gpus_hold_before_it_waits_for_more(tmp_path: Path) -> None:
+    """A 9B model with a 256k vocabulary on 64-GB A100s: the peaks the job measured put every plan
+    on the 12–14 GPUs left after a revocation over the planner's budget (its 10% headroom on top),
+    though the reserved floor ran one all along. The restart takes the calibrated model without
+    the headroom (what running out of memory is) instead of waiting minutes for GPUs."""
+    path = tmp_path / "gemma-like.yaml"
+    path.write_text(GEMMA_LIKE)
+    model = load_model(str(path))
+    supply = GpuSupply(
+        SpotTrace.load(trace_path("aws-08-27-2023_us-east-2b_v100_1")), 2, 32, 8, speedup=5.0, seed=0
+    )
+    scenario = Scenario(load_workload("ppo"), {r: model for r in Role}, load_cluster("a100-64gb-hdr100"),
+                        supply, SeqCurve.growth(), 12, 0)  # fmt: skip
+    s = simulate(scenario, "nereus")
+    restarts = [r for r in s.records if r.restart_s > 0]
+    assert restarts and any(r.gpus < 32 for r in restarts)
+    assert s.oom_steps == 0 and sum(r.stalled_s for r in s.records) == 0.0
+
+
 def test_a_tick_start_computed_in_floating_point_is_in_its_tick(tmp_path: Path) -> None:
     """At speed-up 7, 3·(300/7)·7/300 is 2.999…: the time the pool next changes must read as tick
     3, or a run waiting for it spins forever."""

@@ -129,6 +129,23 @@ def test_a_plan_on_gpus_outside_an_unchanged_pool_is_a_gpu_loss() -> None:
     assert fired.kind is TriggerKind.GPU_LOSS
 
 
+def test_gpus_that_died_during_the_step_are_a_gpu_loss_even_when_the_pool_holds_them_again() -> None:
+    """An instance revoked mid-step and replaced by its end: the pool looks the same, but the
+    workers there died (``Telemetry.lost``), so the plan has lost GPUs and the pool changed twice."""
+    mon = TriggerMonitor(pool=(0, 1, 2, 3))
+    plan = frozenset({0, 1, 2, 3})
+    assert mon.observe(tel(0), plan, False) == []
+    [fired] = mon.observe(tel(1, lost=(2, 3)), plan, False)
+    assert fired.kind is TriggerKind.GPU_LOSS and mon.pool_horizon.steps == 1.0
+    [fired] = mon.observe(tel(2, lost=(3,)), frozenset({0, 1}) | {3}, False)
+    assert fired.kind is TriggerKind.GPU_LOSS
+    # GPUs outside the plan that died: the pool changed, the plan runs on
+    [fired] = mon.observe(tel(3, lost=(2, 3)), frozenset({0, 1}), False)
+    assert fired.kind is TriggerKind.POOL
+    with pytest.raises(ValueError, match="lost GPU ids repeat"):
+        tel(4, lost=(1, 1))
+
+
 def test_reset_takes_the_replans_efficiency_as_the_new_reference() -> None:
     mon = TriggerMonitor(pool=(0, 1, 2, 3))
     plan = frozenset({0, 1, 2, 3})

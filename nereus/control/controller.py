@@ -197,7 +197,8 @@ class Controller:
             for stage in stages:
                 self.calibration.raise_memory_floor(stage, steps.get(stage, OOM_STEP))
         plan_gpus = frozenset(g for c in self.plan.candidates for g in c.gpus)
-        violation = plan_gpus <= frozenset(t.pool) and self._over_capacity_ahead(self._seq(t))
+        intact = plan_gpus <= frozenset(t.pool) and plan_gpus.isdisjoint(t.lost)
+        violation = intact and self._over_capacity_ahead(self._seq(t))
         fired = self.monitor.observe(t, plan_gpus, violation)
         settled = self.pool_age.trigger(t, plan_gpus, self.monitor.horizon_now(POOL, t.step))
         fired += [settled] if settled is not None and not fired else []
@@ -340,7 +341,8 @@ class Controller:
         urgent = any(f.urgent for f in fired)
         seq = self._seq(t)
         problem = self.problem(t.pool, seq)
-        lost = frozenset(g for c in self.plan.candidates for g in c.gpus) - frozenset(t.pool)
+        plan_gpus = frozenset(g for c in self.plan.candidates for g in c.gpus)
+        lost = (plan_gpus - frozenset(t.pool)) | (plan_gpus & frozenset(t.lost))
         oom = any(f.kind is TriggerKind.OOM for f in fired)
         current = None
         if not lost and not oom:  # a plan that ran out of memory is not one to keep
@@ -361,9 +363,10 @@ class Controller:
         if not options or urgent or is_widened(self.plan, self.workload):  # ``nereus.control.widened``
             wider = self._options(self.problem(t.pool, seq, SearchSpace.urgent()), "widened")
             options = led_by_wider(options, wider)
-        if options and options[0].plan.candidates == self.plan.candidates and not oom:
+        if options and options[0].plan.candidates == self.plan.candidates and not oom and not lost:
             return replace(base, reason="the current plan is the planner's target")
-        options = [o for o in options if o.plan.candidates != self.plan.candidates]
+        if not lost:  # GPUs that died and are back: the same plan again is a move (onto them)
+            options = [o for o in options if o.plan.candidates != self.plan.candidates]
         estimates = [
             self.estimator.estimate(problem, self.plan, o.plan, lost, rebuilt, t.reformed) for o in options
         ]

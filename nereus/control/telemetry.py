@@ -34,6 +34,9 @@ class Telemetry:
     # groups and engines are rebuilt whatever the controller decides, so a transition is charged
     # only for what it adds (moving state), not for those rebuilds.
     reformed: bool = False
+    # GPUs whose workers died during the step (their instance was revoked), whether or not the
+    # pool holds them again at its end: a replacement starts empty, so their state is lost
+    lost: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.step < 0:
@@ -42,6 +45,8 @@ class Telemetry:
             raise ValueError("sequence lengths must be positive with p95 ≥ mean")
         if len(set(self.pool)) != len(self.pool):
             raise ValueError("pool GPU ids repeat")
+        if len(set(self.lost)) != len(self.lost):
+            raise ValueError("lost GPU ids repeat")
         object.__setattr__(self, "stage_times", MappingProxyType(dict(self.stage_times)))
         object.__setattr__(self, "peak_memory", MappingProxyType(dict(self.peak_memory)))
 

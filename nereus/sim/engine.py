@@ -114,10 +114,19 @@ class _Run:
                 problem = self._problem(pool, seq)
                 # a restart may pick new layouts, and recompute or shrink micro-batches if it must
                 held = [problem.space.holding(self.hold), SearchSpace.urgent().holding(self.hold)]
-                for space in (*(held if self.hold and self.controller is None else ()), problem.space,
-                              SearchSpace(), SearchSpace.urgent()):  # fmt: skip
+                first = held if self.hold and self.controller is None else []
+                tried = (*first, problem.space, SearchSpace(), SearchSpace.urgent())
+                spaces = [(s, problem.headroom) for s in tried]
+                if self.controller is not None:
+                    # before waiting minutes for GPUs: the calibrated model's peaks (corrected by
+                    # what the job measured) within the GPUs' memory less the runtime reserve —
+                    # what running out of memory is — without the headroom kept for a model
+                    # that has not measured anything yet (an OOM raises the floor as any does)
+                    spaces.append((SearchSpace.urgent(), 0.0))
+                for space, headroom in spaces:
                     try:
-                        return search(replace(problem, space=space.keeping(self.s.space))).plan, waited
+                        kept = replace(problem, space=space.keeping(self.s.space), headroom=headroom)
+                        return search(kept).plan, waited
                     except InfeasibleError:
                         pass
             nxt = self.s.supply.next_change_after(self.t)
@@ -211,13 +220,16 @@ class _Run:
             left = self._quiet_stages(before, self._quiet(before, seq), self._step_sync(before))
             moved_from = steady_step(before, left)
         oom = self._oom(plan, peaks, {n: r.resident_bytes for n, r in quiet.items()})
-        restart_s = 0.0
+        restart_s, running_from = 0.0, self.t
         if oom and not self.free:  # the step is lost: the job crashes and restarts from its checkpoint
             restart_s = self.restart_cost(plan, seq)
             self.t += restart_s
         self.t += step_s
         plan_gpus = {g for c in plan.candidates for g in c.gpus}
-        preempted = not plan_gpus <= set(self.pool())  # GPUs revoked while the step ran: it is lost
+        # GPUs revoked while the step ran, whether or not the pool holds them again by its end
+        # (a replacement instance starts empty): the step is lost, and so is their state
+        revoked = tuple(sorted(plan_gpus - self.s.supply.held_through(running_from, self.t)))
+        preempted = bool(revoked)
         if oom or preempted:  # the job crashed: what generation ran ahead is gone
             dropped += self._flush(keep=False)
         record = StepRecord(
@@ -255,6 +267,7 @@ class _Run:
             peaks,
             tuple(measurements),
             oom,
+            lost=revoked,
         )
         return record, telemetry
 

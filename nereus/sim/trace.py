@@ -219,6 +219,17 @@ class GpuSupply:
         g = self.gpus_per_instance
         return tuple(i * g + j for i in self._instances(self.tick(time_s)) for j in range(g))
 
+    def held_through(self, start_s: float, end_s: float) -> frozenset[int]:
+        """The GPUs the pool held at every tick from ``start_s`` to ``end_s``: one revoked in
+        between is not among them even if the pool holds it again by ``end_s`` (its instance was
+        replaced; whatever ran there is gone)."""
+        first, last = self.tick(start_s), self.tick(max(start_s, end_s))
+        kept = set(self._instances(first))
+        for k in range(first + 1, last + 1):
+            kept &= set(self._instances(k))
+        g = self.gpus_per_instance
+        return frozenset(i * g + j for i in kept for j in range(g))
+
     def next_change_after(self, time_s: float) -> float | None:
         """Simulated time at which the pool next differs, or None if it never does again."""
         now = self._instances(self.tick(time_s))
