@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from rich.console import Console
+from rich.markup import escape
 
 from nereus import __version__
 from nereus import describe as describe_command
@@ -324,7 +326,7 @@ def _plan(args: argparse.Namespace, out: Console) -> int:
     if args.explain:
         print_explain(problem, result, out)
     if "error" in doc.get("exhaustive", {}):
-        out.print(f"exhaustive: {doc['exhaustive']['error']}")
+        out.print(escape(f"exhaustive: {doc['exhaustive']['error']}"))
     if ex is not None and ex.best_step_latency_s is not None:
         gap = result.step_latency_s / ex.best_step_latency_s - 1.0
         out.print(
@@ -341,7 +343,7 @@ def _plan(args: argparse.Namespace, out: Console) -> int:
 def _list(args: argparse.Namespace, out: Console) -> int:
     items = [a.value for a in Algorithm] if args.kind in ("algos", "algorithms") else names(args.kind)
     for item in items:
-        out.print(item)
+        out.print(escape(item))
     return 0
 
 
@@ -370,27 +372,41 @@ JSON_COMMANDS = ("plan", "describe", "price", "simulate", "transition")  # those
 PIPED_WIDTH = 400  # columns of tables written to a pipe or file (rich's default there is 80)
 
 
+class _Out(Console):
+    """Rich's console, but a reader that leaves raises BrokenPipeError (``main`` exits 141, as
+    with ``--json``) where rich would exit 1."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError
+
+
+def _dispatch(args: argparse.Namespace, out: Console) -> int:
+    if args.command == "plan":
+        return _plan(args, out)
+    if args.command == "describe":
+        return describe_command.run(args, out, read_node)
+    if args.command == "price":
+        return price_command.run(args, out)
+    if args.command == "simulate":
+        return simulate_command.run(args, out)
+    if args.command == "transition":
+        return transition_command.run(args, out, _problem)
+    if args.command == "run":
+        return run_command.run(args, out)
+    if args.command == "node":
+        return run_command.node(args, out)
+    return _list(args, out)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    out = Console(highlight=False)
+    out = _Out(highlight=False)
     if not out.is_terminal and "COLUMNS" not in os.environ:  # piped or redirected: never cut a cell
-        out = Console(highlight=False, width=PIPED_WIDTH)
+        out = _Out(highlight=False, width=PIPED_WIDTH)
     try:
-        if args.command == "plan":
-            return _plan(args, out)
-        if args.command == "describe":
-            return describe_command.run(args, out, read_node)
-        if args.command == "price":
-            return price_command.run(args, out)
-        if args.command == "simulate":
-            return simulate_command.run(args, out)
-        if args.command == "transition":
-            return transition_command.run(args, out, _problem)
-        if args.command == "run":
-            return run_command.run(args, out)
-        if args.command == "node":
-            return run_command.node(args, out)
-        return _list(args, out)
+        code = _dispatch(args, out)
+        sys.stdout.flush()  # a full disk shows here, not as a traceback at exit
+        return code
     except NereusError as exc:
         line = shorten(one_line(str(exc)), MAX_LINE)
         if getattr(args, "json", False):  # a script reading stdout gets an object on every exit
@@ -401,6 +417,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader left (nereus plan --json | head): stop quietly, as cat does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as exc:  # stdout on a full disk (> /dev/full); anything else is no output error
+        if exc.errno not in (errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG):
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush there
+        print(f"nereus {args.command}: error: cannot write its output ({exc.strerror})", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

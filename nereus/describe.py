@@ -74,9 +74,9 @@ def run(args: argparse.Namespace, out: Console, read_node: Callable[[], NodeInve
     if args.json:
         print(json.dumps(doc))
         return 0
-    table = Table(title=f"{args.kind} {doc['name']}", title_justify="left", show_header=False)
+    table = Table(title=f"{args.kind} {escape(str(doc['name']))}", title_justify="left", show_header=False)
     for k, v in doc.items():
-        table.add_row(k, f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v))
+        table.add_row(k, f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else escape(str(v)))
     out.print(table)
     return 0
 

@@ -129,6 +129,9 @@ class Decision:
                 return None
             return {c.model_stage: f"{c.layout}·dp{c.dp}" for c in plan.candidates}
 
+        def finite(x: float | None) -> float | None:  # JSON has no infinity: "never" is null
+            return x if x is None or math.isfinite(x) else None
+
         return {
             "step": self.step,
             "time_s": self.time_s,
@@ -136,17 +139,17 @@ class Decision:
             "urgent": self.urgent,
             "verdict": self.verdict.value,
             "reason": self.reason,
-            "current_latency_s": self.current_latency_s,
+            "current_latency_s": finite(self.current_latency_s),
             "target": layouts(self.target),
             "target_label": self.target_label,
-            "target_latency_s": self.target_latency_s,
-            "delta_s": self.delta_s,
-            "l_tran_s": self.l_tran_s,
-            "payback_steps": self.payback_steps,
-            "horizon_steps": self.horizon_steps,
-            "current_risk_s": self.current_risk_s,
-            "target_risk_s": self.target_risk_s,
-            "revocation_rate": self.revocation_rate,
+            "target_latency_s": finite(self.target_latency_s),
+            "delta_s": finite(self.delta_s),
+            "l_tran_s": finite(self.l_tran_s),
+            "payback_steps": finite(self.payback_steps),
+            "horizon_steps": finite(self.horizon_steps),
+            "current_risk_s": finite(self.current_risk_s),
+            "target_risk_s": finite(self.target_risk_s),
+            "revocation_rate": finite(self.revocation_rate),
             # the world re-forms at this boundary: engine rebuilds are not the transition's cost
             "sunk_rebuilds": self.transition is not None and self.transition.sunk,
         }

@@ -234,14 +234,15 @@ class CalibrationStore:
             if min(etas) < ETA_MIN / 1.1 or max(etas) > high * 1.1:
                 out.append(
                     f"{op.value} sized samples' efficiencies {min(etas):.3g}–{max(etas):.3g} pass "
-                    f"[{ETA_MIN:g}, {high:g}]; their curve keeps within [{ETA_MIN:g}, {SHAPED_ETA_MAX:g}]"
+                    f"[{ETA_MIN:g}, {high:g}]; their curve keeps within [{ETA_MIN:g}, {high:g}]"
                 )
         return out
 
     def curve(self, op: OpClass) -> ShapeCurve | None:
         """η of ``op`` by size, fitted from its sized samples (None: too few, or one size)."""
         shaped = self._shaped.get(op)
-        return fit_curve(list(shaped), self.efficiency(op)) if shaped else None
+        high = CURVE_MAX if op in COMPUTE else SHAPED_ETA_MAX  # no work computes above peak
+        return fit_curve(list(shaped), self.efficiency(op), high) if shaped else None
 
     def efficiencies(self) -> Efficiencies:
         """What the samples fit to (kept until the next update: the controller asks every replan,

@@ -49,6 +49,7 @@ from nereus.spec.workload import Algorithm, Precision, Recompute, Role, Stage, W
 PRICED = {Stage.GEN: "actor.gen", Stage.INF: "ref.inf", Stage.TRAIN: "actor.train"}
 PRICED_VALUE = {Stage.INF: "critic.inf", Stage.TRAIN: "critic.train"}  # a value head's (--head value)
 MAX_SEQUENCES = 1 << 24
+MAX_MICRO_BATCH = 1 << 16  # the workload's bound on micro_batch and inference_micro_batch
 DEFAULTS = WorkloadSpec(name="defaults", algorithm=Algorithm.PPO)  # micro-batches when not named
 MAX_TOKENS = 1 << 24
 
@@ -94,7 +95,7 @@ class PriceQuery:
                 raise ConfigError(f"--{flag}: expected an integer in [1, {most}], got {value!r}")
         for flag, value, most in (
             ("seq-len-p95", self.seq_len_p95, MAX_TOKENS),
-            ("micro-batch", self.micro_batch, MAX_SEQUENCES),
+            ("micro-batch", self.micro_batch, MAX_MICRO_BATCH),
             ("global-batch", self.global_batch, MAX_SEQUENCES),
             ("concurrency", self.concurrency, MAX_SEQUENCES),
         ):

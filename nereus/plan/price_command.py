@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from nereus.errors import ConfigError
@@ -127,7 +128,9 @@ def run(args: argparse.Namespace, out: Console) -> int:
 def _print(p: Price, model: str, cluster: str, out: Console) -> None:
     gib = 1 << 30
     fsdp = ", FSDP over DP" if p.fsdp else ""
-    out.print(f"{p.model_stage} of {model} on {cluster}: {p.shape}{fsdp} ({p.shape.num_gpus} GPUs)")
+    out.print(
+        f"{p.model_stage} of {escape(model)} on {escape(cluster)}: {p.shape}{fsdp} ({p.shape.num_gpus} GPUs)"
+    )
     table = Table("term", "seconds", "op class", "seconds")
     terms = [(k, v) for k, v in p.by_term.items() if v > 0]
     classes = [(k, v) for k, v in p.by_class.items() if v > 0]

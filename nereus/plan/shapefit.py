@@ -81,9 +81,14 @@ class ShapeCurve:
     values: tuple[float, ...]
     groups: tuple[int, ...] = ()
     group_curves: tuple[Profile, ...] = ()
+    ceiling: float = ETA_MAX  # the highest η it prices (1 for compute: no work runs above peak)
 
     def __post_init__(self) -> None:
         _check(self.knots, self.values)
+        if not ETA_MIN < self.ceiling <= ETA_MAX:
+            raise ValueError(
+                f"a shape curve's ceiling must be in ({ETA_MIN:g}, {ETA_MAX:g}], got {self.ceiling!r}"
+            )
         if len(self.groups) != len(self.group_curves) or len(set(self.groups)) != len(self.groups):
             raise ValueError("a shape curve needs one curve per distinct group bucket")
         for knots, values in self.group_curves:
@@ -97,7 +102,7 @@ class ShapeCurve:
             b = bucket(group)
             for g, (knots, values) in zip(self.groups, self.group_curves, strict=True):
                 y = np.where(b == g, np.interp(u, knots, values), y)
-        result: FloatArray = np.clip(np.exp(y), ETA_MIN, ETA_MAX)
+        result: FloatArray = np.clip(np.exp(y), ETA_MIN, self.ceiling)
         return result
 
 
@@ -160,10 +165,12 @@ def _profile(u: FloatArray, y: FloatArray, base: float, flat_ok: bool) -> Profil
     return tuple(float(k) for k in knots), tuple(float(x) for x in sol[:count])
 
 
-def fit_curve(samples: Sequence[tuple[float, float, float, float]], class_eta: float) -> ShapeCurve | None:
+def fit_curve(
+    samples: Sequence[tuple[float, float, float, float]], class_eta: float, ceiling: float = ETA_MAX
+) -> ShapeCurve | None:
     """The curve of one class from (ideal_s, measured_s, size, group) samples of known size, or
     None (too few samples, or one size in one group only): the class-wide η ``class_eta`` then
-    prices it."""
+    prices it. ``ceiling``: the highest η the curve prices."""
     rows = [(i, m, s, g) for i, m, s, g in samples if s > 0]
     if len(rows) < MIN_SAMPLES:
         return None
@@ -185,4 +192,4 @@ def fit_curve(samples: Sequence[tuple[float, float, float, float]], class_eta: f
             if profile is not None:
                 groups.append(g)
                 curves.append(profile)
-    return ShapeCurve(pooled[0], pooled[1], tuple(groups), tuple(curves))
+    return ShapeCurve(pooled[0], pooled[1], tuple(groups), tuple(curves), ceiling)

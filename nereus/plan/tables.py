@@ -4,6 +4,7 @@ memory breakdown behind each (``nereus plan --explain``)."""
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from nereus.plan.problem import PlanningProblem
@@ -15,8 +16,9 @@ from nereus.spec.cluster import GIB
 def print_plan(problem: PlanningProblem, result: SearchResult, out: Console) -> None:
     """One row per model-stage (layout, GPUs, micro-batch, latency, peak memory), then the step."""
     c = problem.cluster
+    gpus = f"{problem.gpus} × {escape(c.gpu_model)} ({escape(c.name)})"
     head = (
-        f"[bold]{problem.workload.algorithm.value}[/] on {problem.gpus} × {c.gpu_model} ({c.name}), "
+        f"[bold]{problem.workload.algorithm.value}[/] on {gpus}, "
         f"prompt {problem.seq.prompt_len:.0f} + response {problem.seq.response_len:.0f} tokens, "
         f"{problem.workload.mode.value}"
     )

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from nereus.errors import ConfigError, InfeasibleError, NereusError
 from nereus.runtime import outdir, signing
@@ -84,7 +85,7 @@ def node(args: argparse.Namespace, out: Console) -> int:
         if isinstance(exc, NereusError):
             raise
         raise ConfigError(str(exc)) from None
-    out.print(f"{args.job_dir}: {status}")
+    out.print(escape(f"{args.job_dir}: {status}"))
     return 0
 
 
@@ -325,14 +326,18 @@ def _run(args: argparse.Namespace, out: Console) -> int:
     first = preflight(spec, folder, args.resume, args.force)
     if first > spec.steps or (first == spec.steps and exported(folder, first)):
         out.print(  # --resume of a run that trained and exported every step: no worker to start
-            f"{spec.name}: nothing to resume; {folder} holds a checkpoint after step {first - 1}, and the "
-            f"experiment has {spec.steps} steps (a larger --steps trains further)",
+            escape(
+                f"{spec.name}: nothing to resume; {folder} holds a checkpoint after step {first - 1}, and "
+                f"the experiment has {spec.steps} steps (a larger --steps trains further)"
+            ),
             soft_wrap=True,
         )
         return 0
     if first == spec.steps:  # trained, but ended before its export: the workers write it, no step
         out.print(
-            f"{spec.name}: every step is trained; writing the Hugging Face export from the checkpoint",
+            escape(
+                f"{spec.name}: every step is trained; writing the Hugging Face export from the checkpoint"
+            ),
             soft_wrap=True,
         )
     from nereus.runtime.local import launch_local
@@ -347,7 +352,7 @@ def _run(args: argparse.Namespace, out: Console) -> int:
     from nereus.runtime.engines import describe_engines, job_engines
 
     out.print(
-        f"[bold]{spec.name}[/]: {spec.workload} on {spec.model}, "
+        f"[bold]{escape(str(spec.name))}[/]: {escape(str(spec.workload))} on {escape(str(spec.model))}, "
         f"{spec.workers} local workers, {spec.steps} steps; {describe_engines(job_engines(spec))}",
         soft_wrap=True,
     )
@@ -367,8 +372,8 @@ def _run(args: argparse.Namespace, out: Console) -> int:
     from nereus.runtime.report import read_metrics, summary
 
     for line in summary(read_metrics(folder / "metrics.jsonl")):
-        out.print(line, soft_wrap=True)
-    out.print(f"wrote {folder / 'metrics.jsonl'} and {folder / 'report.png'}")
+        out.print(escape(line), soft_wrap=True)
+    out.print(escape(f"wrote {folder / 'metrics.jsonl'} and {folder / 'report.png'}"))
     return 0
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from nereus.plan.layout import Plan
 from nereus.plan.report import plan_summary
@@ -247,9 +248,11 @@ class MetricsWriter:
         layouts = " ".join(f"{short(k)}:{v.split(' @')[0]}" for k, v in r.plan.items())
         acc = f"{r.accuracy:4.2f}" if r.accuracy is not None else "   -"
         self.console.print(
-            f"step {r.step:>3} │ reward {r.reward:5.2f} acc {acc} │ kl {r.kl:7.4f} │ "
-            f"{r.step_time_s:5.2f}s │ len {r.seq_len_mean:4.1f} │ gpus {r.gpus} │ {layouts} │ "
-            f"transitions: {moved}",
+            escape(
+                f"step {r.step:>3} │ reward {r.reward:5.2f} acc {acc} │ kl {r.kl:7.4f} │ "
+                f"{r.step_time_s:5.2f}s │ len {r.seq_len_mean:4.1f} │ gpus {r.gpus} │ {layouts} │ "
+                f"transitions: {moved}"
+            ),
             soft_wrap=True,
         )
         if r.asynchrony is not None:
@@ -268,7 +271,7 @@ class MetricsWriter:
                 soft_wrap=True,
             )
         if r.decision is not None:
-            self.console.print(f"         └ {describe_decision(r.decision)}", soft_wrap=True)
+            self.console.print(escape(f"         └ {describe_decision(r.decision)}"), soft_wrap=True)
 
     def close(self) -> None:
         self.file.close()

@@ -111,7 +111,7 @@ def write_report(metrics: Path, out: Path, title: str, policy: str = "nereus") -
     twin = axes[3].twinx()
     twin.step(steps, gpus, where="mid", color="tab:green", alpha=0.6)
     twin.set_ylabel("GPUs in plan", color="tab:green")
-    fig.suptitle(f"{title}: policy {policy}")
+    fig.suptitle(f"{title}: policy {policy}", parse_math=False)  # a run name is text, "$" too
     fig.tight_layout()
     tmp = out.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from nereus.control.policy import MAX_PERIOD, POLICIES, policy_config
@@ -309,6 +310,23 @@ def runs(policies: str, gammas: list[float]) -> list[tuple[str, str, float]]:
     return out
 
 
+def _past_the_trace(supply: GpuSupply, summaries: list[Summary]) -> str:
+    """A note where a run went on past the trace's last tick (the pool then holds its last value,
+    a calm the revocation rate estimated from the trace does not know); empty otherwise."""
+    trace = supply.trace
+    end_s = (len(trace.counts) - supply.offset_ticks) * trace.gap_seconds / supply.speedup
+    past = [(s.policy, s.total_s) for s in summaries if s.total_s > end_s]
+    if not past:
+        return ""
+    runs = ", ".join(f"{name} {1.0 - end_s / total:.0%}" for name, total in past)
+    return (
+        f"nereus simulate: warning: the trace ends {end_s:.0f} simulated s into the run (tick {len(trace.counts)}); past it the "
+        f"pool held its last value for this share of a run: {runs}. The policies price revocations at the "
+        "rate the trace shows, which knows nothing of that calm: give a longer trace, a later --offset or "
+        "fewer --steps"
+    )
+
+
 def _file_name(label: str) -> str:
     safe = label.replace(":", "-").replace("(", "-").replace(")", "").replace("γ=", "g")
     return f"steps-{safe}.jsonl"
@@ -358,10 +376,13 @@ def run(args: argparse.Namespace, out: Console) -> int:
         f"(×{g} GPUs, {supply.reserved_instances * g}–{supply.max_gpus // g * g})"
     )
     target.write(_writers(summaries, doc, title))
+    outlasted = _past_the_trace(supply, summaries)
+    if outlasted:
+        print(outlasted, file=sys.stderr)
     if args.json:
         print(json.dumps(doc))
         return 0
-    table = Table(title=title, title_justify="left")
+    table = Table(title=escape(title), title_justify="left")
     pipelined = scenario.workload.mode is ExecutionMode.ASYNC
     cols = ["policy", "mean step s", "total s", "transitions", "TP/PP", "restarts", "OOM", "preempted"]
     for col in cols + (["overlap s", "gen wait s", "train wait s", "dropped"] if pipelined else []):
@@ -375,7 +396,7 @@ def run(args: argparse.Namespace, out: Console) -> int:
             str(s.dropped_rollouts),
         ]
         table.add_row(
-            s.policy,
+            escape(s.policy),
             f"{s.mean_step_s:.1f}",
             f"{s.total_s:.0f}",
             str(s.transitions),
@@ -386,5 +407,5 @@ def run(args: argparse.Namespace, out: Console) -> int:
             *(extra if pipelined else []),
         )
     out.print(table)
-    out.print(f"wrote {folder}/summary.json, steps-*.jsonl, timeline.png")
+    out.print(escape(f"wrote {folder}/summary.json, steps-*.jsonl, timeline.png"))
     return 0

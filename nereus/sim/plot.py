@@ -34,7 +34,7 @@ def timeline(summaries: Sequence[Summary], path: Path, title: str) -> None:
     axes[2].legend(fontsize=7)
     axes[3].set_ylabel("cumulative time (s)")
     axes[3].set_xlabel("step")
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(title, fontsize=10, parse_math=False)  # a trace or model name is text, "$" too
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

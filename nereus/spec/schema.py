@@ -186,6 +186,11 @@ def named(data: dict[str, Any], path: Path) -> dict[str, Any]:
     data.setdefault("name", path.stem)
     if isinstance(data["name"], str) and not data["name"].strip():
         raise ConfigError(f"{path}: key 'name': expected a non-empty name (or leave it out: the file's stem)")
+    if isinstance(data["name"], str) and not data["name"].isprintable():
+        raise ConfigError(
+            f"{path}: key 'name': expected one line of printable text, got {brief(data['name'])} "
+            "(a newline or a control character)"
+        )
     return data
 
 

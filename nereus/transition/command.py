@@ -198,7 +198,14 @@ def read_plan(path: Path) -> PlanDoc:
         entries.append(
             build(StageEntry, {k: v for k, v in s.items() if k in _STAGE_KEYS}, str(path), f"stages[{i}].")
         )
-        kinds[entries[-1].name] = s.get("stage")
+        name = entries[-1].name
+        if name in kinds:
+            first = next(j for j, e in enumerate(entries) if e.name == name)
+            raise ConfigError(
+                f"{path}: key 'stages[{i}].name': {brief(name)} names the model-stage of stages[{first}] "
+                "again (each model-stage once)"
+            )
+        kinds[name] = s.get("stage")
     parsed = build(PlanProblem, problem, str(path), "problem.")
     parsed.check(path)
     return PlanDoc(path, parsed, tuple(entries), kinds)
