@@ -320,10 +320,10 @@ def _past_the_trace(supply: GpuSupply, summaries: list[Summary]) -> str:
         return ""
     runs = ", ".join(f"{name} {1.0 - end_s / total:.0%}" for name, total in past)
     return (
-        f"nereus simulate: warning: the trace ends {end_s:.0f} simulated s into the run (tick {len(trace.counts)}); past it the "
-        f"pool held its last value for this share of a run: {runs}. The policies price revocations at the "
-        "rate the trace shows, which knows nothing of that calm: give a longer trace, a later --offset or "
-        "fewer --steps"
+        f"nereus simulate: warning: the trace ends {end_s:.0f} simulated s into the run "
+        f"(tick {len(trace.counts)}); past it the pool held its last value for this share of a run: "
+        f"{runs}. The policies price revocations at the rate the trace shows, which knows nothing of "
+        "that calm: give a longer trace, a later --offset or fewer --steps"
     )
 
 
