@@ -61,6 +61,16 @@ def test_a_node_the_launcher_drains_is_not_revoked() -> None:
     assert sum(h.lost) == 1 and h.rate_per_hour() > 0
 
 
+def test_a_node_revoked_and_replaced_within_a_step_is_a_revocation() -> None:
+    """The pool is whole at both ends of the step, but node 6's workers died in between
+    (``Telemetry.lost``): that is a revocation, and the pool changed then. GPUs of a reserved node
+    in ``lost`` are not."""
+    h = RevocationHistory(FailureDomains(RESERVED, NODE, 0.0))
+    h.observe(_tel(0, 0.0, ALL))
+    h.observe(dataclasses.replace(_tel(1, 600.0, ALL), lost=(24, 25, 26, 27, 0)))
+    assert sum(h.lost) == 1 and h.rate_per_hour() > 0 and h._changed_s == 600.0
+
+
 def test_losses_right_after_changes_make_early_ages_riskier() -> None:
     """The pool changes, a node is lost within the first minute; later, hours of calm: the
     first bin's factor is above 1, the calm bins below."""

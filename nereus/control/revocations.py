@@ -62,9 +62,10 @@ class RevocationHistory:
         now = self.prior.revocable_instances(t.pool)
         k = self._bin(last.time_s - self._changed_s)
         self.held_s[k] += len(before) * max(0.0, t.time_s - last.time_s)
-        gone = before - now - self._leaving
+        died = self.prior.revocable_instances(t.lost) & before  # replaced within the step: revoked too
+        gone = ((before - now) | died) - self._leaving
         self._leaving -= before - now
-        if frozenset(last.pool) != frozenset(t.pool):
+        if frozenset(last.pool) != frozenset(t.pool) or died:
             self._changed_s = t.time_s
         self.lost[k] += len(gone)
 
