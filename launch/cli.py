@@ -216,7 +216,7 @@ def _job_command(args: argparse.Namespace, factory: submit.ExecutorFactory, runn
         if args.json:
             print(json.dumps(doc))
         else:
-            _print_status(doc, Console(highlight=False, soft_wrap=True))
+            _print_status(doc, Console(highlight=False, emoji=False, soft_wrap=True))
     elif args.command == "logs":
         record = read_record(folder)
         if args.follow:

@@ -400,9 +400,9 @@ def _dispatch(args: argparse.Namespace, out: Console) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    out = _Out(highlight=False)
+    out = _Out(highlight=False, emoji=False)  # ":fire:" in a name is text too
     if not out.is_terminal and "COLUMNS" not in os.environ:  # piped or redirected: never cut a cell
-        out = _Out(highlight=False, width=PIPED_WIDTH)
+        out = _Out(highlight=False, emoji=False, width=PIPED_WIDTH)
     try:
         code = _dispatch(args, out)
         sys.stdout.flush()  # a full disk shows here, not as a traceback at exit
@@ -417,8 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader left (nereus plan --json | head): stop quietly, as cat does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
-    except OSError as exc:  # stdout on a full disk (> /dev/full); anything else is no output error
-        if exc.errno not in (errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG):
+    except OSError as exc:  # stdout on a full disk (> /dev/full): no file named; a file's is its own
+        if exc.filename is not None or exc.errno not in (errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG):
             raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush there
         print(f"nereus {args.command}: error: cannot write its output ({exc.strerror})", file=sys.stderr)

@@ -101,6 +101,9 @@ def test_pool_age_fires_settled_only_with_idle_gpus_in_a_calmer_bin() -> None:
     assert age.trigger(_tel(3, 700.0, big), frozenset(big), 2.0) is None  # nothing idle
     age.priced(700.0)
     assert age.trigger(_tel(4, 800.0, big), idle, 2.0) is None  # priced in that bin already
+    # the same pool at both ends of a step whose GPUs were revoked and replaced: its age starts again
+    assert age.observe(Telemetry(5, 900.0, 1024.0, 1200.0, big, lost=(20, 21))) == 0.0
+    assert age.observe(_tel(6, 950.0, big)) == 50.0
     flat = FailureDomains(frozenset(range(8)), 4, 2.0)  # no age factors: nothing settles
     assert PoolAge(flat).trigger(_tel(3, 700.0, big), idle, 2.0) is None
     assert PoolAge(None).trigger(_tel(3, 700.0, big), idle, 2.0) is None

@@ -71,3 +71,34 @@ def test_a_restart_verdict_the_job_carries_on_from_is_no_restart(
     assert s.replans == 2 and [r.decision["verdict"] for r in s.records if r.decision] == ["restart"] * 2
     assert _ran(s) == 0 and all(r.restart_s == 0.0 and not r.lost for r in s.records)
     assert s.restarts == 0 and s.to_json()["restarts"] == 0
+
+
+def test_a_plan_whose_gpus_died_within_the_step_is_reloaded_not_carried_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A controller that asks for a restart with no target after its GPUs were revoked and
+    replaced within the step (the pool is whole again at the boundary): the plan's state is
+    gone, so the simulator reloads the checkpoint (charged, in the records) instead of carrying
+    on with the plan as if its GPUs still held it."""
+    loss = Trigger(TriggerKind.GPU_LOSS, "pool", 32.0, 32.0, 1.0)
+    real = Controller.triggers
+
+    def triggers(self: Controller, t: Telemetry) -> list[Trigger]:
+        return [loss] if t.lost else real(self, t)
+
+    def replan(self: Controller, t: Telemetry, fired: list[Trigger], rebuilt: frozenset[str]) -> Decision:
+        return Decision(t.step, t.time_s, tuple(fired), True, Verdict.RESTART, "no option", None)
+
+    monkeypatch.setattr(Controller, "triggers", triggers)
+    monkeypatch.setattr(Controller, "replan", replan)
+    trace = tmp_path / "dip.json"
+    trace.write_text(json.dumps({"metadata": {"gap_seconds": 300}, "data": [16] * 5 + [4] + [16] * 100}))
+    model = load_model("llama-3.1-8b")
+    supply = GpuSupply(SpotTrace.load(trace), 2, 32, 8, speedup=30.0, seed=0)
+    s = simulate(
+        Scenario(load_workload("ppo"), {r: model for r in Role}, load_cluster("a100-64gb-hdr100"), supply,
+                 SeqCurve.growth(1147, 3722, 20), 6, 0),
+        "static",
+    )  # fmt: skip
+    assert any(r.preempted for r in s.records) and all(r.gpus == 32 for r in s.records)
+    assert _ran(s) == 1 and s.restarts == 1

@@ -136,14 +136,15 @@ def test_gpus_that_died_during_the_step_are_a_gpu_loss_even_when_the_pool_holds_
     plan = frozenset({0, 1, 2, 3})
     assert mon.observe(tel(0), plan, False) == []
     [fired] = mon.observe(tel(1, lost=(2, 3)), plan, False)
-    assert fired.kind is TriggerKind.GPU_LOSS and mon.pool_horizon.steps == 1.0
-    [fired] = mon.observe(tel(2, lost=(3,)), frozenset({0, 1}) | {3}, False)
     assert fired.kind is TriggerKind.GPU_LOSS
+    assert mon.observe(tel(2), plan, False) == []
+    [fired] = mon.observe(tel(4, lost=(3,)), frozenset({0, 1}) | {3}, False)
+    assert fired.kind is TriggerKind.GPU_LOSS and mon.pool_horizon.steps == 3.0  # crossed at 1 and 4
     # GPUs outside the plan that died: the pool changed, the plan runs on
-    [fired] = mon.observe(tel(3, lost=(2, 3)), frozenset({0, 1}), False)
+    [fired] = mon.observe(tel(5, lost=(2, 3)), frozenset({0, 1}), False)
     assert fired.kind is TriggerKind.POOL
     with pytest.raises(ValueError, match="lost GPU ids repeat"):
-        tel(4, lost=(1, 1))
+        tel(6, lost=(1, 1))
 
 
 def test_reset_takes_the_replans_efficiency_as_the_new_reference() -> None:

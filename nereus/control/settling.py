@@ -33,7 +33,7 @@ class PoolAge:
     def observe(self, t: Telemetry) -> float:
         """Fold in ``t``; the seconds the pool has been as ``t`` shows it (0 on a new pool)."""
         pool = frozenset(t.pool)
-        if pool != self._pool:
+        if pool != self._pool or t.lost:  # GPUs revoked within the step changed it too
             self._pool, self._since_time_s = pool, t.time_s
         return self.since(t.time_s)
 

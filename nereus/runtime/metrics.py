@@ -195,7 +195,7 @@ class MetricsWriter:
         self.last = max((s for s, _ in read_rows(self.path)), default=None)  # the last step written
         drop_rows_after(self.path, -1 if self.last is None else self.last)  # a half-written line
         self.file = self.path.open("a", encoding="utf-8")
-        self.console = console or Console(highlight=False)
+        self.console = console or Console(highlight=False, emoji=False)
         self.spec = spec
         # a resumed run starts after its checkpoint's step; TensorBoard's events of the steps
         # after it (run before the stop, cut from metrics.jsonl) are purged, as those rows were

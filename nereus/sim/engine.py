@@ -73,6 +73,7 @@ class _Run:
         self.free = policy == "oracle"  # its moves and restarts cost nothing: a bound, not a policy
         self.hold = dict(hold or {})  # static-best: the layouts a static run starts with
         self.t = 0.0
+        self.holding_from = 0.0  # since when the running plan's GPUs hold its state (this step's)
         self.controller: Controller | None = None
         self.layouts_seen: list[dict[str, Layout]] = []  # every plan's layouts, in order
         self.seeding = Seeding(scenario, self.hw, probe=self.free)  # ``nereus.sim.seeding``
@@ -104,8 +105,9 @@ class _Run:
         nodes = max(1, len({g // self.s.cluster.gpus_per_node for c in plan.candidates for g in c.gpus}))
         return self.s.restart_s + state / (self.s.storage_gbs * 1e9 * nodes)
 
-    def wait_for_plan(self, seq: SeqStats) -> tuple[Plan, float]:
-        """The best plan once the pool allows one; the time spent waiting for it."""
+    def wait_for_plan(self, seq: SeqStats, relax: bool = True) -> tuple[Plan, float]:
+        """The best plan once the pool allows one; the time spent waiting for it. ``relax``: a
+        restart that did not run out of memory may drop the headroom before it waits."""
         waited, largest = 0.0, 0
         while True:
             pool = self.pool()
@@ -117,7 +119,7 @@ class _Run:
                 first = held if self.hold and self.controller is None else []
                 tried = (*first, problem.space, SearchSpace(), SearchSpace.urgent())
                 spaces = [(s, problem.headroom) for s in tried]
-                if self.controller is not None:
+                if self.controller is not None and relax:
                     # before waiting minutes for GPUs: the calibrated model's peaks (corrected by
                     # what the job measured) within the GPUs' memory less the runtime reserve —
                     # what running out of memory is — without the headroom kept for a model
@@ -184,6 +186,7 @@ class _Run:
         if not self.pool():  # every GPU is gone: the job stalls until some come back
             stalled_s += self.wait_for_gpus()
         pool = self.pool()  # what the boundary sees; changes after it surface at the next one
+        self.holding_from = self.t  # the plan's GPUs hold its state from here (a move's, a step's)
         decision = ctl.observe(replace(prev, pool=pool, time_s=self.t)) if prev is not None else None
         moved: list[TransitionRecord] = []
         tp_pp = False
@@ -197,8 +200,11 @@ class _Run:
                     moved.append(TransitionRecord.move(move, seconds, before))
                     tp_pp = bool(decision.transition and decision.transition.resharded)
                 case Restart(plan=target, reason=reason):
-                    failed = prev is not None and prev.oom
-                    pool, restarted, waited = self._restart(target, reason, pool, seq, k - 1, failed)
+                    # the running plan crashed (out of memory) or its state died with its GPUs:
+                    # no plan to carry on with
+                    oom = prev is not None and prev.oom
+                    failed = oom or (prev is not None and bool(prev.lost))
+                    pool, restarted, waited = self._restart(target, reason, pool, seq, k - 1, failed, oom)
                     stalled_s += waited
                     moved += [restarted] if restarted is not None else []
                 case Keep():
@@ -220,7 +226,7 @@ class _Run:
             left = self._quiet_stages(before, self._quiet(before, seq), self._step_sync(before))
             moved_from = steady_step(before, left)
         oom = self._oom(plan, peaks, {n: r.resident_bytes for n, r in quiet.items()})
-        restart_s, running_from = 0.0, self.t
+        restart_s = 0.0
         if oom and not self.free:  # the step is lost: the job crashes and restarts from its checkpoint
             restart_s = self.restart_cost(plan, seq)
             self.t += restart_s
@@ -228,7 +234,7 @@ class _Run:
         plan_gpus = {g for c in plan.candidates for g in c.gpus}
         # GPUs revoked while the step ran, whether or not the pool holds them again by its end
         # (a replacement instance starts empty): the step is lost, and so is their state
-        revoked = tuple(sorted(plan_gpus - self.s.supply.held_through(running_from, self.t)))
+        revoked = tuple(sorted(plan_gpus - self.s.supply.held_through(self.holding_from, self.t)))
         preempted = bool(revoked)
         if oom or preempted:  # the job crashed: what generation ran ahead is gone
             dropped += self._flush(keep=False)
@@ -359,10 +365,13 @@ class _Run:
         seq: SeqStats,
         checkpoint: int,
         failed: bool = False,
+        oom: bool = False,
     ) -> tuple[tuple[int, ...], TransitionRecord | None, float]:
         """Reload the checkpoint onto ``target`` (None: the best plan once the pool allows one).
-        ``failed``: the running plan just ran out of memory, so it is no plan to carry on with —
-        the job waits for GPUs instead. Returns the pool, what moved, and the seconds spent
+        ``failed``: the running plan just ran out of memory (``oom``) or lost its state with GPUs
+        revoked in its step, so it is no plan to carry on with — the job reloads onto the best
+        plan the GPUs allow (after an OOM, not by dropping the headroom: the plan that crashed
+        may fit that rule) or waits for GPUs. Returns the pool, what moved, and the seconds spent
         waiting for GPUs."""
         assert self.controller is not None
         ctl, waited = self.controller, 0.0
@@ -371,8 +380,9 @@ class _Run:
             ctl.restarted(ctl.plan)  # nothing better fits: carry on with the plan as it is (no restart)
             return pool, None, 0.0
         if target is None:
-            target, waited = self.wait_for_plan(seq)
+            target, waited = self.wait_for_plan(seq, relax=not oom)
             pool = target.pool
+            self.holding_from = self.t  # the reload onto the target's GPUs starts here
         seconds = 0.0 if self.free else self.restart_cost(target, seq)
         self.t += seconds
         record = TransitionRecord.restart(seconds, reason, checkpoint, ctl.plan, target)

@@ -17,6 +17,7 @@ import math
 import re
 import types
 import typing
+import unicodedata
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -186,10 +187,10 @@ def named(data: dict[str, Any], path: Path) -> dict[str, Any]:
     data.setdefault("name", path.stem)
     if isinstance(data["name"], str) and not data["name"].strip():
         raise ConfigError(f"{path}: key 'name': expected a non-empty name (or leave it out: the file's stem)")
-    if isinstance(data["name"], str) and not data["name"].isprintable():
+    if isinstance(data["name"], str) and any(unicodedata.category(c)[0] == "C" for c in data["name"]):
         raise ConfigError(
             f"{path}: key 'name': expected one line of printable text, got {brief(data['name'])} "
-            "(a newline or a control character)"
+            "(a newline, or another control or format character)"
         )
     return data
 
