@@ -381,21 +381,17 @@ class _Out(Console):
 
 
 def _dispatch(args: argparse.Namespace, out: Console) -> int:
-    if args.command == "plan":
-        return _plan(args, out)
-    if args.command == "describe":
-        return describe_command.run(args, out, read_node)
-    if args.command == "price":
-        return price_command.run(args, out)
-    if args.command == "simulate":
-        return simulate_command.run(args, out)
-    if args.command == "transition":
-        return transition_command.run(args, out, _problem)
-    if args.command == "run":
-        return run_command.run(args, out)
-    if args.command == "node":
-        return run_command.node(args, out)
-    return _list(args, out)
+    """Run the subcommand ``args`` names (``list`` where none of the others)."""
+    commands: dict[str, Callable[[], int]] = {
+        "plan": lambda: _plan(args, out),
+        "describe": lambda: describe_command.run(args, out, read_node),
+        "price": lambda: price_command.run(args, out),
+        "simulate": lambda: simulate_command.run(args, out),
+        "transition": lambda: transition_command.run(args, out, _problem),
+        "run": lambda: run_command.run(args, out),
+        "node": lambda: run_command.node(args, out),
+    }
+    return commands.get(args.command, lambda: _list(args, out))()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
