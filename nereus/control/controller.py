@@ -197,8 +197,7 @@ class Controller:
             for stage in stages:
                 self.calibration.raise_memory_floor(stage, steps.get(stage, OOM_STEP))
         plan_gpus = frozenset(g for c in self.plan.candidates for g in c.gpus)
-        intact = plan_gpus <= frozenset(t.pool) and plan_gpus.isdisjoint(t.lost)
-        violation = intact and self._over_capacity_ahead(self._seq(t))
+        violation = not t.lost_of(plan_gpus) and self._over_capacity_ahead(self._seq(t))
         fired = self.monitor.observe(t, plan_gpus, violation)
         settled = self.pool_age.trigger(t, plan_gpus, self.monitor.horizon_now(POOL, t.step))
         fired += [settled] if settled is not None and not fired else []
@@ -341,8 +340,7 @@ class Controller:
         urgent = any(f.urgent for f in fired)
         seq = self._seq(t)
         problem = self.problem(t.pool, seq)
-        plan_gpus = frozenset(g for c in self.plan.candidates for g in c.gpus)
-        lost = (plan_gpus - frozenset(t.pool)) | (plan_gpus & frozenset(t.lost))
+        lost = t.lost_of(frozenset(g for c in self.plan.candidates for g in c.gpus))
         oom = any(f.kind is TriggerKind.OOM for f in fired)
         current = None
         if not lost and not oom:  # a plan that ran out of memory is not one to keep

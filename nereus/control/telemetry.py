@@ -50,6 +50,11 @@ class Telemetry:
         object.__setattr__(self, "stage_times", MappingProxyType(dict(self.stage_times)))
         object.__setattr__(self, "peak_memory", MappingProxyType(dict(self.peak_memory)))
 
+    def lost_of(self, gpus: frozenset[int]) -> frozenset[int]:
+        """The GPUs of ``gpus`` whose state is gone: out of the pool, or died during the step
+        (``lost``) though the pool holds them again."""
+        return (gpus - frozenset(self.pool)) | (gpus & frozenset(self.lost))
+
     def efficiency(self, op: OpClass) -> float | None:
         """Achieved efficiency of ``op`` this step (Σ ideal / Σ measured), if it was timed."""
         ideal = sum(m.ideal_s for m in self.measurements if m.op_class is op)

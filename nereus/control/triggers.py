@@ -143,12 +143,12 @@ class TriggerMonitor:
         """Triggers that fire at the end of step ``t.step`` for a plan running on ``plan_gpus``."""
         fired: list[Trigger] = []
         pool = frozenset(t.pool)
-        died = not plan_gpus.isdisjoint(t.lost)  # revoked during the step, the pool may hold them again
+        gone = t.lost_of(plan_gpus)  # out of the pool, or revoked during the step and back
         if self._pool is not None and (pool != self._pool or t.lost):
             self.pool_horizon.crossed(t.step)
-            kind = TriggerKind.POOL if plan_gpus <= pool and not died else TriggerKind.GPU_LOSS
+            kind = TriggerKind.GPU_LOSS if gone else TriggerKind.POOL
             fired.append(Trigger(kind, POOL, len(pool), len(self._pool), self.pool_horizon.steps))
-        elif not plan_gpus <= pool or died:  # the plan already runs on GPUs that are gone
+        elif gone:  # the plan already runs on GPUs that are gone
             fired.append(Trigger(TriggerKind.GPU_LOSS, POOL, len(pool), len(pool), self.pool_horizon.steps))
         self._pool = pool
         if t.oom:
