@@ -4,6 +4,7 @@ replan with nowhere to go keeps a plan that still holds its GPUs instead of aski
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,9 @@ from nereus.control.admission import Decision, Verdict
 from nereus.control.controller import Controller
 from nereus.control.telemetry import Telemetry
 from nereus.control.triggers import Trigger, TriggerKind
+from nereus.plan.evaluate import price, shapes_of
+from nereus.plan.problem import DEFAULT_HEADROOM, PlanningProblem, SearchSpace, SeqStats
+from nereus.plan.search import search
 from nereus.sim import GpuSupply, Scenario, SeqCurve, SpotTrace, simulate
 from nereus.sim.records import Summary
 from nereus.spec import Role, load_cluster, load_model, load_workload
@@ -41,13 +45,31 @@ def _ran(s: Summary) -> int:
 @pytest.mark.parametrize("policy", ["static", "nereus"])
 def test_restarts_are_the_ones_the_step_records_show(policy: str, tmp_path: Path) -> None:
     s = simulate(_scenario(tmp_path, 4), policy)
-    assert s.oom_steps == 0 and s.replans == 3
+    assert s.oom_steps == 0 and s.replans == 1  # the deviation answered once (below)
     assert s.restarts == _ran(s), [r.decision for r in s.records]
     memory = [r.decision for r in s.records if r.decision and r.decision["verdict"] == "keep"]
     assert memory and all("the running plan holds its GPUs and carries on" in d["reason"] for d in memory)
     assert all(d["verdict"] != "restart" or d["target"] is not None for r in s.records if (d := r.decision))
     if policy == "static":  # it holds its layouts: nowhere to restart to, ever
         assert s.restarts == 0 and all(r.restart_s == 0.0 for r in s.records)
+
+
+@pytest.mark.parametrize("policy", ["static", "nereus"])
+def test_a_memory_deviation_nothing_else_answers_replans_once_then_at_the_memory_itself(
+    policy: str, tmp_path: Path
+) -> None:
+    """The plan the job keeps because nothing else fits is checked ahead against the GPUs' memory
+    from then on, not the headroom it is already known to be within: no replan every step while
+    the responses grow from 620 to 1,740 tokens, and the memory trigger fires again once they
+    have grown far enough to put it over the memory itself (the truth's peaks stay inside)."""
+    scenario = replace(_scenario(tmp_path, 10), curve=SeqCurve.growth(500, 4000, 10))
+    s = simulate(scenario, policy)
+    decided = [r for r in s.records if r.decision]
+    fired = [r.step for r in decided if any(t.startswith("memory") for t in r.decision["triggers"])]
+    assert fired[0] == 1 and not [k for k in fired if 1 < k <= 6] and fired[-1] > 6, fired
+    lengths = {r.step: r.seq_len_mean for r in s.records}
+    assert lengths[6] > 2.5 * lengths[1]
+    assert s.oom_steps == 0 and s.restarts == 0
 
 
 def test_a_restart_verdict_the_job_carries_on_from_is_no_restart(
@@ -102,3 +124,27 @@ def test_a_plan_whose_gpus_died_within_the_step_is_reloaded_not_carried_on(
     )  # fmt: skip
     assert any(r.preempted for r in s.records) and all(r.gpus == 32 for r in s.records)
     assert _ran(s) == 1 and s.restarts == 1
+
+
+def test_a_plan_restarted_without_the_headroom_is_checked_ahead_at_none() -> None:
+    """A restart that took a plan without the headroom (the calibrated model within the GPUs'
+    memory, before waiting for more GPUs): the memory trigger holds it to the memory itself, not
+    to the headroom it was knowingly chosen without — and still fires when the lengths put it
+    over that. A plain restart onto the same plan fires at once."""
+    small, large = load_model("llama-3.1-8b"), load_model("llama-3.3-70b")
+    models = {r: large if r is Role.REWARD else small for r in Role}
+    cluster, workload, pool = load_cluster("a100-80gb-dgx"), load_workload("ppo"), tuple(range(8))
+    seq = SeqStats(workload.prompt_len, 1000, 1100)
+    bare = PlanningProblem(workload, models, cluster, pool, seq, headroom=0.0, space=SearchSpace.urgent())
+    plan = search(bare).plan
+    kept = replace(bare, headroom=DEFAULT_HEADROOM)
+    assert price(kept, shapes_of(plan)).over_capacity(kept)  # within the memory, over the headroom
+
+    def memory(headroom: float | None, length: float) -> bool:
+        ctl = Controller(workload, models, cluster, plan, space=SearchSpace.urgent())
+        ctl.restarted(plan, headroom)
+        fired = ctl.triggers(Telemetry(0, 1.0, length, 1.1 * length, pool))
+        return any(f.kind is TriggerKind.MEMORY for f in fired)
+
+    assert memory(None, 1000) and not memory(0.0, 1000)
+    assert memory(0.0, 6000)
