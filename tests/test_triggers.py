@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from nereus.control.telemetry import Telemetry
-from nereus.control.triggers import Horizon, Threshold, TriggerKind, TriggerMonitor, horizon
+from nereus.control.triggers import GROWTH, POOL, Horizon, Threshold, TriggerKind, TriggerMonitor, horizon
 from nereus.plan.calibration import Measurement
 from nereus.plan.opclass import OpClass
 
@@ -159,3 +159,29 @@ def test_reset_takes_the_replans_efficiency_as_the_new_reference() -> None:
     assert drift.signal == "efficiency.gemm"
     mon.reset(measured(1, 0.3))
     assert mon.observe(measured(2, 0.3), plan, False) == []  # the new reference: no drift
+
+
+def test_a_pool_that_only_grows_carries_the_horizon_until_it_next_loses_gpus() -> None:
+    """A growth's gain lasts until the added GPUs go, not until the pool next grows again: its
+    trigger is the ``pool.growth`` signal, whose horizon counts the steps between losses (and no
+    fewer than the steps since the last loss, or since the first step seen); a loss is the
+    ``pool`` signal, with the paper's horizon between any two changes."""
+    mon = TriggerMonitor()
+    plan = frozenset({0, 1})
+    assert mon.observe(tel(3, pool=(0, 1, 2, 3)), plan, False) == []  # the first step seen
+    grown = [
+        f for f in mon.observe(tel(7, pool=(0, 1, 2, 3, 4, 5)), plan, False) if f.kind is TriggerKind.POOL
+    ]
+    assert [(f.signal, f.horizon_steps) for f in grown] == [(GROWTH, 4.0)]  # no loss in 4 steps
+    grown = mon.observe(tel(8, pool=tuple(range(8))), plan, False)
+    assert [(f.signal, f.horizon_steps) for f in grown] == [(GROWTH, 5.0)]
+    assert mon.horizon_now(POOL, 8) == 1.0  # the pool changes every step or so
+    lost = mon.observe(tel(10, pool=(0, 1, 2, 3, 4, 5)), plan, False)
+    assert [(f.kind, f.signal) for f in lost] == [(TriggerKind.POOL, POOL)]  # a loss, not the plan's
+    assert lost[0].horizon_steps == pytest.approx(0.5 * 2 + 0.5 * 1)
+    regrown = mon.observe(tel(11, pool=tuple(range(8))), plan, False)
+    assert [(f.signal, f.horizon_steps) for f in regrown] == [(GROWTH, 7.0)]  # first loss 7 steps in
+    assert mon.horizon_now(GROWTH, 30) == 20.0  # and it has held for 20 steps since
+    revoked = mon.observe(tel(12, pool=tuple(range(8)), lost=(6,)), plan, False)  # back within the step
+    assert [(f.kind, f.signal) for f in revoked] == [(TriggerKind.POOL, POOL)]
+    assert mon.horizon_now(GROWTH, 12) == pytest.approx(0.5 * 2 + 0.5 * 7)

@@ -43,7 +43,7 @@ from nereus.control.transition_cost import (
     TransitionEstimator,
     staged,
 )
-from nereus.control.triggers import POOL, Trigger, TriggerKind, TriggerMonitor, horizon
+from nereus.control.triggers import GROWTH, POOL, Trigger, TriggerKind, TriggerMonitor, horizon
 from nereus.control.warmup import WarmUp
 from nereus.control.widened import is_widened, led_by_wider
 from nereus.errors import InfeasibleError
@@ -203,7 +203,7 @@ class Controller:
         plan_gpus = frozenset(g for c in self.plan.candidates for g in c.gpus)
         violation = not t.lost_of(plan_gpus) and self._over_capacity_ahead(self._seq(t))
         fired = self.monitor.observe(t, plan_gpus, violation)
-        settled = self.pool_age.trigger(t, plan_gpus, self.monitor.horizon_now(POOL, t.step))
+        settled = self.pool_age.trigger(t, plan_gpus, self.monitor.horizon_now(GROWTH, t.step))
         fired += [settled] if settled is not None and not fired else []
         if self.config.period and (t.step + 1) % self.config.period == 0:
             fired.append(Trigger(TriggerKind.PERIODIC, "timer", t.step, t.step, float(self.config.period)))

@@ -12,6 +12,12 @@ it, plans a little slower whose transitions are cheaper or safer:
   ``relayout:<stage>``: one stage re-laid-out, the others' layouts kept — those two only within
   ``fallback_tolerance`` of S*'s latency.
 
+Every option is priced where its GPUs put it (``nereus.plan.evaluate.placed_latency``), as the
+running plan is: the search prices each model-stage as if it had the pool to itself, and on a
+fragmented pool placement can leave a TP group across nodes that price never crossed (a move
+priced at 32 s per step ran at 51 s). Where that leaves S* slower than another option, the
+fastest leads.
+
 Every option carries its expected seconds lost per step (``nereus.control.risk``): the work of
 steps that lose a GPU, and the restart when a trainer loses its last replica. ``since_s`` (the
 seconds since the pool last changed, where the controller knows it) sets how unsettled the pool
@@ -30,7 +36,7 @@ from nereus.control.fallback import held_layouts
 from nereus.control.reserved import reserved_option
 from nereus.control.risk import last_copy_loss, lost_work, restart_seconds
 from nereus.errors import InfeasibleError
-from nereus.plan.evaluate import price, shapes_of
+from nereus.plan.evaluate import placed_latency, price, shapes_of
 from nereus.plan.layout import Layout, Plan
 from nereus.plan.problem import PlanningProblem
 from nereus.plan.search import SearchResult
@@ -64,7 +70,9 @@ class Options:
 
     def around(self, problem: PlanningProblem, running: Plan, label: str = "target") -> list[Option]:
         """S*, then the slightly slower plans whose transitions from ``running`` are cheaper:
-        S* (or the reserved option where it is expected faster) first, the rest by latency."""
+        S* (or the reserved option where it is expected faster) first, the rest by latency. Each
+        is priced where its GPUs put it (``plan.evaluate.placed_latency``); where that leaves S*
+        slower than another option (a fragmented pool), the fastest leads instead."""
         best = self.plan(problem, label)
         if best is None:
             return []
@@ -83,7 +91,13 @@ class Options:
             fresh = option is not None and all(option.plan.candidates != o.plan.candidates for o in options)
             if fresh and option is not None and option.step_latency_s <= limit:
                 options.append(option)
-        return [options[0], *sorted(options[1:], key=lambda o: o.step_latency_s)]
+        ranked = [options[0], *sorted(options[1:], key=lambda o: o.step_latency_s)]
+        if ranked[0] is best:  # placed, S* may run slower than a plan the search ranked behind it
+            fastest = min(ranked, key=lambda o: o.step_latency_s)
+            if fastest.step_latency_s < best.step_latency_s:
+                ranked.remove(fastest)
+                ranked.insert(0, fastest)
+        return ranked
 
     def held(self, running: Plan, problems: list[PlanningProblem]) -> Option | None:
         """``running``'s layouts with only DP and GPUs changed, at any latency, over
@@ -96,7 +110,7 @@ class Options:
             result = self.planner(problem)
         except InfeasibleError:
             return None
-        latency = result.step_latency_s
+        latency = placed_latency(problem, result.plan, result.step_latency_s)  # what it runs at
         return Option(label, result.plan, latency, self.risk(result.plan, latency, problem))
 
     def floor(self, problem: PlanningProblem, best: Option) -> Option | None:

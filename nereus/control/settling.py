@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 
 from nereus.control.telemetry import Telemetry
-from nereus.control.triggers import POOL, Trigger, TriggerKind
+from nereus.control.triggers import GROWTH, Trigger, TriggerKind
 from nereus.spec.domains import FailureDomains
 
 
@@ -46,7 +46,8 @@ class PoolAge:
 
     def trigger(self, t: Telemetry, plan_gpus: frozenset[int], horizon_steps: float) -> Trigger | None:
         """``settled`` when the running plan leaves pool GPUs idle and the pool has aged into a
-        later bin of ``age_factors`` (a different expected rate) since the last replan."""
+        later bin of ``age_factors`` (a different expected rate) since the last replan: a move
+        onto the idle GPUs is a growth (``horizon_steps``: the ``pool.growth`` signal's)."""
         if self.domains is None or not self.domains.age_factors or not self.domains.at_risk:
             return None
         if self._priced_bin is None or not plan_gpus < frozenset(t.pool):
@@ -54,7 +55,7 @@ class PoolAge:
         since = self.since(t.time_s)
         if self._bin(since) <= self._priced_bin:
             return None
-        return Trigger(TriggerKind.SETTLED, POOL, since, float(self._priced_bin), horizon_steps)
+        return Trigger(TriggerKind.SETTLED, GROWTH, since, float(self._priced_bin), horizon_steps)
 
     def _bin(self, since_s: float) -> int:
         """The bin of ``age_factors`` that ``since_s`` falls in (0 without any)."""

@@ -9,6 +9,12 @@
 * H_x, the expected number of steps until x next crosses (or the pool next changes), is an EMA of
   the observed intervals between crossings, updated only at a crossing; 1 step before the first
   interval is seen (paper §2.8).
+* **Our addition**: a pool change that only adds GPUs is the ``pool.growth`` signal, whose horizon
+  is the steps until the pool next *loses* GPUs (an EMA of the intervals between losses, and no
+  less than the steps since the last one, or since the job's first step here). A move onto added
+  GPUs gains until those GPUs go: a further growth does not undo it (the next move starts from
+  it), so the paper's "until the pool next changes" undercounts its gain on a pool that grows
+  step after step, and the move that would have used the GPUs is refused every time.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from nereus.plan.opclass import OpClass
 
 SEQ_LEN = "seq_len"
 POOL = "pool"
+GROWTH = "pool.growth"  # a pool change that only adds GPUs (its horizon: until the pool next loses some)
 
 
 class TriggerKind(StrEnum):
@@ -77,6 +84,11 @@ class Horizon:
         self.steps = 1.0
         self._last: int | None = None
         self._intervals = 0
+
+    def start(self, step: int) -> None:
+        """The signal is known stable from ``step`` (no crossing, no interval)."""
+        if self._last is None:
+            self._last = step
 
     def effective(self, step: int) -> float:
         """H at ``step``: the EMA, but no less than the steps the signal has now been stable
@@ -137,6 +149,7 @@ class TriggerMonitor:
         self.seq_len = Threshold(SEQ_LEN, delta_len, weight)
         self.efficiency: dict[OpClass, Threshold] = {}
         self.pool_horizon = Horizon(weight)
+        self.loss_horizon = Horizon(weight)  # steps between pool changes that lose GPUs
         self._pool: frozenset[int] | None = None if pool is None else frozenset(pool)
 
     def observe(self, t: Telemetry, plan_gpus: frozenset[int], memory_violation: bool) -> list[Trigger]:
@@ -144,10 +157,17 @@ class TriggerMonitor:
         fired: list[Trigger] = []
         pool = frozenset(t.pool)
         gone = t.lost_of(plan_gpus)  # out of the pool, or revoked during the step and back
+        self.loss_horizon.start(t.step)  # no loss seen yet: stable since the first step observed
         if self._pool is not None and (pool != self._pool or t.lost):
             self.pool_horizon.crossed(t.step)
-            kind = TriggerKind.GPU_LOSS if gone else TriggerKind.POOL
-            fired.append(Trigger(kind, POOL, len(pool), len(self._pool), self.pool_horizon.steps))
+            if self._pool - pool or t.lost:
+                self.loss_horizon.crossed(t.step)
+            elif not gone:  # GPUs added, none lost: the gain of using them lasts until a loss
+                h = self.loss_horizon.effective(t.step)
+                fired.append(Trigger(TriggerKind.POOL, GROWTH, len(pool), len(self._pool), h))
+            if not fired:
+                kind = TriggerKind.GPU_LOSS if gone else TriggerKind.POOL
+                fired.append(Trigger(kind, POOL, len(pool), len(self._pool), self.pool_horizon.steps))
         elif gone:  # the plan already runs on GPUs that are gone
             fired.append(Trigger(TriggerKind.GPU_LOSS, POOL, len(pool), len(pool), self.pool_horizon.steps))
         self._pool = pool
@@ -174,6 +194,8 @@ class TriggerMonitor:
         """The effective horizon of ``signal`` (``pool``, ``seq_len`` or ``efficiency.<op>``)."""
         if signal == POOL:
             return self.pool_horizon.effective(step)
+        if signal == GROWTH:
+            return self.loss_horizon.effective(step)
         if signal == SEQ_LEN:
             return self.seq_len.horizon.effective(step)
         for tracker in self.efficiency.values():

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from nereus.plan.bestfit import anchored
 from nereus.plan.calibration import Efficiencies
 from nereus.plan.candidates import Shape
 from nereus.plan.cost import Cost, CostModel, LatencyTerms
@@ -66,6 +67,19 @@ def price(problem: PlanningProblem, shapes: Mapping[str, Shape]) -> PlanCost:
         {m.name: m.stage for m in wf.model_stages}, resident, active, mode is ExecutionMode.ASYNC
     )
     return PlanCost(step_latency(wf, mode, latency), latency, resident, active, bound, by_class, checkpoint)
+
+
+def placed_latency(problem: PlanningProblem, plan: Plan, estimate: float) -> float:
+    """The step latency of ``plan`` (found for ``problem``) where its GPUs put it. The search
+    prices each model-stage as best fit would place it alone on the pool (``bestfit``); placement
+    shares the pool among stage-mates, and on a fragmented pool one can take the room another was
+    priced in, leaving a TP group or a replica across nodes its price did not cross. Where that
+    happened (``bestfit.anchored`` with ``plan`` as the anchor names those model-stages), the plan
+    priced where it runs; else ``estimate``, the search's own latency."""
+    placed = replace(problem, anchor=plan)
+    if not anchored(placed):
+        return estimate
+    return price(placed, shapes_of(plan)).step_latency_s
 
 
 def fits_pool(problem: PlanningProblem, shapes: Mapping[str, Shape]) -> bool:
