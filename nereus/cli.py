@@ -41,7 +41,7 @@ from nereus.spec import (
     load_workload,
     names,
 )
-from nereus.spec.files import brief, one_line, shorten
+from nereus.spec.files import ascii_int, brief, one_line, shorten
 from nereus.spec.model import check_context
 from nereus.spec.registry import lasting_name, load_role_models
 from nereus.spec.workload import MAX_TOKENS, Recompute
@@ -75,7 +75,7 @@ _LONG_QUOTED = re.compile(r"'([^']{61,})'|\"([^\"]{61,})\"")
 # ------------------------------------------------------------------ argument types
 def _positive_int(text: str, most: int) -> int:
     try:
-        value = int(text)
+        value = ascii_int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {brief(text)}") from None
     if value <= 0:
@@ -108,7 +108,7 @@ def _fraction(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {brief(text)}") from None
     if not 0.0 <= value < 1.0:
         raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {value}")
-    return value
+    return value + 0.0  # -0.0 is 0 (printed "-0%" otherwise)
 
 
 def _parser() -> Parser:

@@ -55,6 +55,9 @@ STEPS = "argument --steps: must be an integer in [1, 100000], got"
         ("--steps", "-1", f"{STEPS} -1"),
         ("--steps", "1000000000", f"{STEPS} 1000000000"),
         ("--steps", "2.5", f"{STEPS} '2.5'"),
+        ("--steps", "３", f"{STEPS} '３'"),  # int() takes full-width digits, "1_0" and "+1"
+        ("--steps", "1_0", f"{STEPS} '1_0'"),
+        ("--seed", "+1", "argument --seed: must be an integer in [0, 4294967295], got '+1'"),
         ("--seed", "-1", "argument --seed: must be an integer in [0, 4294967295], got -1"),
         ("--max-gpus", "0", "argument --max-gpus: must be an integer in [1, 1048576], got 0"),
         (
@@ -534,3 +537,28 @@ def test_a_plan_file_larger_than_a_config_is_read(capsys: pytest.CaptureFixture[
     code, out, err = cli(["transition", "--from", "a.json", "--to", "big.json", "--json"], capsys)
     assert code == 0, err
     assert json.loads(out)["moved_bytes"] == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (with_flag(PLAN, "--gpus", "４"), f"{E_PLAN}argument --gpus: must be a positive integer, got '４'"),
+        (
+            ["price", "--model", "tiny-llama", "--cluster", "local-cpu", "--stage", "gen", "--tp", "1",
+             "--pp", "1", "--dp", "١", "--sequences", "4", "--prompt-len", "8", "--seq-len", "8"],
+            "nereus price: error: argument --dp: must be an integer, got '١'",
+        ),
+    ],
+)  # fmt: skip
+def test_integer_flags_take_ascii_digits_only(
+    argv: list[str], line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``int`` reads "４" (full width) and "١" (Arabic-Indic) as digits: a flag refuses them, in one
+    line naming it, like any other non-integer."""
+    got = refused(argv, capsys)
+    assert got.startswith(line), got
+
+
+def test_a_negative_zero_headroom_is_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli([*PLAN, "--headroom", "-0.0"], capsys)
+    assert code == 0 and "after 0% headroom" in out and "-0%" not in out

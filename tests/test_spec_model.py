@@ -10,6 +10,7 @@ import pytest
 from nereus.errors import ConfigError
 from nereus.spec import Head, ModelFamily, load_model
 from nereus.spec.model import check_runnable
+from nereus.spec.registry import config_root
 
 pytestmark = pytest.mark.pure
 
@@ -162,3 +163,15 @@ def test_a_yarn_model_is_priced_to_its_longer_context_and_not_run(tmp_path: Path
 def test_unknown_model_lists_choices() -> None:
     with pytest.raises(ConfigError, match=r"unknown model 'llama-9b' \(choices: .*llama-3.1-8b"):
         load_model("llama-9b")
+
+
+def test_a_yaml_naming_an_unmodelled_rope_with_llama3_factors_is_refused(tmp_path: Path) -> None:
+    """``rope_scaling`` holds llama3's factors only: beside ``rope_type: yarn`` they would be
+    read as neither (yarn's own factors are not modelled), so the file is refused in one line."""
+    text = (config_root() / "models" / "llama-3.1-8b.yaml").read_text()
+    path = tmp_path / "m.yaml"
+    path.write_text(text + "rope_type: yarn\n")
+    with pytest.raises(ConfigError, match=r"rope_type yarn: rope_scaling holds llama3's factors"):
+        load_model(str(path))
+    path.write_text(text + "rope_type: llama3\n")
+    assert load_model(str(path)).rope_kind == "llama3"

@@ -22,6 +22,7 @@ from nereus.errors import ConfigError
 from nereus.plan.calibration import CalibrationStore
 from nereus.plan.price import Price, PriceQuery, price
 from nereus.spec import load_cluster, load_model
+from nereus.spec.files import int_flag
 from nereus.spec.model import Head, check_context
 from nereus.spec.workload import Precision, Recompute, Stage
 
@@ -38,20 +39,20 @@ def add_parser(sub: Any) -> None:
         help="lm: the actor's or reference's; value: a critic's or reward model's (inf, train)",
     )  # fmt: skip
     for flag in ("tp", "pp", "dp"):
-        p.add_argument(f"--{flag}", required=True, type=int)
+        p.add_argument(f"--{flag}", required=True, type=int_flag)
     p.add_argument(
-        "--gpus", type=int, default=None,
+        "--gpus", type=int_flag, default=None,
         help="place the layout on a pool of this many GPUs, as plan --gpus does (default: tp·pp·dp)",
     )  # fmt: skip
-    p.add_argument("--sequences", required=True, type=int, help="sequences the stage processes")
-    p.add_argument("--prompt-len", required=True, type=int, help="mean prompt tokens")
-    p.add_argument("--seq-len", required=True, type=int, help="mean response tokens")
-    p.add_argument("--seq-len-p95", type=int, default=None, help="p95 response tokens (memory)")
-    p.add_argument("--micro-batch", type=int, default=None, help="per-replica micro-batch (train, inf)")
-    p.add_argument("--global-batch", type=int, default=None, help="train: sequences per optimizer step")
+    p.add_argument("--sequences", required=True, type=int_flag, help="sequences the stage processes")
+    p.add_argument("--prompt-len", required=True, type=int_flag, help="mean prompt tokens")
+    p.add_argument("--seq-len", required=True, type=int_flag, help="mean response tokens")
+    p.add_argument("--seq-len-p95", type=int_flag, default=None, help="p95 response tokens (memory)")
+    p.add_argument("--micro-batch", type=int_flag, default=None, help="per-replica micro-batch (train, inf)")
+    p.add_argument("--global-batch", type=int_flag, default=None, help="train: sequences per optimizer step")
     p.add_argument("--recompute", choices=[r.value for r in Recompute], default=Recompute.NONE.value)
     p.add_argument(
-        "--concurrency", type=int, default=None,
+        "--concurrency", type=int_flag, default=None,
         help="gen: sequences decoded at once per replica (default: all of its share; exit 3 if "
         "their KV cache does not fit)",
     )  # fmt: skip

@@ -34,7 +34,7 @@ from nereus.runtime.preflight_child import keyed as _keyed
 from nereus.runtime.resume import check_checkpoint, check_task, missing_rows
 from nereus.runtime.signals import exit_code
 from nereus.runtime.signals import name as signal_name
-from nereus.spec.files import nonempty_path, shorten
+from nereus.spec.files import int_flag, nonempty_path, shorten
 
 FEASIBLE_LISTED_UP_TO = 64  # worker counts tried for the message of an infeasible one
 
@@ -43,7 +43,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("run", help="run an RL experiment on local worker processes")
     p.add_argument("experiment", type=Path, help="configs/experiments/<name>.yaml")
     p.add_argument("--out", type=nonempty_path, default=None, help="results folder (default runs/<name>)")
-    p.add_argument("--steps", type=int, default=None, help="override the experiment's step count")
+    p.add_argument("--steps", type=int_flag, default=None, help="override the experiment's step count")
     p.add_argument(
         "--resume", action="store_true", help="continue from the latest checkpoint in the results folder"
     )

@@ -24,7 +24,7 @@ from nereus.sim.seqcurve import SeqCurve
 from nereus.sim.trace import GpuSupply, SpotTrace
 from nereus.sim.truth import Episode
 from nereus.spec import Role, load_cluster, load_model, load_workload
-from nereus.spec.files import OutputFolder, brief, nonempty_path
+from nereus.spec.files import OutputFolder, ascii_int, brief, nonempty_path
 from nereus.spec.model import check_context
 from nereus.spec.registry import load_role_models, trace_path
 from nereus.spec.workload import MAX_STALENESS, ExecutionMode, Precision
@@ -44,7 +44,7 @@ def int_in(lo: int, hi: int) -> Callable[[str], int]:
 
     def parse(text: str) -> int:
         try:
-            value = int(text)
+            value = ascii_int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"must be an integer in [{lo}, {hi}], got {brief(text)}"

@@ -55,6 +55,22 @@ def shorten(text: str, limit: int = SHOWN) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def ascii_int(text: str) -> int:
+    """A command-line integer in ASCII digits (an optional ``-``, spaces around): ``int`` also
+    takes "３２", "1_0" and "+1", which a flag should refuse. Raises ValueError."""
+    if not re.fullmatch(r"\s*-?[0-9]+\s*", text):
+        raise ValueError(text)
+    return int(text)
+
+
+def int_flag(text: str) -> int:
+    """An argparse type: an integer in ASCII digits (ranges are checked where it is used)."""
+    try:
+        return ascii_int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {brief(text)}") from None
+
+
 def brief(value: object, limit: int = SHOWN) -> str:
     """``repr(value)`` for an error line: bounded in time and length, on one line."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:

@@ -138,7 +138,8 @@ class ModelSpec:
         require_at_most(self, 1e12, "rope_theta")
         if self.rope_type and self.rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_type must be one of {', '.join(ROPE_TYPES)}, got {brief(self.rope_type)}")
-        if self.rope_type and self.rope_type != self.rope_kind:
+        unmodelled_with_factors = self.rope_type in UNMODELLED_ROPE and self.rope_scaling is not None
+        if self.rope_type and (self.rope_type != self.rope_kind or unmodelled_with_factors):
             raise ValueError(
                 f"rope_type {self.rope_type}: rope_scaling holds llama3's factors (rope_type llama3), "
                 "and only them"
