@@ -163,17 +163,29 @@ def plan_classes(
     d, straight = derive_both(problem, current, target, links, skip)
     if d is None or d.nodes < GROUP_MIN_NODES or len(d.classes) * GROUP_MIN_RATIO > d.nodes:
         return None
-    bound = class_bound(d)
+    own_bound = bound = class_bound(d)
     straight_bound = class_bound(straight) if straight is not None else 0.0
     if d.resharded:  # the per-unit planner also plans every reshape straight from one replica
         bound = min(bound, straight_bound) if straight is not None else 0.0  # (0: unknown)
+    # the re-layouts straight from one replica (a GPU acquires only its target shard), kept where
+    # shorter, as ``choose.plan_dag`` keeps them, or where only they find room
+    eligible = (
+        straight is not None and d.resharded and len(straight.classes) * GROUP_MIN_RATIO <= straight.nodes
+    )
+    other: ClassPlan | None = None
+    first = eligible and straight_bound < own_bound - 1e-12
+    if first and straight is not None:
+        # planned first where its bound is the lower: shorter than ``d``'s bound, it is shorter
+        # than any plan of ``d`` (whose makespan is at least its bound), which is then not planned
+        other = _planned(straight, target, capacity, stage_rank, skip, bound)
+        if other is not None and other.makespan < own_bound - 1e-12:
+            return other
     plan = _planned(d, target, capacity, stage_rank, skip, bound)
-    if straight is not None and d.resharded and len(straight.classes) * GROUP_MIN_RATIO <= straight.nodes:
-        # the re-layouts straight from one replica (a GPU acquires only its target shard), kept
-        # where shorter, as ``choose.plan_dag`` keeps them, or where only they find room
+    if eligible and straight is not None:
         longest = plan.makespan if plan is not None else math.inf
         if straight_bound < longest - 1e-12:
-            other = _planned(straight, target, capacity, stage_rank, skip, bound)
+            if not first:
+                other = _planned(straight, target, capacity, stage_rank, skip, bound)
             if other is not None and other.makespan < longest - 1e-12:
                 return other
     return plan
