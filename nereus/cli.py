@@ -41,7 +41,7 @@ from nereus.spec import (
     load_workload,
     names,
 )
-from nereus.spec.files import ascii_int, brief, one_line, shorten
+from nereus.spec.files import ascii_float, ascii_int, brief, one_line, shorten
 from nereus.spec.model import check_context
 from nereus.spec.registry import lasting_name, load_role_models
 from nereus.spec.workload import MAX_TOKENS, Recompute
@@ -103,7 +103,7 @@ def _power_of_two(text: str) -> int:
 
 def _fraction(text: str) -> float:
     try:
-        value = float(text)
+        value = ascii_float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {brief(text)}") from None
     if not 0.0 <= value < 1.0:

@@ -48,6 +48,8 @@ STEPS = "argument --steps: must be an integer in [1, 100000], got"
         ("--speedup", "-1", f"{SPEEDUP} '-1'"),
         ("--speedup", "inf", f"{SPEEDUP} 'inf'"),
         ("--speedup", "1e-305", f"{SPEEDUP} '1e-305'"),
+        ("--speedup", "０.５", f"{SPEEDUP} '０.５'"),  # float() takes full-width digits and "1_0"
+        ("--noise", "0_1", f"{NOISE} '0_1'"),
         ("--noise", "nan", f"{NOISE} 'nan'"),
         ("--noise", "-0.1", f"{NOISE} '-0.1'"),
         ("--noise", "1e6", f"{NOISE} '1e6'"),
@@ -544,6 +546,10 @@ def test_a_plan_file_larger_than_a_config_is_read(capsys: pytest.CaptureFixture[
     [
         (with_flag(PLAN, "--gpus", "４"), f"{E_PLAN}argument --gpus: must be a positive integer, got '４'"),
         (
+            [*PLAN, "--headroom", "０.１"],
+            f"{E_PLAN}argument --headroom: must be a number in [0, 1), got '０.１'",
+        ),
+        (
             ["price", "--model", "tiny-llama", "--cluster", "local-cpu", "--stage", "gen", "--tp", "1",
              "--pp", "1", "--dp", "١", "--sequences", "4", "--prompt-len", "8", "--seq-len", "8"],
             "nereus price: error: argument --dp: must be an integer, got '١'",
@@ -553,8 +559,8 @@ def test_a_plan_file_larger_than_a_config_is_read(capsys: pytest.CaptureFixture[
 def test_integer_flags_take_ascii_digits_only(
     argv: list[str], line: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``int`` reads "４" (full width) and "١" (Arabic-Indic) as digits: a flag refuses them, in one
-    line naming it, like any other non-integer."""
+    """``int`` and ``float`` read "４" (full width) and "١" (Arabic-Indic) as digits: a flag refuses
+    them, in one line naming it, like any other non-number."""
     got = refused(argv, capsys)
     assert got.startswith(line), got
 

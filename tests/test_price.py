@@ -130,7 +130,7 @@ def test_json_fit_and_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
             "--head value prices a critic or reward model's inf or train",
         ),
         (["--stage", "fly"], "argument --stage: invalid choice"),
-        (["--sequences", "x"], "argument --sequences: invalid int value"),
+        (["--sequences", "x"], "argument --sequences: must be an integer, got 'x'"),
         (["--calibration", "/nonexistent.json"], "--calibration"),
     ],
 )

@@ -148,3 +148,23 @@ def test_a_plan_restarted_without_the_headroom_is_checked_ahead_at_none() -> Non
 
     assert memory(None, 1000) and not memory(0.0, 1000)
     assert memory(0.0, 6000)
+
+
+def test_a_tolerated_plan_on_a_grown_pool_is_left_only_for_a_move_that_pays() -> None:
+    """The pool grows under a plan restarted without the headroom: the replan searches the other
+    plans at the headroom, but the running plan is priced within the memory itself, so it is a
+    valid current plan (no urgent move to whatever fits, however much slower) until it changes."""
+    small, large = load_model("llama-3.1-8b"), load_model("llama-3.3-70b")
+    models = {r: large if r is Role.REWARD else small for r in Role}
+    cluster, workload = load_cluster("a100-80gb-dgx"), load_workload("ppo")
+    seq = SeqStats(workload.prompt_len, 1000, 1100)
+    plan = search(
+        PlanningProblem(
+            workload, models, cluster, tuple(range(8)), seq, headroom=0.0, space=SearchSpace.urgent()
+        )
+    ).plan
+    ctl = Controller(workload, models, cluster, plan, space=SearchSpace.urgent())
+    ctl.restarted(plan, 0.0)
+    decision = ctl.observe(Telemetry(0, 1.0, 1000, 1100, tuple(range(16))))
+    assert decision is not None and decision.current_latency_s is not None and not decision.urgent
+    assert ctl.plan_headroom == (0.0 if ctl.plan is plan else DEFAULT_HEADROOM)

@@ -240,9 +240,10 @@ class Controller:
         self.pool_age.priced(t.time_s)
         self.deferral.after(decision, self.config.rule)
         self.decisions.append(decision)
-        if decision.verdict is Verdict.KEEP and any(f.kind is TriggerKind.MEMORY for f in decision.triggers):
+        if decision.over_headroom:
             # nothing else fits: the plan carries on, checked ahead against the memory itself (an
-            # out-of-memory step restarts it; a pool change replans at the headroom)
+            # out-of-memory step restarts it); until it changes, replans price it there too and
+            # search the others at the headroom
             self._tolerated = self.plan
         if decision.verdict is Verdict.ADMIT:
             self.state, self.pending = State.TRANSITIONING, decision
@@ -259,7 +260,8 @@ class Controller:
         telemetry discards the answer (``_calibrate``), and ``observe`` prices again."""
         self._over_capacity_ahead(self._lengths(seq_len_mean, seq_len_p95, self._grown(seq_len_mean)))
 
-    def _headroom_of_plan(self) -> float:
+    @property
+    def plan_headroom(self) -> float:
         """The headroom the running plan is held to: the job's, or none for a plan it runs
         knowing it is within it (``_tolerated``)."""
         return 0.0 if self._tolerated is self.plan else self.headroom
@@ -269,7 +271,7 @@ class Controller:
         (``nereus.control.ahead``: a quiet step is answered from the checks kept): within the
         headroom, or within the memory itself for a plan the job runs knowing it is not
         (``_tolerated``)."""
-        headroom = self._headroom_of_plan()
+        headroom = self.plan_headroom
         if self._ahead is None or self._ahead.plan is not self.plan or self._ahead.headroom != headroom:
             self._ahead = MemoryAhead(self.plan, headroom)
         return self._ahead.over_capacity(
@@ -367,7 +369,7 @@ class Controller:
         current = None
         if not lost and not oom:  # a plan that ran out of memory is not one to keep
             cost = price(problem, shapes_of(self.plan))
-            if not cost.over_capacity(replace(problem, headroom=self._headroom_of_plan())):
+            if not cost.over_capacity(replace(problem, headroom=self.plan_headroom)):
                 current = cost.step_latency_s
         urgent = urgent or current is None
         risk = 0.0 if current is None else self.options.risk(self.plan, current, problem)
@@ -409,6 +411,7 @@ class Controller:
                         base,
                         reason=f"nothing else fits the {len(problem.pool)} GPUs ({reason}; {why}): "
                         "the running plan holds its GPUs and carries on",
+                        over_headroom=current is None,  # priced over the headroom it is held to
                     )
                 return replace(
                     base,

@@ -16,7 +16,8 @@ Every option is priced where its GPUs put it (``nereus.plan.evaluate.placed_late
 running plan is: the search prices each model-stage as if it had the pool to itself, and on a
 fragmented pool placement can leave a TP group across nodes that price never crossed (a move
 priced at 32 s per step ran at 51 s). Where that leaves S* slower than another option, the
-fastest leads.
+tolerance is measured from the fastest, and the option expected fastest (its risk included)
+leads.
 
 Every option carries its expected seconds lost per step (``nereus.control.risk``): the work of
 steps that lose a GPU, and the restart when a trainer loses its last replica. ``since_s`` (the
@@ -72,7 +73,8 @@ class Options:
         """S*, then the slightly slower plans whose transitions from ``running`` are cheaper:
         S* (or the reserved option where it is expected faster) first, the rest by latency. Each
         is priced where its GPUs put it (``plan.evaluate.placed_latency``); where that leaves S*
-        slower than another option (a fragmented pool), the fastest leads instead."""
+        slower than another option (a fragmented pool), the tolerance is measured from the
+        fastest and the option expected fastest (its risk included) leads."""
         best = self.plan(problem, label)
         if best is None:
             return []
@@ -85,18 +87,21 @@ class Options:
         for stage in running.workflow.stages:
             keep = {n: lay for n, lay in current.items() if running.workflow.get(n).stage is not stage}
             holds.append((f"relayout:{stage.value}", keep))
-        limit = best.step_latency_s * (1.0 + self.tolerance)
+        held: list[Option] = []
         for name, layouts in holds:
             option = self.plan(problem.holding(layouts), name)  # a policy's own holds win
-            fresh = option is not None and all(option.plan.candidates != o.plan.candidates for o in options)
-            if fresh and option is not None and option.step_latency_s <= limit:
-                options.append(option)
+            seen = (o.plan.candidates for o in options + held)
+            if option is not None and all(option.plan.candidates != c for c in seen):
+                held.append(option)
+        # within the tolerance of the fastest: S* but where placement leaves it slower than a plan
+        # the search ranked behind it (a fragmented pool)
+        fastest = min(o.step_latency_s for o in (best, *held))
+        options += [o for o in held if o.step_latency_s <= fastest * (1.0 + self.tolerance)]
         ranked = [options[0], *sorted(options[1:], key=lambda o: o.step_latency_s)]
-        if ranked[0] is best:  # placed, S* may run slower than a plan the search ranked behind it
-            fastest = min(ranked, key=lambda o: o.step_latency_s)
-            if fastest.step_latency_s < best.step_latency_s:
-                ranked.remove(fastest)
-                ranked.insert(0, fastest)
+        if ranked[0] is best and fastest < best.step_latency_s:
+            lead = min(ranked, key=lambda o: o.expected_s)  # as the safe options are put first
+            ranked.remove(lead)
+            ranked.insert(0, lead)
         return ranked
 
     def held(self, running: Plan, problems: list[PlanningProblem]) -> Option | None:

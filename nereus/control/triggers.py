@@ -10,8 +10,9 @@
   the observed intervals between crossings, updated only at a crossing; 1 step before the first
   interval is seen (paper §2.8).
 * **Our addition**: a pool change that only adds GPUs is the ``pool.growth`` signal, whose horizon
-  is the steps until the pool next *loses* GPUs (an EMA of the intervals between losses, and no
-  less than the steps since the last one, or since the job's first step here). A move onto added
+  is the steps until the pool next *loses* GPUs (an EMA of the intervals between losses, the first
+  counted from the first step this monitor saw, and no less than the steps since the last loss, or
+  since that first step). A move onto added
   GPUs gains until those GPUs go: a further growth does not undo it (the next move starts from
   it), so the paper's "until the pool next changes" undercounts its gain on a pool that grows
   step after step, and the move that would have used the GPUs is refused every time.
@@ -86,7 +87,8 @@ class Horizon:
         self._intervals = 0
 
     def start(self, step: int) -> None:
-        """The signal is known stable from ``step`` (no crossing, no interval)."""
+        """The signal is known stable from ``step`` (no crossing): the first crossing after it
+        counts its interval from ``step``."""
         if self._last is None:
             self._last = step
 
@@ -191,7 +193,8 @@ class TriggerMonitor:
         return fired
 
     def horizon_now(self, signal: str, step: int) -> float:
-        """The effective horizon of ``signal`` (``pool``, ``seq_len`` or ``efficiency.<op>``)."""
+        """The effective horizon of ``signal`` (``pool``, ``pool.growth``, ``seq_len`` or
+        ``efficiency.<op>``)."""
         if signal == POOL:
             return self.pool_horizon.effective(step)
         if signal == GROWTH:

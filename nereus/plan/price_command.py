@@ -22,7 +22,7 @@ from nereus.errors import ConfigError
 from nereus.plan.calibration import CalibrationStore
 from nereus.plan.price import Price, PriceQuery, price
 from nereus.spec import load_cluster, load_model
-from nereus.spec.files import int_flag
+from nereus.spec.files import float_flag, int_flag
 from nereus.spec.model import Head, check_context
 from nereus.spec.workload import Precision, Recompute, Stage
 
@@ -75,7 +75,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--kv-memory-fraction",
-        type=float,
+        type=float_flag,
         default=None,
         help="gen: the engine's KV cache takes this share, in (0, 1], of the memory free after weights "
         "(TensorRT-LLM free_gpu_memory_fraction; default: the planner's headroom)",

@@ -24,7 +24,7 @@ from nereus.sim.seqcurve import SeqCurve
 from nereus.sim.trace import GpuSupply, SpotTrace
 from nereus.sim.truth import Episode
 from nereus.spec import Role, load_cluster, load_model, load_workload
-from nereus.spec.files import OutputFolder, ascii_int, brief, nonempty_path
+from nereus.spec.files import OutputFolder, ascii_float, ascii_int, brief, nonempty_path
 from nereus.spec.model import check_context
 from nereus.spec.registry import load_role_models, trace_path
 from nereus.spec.workload import MAX_STALENESS, ExecutionMode, Precision
@@ -62,7 +62,7 @@ def float_in(lo: float, hi: float, low_open: bool = False) -> Callable[[str], fl
 
     def parse(text: str) -> float:
         try:
-            value = float(text)
+            value = ascii_float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be a number in {span}, got {brief(text)}") from None
         if not math.isfinite(value) or not lo <= value <= hi or (low_open and value == lo):
@@ -149,7 +149,7 @@ def _curve(text: str) -> SeqCurve:
     if text.startswith("growth:"):
         try:
             a, b, n = text.split(":")[1:]
-            start, end, steps = float(a), float(b), int(n)
+            start, end, steps = ascii_float(a), ascii_float(b), ascii_int(n)
         except ValueError:
             raise ConfigError(f"--seq-curve {brief(text)}: expected growth:START:END:STEPS") from None
         try:
@@ -166,7 +166,7 @@ def _curve(text: str) -> SeqCurve:
 
 def _gammas(text: str) -> list[float]:
     try:
-        values = [float(v) for v in text.split(",") if v.strip()]
+        values = [ascii_float(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise ConfigError(f"--gamma {brief(text)}: expected numbers in [0, 1], comma-separated") from None
     if not values or any(not 0.0 <= v <= 1.0 for v in values):

@@ -378,7 +378,7 @@ class _Run:
         ctl, waited, headroom = self.controller, 0.0, None
         running = frozenset(g for c in ctl.plan.candidates for g in c.gpus)
         if target is None and running <= set(pool) and not failed:
-            ctl.restarted(ctl.plan)  # nothing better fits: carry on with the plan as it is (no restart)
+            ctl.restarted(ctl.plan, ctl.plan_headroom)  # nothing better fits: carry on as it is (no restart)
             return pool, None, 0.0
         if target is None:
             target, waited, headroom = self.wait_for_plan(seq, relax=not oom)

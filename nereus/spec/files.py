@@ -58,9 +58,24 @@ def shorten(text: str, limit: int = SHOWN) -> str:
 def ascii_int(text: str) -> int:
     """A command-line integer in ASCII digits (an optional ``-``, spaces around): ``int`` also
     takes "３２", "1_0" and "+1", which a flag should refuse. Raises ValueError."""
-    if not re.fullmatch(r"\s*-?[0-9]+\s*", text):
+    if not re.fullmatch(r"[ \t]*-?[0-9]+[ \t]*", text):
         raise ValueError(text)
     return int(text)
+
+
+def ascii_float(text: str) -> float:
+    """A command-line number in ASCII (``float`` also takes "０.５" and "1_0"). Raises ValueError."""
+    if not text.isascii() or "_" in text:
+        raise ValueError(text)
+    return float(text)
+
+
+def float_flag(text: str) -> float:
+    """An argparse type: a number in ASCII (ranges are checked where it is used)."""
+    try:
+        return ascii_float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {brief(text)}") from None
 
 
 def int_flag(text: str) -> int:
