@@ -12,10 +12,10 @@
 * **Our addition**: a pool change that only adds GPUs is the ``pool.growth`` signal, whose horizon
   is the steps until the pool next *loses* GPUs (an EMA of the intervals between losses, the first
   counted from the first step this monitor saw, and no less than the steps since the last loss, or
-  since that first step). A move onto added
-  GPUs gains until those GPUs go: a further growth does not undo it (the next move starts from
-  it), so the paper's "until the pool next changes" undercounts its gain on a pool that grows
-  step after step, and the move that would have used the GPUs is refused every time.
+  since that first step). A move onto added GPUs gains until those GPUs go: a further growth does
+  not undo it (the next move starts from it), so the paper's "until the pool next changes"
+  undercounts its gain on a pool that grows step after step, and the move that would have used
+  the GPUs is refused every time.
 """
 
 from __future__ import annotations
