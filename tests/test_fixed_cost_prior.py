@@ -109,16 +109,13 @@ def test_the_simulated_job_tells_its_controller_what_its_start_up_builds_took() 
 
 def test_moves_are_priced_near_what_they_take_from_the_first_one_on() -> None:
     """The moves nereus makes on the shipped traces are priced near their true seconds from the
-    first one on: the first within 1.5×, two in three within 1.5×, every one within 2.5×.
-    Unseeded, the first (an urgent move rebuilding engines) was priced 0.2 s and took 16 s, and
-    what that one taught overpriced a later one 2.8×. (Not every one within 1.5×: in truth a
-    communicator's init grows with its ranks (``sim/truth/engines.py``), while the estimator
-    counts regroups, so a move onto a pool larger than the start-up's regroups slower than the
-    start-up taught — 0.56× priced on an 86 s move — until measured moves refit the weight; a
-    fixed cost few moves pay is fitted from those few: after a first move of 73 s that rebuilt five
-    engines, a move rebuilding one and regrouping four was priced 18.1 s and took 8.4 s, 2.1×; and
-    a rebuild onto a layout the job built before is warm in truth, which the estimator does not
-    tell apart.)"""
+    first one on: the first within 1.5×, four in five within 1.5×, every one within 2×. Unseeded,
+    the first (an urgent move rebuilding engines) was priced 0.2 s and took 16 s, and what that
+    one taught overpriced a later one 2.8×. (Not every one within 1.5×: in truth a communicator's
+    init grows with its ranks (``sim/truth/engines.py``), while the estimator counts regroups, so a
+    move onto a pool larger than the start-up's regroups slower than the start-up taught — 0.64×
+    priced on a 32 s move — until measured moves refit the weight; and a fixed cost few moves
+    pay is fitted from those few.)"""
     priced = []
     for path in SHIPPED:
         run = _Run(_scenario(path, steps=24, seed=11), "nereus", 0.5)
@@ -133,5 +130,5 @@ def test_moves_are_priced_near_what_they_take_from_the_first_one_on() -> None:
     near = [2 / 3 <= p / s <= 1.5 for *_, p, s in priced]
     firsts = [next(i for i, x in enumerate(priced) if x[0] == path.stem) for path in SHIPPED]
     assert all(near[i] for i in firsts), priced
-    assert sum(near) >= 2 / 3 * len(near), priced
-    assert all(1 / 2.5 <= p / s <= 2.5 for *_, p, s in priced), priced
+    assert sum(near) >= 0.8 * len(near), priced
+    assert all(1 / 2 <= p / s <= 2.0 for *_, p, s in priced), priced

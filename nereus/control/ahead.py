@@ -24,8 +24,9 @@ KEPT_CHECKS = 8  # checks kept each way (fitting, over capacity)
 class MemoryAhead:
     """Kept memory checks of one plan under one calibration."""
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, headroom: float) -> None:
         self.plan = plan
+        self.headroom = headroom  # what the checks were priced with
         self.fits: list[SeqStats] = []  # lengths priced within capacity
         self.overs: list[SeqStats] = []  # lengths priced over it
 

@@ -72,17 +72,6 @@ class State(StrEnum):
     RESTART_REQUIRED = "restart-required"
 
 
-# The running plan's memory is held to the GPUs' memory itself (less the runtime reserve): the
-# memory trigger fires on a predicted violation of that (paper §2.7), and a replan prices the
-# running plan against it. The plan has run, and its peaks calibrate the model (``_calibrate``);
-# the headroom guards the plans that have not run (admission's feasibility, paper §2.9). Held to
-# the headroom, a plan whose measured peaks put it past the headroom (inside the memory) fired an
-# urgent replan every step, and moved onto whatever slower plan fitted the headroom: a 14B model
-# on 16 A100s, whose responses grow from 2,000 to 8,000 tokens, ran twice as long as static,
-# which kept its plan (and never ran out of memory).
-RUNNING_HEADROOM = 0.0
-
-
 class Controller:
     """Decides, step by step, whether the job should change its plan."""
 
@@ -135,6 +124,10 @@ class Controller:
         # the memory checks ahead of the running plan, valid while the calibration they were
         # priced with holds (``_calibrate`` forgets them)
         self._ahead: MemoryAhead | None = None
+        # a plan the job runs knowing it is within the headroom of its memory (a memory replan found
+        # nothing else, or a restart took it without the headroom): its check ahead is against the
+        # memory itself, so a deviation already answered does not replan every step
+        self._tolerated: Plan | None = None
         # steps on fresh engines: their timings are left out (``warm_up``: the job's first step
         # after a rebuild is slower; the simulator's truth models none, so it keeps them)
         self.warmup = WarmUp(warm_up)
@@ -247,6 +240,11 @@ class Controller:
         self.pool_age.priced(t.time_s)
         self.deferral.after(decision, self.config.rule)
         self.decisions.append(decision)
+        if decision.over_headroom:
+            # nothing else fits: the plan carries on, checked ahead against the memory itself (an
+            # out-of-memory step restarts it); until it changes, replans price it there too and
+            # search the others at the headroom
+            self._tolerated = self.plan
         if decision.verdict is Verdict.ADMIT:
             self.state, self.pending = State.TRANSITIONING, decision
         elif decision.verdict is Verdict.RESTART:
@@ -262,18 +260,23 @@ class Controller:
         telemetry discards the answer (``_calibrate``), and ``observe`` prices again."""
         self._over_capacity_ahead(self._lengths(seq_len_mean, seq_len_p95, self._grown(seq_len_mean)))
 
-    def _over_capacity_ahead(self, seq: SeqStats) -> bool:
-        """Whether the running plan is predicted over the GPUs' memory (``RUNNING_HEADROOM``) at
-        the next step's lengths ``seq`` (``nereus.control.ahead``: a quiet step is answered from
-        the checks kept)."""
-        if self._ahead is None or self._ahead.plan is not self.plan:
-            self._ahead = MemoryAhead(self.plan)
-        return self._ahead.over_capacity(seq, lambda s: self._held(self.problem(self.plan.pool, s)))
+    @property
+    def plan_headroom(self) -> float:
+        """The headroom the running plan is held to: the job's, or none for a plan it runs
+        knowing it is within it (``_tolerated``)."""
+        return 0.0 if self._tolerated is self.plan else self.headroom
 
-    @staticmethod
-    def _held(problem: PlanningProblem) -> PlanningProblem:
-        """``problem`` as the running plan's memory is held to it: ``RUNNING_HEADROOM``."""
-        return replace(problem, headroom=RUNNING_HEADROOM)
+    def _over_capacity_ahead(self, seq: SeqStats) -> bool:
+        """Whether the running plan is predicted over capacity at the next step's lengths ``seq``
+        (``nereus.control.ahead``: a quiet step is answered from the checks kept): within the
+        headroom, or within the memory itself for a plan the job runs knowing it is not
+        (``_tolerated``)."""
+        headroom = self.plan_headroom
+        if self._ahead is None or self._ahead.plan is not self.plan or self._ahead.headroom != headroom:
+            self._ahead = MemoryAhead(self.plan, headroom)
+        return self._ahead.over_capacity(
+            seq, lambda s: replace(self.problem(self.plan.pool, s), headroom=headroom)
+        )
 
     def transition_done(self, measured_s: float, moving_s: float | None = None) -> None:
         """The admitted transition finished in ``measured_s`` (``moving_s`` of it moving state,
@@ -328,9 +331,13 @@ class Controller:
         if rebuilt:
             self.warmup.rebuilt()
 
-    def restarted(self, plan: Plan) -> None:
-        """The job restarted from a checkpoint on ``plan`` (a static policy adopts its layouts)."""
+    def restarted(self, plan: Plan, headroom: float | None = None) -> None:
+        """The job restarted from a checkpoint on ``plan`` (a static policy adopts its layouts);
+        ``headroom``: what it was chosen with, where less than the job's (0: the calibrated model
+        within the GPUs' memory, before waiting for more GPUs) — its memory is then checked ahead
+        at that headroom."""
         self.plan = plan
+        self._tolerated = plan if headroom is not None and headroom < self.headroom else None
         self.first_layouts = {c.model_stage: c.layout for c in plan.candidates}
         self.state, self.pending = State.STEADY, None
         self.warmup.rebuilt()
@@ -362,7 +369,7 @@ class Controller:
         current = None
         if not lost and not oom:  # a plan that ran out of memory is not one to keep
             cost = price(problem, shapes_of(self.plan))
-            if not cost.over_capacity(self._held(problem)):
+            if not cost.over_capacity(replace(problem, headroom=self.plan_headroom)):
                 current = cost.step_latency_s
         urgent = urgent or current is None
         risk = 0.0 if current is None else self.options.risk(self.plan, current, problem)
@@ -404,6 +411,7 @@ class Controller:
                         base,
                         reason=f"nothing else fits the {len(problem.pool)} GPUs ({reason}; {why}): "
                         "the running plan holds its GPUs and carries on",
+                        over_headroom=current is None,  # priced over the headroom it is held to
                     )
                 return replace(
                     base,

@@ -105,9 +105,10 @@ class _Run:
         nodes = max(1, len({g // self.s.cluster.gpus_per_node for c in plan.candidates for g in c.gpus}))
         return self.s.restart_s + state / (self.s.storage_gbs * 1e9 * nodes)
 
-    def wait_for_plan(self, seq: SeqStats, relax: bool = True) -> tuple[Plan, float]:
-        """The best plan once the pool allows one; the time spent waiting for it. ``relax``: a
-        restart that did not run out of memory may drop the headroom before it waits."""
+    def wait_for_plan(self, seq: SeqStats, relax: bool = True) -> tuple[Plan, float, float]:
+        """The best plan once the pool allows one; the time spent waiting for it; the headroom it
+        was found with. ``relax``: a restart that did not run out of memory may drop the headroom
+        before it waits."""
         waited, largest = 0.0, 0
         while True:
             pool = self.pool()
@@ -128,7 +129,7 @@ class _Run:
                 for space, headroom in spaces:
                     try:
                         kept = replace(problem, space=space.keeping(self.s.space), headroom=headroom)
-                        return search(kept).plan, waited
+                        return search(kept).plan, waited, headroom
                     except InfeasibleError:
                         pass
             nxt = self.s.supply.next_change_after(self.t)
@@ -167,7 +168,7 @@ class _Run:
         start = self.t
         stalled_s = startup_s = 0.0
         if self.controller is None:
-            plan, stalled_s = self.wait_for_plan(seq)
+            plan, stalled_s, _ = self.wait_for_plan(seq)  # (no controller yet: the job's headroom)
             startup_s = 0.0 if self.free else self.seeding.sweep_s
             self.t += startup_s
             self.controller = Controller(
@@ -374,13 +375,13 @@ class _Run:
         may fit that rule) or waits for GPUs. Returns the pool, what moved, and the seconds spent
         waiting for GPUs."""
         assert self.controller is not None
-        ctl, waited = self.controller, 0.0
+        ctl, waited, headroom = self.controller, 0.0, None
         running = frozenset(g for c in ctl.plan.candidates for g in c.gpus)
         if target is None and running <= set(pool) and not failed:
-            ctl.restarted(ctl.plan)  # nothing better fits: carry on with the plan as it is (no restart)
+            ctl.restarted(ctl.plan, ctl.plan_headroom)  # nothing better fits: carry on as it is (no restart)
             return pool, None, 0.0
         if target is None:
-            target, waited = self.wait_for_plan(seq, relax=not oom)
+            target, waited, headroom = self.wait_for_plan(seq, relax=not oom)
             pool = target.pool
             self.holding_from = self.t  # the reload onto the target's GPUs starts here
         seconds = 0.0 if self.free else self.restart_cost(target, seq)
@@ -388,7 +389,7 @@ class _Run:
         record = TransitionRecord.restart(seconds, reason, checkpoint, ctl.plan, target)
         for c in target.candidates:  # the relaunch built its engines: their layouts are compiled
             self.hw.compiled.mark(engine_of(target, c.model_stage, self.s.models))
-        ctl.restarted(target)
+        ctl.restarted(target, headroom)
         return pool, record, waited
 
     def _oom(self, plan: Plan, peaks: Mapping[str, float], resident: Mapping[str, float]) -> bool:
