@@ -59,7 +59,7 @@ def test_a_memory_deviation_nothing_else_answers_replans_once_then_at_the_memory
     policy: str, tmp_path: Path
 ) -> None:
     """The plan the job keeps because nothing else fits is checked ahead against the GPUs' memory
-    from then on, not the headroom it is already known to be within: no replan every step while
+    from then on, not the headroom it is already known to exceed: no replan every step while
     the responses grow from 620 to 1,740 tokens, and the memory trigger fires again once they
     have grown far enough to put it over the memory itself (the truth's peaks stay inside)."""
     scenario = replace(_scenario(tmp_path, 10), curve=SeqCurve.growth(500, 4000, 10))

@@ -124,9 +124,9 @@ class Controller:
         # the memory checks ahead of the running plan, valid while the calibration they were
         # priced with holds (``_calibrate`` forgets them)
         self._ahead: MemoryAhead | None = None
-        # a plan the job runs knowing it is within the headroom of its memory (a memory replan found
-        # nothing else, or a restart took it without the headroom): its check ahead is against the
-        # memory itself, so a deviation already answered does not replan every step
+        # a plan the job runs knowing it is past its headroom, inside the memory (a memory replan
+        # found nothing else, or a restart took it without the headroom): its check ahead is
+        # against the memory itself, so a deviation already answered does not replan every step
         self._tolerated: Plan | None = None
         # steps on fresh engines: their timings are left out (``warm_up``: the job's first step
         # after a rebuild is slower; the simulator's truth models none, so it keeps them)
@@ -263,7 +263,7 @@ class Controller:
     @property
     def plan_headroom(self) -> float:
         """The headroom the running plan is held to: the job's, or none for a plan it runs
-        knowing it is within it (``_tolerated``)."""
+        knowing it is past it (``_tolerated``)."""
         return 0.0 if self._tolerated is self.plan else self.headroom
 
     def _over_capacity_ahead(self, seq: SeqStats) -> bool:
