@@ -198,8 +198,8 @@ def test_periodic_and_static_policies(plan: Plan) -> None:
 
 def test_estimator_learns_fixed_costs_from_measured_transitions() -> None:
     e = DagEstimator()
-    moved_only = TransitionEstimate(2.0, 0.0, True, features=(2.0, 0.0, 0.0, 0.0, 0.0))
-    with_rebuild = TransitionEstimate(2.0, 0.0, True, features=(2.0, 1.0, 0.0, 1.0, 8.0))
+    moved_only = TransitionEstimate(2.0, 0.0, True, features=(2.0, 0.0, 0.0, 0.0, 0.0, 0.0))
+    with_rebuild = TransitionEstimate(2.0, 0.0, True, features=(2.0, 1.0, 0.0, 1.0, 8.0, 0.0))
     assert float(e.weights @ with_rebuild.features) == pytest.approx(2.0)  # prior: bandwidth only
     for _ in range(6):  # engines rebuilt for a new layout take ~30 s beyond moving bytes
         e.observe(with_rebuild, 2.0 + 30.0 + 2.0)
@@ -251,7 +251,7 @@ def test_rebuilds_a_reformed_world_pays_anyway_are_not_charged(plan: Plan) -> No
     e.seed(FixedCosts(20.0, 5.0, 1.0, 0.01))  # rebuilding engines is what transitions cost here
     full, sunk = e.estimate(problem, plan, target), e.estimate(problem, plan, target, sunk=True)
     assert any(full.features[1:]) and full.seconds > sunk.seconds
-    assert sunk.sunk and sunk.features == (full.features[0], 0.0, 0.0, 0.0, 0.0)
+    assert sunk.sunk and sunk.features == (full.features[0], 0.0, 0.0, 0.0, 0.0, 0.0)
     assert sunk.seconds == pytest.approx(full.features[0])
 
     c = _controller(plan, policy_config("nereus"))

@@ -104,6 +104,9 @@ class _OnlyDpMoves:
     def seed(self, fixed: object) -> None:
         pass
 
+    def built(self, plan: object) -> None:
+        pass
+
 
 def _grow(ctl: Controller, running: Plan, wide: PlanningProblem, quiet: int = 40) -> Decision | None:
     """``quiet`` steps on the running plan's pool since it last changed (a pool horizon of that

@@ -9,15 +9,20 @@ measured transition takes over from there.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
-from nereus.control.transition_cost import DagEstimator, FixedCosts, TransitionEstimate, communicators
+from nereus.control.transition_cost import WARM, DagEstimator, FixedCosts, TransitionEstimate, communicators
+from nereus.plan.layout import Layout
+from nereus.plan.problem import SearchSpace
+from nereus.plan.search import search
 from nereus.sim.engine import _Run
 from nereus.sim.moving import engine_of
 from nereus.sim.truth import PARAMS
 from nereus.sim.truth.engines import build_seconds, regroup_seconds
 from nereus.spec.workload import Stage
+from tests.helpers import make_problem
 from tests.test_simulate import SHIPPED, _scenario
 
 pytestmark = pytest.mark.pure
@@ -55,11 +60,11 @@ def test_a_wide_regroup_is_priced_above_a_narrow_one() -> None:
     its 256-rank communicator costs, not at a count of regrouped model-stages."""
     e = DagEstimator()
     e.seed(FixedCosts(30.0, 1.0, 0.5, 0.05))
-    narrow = TransitionEstimate(1.0, 0.0, True, features=(1.0, 0.0, 0.0, 2.0, 12.0))  # tp 8, dp 4
-    wide = TransitionEstimate(1.0, 0.0, True, features=(1.0, 0.0, 0.0, 1.0, 256.0))  # dp 256
+    narrow = TransitionEstimate(1.0, 0.0, True, features=(1.0, 0.0, 0.0, 2.0, 12.0, 0.0))  # tp 8, dp 4
+    wide = TransitionEstimate(1.0, 0.0, True, features=(1.0, 0.0, 0.0, 1.0, 256.0, 0.0))  # dp 256
     assert float(e.weights @ narrow.features) == pytest.approx(1.0 + 2 * 0.5 + 12 * 0.05)
     assert float(e.weights @ wide.features) == pytest.approx(1.0 + 0.5 + 256 * 0.05)
-    with pytest.raises(ValueError, match="features needs 5 values"):
+    with pytest.raises(ValueError, match="features needs 6 values"):
         TransitionEstimate(1.0, 0.0, True, features=(1.0, 0.0, 0.0, 1.0))
 
 
@@ -74,7 +79,7 @@ def test_fixed_costs_refuse_what_is_not_seconds(bad: float) -> None:
 
 
 def test_a_seeded_estimator_prices_rebuilds_until_transitions_measure_them() -> None:
-    rebuild = TransitionEstimate(2.0, 0.0, True, features=(2.0, 1.0, 1.0, 2.0, 8.0))
+    rebuild = TransitionEstimate(2.0, 0.0, True, features=(2.0, 1.0, 1.0, 2.0, 8.0, 0.0))
     e = DagEstimator()
     assert float(e.weights @ rebuild.features) == pytest.approx(2.0)  # unseeded: rebuilds are free
     e.seed(FixedCosts(30.0, 8.0, None))
@@ -84,8 +89,34 @@ def test_a_seeded_estimator_prices_rebuilds_until_transitions_measure_them() -> 
     learned = e.weights.copy()
     assert float(learned @ rebuild.features) == pytest.approx(24.0, rel=0.05)
     e.seed(FixedCosts(60.0, 60.0, 60.0, 1.0))  # a later start-up (a restart) does not undo what was learned
-    assert (e.weights == learned).all()
+    assert (e.weights[:WARM] == learned[:WARM]).all()  # (no warm rebuild was measured: its seed moves)
     assert (e.weights >= 0).all()
+
+
+def test_a_generation_engine_rebuilt_in_a_layout_the_job_built_before_is_priced_warm() -> None:
+    """vLLM's compile cache outlives an engine: rebuilding the generation engine in a layout the
+    job built before is warm, priced apart from a cold rebuild (from a cold one's seconds until a
+    warm one is measured), and learning what a warm one takes leaves the cold price as it was."""
+    problem = make_problem(model="llama-3.1-8b", cluster="a100-80gb-dgx", gpus=16, response=1024)
+    start = search(problem).plan
+    gen = next(c for c in start.candidates if start.stage_of(c) is G)
+    other = next(lay for lay in (Layout(1, 1), Layout(2, 1), Layout(4, 1)) if lay != gen.layout)
+    moved = search(replace(problem, space=SearchSpace(fixed_layouts=((gen.model_stage, other),)))).plan
+    e = DagEstimator()
+    e.seed(FixedCosts(40.0, 2.0, 0.5))
+    e.built(start)
+    there, back = e.estimate(problem, start, moved), e.estimate(problem, moved, start)
+    assert (there.features[1], there.features[WARM]) == (1.0, 0.0)  # a layout never built: cold
+    assert (back.features[1], back.features[WARM]) == (0.0, 1.0)  # the start-up's layout: warm
+    assert back.seconds - back.features[0] * e.weights[0] == pytest.approx(
+        there.seconds - there.features[0] * e.weights[0], abs=2.0 + 0.5 * 8 + 1e-9
+    )  # unmeasured, a warm rebuild is priced as a cold one (the regroups may differ)
+    warm = TransitionEstimate(2.0, 0.0, True, features=(2.0, 0.0, 0.0, 0.0, 0.0, 1.0))
+    cold = TransitionEstimate(2.0, 0.0, True, features=(2.0, 1.0, 0.0, 0.0, 0.0, 0.0))
+    for _ in range(3):  # in truth a warm rebuild takes half a cold one
+        e.observe(warm, 2.0 + 20.0)
+    assert float(e.weights @ warm.features) == pytest.approx(22.0, rel=0.1)
+    assert float(e.weights @ cold.features) == pytest.approx(42.0, rel=0.05)
 
 
 def test_the_simulated_job_tells_its_controller_what_its_start_up_builds_took() -> None:

@@ -32,8 +32,9 @@ pytestmark = pytest.mark.pure
 class Fresh(Controller):
     """A controller that prices the running plan ahead at every step (no kept answer)."""
 
-    def _over_capacity_ahead(self, seq: SeqStats) -> bool:
-        ahead = self.problem(self.plan.pool, seq)
+    def _over_capacity_ahead(self, seq: SeqStats, headroom: float | None = None) -> bool:
+        held = self.plan_headroom if headroom is None else headroom
+        ahead = replace(self.problem(self.plan.pool, seq), headroom=held)
         return bool(evaluate.price(ahead, evaluate.shapes_of(self.plan)).over_capacity(ahead))
 
 

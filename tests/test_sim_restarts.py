@@ -48,7 +48,10 @@ def test_restarts_are_the_ones_the_step_records_show(policy: str, tmp_path: Path
     assert s.oom_steps == 0 and s.replans == 1  # the deviation answered once (below)
     assert s.restarts == _ran(s), [r.decision for r in s.records]
     memory = [r.decision for r in s.records if r.decision and r.decision["verdict"] == "keep"]
-    assert memory and all("the running plan holds its GPUs and carries on" in d["reason"] for d in memory)
+    # past the headroom, within the memory: the plan is priced, not urgent, and kept (no move pays)
+    assert memory and all(not d["urgent"] and d["current_latency_s"] is not None for d in memory)
+    past = "memory: next step predicted past the headroom, within capacity"
+    assert all(d["triggers"] == [past] for d in memory)
     assert all(d["verdict"] != "restart" or d["target"] is not None for r in s.records if (d := r.decision))
     if policy == "static":  # it holds its layouts: nowhere to restart to, ever
         assert s.restarts == 0 and all(r.restart_s == 0.0 for r in s.records)
@@ -130,7 +133,8 @@ def test_a_plan_restarted_without_the_headroom_is_checked_ahead_at_none() -> Non
     """A restart that took a plan without the headroom (the calibrated model within the GPUs'
     memory, before waiting for more GPUs): the memory trigger holds it to the memory itself, not
     to the headroom it was knowingly chosen without — and still fires when the lengths put it
-    over that. A plain restart onto the same plan fires at once."""
+    over that. A plain restart onto the same plan fires at once, not urgently: it is past the
+    headroom, within the memory."""
     small, large = load_model("llama-3.1-8b"), load_model("llama-3.3-70b")
     models = {r: large if r is Role.REWARD else small for r in Role}
     cluster, workload, pool = load_cluster("a100-80gb-dgx"), load_workload("ppo"), tuple(range(8))
@@ -140,14 +144,15 @@ def test_a_plan_restarted_without_the_headroom_is_checked_ahead_at_none() -> Non
     kept = replace(bare, headroom=DEFAULT_HEADROOM)
     assert price(kept, shapes_of(plan)).over_capacity(kept)  # within the memory, over the headroom
 
-    def memory(headroom: float | None, length: float) -> bool:
+    def memory(headroom: float | None, length: float) -> list[TriggerKind]:
         ctl = Controller(workload, models, cluster, plan, space=SearchSpace.urgent())
         ctl.restarted(plan, headroom)
         fired = ctl.triggers(Telemetry(0, 1.0, length, 1.1 * length, pool))
-        return any(f.kind is TriggerKind.MEMORY for f in fired)
+        return [f.kind for f in fired if f.signal == "memory"]
 
-    assert memory(None, 1000) and not memory(0.0, 1000)
-    assert memory(0.0, 6000)
+    # held to the headroom: past it, within the memory (a replan that must pay back, not urgent)
+    assert memory(None, 1000) == [TriggerKind.MARGIN] and memory(0.0, 1000) == []
+    assert memory(0.0, 6000) == memory(None, 6000) == [TriggerKind.MEMORY]  # over the memory itself
 
 
 def test_a_tolerated_plan_on_a_grown_pool_is_left_only_for_a_move_that_pays() -> None:

@@ -185,3 +185,34 @@ def test_a_pool_that_only_grows_carries_the_horizon_until_it_next_loses_gpus() -
     revoked = mon.observe(tel(12, pool=tuple(range(8)), lost=(6,)), plan, False)  # back within the step
     assert [(f.kind, f.signal) for f in revoked] == [(TriggerKind.POOL, POOL)]
     assert mon.horizon_now(GROWTH, 12) == pytest.approx(0.5 * 2 + 0.5 * 7)
+
+
+def test_a_plan_past_its_headroom_within_the_memory_fires_a_replan_that_is_not_urgent() -> None:
+    """The running plan predicted past the headroom but within the GPUs' memory: a ``MARGIN``
+    trigger (a move away must pay back), whose H is the pool's (until it next changes, and no
+    less than it has now been stable); a violation of the memory itself stays urgent and wins."""
+    mon = TriggerMonitor()
+    plan_gpus = frozenset({0, 1})
+    mon.observe(tel(0), plan_gpus, False)
+    mon.observe(tel(2, pool=(0, 1, 2)), plan_gpus, False)  # the pool last changed at step 2
+    margin = mon.observe(tel(7, pool=(0, 1, 2)), plan_gpus, False, into_margin=True)
+    assert [t.kind for t in margin] == [TriggerKind.MARGIN] and not margin[0].urgent
+    assert margin[0].horizon_steps == 5.0 == mon.horizon_now(POOL, 7)
+    both = mon.observe(tel(8, pool=(0, 1, 2)), plan_gpus, True, into_margin=True)
+    assert [t.kind for t in both] == [TriggerKind.MEMORY]
+    assert margin[0].describe() == "memory: next step predicted past the headroom, within capacity"
+
+
+def test_the_margin_sets_h_only_where_no_signal_fired_with_it() -> None:
+    """H is the smallest H_x among the signals that fired; a plan past its headroom is no signal
+    that changes, so a pool growth's H (say) is not cut to the margin's."""
+    mon = TriggerMonitor()
+    plan_gpus = frozenset({0, 1})
+    mon.observe(tel(0), plan_gpus, False)
+    fired = mon.observe(tel(6, pool=(0, 1, 2, 3, 4)), plan_gpus, False, into_margin=True)
+    kinds = {t.kind: t for t in fired}
+    assert set(kinds) == {TriggerKind.POOL, TriggerKind.MARGIN}
+    growth = kinds[TriggerKind.POOL]
+    assert growth.signal == GROWTH and growth.horizon_steps == 6.0
+    assert kinds[TriggerKind.MARGIN].horizon_steps == 1.0  # the pool just changed: H 1
+    assert horizon(fired) == 6.0 and horizon([kinds[TriggerKind.MARGIN]]) == 1.0

@@ -102,6 +102,7 @@ class Controller:
         self.plan_cache = PlanCache()  # what replans of this job reuse (issue 21)
         self.planner = partial(search, cache=self.plan_cache) if planner is search else planner
         self.estimator = estimator or DagEstimator()
+        self.estimator.built(plan)  # the job starts by building this plan's engines
         self.options = Options(
             self.planner, cluster, self.domains, self.config.restart_s, self.config.fallback_tolerance,
             offer_floor=not self.config.hold_layouts,  # static's DP follows the pool
@@ -123,7 +124,7 @@ class Controller:
         self.deferral = Deferral()  # a rejected, profitable-someday target (``nereus.control.deferral``)
         # the memory checks ahead of the running plan, valid while the calibration they were
         # priced with holds (``_calibrate`` forgets them)
-        self._ahead: MemoryAhead | None = None
+        self._ahead: dict[float, MemoryAhead] = {}  # per headroom checked
         # a plan the job runs knowing it is past its headroom, inside the memory (a memory replan
         # found nothing else, or a restart took it without the headroom): its check ahead is
         # against the memory itself, so a deviation already answered does not replan every step
@@ -161,7 +162,7 @@ class Controller:
     def _calibrate(self, t: Telemetry) -> None:
         """Fold measured op-class times and memory peaks into calibration (paper §2.5)."""
         if t.measurements or t.peak_memory or t.oom:  # the calibration changes
-            self._ahead = None
+            self._ahead = {}
         self.calibration.update(t.measurements)
         if not t.peak_memory:
             return
@@ -201,13 +202,17 @@ class Controller:
             for stage in stages:
                 self.calibration.raise_memory_floor(stage, steps.get(stage, OOM_STEP))
         plan_gpus = frozenset(g for c in self.plan.candidates for g in c.gpus)
-        violation = not t.lost_of(plan_gpus) and self._over_capacity_ahead(self._seq(t))
-        fired = self.monitor.observe(t, plan_gpus, violation)
+        seq = self._seq(t)
+        past = not t.lost_of(plan_gpus) and self._over_capacity_ahead(seq)
+        violation = past and (self.plan_headroom == 0.0 or self._over_capacity_ahead(seq, 0.0))
+        fired = self.monitor.observe(t, plan_gpus, violation, past and not violation)
         settled = self.pool_age.trigger(t, plan_gpus, self.monitor.horizon_now(GROWTH, t.step))
         fired += [settled] if settled is not None and not fired else []
         if self.config.period and (t.step + 1) % self.config.period == 0:
             fired.append(Trigger(TriggerKind.PERIODIC, "timer", t.step, t.step, float(self.config.period)))
-        fired = [f for f in fired if f.urgent or f.kind in self.config.replan_on]
+        # memory is every policy's business: past capacity (urgent) or past the headroom
+        kept = self.config.replan_on | {TriggerKind.MARGIN}
+        fired = [f for f in fired if f.urgent or f.kind in kept]
         if not fired:
             fired = self.deferral.trigger(self.monitor, t.step, self.config.rule.gamma)
         return fired
@@ -258,7 +263,9 @@ class Controller:
         meanwhile): price the running plan ahead at the lengths the next ``observe`` will see, so
         that its memory check is a kept answer. Decides nothing; a calibration change in that
         telemetry discards the answer (``_calibrate``), and ``observe`` prices again."""
-        self._over_capacity_ahead(self._lengths(seq_len_mean, seq_len_p95, self._grown(seq_len_mean)))
+        seq = self._lengths(seq_len_mean, seq_len_p95, self._grown(seq_len_mean))
+        if self._over_capacity_ahead(seq) and self.plan_headroom > 0.0:
+            self._over_capacity_ahead(seq, 0.0)
 
     @property
     def plan_headroom(self) -> float:
@@ -266,17 +273,16 @@ class Controller:
         knowing it is past it (``_tolerated``)."""
         return 0.0 if self._tolerated is self.plan else self.headroom
 
-    def _over_capacity_ahead(self, seq: SeqStats) -> bool:
+    def _over_capacity_ahead(self, seq: SeqStats, headroom: float | None = None) -> bool:
         """Whether the running plan is predicted over capacity at the next step's lengths ``seq``
-        (``nereus.control.ahead``: a quiet step is answered from the checks kept): within the
-        headroom, or within the memory itself for a plan the job runs knowing it is not
-        (``_tolerated``)."""
-        headroom = self.plan_headroom
-        if self._ahead is None or self._ahead.plan is not self.plan or self._ahead.headroom != headroom:
-            self._ahead = MemoryAhead(self.plan, headroom)
-        return self._ahead.over_capacity(
-            seq, lambda s: replace(self.problem(self.plan.pool, s), headroom=headroom)
-        )
+        (``nereus.control.ahead``: a quiet step is answered from the checks kept): within
+        ``headroom``; by default the plan's (``plan_headroom``: the job's, or none for a plan the
+        job runs knowing it is past it, ``_tolerated``)."""
+        held = self.plan_headroom if headroom is None else headroom
+        ahead = self._ahead.get(held)
+        if ahead is None or ahead.plan is not self.plan:
+            ahead = self._ahead[held] = MemoryAhead(self.plan, held)
+        return ahead.over_capacity(seq, lambda s: replace(self.problem(self.plan.pool, s), headroom=held))
 
     def transition_done(self, measured_s: float, moving_s: float | None = None) -> None:
         """The admitted transition finished in ``measured_s`` (``moving_s`` of it moving state,
@@ -289,6 +295,7 @@ class Controller:
             sunk = est.sunk and moving_s is not None
             self.estimator.observe(est, moving_s if sunk and moving_s is not None else measured_s)
         self.plan = self.pending.target
+        self.estimator.built(self.plan)
         self.state, self.pending = State.STEADY, None
         self.warmup.rebuilt()
 
@@ -329,6 +336,7 @@ class Controller:
         self.plan = plan
         self.state, self.pending = State.STEADY, None
         if rebuilt:
+            self.estimator.built(plan)
             self.warmup.rebuilt()
 
     def restarted(self, plan: Plan, headroom: float | None = None) -> None:
@@ -337,6 +345,7 @@ class Controller:
         within the GPUs' memory, before waiting for more GPUs) — its memory is then checked ahead
         at that headroom."""
         self.plan = plan
+        self.estimator.built(plan)
         self._tolerated = plan if headroom is not None and headroom < self.headroom else None
         self.first_layouts = {c.model_stage: c.layout for c in plan.candidates}
         self.state, self.pending = State.STEADY, None
@@ -366,11 +375,16 @@ class Controller:
         problem = self.problem(t.pool, seq)
         lost = t.lost_of(frozenset(g for c in self.plan.candidates for g in c.gpus))
         oom = any(f.kind is TriggerKind.OOM for f in fired)
-        current = None
+        current, margin = None, False
         if not lost and not oom:  # a plan that ran out of memory is not one to keep
             cost = price(problem, shapes_of(self.plan))
             if not cost.over_capacity(replace(problem, headroom=self.plan_headroom)):
                 current = cost.step_latency_s
+            elif not cost.over_capacity(replace(problem, headroom=0.0)):
+                # past the headroom, within the memory: a plan the job may keep running (its
+                # memory is measured every step) — a move away must pay back; kept, it is held
+                # to the memory itself from then on (``_tolerated``)
+                current, margin = cost.step_latency_s, True
         urgent = urgent or current is None
         risk = 0.0 if current is None else self.options.risk(self.plan, current, problem)
         expected = None if current is None else current + risk  # with the restart it risks
@@ -380,9 +394,12 @@ class Controller:
         base = Decision(
             t.step, t.time_s, tuple(fired), urgent, Verdict.KEEP, "", current, horizon_steps=h,
             current_risk_s=risk, revocation_rate=None if d is None else d.revocations_per_hour,
+            over_headroom=margin,
         )  # fmt: skip
         options = self._options(problem)
-        if not options or urgent or is_widened(self.plan, self.workload):  # ``nereus.control.widened``
+        # the wider space too (``nereus.control.widened``), and past the headroom: what fits it may
+        # need smaller micro-batches or recomputation
+        if not options or urgent or margin or is_widened(self.plan, self.workload):
             wider = self._options(self.problem(t.pool, seq, SearchSpace.urgent()), "widened")
             options = led_by_wider(options, wider)
         if options and options[0].plan.candidates == self.plan.candidates and not oom and not lost:

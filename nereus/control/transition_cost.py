@@ -8,14 +8,17 @@ list schedule's makespan (bytes over links, shared-link contention, communicator
 
 Transitions also pay costs bytes do not explain: rebuilding an engine for a new layout,
 re-forming process groups. The estimate is w · (DAG makespan, generation rebuilds, other rebuilds,
-communicators formed, their ranks), where every changed model-stage regroups (a re-laid-out one
-as well as one whose DP changed: its groups are new either way, and the start-up measures groups
-and engines apart). A rank of a regrouped model-stage joins one communicator per parallel
-dimension (TP, PP, DP) wider than one rank, in turn, and initialising one costs a + b · ranks (a
+communicators formed, their ranks, warm generation rebuilds). A generation rebuild is warm in a
+layout the job built that engine in before (``DagEstimator.built``): vLLM's compile cache, keyed
+by the model and its parallel layout, outlives the engine and makes such a build cheaper; how
+much cheaper is learned, from a prior of a cold build. Every changed model-stage regroups (a
+re-laid-out one as well as one whose DP changed: its groups are new either way, and the start-up
+measures groups and engines apart). A rank of a regrouped model-stage joins one communicator per
+parallel dimension (TP, PP, DP) wider than one rank, in turn, and initialising one costs a + b · ranks (a
 fixed handshake, and a bootstrap that exchanges every rank's address): at 1,024 GPUs a DP group
 spans hundreds of ranks and forming it costs several times what a TP group of 8 does, which a
 count of regroups cannot price. w is fitted by non-negative least squares to the measured
-transitions (``DagEstimator``), starting from the pure DAG model w = (1, 0, 0, 0, 0) — or, once
+transitions (``DagEstimator``), starting from the pure DAG model w = (1, 0, 0, 0, 0, 0) — or, once
 the job reports what building its engines and groups took at start-up (``FixedCosts``,
 ``DagEstimator.seed``), from those seconds: a first move is then priced with the rebuilds it will
 pay, not as free. At a boundary where the job's world re-forms anyway (a worker joined or left),
@@ -32,13 +35,16 @@ from typing import Protocol
 
 import numpy as np
 
-from nereus.plan.layout import Plan
+from nereus.plan.layout import Layout, Plan
 from nereus.plan.problem import PlanningProblem
 from nereus.spec.workload import Stage
 from nereus.transition import NoSourceError, Transition
 from nereus.transition.between import ROOMY, Priced, fit_staging, price_transition
 
-FEATURES = 5  # DAG makespan, generation rebuilds, other rebuilds, communicators, their ranks
+# DAG makespan, (cold) generation rebuilds, other rebuilds, communicators, their ranks, warm
+# generation rebuilds (a layout the job built that engine in before)
+FEATURES = 6
+WARM = 5  # the warm generation rebuilds' index
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +57,9 @@ class TransitionEstimate:
     resharded: tuple[str, ...] = ()  # model-stages whose (tp, pp) changes
     moved_bytes: float = 0.0
     per_gpu_seconds: Mapping[int, float] = field(default_factory=dict)  # when each GPU is done
-    # what the fitted cost model multiplies: (DAG makespan s, generation rebuilds, other rebuilds,
-    # communicators formed, the ranks of those communicators)
-    features: tuple[float, ...] = (0.0,) * 5
+    # what the fitted cost model multiplies: (DAG makespan s, cold generation rebuilds, other
+    # rebuilds, communicators formed, the ranks of those communicators, warm generation rebuilds)
+    features: tuple[float, ...] = (0.0,) * FEATURES
     priced: Priced | None = None  # what was priced: a class plan, or the DAG and schedule a move runs
     sunk: bool = False  # rebuilds and regroups happen anyway (the world re-forms): not charged
     dag_weight: float = 1.0  # the fitted weight on the DAG makespan ``seconds`` was priced with
@@ -152,8 +158,10 @@ class FixedCosts:
         )
 
     def as_weights(self) -> tuple[float | None, ...]:
-        """The estimator's fixed-cost weights, in feature order."""
-        return (self.gen_rebuild_s, self.other_rebuild_s, self.communicator_s, self.per_rank_s)
+        """The estimator's fixed-cost weights, in feature order: a warm generation rebuild's is a
+        cold one's (a start-up builds every engine cold: it tells nothing of what a cache saves)."""
+        return (self.gen_rebuild_s, self.other_rebuild_s, self.communicator_s, self.per_rank_s,
+                self.gen_rebuild_s)  # fmt: skip
 
 
 def staged(problem: PlanningProblem, est: TransitionEstimate) -> TransitionEstimate:
@@ -195,12 +203,14 @@ class TransitionEstimator(Protocol):
 
     def seed(self, fixed: FixedCosts) -> None: ...
 
+    def built(self, plan: Plan) -> None: ...
+
 
 # how far a start-up measurement is trusted as a transition's fixed cost: its standard deviation,
 # as a share of it (a rebuild for a new layout is not exactly the first build: caches are warm,
 # imports done); a few measured transitions outweigh it
 SEED_SPREAD = 0.5
-SEED_FLOOR_SD = (0.0, 0.1, 0.1, 0.1, 0.01)  # ... and at least this (seconds; per rank: 10 ms)
+SEED_FLOOR_SD = (0.0, 0.1, 0.1, 0.1, 0.01, 0.1)  # ... and at least this (seconds; per rank: 10 ms)
 
 
 class DagEstimator:
@@ -218,19 +228,29 @@ class DagEstimator:
         self._prior = np.zeros(FEATURES)
         self._prior[0] = 1.0
         # trust the DAG, not fixed costs (a rank's share of a communicator: ≤ a second or so)
-        self._prior_sd = np.array([0.1**0.5, 100.0, 100.0, 100.0, 1.0])
+        self._prior_sd = np.array([0.1**0.5, 100.0, 100.0, 100.0, 1.0, 100.0])
         self._seen: list[tuple[np.ndarray, float]] = []  # (features, measured s), oldest first
         self.weights = self._prior.copy()
+        self._built: set[tuple[str, Layout]] = set()  # generation engines built: (model-stage, layout)
 
     def seed(self, fixed: FixedCosts) -> None:
         """Start the fixed-cost weights from the job's own start-up builds (``FixedCosts``), where
-        no transition has measured them yet; the DAG's weight is kept."""
+        no transition has measured them yet; the DAG's weight is kept. A warm generation rebuild
+        starts at a cold one's seconds, trusted no closer than those seconds."""
         learned = [any(f[i] for f, _ in self._seen) for i in range(FEATURES)]
         for i, v in enumerate(fixed.as_weights(), start=1):
             if v is None or learned[i]:  # not measured, or a transition measured it already
                 continue
-            self._prior[i], self._prior_sd[i] = v, max(SEED_SPREAD * v, SEED_FLOOR_SD[i])
+            spread = 1.0 if i == WARM else SEED_SPREAD
+            self._prior[i], self._prior_sd[i] = v, max(spread * v, SEED_FLOOR_SD[i])
         self.weights = self._fit()
+
+    def built(self, plan: Plan) -> None:
+        """The job built ``plan``'s engines (at start-up, a move, a restart): a later rebuild of
+        one of its generation engines in the same layout is warm."""
+        for c in plan.candidates:
+            if plan.stage_of(c) is Stage.GEN:
+                self._built.add((c.model_stage, c.layout))
 
     def observe(self, estimate: TransitionEstimate, measured_s: float) -> None:
         """Fold one measured transition into the weights."""
@@ -268,13 +288,15 @@ class DagEstimator:
                 0.0, peak, False, tr.transition.dag.reason, changed, resharded, tr.moved_bytes, priced=tr
             )
         done = tr.gpu_done()
-        gen = sum(1 for n in resharded if target.workflow.get(n).stage is Stage.GEN)
+        gens = [n for n in resharded if target.workflow.get(n).stage is Stage.GEN]
+        warm = sum(1 for n in gens if (n, target.candidate(n).layout) in self._built)
         comms, ranks = regroup_features(target, changed)  # a re-laid-out model-stage regroups too
         features = (
-            (tr.l_tran_s, 0.0, 0.0, 0.0, 0.0)
+            (tr.l_tran_s, 0.0, 0.0, 0.0, 0.0, 0.0)
             if sunk
-            else (tr.l_tran_s, float(gen), float(len(resharded) - gen), comms, ranks)
-        )
+            else (tr.l_tran_s, float(len(gens) - warm), float(len(resharded) - len(gens)), comms, ranks,
+                  float(warm))
+        )  # fmt: skip
         seconds = float(np.dot(self.weights, features))
         return TransitionEstimate(
             seconds, peak, True, "", changed, resharded, float(tr.moved_bytes), done, features, tr, sunk,

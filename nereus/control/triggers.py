@@ -36,6 +36,7 @@ class TriggerKind(StrEnum):
     POOL = "pool"  # the pool changed; the running plan keeps its GPUs
     GPU_LOSS = "gpu-loss"  # the running plan lost GPUs: it is invalid
     MEMORY = "memory"  # the running plan is predicted to run out of memory next step
+    MARGIN = "memory.margin"  # ... to fit its memory, but past the headroom kept for model error
     OOM = "oom"  # a step ran out of memory
     DRIFT = "drift"  # a signal moved more than δ from its reference
     PERIODIC = "periodic"  # a periodic policy's timer
@@ -66,6 +67,8 @@ class Trigger:
             return f"{self.kind.value} {self.reference:g}→{self.value:g} GPUs"
         if self.kind is TriggerKind.MEMORY:
             return "memory: next step predicted over capacity"
+        if self.kind is TriggerKind.MARGIN:
+            return "memory: next step predicted past the headroom, within capacity"
         if self.kind is TriggerKind.OOM:
             return "oom: the last step ran out of memory"
         if self.kind is TriggerKind.DEFERRED:
@@ -154,8 +157,12 @@ class TriggerMonitor:
         self.loss_horizon = Horizon(weight)  # steps between pool changes that lose GPUs
         self._pool: frozenset[int] | None = None if pool is None else frozenset(pool)
 
-    def observe(self, t: Telemetry, plan_gpus: frozenset[int], memory_violation: bool) -> list[Trigger]:
-        """Triggers that fire at the end of step ``t.step`` for a plan running on ``plan_gpus``."""
+    def observe(
+        self, t: Telemetry, plan_gpus: frozenset[int], memory_violation: bool, into_margin: bool = False
+    ) -> list[Trigger]:
+        """Triggers that fire at the end of step ``t.step`` for a plan running on ``plan_gpus``:
+        ``memory_violation`` the plan predicted over its GPUs' memory next step, ``into_margin``
+        predicted to fit it but past the headroom (a replan that must pay back, not urgent)."""
         fired: list[Trigger] = []
         pool = frozenset(t.pool)
         gone = t.lost_of(plan_gpus)  # out of the pool, or revoked during the step and back
@@ -177,6 +184,8 @@ class TriggerMonitor:
             fired.append(Trigger(TriggerKind.OOM, "memory", 1.0, 0.0, 1.0))
         elif memory_violation:
             fired.append(Trigger(TriggerKind.MEMORY, "memory", 1.0, 0.0, 1.0))
+        elif into_margin:  # a move away lasts until the pool next changes
+            fired.append(Trigger(TriggerKind.MARGIN, "memory", 1.0, 0.0, self.pool_horizon.effective(t.step)))
         drift = self.seq_len.observe(t.step, t.seq_len_mean)
         if drift is not None:
             fired.append(drift)
@@ -216,5 +225,8 @@ class TriggerMonitor:
 
 
 def horizon(triggers: list[Trigger]) -> float:
-    """H for an admission decision: the smallest H_x among the signals that fired (paper §2.8)."""
-    return min((t.horizon_steps for t in triggers), default=1.0)
+    """H for an admission decision: the smallest H_x among the signals that fired (paper §2.8).
+    A plan past its headroom (``MARGIN``) is no signal that changes: its H (until the pool next
+    changes) stands only where no signal fired with it."""
+    signals = [t for t in triggers if t.kind is not TriggerKind.MARGIN] or triggers
+    return min((t.horizon_steps for t in signals), default=1.0)
