@@ -358,3 +358,24 @@ def test_nowhere_to_go_keeps_a_plan_that_holds_its_gpus_and_restarts_one_that_do
     oom.observe(t(0, 2048, pool))
     d = oom.observe(t(1, 2048, pool, oom=True, oom_stage="actor.train"))
     assert d is not None and d.verdict is Verdict.RESTART and d.target is None
+
+
+def test_the_step_after_a_move_measures_the_new_plan_without_a_drift(plan: Plan) -> None:
+    """A move onto a grown pool, and the first measured step on the new plan (after its warm-up
+    step) sees its op classes at half the efficiency the left plan did (other shapes): that is
+    the new reference, not a drift that would replan at once with H = 1."""
+    from nereus.plan.calibration import Measurement
+    from nereus.plan.opclass import OpClass
+
+    def ms(eff: float) -> tuple[Measurement, ...]:
+        return (Measurement(OpClass.ALLREDUCE_INTER, 1.0, 1.0 / eff),)
+
+    ctl = _controller(plan)
+    ctl.observe(t(0, 2048, tuple(range(16)), measurements=ms(0.6)))
+    d = ctl.observe(t(1, 2048, tuple(range(32)), measurements=ms(0.6)))
+    assert d is not None and d.verdict is Verdict.ADMIT, d and d.reason
+    ctl.transition_done(5.0)
+    assert ctl.observe(t(2, 2048, tuple(range(32)), measurements=ms(0.3))) is None  # warm-up: left out
+    assert ctl.observe(t(3, 2048, tuple(range(32)), measurements=ms(0.3))) is None  # the new reference
+    later = ctl.observe(t(4, 2048, tuple(range(32)), measurements=ms(0.6)))  # now it drifts
+    assert later is not None and [f.signal for f in later.triggers] == ["efficiency.allreduce.inter"]

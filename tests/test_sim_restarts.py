@@ -172,4 +172,4 @@ def test_a_tolerated_plan_on_a_grown_pool_is_left_only_for_a_move_that_pays() ->
     ctl.restarted(plan, 0.0)
     decision = ctl.observe(Telemetry(0, 1.0, 1000, 1100, tuple(range(16))))
     assert decision is not None and decision.current_latency_s is not None and not decision.urgent
-    assert ctl.plan_headroom == (0.0 if ctl.plan is plan else DEFAULT_HEADROOM)
+    assert ctl.plan is plan and ctl.plan_headroom == 0.0  # still held to the memory itself

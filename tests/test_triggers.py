@@ -216,3 +216,28 @@ def test_the_margin_sets_h_only_where_no_signal_fired_with_it() -> None:
     assert growth.signal == GROWTH and growth.horizon_steps == 6.0
     assert kinds[TriggerKind.MARGIN].horizon_steps == 1.0  # the pool just changed: H 1
     assert horizon(fired) == 6.0 and horizon([kinds[TriggerKind.MARGIN]]) == 1.0
+
+
+def test_after_the_plan_changes_its_first_efficiency_is_the_new_reference() -> None:
+    """A move measures each op class on other shapes: the first efficiency on the new plan is
+    its reference, not a drift from the left plan's (which crossed with H = 1 and cut the next
+    decision's H to 1); a later change from it is a drift, its interval counted from no crossing."""
+    mon = TriggerMonitor(delta_eff=0.25)
+
+    def step(i: int, eff: float) -> list[float]:
+        ms = (Measurement(OpClass.ALLREDUCE_INTER, 1.0, 1.0 / eff),)
+        return [t.horizon_steps for t in mon.observe(tel(i, measurements=ms), frozenset({0}), False)]
+
+    assert step(0, 0.6) == []
+    mon.rebase()  # the controller's plan changed
+    assert step(1, 0.3) == []  # −50%, on the new plan's shapes: its reference
+    assert step(2, 0.32) == []
+    assert step(5, 0.6) == [1.0]  # +100% from 0.3: a drift, the first crossing (H = 1)
+    fresh = TriggerMonitor(delta_eff=0.25)
+    fresh.observe(
+        tel(0, measurements=(Measurement(OpClass.ALLREDUCE_INTER, 1.0, 1.0 / 0.6),)), frozenset({0}), False
+    )
+    moved = fresh.observe(
+        tel(1, measurements=(Measurement(OpClass.ALLREDUCE_INTER, 1.0, 1.0 / 0.3),)), frozenset({0}), False
+    )
+    assert [t.kind for t in moved] == [TriggerKind.DRIFT]  # without the rebase, the plan change is a drift

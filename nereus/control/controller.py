@@ -296,6 +296,7 @@ class Controller:
             self.estimator.observe(est, moving_s if sunk and moving_s is not None else measured_s)
         self.plan = self.pending.target
         self.estimator.built(self.plan)
+        self.monitor.rebase()
         self.state, self.pending = State.STEADY, None
         self.warmup.rebuilt()
 
@@ -337,6 +338,7 @@ class Controller:
         self.state, self.pending = State.STEADY, None
         if rebuilt:
             self.estimator.built(plan)
+            self.monitor.rebase()
             self.warmup.rebuilt()
 
     def restarted(self, plan: Plan, headroom: float | None = None) -> None:
@@ -346,6 +348,7 @@ class Controller:
         at that headroom."""
         self.plan = plan
         self.estimator.built(plan)
+        self.monitor.rebase()
         self._tolerated = plan if headroom is not None and headroom < self.headroom else None
         self.first_layouts = {c.model_stage: c.layout for c in plan.candidates}
         self.state, self.pending = State.STEADY, None

@@ -215,6 +215,15 @@ class TriggerMonitor:
                 return tracker.horizon.effective(step)
         return 1.0
 
+    def rebase(self) -> None:
+        """The job now runs another plan (a move, a restart, a rollback onto rebuilt engines):
+        each op class's efficiency is measured on other shapes, so its reference is the first
+        measurement on the new plan, and that first change is no drift (**our addition**: the
+        references ``reset`` kept were the left plan's, and the first step on the new one crossed
+        them, with H = 1, cutting the H of the next decision to 1)."""
+        for tracker in self.efficiency.values():
+            tracker.reference = None
+
     def reset(self, t: Telemetry) -> None:
         """New references after a replan, whatever its verdict (paper §2.7)."""
         self.seq_len.reset(t.seq_len_mean)
