@@ -241,3 +241,23 @@ def test_after_the_plan_changes_its_first_efficiency_is_the_new_reference() -> N
         tel(1, measurements=(Measurement(OpClass.ALLREDUCE_INTER, 1.0, 1.0 / 0.3),)), frozenset({0}), False
     )
     assert [t.kind for t in moved] == [TriggerKind.DRIFT]  # without the rebase, the plan change is a drift
+
+
+def test_a_move_refused_past_the_headroom_alone_waits_on_the_pools_horizon() -> None:
+    """A refused move on a ``MARGIN`` replan alone waits as a deferred target on the pool's H
+    (the margin's own); beside another signal, on that signal's (``horizon`` leaves it out)."""
+    from nereus.control.admission import Decision, Profit, Rule, Verdict
+    from nereus.control.deferral import Deferral
+
+    mon, plan_gpus, rule = TriggerMonitor(), frozenset({0, 1}), Rule(Profit.PAYBACK, 0.5)
+    mon.observe(tel(0), plan_gpus, False)
+    mon.observe(tel(2, pool=(0, 1, 2)), plan_gpus, False)  # the pool changed at step 2
+    margin = mon.observe(tel(3, pool=(0, 1, 2)), plan_gpus, False, into_margin=True)
+    deferral = Deferral()
+    deferral.after(Decision(3, 3.0, tuple(margin), False, Verdict.KEEP, "", 100.0, payback_steps=2.0), rule)
+    assert deferral.pending == ((POOL,), 2.0)
+    assert deferral.trigger(mon, 4, 0.5) == []  # H 2: γ·H = 1 < 2
+    assert [t.kind for t in deferral.trigger(mon, 6, 0.5)] == [TriggerKind.DEFERRED]  # H 4: γ·H = 2
+    both = mon.observe(tel(7, pool=(0, 1, 2, 3)), plan_gpus, False, into_margin=True)
+    deferral.after(Decision(7, 7.0, tuple(both), False, Verdict.KEEP, "", 100.0, payback_steps=2.0), rule)
+    assert deferral.pending == ((GROWTH,), 2.0)

@@ -109,8 +109,8 @@ class Decision:
     target_risk_s: float = 0.0  # … and of the target
     # revocations per revocable instance-hour the risks were priced at (None: nothing revocable)
     revocation_rate: float | None = None
-    # nothing else fits and the plan, over its headroom, carries on (its memory is checked ahead
-    # against the GPUs' memory itself from then on)
+    # the running plan was priced past its headroom (within the memory, or nothing else fits):
+    # kept, it carries on, its memory checked ahead against the GPUs' memory itself from then on
     over_headroom: bool = False
 
     @property

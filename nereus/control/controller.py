@@ -126,7 +126,7 @@ class Controller:
         # priced with holds (``_calibrate`` forgets them)
         self._ahead: dict[float, MemoryAhead] = {}  # per headroom checked
         # a plan the job runs knowing it is past its headroom, inside the memory (a memory replan
-        # found nothing else, or a restart took it without the headroom): its check ahead is
+        # kept it, or found nothing else, or a restart took it without the headroom): its check ahead is
         # against the memory itself, so a deviation already answered does not replan every step
         self._tolerated: Plan | None = None
         # steps on fresh engines: their timings are left out (``warm_up``: the job's first step
@@ -334,11 +334,12 @@ class Controller:
         """The job runs ``plan`` again: a step that failed part-way (a transition included) was
         rolled back to its boundary (``rebuilt``: engines were built again, so the next step
         warms up; not for a decision dropped before it acted)."""
+        if rebuilt and plan.candidates != self.plan.candidates:
+            self.monitor.rebase()
         self.plan = plan
         self.state, self.pending = State.STEADY, None
         if rebuilt:
             self.estimator.built(plan)
-            self.monitor.rebase()
             self.warmup.rebuilt()
 
     def restarted(self, plan: Plan, headroom: float | None = None) -> None:
@@ -346,9 +347,10 @@ class Controller:
         ``headroom``: what it was chosen with, where less than the job's (0: the calibrated model
         within the GPUs' memory, before waiting for more GPUs) — its memory is then checked ahead
         at that headroom."""
+        if plan.candidates != self.plan.candidates:  # (a plan carried on as it is keeps them)
+            self.monitor.rebase()
         self.plan = plan
         self.estimator.built(plan)
-        self.monitor.rebase()
         self._tolerated = plan if headroom is not None and headroom < self.headroom else None
         self.first_layouts = {c.model_stage: c.layout for c in plan.candidates}
         self.state, self.pending = State.STEADY, None
@@ -413,6 +415,12 @@ class Controller:
             self.estimator.estimate(problem, self.plan, o.plan, lost, rebuilt, t.reformed) for o in options
         ]
         index, reason = admit_staged(self.config.rule, problem, expected, options, estimates, h, urgent)
+        alone = margin and all(f.kind is TriggerKind.MARGIN for f in fired)
+        if alone and index is not None and expected is not None and options[index].expected_s >= expected:
+            # past the headroom alone, a plan the job may keep: whatever the rule, only a faster
+            # one is worth a move (``switch`` would take any that fits the headroom)
+            slower = options[index]
+            index, reason = None, f"{slower.label}: no gain (ΔL {expected - slower.expected_s:+.3g} s)"
         if index is None and urgent:  # also try smaller micro-batches and recomputation
             widened = [
                 o

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from nereus.control.admission import Decision, Profit, Rule, Verdict
-from nereus.control.triggers import Trigger, TriggerKind, TriggerMonitor
+from nereus.control.triggers import POOL, Trigger, TriggerKind, TriggerMonitor
 
 
 class Deferral:
@@ -28,9 +28,11 @@ class Deferral:
         ):
             self.pending = None
             return
-        signals = tuple(
-            sorted({t.signal for t in d.triggers if not t.urgent and t.kind is not TriggerKind.DEFERRED})
-        )
+        fired = [t for t in d.triggers if not t.urgent and t.kind is not TriggerKind.DEFERRED]
+        named = {t.signal for t in fired if t.kind is not TriggerKind.MARGIN}
+        if not named and fired:  # past the headroom alone: its H is the pool's (``triggers.horizon``)
+            named = {POOL}
+        signals = tuple(sorted(named))
         previous = self.pending[0] if self.pending else ()
         self.pending = (signals or previous, d.payback_steps) if (signals or previous) else None
 

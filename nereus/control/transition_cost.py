@@ -266,7 +266,10 @@ class DagEstimator:
         prior = np.sqrt(self.forgetting**n) / self._prior_sd  # the prior fades like an old sample
         a = np.vstack([np.diag(prior), *(f[None, :] * r for (f, _), r in zip(self._seen, age, strict=True))])
         b = np.concatenate([prior * self._prior, [y * r for (_, y), r in zip(self._seen, age, strict=True)]])
-        return nonnegative_lstsq(a, b)
+        w = nonnegative_lstsq(a, b)
+        if not any(f[WARM] for f, _ in self._seen):  # no warm rebuild measured: none dearer than cold
+            w[WARM] = min(w[WARM], w[1])
+        return w
 
     def estimate(
         self, problem: PlanningProblem, current: Plan, target: Plan, lost: frozenset[int] = frozenset(),

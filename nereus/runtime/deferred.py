@@ -1,7 +1,7 @@
 """A replan whose outcome cannot be urgent, run beside the next step instead of on the boundary.
 
 At a boundary where the controller's triggers fire but none is urgent (no GPU lost, the running plan
-not predicted over capacity for the next step — ``Controller.prepare`` priced it at the step's
+not predicted over the GPUs' memory for the next step — ``Controller.prepare`` priced it at the step's
 lengths — no out-of-memory error; the caller has already ruled out a pool change, a drain, a stop
 and a recovery), the leader keeps the plan at once and the controller's decision on that boundary's
 telemetry and clock runs on the leader's helper thread while the next step runs (launched once the
@@ -36,8 +36,8 @@ Beside = Callable[[Callable[[], tuple[Decision, float]]], Future[tuple[Decision,
 
 def deferrable(fired: Sequence[Trigger], step: int, steps: int) -> bool:
     """Whether the replan on ``fired`` at the boundary before ``step`` (of ``steps``) may run
-    beside that step: triggers fired, none of them urgent (a GPU lost, memory predicted over
-    capacity for the next step, an out-of-memory error), and a boundary after ``step`` where the
+    beside that step: triggers fired, none of them urgent (a GPU lost, memory predicted over the
+    GPUs' memory for the next step, an out-of-memory error), and a boundary after ``step`` where the
     decision can still be applied."""
     return bool(fired) and not any(f.urgent for f in fired) and step + 1 < steps
 
