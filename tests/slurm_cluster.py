@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -137,6 +138,41 @@ class SlurmCluster:
                 )
             time.sleep(0.2)
         raise AssertionError(f"job {jobid} still {state} after {timeout}s, waited for {sorted(wanted)}")
+
+    def diagnose(self, jobid: str) -> str:
+        """What the cluster knows of a job, for a failure message: its scontrol record, the nodes'
+        states, and the controller's log lines that name it."""
+        log = self.dir / "log" / "slurmctld.log"
+        lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+        named = [line for line in lines if re.search(rf"\bJobId={jobid}\b|\bjob {jobid}\b", line)]
+        nodes = self.run("sinfo", "-h", "-N", "-o", "%N %t %E", check=False).stdout.strip()
+        return f"job {jobid}: {self.job(jobid)}\nnodes: {nodes!r}\nslurmctld.log:\n" + "\n".join(named[-20:])
+
+    def wait_submitit(self, job: Any, timeout: float) -> Any:
+        """``job.result()`` of a submitit job, bounded and explained.
+
+        Without slurmdbd submitit cannot read a job's state (sacct fails), so its own wait never ends
+        for a job that ended without a result. This one reads the state from scontrol: a job that sat
+        3 s in a final state with no result, or one still not done after ``timeout``, fails the test
+        with :meth:`diagnose`'s account and the job's stderr.
+        """
+        deadline = time.monotonic() + timeout
+        final_since = None
+        while not job.done():
+            state = self.state(job.job_id)
+            if state not in FINAL_STATES or state == "COMPLETED":  # a requeue passes through NODE_FAIL
+                final_since = None
+            elif final_since is None:
+                final_since = time.monotonic()
+            ended = final_since is not None and time.monotonic() - final_since > 3
+            if ended or time.monotonic() > deadline:
+                what = f"ended {state}" if ended else f"still {state} after {timeout}s"
+                raise AssertionError(
+                    f"submitit job {what}, with no result\n"
+                    f"{self.diagnose(job.job_id)}\nstderr: {job.stderr()}"
+                )
+            time.sleep(0.5)
+        return job.result()
 
     def node_state(self, name: str) -> str:
         """sinfo's short state of a node (idle, mix, alloc, down, drain, ...) with its flags: a trailing

@@ -136,7 +136,7 @@ def test_node_down_requeues_a_requeueable_job(slurm_cluster: SlurmCluster, tmp_p
         slurm_cluster.node_resume("n2")
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_submitit_returns_a_result(
     slurm_cluster: SlurmCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -145,7 +145,9 @@ def test_submitit_returns_a_result(
     assert executor.cluster == "slurm"
     executor.update_parameters(timeout_min=2, slurm_partition="debug")
     job = executor.submit(os.getenv, "SLURMD_NODENAME")
-    assert job.result() in slurm_cluster.nodes
+    # A few seconds on an idle host; the bound is wide because `make test` runs this layer beside
+    # two busy pytest processes on two cores.
+    assert slurm_cluster.wait_submitit(job, timeout=120) in slurm_cluster.nodes
     # Without slurmdbd `sacct` fails and submitit cannot tell the state; the result comes back anyway.
     expected = "COMPLETED" if slurm_cluster.accounting else "UNKNOWN"
     deadline = time.monotonic() + 10  # slurmdbd may record the end a moment after the result file
@@ -173,7 +175,7 @@ class ResumableSleeper(submitit.helpers.Checkpointable):
         return submitit.helpers.DelayedSubmission(self, started)
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 def test_submitit_checkpoints_and_resumes_on_usr2(
     slurm_cluster: SlurmCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -189,6 +191,6 @@ def test_submitit_checkpoints_and_resumes_on_usr2(
     t0 = time.monotonic()
     # Signal the job's steps (not --full: the batch shell would die of USR2).
     slurm_cluster.run("scancel", "--signal=USR2", job.job_id)
-    result = job.result()
+    result = slurm_cluster.wait_submitit(job, timeout=60)
     assert result == {"checkpointed": f"checkpoint of job {job.job_id}", "restarts": "1"}
     assert time.monotonic() - t0 < 40  # requeue is held ~cred_expire (10 s)

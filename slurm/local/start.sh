@@ -171,11 +171,13 @@ ReturnToService=1
 # Batch jobs are requeued when their node fails (the launcher's restart path); --no-requeue opts out.
 JobRequeue=1
 
-# Short timers so failure tests are fast: a silent slurmd is declared down after 10 s, RPCs give up
-# after 5 s, KILL follows TERM after 2 s, the controller is not restarted by anyone.
-SlurmdTimeout=10
+# Short timers so failure tests are fast: KILL follows TERM after 2 s, the controller is not
+# restarted by anyone. The tests set nodes down themselves (scontrol), so a silent slurmd need not be
+# noticed quickly: it is declared down after 30 s, and an RPC gives up after Slurm's default 10 s, as
+# make test runs this cluster beside two busy pytest processes on two cores.
+SlurmdTimeout=30
 SlurmctldTimeout=10
-MessageTimeout=5
+MessageTimeout=10
 KillWait=2
 InactiveLimit=0
 Waittime=0
