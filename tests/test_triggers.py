@@ -203,6 +203,24 @@ def test_a_plan_past_its_headroom_within_the_memory_fires_a_replan_that_is_not_u
     assert margin[0].describe() == "memory: next step predicted past the headroom, within capacity"
 
 
+def test_on_a_pool_that_never_changed_the_margins_h_is_the_steps_since_the_first_observed() -> None:
+    """A fixed allocation: the pool has held since the first step observed, so a plan past its
+    headroom there has H = the steps since then (it was 1 however long the pool had held, and a
+    move refused on it never repaid in time); the first pool crossing still has H = 1 (paper)."""
+    mon = TriggerMonitor()
+    plan_gpus = frozenset({0, 1})
+    mon.observe(tel(3), plan_gpus, False)  # the first step observed (a resumed job, say)
+    for i in range(4, 12):
+        assert mon.observe(tel(i), plan_gpus, False) == []
+    margin = mon.observe(tel(12), plan_gpus, False, into_margin=True)
+    assert [t.kind for t in margin] == [TriggerKind.MARGIN]
+    assert margin[0].horizon_steps == 9.0 == mon.horizon_now(POOL, 12)
+    first = mon.observe(tel(13, pool=(0, 1, 2)), plan_gpus, False)  # GPU 3 leaves
+    assert [(t.kind, t.signal, t.horizon_steps) for t in first] == [(TriggerKind.POOL, POOL, 1.0)]
+    assert mon.pool_horizon.steps == 1.0  # no interval between crossings seen yet
+    assert mon.horizon_now(POOL, 15) == 2.0  # stable since the crossing at step 13
+
+
 def test_the_margin_sets_h_only_where_no_signal_fired_with_it() -> None:
     """H is the smallest H_x among the signals that fired; a plan past its headroom is no signal
     that changes, so a pool growth's H (say) is not cut to the margin's."""

@@ -87,7 +87,14 @@ class Horizon:
         self.weight = weight
         self.steps = 1.0
         self._last: int | None = None
+        self._origin: int | None = None  # the first step observed
         self._intervals = 0
+
+    def observed(self, step: int) -> None:
+        """The signal was observed at ``step`` (the first such step is its origin). It does not
+        start the first interval: the first crossing still has H = 1 step (paper §2.8)."""
+        if self._origin is None:
+            self._origin = step
 
     def start(self, step: int) -> None:
         """The signal is known stable from ``step`` (no crossing): the first crossing after it
@@ -97,8 +104,10 @@ class Horizon:
 
     def effective(self, step: int) -> float:
         """H at ``step``: the EMA, but no less than the steps the signal has now been stable
-        (a pool that has not changed for 8 steps is not expected to change in 1)."""
-        since = 0.0 if self._last is None else float(step - self._last)
+        (a pool that has not changed for 8 steps is not expected to change in 1): since its last
+        crossing, or, where it never crossed, since it was first observed (``observed``)."""
+        since_step = self._last if self._last is not None else self._origin
+        since = 0.0 if since_step is None else float(step - since_step)
         return max(self.steps, since)
 
     def crossed(self, step: int) -> None:
@@ -167,6 +176,7 @@ class TriggerMonitor:
         pool = frozenset(t.pool)
         gone = t.lost_of(plan_gpus)  # out of the pool, or revoked during the step and back
         self.loss_horizon.start(t.step)  # no loss seen yet: stable since the first step observed
+        self.pool_horizon.observed(t.step)  # a pool that never changed: stable since then
         if self._pool is not None and (pool != self._pool or t.lost):
             self.pool_horizon.crossed(t.step)
             if self._pool - pool or t.lost:
