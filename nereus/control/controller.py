@@ -62,6 +62,10 @@ from nereus.spec.workload import Role, Stage, WorkloadSpec
 __all__ = ["POLICIES", "Controller", "ControllerConfig", "Planner", "State", "policy_config"]
 
 OOM_MIN_STEP = 1.02  # an out-of-memory error raises the stage's memory correction at least this much
+# The share of the headroom that a plan the job runs past it still keeps free. Held to the memory
+# itself (our first cut), such a plan predicted at 99.6% of an MI250X GCD's memory ran out of it
+# at the next step: measured peaks vary from step to step, and the next lengths are extrapolated.
+TOLERATED_SHARE = 0.5
 
 
 class State(StrEnum):
@@ -127,8 +131,9 @@ class Controller:
         self._ahead: dict[float, MemoryAhead] = {}  # per headroom checked
         # a plan the job runs knowing it is past its headroom, inside the memory (a memory replan
         # kept it, or found nothing else, or a restart took it without the headroom): its check ahead is
-        # against the memory itself, so a deviation already answered does not replan every step
+        # against ``tolerated_headroom``, so a deviation already answered does not replan every step
         self._tolerated: Plan | None = None
+        self._held = 0.0  # the headroom ``_tolerated`` is held to
         # steps on fresh engines: their timings are left out (``warm_up``: the job's first step
         # after a rebuild is slower; the simulator's truth models none, so it keeps them)
         self.warmup = WarmUp(warm_up)
@@ -204,7 +209,8 @@ class Controller:
         plan_gpus = frozenset(g for c in self.plan.candidates for g in c.gpus)
         seq = self._seq(t)
         past = not t.lost_of(plan_gpus) and self._over_capacity_ahead(seq)
-        violation = past and (self.plan_headroom == 0.0 or self._over_capacity_ahead(seq, 0.0))
+        tolerated = self._tolerated is self.plan
+        violation = past and (tolerated or self.plan_headroom == 0.0 or self._over_capacity_ahead(seq, 0.0))
         fired = self.monitor.observe(t, plan_gpus, violation, past and not violation)
         settled = self.pool_age.trigger(t, plan_gpus, self.monitor.horizon_now(GROWTH, t.step))
         fired += [settled] if settled is not None and not fired else []
@@ -246,10 +252,13 @@ class Controller:
         self.deferral.after(decision, self.config.rule)
         self.decisions.append(decision)
         if decision.over_headroom:
-            # nothing else fits: the plan carries on, checked ahead against the memory itself (an
-            # out-of-memory step restarts it); until it changes, replans price it there too and
-            # search the others at the headroom
+            # the plan carries on, checked ahead against ``tolerated_headroom`` (past it, urgent;
+            # an out-of-memory step restarts it); kept again past that (nothing else fits),
+            # against the memory itself. Until it changes, replans price it there too and search
+            # the others at the headroom
+            again = self._tolerated is self.plan and decision.urgent
             self._tolerated = self.plan
+            self._held = 0.0 if again else self.tolerated_headroom
         if decision.verdict is Verdict.ADMIT:
             self.state, self.pending = State.TRANSITIONING, decision
         elif decision.verdict is Verdict.RESTART:
@@ -264,14 +273,22 @@ class Controller:
         that its memory check is a kept answer. Decides nothing; a calibration change in that
         telemetry discards the answer (``_calibrate``), and ``observe`` prices again."""
         seq = self._lengths(seq_len_mean, seq_len_p95, self._grown(seq_len_mean))
-        if self._over_capacity_ahead(seq) and self.plan_headroom > 0.0:
+        if self._over_capacity_ahead(seq) and self.plan_headroom > 0.0 and self._tolerated is not self.plan:
             self._over_capacity_ahead(seq, 0.0)
 
     @property
     def plan_headroom(self) -> float:
-        """The headroom the running plan is held to: the job's, or none for a plan it runs
-        knowing it is past it (``_tolerated``)."""
-        return 0.0 if self._tolerated is self.plan else self.headroom
+        """The headroom the running plan is held to: the job's, or ``tolerated_headroom`` for a
+        plan it runs knowing it is past it (``_tolerated``)."""
+        return self._held if self._tolerated is self.plan else self.headroom
+
+    @property
+    def tolerated_headroom(self) -> float:
+        """What a plan the job runs past its headroom still keeps free (``TOLERATED_SHARE`` of the
+        headroom): its peaks are measured, but they vary from step to step (the allocator, the
+        longest sequences of a batch) and the next step's lengths are extrapolated. Predicted past
+        it, the plan is urgent as one past the memory itself is."""
+        return self.headroom * TOLERATED_SHARE
 
     def _over_capacity_ahead(self, seq: SeqStats, headroom: float | None = None) -> bool:
         """Whether the running plan is predicted over capacity at the next step's lengths ``seq``
@@ -352,6 +369,7 @@ class Controller:
         self.plan = plan
         self.estimator.built(plan)
         self._tolerated = plan if headroom is not None and headroom < self.headroom else None
+        self._held = headroom if headroom is not None else self.headroom
         self.first_layouts = {c.model_stage: c.layout for c in plan.candidates}
         self.state, self.pending = State.STEADY, None
         self.warmup.rebuilt()
@@ -388,7 +406,7 @@ class Controller:
             elif not cost.over_capacity(replace(problem, headroom=0.0)):
                 # past the headroom, within the memory: a plan the job may keep running (its
                 # memory is measured every step) — a move away must pay back; kept, it is held
-                # to the memory itself from then on (``_tolerated``)
+                # to ``tolerated_headroom`` from then on (``_tolerated``)
                 current, margin = cost.step_latency_s, True
         urgent = urgent or current is None
         risk = 0.0 if current is None else self.options.risk(self.plan, current, problem)
@@ -439,7 +457,7 @@ class Controller:
                         base,
                         reason=f"nothing else fits the {len(problem.pool)} GPUs ({reason}; {why}): "
                         "the running plan holds its GPUs and carries on",
-                        over_headroom=current is None,  # priced over the headroom it is held to
+                        over_headroom=current is None or margin,  # over the headroom it is held to
                     )
                 return replace(
                     base,

@@ -122,10 +122,11 @@ class _Run:
                 spaces = [(s, problem.headroom) for s in tried]
                 if self.controller is not None and relax:
                     # before waiting minutes for GPUs: the calibrated model's peaks (corrected by
-                    # what the job measured) within the GPUs' memory less the runtime reserve —
-                    # what running out of memory is — without the headroom kept for a model
-                    # that has not measured anything yet (an OOM raises the floor as any does)
-                    spaces.append((SearchSpace.urgent(), 0.0))
+                    # what the job measured) within the GPUs' memory less the runtime reserve and
+                    # the share of the headroom a plan run past it keeps (``tolerated_headroom``),
+                    # not the whole headroom kept for a model that has not measured anything yet
+                    # (an OOM raises the floor as any does)
+                    spaces.append((SearchSpace.urgent(), self.controller.tolerated_headroom))
                 for space, headroom in spaces:
                     try:
                         kept = replace(problem, space=space.keeping(self.s.space), headroom=headroom)
