@@ -110,7 +110,8 @@ class Decision:
     # revocations per revocable instance-hour the risks were priced at (None: nothing revocable)
     revocation_rate: float | None = None
     # the running plan was priced past its headroom (within the memory, or nothing else fits):
-    # kept, it carries on, its memory checked ahead against the GPUs' memory itself from then on
+    # kept, it carries on, its memory checked ahead against half the headroom from then on
+    # (``Controller.tolerated_headroom``), and against the memory itself once kept again past that
     over_headroom: bool = False
 
     @property
