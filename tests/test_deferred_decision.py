@@ -178,7 +178,8 @@ def test_the_step_beside_a_deferred_move_is_folded_in() -> None:
     assert moved.calibration.efficiency(OpClass.GEMM) < before
     assert moved.calibration.efficiency(OpClass.GEMM) == watched.calibration.efficiency(OpClass.GEMM)
     assert moved.calibration.memory_factor(Stage.TRAIN) == watched.calibration.memory_factor(Stage.TRAIN)
-    assert moved._last_len == watched._last_len == 3072.0 and moved._growth == watched._growth > 1.0
+    assert moved.lengths.last == watched.lengths.last == 3072.0
+    assert moved.lengths.growth == watched.lengths.growth > 1.0
     assert moved.state is State.TRANSITIONING  # nothing else: no triggers, the move still pending
     with pytest.raises(ValueError, match="out-of-memory"):
         moved.fold(replace(meanwhile, oom=True))

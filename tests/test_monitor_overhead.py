@@ -28,6 +28,9 @@ from tests.helpers import benchmark_module, make_problem, random_plan
 
 pytestmark = pytest.mark.pure
 
+# the controller's modules that price the running plan at a boundary
+PRICING = ("nereus.control.ahead", "nereus.control.guard", "nereus.control.memory_fit")
+
 
 class Fresh(Controller):
     """A controller that prices the running plan ahead at every step (no kept answer)."""
@@ -83,10 +86,12 @@ def test_a_kept_memory_check_decides_as_pricing_every_step(
         )  # fmt: skip
         if prepared:
             kept.prepare(t.seq_len_mean, t.seq_len_p95)
-        monkeypatch.setattr("nereus.control.controller.price", counting)
+        for module in PRICING:
+            monkeypatch.setattr(f"{module}.price", counting)
         before = priced["n"]
         got = _follow(kept, t)
-        monkeypatch.setattr("nereus.control.controller.price", real)
+        for module in PRICING:
+            monkeypatch.setattr(f"{module}.price", real)
         assert got == _follow(fresh, t), f"step {step}"
         kinds |= {str(f).split(":")[0] for f in (got or {}).get("triggers", [])}
         if got is None and not peaks and not oom and step and priced["n"] == before:

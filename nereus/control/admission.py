@@ -249,3 +249,34 @@ def admit_staged(
         estimates[index] = staged(problem, estimates[index])
         if estimates[index].feasible:
             return index, reason
+
+
+def decided(
+    base: Decision, options: Sequence[Option], estimates: Sequence[TransitionEstimate],
+    index: int | None, reason: str, expected: float | None,
+) -> Decision:  # fmt: skip
+    """``base`` with admission's answer: the move to ``options[index]`` (its gain, L_tran and
+    payback), or, where none was admitted, kept with the least payback of the faster options
+    that could move (None where none could)."""
+    if index is None:
+        gains = [
+            payback_steps(expected - o.expected_s, e.seconds)
+            for o, e in zip(options, estimates, strict=True)
+            if e.feasible and expected is not None and expected > o.expected_s
+        ]
+        return replace(base, reason=reason, payback_steps=min(gains) if gains else None)
+    chosen, est = options[index], estimates[index]
+    delta = None if expected is None else expected - chosen.expected_s
+    return replace(
+        base,
+        verdict=Verdict.ADMIT,
+        reason=reason,
+        target=chosen.plan,
+        target_label=chosen.label,
+        target_latency_s=chosen.step_latency_s,
+        target_risk_s=chosen.risk_s,
+        delta_s=delta,
+        l_tran_s=est.seconds,
+        payback_steps=payback_steps(delta, est.seconds) if delta is not None else None,
+        transition=est,
+    )

@@ -25,12 +25,14 @@ from nereus.control.admission import (
     Option,
     Verdict,
     admit_staged,
-    payback_steps,
+    decided,
     restart_instead,
 )
-from nereus.control.ahead import MemoryAhead
 from nereus.control.deferral import Deferral
 from nereus.control.fallback import in_place_instead
+from nereus.control.guard import MemoryGuard
+from nereus.control.lengths import LengthForecast
+from nereus.control.memory_fit import fold_peaks, oom_steps
 from nereus.control.options import Options, Planner
 from nereus.control.policy import POLICIES, ControllerConfig, policy_config
 from nereus.control.revocations import RevocationHistory
@@ -49,7 +51,6 @@ from nereus.control.widened import is_widened, led_by_wider
 from nereus.errors import InfeasibleError
 from nereus.plan.cache import PlanCache
 from nereus.plan.calibration import OOM_STEP, CalibrationStore
-from nereus.plan.evaluate import price, shapes_of
 from nereus.plan.layout import Plan
 from nereus.plan.problem import DEFAULT_HEADROOM, PlanningProblem, SearchSpace, SeqStats
 from nereus.plan.search import search
@@ -60,12 +61,6 @@ from nereus.spec.workload import Role, Stage, WorkloadSpec
 
 # the named policies live in policy.py; they are imported from here too
 __all__ = ["POLICIES", "Controller", "ControllerConfig", "Planner", "State", "policy_config"]
-
-OOM_MIN_STEP = 1.02  # an out-of-memory error raises the stage's memory correction at least this much
-# The share of the headroom that a plan the job runs past it still keeps free. Held to the memory
-# itself (our first cut), such a plan predicted at 99.6% of an MI250X GCD's memory ran out of it
-# at the next step: measured peaks vary from step to step, and the next lengths are extrapolated.
-TOLERATED_SHARE = 0.5
 
 
 class State(StrEnum):
@@ -115,7 +110,8 @@ class Controller:
         # a cluster YAML's revocable nodes: the rate and its age factors learned from the pool
         # the job sees (a trace's domains come with their history already)
         self.history = RevocationHistory(self.domains) if domains is None and self.domains else None
-        self.headroom = headroom
+        # the headroom the running plan is held to, and its memory checks ahead (``guard.py``)
+        self.memory = MemoryGuard(headroom)
         self.state = State.STEADY
         self.decisions: list[Decision] = []
         self.pending: Decision | None = None
@@ -123,20 +119,16 @@ class Controller:
             self.config.delta_len, self.config.delta_eff, self.config.ema_weight, pool=plan.pool
         )
         self.first_layouts = {c.model_stage: c.layout for c in plan.candidates}
-        self._growth = 1.0  # EMA of the per-step growth of the mean response length
-        self._last_len: float | None = None
+        self.lengths = LengthForecast(workload.prompt_len, workload.max_response_len)
         self.deferral = Deferral()  # a rejected, profitable-someday target (``nereus.control.deferral``)
-        # the memory checks ahead of the running plan, valid while the calibration they were
-        # priced with holds (``_calibrate`` forgets them)
-        self._ahead: dict[float, MemoryAhead] = {}  # per headroom checked
-        # a plan the job runs knowing it is past its headroom, inside the memory (a memory replan
-        # kept it, or found nothing else, or a restart took it without the headroom): its check ahead is
-        # against ``tolerated_headroom``, so a deviation already answered does not replan every step
-        self._tolerated: Plan | None = None
-        self._held = 0.0  # the headroom ``_tolerated`` is held to
         # steps on fresh engines: their timings are left out (``warm_up``: the job's first step
         # after a rebuild is slower; the simulator's truth models none, so it keeps them)
         self.warmup = WarmUp(warm_up)
+
+    @property
+    def headroom(self) -> float:
+        """The share of each GPU's memory the job's plans keep free for model error."""
+        return self.memory.headroom
 
     # ------------------------------------------------------------------ inputs
     def problem(
@@ -151,34 +143,17 @@ class Controller:
         )  # fmt: skip
 
     def _seq(self, t: Telemetry, ahead: float = 1.0) -> SeqStats:
-        return self._lengths(t.seq_len_mean, t.seq_len_p95, self._growth**ahead)
-
-    def _lengths(self, seq_len_mean: float, seq_len_p95: float, g: float) -> SeqStats:
-        cap = self.workload.max_response_len
-        mean = min(seq_len_mean * g, cap)
-        return SeqStats(self.workload.prompt_len, mean, max(mean, min(seq_len_p95 * g, cap)))
-
-    def _grown(self, seq_len_mean: float) -> float:
-        """The growth EMA once a step with mean response length ``seq_len_mean`` is folded in."""
-        if self._last_len is not None and self._last_len > 0:
-            return 0.5 * self._growth + 0.5 * (seq_len_mean / self._last_len)
-        return self._growth
+        """The lengths ``ahead`` steps after the step ``t`` (``LengthForecast``)."""
+        return self.lengths.ahead(t.seq_len_mean, t.seq_len_p95, ahead)
 
     def _calibrate(self, t: Telemetry) -> None:
         """Fold measured op-class times and memory peaks into calibration (paper §2.5)."""
         if t.measurements or t.peak_memory or t.oom:  # the calibration changes
-            self._ahead = {}
+            self.memory.forget()
         self.calibration.update(t.measurements)
-        if not t.peak_memory:
-            return
-        problem = self.problem(self.plan.pool, self._seq(t, ahead=0.0))
-        predicted = price(problem, shapes_of(self.plan))
-        eff = problem.efficiencies
-        for name, measured in t.peak_memory.items():
-            stage = self.plan.workflow.get(name).stage
-            raw = predicted.active[name] / eff.memory(stage)  # without the current correction
-            if raw > 0 and measured > 0:
-                self.calibration.update_memory(stage, raw, measured)
+        if t.peak_memory:
+            now = self.problem(self.plan.pool, self._seq(t, ahead=0.0))
+            fold_peaks(self.calibration, now, self.plan, t.peak_memory)
 
     # ------------------------------------------------------------------ the state machine
     def observe(self, t: Telemetry, rebuilt: frozenset[str] = frozenset()) -> Decision | None:
@@ -203,13 +178,13 @@ class Controller:
         self._fold(t)
         if t.oom:  # the model under-predicted that stage's memory: correct it before replanning
             stages = {self.plan.workflow.get(t.oom_stage).stage} if t.oom_stage else set(Stage)
-            steps = self._oom_steps(t)
+            steps = oom_steps(self.problem(self.plan.pool, self._seq(t, ahead=0.0)), self.plan)
             for stage in stages:
                 self.calibration.raise_memory_floor(stage, steps.get(stage, OOM_STEP))
         plan_gpus = frozenset(g for c in self.plan.candidates for g in c.gpus)
         seq = self._seq(t)
         past = not t.lost_of(plan_gpus) and self._over_capacity_ahead(seq)
-        tolerated = self._tolerated is self.plan
+        tolerated = self.memory.tolerates(self.plan)
         violation = past and (tolerated or self.plan_headroom == 0.0 or self._over_capacity_ahead(seq, 0.0))
         fired = self.monitor.observe(t, plan_gpus, violation, past and not violation)
         settled = self.pool_age.trigger(t, plan_gpus, self.monitor.horizon_now(GROWTH, t.step))
@@ -236,7 +211,7 @@ class Controller:
     def _fold(self, t: Telemetry) -> None:
         """What every step's telemetry changes: the length growth, calibration and the pool's
         age (the options are priced at it)."""
-        self._growth, self._last_len = self._grown(t.seq_len_mean), t.seq_len_mean
+        self.lengths.observe(t.seq_len_mean)
         if self.history is not None:
             self.history.observe(t)
             self.pool_age.domains = learned = self.history.domains()
@@ -253,12 +228,9 @@ class Controller:
         self.decisions.append(decision)
         if decision.over_headroom:
             # the plan carries on, checked ahead against ``tolerated_headroom`` (past it, urgent;
-            # an out-of-memory step restarts it); kept again past that (nothing else fits),
-            # against the memory itself. Until it changes, replans price it there too and search
-            # the others at the headroom
-            again = self._tolerated is self.plan and decision.urgent
-            self._tolerated = self.plan
-            self._held = 0.0 if again else self.tolerated_headroom
+            # an out-of-memory step restarts it). Until it changes, replans price it there too and
+            # search the others at the headroom
+            self.memory.kept_past(self.plan, decision.urgent)
         if decision.verdict is Verdict.ADMIT:
             self.state, self.pending = State.TRANSITIONING, decision
         elif decision.verdict is Verdict.RESTART:
@@ -272,34 +244,30 @@ class Controller:
         meanwhile): price the running plan ahead at the lengths the next ``observe`` will see, so
         that its memory check is a kept answer. Decides nothing; a calibration change in that
         telemetry discards the answer (``_calibrate``), and ``observe`` prices again."""
-        seq = self._lengths(seq_len_mean, seq_len_p95, self._grown(seq_len_mean))
-        if self._over_capacity_ahead(seq) and self.plan_headroom > 0.0 and self._tolerated is not self.plan:
+        seq = self.lengths.at(seq_len_mean, seq_len_p95, self.lengths.grown(seq_len_mean))
+        tolerated = self.memory.tolerates(self.plan)
+        if self._over_capacity_ahead(seq) and self.plan_headroom > 0.0 and not tolerated:
             self._over_capacity_ahead(seq, 0.0)
 
     @property
     def plan_headroom(self) -> float:
-        """The headroom the running plan is held to: the job's, or ``tolerated_headroom`` for a
-        plan it runs knowing it is past it (``_tolerated``)."""
-        return self._held if self._tolerated is self.plan else self.headroom
+        """The headroom the running plan is held to (``MemoryGuard.held``)."""
+        return self.memory.held(self.plan)
 
     @property
     def tolerated_headroom(self) -> float:
-        """What a plan the job runs past its headroom still keeps free (``TOLERATED_SHARE`` of the
-        headroom): its peaks are measured, but they vary from step to step (the allocator, the
-        longest sequences of a batch) and the next step's lengths are extrapolated. Predicted past
-        it, the plan is urgent as one past the memory itself is."""
-        return self.headroom * TOLERATED_SHARE
+        """What a plan run past the headroom still keeps free (``MemoryGuard.tolerated_headroom``)."""
+        return self.memory.tolerated_headroom
 
     def _over_capacity_ahead(self, seq: SeqStats, headroom: float | None = None) -> bool:
         """Whether the running plan is predicted over capacity at the next step's lengths ``seq``
-        (``nereus.control.ahead``: a quiet step is answered from the checks kept): within
-        ``headroom``; by default the plan's (``plan_headroom``: the job's, or none for a plan the
-        job runs knowing it is past it, ``_tolerated``)."""
+        within ``headroom`` (by default ``plan_headroom``), a quiet step answered from kept checks."""
         held = self.plan_headroom if headroom is None else headroom
-        ahead = self._ahead.get(held)
-        if ahead is None or ahead.plan is not self.plan:
-            ahead = self._ahead[held] = MemoryAhead(self.plan, held)
-        return ahead.over_capacity(seq, lambda s: replace(self.problem(self.plan.pool, s), headroom=held))
+
+        def at(lengths: SeqStats) -> PlanningProblem:
+            return replace(self.problem(self.plan.pool, lengths), headroom=held)
+
+        return self.memory.over_capacity(self.plan, seq, held, at)
 
     def transition_done(self, measured_s: float, moving_s: float | None = None) -> None:
         """The admitted transition finished in ``measured_s`` (``moving_s`` of it moving state,
@@ -368,25 +336,10 @@ class Controller:
             self.monitor.rebase()
         self.plan = plan
         self.estimator.built(plan)
-        self._tolerated = plan if headroom is not None and headroom < self.headroom else None
-        self._held = headroom if headroom is not None else self.headroom
+        self.memory.restarted(plan, headroom)
         self.first_layouts = {c.model_stage: c.layout for c in plan.candidates}
         self.state, self.pending = State.STEADY, None
         self.warmup.rebuilt()
-
-    def _oom_steps(self, t: Telemetry) -> dict[Stage, float]:
-        """Per stage, the smallest correction under which the model would have predicted the
-        running plan's out-of-memory error: its predicted peak raised to the GPU's physical
-        memory less the runtime reserve (the headroom then keeps the next plan clear), at least
-        2% and at most ``OOM_STEP`` — not a fixed escalation that can leave nothing fitting."""
-        problem = self.problem(self.plan.pool, self._seq(t, ahead=0.0))
-        bound = price(problem, shapes_of(self.plan)).bound
-        physical = self.cluster.gpu_memory_bytes - problem.reserved_bytes
-        peaks: dict[Stage, float] = {}
-        for name, b in bound.items():
-            stage = self.plan.workflow.get(name).stage
-            peaks[stage] = max(peaks.get(stage, 0.0), b)
-        return {s: min(OOM_STEP, max(OOM_MIN_STEP, physical / b)) for s, b in peaks.items() if b > 0}
 
     # ------------------------------------------------------------------ replanning
     def replan(self, t: Telemetry, fired: list[Trigger], rebuilt: frozenset[str] = frozenset()) -> Decision:
@@ -398,16 +351,10 @@ class Controller:
         problem = self.problem(t.pool, seq)
         lost = t.lost_of(frozenset(g for c in self.plan.candidates for g in c.gpus))
         oom = any(f.kind is TriggerKind.OOM for f in fired)
-        current, margin = None, False
-        if not lost and not oom:  # a plan that ran out of memory is not one to keep
-            cost = price(problem, shapes_of(self.plan))
-            if not cost.over_capacity(replace(problem, headroom=self.plan_headroom)):
-                current = cost.step_latency_s
-            elif not cost.over_capacity(replace(problem, headroom=0.0)):
-                # past the headroom, within the memory: a plan the job may keep running (its
-                # memory is measured every step) — a move away must pay back; kept, it is held
-                # to ``tolerated_headroom`` from then on (``_tolerated``)
-                current, margin = cost.step_latency_s, True
+        # the running plan's latency where the job may keep it (None: it must move; a plan that
+        # ran out of memory is not one to keep) and whether it is past its headroom (a move away
+        # must pay back)
+        current, margin = (None, False) if lost or oom else self.memory.running(self.plan, problem)
         urgent = urgent or current is None
         risk = 0.0 if current is None else self.options.risk(self.plan, current, problem)
         expected = None if current is None else current + risk  # with the restart it risks
@@ -478,28 +425,7 @@ class Controller:
                     return restart
                 options, estimates, reason = [held[0]], [held[1]], held[2]
                 index = 0
-        if index is None:
-            gains = [
-                payback_steps(expected - o.expected_s, e.seconds)
-                for o, e in zip(options, estimates, strict=True)
-                if e.feasible and expected is not None and expected > o.expected_s
-            ]
-            return replace(base, reason=reason, payback_steps=min(gains) if gains else None)
-        chosen, est = options[index], estimates[index]
-        delta = None if expected is None else expected - chosen.expected_s
-        return replace(
-            base,
-            verdict=Verdict.ADMIT,
-            reason=reason,
-            target=chosen.plan,
-            target_label=chosen.label,
-            target_latency_s=chosen.step_latency_s,
-            target_risk_s=chosen.risk_s,
-            delta_s=delta,
-            l_tran_s=est.seconds,
-            payback_steps=payback_steps(delta, est.seconds) if delta is not None else None,
-            transition=est,
-        )
+        return decided(base, options, estimates, index, reason, expected)
 
     def _held_instead(
         self, problem: PlanningProblem, restart: Decision, expected: float, h: float,

@@ -40,6 +40,7 @@ from nereus.sim.moving import engine_of, true_moving_seconds
 from nereus.sim.observe import (
     holds_step_sync,
     merged,
+    out_of_memory,
     pair,
     quiet_truth,
     steady_step,
@@ -167,50 +168,24 @@ class _Run:
     def step(self, k: int, prev: Telemetry | None) -> tuple[StepRecord, Telemetry]:
         seq = self.s.lengths(k)
         start = self.t
-        stalled_s = startup_s = 0.0
-        if self.controller is None:
-            plan, stalled_s, _ = self.wait_for_plan(seq)  # (no controller yet: the job's headroom)
-            startup_s = 0.0 if self.free else self.seeding.sweep_s
-            self.t += startup_s
-            self.controller = Controller(
-                self.s.workload,
-                self.s.models,
-                self.s.cluster,
-                plan,
-                self.config,
-                self.seeding.store(),
-                space=self.s.space,
-                domains=self.domains,
-                warm_up=False,  # the truth's first step after a rebuild is no slower (``warmup``)
-            )
-            self._started(plan)
+        stalled_s, startup_s = self._boot(seq) if self.controller is None else (0.0, 0.0)
         ctl = self.controller
+        assert ctl is not None
         if not self.pool():  # every GPU is gone: the job stalls until some come back
             stalled_s += self.wait_for_gpus()
         pool = self.pool()  # what the boundary sees; changes after it surface at the next one
         self.holding_from = self.t  # the plan's GPUs hold its state from here (a move's, a step's)
         decision = ctl.observe(replace(prev, pool=pool, time_s=self.t)) if prev is not None else None
+        before = ctl.plan
         moved: list[TransitionRecord] = []
-        tp_pp = False
         if decision is not None:
-            before = ctl.plan
-            match decision.action:
-                case Move() as move:
-                    seconds = 0.0 if self.free else self._transition_truth(decision, move)
-                    self.t += seconds
-                    ctl.moved(move, seconds)
-                    moved.append(TransitionRecord.move(move, seconds, before))
-                    tp_pp = bool(decision.transition and decision.transition.resharded)
-                case Restart(plan=target, reason=reason):
-                    # the running plan crashed (out of memory) or its state died with its GPUs:
-                    # no plan to carry on with
-                    oom = prev is not None and prev.oom
-                    failed = oom or (prev is not None and bool(prev.lost))
-                    pool, restarted, waited = self._restart(target, reason, pool, seq, k - 1, failed, oom)
-                    stalled_s += waited
-                    moved += [restarted] if restarted is not None else []
-                case Keep():
-                    pass
+            pool, moved, waited = self._act(decision, prev, pool, seq, k)
+            stalled_s += waited
+        tp_pp = (
+            decision is not None
+            and isinstance(decision.action, Move)
+            and bool(decision.transition and decision.transition.resharded)
+        )
         dropped = self._flush(self.s.in_flight == "drain") if moved else 0
         plan = ctl.plan
         layouts = {c.model_stage: c.layout for c in plan.candidates}
@@ -227,7 +202,7 @@ class _Run:
         if decision is not None and isinstance(decision.action, Move):
             left = self._quiet_stages(before, self._quiet(before, seq), self._step_sync(before))
             moved_from = steady_step(before, left)
-        oom = self._oom(plan, peaks, {n: r.resident_bytes for n, r in quiet.items()})
+        oom = out_of_memory(self.s.cluster, plan, peaks, {n: r.resident_bytes for n, r in quiet.items()})
         restart_s = 0.0
         if oom and not self.free:  # the step is lost: the job crashes and restarts from its checkpoint
             restart_s = self.restart_cost(plan, seq)
@@ -241,43 +216,60 @@ class _Run:
         if oom or preempted:  # the job crashed: what generation ran ahead is gone
             dropped += self._flush(keep=False)
         record = StepRecord(
-            k,
-            start,
-            len(pool),
-            seq.response_len,
-            seq.response_p95,
-            _describe(plan),
-            step_s,
-            sum(r.seconds for r in moved if r.kind is RecordKind.MOVE),
-            restart_s + sum(r.seconds for r in moved if r.kind is RecordKind.RESTART),
-            stalled_s,
-            oom,
-            tp_pp,
-            decision.to_json() if decision is not None else None,
-            preempted,
-            tuple(moved),
-            pipelined,
-            dropped,
-            predicted.step_latency_s,
-            steady_step(plan, quiet_stage),
-            dict(predicted.latency),
-            quiet_stage,
-            moved_from,
-            startup_s,
-        )
+            k, start, len(pool), seq.response_len, seq.response_p95, _describe(plan), step_s,
+            transition_s=sum(r.seconds for r in moved if r.kind is RecordKind.MOVE),
+            restart_s=restart_s + sum(r.seconds for r in moved if r.kind is RecordKind.RESTART),
+            stalled_s=stalled_s, oom=oom, tp_pp_change=tp_pp,
+            decision=decision.to_json() if decision is not None else None, preempted=preempted,
+            transitions=tuple(moved), pipeline=pipelined, dropped_rollouts=dropped,
+            predicted_s=predicted.step_latency_s, quiet_s=steady_step(plan, quiet_stage),
+            stage_predicted_s=dict(predicted.latency), stage_quiet_s=quiet_stage, moved_from_s=moved_from,
+            startup_s=startup_s,
+        )  # fmt: skip
         telemetry = Telemetry(
-            k,
-            self.t,
-            seq.response_len,
-            seq.response_p95,
-            pool,
-            times,
-            peaks,
-            tuple(measurements),
-            oom,
+            k, self.t, seq.response_len, seq.response_p95, pool, times, peaks, tuple(measurements), oom,
             lost=revoked,
-        )
+        )  # fmt: skip
         return record, telemetry
+
+    def _boot(self, seq: SeqStats) -> tuple[float, float]:
+        """The job's start: its first plan once the pool allows one (the job's headroom) and the
+        controller on it. Returns the seconds stalled for GPUs and spent probing (``seeding``)."""
+        plan, stalled_s, _ = self.wait_for_plan(seq)
+        startup_s = 0.0 if self.free else self.seeding.sweep_s
+        self.t += startup_s
+        self.controller = Controller(
+            self.s.workload, self.s.models, self.s.cluster, plan, self.config, self.seeding.store(),
+            space=self.s.space, domains=self.domains,
+            warm_up=False,  # the truth's first step after a rebuild is no slower (``warmup``)
+        )  # fmt: skip
+        self._started(plan)
+        return stalled_s, startup_s
+
+    def _act(
+        self, decision: Decision, prev: Telemetry | None, pool: tuple[int, ...], seq: SeqStats, k: int
+    ) -> tuple[tuple[int, ...], list[TransitionRecord], float]:
+        """Run the boundary's decision: a move (its true seconds charged) or a restart (the
+        checkpoint reload, and any wait for GPUs). Returns the pool the step runs on, what moved,
+        and the seconds spent waiting for GPUs."""
+        assert self.controller is not None
+        ctl, before = self.controller, self.controller.plan
+        match decision.action:
+            case Move() as move:
+                seconds = 0.0 if self.free else self._transition_truth(decision, move)
+                self.t += seconds
+                ctl.moved(move, seconds)
+                return pool, [TransitionRecord.move(move, seconds, before)], 0.0
+            case Restart(plan=target, reason=reason):
+                # the running plan crashed (out of memory) or its state died with its GPUs: no
+                # plan to carry on with
+                oom = prev is not None and prev.oom
+                failed = oom or (prev is not None and bool(prev.lost))
+                pool, restarted, waited = self._restart(target, reason, pool, seq, k - 1, failed, oom)
+                return pool, [restarted] if restarted is not None else [], waited
+            case Keep():
+                return pool, [], 0.0
+        raise AssertionError(f"unknown action {decision.action!r}")
 
     def _step_sync(self, plan: Plan) -> dict[str, float]:
         return step_sync(self.s.models, self.s.cluster, plan)
@@ -392,21 +384,6 @@ class _Run:
             self.hw.compiled.mark(engine_of(target, c.model_stage, self.s.models))
         ctl.restarted(target, headroom)
         return pool, record, waited
-
-    def _oom(self, plan: Plan, peaks: Mapping[str, float], resident: Mapping[str, float]) -> bool:
-        capacity = self.s.cluster.gpu_memory_bytes
-        reserve = self.s.cluster.runtime_reserved_gib * 2**30
-        stage_of = {c.model_stage: plan.stage_of(c) for c in plan.candidates}
-        on_gpu: dict[int, list[str]] = {}
-        for c in plan.candidates:
-            for g in c.gpus:
-                on_gpu.setdefault(g, []).append(c.model_stage)
-        for c in plan.candidates:
-            for g in c.gpus:
-                idle = sum(resident[o] for o in on_gpu[g] if stage_of[o] is not stage_of[c.model_stage])
-                if peaks[c.model_stage] + idle + reserve > capacity:
-                    return True
-        return False
 
 
 STATIC_BEST = "static-best"

@@ -162,3 +162,24 @@ def merged(a: Mapping[str, float], b: Mapping[str, float]) -> dict[str, float]:
     for op, t in b.items():
         out[op] = out.get(op, 0.0) + t
     return out
+
+
+def out_of_memory(
+    cluster: ClusterSpec, plan: Plan, peaks: Mapping[str, float], resident: Mapping[str, float]
+) -> bool:
+    """Whether any GPU of ``plan`` runs out of memory: a model-stage's true peak there plus the
+    idle-resident bytes of the co-located model-stages of other stages, plus the runtime's
+    reserve, over the GPU's memory."""
+    capacity = cluster.gpu_memory_bytes
+    reserve = cluster.runtime_reserved_gib * 2**30
+    stage_of = {c.model_stage: plan.stage_of(c) for c in plan.candidates}
+    on_gpu: dict[int, list[str]] = {}
+    for c in plan.candidates:
+        for g in c.gpus:
+            on_gpu.setdefault(g, []).append(c.model_stage)
+    for c in plan.candidates:
+        for g in c.gpus:
+            idle = sum(resident[o] for o in on_gpu[g] if stage_of[o] is not stage_of[c.model_stage])
+            if peaks[c.model_stage] + idle + reserve > capacity:
+                return True
+    return False
