@@ -284,3 +284,30 @@ def test_admission_windows_quick_against_itself(tmp_path: Path) -> None:
     assert entry["mean_step_s"] == entry["base_mean_step_s"] > 0
     assert results["windows"] == results["base_windows"]
     assert (out / "admission-windows.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(300)
+def test_admission_windows_quick_held_out_versus_another_policy(tmp_path: Path) -> None:
+    """``--held-out --versus``: windows admission.py never runs, the policy against another on the
+    same windows; a bad policy name exits 2 naming the flag and writes nothing."""
+    out = tmp_path / "windows"
+    out.mkdir()
+    script = [sys.executable, str(BENCH / "admission_windows.py"), "--quick", "--out", str(out)]
+    bad = subprocess.run(
+        [*script, "--versus", "nosuch"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert bad.returncode == 2 and "--versus" in bad.stderr and not list(out.iterdir())
+    cmd = [*script, "--held-out", "--versus", "static", "--name", "held-out"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads((out / "held-out.json").read_text())
+    results = doc["results"]
+    assert isinstance(results, dict)
+    rows = results["windows"]
+    pairs = {(p, o) for p in ("nereus", "static") for o in (100, 300)}
+    assert {(r["policy"], r["offset"]) for r in rows} == pairs
+    ((name, entry),) = results["versus"]["static"].items()
+    assert name == "a100-8-32" and entry["windows"] == 2 and 0 <= entry["faster_windows"] <= 2
+    static = [r["mean_step_s"] for r in rows if r["policy"] == "static"]
+    assert entry["base_mean_step_s"] == pytest.approx(sum(static) / 2)
+    assert "vs static" in proc.stdout and (out / "held-out.png").stat().st_size > 0
