@@ -119,7 +119,11 @@ def compare(rows: list[dict[str, Any]], base: list[dict[str, Any]] | None) -> di
     return out
 
 
-def plot(summary: dict[str, Any], path: Path, sha: str, base: str | None) -> None:
+def plot(
+    summary: dict[str, Any], path: Path, sha: str, base: str | None, versus: dict[str, Any], policy: str
+) -> None:
+    """The ratio against ``base`` per scenario; else the ratio against each ``versus`` policy
+    (grouped per scenario); else the mean step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -127,7 +131,18 @@ def plot(summary: dict[str, Any], path: Path, sha: str, base: str | None) -> Non
 
     names = list(summary)
     fig, ax = plt.subplots(figsize=(7, 3.4))
-    if base is not None:
+    if base is None and versus:
+        width = 0.8 / len(versus)
+        for i, (other, per) in enumerate(versus.items()):
+            xs = [j + (i - (len(versus) - 1) / 2) * width for j in range(len(names))]
+            ratios = [100 * per[n]["ratio"] for n in names]
+            ses = [100 * per[n]["ratio_se"] for n in names]
+            ax.bar(xs, ratios, width, yerr=ses, capsize=3, label=f"vs {other}")
+        ax.set_xticks(range(len(names)), names)
+        ax.axhline(0, color="k", lw=0.8)
+        ax.set_ylabel(f"{policy} mean step vs policy (%)")
+        ax.legend(fontsize=7)
+    elif base is not None:
         ratios = [100 * summary[n]["ratio"] for n in names]
         ses = [100 * summary[n]["ratio_se"] for n in names]
         ax.bar(names, ratios, yerr=ses, capsize=4, color="tab:blue")
@@ -208,7 +223,8 @@ def main() -> None:
     results = {"summary": summary, "versus": against, "windows": every, "base_windows": base}
     meta = {"policy": args.policy, "against": base_sha, "held_out": args.held_out, "versus_policies": versus}
     path = write(args.name, targets, results, meta, out=args.out)
-    plot(summary, path.with_suffix(".png"), json.loads(path.read_text())["git_sha"], base_sha)
+    sha = json.loads(path.read_text())["git_sha"]
+    plot(summary, path.with_suffix(".png"), sha, base_sha, against, args.policy)
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
