@@ -410,6 +410,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps({**fits, "error": line}))
         print(f"nereus {args.command}: error: {line}", file=sys.stderr)
         return exc.exit_code
+    except KeyboardInterrupt:  # Ctrl-C in a long search or simulation (each file is written whole or not)
+        if getattr(args, "json", False):
+            print(json.dumps({"error": "stopped by SIGINT"}))
+        print(f"nereus {args.command}: stopped by SIGINT", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # the reader left (nereus plan --json | head): stop quietly, as cat does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141

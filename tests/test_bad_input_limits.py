@@ -208,6 +208,26 @@ def test_a_curve_above_the_workloads_response_limit_is_cut_there_and_says_so(
     assert {(s["seq_len_mean"], s["seq_len_p95"]) for s in steps} == {(8192, 8192)}
 
 
+def test_the_default_curve_is_cut_at_the_response_limit_without_a_warning(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A workload whose max_response_len is 256: the default growth curve (from 500 tokens) is cut
+    there in silence; the same curve named by the user is cut with the warning."""
+    body = (config_root() / "workloads" / "ppo.yaml").read_text()
+    write("short.yaml", body.replace("max_response_len: 8192", "max_response_len: 256"))
+    argv = [*SIM, "--out", "sim"]
+    argv[argv.index("ppo")] = "short.yaml"
+    code, _, err = cli(argv, capsys)
+    assert (code, err) == (0, "")
+    steps = [json.loads(line) for line in Path("sim/steps-static.jsonl").read_text().splitlines()]
+    assert {s["seq_len_p95"] for s in steps} == {256}
+    code, _, err = cli([*argv, "--seq-curve", "growth"], capsys)
+    assert code == 0 and err == (
+        "nereus simulate: warning: --seq-curve reaches a p95 of 577 tokens, above short's "
+        "max_response_len 256: responses are cut at 256\n"
+    )
+
+
 def test_a_trace_folder_and_an_empty_model_name(capsys: pytest.CaptureFixture[str]) -> None:
     write("tr/x.json", "{}")
     line = refused(["simulate", "--trace", "tr", *SIM[3:]], capsys)

@@ -88,6 +88,20 @@ def test_a_full_disk_on_stdout_is_one_line_and_exit_1() -> None:
         ]
 
 
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_ctrl_c_is_one_line_and_exit_130(
+    json_flag: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(*_: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("nereus.cli._dispatch", interrupted)
+    assert main([*PLAN, "--model", "llama-3.1-8b", "--cluster", "h200-ib", *json_flag]) == 130
+    got = capsys.readouterr()
+    assert got.err.splitlines() == ["nereus plan: stopped by SIGINT"]
+    assert got.out == ('{"error": "stopped by SIGINT"}\n' if json_flag else "")
+
+
 def test_a_reader_that_leaves_a_table_early_is_exit_141() -> None:
     args = ["plan", "--model", "llama-125m", "--algo", "grpo", "--cluster", "h200-ib", "--gpus", "6",
             "--seq-len", "1024", "--exhaustive", "--all"]  # fmt: skip

@@ -201,6 +201,24 @@ def test_harmless_unused_tensors() -> None:
     assert not hf.unused_is_harmless("model.layers.0.self_attn.q_proj.weight_scale_inv")
 
 
+def test_a_tied_models_own_lm_head_is_found_when_it_is_not_the_embedding(tmp_path: Path) -> None:
+    """config.json ties the head, the checkpoint holds one of its own: a copy of the embedding is
+    harmless, a head trained apart (one row differs) is what preflight warns about."""
+    small = {**TINYLLAMA, "vocab_size": 64, "hidden_size": 8}
+    small.update(num_attention_heads=2, num_key_value_heads=1)
+    tied = _read(tmp_path, {**small, "tie_word_embeddings": True})
+    embed = torch.randn(64, 8)
+    apart = embed.clone()
+    apart[63] += 0.5  # the last row only: the rows compared reach both ends of the vocabulary
+    for head, untied in ((None, False), (embed.clone(), False), (apart, True)):
+        tensors = {"model.embed_tokens.weight": embed}
+        if head is not None:
+            tensors["lm_head.weight"] = head
+        save_file(tensors, str(tmp_path / "m" / hf.SINGLE))
+        assert hf.untied_head(hf.SafetensorsReader(tmp_path / "m"), tied) is untied
+    assert not hf.untied_head(hf.SafetensorsReader(tmp_path / "m"), _read(tmp_path, small))
+
+
 @pytest.mark.parametrize(
     ("key", "value"), [("rope_theta", 1e-300), ("rope_theta", 0.5), ("rms_norm_eps", 1e-300)]
 )

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from nereus.errors import ConfigError
 from nereus.spec.files import parse_json
 from nereus.spec.model import Head, ModelFamily, ModelSpec
+from nereus.state.geometry import EMBEDDING
 
 ARCHITECTURE = {
     ModelFamily.LLAMA: "Llama",
@@ -142,6 +143,15 @@ class SafetensorsReader:
         if shape is not None and found != shape:
             raise ConfigError(f"{path}: tensor '{name}' has shape {found}, the model needs {shape}")
 
+    def rows(self, name: str, picks: Sequence[int]) -> torch.Tensor:
+        """Rows ``picks`` of a 2-D tensor, read from its file without the rest of it."""
+        path = self.files[name]
+        try:
+            view = self._file(path).get_slice(name)
+            return torch.cat([view[i : i + 1] for i in picks])
+        except Exception as exc:  # safetensors raises its own error types for corrupt files
+            raise ConfigError(f"{path}: cannot read tensor '{name}' ({exc})") from None
+
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         if name not in self.files:
             raise ConfigError(f"{self.directory}: tensor '{name}' is missing from the checkpoint")
@@ -161,6 +171,18 @@ def unused_is_harmless(name: str) -> bool:
     from a causal LM; a tied model's copy), a value head (an actor from a reward model), RoPE's
     inverse frequencies (older transformers saved them)."""
     return name in ("lm_head.weight", "score.weight") or name.endswith("rotary_emb.inv_freq")
+
+
+def untied_head(reader: SafetensorsReader, model: ModelSpec, samples: int = 16) -> bool:
+    """Whether a tied model's checkpoint holds an LM head of its own that is not the embedding
+    (compared on ``samples`` rows spread over the vocabulary): transformers and vLLM drop it and use
+    the embedding, as the engines do, so a head trained apart would not be the one that runs."""
+    names = reader.names()
+    if not model.tie_word_embeddings or "lm_head.weight" not in names or EMBEDDING not in names:
+        return False
+    vocab = model.vocab_size
+    picks = sorted({round(k * (vocab - 1) / max(samples - 1, 1)) for k in range(samples)})
+    return not torch.equal(reader.rows("lm_head.weight", picks), reader.rows(EMBEDDING, picks))
 
 
 def check_compatible(model: ModelSpec, found: ModelSpec, directory: Path) -> None:

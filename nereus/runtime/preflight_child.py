@@ -148,6 +148,13 @@ def torch_checks(spec: Any) -> list[str]:
                 f"{label}: {path} holds {unused[0]}{more}, which {wanted.name} does not have "
                 "(another architecture: its config.json does not describe these weights)"
             )
+        if head is Head.LM and hf.untied_head(reader, wanted):
+            warnings.append(
+                f"{label}: {path}: config.json ties the LM head to the embeddings (tie_word_embeddings: "
+                "true) but the checkpoint's lm_head.weight differs from them; the run uses the "
+                "embeddings as the head, as transformers and vLLM do (set tie_word_embeddings: false "
+                "in config.json to train the checkpoint's own head)"
+            )
     return warnings + _random_reference(spec, workload, runs) + _short_responses(spec, workload)
 
 

@@ -79,8 +79,9 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--seq-curve",
-        default="growth",
-        help="CSV step,mean_len,p95_len; 'growth' (500→8000 tokens over 1000 steps) or growth:A:B:N",
+        default=None,
+        help="CSV step,mean_len,p95_len; 'growth' (500→8000 tokens over 1000 steps, the default: "
+        "cut at the workload's max_response_len) or growth:A:B:N",
     )
     p.add_argument("--model", required=True)
     p.add_argument("--algo", required=True)
@@ -231,12 +232,13 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         raise ConfigError(
             f"--speedup must be in [{MIN_SPEEDUP:g}, {MAX_SPEEDUP:g}] and --noise in [0, {MAX_NOISE:g}]"
         )
-    curve = _curve(args.seq_curve)
+    curve = _curve(args.seq_curve or "growth")
     points = {0, args.steps - 1} | {k for k in curve.steps if k < args.steps}
     models = load_role_models(workload, model)  # the workload's ``models:``, as ``nereus plan`` reads them
     asked = max(curve.at(k)[1] for k in points)
     cap = workload.max_response_len
-    if asked > cap:  # the run cuts responses there, as the engine's max_tokens would (Scenario.lengths)
+    if asked > cap and args.seq_curve is not None:  # the run cuts responses there, as the engine's
+        # max_tokens would (Scenario.lengths); the default curve is cut without a word
         print(
             f"nereus simulate: warning: --seq-curve reaches a p95 of {asked:.0f} tokens, above "
             f"{workload.name}'s max_response_len {cap}: responses are cut at {cap}",
