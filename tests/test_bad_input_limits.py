@@ -226,6 +226,8 @@ def test_the_default_curve_is_cut_at_the_response_limit_without_a_warning(
         "nereus simulate: warning: --seq-curve reaches a p95 of 577 tokens, above short's "
         "max_response_len 256: responses are cut at 256\n"
     )
+    line = refused([*argv, "--seq-curve", ""], capsys)  # not the default's None
+    assert line.startswith(f"{E_SIM}--seq-curve '': expected growth, growth:START:END:STEPS or a CSV")
 
 
 def test_a_trace_folder_and_an_empty_model_name(capsys: pytest.CaptureFixture[str]) -> None:

@@ -232,7 +232,7 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         raise ConfigError(
             f"--speedup must be in [{MIN_SPEEDUP:g}, {MAX_SPEEDUP:g}] and --noise in [0, {MAX_NOISE:g}]"
         )
-    curve = _curve(args.seq_curve or "growth")
+    curve = _curve("growth" if args.seq_curve is None else args.seq_curve)
     points = {0, args.steps - 1} | {k for k in curve.steps if k < args.steps}
     models = load_role_models(workload, model)  # the workload's ``models:``, as ``nereus plan`` reads them
     asked = max(curve.at(k)[1] for k in points)
