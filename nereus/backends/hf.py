@@ -143,8 +143,16 @@ class SafetensorsReader:
         if shape is not None and found != shape:
             raise ConfigError(f"{path}: tensor '{name}' has shape {found}, the model needs {shape}")
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """``name``'s shape from its file's header."""
+        path = self.files[name]
+        try:
+            return tuple(int(d) for d in self._file(path).get_slice(name).get_shape())
+        except Exception as exc:  # safetensors raises its own error types for corrupt files
+            raise ConfigError(f"{path}: cannot read tensor '{name}' ({exc})") from None
+
     def rows(self, name: str, picks: Sequence[int]) -> torch.Tensor:
-        """Rows ``picks`` of a 2-D tensor, read from its file without the rest of it."""
+        """Rows ``picks`` of a tensor, read from its file without the rest of it."""
         path = self.files[name]
         try:
             view = self._file(path).get_slice(name)
@@ -180,8 +188,10 @@ def untied_head(reader: SafetensorsReader, model: ModelSpec, samples: int = 16) 
     names = reader.names()
     if not model.tie_word_embeddings or "lm_head.weight" not in names or EMBEDDING not in names:
         return False
-    vocab = model.vocab_size
-    picks = sorted({round(k * (vocab - 1) / max(samples - 1, 1)) for k in range(samples)})
+    shape = reader.shape(EMBEDDING)
+    if reader.shape("lm_head.weight") != shape or not shape:
+        return True  # not a copy of the embedding, whatever it holds
+    picks = sorted({round(k * (shape[0] - 1) / max(samples - 1, 1)) for k in range(samples)})
     return not torch.equal(reader.rows("lm_head.weight", picks), reader.rows(EMBEDDING, picks))
 
 
