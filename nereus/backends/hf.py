@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -24,6 +24,8 @@ from nereus.errors import ConfigError
 from nereus.spec.files import parse_json
 from nereus.spec.model import Head, ModelFamily, ModelSpec
 from nereus.state.geometry import EMBEDDING
+
+T = TypeVar("T")
 
 ARCHITECTURE = {
     ModelFamily.LLAMA: "Llama",
@@ -126,15 +128,19 @@ class SafetensorsReader:
             self._open[path] = safe_open(str(path), "pt")
         return self._open[path]
 
+    def _read(self, name: str, what: Callable[[Any], T]) -> T:
+        """``what`` of ``name``'s slice view (its header, or rows without the rest of the data)."""
+        path = self.files[name]
+        try:
+            return what(self._file(path).get_slice(name))
+        except Exception as exc:  # safetensors raises its own error types for corrupt files
+            raise ConfigError(f"{path}: cannot read tensor '{name}' ({exc})") from None
+
     def check_header(self, name: str, shape: tuple[int, ...] | None = None) -> None:
         """``name``'s dtype and (given) shape from its file's header alone, no tensor data read:
         what preflight checks before any worker starts, and ``get`` before it reads."""
         path = self.files[name]
-        try:
-            view = self._file(path).get_slice(name)
-            dtype, found = str(view.get_dtype()), tuple(int(d) for d in view.get_shape())
-        except Exception as exc:  # safetensors raises its own error types for corrupt files
-            raise ConfigError(f"{path}: cannot read tensor '{name}' ({exc})") from None
+        dtype, found = self._read(name, lambda v: (str(v.get_dtype()), tuple(int(d) for d in v.get_shape())))
         if dtype not in HEADER_FLOATS:
             raise ConfigError(
                 f"{path}: tensor '{name}' is {dtype}; expected bf16, fp16 or fp32 weights (a quantized "
@@ -145,20 +151,11 @@ class SafetensorsReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """``name``'s shape from its file's header."""
-        path = self.files[name]
-        try:
-            return tuple(int(d) for d in self._file(path).get_slice(name).get_shape())
-        except Exception as exc:  # safetensors raises its own error types for corrupt files
-            raise ConfigError(f"{path}: cannot read tensor '{name}' ({exc})") from None
+        return self._read(name, lambda v: tuple(int(d) for d in v.get_shape()))
 
     def rows(self, name: str, picks: Sequence[int]) -> torch.Tensor:
         """Rows ``picks`` of a tensor, read from its file without the rest of it."""
-        path = self.files[name]
-        try:
-            view = self._file(path).get_slice(name)
-            return torch.cat([view[i : i + 1] for i in picks])
-        except Exception as exc:  # safetensors raises its own error types for corrupt files
-            raise ConfigError(f"{path}: cannot read tensor '{name}' ({exc})") from None
+        return self._read(name, lambda v: torch.cat([v[i : i + 1] for i in picks]))
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         if name not in self.files:
